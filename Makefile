@@ -1,0 +1,38 @@
+# mrl — the two commands a user needs are `make train` and `make test`; each sets up .venv on its own.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+CONFIG ?= mrl_configs/quickstart.yaml
+ARGS   ?=
+# CPU hosts pin the CPU wheel that lies on disk; the docker image brings its own CUDA torch (TORCH_SPEC=).
+TORCH_SPEC ?= torch==2.13.0
+IMAGE  ?= mrl:latest
+
+.PHONY: install train test plan lint docker clean-venv
+
+$(VENV)/.installed: setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $@
+
+install: $(VENV)/.installed
+
+train: $(VENV)/.installed
+	$(VENV)/bin/mrl train $(CONFIG) $(ARGS)
+
+plan: $(VENV)/.installed
+	$(VENV)/bin/mrl plan $(CONFIG) $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check mrl checkpoints_tools tests benchmarks
+
+docker:
+	docker build -f docker/Dockerfile -t $(IMAGE) .
+
+clean-venv:
+	rm -rf $(VENV)

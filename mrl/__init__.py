@@ -1,0 +1,2 @@
+"""mrl: Megatron-Core based RL trainer for LLMs."""
+__version__ = "0.1.0"

@@ -1,0 +1,38 @@
+"""mrl: a Megatron-Core based RL trainer for LLMs (GRPO/PPO family)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="mrl",
+    version="0.1.0",
+    description="Megatron-Core based reinforcement-learning trainer for LLMs (GRPO, PPO, RLOO, REINFORCE++)",
+    python_requires=">=3.11",
+    packages=find_packages(include=["mrl", "mrl.*", "checkpoints_tools", "checkpoints_tools.*"]),
+    install_requires=[
+        # torch is pinned by the Makefile (CPU wheel on CPU hosts) or the docker base image (CUDA);
+        # the range here only says which releases mrl supports.
+        "torch>=2.6",
+        "megatron-core>=0.16.1",
+        "ray>=2.40",
+        "pydantic>=2",
+        "pyyaml>=6",
+        "mlflow>=2.18",
+        "transformers>=4.50",
+        "safetensors>=0.4",
+        "pyarrow>=15",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "httpx>=0.27",
+        "tqdm>=4.66",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "sglang"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5"],
+    },
+    entry_points={
+        "console_scripts": [
+            "mrl=mrl.cli:main",
+            "mrl-ckpt=checkpoints_tools.cli:main",
+        ]
+    },
+)

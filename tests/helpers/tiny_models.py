@@ -1,0 +1,84 @@
+"""Tiny Hugging Face checkpoints built from configs (no downloads), shared by the tests.
+
+``make_tiny_hf(path, family)`` writes config.json, model.safetensors and a tokenizer into
+``path`` and returns it. Families: llama (GQA, untied), qwen2 (qkv bias, tied embeddings,
+vocab not a multiple of 4*TP), qwen3 (q/k norm), mistral. Weights are random with a fixed seed
+and scaled so that logits are O(1) (useful for parity tests in fp32).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
+
+VOCAB = 300  # not a multiple of 128 nor of 8 (=4*TP2): exercises vocab padding
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def hf_config(family: str, **overrides):
+    import transformers as tf
+
+    kw = dict(_COMMON)
+    if family == "llama":
+        cls = tf.LlamaConfig
+        kw.update(tie_word_embeddings=False)
+    elif family == "qwen2":
+        cls = tf.Qwen2Config
+        kw.update(tie_word_embeddings=True)
+    elif family == "qwen3":
+        cls = tf.Qwen3Config
+        kw.update(tie_word_embeddings=False, head_dim=16)
+    elif family == "mistral":
+        cls = tf.MistralConfig
+        kw.update(tie_word_embeddings=False, sliding_window=None)
+    else:
+        raise ValueError(f"unknown tiny family {family!r}")
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def build_tiny_model(family: str, seed: int = 0, **overrides):
+    import transformers as tf
+
+    cfg = hf_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                # Norm weights around 1, biases small and non-zero so bias mapping is tested.
+                if "norm" in name:
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                else:
+                    p.copy_(0.05 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    model.eval()
+    return model
+
+
+def make_tiny_hf(path: str | os.PathLike, family: str = "qwen2", seed: int = 0, **overrides) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model(family, seed=seed, **overrides)
+    model.save_pretrained(path, safe_serialization=True)
+    save_tiny_tokenizer(path)
+    return path
