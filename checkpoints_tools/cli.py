@@ -1,0 +1,255 @@
+"""``mrl-ckpt``: convert between Hugging Face and Megatron dist checkpoints, reshard, inspect.
+
+    mrl-ckpt hf-to-mcore --hf DIR --out DIR --tp N --pp M [--vpp K] [--dtype bf16]
+    mrl-ckpt mcore-to-hf --mcore DIR --out DIR [--hf-template DIR] [--tp N --pp M] [--dtype bf16]
+    mrl-ckpt reshard --in DIR --out DIR --tp N --pp M [--vpp K]
+    mrl-ckpt inspect DIR [--no-checksums]
+
+``--ckpt`` is accepted for ``--mcore`` / ``--in``. The command starts tp×pp ranks itself (gloo on
+CPU, NCCL when enough GPUs are visible; ``--device`` overrides), writes into a hidden temp
+directory next to ``--out`` and renames it at the end, so a failed run leaves no half checkpoint.
+A non-empty ``--out`` is refused unless ``--force``. Exit status: 0 ok, 1 conversion error,
+2 usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from checkpoints_tools.convert import DTYPES
+
+
+class UsageError(Exception):
+    """Bad command-line input (exit status 2)."""
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, type=Path, help="output directory (must be empty or absent)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: NCCL on GPUs when tp*pp are visible, else gloo on CPU")
+    p.add_argument("--timeout", type=int, default=3600, help="seconds before all ranks are stopped")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mrl-ckpt", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--debug", action="store_true", help="print full rank tracebacks on error")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron dist checkpoint")
+    p.add_argument("--hf", required=True, type=Path, help="HF checkpoint dir (config.json + *.safetensors)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="parameter dtype (default: config.json torch_dtype, else fp32)")
+    _common(p)
+
+    p = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors")
+    p.add_argument("--mcore", "--ckpt", dest="ckpt", required=True, type=Path)
+    p.add_argument("--hf-template", type=Path, default=None,
+                   help="take config.json/tokenizer files from here instead of the checkpoint")
+    p.add_argument("--tp", type=int, default=1, help="ranks used for loading (any layout works)")
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="output dtype (default: as saved)")
+    _common(p)
+
+    p = sub.add_parser("reshard", help="Megatron dist checkpoint -> same at another TP/PP/VPP")
+    p.add_argument("--in", "--ckpt", dest="ckpt", required=True, type=Path)
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--vpp", type=int, default=None)
+    _common(p)
+
+    p = sub.add_parser("inspect", help="layout, dtype, parameter count, per-tensor checksums")
+    p.add_argument("ckpt", type=Path)
+    p.add_argument("--no-checksums", action="store_true", help="skip reading tensor data")
+    return parser
+
+
+def _prepare_out(out: Path, force: bool, inputs: list[Path]) -> Path:
+    """Check ``out`` and return a fresh temp dir beside it (renamed onto ``out`` at the end)."""
+    out = out.resolve()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory")
+    for inp in inputs:
+        inp = inp.resolve()
+        if out == inp or inp in out.parents or out in inp.parents:
+            raise UsageError(f"--out {out} overlaps the input {inp}; choose a separate directory")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise UsageError(f"--out {out} is not empty; choose an empty directory or pass --force to replace it")
+    tmp = out.parent / f".{out.name}.mrl-ckpt-tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _finish(tmp: Path, out: Path) -> None:
+    out = out.resolve()
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def _check_sizes(args: argparse.Namespace) -> int:
+    for name in ("tp", "pp"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if getattr(args, "vpp", None) is not None and (args.vpp < 1 or (args.pp == 1 and args.vpp > 1)):
+        raise UsageError(f"--vpp {args.vpp} needs --pp > 1; leave --vpp out for no interleaving")
+    return args.tp * args.pp
+
+
+def _config_dtype(hf_dir: Path) -> str:
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, "fp32")
+
+
+def _hf_to_mcore(args: argparse.Namespace) -> None:
+    from checkpoints_tools.convert import hf_param_count, hf_to_mcore_rank
+    from checkpoints_tools.launch import pick_device, run_local_ranks
+    from mrl.megatron.checkpoint import verify_checkpoint
+    from mrl.megatron.hf_io import copy_hf_side_files
+    from mrl.megatron.provider import load_hf_config, model_family
+
+    world = _check_sizes(args)
+    if not (args.hf / "config.json").is_file():
+        raise UsageError(f"--hf {args.hf} has no config.json; point it at a Hugging Face checkpoint directory")
+    try:
+        model_family(load_hf_config(args.hf))  # unsupported architectures fail before any rank starts
+    except ValueError as e:
+        raise UsageError(f"--hf {args.hf}: {e}") from e
+    n_in = hf_param_count(args.hf)
+    dtype = args.dtype or _config_dtype(args.hf)
+    device = pick_device(args.device, world)
+    tmp = _prepare_out(args.out, args.force, [args.hf])
+    try:
+        print(f"hf-to-mcore: {args.hf} -> {args.out} (tp={args.tp} pp={args.pp} vpp={args.vpp}, "
+              f"{dtype}, {world} {device} ranks)", flush=True)
+        run_local_ranks(hf_to_mcore_rank, world, (str(args.hf), str(tmp), args.tp, args.pp, args.vpp,
+                        dtype, device, args.timeout), device=device, timeout_s=args.timeout)
+        copy_hf_side_files(args.hf, tmp)
+        n_out = _mcore_param_count(verify_checkpoint(tmp))
+        _finish(tmp, args.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"parameters in (HF): {n_in:,}; out (Megatron, vocab padded for tp={args.tp}): {n_out:,}")
+
+
+def _mcore_param_count(info: dict) -> int:
+    from checkpoints_tools.inspect_ckpt import _numel
+
+    return sum(_numel(s) for k, s in info["tensors"].items() if not k.startswith("optimizer"))
+
+
+def _stage_side_files(ckpt: Path, template: Path | None, meta: dict, dest: Path) -> None:
+    """config.json + tokenizer into ``dest``: from the template, the checkpoint, or its metadata."""
+    from mrl.megatron.hf_io import copy_hf_side_files
+
+    src = template or ckpt
+    if template is not None and not (template / "config.json").is_file():
+        raise UsageError(f"--hf-template {template} has no config.json")
+    copy_hf_side_files(src, dest)
+    if not (dest / "config.json").is_file():
+        if not meta.get("hf_config"):
+            raise UsageError(f"{ckpt} records no HF config; pass --hf-template DIR holding config.json")
+        (dest / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
+
+
+def _mcore_to_hf(args: argparse.Namespace) -> None:
+    from checkpoints_tools.convert import (
+        hf_param_count,
+        mcore_to_hf_rank,
+        merge_stage_dirs,
+    )
+    from checkpoints_tools.launch import pick_device, run_local_ranks
+    from mrl.megatron.checkpoint import verify_checkpoint
+
+    world = _check_sizes(args)
+    info = verify_checkpoint(args.ckpt)  # missing/truncated shard files fail here, by name
+    meta = info["metadata"]
+    model_dtype = str(meta.get("params_dtype", "float32"))
+    out_dtype = args.dtype or model_dtype
+    device = pick_device(args.device, world)
+    tmp = _prepare_out(args.out, args.force, [args.ckpt])
+    try:
+        _stage_side_files(args.ckpt, args.hf_template, meta, tmp)
+        print(f"mcore-to-hf: {args.ckpt} -> {args.out} (load at tp={args.tp} pp={args.pp}, "
+              f"{world} {device} ranks)", flush=True)
+        results = run_local_ranks(mcore_to_hf_rank, world, (str(args.ckpt), str(tmp), str(tmp), args.tp,
+                                  args.pp, model_dtype, out_dtype, device, args.timeout),
+                                  device=device, timeout_s=args.timeout)
+        merge_stage_dirs(tmp, results)
+        n_out = hf_param_count(tmp)
+        _finish(tmp, args.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"parameters in (Megatron, vocab padded): {_mcore_param_count(info):,}; out (HF): {n_out:,}")
+
+
+def _reshard(args: argparse.Namespace) -> None:
+    from checkpoints_tools.convert import reshard_rank
+    from checkpoints_tools.launch import pick_device, run_local_ranks
+    from mrl.megatron.checkpoint import verify_checkpoint
+
+    world = _check_sizes(args)
+    info = verify_checkpoint(args.ckpt)
+    meta = info["metadata"]
+    if meta.get("has_optimizer"):
+        print("note: reshard carries the weights only; the optimizer state is not copied", file=sys.stderr)
+    device = pick_device(args.device, world)
+    tmp = _prepare_out(args.out, args.force, [args.ckpt])
+    try:
+        _stage_side_files(args.ckpt, None, meta, tmp)
+        lay = meta.get("layout", {})
+        print(f"reshard: {args.ckpt} (tp={lay.get('tp')} pp={lay.get('pp')}) -> {args.out} "
+              f"(tp={args.tp} pp={args.pp} vpp={args.vpp}, {world} {device} ranks)", flush=True)
+        run_local_ranks(reshard_rank, world, (str(args.ckpt), str(tmp), str(tmp), args.tp, args.pp,
+                        args.vpp, str(meta.get("params_dtype", "float32")), device, args.timeout),
+                        device=device, timeout_s=args.timeout)
+        n_out = _mcore_param_count(verify_checkpoint(tmp))
+        _finish(tmp, args.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"parameters in: {_mcore_param_count(info):,}; out: {n_out:,} (vocab padding follows tp)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from checkpoints_tools.launch import RankError
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "hf-to-mcore":
+            _hf_to_mcore(args)
+        elif args.command == "mcore-to-hf":
+            _mcore_to_hf(args)
+        elif args.command == "reshard":
+            _reshard(args)
+        else:
+            from checkpoints_tools.inspect_ckpt import inspect_checkpoint
+
+            print(inspect_checkpoint(args.ckpt, checksums=not args.no_checksums))
+    except UsageError as e:
+        print(f"mrl-ckpt: error: {e}", file=sys.stderr)
+        return 2
+    except RankError as e:
+        if args.debug:
+            print(e.details, file=sys.stderr)
+        print(f"mrl-ckpt {args.command}: error: {e.message}  [rank {e.rank}; --debug for the traceback]",
+              file=sys.stderr)
+        return 1
+    except (OSError, ValueError, KeyError, RuntimeError) as e:  # CheckpointError, TimeoutError, ...
+        if args.debug:
+            raise
+        print(f"mrl-ckpt {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # import-safe: spawned ranks and checkpoint writers re-import modules
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Per-rank bodies of the ``mrl-ckpt`` commands (run by :func:`checkpoints_tools.launch.run_local_ranks`).
+
+Each body sets up Megatron's parallel state for the target layout, builds the model from the HF
+config (:mod:`mrl.megatron.provider`), moves the weights with the HF↔Megatron table
+(:mod:`mrl.megatron.mapping`) or ``dist_checkpointing`` (:mod:`mrl.megatron.checkpoint`), and
+returns a small picklable summary. Module-level functions: ``spawn`` pickles them by name.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    name = _DTYPE_NAMES.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def _progress(iterable: Iterable, *, total: int | None, desc: str) -> Iterable:
+    """A tqdm bar on global rank 0 only (other ranks iterate silently)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit="tensor", file=sys.stderr, mininterval=0.5)
+
+
+def _setup(device: str, tp: int, pp: int, vpp: int | None, timeout_s: int) -> None:
+    from mrl.megatron.parallel import init_parallel
+
+    init_parallel(device=device, tp=tp, pp=pp, vpp=vpp, timeout_s=timeout_s)
+
+
+def _build(cfg_dir: str, dtype: torch.dtype) -> tuple[Any, list]:
+    from mrl.megatron.provider import build_model_chunks, load_hf_config
+
+    cfg = load_hf_config(cfg_dir)
+    return cfg, build_model_chunks(cfg, dtype=dtype)
+
+
+def hf_to_mcore_rank(
+    rank: int, hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, dtype: str,
+    device: str, timeout_s: int,
+) -> dict[str, Any]:
+    """Read HF safetensors into a (tp, pp, vpp) model and save it with dist_checkpointing."""
+    from mrl.megatron.checkpoint import save_checkpoint
+    from mrl.megatron.hf_io import HFCheckpointReader
+    from mrl.megatron.mapping import hf_names_for_stage, load_hf_weights
+
+    _setup(device, tp, pp, vpp, timeout_s)
+    cfg, chunks = _build(hf_dir, dtype_from_name(dtype))
+    reader = HFCheckpointReader(hf_dir)
+    names = hf_names_for_stage(chunks, cfg)
+    missing = [n for n in names if n not in reader]
+    if missing:
+        raise KeyError(
+            f"tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} missing from the HF "
+            f"checkpoint {hf_dir} ({len(reader.names())} tensors present): the checkpoint is "
+            "incomplete or config.json names another architecture"
+        )
+    bar = iter(_progress(names, total=len(names), desc="hf -> mcore (stage of rank 0)"))
+
+    def get_tensor(name: str) -> torch.Tensor:
+        next(bar, None)
+        return reader.get(name)
+
+    load_hf_weights(chunks, cfg, get_tensor)
+    for _ in bar:  # finish the bar (tied weights are read twice, some names once)
+        pass
+    save_checkpoint(out_dir, chunks, hf_config=cfg)
+    return {"rank": rank}
+
+
+def mcore_to_hf_rank(
+    rank: int, ckpt_dir: str, cfg_dir: str, out_dir: str, tp: int, pp: int, model_dtype: str,
+    out_dtype: str, device: str, timeout_s: int,
+) -> dict[str, Any]:
+    """Load a dist checkpoint at (tp, pp) and write this pipeline stage's HF tensors.
+
+    Stage s writes ``out_dir/stage-<s>/`` (TP and DP rank 0 only); the parent merges the stages.
+    """
+    from megatron.core import parallel_state as ps
+
+    from mrl.megatron.checkpoint import load_checkpoint
+    from mrl.megatron.hf_io import write_hf_checkpoint
+    from mrl.megatron.mapping import export_hf_weights, hf_names_for_stage
+
+    _setup(device, tp, pp, None, timeout_s)
+    cfg, chunks = _build(cfg_dir, dtype_from_name(model_dtype))
+    load_checkpoint(ckpt_dir, chunks)
+    total = len(hf_names_for_stage(chunks, cfg))
+    stream: Iterator = iter(_progress(export_hf_weights(chunks, cfg), total=total, desc="mcore -> hf"))
+    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    stage_dir = Path(out_dir) / f"stage-{ps.get_pipeline_model_parallel_rank():05d}"
+    if writer:
+        files = write_hf_checkpoint(stage_dir, stream, dtype=dtype_from_name(out_dtype))
+        return {"stage": ps.get_pipeline_model_parallel_rank(), "dir": str(stage_dir), "files": files}
+    for _ in stream:  # non-writers still take part in the TP gathers
+        pass
+    return {}
+
+
+def reshard_rank(
+    rank: int, in_dir: str, cfg_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None,
+    model_dtype: str, device: str, timeout_s: int,
+) -> dict[str, Any]:
+    """Load a dist checkpoint into a (tp, pp, vpp) model and save it again (weights only)."""
+    from mrl.megatron.checkpoint import load_checkpoint, save_checkpoint
+
+    _setup(device, tp, pp, vpp, timeout_s)
+    cfg, chunks = _build(cfg_dir, dtype_from_name(model_dtype))
+    extra = load_checkpoint(in_dir, chunks)
+    save_checkpoint(out_dir, chunks, hf_config=cfg, extra=extra)
+    return {"rank": rank}
+
+
+def merge_stage_dirs(out_dir: Path, stage_results: list[dict[str, Any]]) -> list[str]:
+    """Move per-stage safetensors into ``out_dir`` as one HF checkpoint (index when > 1 file)."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from mrl.megatron.hf_io import INDEX_NAME, SINGLE_NAME
+
+    stages = sorted((r for r in stage_results if r), key=lambda r: r["stage"])
+    shard_files = [Path(r["dir"]) / f for r in stages for f in r["files"] if f.endswith(".safetensors")]
+    if len(shard_files) == 1:
+        shutil.move(str(shard_files[0]), out_dir / SINGLE_NAME)
+        names = [SINGLE_NAME]
+    else:
+        weight_map: dict[str, str] = {}
+        total = 0
+        names = []
+        for k, f in enumerate(shard_files):
+            name = f"model-{k + 1:05d}-of-{len(shard_files):05d}.safetensors"
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():  # noqa: SIM118 - safe_open is not iterable
+                    if key in weight_map:
+                        raise RuntimeError(f"tensor {key!r} was written by two pipeline stages")
+                    weight_map[key] = name
+                    sl = sf.get_slice(key)
+                    total += _numel(sl.get_shape()) * _itemsize(sl.get_dtype())
+            shutil.move(str(f), out_dir / name)
+            names.append(name)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2))
+        names.append(INDEX_NAME)
+    for r in stages:
+        shutil.rmtree(r["dir"], ignore_errors=True)
+    return names
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(st_dtype: str) -> int:
+    return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}.get(st_dtype, 1)
+
+
+def hf_param_count(hf_dir: str | Path) -> int:
+    """Number of scalars in an HF safetensors checkpoint (header read only)."""
+    from safetensors import safe_open
+
+    from mrl.megatron.hf_io import INDEX_NAME, SINGLE_NAME
+
+    index = Path(hf_dir) / INDEX_NAME
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file() else [SINGLE_NAME]
+    )
+    n = 0
+    for f in files:
+        with safe_open(str(Path(hf_dir) / f), framework="pt") as sf:
+            n += sum(_numel(sf.get_slice(k).get_shape()) for k in sf.keys())  # noqa: SIM118 - safe_open is not iterable
+    return n
+

@@ -1,0 +1,214 @@
+"""Advantage estimators behind one registry (``get_adv_estimator`` / ``register_adv_est``).
+
+Every estimator has the same signature so the driver can call any of them::
+
+    fn(token_level_rewards, response_mask, *, index=None, values=None, reward_baselines=None,
+       gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True, epsilon=1e-6) -> (advantages, returns)
+
+``token_level_rewards``, ``response_mask``, ``values``, ``advantages`` and ``returns`` are
+``[B, T]`` (B samples = prompts x n, T response tokens); ``index`` ``[B]`` is the prompt uid of each
+sample (numpy array of str/int, list, or integer tensor); ``reward_baselines`` ``[B]`` is ReMax's
+greedy-sample reward. Arguments an estimator does not use are ignored; a missing required one is an
+error naming it. Outputs are 0 outside ``response_mask`` and are computed without gradient.
+
+Everything is vectorised over samples: groups are formed with ``numpy.unique``/``torch.unique`` and
+reduced with ``index_add_``; the only Python loops are over the T time steps of the GAE /
+discounted-return recursions, run on blocks of samples by :mod:`mrl.algorithms.scan`. Timings: ``benchmarks/adv_estimators.py`` and docs/algorithms.md.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .registry import Registry
+from .scan import discounted_scan, gae_scan, masked_whiten_
+
+
+class AdvEstimatorFn(Protocol):
+    """Uniform estimator signature (see the module docstring); returns ``(advantages, returns)`` ``[B, T]``."""
+
+    def __call__(
+        self,
+        token_level_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        *,
+        index: np.ndarray | Sequence | torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        reward_baselines: torch.Tensor | None = None,
+        gamma: float = 1.0,
+        lam: float = 1.0,
+        norm_adv_by_std_in_grpo: bool = True,
+        epsilon: float = 1e-6,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+_ADV: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = Registry(
+    "advantage estimator", "algorithm.adv_estimator"
+)
+
+
+def register_adv_est(name: str) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
+    """Decorator registering an advantage estimator under ``name``; duplicates are refused."""
+    return _ADV.register(name)
+
+
+def get_adv_estimator(name: str) -> AdvEstimatorFn:
+    """The estimator registered as ``name``; an unknown name lists the valid ones."""
+    return _ADV.get(name)
+
+
+def adv_estimator_names() -> list[str]:
+    """Registered estimator names."""
+    return _ADV.names()
+
+
+def _require(x, what: str, estimator: str):
+    if x is None:
+        raise ValueError(f"advantage estimator {estimator!r} needs `{what}`, which was not given")
+    return x
+
+
+def group_ids(index: np.ndarray | Sequence | torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, int]:
+    """Map uids ``[B]`` to dense group ids ``[B]`` (int64) and the number of groups G, vectorised."""
+    if isinstance(index, torch.Tensor):
+        _, inv = torch.unique(index, return_inverse=True)
+        inv = inv.to(torch.long)
+    else:
+        _, inv_np = np.unique(np.asarray(index), return_inverse=True)
+        inv = torch.from_numpy(inv_np.reshape(-1).astype(np.int64))
+    inv = inv.to(device) if device is not None else inv
+    return inv, int(inv.max().item()) + 1 if inv.numel() else 0
+
+
+def group_mean_std(scores: torch.Tensor, index, *, singleton_mean: float = 0.0, singleton_std: float = 1.0):
+    """Per-sample group statistics of ``scores`` ``[B]`` grouped by ``index`` ``[B]``.
+
+    Returns ``(mean [B], std [B], count [B])`` gathered back to samples, with the *unbiased* std
+    (``torch.std``'s default, as verl's code) and, for a group of one, mean ``singleton_mean`` and std
+    ``singleton_std`` (verl: 0 and 1). Two-pass (mean, then squared deviations) for accuracy.
+    """
+    if index is None or len(index) != scores.shape[0]:
+        raise ValueError(f"`index` (prompt uid per sample) must have length {scores.shape[0]}")
+    gid, g = group_ids(index, scores.device)
+    count = torch.zeros(g, dtype=scores.dtype, device=scores.device).index_add_(0, gid, torch.ones_like(scores))
+    total = torch.zeros(g, dtype=scores.dtype, device=scores.device).index_add_(0, gid, scores)
+    mean_g = total / count
+    dev = scores - mean_g[gid]
+    ss = torch.zeros_like(total).index_add_(0, gid, dev * dev)
+    std_g = torch.sqrt(ss / (count - 1).clamp(min=1))
+    single = count == 1
+    mean_g = torch.where(single, torch.full_like(mean_g, singleton_mean), mean_g)
+    std_g = torch.where(single, torch.full_like(std_g, singleton_std), std_g)
+    return mean_g[gid], std_g[gid], count[gid]
+
+
+@register_adv_est("grpo")
+@torch.no_grad()
+def compute_grpo_outcome_advantage(token_level_rewards, response_mask, *, index=None, values=None,
+                                   reward_baselines=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
+                                   epsilon=1e-6):
+    """GRPO outcome advantage (Shao et al. 2024, arXiv 2402.03300; seed 004 §5.1).
+
+    ``s_i = sum_t r_it`` ``[B]``; within each uid group: ``A_i = (s_i - mean) / (std + eps)`` with
+    the unbiased std (``norm_adv_by_std_in_grpo=True``), or ``A_i = s_i - mean`` (Dr.GRPO,
+    arXiv 2503.20783, ``False``). A group of one has mean 0 and std 1. Broadcast over the response:
+    ``A_it = A_i m_it``; returns = advantages. Seed 004's worked example prints the population std
+    (0.471); verl's code uses ``torch.std`` (unbiased, 0.577), which we follow:
+    rewards [1,0,1] -> [0.5774, -1.1547, 0.5774]. Equal rewards give 0 (not NaN).
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    mean, std, _ = group_mean_std(scores, _require(index, "index", "grpo"))
+    adv = (scores - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else scores - mean
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@register_adv_est("rloo")
+@torch.no_grad()
+def compute_rloo_outcome_advantage(token_level_rewards, response_mask, *, index=None, values=None,
+                                   reward_baselines=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
+                                   epsilon=1e-6):
+    """RLOO (Ahmadian et al. 2024, arXiv 2402.14740): leave-one-out baseline within the uid group.
+
+    ``A_i = s_i - (sum_{j != i} s_j) / (n - 1) = n / (n - 1) * (s_i - mean)`` for group size
+    ``n > 1``; a group of one keeps ``A_i = s_i`` (as verl). ``A_it = A_i m_it``; returns = advantages.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    mean, _, n = group_mean_std(scores, _require(index, "index", "rloo"))
+    adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp(min=1), scores)
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@register_adv_est("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, response_mask, *, index=None,
+                                                           values=None, reward_baselines=None, gamma=1.0, lam=1.0,
+                                                           norm_adv_by_std_in_grpo=True, epsilon=1e-6):
+    """REINFORCE++-baseline (Hu 2025, arXiv 2501.03262): ``s_i - group mean`` (0 for a group of
+    one), broadcast to ``[B, T]`` and whitened over all valid tokens of the batch; returns = advantages.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    mean, _, _ = group_mean_std(scores, _require(index, "index", "reinforce_plus_plus_baseline"))
+    mask = response_mask.to(scores.dtype)
+    adv = masked_whiten_((scores - mean).unsqueeze(-1) * mask, mask)
+    return adv, adv
+
+
+def discounted_returns(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = r_t + gamma * G_next`` over valid tokens ``[B, T]`` (masked tokens are skipped and
+    contribute no reward; output 0 there). Equals verl's reset-after-EOS loop for prefix masks.
+    """
+    mask = response_mask.to(token_level_rewards.dtype)
+    if gamma == 1.0:  # reverse cumsum without flipping copies: G_t = S - cumsum_t + x_t
+        x = token_level_rewards * mask
+        return torch.cumsum(x, -1).neg_().add_(x.sum(-1, keepdim=True)).add_(x).mul_(mask)
+    return discounted_scan(token_level_rewards, mask, gamma)
+
+
+@register_adv_est("reinforce_plus_plus")
+@torch.no_grad()
+def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, *, index=None, values=None,
+                                                  reward_baselines=None, gamma=1.0, lam=1.0,
+                                                  norm_adv_by_std_in_grpo=True, epsilon=1e-6):
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262): discounted returns ``G_t`` (see
+    :func:`discounted_returns`), advantages = ``masked_whiten(G) * m`` over the batch; returns ``G``.
+    """
+    returns = discounted_returns(token_level_rewards, response_mask, gamma)
+    return masked_whiten_(returns.clone(), response_mask), returns
+
+
+@register_adv_est("remax")
+@torch.no_grad()
+def compute_remax_outcome_advantage(token_level_rewards, response_mask, *, index=None, values=None,
+                                    reward_baselines=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
+                                    epsilon=1e-6):
+    """ReMax (Li et al. 2023, arXiv 2310.10505): ``G_t = sum_{k>=t} r_k m_k`` (undiscounted, as
+    verl), ``A_t = G_t - b m_t`` with ``b = reward_baselines`` ``[B]`` the reward of the greedy sample.
+    """
+    b = _require(reward_baselines, "reward_baselines", "remax")
+    returns = discounted_returns(token_level_rewards, response_mask, 1.0)
+    mask = response_mask.to(returns.dtype)
+    return returns - b.to(returns.dtype).unsqueeze(-1) * mask, returns
+
+
+@register_adv_est("gae")
+@torch.no_grad()
+def compute_gae_advantage_return(token_level_rewards, response_mask, *, index=None, values=None,
+                                 reward_baselines=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
+                                 epsilon=1e-6):
+    """GAE (Schulman et al. 2016, arXiv 1506.02438; seed 002 Stage 7), masked like verl.
+
+    Backwards over t, skipping tokens with ``m_t = 0`` (padding, observation tokens): with ``V'``
+    the value of the next *valid* token (0 after the last),
+    ``delta_t = r_t + gamma V' - V_t``, ``A_t = delta_t + gamma lam A'``; at masked tokens ``A``
+    and ``V'`` carry over unchanged. ``returns = A + V`` (raw A), then advantages are whitened over
+    all valid tokens (unbiased variance). Inputs/outputs ``[B, T]``; outputs 0 outside the mask.
+    """
+    v = _require(values, "values", "gae")
+    mask = response_mask.to(token_level_rewards.dtype)
+    adv, returns = gae_scan(token_level_rewards, v.to(token_level_rewards.dtype), mask, gamma, lam)
+    return masked_whiten_(adv, mask), returns

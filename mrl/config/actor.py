@@ -1,0 +1,63 @@
+"""Actor (policy) section: parallel layout, optimizer, PPO/GRPO loss knobs.
+
+Batch units (see docs/config.md): ``ppo_mini_batch_size`` counts PROMPTS as in verl, so one
+mini-batch holds ``ppo_mini_batch_size * rollout.n`` samples, split over the actor's DP ranks;
+``ppo_micro_batch_size_per_gpu`` counts SAMPLES per DP rank per forward/backward.
+
+Loss (seed 000): ``L = PG(ratio, A; clip_ratio_low/high, clip_ratio_c) - entropy_coeff * H
++ kl_loss_coef * KL(pi || pi_ref)``, aggregated over ``[B, T]`` by ``loss_agg_mode``.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mrl.config.base import Section
+from mrl.config.optim import OptimConfig
+from mrl.config.parallel import ParallelConfig
+
+KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+class ActorConfig(Section):
+    """Policy model trained with a clipped policy-gradient loss (verl ``actor_rollout_ref.actor``)."""
+
+    megatron: ParallelConfig = Field(default_factory=ParallelConfig, description="Megatron parallel layout of the actor.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Actor optimizer and LR schedule.")
+    use_distributed_optimizer: bool = Field(True, description="Shard Adam state and fp32 master weights over DP ranks (Megatron).")
+    ppo_mini_batch_size: int = Field(
+        256, ge=1, description="PROMPTS per optimizer step; samples per mini-batch = ppo_mini_batch_size * rollout.n."
+    )
+    ppo_micro_batch_size_per_gpu: int | None = Field(
+        None, ge=1, description="SAMPLES per forward/backward on one DP rank; required unless use_dynamic_bsz."
+    )
+    use_dynamic_bsz: bool = Field(False, description="Pack micro-batches by token count (ppo_max_token_len_per_gpu) instead of sample count.")
+    ppo_max_token_len_per_gpu: int = Field(16384, ge=1, description="TOKENS per micro-batch on one DP rank when use_dynamic_bsz.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each step's batch.")
+    shuffle: bool = Field(False, description="Shuffle samples before splitting into mini-batches.")
+    clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip epsilon below 1: ratio >= 1 - clip_ratio_low.")
+    clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip epsilon above 1: ratio <= 1 + clip_ratio_high (DAPO clip-higher).")
+    clip_ratio_c: float = Field(3.0, gt=1, description="Dual-clip constant c (> 1) bounding the loss for negative advantages.")
+    entropy_coeff: float = Field(0.0, ge=0, description="Entropy bonus weight: loss -= entropy_coeff * H.")
+    use_kl_loss: bool = Field(False, description="Add kl_loss_coef * KL(pi || pi_ref) to the actor loss (GRPO style); needs a reference.")
+    kl_loss_coef: float = Field(0.001, ge=0, description="Weight of the KL loss term.")
+    kl_loss_type: KLType = Field("low_var_kl", description="KL estimator: kl(k1)|abs|mse(k2)|low_var_kl(k3); 'full' is not supported.")
+    loss_agg_mode: LossAggMode = Field("token-mean", description="How [B, T] token losses are reduced to a scalar.")
+    policy_loss: str = Field("vanilla", description="Policy-loss registry name (e.g. vanilla, gspo, clip_cov).")
+    tis_imp_ratio_cap: float | None = Field(
+        None, gt=0, description="Truncated importance sampling vs rollout log-probs, weight min(ratio, cap); null disables."
+    )
+    log_prob_micro_batch_size_per_gpu: int | None = Field(
+        None, ge=1, description="SAMPLES per forward when recomputing old log-probs; null = ppo_micro_batch_size_per_gpu."
+    )
+    recompute_granularity: Literal["full", "selective"] | None = Field(
+        None, description="Megatron activation recomputation: full|selective; null disables."
+    )
+    offload_param: bool = Field(False, description="Move actor weights to CPU while the engines generate.")
+    offload_grad: bool = Field(False, description="Move actor gradients to CPU outside the update.")
+    offload_optimizer: bool = Field(False, description="Move Adam state to CPU outside the update.")
+    logits_chunk_size: int = Field(
+        4096, ge=1, description="TOKENS per chunk when computing vocab-parallel log-probs (bounds the [tokens, V/TP] logits)."
+    )

@@ -1,0 +1,72 @@
+"""Algorithm section: advantage estimator, KL control and reward shaping (seeds 001-004).
+
+* GRPO (seed 001): ``A_i = (r_i - mean_g(r)) / (std_g(r) + eps)`` per uid group of ``rollout.n``
+  samples (no std when ``norm_adv_by_std_in_grpo=false``, Dr.GRPO).
+* GAE: ``delta_t = r_t + gamma V_{t+1} - V_t``, ``A_t = sum_l (gamma lam)^l delta_{t+l}`` over [B, T].
+* KL in reward: ``r_t <- r_t - beta * KL_t`` with beta from ``kl_ctrl``.
+* ref_reward_blend (seed 003): ``r <- (1 - w) r + w * minmax(ref_log_prob)`` with w scheduled to max_weight.
+* repr_align (seed 003): ``r_t += w * cos(emb_gen, emb_gold) * mask_t / |mask|`` when batch entropy is high.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mrl.config.actor import KLType
+from mrl.config.base import Section
+
+Schedule = Literal["linear", "sigmoid", "cosine", "exp", "step"]
+
+
+class KLCtrlConfig(Section):
+    """KL coefficient controller for the in-reward KL penalty."""
+
+    type: Literal["fixed", "adaptive"] = Field("fixed", description="fixed: constant kl_coef; adaptive: PPO adaptive controller.")
+    kl_coef: float = Field(0.001, ge=0, description="Initial (fixed: constant) KL coefficient beta.")
+    target_kl: float = Field(0.1, gt=0, description="Target KL of the adaptive controller.")
+    horizon: int = Field(10000, ge=1, description="Horizon (samples) of the adaptive controller.")
+
+
+class RefRewardBlendConfig(Section):
+    """Blend min-max normalised ref_log_prob into token rewards (seed 003)."""
+
+    enable: bool = Field(False, description="Turn the blend on (needs a reference model).")
+    max_weight: float = Field(0.6, ge=0, le=1, description="Weight w reached at the end of warmup.")
+    warmup_ratio: float = Field(0.7, gt=0, le=1, description="Fraction of training over which w rises to max_weight.")
+    schedule: Schedule = Field("sigmoid", description="Shape of w over training: linear|sigmoid|cosine|exp|step.")
+    steps: int = Field(3, ge=1, description="Number of stairs of the step schedule.")
+
+
+class RefAlignmentConfig(Section):
+    """Cosine similarity of generated vs gold (prompt + ground truth) representations as a bonus (seed 003)."""
+
+    enable: bool = Field(True, description="Use the reference alignment bonus when repr_align is on.")
+    max_weight: float = Field(0.2, ge=0, le=1, description="Bonus weight reached at the end of warmup.")
+    warmup_ratio: float = Field(0.7, gt=0, le=1, description="Fraction of training over which the weight rises.")
+    schedule: Schedule = Field("sigmoid", description="Weight schedule: linear|sigmoid|cosine|exp|step.")
+    entropy_high_threshold: float = Field(1.0, ge=0, description="Apply only when the batch mean entropy is at least this.")
+
+
+class ReprAlignConfig(Section):
+    """Representation-alignment reward shaping (seed 003)."""
+
+    enable: bool = Field(False, description="Turn representation alignment on.")
+    ref_alignment: RefAlignmentConfig = Field(default_factory=RefAlignmentConfig, description="Gold-representation alignment term.")
+
+
+class AlgorithmConfig(Section):
+    """Advantage estimation and reward-side KL (verl ``algorithm``)."""
+
+    adv_estimator: Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "grpo_passk"] = Field(
+        "grpo", description="Advantage estimator registry name."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor (GAE, REINFORCE++).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    norm_adv_by_std_in_grpo: bool = Field(True, description="Divide GRPO advantages by the group std (false = Dr.GRPO).")
+    use_kl_in_reward: bool = Field(False, description="Subtract beta * KL(pi_old || pi_ref) from token rewards; needs a reference.")
+    allow_double_kl: bool = Field(False, description="Permit use_kl_in_reward together with actor.use_kl_loss (KL applied twice).")
+    kl_penalty: KLType = Field("kl", description="KL estimator in the reward: kl(k1)|abs|mse(k2)|low_var_kl(k3).")
+    kl_ctrl: KLCtrlConfig = Field(default_factory=KLCtrlConfig, description="KL coefficient controller.")
+    ref_reward_blend: RefRewardBlendConfig = Field(default_factory=RefRewardBlendConfig, description="Reference log-prob reward blend.")
+    repr_align: ReprAlignConfig = Field(default_factory=ReprAlignConfig, description="Representation alignment shaping.")

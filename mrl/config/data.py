@@ -1,0 +1,30 @@
+"""Data section: prompt datasets and the global batch size (in PROMPTS).
+
+``train_batch_size`` prompts per step become ``train_batch_size * rollout.n`` samples.
+"""
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from mrl.config.base import Section
+
+
+class DataConfig(Section):
+    """Prompt datasets (parquet or jsonl) and tokenization limits (verl ``data``)."""
+
+    train_files: list[str] = Field(default_factory=list, description="Training prompt files (.parquet or .jsonl); required.")
+    val_files: list[str] = Field(default_factory=list, description="Validation prompt files (.parquet or .jsonl); empty disables validation.")
+    prompt_key: str = Field("prompt", description="Column holding the prompt (string or chat messages).")
+    ground_truth_key: str = Field("reward_model.ground_truth", description="Column (dotted for nested) holding the reference answer.")
+    max_prompt_length: int = Field(512, ge=1, description="TOKENS per prompt at most (left-padded).")
+    filter_overlong_prompts: bool = Field(True, description="Drop prompts longer than max_prompt_length instead of failing.")
+    shuffle: bool = Field(True, description="Shuffle training prompts every epoch.")
+    seed: int = Field(1, description="Seed of the prompt sampler (state is checkpointed).")
+    train_batch_size: int = Field(256, ge=1, description="PROMPTS per training step (global, all DP ranks).")
+    val_batch_size: int | None = Field(None, ge=1, description="PROMPTS per validation batch; null = whole validation set.")
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_file_is_a_list(cls, v: object) -> object:
+        # `data.train_files=a.jsonl` on the command line is a single string; accept it as a 1-list.
+        return [v] if isinstance(v, str) else v

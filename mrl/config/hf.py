@@ -1,0 +1,103 @@
+"""Model facts read from a Hugging Face ``config.json`` with plain json (no transformers import).
+
+Used for up-front checks (heads vs TP, layers vs PP, positions) and the plan's memory estimate.
+Parameter count of a decoder-only Llama/Qwen/Mistral-style model with hidden h, layers L,
+heads n_h, KV heads n_kv, head dim d, MLP width I, vocab V (gated MLP, RMSNorm):
+
+    per layer  = h*n_h*d + 2*h*n_kv*d + n_h*d*h   (q, k, v, o)  [+ n_h*d + 2*n_kv*d if qkv bias]
+               + 3*h*I                             (gate, up, down; MoE: E experts of 3*h*I_moe + router h*E)
+               + 2*h                               (input / post-attention norms) [+ 2*d if q/k norm]
+    total      = V*h (embedding) + L*per_layer + h (final norm) + V*h (lm head, unless tied)
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}
+_QK_NORM_TYPES = {"qwen3", "qwen3_moe"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Architecture numbers needed before any model is built."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_positions: int | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+
+    def layer_params(self) -> tuple[int, int]:
+        """(dense params, expert params) of one decoder layer; expert params are 0 for dense models."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
+        if self.qkv_bias:
+            attn += self.num_heads * d + 2 * self.num_kv_heads * d
+        norms = 2 * h + (2 * d if self.qk_norm else 0)
+        if self.num_experts:
+            experts = self.num_experts * 3 * h * self.moe_intermediate_size
+            return attn + norms + h * self.num_experts, experts
+        return attn + norms + 3 * h * self.intermediate_size, 0
+
+    def param_count(self, vocab: int | None = None) -> int:
+        """Total parameters; ``vocab`` overrides V (Megatron pads it)."""
+        v = self.vocab_size if vocab is None else vocab
+        dense, experts = self.layer_params()
+        head = 0 if self.tie_word_embeddings else v * self.hidden_size
+        return v * self.hidden_size + self.num_layers * (dense + experts) + self.hidden_size + head
+
+
+def _get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
+    for n in names:
+        if cfg.get(n) is not None:
+            return cfg[n]
+    return default
+
+
+def shape_from_dict(cfg: dict[str, Any]) -> ModelShape:
+    """Build a ModelShape from a parsed config.json; KeyError names a missing required key."""
+    model_type = str(cfg.get("model_type", "unknown"))
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    return ModelShape(
+        model_type=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
+        head_dim=int(_get(cfg, "head_dim", default=hidden // heads)),
+        intermediate_size=int(_get(cfg, "intermediate_size", default=4 * hidden)),
+        max_positions=_get(cfg, "max_position_embeddings"),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bool(cfg.get("attention_bias", model_type in _QKV_BIAS_TYPES)),
+        qk_norm=model_type in _QK_NORM_TYPES,
+        num_experts=int(_get(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0)),
+        moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", default=0)),
+    )
+
+
+def read_model_shape(path: str) -> ModelShape | None:
+    """Shape of the checkpoint at ``path``; None when ``path/config.json`` does not exist (yet).
+
+    Raises ValueError naming the file when it exists but cannot be parsed.
+    """
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        return None
+    try:
+        return shape_from_dict(json.loads(f.read_text()))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{f}: cannot read the model architecture ({type(e).__name__}: {e}); fix: point model.path at a HF checkpoint") from e

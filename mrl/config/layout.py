@@ -1,0 +1,89 @@
+"""Device layout: which role runs on which devices, and each role's data-parallel size.
+
+Devices are numbered globally ``0 .. nnodes * n_gpus_per_node - 1`` (node = index // n_gpus_per_node).
+The actor takes every device not claimed by a ``separate`` role; colocated roles (reference,
+critic, engines) share the actor's devices and run in turn (verl hybrid engine). Separate roles
+are laid out after the actor in the order reference, critic, rollout. For a Megatron role
+``DP = devices / (TP * PP * CP)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mrl.config.parallel import ParallelConfig
+from mrl.config.root import MRLConfig
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """Devices [first, first + count) of one role; ``parallel`` is None for the engines."""
+
+    name: str
+    first: int
+    count: int
+    colocated: bool
+    parallel: ParallelConfig | None = None
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size (0 when the devices do not divide by TP*PP*CP)."""
+        if self.parallel is None:
+            return 0
+        mp = self.parallel.model_parallel_size
+        return self.count // mp if self.count % mp == 0 else 0
+
+    def nodes(self, per_node: int) -> str:
+        """Human-readable node/device ranges, e.g. 'node0:0-7, node1:0-3'."""
+        parts = []
+        d = self.first
+        end = self.first + self.count
+        while d < end:
+            node = d // per_node
+            stop = min(end, (node + 1) * per_node)
+            a, b = d % per_node, (stop - 1) % per_node
+            parts.append(f"node{node}:{a}" if a == b else f"node{node}:{a}-{b}")
+            d = stop
+        return ", ".join(parts)
+
+
+def separate_devices(cfg: MRLConfig) -> dict[str, int]:
+    """Devices claimed by each separate role (absent/None sizes count as 0; validation reports them)."""
+    out: dict[str, int] = {}
+    if cfg.ref_enabled and cfg.ref.placement == "separate":
+        out["ref"] = cfg.ref.num_devices or 0
+    if cfg.critic_enabled and cfg.critic.placement == "separate":
+        out["critic"] = cfg.critic.num_devices or 0
+    if cfg.rollout.placement == "separate":
+        out["rollout"] = (cfg.rollout.num_engines or 0) * cfg.rollout.engine_tp_size
+    return out
+
+
+def num_engines(cfg: MRLConfig, actor_devices: int) -> int:
+    """rollout.num_engines, or for colocated engines with null: actor devices // engine_tp_size."""
+    if cfg.rollout.num_engines is not None:
+        return cfg.rollout.num_engines
+    if cfg.rollout.placement == "colocated":
+        return max(actor_devices // cfg.rollout.engine_tp_size, 0)
+    return 0
+
+
+def compute_layout(cfg: MRLConfig) -> dict[str, RoleLayout]:
+    """Role -> RoleLayout for actor, ref (if enabled), critic (if enabled) and rollout."""
+    world = cfg.cluster.world_size
+    sep = separate_devices(cfg)
+    actor_n = max(world - sum(sep.values()), 0)
+    roles = {"actor": RoleLayout("actor", 0, actor_n, False, cfg.actor.megatron)}
+    nxt = actor_n
+    for name, par in (("ref", cfg.ref.megatron), ("critic", cfg.critic.megatron), ("rollout", None)):
+        enabled = {"ref": cfg.ref_enabled, "critic": cfg.critic_enabled, "rollout": True}[name]
+        if not enabled:
+            continue
+        if name in sep:
+            roles[name] = RoleLayout(name, nxt, sep[name], False, par)
+            nxt += sep[name]
+        elif name == "rollout":
+            n = num_engines(cfg, actor_n) * cfg.rollout.engine_tp_size
+            roles[name] = RoleLayout(name, 0, n, True, None)
+        else:
+            roles[name] = RoleLayout(name, 0, actor_n, True, par)
+    return roles

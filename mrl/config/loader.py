@@ -1,0 +1,201 @@
+"""Load a run config: YAML file + dotted command-line overrides -> validated :class:`MRLConfig`.
+
+Order: parse YAML -> apply overrides (``actor.optim.lr=1e-6``; values parsed as YAML scalars,
+lists ``[a,b]``, ``true/false``, ``null``) -> reject unknown keys (naming the key, its section and
+the closest valid name) -> pydantic type checks -> cross-field checks (:mod:`mrl.config.validate`).
+All errors of a stage are collected and raised together as :class:`ConfigError`. No environment
+variables are read. Defaults live only in the pydantic models.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from mrl.config.root import MRLConfig
+
+# verl users type these top-level names; say where they live in mrl.
+_VERL_HINTS = {
+    "actor_rollout_ref": "mrl splits verl's actor_rollout_ref into top-level 'actor', 'ref', 'rollout' and 'model'",
+    "critic_model": "use the top-level 'critic' section",
+    "reward_model": "use the top-level 'reward' section",
+    "custom_reward_function": "use reward.function (registry name, 'pkg.module:fn' or 'file.py:fn')",
+}
+
+
+class ConfigError(ValueError):
+    """One or more user errors in a config; ``errors`` lists each (key, what, fix) as a sentence."""
+
+    def __init__(self, errors: list[str], source: str | None = None) -> None:
+        self.errors = list(errors)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {e}" for e in self.errors)
+        super().__init__(f"{len(self.errors)} config error(s){where}:\n{lines}")
+
+
+def parse_value(text: str) -> Any:
+    """Parse an override value as YAML (numbers, bools, null, [lists], {maps}); fall back to the raw string."""
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'a.b.c=value' -> (['a', 'b', 'c'], parsed value). ValueError names the malformed item."""
+    key, sep, value = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not key.strip() or any(not p for p in parts):
+        raise ValueError(f"override {item!r} is not of the form section.key=value; fix: e.g. actor.optim.lr=1e-6")
+    return parts, parse_value(value)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> list[str]:
+    """Set each dotted override in ``data`` (in place); returns the errors instead of raising."""
+    errors: list[str] = []
+    for item in overrides:
+        try:
+            parts, value = parse_override(item)
+        except ValueError as e:
+            errors.append(str(e))
+            continue
+        node = data
+        for i, p in enumerate(parts[:-1]):
+            child = node.setdefault(p, {})
+            if child is None:
+                child = node[p] = {}
+            if not isinstance(child, dict):
+                errors.append(
+                    f"override {item!r}: '{'.'.join(parts[: i + 1])}' is a value, not a section; "
+                    f"fix: set '{'.'.join(parts[: i + 1])}=...' directly"
+                )
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    return errors
+
+
+def _section_class(annotation: Any) -> type[BaseModel] | None:
+    """The BaseModel class inside an annotation like ``X``, ``X | None``; None for plain values."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            cls = _section_class(arg)
+            if cls is not None:
+                return cls
+    return None
+
+
+def find_unknown_keys(data: dict[str, Any], model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Errors for keys of ``data`` that ``model`` does not declare (recursing into sections); removes them."""
+    errors: list[str] = []
+    fields = model.model_fields
+    section = prefix.rstrip(".") or "<top level>"
+    for key in list(data):
+        full = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = _VERL_HINTS.get(str(key)) if not prefix else None
+            if hint:
+                fix = f"fix: {hint}"
+            elif close:
+                fix = f"did you mean '{prefix}{close[0]}'?"
+            else:
+                fix = f"valid keys: {', '.join(fields)}"
+            errors.append(f"unknown key '{full}' in section '{section}'; {fix}")
+            del data[key]
+            continue
+        sub = _section_class(fields[key].annotation)
+        if sub is not None and data[key] is None:
+            data[key] = {}  # an empty YAML section (`actor:` with nothing under it) means its defaults
+        if sub is not None and isinstance(data[key], dict):
+            errors.extend(find_unknown_keys(data[key], sub, f"{full}."))
+    return errors
+
+
+def _describe(loc: tuple[Any, ...]) -> str | None:
+    """The Field description of the key at ``loc`` (for the fix hint), if it resolves to a field."""
+    model: type[BaseModel] | None = MRLConfig
+    desc = None
+    for p in loc:
+        if model is None or not isinstance(p, str) or p not in model.model_fields:
+            break
+        field = model.model_fields[p]
+        desc = field.description
+        model = _section_class(field.annotation)
+    return desc
+
+
+def _format_validation_error(err: ValidationError) -> list[str]:
+    out = []
+    for e in err.errors():
+        key = ""
+        for p in e["loc"]:
+            key += f"[{p}]" if isinstance(p, int) else (f".{p}" if key else str(p))
+        got = e.get("input")
+        got_s = f" (got {got!r})" if not isinstance(got, dict) else ""
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        if "fix:" in msg:  # our own validators already say how to fix it
+            out.append(f"{key}: {msg}")
+            continue
+        desc = _describe(e["loc"])
+        what = f" ({desc.rstrip('.')})" if desc else ""
+        out.append(f"{key}: {msg}{got_s}; fix: give {key} a valid value{what}")
+    return out
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a YAML config file into a dict; ConfigError names the file on any problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError([f"config file '{p}' does not exist; fix: pass a YAML file, e.g. mrl_configs/quickstart.yaml"])
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{p}: not valid YAML: {e}"], str(p)) from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{p}: the top level must be a mapping of sections (cluster:, actor:, ...), got {type(data).__name__}"], str(p))
+    return data
+
+
+def build_config(data: dict[str, Any]) -> tuple[MRLConfig | None, list[str]]:
+    """Dict -> (MRLConfig or None, errors): unknown keys are reported and dropped, type errors collected."""
+    errors = find_unknown_keys(data, MRLConfig)
+    try:
+        return MRLConfig.model_validate(data), errors
+    except ValidationError as e:
+        return None, errors + _format_validation_error(e)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None, overrides: list[str] | None = None, *, check: bool = True
+) -> MRLConfig:
+    """Load ``path`` (None = defaults only), apply ``overrides``, validate; raise ConfigError listing all errors.
+
+    Unknown keys do not hide the other problems: the config without them is still type-checked and,
+    when that succeeds, cross-checked, so one run reports everything. ``check=False`` skips the
+    cross-field checks (structure and types are always checked).
+    """
+    source = str(path) if path is not None else None
+    data = read_yaml(path) if path is not None else {}
+    errors = apply_overrides(data, list(overrides or []))
+    cfg, build_errors = build_config(data)
+    errors += build_errors
+    if cfg is not None and check:
+        from mrl.config.validate import check_config
+
+        errors += check_config(cfg)[0]
+    if errors or cfg is None:
+        raise ConfigError(errors, source)
+    return cfg

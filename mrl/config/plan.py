@@ -1,0 +1,203 @@
+"""The derived plan of a run: batch arithmetic, role placement and a per-device memory estimate.
+
+Batch arithmetic (units in docs/config.md), per training step:
+    samples            = data.train_batch_size * rollout.n
+    mini-batches       = data.train_batch_size / actor.ppo_mini_batch_size
+    optimizer steps    = mini-batches * actor.ppo_epochs
+    samples / DP rank  = actor.ppo_mini_batch_size * rollout.n / DP_actor      (per mini-batch)
+    micro-batches      = samples / DP rank / actor.ppo_micro_batch_size_per_gpu (dynamic bsz: upper bound
+                         ceil(samples/rank * (max_prompt + max_response) / ppo_max_token_len_per_gpu))
+
+Memory per device (Megatron mixed precision, nothing offloaded, activations and KV cache excluded):
+    params/device = largest pipeline stage / TP, Megatron vocab padded to a multiple of
+                    make_vocab_size_divisible_by * TP; with PP > 1 the last stage holds the output layer
+                    (a copy of the embedding when tied); MoE expert weights are divided by EP * TP too.
+    actor/critic  = params * (w + 4 [fp32 main grads] + (12 if w < 4 else 8) [fp32 master + Adam m, v] / (DP*CP
+                    when use_distributed_optimizer)), w = bytes of model.dtype
+    reference     = params * w;  engine = unpadded params / engine_tp_size * w
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mrl.config.hf import ModelShape
+from mrl.config.layout import RoleLayout, compute_layout
+from mrl.config.parallel import ParallelConfig
+from mrl.config.root import MRLConfig
+from mrl.config.validate import check_config, load_shape
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+GiB = 1024**3
+
+
+def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron pads V to a multiple of make_vocab_size_divisible_by * TP."""
+    m = divisible_by * tp
+    return math.ceil(vocab / m) * m
+
+
+def params_per_device(shape: ModelShape, par: ParallelConfig, divisible_by: int, value_head: bool = False) -> int:
+    """Parameters on the most loaded device of a Megatron model (largest stage / TP)."""
+    tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
+    v = padded_vocab(shape.vocab_size, divisible_by, tp)
+    h = shape.hidden_size
+    dense, experts = shape.layer_params()
+    per_stage_layers = shape.num_layers // pp
+    layers = per_stage_layers * (dense / tp + experts / (ep * tp))
+    embed = v * h / tp
+    head = h if value_head else (embed if (not shape.tie_word_embeddings or pp > 1) else 0)
+    if pp == 1:
+        return int(embed + layers + h + head)
+    first = embed + layers
+    last = layers + h + head
+    return int(max(first, last))
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """Bytes per device of one role, split by kind."""
+
+    weights: int
+    grads: int = 0
+    optimizer: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+
+def trained_memory(shape: ModelShape, par: ParallelConfig, dp: int, dtype: str, distributed_optimizer: bool,
+                   divisible_by: int, value_head: bool = False) -> RoleMemory:
+    """Weights + fp32 grads + optimizer state of a trained Megatron role per device (see module doc)."""
+    p = params_per_device(shape, par, divisible_by, value_head)
+    w = _DTYPE_BYTES[dtype]
+    opt = 12 if w < 4 else 8
+    shard = dp * par.context_parallel_size if distributed_optimizer else 1
+    return RoleMemory(weights=p * w, grads=p * 4, optimizer=int(p * opt / max(shard, 1)))
+
+
+@dataclass
+class Plan:
+    """Everything ``mrl plan`` prints besides the resolved config."""
+
+    samples_per_step: int
+    mini_batches_per_step: int
+    optimizer_steps_per_step: int
+    samples_per_dp_rank: int
+    micro_batches_per_dp_rank: int
+    micro_batches_is_bound: bool
+    roles: dict[str, RoleLayout]
+    num_engines: int
+    memory: dict[str, RoleMemory] = field(default_factory=dict)
+    param_count: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def device_total(self) -> dict[str, int]:
+        """Bytes on one device of each group of roles sharing devices (colocated roles add up)."""
+        groups: dict[str, int] = {}
+        for name, mem in self.memory.items():
+            lay = self.roles[name]
+            key = "actor" if lay.colocated else name
+            groups[key] = groups.get(key, 0) + mem.total
+        return groups
+
+
+def build_plan(cfg: MRLConfig) -> Plan:
+    """Derive the plan of a (valid) config; call after :func:`mrl.config.check_config` found no errors."""
+    errors: list[str] = []
+    shape = load_shape(cfg, errors, [])
+    notes = check_config(cfg)[1]
+    roles = compute_layout(cfg)
+    a = cfg.actor
+    actor = roles["actor"]
+    dp = max(actor.dp, 1)
+    per_rank = a.ppo_mini_batch_size * cfg.rollout.n // dp
+    if a.use_dynamic_bsz:
+        seq = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+        micro, bound = math.ceil(per_rank * seq / a.ppo_max_token_len_per_gpu), True
+    else:
+        micro, bound = per_rank // (a.ppo_micro_batch_size_per_gpu or per_rank or 1), False
+    mini = cfg.data.train_batch_size // a.ppo_mini_batch_size
+    plan = Plan(
+        samples_per_step=cfg.samples_per_step,
+        mini_batches_per_step=mini,
+        optimizer_steps_per_step=mini * a.ppo_epochs,
+        samples_per_dp_rank=per_rank,
+        micro_batches_per_dp_rank=micro,
+        micro_batches_is_bound=bound,
+        roles=roles,
+        num_engines=roles["rollout"].count // cfg.rollout.engine_tp_size,
+        notes=notes,
+    )
+    if shape is None:
+        return plan
+    plan.param_count = shape.param_count()
+    div, dt = cfg.model.make_vocab_size_divisible_by, cfg.model.dtype
+    plan.memory["actor"] = trained_memory(shape, a.megatron, dp, dt, a.use_distributed_optimizer, div)
+    if "ref" in roles:
+        p = params_per_device(shape, cfg.ref.megatron, div)
+        plan.memory["ref"] = RoleMemory(weights=p * _DTYPE_BYTES[dt])
+    if "critic" in roles:
+        c = cfg.critic
+        plan.memory["critic"] = trained_memory(shape, c.megatron, max(roles["critic"].dp, 1), dt,
+                                               c.use_distributed_optimizer, div, value_head=True)
+    plan.memory["rollout"] = RoleMemory(weights=int(plan.param_count * _DTYPE_BYTES[dt] / cfg.rollout.engine_tp_size))
+    return plan
+
+
+def _gib(b: int) -> str:
+    if b < GiB:
+        return f"{b / 1024**2:.1f} MiB"
+    return f"{b / GiB:.2f} GiB"
+
+
+def format_plan(cfg: MRLConfig, plan: Plan) -> str:
+    """Human-readable plan (the second half of ``mrl plan``'s output)."""
+    a, r = cfg.actor, cfg.rollout
+    per_node = cfg.cluster.n_gpus_per_node
+    kind = "CPU ranks" if cfg.cluster.device == "cpu" else "devices"
+    lines = [
+        "plan:",
+        f"  devices: {cfg.cluster.nnodes} node(s) x {per_node} {kind} = {cfg.cluster.world_size} (cluster.device={cfg.cluster.device})",
+        f"  samples per step: {plan.samples_per_step} (data.train_batch_size={cfg.data.train_batch_size} prompts x rollout.n={r.n})",
+        (f"  mini-batches per step: {plan.mini_batches_per_step} (actor.ppo_mini_batch_size={a.ppo_mini_batch_size} prompts"
+         f" = {a.ppo_mini_batch_size * r.n} samples each)"),
+        f"  optimizer steps per step: {plan.optimizer_steps_per_step} (x actor.ppo_epochs={a.ppo_epochs})",
+        f"  samples per actor DP rank per mini-batch: {plan.samples_per_dp_rank}",
+        (f"  micro-batches per actor DP rank per mini-batch: {'<= ' if plan.micro_batches_is_bound else ''}"
+         f"{plan.micro_batches_per_dp_rank}" + (" (dynamic bsz, token budget)" if plan.micro_batches_is_bound else "")),
+        "  roles:",
+    ]
+    for name, lay in plan.roles.items():
+        where = lay.nodes(per_node) if lay.count else "none"
+        if name == "rollout":
+            desc = f"{plan.num_engines} x {r.engine} engine(s), tp={r.engine_tp_size}"
+        else:
+            p = lay.parallel
+            desc = (f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
+                    f"CP={p.context_parallel_size} DP={lay.dp}")
+        share = "colocated with actor" if lay.colocated else "owns these devices"
+        lines.append(f"    {name:8s} {lay.count:4d} {kind} [{where}] {desc}; {share}")
+    if plan.memory:
+        lines.append(f"  memory per device (model {plan.param_count / 1e6:.1f}M params, {cfg.model.dtype}; "
+                     "activations and KV cache not included):")
+        for name, m in plan.memory.items():
+            parts = f"weights {_gib(m.weights)}"
+            if m.grads:
+                parts += f" + grads {_gib(m.grads)} + optimizer {_gib(m.optimizer)}"
+            lines.append(f"    {name:8s} {parts} = {_gib(m.total)}")
+        for group, total in plan.device_total().items():
+            lines.append(f"    total per {group} device if nothing is offloaded: {_gib(total)}")
+    if plan.notes:
+        lines.append("  notes:")
+        lines.extend(f"    - {n}" for n in plan.notes)
+    return "\n".join(lines)
+
+
+def plan_text(cfg: MRLConfig) -> str:
+    """Resolved config (YAML) + plan, as ``mrl plan`` prints it; cfg must have passed check_config."""
+    import yaml
+
+    resolved = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+    return "# resolved config\n" + resolved + "\n" + format_plan(cfg, build_plan(cfg))

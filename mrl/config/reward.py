@@ -1,0 +1,36 @@
+"""Reward section: the scorer that turns (prompt, response, ground truth) into a scalar.
+
+The score is placed on the last response token of ``token_level_scores`` [B, T] (seed 001).
+"""
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from mrl.config.base import Section
+
+# registry name | pkg.module:fn | path/to/file.py:fn
+_FUNCTION_RE = re.compile(r"^([A-Za-z_][\w]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*|[^:]+\.py:[A-Za-z_]\w*)$")
+
+
+class RewardConfig(Section):
+    """Rule/function reward scorer run in a process pool."""
+
+    function: str = Field("gsm8k", description="Registry name, 'pkg.module:fn' or 'path/to/file.py:fn'.")
+    timeout_s: float = Field(10.0, gt=0, description="Seconds one scoring call may take before on_error applies.")
+    workers: int = Field(4, ge=0, description="Scoring processes; 0 scores in the driver process.")
+    on_error: Literal["raise", "zero", "mask"] = Field(
+        "raise", description="When scoring fails or times out: raise, score 0, or mask the sample out of the loss."
+    )
+
+    @field_validator("function")
+    @classmethod
+    def _check_function(cls, v: str) -> str:
+        if not _FUNCTION_RE.match(v):
+            raise ValueError(
+                f"{v!r} is not a registry name, 'pkg.module:fn' or 'path/to/file.py:fn'; "
+                "fix: e.g. reward.function=gsm8k or reward.function=my_rewards.py:score"
+            )
+        return v

@@ -1,0 +1,50 @@
+"""Rollout section: the generation engine pool and the actor -> engine weight sync.
+
+Each step generates ``data.train_batch_size * n`` samples (``n`` responses per prompt, GRPO
+groups). Engines: ``num_engines`` servers, each over ``engine_tp_size`` devices; colocated engines share
+the actor's devices (verl hybrid engine), separate ones get ``num_engines * engine_tp_size`` of their own.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mrl.config.base import Section
+
+
+class WeightSyncConfig(Section):
+    """How updated actor weights reach the engines after each step."""
+
+    transport: Literal["distributed", "tensor", "disk"] = Field(
+        "distributed", description="distributed: NCCL/gloo broadcast; tensor: in-process tensors (colocated); disk: safetensors files."
+    )
+    bucket_mb: int = Field(512, ge=1, description="MB of flattened parameters sent per bucket.")
+    verify: bool = Field(False, description="After a sync, compare a checksum of engine weights with the actor's (slow; debugging).")
+
+
+class RolloutConfig(Section):
+    """Generation engines and sampling parameters (verl ``actor_rollout_ref.rollout``)."""
+
+    engine: Literal["torch", "sglang"] = Field("torch", description="torch: built-in engine (CPU/GPU, small models); sglang: SGLang servers (CUDA).")
+    placement: Literal["colocated", "separate"] = Field(
+        "colocated", description="colocated: engines share the actor's devices (hybrid); separate: engines get their own devices."
+    )
+    n: int = Field(1, ge=1, description="Responses sampled per prompt (GRPO/RLOO group size; recipes set > 1).")
+    temperature: float = Field(1.0, description="Sampling temperature (> 0).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling (>= 1); -1 disables.")
+    max_response_length: int = Field(512, ge=1, description="TOKENS generated per response at most.")
+    num_engines: int | None = Field(
+        None, ge=1, description="Engine servers in the pool; null = actor devices / engine_tp_size when colocated."
+    )
+    engine_tp_size: int = Field(1, ge=1, description="Devices (tensor-parallel ranks) per engine server.")
+    mem_fraction_static: float = Field(
+        0.6, gt=0, lt=1, description="Fraction of device memory an engine takes for weights + KV cache (SGLang mem_fraction_static)."
+    )
+    host: str = Field("127.0.0.1", description="Address engine servers bind to (loopback by default).")
+    port_base: int = Field(30000, ge=1024, le=65000, description="First engine port; engine i listens on port_base + i.")
+    router: Literal["builtin", "sglang_router"] = Field("builtin", description="Load balancer across engines.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Seconds before a generate request is abandoned.")
+    max_retries: int = Field(3, ge=0, description="Retries of a failed generate request on another engine.")
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="Actor -> engine weight transfer.")

@@ -1,0 +1,39 @@
+"""Trainer section: run length, checkpoints, validation cadence and logging."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mrl.config.base import Section
+
+
+class TrainerConfig(Section):
+    """Outer-loop settings (verl ``trainer``)."""
+
+    total_epochs: int = Field(1, ge=1, description="Passes over the training prompts (ignored when total_training_steps is set).")
+    total_training_steps: int | None = Field(None, ge=1, description="Stop after this many steps; null = total_epochs worth.")
+    critic_warmup: int = Field(0, ge=0, description="Steps that update only the critic before the actor starts.")
+    save_freq: int = Field(-1, ge=-1, description="Checkpoint every N steps; -1 or 0 disables.")
+    test_freq: int = Field(-1, ge=-1, description="Validate every N steps; -1 or 0 disables.")
+    val_before_train: bool = Field(False, description="Validate once before the first step.")
+    default_local_dir: str | None = Field(
+        "checkpoints/${project_name}/${experiment_name}",
+        description="Checkpoint directory; ${project_name}/${experiment_name} are substituted.",
+    )
+    max_ckpt_to_keep: int | None = Field(None, ge=1, description="Keep only the newest N checkpoints; null keeps all.")
+    resume_mode: str = Field("auto", description="auto: newest checkpoint in default_local_dir; disable; or a checkpoint path.")
+    logger: list[Literal["console", "mlflow"]] = Field(default_factory=lambda: ["console"], description="Metric sinks: console, mlflow.")
+    mlflow_tracking_uri: str = Field("sqlite:///mlruns/mlflow.db", description="MLflow store (no server needed for sqlite).")
+    project_name: str = Field("mrl", description="Project (MLflow experiment) name.")
+    experiment_name: str = Field("default", description="Run name (MLflow run, checkpoint sub-directory).")
+    seed: int = Field(42, description="Global seed of model init, dropout and sampling.")
+
+    @property
+    def checkpoint_dir(self) -> str | None:
+        """default_local_dir with ${project_name}/${experiment_name} substituted."""
+        if not self.default_local_dir:
+            return None
+        return self.default_local_dir.replace("${project_name}", self.project_name).replace(
+            "${experiment_name}", self.experiment_name
+        )

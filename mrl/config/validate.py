@@ -1,0 +1,295 @@
+"""Cross-field checks run before anything expensive starts; every problem is collected.
+
+``check_config(cfg) -> (errors, notes)``: each error names the keys involved and the fix; notes
+are things the plan should say (skipped model checks, files not created yet). Model-dependent
+checks read ``model.path/config.json`` with plain json and are skipped (with a note) when it
+does not exist yet, e.g. for a HF hub id resolved on the GPU host.
+"""
+from __future__ import annotations
+
+import glob
+import shutil
+from pathlib import Path
+
+from mrl.config.hf import ModelShape, read_model_shape
+from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_devices
+from mrl.config.parallel import ParallelConfig
+from mrl.config.root import MRLConfig
+
+_GROUP_ESTIMATORS = {"grpo", "rloo", "grpo_passk", "opo", "reinforce_plus_plus_baseline"}
+_DATA_SUFFIXES = (".parquet", ".jsonl")
+
+
+def _gpu_visible() -> bool:
+    # No torch import at config time: look for the NVIDIA device nodes / tool instead.
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
+
+
+def _check_batches(cfg: MRLConfig, actor: RoleLayout, errors: list[str]) -> None:
+    a, n, tbs = cfg.actor, cfg.rollout.n, cfg.data.train_batch_size
+    if a.ppo_mini_batch_size > tbs:
+        errors.append(
+            f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} exceeds data.train_batch_size={tbs} (both count prompts); "
+            f"fix: set actor.ppo_mini_batch_size <= {tbs}"
+        )
+    elif tbs % a.ppo_mini_batch_size:
+        errors.append(
+            f"data.train_batch_size*rollout.n={tbs * n} samples is not divisible by actor.ppo_mini_batch_size*rollout.n="
+            f"{a.ppo_mini_batch_size * n} (data.train_batch_size={tbs} % actor.ppo_mini_batch_size={a.ppo_mini_batch_size} != 0); "
+            "fix: make data.train_batch_size a multiple of actor.ppo_mini_batch_size"
+        )
+    _check_role_batches("actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
+                        a.ppo_max_token_len_per_gpu, cfg, actor, errors)
+
+
+def _check_role_batches(role: str, mini: int, micro: int | None, dynamic: bool, max_tok: int,
+                        cfg: MRLConfig, lay: RoleLayout, errors: list[str]) -> None:
+    n = cfg.rollout.n
+    samples = mini * n
+    if lay.dp and samples % lay.dp:
+        errors.append(
+            f"{role} mini-batch of {samples} samples ({role}.ppo_mini_batch_size={mini} * rollout.n={n}) is not divisible by "
+            f"the {role} DP size {lay.dp} ({lay.count} devices / TP*PP*CP={lay.parallel.model_parallel_size}); "
+            f"fix: make {role}.ppo_mini_batch_size*rollout.n a multiple of {lay.dp} or change {role}.megatron"
+        )
+    per_rank = samples // lay.dp if lay.dp else 0
+    if dynamic:
+        seq = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+        if max_tok < seq:
+            errors.append(
+                f"{role}.ppo_max_token_len_per_gpu={max_tok} is below one full sequence (data.max_prompt_length + "
+                f"rollout.max_response_length = {seq}); fix: set {role}.ppo_max_token_len_per_gpu >= {seq}"
+            )
+    elif micro is None:
+        errors.append(
+            f"{role}.ppo_micro_batch_size_per_gpu is not set; fix: set it (samples per forward/backward per DP rank, "
+            f"e.g. {role}.ppo_micro_batch_size_per_gpu=4) or set {role}.use_dynamic_bsz=true"
+        )
+    elif per_rank and per_rank % micro:
+        errors.append(
+            f"{role}.ppo_micro_batch_size_per_gpu={micro} does not divide the {per_rank} samples each DP rank gets per "
+            f"mini-batch; fix: choose a divisor of {per_rank}"
+        )
+
+
+def _check_parallel(role: str, par: ParallelConfig, lay: RoleLayout, cfg: MRLConfig,
+                    shape: ModelShape | None, errors: list[str]) -> None:
+    mp = par.model_parallel_size
+    key = f"{role}.megatron"
+    if lay.count and lay.count % mp:
+        errors.append(
+            f"{key}: TP*PP*CP = {par.tensor_model_parallel_size}*{par.pipeline_model_parallel_size}*"
+            f"{par.context_parallel_size} = {mp} does not divide the {lay.count} devices of the {role}; "
+            f"fix: change {key}.tensor_model_parallel_size/pipeline_model_parallel_size/context_parallel_size"
+        )
+    tp, pp, vpp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    if par.sequence_parallel and tp == 1:
+        errors.append(f"{key}.sequence_parallel=true needs tensor_model_parallel_size > 1; fix: set {key}.sequence_parallel=false")
+    if vpp is not None and pp == 1:
+        errors.append(f"{key}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1; fix: set it to null")
+    if cfg.cluster.device != "cpu" and tp > cfg.cluster.n_gpus_per_node:
+        errors.append(
+            f"{key}.tensor_model_parallel_size={tp} spans nodes (cluster.n_gpus_per_node={cfg.cluster.n_gpus_per_node}); "
+            "fix: keep TP within a node and use pipeline_model_parallel_size across nodes"
+        )
+    if shape is None:
+        return
+    if shape.num_heads % tp:
+        errors.append(
+            f"{key}.tensor_model_parallel_size={tp} does not divide the model's {shape.num_heads} attention heads "
+            f"({cfg.model.path}/config.json num_attention_heads); fix: choose a TP that divides {shape.num_heads}"
+        )
+    if shape.num_kv_heads % tp:
+        errors.append(
+            f"{key}.tensor_model_parallel_size={tp} does not divide the model's {shape.num_kv_heads} KV heads "
+            f"(num_key_value_heads); fix: choose a TP that divides {shape.num_kv_heads}"
+        )
+    stages = pp * (vpp or 1)
+    if shape.num_layers % stages:
+        errors.append(
+            f"{key}: {shape.num_layers} layers are not divisible by pipeline_model_parallel_size*virtual_pipeline_model_parallel_size "
+            f"= {stages}; fix: choose PP (x VPP) dividing {shape.num_layers}"
+        )
+    ep = par.expert_model_parallel_size
+    if ep > 1 and (not shape.num_experts or shape.num_experts % ep):
+        experts = f"{shape.num_experts} experts" if shape.num_experts else "no experts (dense)"
+        errors.append(
+            f"{key}.expert_model_parallel_size={ep} must divide the model's number of experts, but it has {experts}; "
+            f"fix: set {key}.expert_model_parallel_size=1 for dense models or a divisor of the expert count"
+        )
+
+
+def _check_placement(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelShape | None, errors: list[str]) -> None:
+    world = cfg.cluster.world_size
+    sep = separate_devices(cfg)
+    for role, section in (("ref", cfg.ref), ("critic", cfg.critic)):
+        if role in roles and section.placement == "separate" and not section.num_devices:
+            errors.append(f"{role}.placement=separate needs {role}.num_devices; fix: set {role}.num_devices=<devices for the {role}>")
+        if section.placement == "colocated" and section.num_devices is not None:
+            errors.append(f"{role}.num_devices is only used with {role}.placement=separate; fix: remove it or set {role}.placement=separate")
+    r = cfg.rollout
+    if r.placement == "separate" and r.num_engines is None:
+        errors.append("rollout.placement=separate needs rollout.num_engines; fix: set rollout.num_engines=<servers>")
+    actor_n = roles["actor"].count
+    if actor_n <= 0:
+        errors.append(
+            f"separate roles take {sum(sep.values())} devices ({', '.join(f'{k}={v}' for k, v in sep.items())}) of the "
+            f"{world} available (cluster.nnodes*cluster.n_gpus_per_node), leaving none for the actor; "
+            "fix: add devices or use placement=colocated"
+        )
+        return
+    if r.placement == "colocated":
+        if actor_n % r.engine_tp_size:
+            errors.append(
+                f"rollout.engine_tp_size={r.engine_tp_size} does not divide the {actor_n} engine devices (colocated with the "
+                f"actor); fix: choose rollout.engine_tp_size dividing {actor_n}"
+            )
+        elif num_engines(cfg, actor_n) * r.engine_tp_size > actor_n:
+            errors.append(
+                f"rollout.num_engines*rollout.engine_tp_size = {num_engines(cfg, actor_n) * r.engine_tp_size} exceeds the "
+                f"{actor_n} actor devices the colocated engines share; fix: rollout.num_engines={actor_n // r.engine_tp_size} or null"
+            )
+        if r.weight_sync.transport == "disk":
+            pass  # valid everywhere, only slower
+    elif r.weight_sync.transport == "tensor":
+        errors.append(
+            "rollout.weight_sync.transport=tensor passes in-process tensors and needs rollout.placement=colocated; "
+            "fix: use transport=distributed (or disk) for separate engines"
+        )
+    if cfg.cluster.device != "cpu" and r.engine_tp_size > cfg.cluster.n_gpus_per_node:
+        errors.append(
+            f"rollout.engine_tp_size={r.engine_tp_size} exceeds cluster.n_gpus_per_node={cfg.cluster.n_gpus_per_node}; "
+            "fix: an engine must fit on one node"
+        )
+    if shape is not None and shape.num_heads % r.engine_tp_size:
+        errors.append(
+            f"rollout.engine_tp_size={r.engine_tp_size} does not divide the model's {shape.num_heads} attention heads; "
+            f"fix: choose a divisor of {shape.num_heads}"
+        )
+
+
+def _check_algorithm(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
+    a, al = cfg.actor, cfg.algorithm
+    for key, val in (("actor.kl_loss_type", a.kl_loss_type), ("algorithm.kl_penalty", al.kl_penalty)):
+        if val == "full":
+            errors.append(
+                f"{key}=full (exact KL over the whole vocabulary) is not supported: it needs the reference's full [B, T, V] "
+                f"logits; fix: use {key}=low_var_kl (k3) or kl (k1)"
+            )
+    needs = [k for k, on in (("actor.use_kl_loss", a.use_kl_loss), ("algorithm.use_kl_in_reward", al.use_kl_in_reward),
+                             ("algorithm.ref_reward_blend.enable", al.ref_reward_blend.enable)) if on]
+    if cfg.ref.enable is False and needs:
+        errors.append(f"{', '.join(needs)} need ref_log_prob but ref.enable=false; fix: set ref.enable=true (or null) or turn that off")
+    if a.use_kl_loss and al.use_kl_in_reward and not al.allow_double_kl:
+        errors.append(
+            "actor.use_kl_loss=true and algorithm.use_kl_in_reward=true apply the KL penalty twice; fix: turn one off, "
+            "or set algorithm.allow_double_kl=true if that is intended"
+        )
+    if al.adv_estimator in _GROUP_ESTIMATORS and cfg.rollout.n < 2:
+        errors.append(
+            f"algorithm.adv_estimator={al.adv_estimator} compares responses within a prompt group but rollout.n="
+            f"{cfg.rollout.n}; fix: set rollout.n >= 2 (e.g. 8)"
+        )
+    if al.adv_estimator == "gae" and not cfg.critic_enabled:
+        errors.append("algorithm.adv_estimator=gae needs values but critic.enable=false; fix: set critic.enable=true (or null)")
+    if cfg.critic_enabled and al.adv_estimator != "gae":
+        notes.append(f"critic.enable=true but algorithm.adv_estimator={al.adv_estimator} does not use values")
+    if cfg.trainer.critic_warmup and not cfg.critic_enabled:
+        errors.append("trainer.critic_warmup > 0 but no critic is built; fix: set trainer.critic_warmup=0 or enable the critic")
+    if al.kl_ctrl.type == "adaptive" and not al.use_kl_in_reward:
+        notes.append("algorithm.kl_ctrl.type=adaptive has no effect unless algorithm.use_kl_in_reward=true")
+    for role, o in (("actor", a.optim), ("critic", cfg.critic.optim)):
+        if o.lr_warmup_steps and o.lr_warmup_steps_ratio:
+            errors.append(
+                f"{role}.optim.lr_warmup_steps and {role}.optim.lr_warmup_steps_ratio are both set; fix: set only one of them"
+            )
+
+
+def _check_rollout(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) -> None:
+    r = cfg.rollout
+    if r.temperature <= 0:
+        errors.append(f"rollout.temperature={r.temperature} must be > 0 for sampling; fix: e.g. rollout.temperature=1.0")
+    if r.top_k == 0:
+        errors.append("rollout.top_k=0 keeps no token; fix: rollout.top_k=-1 (disabled) or a value >= 1")
+    if r.engine == "sglang":
+        if cfg.cluster.device == "cpu":
+            errors.append("rollout.engine=sglang needs CUDA devices but cluster.device=cpu; fix: rollout.engine=torch or cluster.device=cuda")
+        elif cfg.cluster.device == "auto" and cfg.cluster.address is None and not _gpu_visible():
+            errors.append(
+                "rollout.engine=sglang needs CUDA devices but this host shows no NVIDIA GPU (cluster.device=auto, local Ray); "
+                "fix: rollout.engine=torch, or run on a GPU host"
+            )
+    elif r.router == "sglang_router":
+        errors.append("rollout.router=sglang_router needs rollout.engine=sglang; fix: rollout.router=builtin")
+    seq = cfg.data.max_prompt_length + r.max_response_length
+    if shape is not None and shape.max_positions and seq > shape.max_positions:
+        errors.append(
+            f"data.max_prompt_length + rollout.max_response_length = {cfg.data.max_prompt_length} + {r.max_response_length} "
+            f"= {seq} exceeds the model's max_position_embeddings={shape.max_positions} ({cfg.model.path}/config.json); "
+            "fix: shorten one of them"
+        )
+
+
+def _check_files(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
+    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        for i, f in enumerate(files):
+            if not f.endswith(_DATA_SUFFIXES):
+                errors.append(f"{key}[{i}]={f!r} is neither .parquet nor .jsonl; fix: convert it or point {key} at such a file")
+            elif not Path(f).exists():
+                notes.append(f"{key}[{i}]={f!r} does not exist yet; the run needs it")
+    if not cfg.data.train_files:
+        errors.append("data.train_files is empty; fix: data.train_files=[path/to/train.parquet]")
+    t = cfg.trainer
+    if t.test_freq > 0 and not cfg.data.val_files:
+        errors.append(f"trainer.test_freq={t.test_freq} but data.val_files is empty; fix: set data.val_files or trainer.test_freq=-1")
+    if t.val_before_train and not cfg.data.val_files:
+        errors.append("trainer.val_before_train=true but data.val_files is empty; fix: set data.val_files or val_before_train=false")
+    if t.save_freq > 0 and not t.default_local_dir:
+        errors.append(f"trainer.save_freq={t.save_freq} but trainer.default_local_dir is empty; fix: set trainer.default_local_dir=checkpoints/<run>")
+    if t.resume_mode not in ("auto", "disable") and not Path(t.resume_mode).exists():
+        errors.append(f"trainer.resume_mode={t.resume_mode!r} is neither auto, disable nor an existing checkpoint path; fix: one of those")
+    fn = cfg.reward.function
+    if ".py:" in fn and not Path(fn.split(":", 1)[0]).is_file():
+        errors.append(f"reward.function={fn!r}: file '{fn.split(':', 1)[0]}' does not exist; fix: give a path relative to the working directory")
+
+
+def load_shape(cfg: MRLConfig, errors: list[str], notes: list[str]) -> ModelShape | None:
+    """Model shape from model.path/config.json, or None with a note (absent) or an error (unreadable)."""
+    if not cfg.model.path:
+        errors.append("model.path is not set; fix: model.path=<HF checkpoint directory or hub id resolved on the GPU host>")
+        return None
+    try:
+        shape = read_model_shape(cfg.model.path)
+    except ValueError as e:
+        errors.append(f"model.path: {e}")
+        return None
+    if shape is None:
+        notes.append(
+            f"model.path={cfg.model.path!r} has no config.json here (yet); model checks (heads/TP, layers/PP, "
+            "positions) and the memory estimate are skipped"
+        )
+    return shape
+
+
+def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
+    """All cross-field errors and plan notes of ``cfg``; nothing is started or imported beyond json."""
+    errors: list[str] = []
+    notes: list[str] = []
+    shape = load_shape(cfg, errors, notes)
+    roles = compute_layout(cfg)
+    _check_placement(cfg, roles, shape, errors)
+    for role in ("actor", "ref", "critic"):
+        if role in roles and roles[role].count > 0:
+            _check_parallel(role, roles[role].parallel, roles[role], cfg, shape, errors)
+    if roles["actor"].count > 0:
+        _check_batches(cfg, roles["actor"], errors)
+    if "critic" in roles and roles["critic"].count > 0:
+        c = cfg.critic
+        _check_role_batches("critic", c.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu,
+                            c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu, cfg, roles["critic"], errors)
+    _check_algorithm(cfg, errors, notes)
+    _check_rollout(cfg, shape, errors)
+    _check_files(cfg, errors, notes)
+    if cfg.cluster.device == "cpu" and cfg.model.dtype != "float32":
+        notes.append(f"cluster.device=cpu with model.dtype={cfg.model.dtype}: CPU runs are slow outside float32")
+    return errors, notes

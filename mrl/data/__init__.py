@@ -1,0 +1,1 @@
+"""Datasets, tokenization, sampler state and DP balancing (no Ray/Megatron imports)."""

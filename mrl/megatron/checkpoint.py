@@ -1,0 +1,337 @@
+"""Layout-independent Megatron checkpoints: model (+ optimizer, scheduler) through ``dist_checkpointing``.
+
+A checkpoint directory holds Megatron-Core's ``torch_dist`` format (``metadata.json``, ``common.pt``,
+``__R_I.distcp`` shard files, ``.metadata``) plus ``mrl_checkpoint.json`` (HF config, parallel
+layout, versions). Tensors are stored under global keys with global shapes (Megatron's
+``sharded_state_dict``: layers stacked as ``decoder.layers.<name>`` of shape ``[L, ...]``, TP
+shards as slices of the full tensor), so a checkpoint saved at TP2×PP2(×VPP) loads at any other
+TP/PP/VPP/DP. The vocab-padded embedding/output rows carry ``allow_shape_mismatch`` in Megatron,
+so a different ``make_vocab_size_divisible_by × TP`` padding loads too (extra rows are zeros).
+
+``mrl_checkpoint.json`` is written last by rank 0, after every rank finished writing: its presence
+marks a complete checkpoint. Everything non-tensor (``extra``, scheduler, optimizer param groups)
+goes through ``common.pt``, which Megatron reads with ``torch.load(weights_only=True)``: keep
+``extra`` to plain Python types (int, float, str, bool, lists/dicts of them, tensors).
+
+Optimizer state uses the DistributedOptimizer's ``fully_sharded_model_space`` format by default
+(each rank writes its own flat slice of every parameter's state: no gather, reshardable across
+TP/PP/DP). The format is recorded in the checkpoint and reused on load.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+METADATA_FILE = "mrl_checkpoint.json"
+FORMAT = "mrl-mcore-torch_dist-v1"
+DEFAULT_OPTIM_SHARDING = "fully_sharded_model_space"
+_OPTIM_SHARDINGS = ("fully_sharded_model_space", "fully_reshardable", "dp_reshardable")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is missing, incomplete, corrupt or does not match the model."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def parallel_layout() -> dict[str, int | None]:
+    """The Megatron parallel sizes of this process (``parallel_state`` must be initialised)."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+    }
+
+
+def _sd_metadata(optim_sharding: str) -> dict[str, Any]:
+    """Options steering every ``sharded_state_dict`` call (Megatron-LM passes the same keys)."""
+    if optim_sharding not in _OPTIM_SHARDINGS:
+        raise CheckpointError(
+            f"optim_sharding={optim_sharding!r} is not supported; use one of {_OPTIM_SHARDINGS}"
+        )
+    return {
+        "singleton_local_shards": False,
+        "distrib_optim_sharding_type": optim_sharding,
+        "chained_optim_avoid_prefix": True,
+    }
+
+
+def _model_sharded_state_dict(model_chunks: Sequence[torch.nn.Module], md: dict) -> dict[str, Any]:
+    # ``dict(md)``: Megatron adds a process group (dp_cp_group) to the dict it is given, which
+    # must not leak into the checkpoint's content metadata.
+    if len(model_chunks) == 1:
+        return {"model": model_chunks[0].sharded_state_dict(metadata=dict(md))}
+    # Virtual pipeline chunks: the dict keys are only containers; tensors are stored under their
+    # global ShardedTensor keys, so chunk count does not leak into the checkpoint.
+    return {f"model{i}": c.sharded_state_dict(metadata=dict(md)) for i, c in enumerate(model_chunks)}
+
+
+def _hf_config_dict(hf_config: Any) -> dict | None:
+    if hf_config is None:
+        return None
+    if isinstance(hf_config, dict):
+        return hf_config
+    if hasattr(hf_config, "to_dict"):
+        return hf_config.to_dict()
+    raise CheckpointError(f"hf_config must be a transformers config or a dict, got {type(hf_config)}")
+
+
+def _save_strategy(fully_parallel: bool):
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_save_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    strategy = get_default_save_sharded_strategy("torch_dist")
+    if fully_parallel and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        # Data-parallel replicas split the writing of replicated tensors instead of DP rank 0
+        # writing everything.
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, ps.get_data_parallel_group(with_context_parallel=True)
+        )
+    return strategy
+
+
+def save_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any = None,
+    opt_param_scheduler: Any = None,
+    extra: dict | None = None,
+    *,
+    hf_config: Any = None,
+    optim_sharding: str = DEFAULT_OPTIM_SHARDING,
+    fully_parallel: bool = True,
+) -> Path:
+    """Collectively save ``model_chunks`` (and optimizer/scheduler state) to ``ckpt_dir``.
+
+    Every rank of the job calls this with its own chunks (GPTModel, DDP or Float16Module wrapped;
+    one per virtual pipeline stage). ``extra`` (plain types) comes back from
+    :func:`load_checkpoint`. ``hf_config`` (transformers config or dict) is recorded in
+    ``mrl_checkpoint.json`` so that conversion back to HF needs no other input.
+    Returns the checkpoint path.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = Path(ckpt_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    if _rank() == 0 and (path / METADATA_FILE).exists():
+        # Remove the completion marker first: an interrupted overwrite must not look complete.
+        (path / METADATA_FILE).unlink()
+    _barrier()
+
+    md = _sd_metadata(optim_sharding)
+    state = _model_sharded_state_dict(model_chunks, md)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=dict(md))
+    if opt_param_scheduler is not None:
+        state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    state["mrl_extra"] = dict(extra or {})
+
+    dist_checkpointing.save(
+        state, str(path), sharded_strategy=_save_strategy(fully_parallel), content_metadata=md
+    )
+    _barrier()
+    if _rank() == 0:
+        import megatron.core
+
+        try:
+            from importlib.metadata import version
+
+            mrl_version = version("mrl")
+        except Exception:  # noqa: BLE001 - running from a source tree without install
+            mrl_version = "unknown"
+        dtypes = sorted({str(p.dtype).replace("torch.", "") for c in model_chunks for p in c.parameters()})
+        meta = {
+            "format": FORMAT,
+            "mrl_version": mrl_version,
+            "megatron_core_version": megatron.core.__version__,
+            "torch_version": torch.__version__,
+            "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "layout": parallel_layout(),
+            "params_dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+            "has_optimizer": optimizer is not None,
+            "has_scheduler": opt_param_scheduler is not None,
+            "optim_sharding": optim_sharding if optimizer is not None else None,
+            "hf_config": _hf_config_dict(hf_config),
+        }
+        tmp = path / (METADATA_FILE + ".tmp")
+        tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+        tmp.replace(path / METADATA_FILE)
+    _barrier()
+    return path
+
+
+def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
+    """Return ``mrl_checkpoint.json`` of a checkpoint; a clear error when it is not one."""
+    path = Path(ckpt_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    meta_file = path / METADATA_FILE
+    if not meta_file.exists():
+        hint = (
+            "it holds a Hugging Face checkpoint; convert it with `mrl-ckpt hf-to-mcore`"
+            if (path / "config.json").exists() and any(path.glob("*.safetensors"))
+            else "the save did not finish (re-run it) or this is not an mrl checkpoint"
+        )
+        raise CheckpointError(f"{meta_file} is missing: {hint}")
+    try:
+        return json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_file} is not valid JSON ({e}); the checkpoint is corrupt") from e
+
+
+def verify_checkpoint(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
+    """Check that every shard file the checkpoint index refers to exists and is long enough.
+
+    Returns ``{"metadata": ..., "tensors": {key: global_shape}}``. Raises :class:`CheckpointError`
+    naming the missing/truncated file and the tensors stored in it.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(ckpt_dir)
+    meta = read_checkpoint_metadata(path)
+    for name in ("metadata.json", "common.pt", ".metadata"):
+        if not (path / name).exists():
+            raise CheckpointError(f"{path / name} is missing: the checkpoint is incomplete; re-save it")
+    try:
+        dcp_meta = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"cannot read the tensor index {path / '.metadata'}: {e}") from e
+    needed: dict[str, int] = {}
+    held: dict[str, set[str]] = {}
+    for idx, info in dcp_meta.storage_data.items():
+        rel = info.relative_path
+        needed[rel] = max(needed.get(rel, 0), info.offset + info.length)
+        held.setdefault(rel, set()).add(idx.fqn)
+    for rel, size in sorted(needed.items()):
+        f = path / rel
+        tensors = ", ".join(sorted(held[rel])[:5]) + (" ..." if len(held[rel]) > 5 else "")
+        if not f.exists():
+            raise CheckpointError(f"shard file {f} is missing (it holds {tensors}); re-save the checkpoint")
+        if f.stat().st_size < size:
+            raise CheckpointError(
+                f"shard file {f} is truncated ({f.stat().st_size} < {size} bytes; holds {tensors})"
+            )
+    shapes = {
+        k: tuple(v.size) for k, v in dcp_meta.state_dict_metadata.items() if hasattr(v, "size")
+    }
+    return {"metadata": meta, "tensors": shapes}
+
+
+def _check_keys(sharded_sd: dict, stored: dict[str, tuple]) -> None:
+    """Fail before reading data if a requested tensor is absent or has another global shape."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    missing, wrong = [], []
+    for sh in nested_values(sharded_sd):
+        if not isinstance(sh, ShardedTensor):
+            continue
+        if sh.key not in stored:
+            missing.append(sh.key)
+        elif not sh.allow_shape_mismatch and tuple(stored[sh.key]) != tuple(sh.global_shape):
+            wrong.append(f"{sh.key}: checkpoint {tuple(stored[sh.key])} vs model {tuple(sh.global_shape)}")
+    if missing:
+        raise CheckpointError(
+            f"checkpoint lacks tensor(s) {sorted(set(missing))[:8]}"
+            f"{' ...' if len(set(missing)) > 8 else ''}: it was saved from another model "
+            "architecture or is corrupt"
+        )
+    if wrong:
+        raise CheckpointError(
+            "tensor shapes differ between checkpoint and model (different model config?): "
+            + "; ".join(sorted(set(wrong))[:8])
+        )
+
+
+def load_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any = None,
+    opt_param_scheduler: Any = None,
+    *,
+    load_optimizer: bool = True,
+    fully_parallel: bool = True,
+) -> dict[str, Any]:
+    """Collectively load a checkpoint into ``model_chunks`` (any TP/PP/VPP/DP layout).
+
+    With ``optimizer`` given and ``load_optimizer=True`` the optimizer state is loaded too (the
+    checkpoint must have one); with ``load_optimizer=False`` only the weights are loaded and the
+    optimizer's main (fp32) parameters are refreshed from them. Returns the ``extra`` dict given
+    to :func:`save_checkpoint`.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+    )
+
+    path = Path(ckpt_dir)
+    info = verify_checkpoint(path)
+    meta = info["metadata"]
+    want_optim = optimizer is not None and load_optimizer
+    if want_optim and not meta.get("has_optimizer"):
+        raise CheckpointError(
+            f"{path} holds no optimizer state; pass load_optimizer=False to load the weights only"
+        )
+    saved_md = dist_checkpointing.load_content_metadata(str(path)) or {}
+    md = _sd_metadata(saved_md.get("distrib_optim_sharding_type", DEFAULT_OPTIM_SHARDING))
+
+    state = _model_sharded_state_dict(model_chunks, md)
+    if want_optim:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=dict(md))
+    _check_keys(state, info["tensors"])
+
+    strategy = get_default_load_sharded_strategy(str(path))
+    if fully_parallel and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        strategy = FullyParallelLoadStrategyWrapper(
+            strategy, ps.get_data_parallel_group(with_context_parallel=True)
+        )
+    loaded = dist_checkpointing.load(state, str(path), sharded_strategy=strategy)
+
+    if len(model_chunks) == 1:
+        model_chunks[0].load_state_dict(loaded["model"], strict=True)
+    else:
+        for i, chunk in enumerate(model_chunks):
+            chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+    if want_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+    elif optimizer is not None:
+        # The optimizer keeps its own fp32 main copies of bf16/fp16 weights: refresh them.
+        optimizer.reload_model_params()
+    if opt_param_scheduler is not None and load_optimizer:
+        if "opt_param_scheduler" not in loaded:
+            raise CheckpointError(f"{path} holds no opt_param_scheduler state; pass load_optimizer=False")
+        opt_param_scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    _barrier()
+    return dict(loaded.get("mrl_extra", {}))

@@ -1,0 +1,151 @@
+"""Run Megatron-Core on CPU over gloo: the one place in mrl that knows about the CPU device.
+
+Megatron-Core (0.16) assumes CUDA in a handful of places that are not about maths. With the
+redirects below, ``GPTModel`` forward/backward, ``get_forward_backward_func()`` (1F1B, TP×PP),
+Megatron ``DistributedDataParallel`` and the ``DistributedOptimizer`` run on CPU tensors with
+the gloo backend, so CI and the CPU quickstart exercise the real TP/PP code paths.
+
+Redirects (each has its own test in ``tests/megatron/test_cpu_support.py``):
+
+1. ``torch.cuda.current_device()`` returns ``0`` (an ordinal Megatron feeds back as ``device=``).
+2. A ``TorchFunctionMode`` (:class:`CpuDeviceMode`) rewrites every CUDA device argument —
+   ``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")`` or a bare ordinal ``N`` — to ``"cpu"`` in
+   factory calls (``torch.empty(..., device=...)``) and in ``Tensor.to(...)``; it drops
+   ``pin_memory=True`` (pinning needs a CUDA driver).
+3. ``Tensor.cuda()`` and ``Tensor.pin_memory()`` return the CPU tensor itself.
+4. ``Tensor.type()`` (no argument) reports ``torch.cuda.<T>Tensor`` because the optimizer and
+   grad clipping assert on those strings; ``Tensor.type("torch.cuda.<T>Tensor")`` casts to the
+   CPU type.
+5. The CUDA RNG tracker: ``torch.cuda.{get,set}_rng_state`` / ``manual_seed`` and Megatron's
+   ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` use the CPU generator, so
+   ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` work (forked
+   streams stay reproducible, the tensor-parallel stream differs per TP rank as on GPU).
+6. ``torch.cuda.Stream`` / ``stream`` / ``current_stream`` / ``default_stream`` become a no-op
+   stream (CPU ops are synchronous), ``torch.cuda.synchronize`` a no-op.
+
+Scope: :func:`enable_cpu_support` is called only when ``device == "cpu"`` (by
+:func:`mrl.megatron.parallel.init_parallel`) and refuses to run where CUDA is available, so nothing
+here can change GPU behaviour. The module-level patches are process-wide; the device mode is a
+``torch`` function mode, which is thread-local: call :func:`enable_cpu_support` (idempotent) in
+every thread that runs Megatron code.
+
+Processes spawned by ``dist_checkpointing.save`` (its async writer) re-import the entry module,
+so entry points that use Megatron must keep their work under ``if __name__ == "__main__":``.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_STATE = threading.local()
+_PATCHED = False
+_LOCK = threading.Lock()
+
+
+def _is_cuda_device(dev: Any) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev == "cuda" or dev.startswith("cuda:")
+    # A bare ordinal means a CUDA device to torch (torch.empty(2, device=0) is cuda:0).
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+def _cpu_type_name(name: str) -> str:
+    return name.replace("torch.cuda.", "torch.", 1) if name.startswith("torch.cuda.") else name
+
+
+class CpuDeviceMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU in every torch call (redirects 2-4)."""
+
+    def __torch_function__(self, func: Callable, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = dict(kwargs or {})
+        dev = kwargs.get("device")
+        if dev is not None and _is_cuda_device(dev):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.to:
+            # Tensor.to(device[, dtype]) puts the device first; Tensor.to(other) is left as is.
+            args = tuple("cpu" if i > 0 and _is_cuda_device(a) else a for i, a in enumerate(args))
+        if func is torch.Tensor.type:
+            if len(args) == 1 and "dtype" not in kwargs:
+                name = func(*args, **kwargs)
+                return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
+            if len(args) > 1 and isinstance(args[1], str):
+                args = (args[0], _cpu_type_name(args[1]), *args[2:])
+            if isinstance(kwargs.get("dtype"), str):
+                kwargs["dtype"] = _cpu_type_name(kwargs["dtype"])
+        return func(*args, **kwargs)
+
+
+class _NoOpStream:
+    """Stands in for ``torch.cuda.Stream``: CPU kernels run synchronously, so nothing to order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> None:
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _patch_process_wide() -> None:
+    import megatron.core.tensor_parallel.random as mrandom
+
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.Stream = _NoOpStream  # type: ignore[misc,assignment]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda device=None: _NoOpStream()  # type: ignore[assignment]
+    torch.cuda.default_stream = lambda device=None: _NoOpStream()  # type: ignore[assignment]
+    # The "CUDA" generator is the CPU one: fork/restore semantics of the tracker are preserved.
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    mrandom._get_cuda_rng_state = (
+        lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    )
+    mrandom._set_cuda_rng_state = (
+        lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    )
+
+
+def enable_cpu_support() -> None:
+    """Activate every redirect listed in the module docstring (idempotent, per thread)."""
+    global _PATCHED
+    if torch.cuda.is_available() and not _PATCHED:
+        raise RuntimeError(
+            "enable_cpu_support() called on a host where CUDA is available; it is meant for "
+            "cluster.device: cpu only. Set cluster.device: cuda to train on the GPUs."
+        )
+    with _LOCK:
+        if not _PATCHED:
+            _patch_process_wide()
+            _PATCHED = True
+    if not getattr(_STATE, "mode", None):
+        mode = CpuDeviceMode()
+        mode.__enter__()  # stays on this thread's function-mode stack for the process lifetime
+        _STATE.mode = mode
+
+
+def cpu_support_active() -> bool:
+    """True when :func:`enable_cpu_support` ran in this process and this thread."""
+    return _PATCHED and getattr(_STATE, "mode", None) is not None

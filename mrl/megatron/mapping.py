@@ -1,0 +1,257 @@
+"""Hugging Face ↔ Megatron-Core weight mapping for any TP/PP(/VPP) layout, table driven.
+
+Each family is a tuple of :class:`Rule`\\ s: a Megatron parameter name (relative to the
+``GPTModel`` for model-level rules, to a ``TransformerLayer`` for per-layer rules), the HF
+name(s) it is made of (``{i}`` is the *global* layer index) and how it is split over TP:
+
+``replicated``  same tensor on every TP rank (norms, q/k norms).
+``column``      split along dim 0 (output features).
+``row``         split along dim 1 (input features).
+``vocab``       ``column`` after zero-padding rows ``[V, H] -> [V_pad, H]``; un-padded on export.
+``qkv``         HF ``q [nh*d, H]``, ``k [ng*d, H]``, ``v [ng*d, H]`` → Megatron ``linear_qkv``
+                ``[ng * (nh/ng + 2) * d, H]``, interleaved per query group
+                ``[q_g0 (nh/ng heads), k_g0, v_g0, q_g1, ...]``, then split along dim 0 (each TP
+                rank owns ``ng/TP`` whole groups). Biases ``[.]`` follow the same layout.
+``gate_up``     HF ``gate [F, H]``, ``up [F, H]`` → ``linear_fc1``; TP rank r holds
+                ``cat(gate_r, up_r)`` with ``gate_r = gate.chunk(TP)[r]`` (SwiGLU's fused fc1).
+
+Spec namings: the local spec keeps ``input_layernorm``/``pre_mlp_layernorm``; the Transformer
+Engine spec fuses them into ``linear_qkv.layer_norm_weight``/``linear_fc1.layer_norm_weight``
+(:data:`TE_RENAMES`); the mapping resolves whichever the model has. Pipeline stages (and virtual
+stages) hold consecutive layers; ``TransformerLayer.layer_number`` (1-based, global) gives the HF
+index, so any PP/VPP layout maps without offset arithmetic here. MoE slots in as more per-layer
+rules with an ``{e}`` expert index and an ``expert`` split over the EP group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from mrl.megatron.provider import head_dim, model_family
+
+SPLITS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
+
+
+@dataclass(frozen=True)
+class Rule:
+    mcore: str
+    hf: tuple[str, ...]
+    split: str
+    # "model" rules live on the GPTModel (pre/post process stages only), "layer" rules per layer.
+    scope: str = "layer"
+
+
+_EMBED = Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "model")
+_FINAL_NORM = Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", "model")
+_LM_HEAD = Rule("output_layer.weight", ("lm_head.weight",), "vocab", "model")
+_L = "model.layers.{i}."
+_DENSE_LAYER = (
+    Rule("input_layernorm.weight", (_L + "input_layernorm.weight",), "replicated"),
+    Rule(
+        "self_attention.linear_qkv.weight",
+        (_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"),
+        "qkv",
+    ),
+    Rule("self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",), "row"),
+    Rule("pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",), "replicated"),
+    Rule("mlp.linear_fc1.weight", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), "gate_up"),
+    Rule("mlp.linear_fc2.weight", (_L + "mlp.down_proj.weight",), "row"),
+)
+_QKV_BIAS = Rule(
+    "self_attention.linear_qkv.bias",
+    (_L + "self_attn.q_proj.bias", _L + "self_attn.k_proj.bias", _L + "self_attn.v_proj.bias"),
+    "qkv",
+)
+_QK_NORM = (
+    Rule("self_attention.q_layernorm.weight", (_L + "self_attn.q_norm.weight",), "replicated"),
+    Rule("self_attention.k_layernorm.weight", (_L + "self_attn.k_norm.weight",), "replicated"),
+)
+_MODEL_RULES = (_EMBED, _FINAL_NORM, _LM_HEAD)
+
+FAMILY_TABLES: dict[str, tuple[Rule, ...]] = {
+    "llama": _MODEL_RULES + _DENSE_LAYER,
+    "mistral": _MODEL_RULES + _DENSE_LAYER,
+    "qwen2": _MODEL_RULES + _DENSE_LAYER + (_QKV_BIAS,),
+    "qwen3": _MODEL_RULES + _DENSE_LAYER + _QK_NORM,
+}
+
+TE_RENAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
+        chunk = chunk.module
+    return chunk
+
+
+def _param(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+    params = dict(module.named_parameters())
+    if name in params:
+        return params[name]
+    alt = TE_RENAMES.get(name)
+    return params.get(alt) if alt else None
+
+
+def _tp() -> tuple[int, int, Any]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+
+
+def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tuple[Rule, dict[str, str], torch.Tensor]]:
+    """(rule, format args, local Megatron parameter) for every mapped tensor of this rank."""
+    table = FAMILY_TABLES[model_family(hf_config)]
+    for chunk in map(_unwrap, chunks):
+        tied = chunk.share_embeddings_and_output_weights
+        for rule in table:
+            if rule.scope != "model":
+                continue
+            p = _param(chunk, rule.mcore)
+            if rule is _LM_HEAD and tied:
+                continue  # exported as embed_tokens by the first stage; filled from it on load
+            if p is not None:
+                yield rule, {}, p
+        for layer in chunk.decoder.layers:
+            fmt = {"i": str(layer.layer_number - 1)}
+            for rule in table:
+                if rule.scope != "layer":
+                    continue
+                p = _param(layer, rule.mcore)
+                if p is None:
+                    raise KeyError(
+                        f"Megatron layer {fmt['i']} has no parameter {rule.mcore!r} (or its TE name); "
+                        f"the {model_family(hf_config)} table in mrl/megatron/mapping.py does not match "
+                        "the layer spec"
+                    )
+                yield rule, fmt, p
+
+
+def hf_names_for_stage(model_chunks: list[torch.nn.Module], hf_config: Any) -> list[str]:
+    """HF tensor names this rank's pipeline stage exports / needs to load (global layer ids)."""
+    names = [hf.format(**fmt) for rule, fmt, _ in _stage_params(model_chunks, hf_config) for hf in rule.hf]
+    for chunk in map(_unwrap, model_chunks):
+        # The last stage of a tied model keeps its own copy of the embedding as output_layer.
+        if chunk.share_embeddings_and_output_weights and chunk.post_process and not chunk.pre_process:
+            names.append(_EMBED.hf[0])
+    return names
+
+
+def _qkv_sizes(hf_config: Any) -> tuple[int, int, int]:
+    nh = hf_config.num_attention_heads
+    ng = getattr(hf_config, "num_key_value_heads", None) or nh
+    return nh, ng, head_dim(hf_config)
+
+
+def _merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hf_config: Any) -> torch.Tensor:
+    nh, ng, d = _qkv_sizes(hf_config)
+    rest = q.shape[1:]
+    q = q.reshape(ng, nh // ng * d, *rest)
+    k = k.reshape(ng, d, *rest)
+    v = v.reshape(ng, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(ng * (nh // ng + 2) * d, *rest)
+
+
+def _split_qkv(qkv: torch.Tensor, hf_config: Any) -> tuple[torch.Tensor, ...]:
+    nh, ng, d = _qkv_sizes(hf_config)
+    rest = qkv.shape[1:]
+    g = qkv.reshape(ng, (nh // ng + 2) * d, *rest)
+    q, k, v = torch.split(g, [nh // ng * d, d, d], dim=1)
+    return q.reshape(nh * d, *rest), k.reshape(ng * d, *rest), v.reshape(ng * d, *rest)
+
+
+def _to_local(rule: Rule, full: list[torch.Tensor], hf_config: Any, local_shape: torch.Size) -> torch.Tensor:
+    """The TP-local shard of ``rule`` given the full HF tensors (inverse of ``_to_hf``)."""
+    tp, rank, _ = _tp()
+    if rule.split == "replicated":
+        return full[0]
+    if rule.split == "column":
+        return full[0].chunk(tp, dim=0)[rank]
+    if rule.split == "row":
+        return full[0].chunk(tp, dim=1)[rank]
+    if rule.split == "vocab":
+        w = full[0]
+        pad = local_shape[0] * tp - w.shape[0]
+        if pad < 0:
+            raise ValueError(f"HF vocab {w.shape[0]} exceeds the padded Megatron vocab {local_shape[0] * tp}")
+        w = torch.cat([w, w.new_zeros(pad, *w.shape[1:])]) if pad else w
+        return w.chunk(tp, dim=0)[rank]
+    if rule.split == "qkv":
+        return _merge_qkv(*full, hf_config).chunk(tp, dim=0)[rank]
+    if rule.split == "gate_up":
+        return torch.cat([full[0].chunk(tp, dim=0)[rank], full[1].chunk(tp, dim=0)[rank]])
+    raise ValueError(f"unknown split {rule.split!r}; expected one of {SPLITS}")
+
+
+def _gather(local: torch.Tensor, dim: int) -> list[torch.Tensor]:
+    tp, _, group = _tp()
+    if tp == 1:
+        return [local]
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return parts
+
+
+def _to_hf(rule: Rule, local: torch.Tensor, hf_config: Any) -> list[torch.Tensor]:
+    """Full HF tensors of ``rule`` from this rank's shard (a TP collective for split rules)."""
+    if rule.split == "replicated":
+        return [local.detach().clone()]
+    if rule.split == "row":
+        return [torch.cat(_gather(local.detach(), 1), dim=1)]
+    full = torch.cat(_gather(local.detach(), 0), dim=0)
+    if rule.split == "column":
+        return [full]
+    if rule.split == "vocab":
+        return [full[: hf_config.vocab_size].clone()]
+    if rule.split == "qkv":
+        return [t.contiguous() for t in _split_qkv(full, hf_config)]
+    if rule.split == "gate_up":
+        halves = [p.chunk(2, dim=0) for p in full.chunk(_tp()[0], dim=0)]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    raise ValueError(f"unknown split {rule.split!r}; expected one of {SPLITS}")
+
+
+def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` for this rank's pipeline stage.
+
+    Every rank of the TP group must iterate in lockstep (TP gathers are collectives); each PP
+    stage yields its own layers under global HF indices. Tensors keep the parameter's dtype and
+    device; the embedding / lm_head are un-padded to ``hf_config.vocab_size``; a tied model yields
+    ``model.embed_tokens.weight`` (first stage) and no ``lm_head.weight``.
+    """
+    with torch.no_grad():
+        for rule, fmt, p in _stage_params(model_chunks, hf_config):
+            for name, tensor in zip(rule.hf, _to_hf(rule, p, hf_config)):
+                yield name.format(**fmt), tensor
+
+
+def load_hf_weights(
+    model_chunks: list[torch.nn.Module], hf_config: Any, get_tensor: Callable[[str], torch.Tensor]
+) -> None:
+    """Fill this rank's shards from full HF tensors: ``get_tensor(hf_name) -> [full shape]``.
+
+    Shapes are checked against the config (a mismatch names the tensor); padded vocab rows are
+    zero. Tied models also copy ``model.embed_tokens.weight`` into a separate last-stage
+    ``output_layer`` (pipeline parallel), as Megatron keeps one copy per end of the pipeline.
+    """
+    with torch.no_grad():
+        for rule, fmt, p in _stage_params(model_chunks, hf_config):
+            names = [n.format(**fmt) for n in rule.hf]
+            full = [get_tensor(n) for n in names]
+            local = _to_local(rule, full, hf_config, p.shape)
+            if local.shape != p.shape:
+                raise ValueError(
+                    f"HF tensor(s) {names} with shapes {[tuple(t.shape) for t in full]} give a shard "
+                    f"of shape {tuple(local.shape)} but Megatron {rule.mcore!r} is {tuple(p.shape)}: "
+                    "config.json does not match the weights"
+                )
+            p.copy_(local)
+        for chunk in map(_unwrap, model_chunks):
+            if chunk.share_embeddings_and_output_weights and chunk.post_process and not chunk.pre_process:
+                w = chunk.output_layer.weight
+                w.copy_(_to_local(_EMBED, [get_tensor(_EMBED.hf[0])], hf_config, w.shape))

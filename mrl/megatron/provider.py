@@ -1,0 +1,243 @@
+"""Hugging Face ``config.json`` → Megatron-Core ``TransformerConfig`` + ``GPTModel`` chunks.
+
+Supported dense decoder families (``architectures`` in config.json): Llama 2/3 (incl. llama3
+rope scaling), Qwen2/2.5 (qkv bias, tied embeddings), Qwen3 (per-head q/k RMSNorm), Mistral.
+All are pre-norm RMSNorm decoders with RoPE, GQA and SwiGLU::
+
+    h = x + o_proj(attn(rope(q), rope(k), v)),  q, k, v = proj(rmsnorm(x))
+    y = h + down(silu(gate(rmsnorm(h))) * up(rmsnorm(h)))
+
+The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by * TP`` (Megatron's rule;
+the padded rows are zero on load and dropped on export, see :mod:`mrl.megatron.mapping`).
+Layer spec: Transformer Engine when it is importable and CUDA is in use, Megatron's local spec
+otherwise (always on CPU); :mod:`mrl.megatron.mapping` knows both namings.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
+
+
+def load_hf_config(path: str | os.PathLike) -> Any:
+    """Read ``config.json`` from an HF checkpoint directory (no network: local files only)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path}/config.json not found: point the model path at a Hugging Face checkpoint "
+            "directory (the one holding config.json and *.safetensors)"
+        )
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def model_family(hf_config: Any) -> str:
+    """Family key (``llama``/``qwen2``/``qwen3``/``mistral``) or a clear error listing them."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[arch]
+    # Configs built in code (not read from disk) carry no architectures: fall back to model_type.
+    if not archs and getattr(hf_config, "model_type", None) in SUPPORTED_ARCHITECTURES.values():
+        return hf_config.model_type
+    raise ValueError(
+        f"unsupported model architectures {archs} in config.json; mrl supports "
+        f"{sorted(SUPPORTED_ARCHITECTURES)}. Convert the checkpoint to one of these, or add a "
+        "family table to mrl/megatron/mapping.py"
+    )
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Smallest multiple of ``divisible_by * tp`` that is >= ``vocab_size`` (Megatron's rule)."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def head_dim(hf_config: Any) -> int:
+    hd = getattr(hf_config, "head_dim", None)
+    return int(hd) if hd else hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def _rope_params(hf_config: Any) -> tuple[float, bool, float]:
+    """(rope theta, llama3 scaling on?, scaling factor) from either HF rope layout."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    src = params if params.get("rope_type") else scaling
+    if rope_type == "default":
+        return float(theta), False, 1.0
+    if rope_type == "llama3":
+        # Megatron's llama3 scaling hard-codes low/high freq factors 1/4 and 8192 original positions.
+        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for key, val in expected.items():
+            if float(src.get(key, val)) != val:
+                raise ValueError(
+                    f"config.json rope_scaling.{key}={src.get(key)} is not supported (Megatron's "
+                    f"llama3 rope scaling uses {key}={val})"
+                )
+        return float(theta), True, float(src.get("factor", 8.0))
+    raise ValueError(
+        f"config.json rope type {rope_type!r} is not supported; supported: 'default', 'llama3'"
+    )
+
+
+def _check_supported(hf_config: Any, family: str) -> None:
+    if getattr(hf_config, "attention_bias", False) and family in ("llama", "qwen3", "mistral"):
+        raise ValueError("config.json attention_bias=true is not supported for this family")
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError("config.json mlp_bias=true is not supported")
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json hidden_act={act!r} is not supported (SwiGLU/silu only)")
+    window = getattr(hf_config, "sliding_window", None)
+    if family == "mistral" and window is not None:
+        raise ValueError(
+            f"config.json sliding_window={window}: sliding-window attention is not supported; set "
+            "it to null if your sequences never exceed the window"
+        )
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("config.json use_sliding_window=true is not supported; set it to false")
+
+
+def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float32, **overrides: Any):
+    """``TransformerConfig`` for ``hf_config`` under the current Megatron parallel state.
+
+    TP/PP/VPP sizes come from ``megatron.core.parallel_state`` (call
+    :func:`mrl.megatron.parallel.init_parallel` first). ``overrides`` are passed through to
+    ``TransformerConfig`` (e.g. ``recompute_granularity``, ``variable_seq_lengths``).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+
+    family = model_family(hf_config)
+    _check_supported(hf_config, family)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    on_cuda = torch.cuda.is_available()
+    kw: dict[str, Any] = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+        kv_channels=head_dim(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=family == "qwen2",
+        qk_layernorm=family == "qwen3",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # Fusions need CUDA kernels (apex/TE); the unfused paths are exact in fp32.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=ps.get_context_parallel_world_size(),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not on_cuda,
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def layer_spec(hf_config: Any, *, use_te: bool | None = None):
+    """TE spec when TE is importable on CUDA (or ``use_te=True``), local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_te is None:
+        use_te = torch.cuda.is_available() and specs.HAVE_TE
+    qk = model_family(hf_config) == "qwen3"
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk)
+    return specs.get_gpt_layer_local_spec(qk_layernorm=qk, normalization="RMSNorm")
+
+
+def build_model_chunks(
+    hf_config: Any,
+    *,
+    dtype: torch.dtype = torch.float32,
+    wrap_ddp: bool = False,
+    ddp_config: Any = None,
+    make_vocab_size_divisible_by: int = 128,
+    share_embeddings_and_output_weights: bool | None = None,
+    config_overrides: dict[str, Any] | None = None,
+) -> list:
+    """One ``GPTModel`` per virtual pipeline stage of this rank (a list of length VPP or 1).
+
+    Each chunk gets ``pre_process``/``post_process`` from its (pp_rank, vp_stage), random init
+    (fill it with :func:`mrl.megatron.mapping.load_hf_weights`). With ``wrap_ddp`` the chunks are
+    wrapped in Megatron ``DistributedDataParallel`` (default config: fp32 grad reduce, no
+    overlap; bucketing only on the first chunk, as Megatron-LM does).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    tcfg = make_transformer_config(hf_config, dtype=dtype, **(config_overrides or {}))
+    theta, rope_scaling, rope_factor = _rope_params(hf_config)
+    tied = (
+        bool(getattr(hf_config, "tie_word_embeddings", False))
+        if share_embeddings_and_output_weights is None
+        else share_embeddings_and_output_weights
+    )
+    vocab = padded_vocab_size(hf_config.vocab_size, tcfg.tensor_model_parallel_size, make_vocab_size_divisible_by)
+    spec = layer_spec(hf_config)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        stage_kw = dict(ignore_virtual=False, vp_stage=vp_stage) if vpp > 1 else {}
+        model = GPTModel(
+            config=tcfg,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=hf_config.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(**stage_kw),
+            post_process=ps.is_pipeline_last_stage(**stage_kw),
+            parallel_output=True,
+            share_embeddings_and_output_weights=tied,
+            position_embedding_type="rope",
+            rotary_base=theta,
+            rope_scaling=rope_scaling,
+            rope_scaling_factor=rope_factor,
+            vp_stage=vp_stage if vpp > 1 else None,
+        )
+        if dtype != torch.float32:
+            model = model.to(dtype)
+        chunks.append(model)
+    if wrap_ddp:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+        chunks = [
+            DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
+            for i, m in enumerate(chunks)
+        ]
+    return chunks
+
+
+def hf_config_dict(path: str | os.PathLike) -> dict[str, Any]:
+    """Raw config.json as a dict (for writing next to converted checkpoints)."""
+    return json.loads((Path(path) / "config.json").read_text())

@@ -1,0 +1,252 @@
+"""Continuous batching: a background thread that admits waiting requests into the running set
+between decode steps and retires sequences the step they finish.
+
+One loop iteration: (1) admit up to ``max_running - running`` waiting requests with one batched
+prefill, sample their first token and merge them into the running cache; (2) one batched decode
+step over every running sequence; (3) finished rows leave the cache at once (their futures are
+resolved) so the next step costs only what is still running. The loop holds ``model_lock`` for
+the duration of a step; weight updates take the same lock, so they land between two steps and
+never under a forward.
+
+Finish rules (SGLang semantics): EOS (unless ``ignore_eos``) or a ``stop_token_ids`` hit ->
+``{"type": "stop", "matched": token_id}``; a ``stop`` string in the decoded output ->
+``{"type": "stop", "matched": str}``; ``max_new_tokens`` reached (or the model's
+``max_position_embeddings``) -> ``{"type": "length", "length": n}``; ``/abort_request`` ->
+``{"type": "abort", "message": ...}``. The matched stop token stays in ``output_ids`` (and its
+log-prob in ``output_token_logprobs``); text is trimmed at the stop string unless ``no_stop_trim``.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from mrl.rollout.engine.model_runner import ModelRunner, RunningBatch
+from mrl.rollout.engine.sampling import RowSampling, sample
+from mrl.rollout.protocol import SamplingParams
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: Optional[dict[str, Any]] = None
+    aborted: Optional[str] = None
+    created: float = field(default_factory=time.monotonic)
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    sampling: Optional[RowSampling] = None
+
+
+class Scheduler:
+    """Owns the running batch and the model during steps. Thread-safe public methods."""
+
+    def __init__(self, runner: ModelRunner, max_running: int = 64, seed: int = 0) -> None:
+        if max_running < 1:
+            raise ValueError(f"--max-running must be >= 1, got {max_running}")
+        self.runner = runner
+        self.max_running = max_running
+        self.default_gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.weight_version = "default"
+        self.model_lock = threading.RLock()
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._rows: list[Request] = []
+        self._rb = RunningBatch()
+        self._paused = False
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        self._rid_counter = itertools.count()
+        # Counters the tests assert on (batching happened) and /get_server_info reports.
+        self.stats = collections.Counter()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="mrl-engine-scheduler", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ---- requests -----------------------------------------------------------------------
+    def submit(self, req: Request) -> concurrent.futures.Future:
+        max_pos = int(getattr(self.runner.config, "max_position_embeddings", 1 << 30))
+        if not req.prompt_ids:
+            raise ValueError("empty prompt: input_ids/text must hold at least one token")
+        if len(req.prompt_ids) >= max_pos:
+            raise ValueError(f"prompt of {len(req.prompt_ids)} tokens does not fit max_position_embeddings={max_pos}")
+        vocab = int(self.runner.config.vocab_size)
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input_ids contain ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if req.params.max_new_tokens == 0:
+            req.finish_reason = {"type": "length", "length": 0}
+            req.future.set_result(req)
+            return req.future
+        gen = None
+        if req.params.sampling_seed is not None:
+            gen = torch.Generator(device="cpu").manual_seed(int(req.params.sampling_seed))
+        req.sampling = RowSampling(req.params.temperature, req.params.top_p, req.params.top_k, gen)
+        with self._cv:
+            self._waiting.append(req)
+            self.stats["submitted"] += 1
+            self._cv.notify_all()
+        return req.future
+
+    def abort(self, rid: str = "", abort_all: bool = False, message: str = "aborted by /abort_request") -> int:
+        """Mark matching requests aborted; they finish at the next step boundary."""
+        n = 0
+        with self._cv:
+            for r in itertools.chain(self._waiting, self._rows):
+                if (abort_all or r.rid == rid) and r.aborted is None and r.finish_reason is None:
+                    r.aborted = message
+                    n += 1
+            self._cv.notify_all()
+        if self._paused:
+            # A paused loop does not step: retire aborted requests now.
+            with self.model_lock:
+                self._retire_aborted()
+        return n
+
+    def pause(self, mode: str = "in_place") -> int:
+        """Stop stepping; running requests keep their cache and wait. mode "abort" aborts them."""
+        with self._cv:
+            self._paused = True
+        with self.model_lock:  # returns once the step in flight has ended
+            n = len(self._rows)
+            if mode == "abort":
+                self.abort(abort_all=True, message="aborted by /pause_generation")
+                self._retire_aborted()
+        return n
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def num_running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---- loop ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and (self._paused or self.runner.released or not (self._waiting or self._rows)):
+                    self._cv.wait()
+                if self._stop:
+                    break
+                admit: list[Request] = []
+                while self._waiting and len(self._rows) + len(admit) < self.max_running:
+                    admit.append(self._waiting.popleft())
+            try:
+                with self.model_lock:
+                    self._retire_aborted(extra=admit)
+                    admit = [r for r in admit if r.finish_reason is None]
+                    if admit:
+                        self._prefill(admit)
+                    if self._rows:
+                        self._decode()
+            except Exception as e:  # noqa: BLE001 - a failed step must fail its requests, not hang them
+                with self._cv:
+                    for r in admit + self._rows:
+                        if not r.future.done():
+                            r.future.set_exception(e)
+                    self._rows, self._rb = [], RunningBatch()
+
+    def _prefill(self, admit: list[Request]) -> None:
+        if self._rows:
+            self.stats["admitted_while_running"] += len(admit)
+        rb, logits = self.runner.prefill([r.prompt_ids for r in admit])
+        tokens = self._sample_and_append(admit, logits)
+        rb.last_tokens = tokens
+        self._rb.merge(rb)
+        self._rows.extend(admit)
+        self.stats["prefill_batches"] += 1
+        self.stats["prefilled_requests"] += len(admit)
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(self._rows))
+        self._drop_finished()
+
+    def _decode(self) -> None:
+        logits = self.runner.decode(self._rb)
+        self._rb.last_tokens = self._sample_and_append(self._rows, logits)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_tokens"] += len(self._rows)
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(self._rows))
+        self._drop_finished()
+
+    def _sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        tokens, lps = sample(logits, [r.sampling for r in reqs], self.default_gen)  # type: ignore[misc]
+        for r, t, lp in zip(reqs, tokens.tolist(), lps.tolist()):
+            r.output_ids.append(t)
+            r.logprobs.append(lp)
+            r.finish_reason = self._check_finish(r, t)
+        return tokens
+
+    def _check_finish(self, r: Request, t: int) -> Optional[dict[str, Any]]:
+        p = r.params
+        if (not p.ignore_eos and t in self.runner.eos_token_ids) or (p.stop_token_ids and t in p.stop_token_ids):
+            return {"type": "stop", "matched": t}
+        stops = p.stop_strings
+        if stops:
+            tok = self.runner.tokenizer
+            if tok is None:
+                raise ValueError("sampling_params.stop needs a tokenizer in the model directory")
+            window = max(len(s) for s in stops) + 8
+            tail = tok.decode(r.output_ids[-window:], skip_special_tokens=p.skip_special_tokens)
+            for s in stops:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        max_pos = int(getattr(self.runner.config, "max_position_embeddings", 1 << 30))
+        if len(r.output_ids) >= p.max_new_tokens or len(r.prompt_ids) + len(r.output_ids) >= max_pos:
+            return {"type": "length", "length": len(r.output_ids)}
+        return None
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, r in enumerate(self._rows) if r.finish_reason is None]
+        if len(keep) == len(self._rows):
+            return
+        done = [r for r in self._rows if r.finish_reason is not None]
+        self._rb.keep(keep)
+        self._rows = [self._rows[i] for i in keep]
+        for r in done:
+            self.stats["finished"] += 1
+            r.future.set_result(r)
+
+    def _retire_aborted(self, extra: list[Request] = ()) -> None:  # type: ignore[assignment]
+        with self._cv:
+            for r in list(self._waiting) + list(extra):
+                if r.aborted is not None and r.finish_reason is None:
+                    r.finish_reason = {"type": "abort", "message": r.aborted}
+                    r.future.set_result(r)
+            self._waiting = collections.deque(r for r in self._waiting if r.finish_reason is None)
+            for r in self._rows:
+                if r.aborted is not None and r.finish_reason is None:
+                    r.finish_reason = {"type": "abort", "message": r.aborted}
+        self._drop_finished()

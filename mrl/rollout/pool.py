@@ -1,0 +1,256 @@
+"""N engines behind one client: health, control fan-out, take-out / restart / re-sync.
+
+Every engine speaks SGLang's HTTP protocol. The pool owns the engines' *state* (healthy,
+outstanding requests, failures), not their processes: whoever owns a process hands in a
+``restart`` callback (``EngineProcess.restart`` or a Ray actor call). The weight-sync side hands
+in ``resync(url)``, which pushes the current weights to one engine; the pool then checks that the
+engine reports the current ``weight_version`` before routing to it again.
+
+All network work runs on one asyncio loop in a background thread (``PoolLoop``), so periodic
+``/health_generate`` checks go on between batches and the sync API is usable from the driver.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class EngineEndpoint:
+    """One engine. ``restart`` is blocking and brings the engine back at the same url."""
+
+    url: str
+    restart: Callable[[], None] | None = None
+    healthy: bool = True
+    recovering: bool = False
+    outstanding: int = 0
+    failures: int = 0
+    restarts: int = 0
+    last_error: str | None = None
+    served: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+
+
+class PoolLoop:
+    """An asyncio loop in a daemon thread; ``run(coro)`` blocks the caller until it finishes."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="mrl-rollout-pool", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Awaitable[T], timeout_s: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+
+class EnginePool:
+    """Engines + their health. ``token`` goes into ``Authorization: Bearer`` for control calls
+    (the engines require it when bound off loopback, like SGLang's ``--api-key``)."""
+
+    def __init__(
+        self,
+        engines: Sequence[EngineEndpoint],
+        *,
+        token: str | None = None,
+        health_interval_s: float = 10.0,
+        health_timeout_s: float = 30.0,
+        restart_timeout_s: float = 600.0,
+        max_failures: int = 3,
+    ) -> None:
+        if not engines:
+            raise ValueError("EnginePool needs at least one engine; set rollout.num_engines >= 1")
+        self.engines = list(engines)
+        self.token = token
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.restart_timeout_s = restart_timeout_s
+        self.max_failures = max_failures
+        #: the version the last weight sync pushed (None: engines still hold their start weights)
+        self.weight_version: str | None = None
+        self.resync: Callable[[str], None] | None = None
+        self.loop = PoolLoop()
+        self._client: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Future | None = None
+        self._recoveries: dict[str, asyncio.Future] = {}
+        self.changed: asyncio.Event | None = None  # set when an engine becomes healthy again
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            # trust_env=False: engines are addressed directly, never through an HTTP proxy.
+            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+            self._client = httpx.AsyncClient(timeout=None, limits=limits, trust_env=False, headers=self.headers)
+        return self._client
+
+    def start_health_checks(self) -> None:
+        if self._health_task is None and self.health_interval_s > 0:
+            self._health_task = asyncio.run_coroutine_threadsafe(self._health_loop(), self.loop.loop)
+
+    def close(self) -> None:
+        async def _close() -> None:
+            if self._client is not None:
+                await self._client.aclose()
+                self._client = None
+        if self._health_task is not None:
+            self._health_task.cancel()
+            self._health_task = None
+        self.loop.run(_close())
+        self.loop.close()
+
+    # ---- health ----------------------------------------------------------------------------
+    def healthy_engines(self) -> list[EngineEndpoint]:
+        return [e for e in self.engines if e.healthy]
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_health()
+            except Exception:
+                log.exception("health check round failed")
+
+    async def check_health(self) -> dict[str, bool]:
+        """GET /health_generate on every healthy engine (it runs a 1-token generation); a failure
+        takes the engine out and starts its recovery."""
+        async def one(e: EngineEndpoint) -> bool:
+            try:
+                r = await self.client().get(e.url + "/health_generate", timeout=self.health_timeout_s)
+                ok = r.status_code == 200
+                reason = f"/health_generate answered HTTP {r.status_code}"
+            except httpx.HTTPError as ex:
+                ok, reason = False, f"/health_generate failed: {type(ex).__name__}: {ex}"
+            if not ok:
+                self.mark_unhealthy(e, reason)
+            return ok
+        live = self.healthy_engines()
+        oks = await asyncio.gather(*(one(e) for e in live))
+        return {e.url: ok for e, ok in zip(live, oks)}
+
+    def mark_unhealthy(self, e: EngineEndpoint, reason: str) -> None:
+        """Take ``e`` out of routing and (once) start restart + re-sync in the background."""
+        e.last_error = reason
+        if e.healthy:
+            log.warning("engine %s taken out: %s", e.url, reason)
+        e.healthy = False
+        if e.url not in self._recoveries and e.restart is not None:
+            self._recoveries[e.url] = asyncio.run_coroutine_threadsafe(self._recover(e), self.loop.loop)
+
+    async def _recover(self, e: EngineEndpoint) -> None:
+        e.recovering = True
+        try:
+            # restart/resync block (process launch, weight push): keep them off the event loop.
+            await asyncio.to_thread(e.restart)
+            await self._wait_health(e)
+            if self.weight_version is not None:
+                if self.resync is None:
+                    raise RuntimeError(
+                        f"engine {e.url} restarted but no resync callback is set to bring it to weight "
+                        f"version {self.weight_version}; the weight syncer must set pool.resync"
+                    )
+                await asyncio.to_thread(self.resync, e.url)
+                got = await self.get_weight_version(e)
+                if got != self.weight_version:
+                    raise RuntimeError(
+                        f"engine {e.url} reports weight_version {got!r} after re-sync, expected {self.weight_version!r}"
+                    )
+            e.restarts += 1
+            e.failures = 0
+            e.healthy = True
+            log.warning("engine %s back in service (restart #%d)", e.url, e.restarts)
+        except Exception as ex:  # noqa: BLE001 - stays out of service, reason recorded
+            e.last_error = f"recovery failed: {type(ex).__name__}: {ex}"
+            log.error("engine %s recovery failed: %s", e.url, ex)
+        finally:
+            e.recovering = False
+            self._recoveries.pop(e.url, None)
+
+    async def _wait_health(self, e: EngineEndpoint) -> None:
+        deadline = time.monotonic() + self.restart_timeout_s
+        while True:
+            try:
+                r = await self.client().get(e.url + "/health", timeout=5.0)
+                if r.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine {e.url} not healthy {self.restart_timeout_s}s after restart")
+            await asyncio.sleep(0.3)
+
+    def wait_recovered(self, timeout_s: float = 120.0) -> None:
+        """Block until no recovery is in flight (tests and orderly shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._recoveries:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine recovery still running after {timeout_s}s: {list(self._recoveries)}")
+            time.sleep(0.2)
+
+    # ---- control fan-out -------------------------------------------------------------------
+    async def get_weight_version(self, e: EngineEndpoint) -> str | None:
+        """SGLang serves ``GET /get_weight_version``; older servers only ``/get_model_info``."""
+        for path in ("/get_weight_version", "/get_model_info"):
+            r = await self.client().get(e.url + path, timeout=30.0)
+            if r.status_code == 200 and "weight_version" in r.json():
+                v = r.json()["weight_version"]
+                return None if v is None else str(v)
+        raise RuntimeError(f"engine {e.url} reports no weight_version on /get_weight_version or /get_model_info")
+
+    async def acontrol(
+        self, path: str, payload: dict[str, Any] | None = None, *, method: str = "POST",
+        engines: Sequence[EngineEndpoint] | None = None, timeout_s: float = 600.0,
+    ) -> dict[str, Any]:
+        """Call ``path`` on the engines (default: all healthy ones) concurrently; any non-2xx or a
+        body with ``success: false`` raises, naming the engine and the endpoint."""
+        targets = self.healthy_engines() if engines is None else list(engines)
+
+        async def one(e: EngineEndpoint) -> Any:
+            r = await self.client().request(method, e.url + path, json=payload, timeout=timeout_s)
+            if r.status_code >= 300:
+                raise RuntimeError(f"{method} {e.url}{path} -> HTTP {r.status_code}: {r.text[:500]}")
+            # SGLang answers some control calls with plain text (/flush_cache: "Cache flushed.").
+            json_body = r.headers.get("content-type", "").startswith("application/json")
+            body = r.json() if r.content and json_body else {}
+            if isinstance(body, dict) and body.get("success") is False:
+                raise RuntimeError(f"{method} {e.url}{path} failed: {body.get('message')}")
+            return body
+        outs = await asyncio.gather(*(one(e) for e in targets))
+        return {e.url: o for e, o in zip(targets, outs)}
+
+    def control(self, path: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
+        return self.loop.run(self.acontrol(path, payload, **kw))
+
+    def pause(self, engines: Sequence[EngineEndpoint] | None = None) -> None:
+        self.control("/pause_generation", {}, engines=engines)
+
+    def flush(self, engines: Sequence[EngineEndpoint] | None = None) -> None:
+        self.control("/flush_cache", None, engines=engines)
+
+    def resume(self, engines: Sequence[EngineEndpoint] | None = None) -> None:
+        self.control("/continue_generation", {}, engines=engines)
+
+    def engine(self, url: str) -> EngineEndpoint:
+        for e in self.engines:
+            if e.url == url.rstrip("/"):
+                return e
+        raise KeyError(f"no engine with url {url!r} in the pool; engines: {[e.url for e in self.engines]}")

@@ -1,0 +1,334 @@
+"""HTTP server of the embedded engine, speaking SGLang's native protocol (``mrl engine``).
+
+    mrl engine --model HF_DIR --port P [--host 127.0.0.1] [--token-env VAR | --token T]
+               [--max-running N] [--device cpu|cuda] [--dtype float32] [--seed S]
+    python -m mrl.rollout.server (same arguments)
+
+Security: binds 127.0.0.1 by default. When a token is configured, every control endpoint
+(everything except /generate and /health*) requires ``Authorization: Bearer <token>``; the
+server refuses to bind a non-loopback address without one. Requests are JSON only; tensors
+arrive from disk (safetensors), shared memory or torch.distributed, never pickled.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import logging
+import os
+import sys
+import time
+from typing import Any, Optional
+
+from fastapi import Depends, FastAPI, HTTPException, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+
+from mrl.rollout import protocol as P
+from mrl.rollout.engine.checksum import tensor_checksum
+from mrl.rollout.engine.model_runner import ModelRunner
+from mrl.rollout.engine.scheduler import Request, Scheduler
+from mrl.rollout.engine import weights as W
+
+log = logging.getLogger("mrl.engine")
+
+
+class Engine:
+    """Model runner + scheduler + weight-update groups of one server."""
+
+    def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32",
+                 max_running: int = 64, seed: int = 0) -> None:
+        self.runner = ModelRunner(model_path, device=device, dtype=dtype)
+        self.scheduler = Scheduler(self.runner, max_running=max_running, seed=seed)
+        self.groups = W.DistGroups(self.runner.device)
+        # Where resume_memory_occupation restores weights from: the last full checkpoint loaded.
+        self.last_disk_path = model_path
+
+    def set_version(self, requested: Optional[str]) -> str:
+        s = self.scheduler
+        if requested is not None:
+            s.weight_version = str(requested)
+        else:
+            s.weight_version = str(int(s.weight_version) + 1) if s.weight_version.isdigit() else "1"
+        return s.weight_version
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_app(engine: Engine, token: Optional[str] = None) -> FastAPI:
+    """FastAPI app over ``engine``; ``token`` (if any) guards the control endpoints."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.scheduler.start()
+        yield
+        engine.scheduler.shutdown()
+
+    app = FastAPI(title="mrl embedded engine (SGLang protocol)", lifespan=lifespan)
+    sched, runner = engine.scheduler, engine.runner
+
+    def control(request: HTTPRequest) -> None:
+        if token is None:
+            return
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+            raise HTTPException(401, "control endpoint: send 'Authorization: Bearer <token>' (the engine's --token)")
+
+    ctl = [Depends(control)]
+
+    def bad_request(e: Exception) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(e)}}, status_code=400)
+
+    @app.post("/generate")
+    async def generate(body: P.GenerateReqInput):
+        if runner.released:
+            return JSONResponse({"error": {"message": "weights released; call /resume_memory_occupation"}}, status_code=503)
+        t0 = time.monotonic()
+        futures, submitted = [], []
+        try:
+            for i in range(body.batch_size):
+                text, ids, sp, lp, rid = body.item(i)
+                if ids is None:
+                    if runner.tokenizer is None:
+                        raise ValueError("'text' needs a tokenizer in the model directory; send input_ids instead")
+                    ids = runner.tokenizer.encode(text)
+                req = Request(prompt_ids=list(ids), params=sp, return_logprob=lp)
+                if rid is not None:
+                    req.rid = rid
+                futures.append(sched.submit(req))
+                submitted.append(req)
+        except ValueError as e:
+            for r in submitted:  # all or nothing for a batch request
+                sched.abort(r.rid)
+            return bad_request(e)
+        done = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        outs = [_response(engine, r, time.monotonic() - t0) for r in done]
+        return outs if body.is_batch else outs[0]
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        if sched.paused or runner.released:
+            return Response(status_code=200)  # alive; generating now would wait for /continue
+        req = Request(prompt_ids=[0], params=P.SamplingParams(max_new_tokens=1, temperature=0.0))
+        await asyncio.wait_for(asyncio.wrap_future(sched.submit(req)), timeout=60)
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return {"model_path": runner.model_path, "tokenizer_path": runner.model_path if runner.tokenizer else None,
+                "is_generation": True, "weight_version": sched.weight_version,
+                "model_type": getattr(runner.config, "model_type", None), "engine": "mrl-torch"}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": sched.weight_version}
+
+    @app.get("/get_server_info", dependencies=ctl)
+    async def get_server_info():
+        return {"max_running_requests": sched.max_running, "device": str(runner.device), "dtype": str(runner.dtype),
+                "num_running": sched.num_running, "num_waiting": sched.num_waiting, "paused": sched.paused,
+                "released": runner.released, "weight_version": sched.weight_version, "stats": dict(sched.stats)}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=ctl)
+    async def flush_cache():
+        # No prefix cache is kept across requests; running sequences keep their own KV.
+        return Response("Cache flushed.", status_code=200)
+
+    @app.post("/pause_generation", dependencies=ctl)
+    async def pause_generation(body: Optional[P.PauseGenerationReqInput] = None):
+        mode = (body or P.PauseGenerationReqInput()).mode
+        n = await asyncio.to_thread(sched.pause, mode)
+        return {"success": True, "message": f"paused ({mode})", "num_paused_requests": n}
+
+    @app.post("/continue_generation", dependencies=ctl)
+    async def continue_generation():
+        sched.resume()
+        return {"success": True, "message": "continued"}
+
+    @app.post("/abort_request", dependencies=ctl)
+    async def abort_request(body: P.AbortReqInput):
+        n = await asyncio.to_thread(sched.abort, body.rid, body.abort_all)
+        return {"success": True, "num_aborted": n}
+
+    async def _apply(named_fn, version: Optional[str], abort_all: bool) -> JSONResponse:
+        """Receive (off the event loop), then copy under the model lock and bump the version."""
+        if abort_all:
+            await asyncio.to_thread(sched.abort, "", True, "aborted for a weight update")
+        try:
+            named = await asyncio.to_thread(named_fn)
+
+            def _load() -> tuple[int, str]:
+                with sched.model_lock:
+                    return W.load_into_model(runner, named), engine.set_version(version)
+
+            moved, ver = await asyncio.to_thread(_load)
+        except (KeyError, ValueError, FileNotFoundError, RuntimeError) as e:
+            return JSONResponse({"success": False, "message": str(e)}, status_code=400)
+        return JSONResponse({"success": True, "message": f"updated {len(named)} tensors ({moved} bytes)",
+                             "weight_version": ver, "num_paused_requests": sched.num_running})
+
+    @app.post("/update_weights_from_disk", dependencies=ctl)
+    async def update_weights_from_disk(body: P.UpdateWeightFromDiskReqInput):
+        if body.load_format not in (None, "auto", "safetensors"):
+            return bad_request(ValueError(f"load_format {body.load_format!r}: only safetensors directories are supported"))
+        resp = await _apply(lambda: W.read_disk(runner, body.model_path), body.weight_version, body.abort_all_requests)
+        if resp.status_code == 200:
+            engine.last_disk_path = body.model_path
+        return resp
+
+    @app.post("/update_weights_from_tensor", dependencies=ctl)
+    async def update_weights_from_tensor(body: P.UpdateWeightsFromTensorReqInput):
+        if body.serialized_named_tensors:
+            return bad_request(ValueError(
+                "serialized_named_tensors (pickled tensors) are refused by the embedded engine; "
+                "send shm_tensors (POSIX shared-memory metadata, see docs/rollout.md)"))
+        return await _apply(lambda: W.read_shm(runner, body.shm_tensors), body.weight_version, body.abort_all_requests)
+
+    @app.post("/init_weights_update_group", dependencies=ctl)
+    async def init_weights_update_group(body: P.InitWeightsUpdateGroupReqInput):
+        try:
+            await asyncio.to_thread(engine.groups.init, body.master_address, body.master_port, body.rank_offset,
+                                    body.world_size, body.group_name, body.backend)
+        except Exception as e:  # noqa: BLE001 - report rendezvous failures to the caller
+            return JSONResponse({"success": False, "message": f"init_weights_update_group failed: {e}"}, status_code=400)
+        return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}/{body.world_size}"}
+
+    @app.post("/destroy_weights_update_group", dependencies=ctl)
+    async def destroy_weights_update_group(body: P.DestroyWeightsUpdateGroupReqInput):
+        try:
+            engine.groups.destroy(body.group_name)
+        except KeyError as e:
+            return JSONResponse({"success": False, "message": str(e)}, status_code=400)
+        return {"success": True, "message": f"destroyed {body.group_name}"}
+
+    @app.post("/update_weights_from_distributed", dependencies=ctl)
+    async def update_weights_from_distributed(body: P.UpdateWeightsFromDistributedReqInput):
+        return await _apply(lambda: engine.groups.receive(runner, body), body.weight_version, body.abort_all_requests)
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"], dependencies=ctl)
+    async def get_weights_by_name(body: P.GetWeightsByNameReqInput):
+        p = runner.named_weights().get(body.name)
+        if p is None:
+            return bad_request(KeyError(f"no parameter {body.name!r}"))
+        return p.detach()[: body.truncate_size].float().cpu().tolist()
+
+    @app.post("/weights_checksum", dependencies=ctl)
+    async def weights_checksum(body: P.WeightsChecksumReqInput):
+        params = runner.named_weights()
+        names = body.names if body.names is not None else list(params)
+        missing = [n for n in names if n not in params]
+        if missing:
+            return bad_request(KeyError(f"unknown weight names {missing[:5]}"))
+
+        def _sums() -> dict[str, str]:
+            with sched.model_lock:
+                return {n: tensor_checksum(params[n]) for n in names}
+
+        return {"checksums": await asyncio.to_thread(_sums), "weight_version": sched.weight_version}
+
+    @app.post("/release_memory_occupation", dependencies=ctl)
+    async def release_memory_occupation(body: Optional[P.MemoryOccupationReqInput] = None):
+        def _rel() -> int:
+            with sched.model_lock:
+                return 0 if runner.released else runner.release()
+
+        return {"success": True, "message": f"released {await asyncio.to_thread(_rel)} bytes of weights"}
+
+    @app.post("/resume_memory_occupation", dependencies=ctl)
+    async def resume_memory_occupation(body: Optional[P.MemoryOccupationReqInput] = None):
+        if not runner.released:
+            return {"success": True, "message": "not released"}
+
+        def _res() -> int:
+            with sched.model_lock:
+                runner.resume()
+                moved = W.load_into_model(runner, W.read_disk(runner, engine.last_disk_path))
+            sched.wake()  # the loop idles while weights are released
+            return moved
+
+        moved = await asyncio.to_thread(_res)
+        return {"success": True, "message": f"restored {moved} bytes from {engine.last_disk_path}",
+                "weight_version": sched.weight_version}
+
+    return app
+
+
+def _response(engine: Engine, r: Request, latency: float) -> dict[str, Any]:
+    tok = engine.runner.tokenizer
+    p = r.params
+    text = ""
+    if tok is not None and r.output_ids:
+        ids = r.output_ids
+        fr = r.finish_reason or {}
+        if fr.get("type") == "stop" and isinstance(fr.get("matched"), int) and not p.no_stop_trim:
+            ids = ids[:-1]
+        text = tok.decode(ids, skip_special_tokens=p.skip_special_tokens)
+        if fr.get("type") == "stop" and isinstance(fr.get("matched"), str) and not p.no_stop_trim:
+            cut = text.find(fr["matched"])
+            text = text[:cut] if cut >= 0 else text
+    meta: dict[str, Any] = {
+        "id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": len(r.prompt_ids),
+        "completion_tokens": len(r.output_ids), "cached_tokens": 0,
+        "weight_version": engine.scheduler.weight_version, "e2e_latency": latency,
+    }
+    if r.return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids)]
+    return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="mrl engine", description="Embedded SGLang-protocol engine (PyTorch)")
+    ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--token-env", help="environment variable holding the control token")
+    g.add_argument("--token", help="control token (prefer --token-env: argv is visible to other users)")
+    ap.add_argument("--max-running", type=int, default=64, help="max sequences decoded together")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--seed", type=int, default=0, help="seed of draws for requests without sampling_seed")
+    ap.add_argument("--log-level", default="warning")
+    return ap.parse_args(argv)
+
+
+def resolve_token(args: argparse.Namespace) -> Optional[str]:
+    token = args.token
+    if args.token_env:
+        token = os.environ.get(args.token_env)
+        if not token:
+            raise SystemExit(f"--token-env {args.token_env}: that environment variable is empty or unset")
+    if not is_loopback(args.host) and not token:
+        raise SystemExit(
+            f"--host {args.host} is not loopback: refusing to serve control endpoints without a token; "
+            "pass --token-env VAR (or bind 127.0.0.1)"
+        )
+    return token
+
+
+def cli_main(argv: Optional[list[str]] = None) -> int:
+    """Entry of ``mrl engine``; blocks serving until interrupted."""
+    import uvicorn
+
+    args = parse_args(argv)
+    token = resolve_token(args)
+    engine = Engine(args.model, device=args.device, dtype=args.dtype, max_running=args.max_running, seed=args.seed)
+    app = build_app(engine, token=token)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main())

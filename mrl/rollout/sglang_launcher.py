@@ -1,0 +1,215 @@
+"""Launch an engine HTTP server as a child process and wait until it is healthy.
+
+``rollout.engine: sglang`` runs ``python -m sglang.launch_server`` (GPU hosts); the embedded
+engine (``python -m mrl.rollout.server``) goes through the same ``EngineProcess`` code path with a
+different command, which is how the launch/health/log-tail logic is tested on CPU.
+
+Health: GET ``{url}/health`` every ``poll_s`` until HTTP 200 or ``startup_timeout_s``; if the child
+exits first, ``EngineLaunchError`` carries its exit code and the last lines of its log.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+class EngineLaunchError(RuntimeError):
+    """The engine child died or never became healthy; the message holds its log tail."""
+
+
+@dataclass
+class SGLangLaunchSpec:
+    """Arguments of ``sglang.launch_server`` that mrl sets (names as SGLang's ServerArgs flags).
+
+    tp_size: ``--tp-size``, GPUs per engine. mem_fraction_static: ``--mem-fraction-static``,
+    share of GPU memory for weights + KV cache. colocated: engine shares GPUs with the trainer,
+    so ``--enable-memory-saver`` lets ``/release_memory_occupation`` free the KV cache and weights.
+    api_key: ``--api-key`` (per-run token) needed when host is not loopback.
+    """
+
+    model_path: str
+    port: int
+    host: str = "127.0.0.1"
+    tp_size: int = 1
+    mem_fraction_static: float = 0.8
+    colocated: bool = False
+    skip_server_warmup: bool = True
+    base_gpu_id: int | None = None
+    dtype: str | None = None
+    random_seed: int | None = None
+    api_key: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"rollout.tp_size must be >= 1, got {self.tp_size}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(
+                f"rollout.gpu_memory_utilization (--mem-fraction-static) must be in (0, 1), got {self.mem_fraction_static}"
+            )
+
+
+def build_sglang_command(spec: SGLangLaunchSpec, python: str = sys.executable) -> list[str]:
+    """The argv of ``python -m sglang.launch_server`` for one engine."""
+    cmd = [
+        python, "-m", "sglang.launch_server",
+        "--model-path", str(spec.model_path),
+        "--host", spec.host,
+        "--port", str(spec.port),
+        "--tp-size", str(spec.tp_size),
+        "--mem-fraction-static", str(spec.mem_fraction_static),
+        "--trust-remote-code",
+    ]
+    if spec.skip_server_warmup:
+        cmd.append("--skip-server-warmup")
+    if spec.colocated:
+        cmd.append("--enable-memory-saver")
+    if spec.base_gpu_id is not None:
+        cmd += ["--base-gpu-id", str(spec.base_gpu_id)]
+    if spec.dtype:
+        cmd += ["--dtype", spec.dtype]
+    if spec.random_seed is not None:
+        cmd += ["--random-seed", str(spec.random_seed)]
+    if spec.api_key:
+        cmd += ["--api-key", spec.api_key]
+    return cmd + list(spec.extra_args)
+
+
+def build_embedded_command(
+    model_path: str, port: int, host: str = "127.0.0.1", token: str | None = None, python: str = sys.executable
+) -> list[str]:
+    """The argv of the embedded engine (``rollout.engine: torch``), same CLI shape."""
+    cmd = [python, "-m", "mrl.rollout.server", "--model", str(model_path), "--host", host, "--port", str(port)]
+    if token:
+        cmd += ["--token", token]
+    return cmd
+
+
+class EngineProcess:
+    """One engine server in a child process: start, wait healthy, log tail, stop, restart.
+
+    The child writes stdout+stderr to ``log_path``; it runs in its own session so that ``stop``
+    ends the server and whatever workers it spawned (SGLang starts scheduler processes).
+    """
+
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        url: str,
+        log_path: str | os.PathLike,
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = 600.0,
+        poll_s: float = 0.5,
+        health_path: str = "/health",
+    ) -> None:
+        self.cmd = list(cmd)
+        self.url = url.rstrip("/")
+        self.log_path = Path(log_path)
+        self.env = env
+        self.startup_timeout_s = startup_timeout_s
+        self.poll_s = poll_s
+        self.health_path = health_path
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, wait: bool = True) -> None:
+        if self.alive():
+            raise RuntimeError(f"engine at {self.url} already running (pid {self.pid}); call stop() first")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
+        env = dict(os.environ) if self.env is None else {**os.environ, **self.env}
+        self._proc = subprocess.Popen(
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        if wait:
+            self.wait_healthy()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                tail = deque(f, maxlen=lines)
+        except FileNotFoundError:
+            return "<no log written>"
+        return b"".join(tail).decode("utf-8", "replace")
+
+    def wait_healthy(self, timeout_s: float | None = None) -> float:
+        """Poll ``/health`` until 200; returns seconds waited. Raises EngineLaunchError with the
+        log tail if the child exits or the timeout passes (the child is then stopped)."""
+        timeout_s = self.startup_timeout_s if timeout_s is None else timeout_s
+        t0 = time.monotonic()
+        last = "no answer yet"
+        with httpx.Client(timeout=max(self.poll_s, 2.0), trust_env=False) as client:
+            while True:
+                if self._proc is None:
+                    raise EngineLaunchError(f"engine at {self.url} was never started; call start()")
+                code = self._proc.poll()
+                if code is not None:
+                    raise EngineLaunchError(
+                        f"engine at {self.url} exited with code {code} before becoming healthy.\n"
+                        f"command: {' '.join(self.cmd)}\nlog tail ({self.log_path}):\n{self.log_tail()}"
+                    )
+                try:
+                    r = client.get(self.url + self.health_path)
+                    if r.status_code == 200:
+                        return time.monotonic() - t0
+                    last = f"HTTP {r.status_code}"
+                except httpx.HTTPError as e:
+                    last = type(e).__name__
+                if time.monotonic() - t0 > timeout_s:
+                    tail = self.log_tail()
+                    self.stop()
+                    raise EngineLaunchError(
+                        f"engine at {self.url} not healthy after {timeout_s:.0f}s (last: {last}); raise "
+                        f"rollout.engine_startup_timeout_s if the model is large.\nlog tail ({self.log_path}):\n{tail}"
+                    )
+                time.sleep(self.poll_s)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self._proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait(timeout=timeout_s)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def kill(self) -> None:
+        """SIGKILL the server only (simulates a crash; tests and fault handling)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=15)
+
+    def restart(self) -> None:
+        """The restart callback the pool calls for an unhealthy engine (same url, same command)."""
+        self.stop()
+        self.start(wait=True)
+
+
+def make_engine_actor_class():
+    """Ray actor wrapping ``EngineProcess`` (one per engine, placed on the engine's GPUs by the
+    cluster layer). Imported lazily so rollout code does not need Ray at import time."""
+    import ray
+
+    return ray.remote(num_cpus=0)(EngineProcess)

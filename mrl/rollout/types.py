@@ -1,0 +1,117 @@
+"""Typed records at the rollout boundary: what the driver asks for and what comes back.
+
+Units (design note 3): a *prompt* is one row of the dataset; a *sample* is one generated
+response; a request of P prompts with ``n`` samples each yields ``P * n`` samples, ordered
+prompt-major and interleaved like verl's ``repeat(n, interleave=True)``:
+``samples[i * n + j]`` is sample ``j`` of prompt ``i``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: finish reasons as SGLang reports them in ``meta_info.finish_reason.type``, plus ``error``
+#: for a sample that failed after all retries (never dropped, see RolloutResult.failed).
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+FINISH_ERROR = "error"
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One batch for the engine pool.
+
+    prompts: P token-id lists (ragged). n: samples per prompt. sampling_params: SGLang's
+    ``sampling_params`` dict (temperature, top_p, top_k, max_new_tokens, stop, stop_token_ids,
+    ignore_eos, ...), sent unchanged to every engine. timeout_s: per-request (per-sample) limit.
+    """
+
+    prompts: list[list[int]]
+    n: int = 1
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    return_logprob: bool = True
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"RolloutRequest.n must be >= 1, got {self.n}; set rollout.n to a positive int")
+        for i, p in enumerate(self.prompts):
+            if len(p) == 0:
+                raise ValueError(f"RolloutRequest.prompts[{i}] is empty; every prompt needs >= 1 token id")
+
+
+@dataclass
+class RolloutSample:
+    """One generated response. ``rollout_log_probs[t]`` is log p(response_ids[t]) under the
+    engine's sampling distribution (same temperature semantics as the trainer's compute_log_prob).
+    A failed sample has ``finish_reason == "error"``, empty responses and ``error`` set."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_log_probs: list[float]
+    finish_reason: str
+    weight_version: str | None = None
+    engine_url: str | None = None
+    error: str | None = None
+    attempts: int = 1
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+
+@dataclass
+class RolloutResult:
+    """All ``P * n`` samples of a request (failed ones included, flagged) plus timing."""
+
+    samples: list[RolloutSample]
+    n: int
+    timing_s: float = 0.0
+
+    @property
+    def failed(self) -> list[RolloutSample]:
+        return [s for s in self.samples if not s.ok]
+
+    @property
+    def weight_versions(self) -> set[str | None]:
+        return {s.weight_version for s in self.samples if s.ok}
+
+    @property
+    def response_lengths(self) -> list[int]:
+        return [s.response_length for s in self.samples]
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [s.finish_reason for s in self.samples]
+
+    def to_padded(self, pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+        """Right-padded tensors for the trainer, B = P * n samples, R = longest response:
+        responses [B, R] (long), rollout_log_probs [B, R] (float32, 0 on padding),
+        response_mask [B, R] (1 on real tokens), response_lengths [B]."""
+        b = len(self.samples)
+        r = max([s.response_length for s in self.samples] + [1])
+        resp = torch.full((b, r), pad_token_id, dtype=torch.long)
+        logp = torch.zeros((b, r), dtype=torch.float32)
+        mask = torch.zeros((b, r), dtype=torch.long)
+        for i, s in enumerate(self.samples):
+            k = s.response_length
+            if k:
+                resp[i, :k] = torch.tensor(s.response_ids, dtype=torch.long)
+                mask[i, :k] = 1
+                if s.rollout_log_probs:
+                    logp[i, :k] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+        return {
+            "responses": resp,
+            "rollout_log_probs": logp,
+            "response_mask": mask,
+            "response_lengths": torch.tensor(self.response_lengths, dtype=torch.long),
+        }

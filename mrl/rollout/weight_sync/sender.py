@@ -1,0 +1,209 @@
+"""Push the actor's weights into the engine pool: one ``WeightSyncer`` per trainer rank.
+
+Every rank of a pipeline stage iterates the same ``named_tensors`` (Megatron's
+``export_hf_weights`` gathers TP shards collectively, so all TP ranks must drive it); only the
+stage's *source* rank (tp/dp/cp rank 0) sends. One *coordinator* rank (global rank 0) does the
+pool-wide steps. A sync is:
+
+    coordinator: POST /pause_generation {mode: in_place}, POST /flush_cache     (all engines)
+    barrier
+    source of stage s: buckets of <= bucket_mb -> transport (distributed | tensor | disk)
+    barrier;  disk: coordinator POST /update_weights_from_disk {model_path, weight_version}; barrier
+    verify (sources): engine /weights_checksum == tensor_checksum of what was sent, per name
+    barrier;  coordinator: POST /continue_generation
+    -> WeightSyncReport(weight_version, timing_s/weight_sync, bytes, ...)
+
+``weight_version`` is a string (SGLang's type) of the integer the caller increments per sync.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mrl.rollout.engine.checksum import tensor_checksum
+from mrl.rollout.weight_sync.buckets import iter_buckets
+from mrl.rollout.weight_sync.http import EngineHttp
+from mrl.rollout.weight_sync.transports import (
+    DiskTransport,
+    DistributedTransport,
+    TensorTransport,
+)
+
+TRANSPORTS = ("distributed", "tensor", "disk")
+
+
+class WeightVerifyError(RuntimeError):
+    """An engine holds different values than the actor sent for a named tensor."""
+
+
+@dataclass
+class WeightSyncReport:
+    weight_version: str
+    transport: str
+    timing_s: float
+    bytes: int          # payload this rank sent (0 on non-source ranks)
+    num_tensors: int
+    num_buckets: int
+    verified: bool
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "timing_s/weight_sync": self.timing_s,
+            "weight_sync/bytes": float(self.bytes),
+            "weight_sync/num_tensors": float(self.num_tensors),
+            "weight_sync/num_buckets": float(self.num_buckets),
+        }
+
+
+def _default_barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+class WeightSyncer:
+    """Sender side of the weight sync on one trainer rank.
+
+    engine_urls: every engine of the pool. engine_world_sizes: ranks per engine (its tp size).
+    stage: this rank's pipeline stage. is_source / is_coordinator: see module docstring.
+    barrier: trainer-wide barrier (default: the default process group's). disk_dir: required
+    for ``disk`` (a directory the engines can read); snapshot_dir: with another transport, also
+    keep the pushed weights there so a restarted engine can be re-synced (``disk_resync``).
+    """
+
+    def __init__(
+        self,
+        transport: str,
+        engine_urls: Sequence[str],
+        *,
+        bucket_mb: float = 512,
+        verify: bool = False,
+        token: str | None = None,
+        stage: int = 0,
+        is_source: bool = True,
+        is_coordinator: bool = True,
+        barrier: Callable[[], None] | None = None,
+        engine_world_sizes: Sequence[int] | None = None,
+        master_address: str = "127.0.0.1",
+        backend: str | None = None,
+        disk_dir: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"rollout.weight_sync.transport must be one of {TRANSPORTS}, got {transport!r}")
+        if not engine_urls:
+            raise ValueError("WeightSyncer needs at least one engine url (rollout.num_engines >= 1)")
+        if transport == "disk" and not disk_dir:
+            raise ValueError("rollout.weight_sync.transport=disk needs a directory shared with the engines (disk_dir)")
+        self.transport_name = transport
+        self.bucket_bytes = int(bucket_mb * 1024 * 1024)
+        self.verify = verify
+        self.stage = stage
+        self.is_source = is_source
+        self.is_coordinator = is_coordinator
+        self.barrier = barrier or _default_barrier
+        ws = list(engine_world_sizes or [1] * len(engine_urls))
+        if len(ws) != len(engine_urls):
+            raise ValueError(f"engine_world_sizes has {len(ws)} entries for {len(engine_urls)} engines")
+        self.http = EngineHttp(engine_urls, token=token, timeout_s=timeout_s)
+        if transport == "distributed":
+            self.transport: Any = DistributedTransport(self.http, stage, ws, master_address=master_address,
+                                                       backend=backend, timeout_s=timeout_s)
+        elif transport == "tensor":
+            self.transport = TensorTransport(self.http, ws)
+        else:
+            self.transport = DiskTransport(self.http, disk_dir, stage)  # type: ignore[arg-type]
+        self._initialized = False
+
+    def init(self) -> None:
+        """Collective with the engines for ``distributed`` (joins this stage's group): call once on
+        every rank after the engines are healthy."""
+        if self.is_source:
+            self.transport.init()
+        self._initialized = True
+
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | str) -> WeightSyncReport:
+        """Push one full set of weights; see the module docstring for the protocol."""
+        if not self._initialized:
+            self.init()
+        version = str(version)
+        t0 = time.perf_counter()
+        if self.is_coordinator:
+            self.http.call_all("/pause_generation", {"mode": "in_place"})
+            self.http.call_all("/flush_cache")
+            if isinstance(self.transport, DiskTransport):
+                self.transport.clear()
+        self.barrier()
+        sent: dict[str, str] = {}
+        nbytes = ntensors = nbuckets = 0
+        if self.is_source:
+            for bucket in iter_buckets(named_tensors, self.bucket_bytes):
+                if self.verify:
+                    sent.update((n, tensor_checksum(t)) for n, t in zip(bucket.names, bucket.tensors))
+                self.transport.send(bucket, version)
+                nbytes += bucket.nbytes
+                ntensors += len(bucket.names)
+                nbuckets += 1
+            self.transport.finish(version)
+        else:
+            for _ in named_tensors:  # TP gathers inside the export are collective: drive them
+                pass
+        self.barrier()
+        if isinstance(self.transport, DiskTransport):
+            if self.is_coordinator:
+                self.transport.load_on_engines(version)
+            self.barrier()  # other stages verify only after the engines have loaded the files
+        error: Exception | None = None
+        if self.verify and self.is_source:
+            try:
+                self._verify(sent, version)
+            except Exception as e:  # noqa: BLE001 - raised after the last barrier, never deadlocks
+                error = e
+        self.barrier()
+        if self.is_coordinator and error is None:
+            self.http.call_all("/continue_generation", {})
+        if error is not None:
+            raise error
+        return WeightSyncReport(version, self.transport_name, time.perf_counter() - t0, nbytes, ntensors, nbuckets,
+                                self.verify and self.is_source)
+
+    def _verify(self, sent: dict[str, str], version: str) -> None:
+        names = list(sent)
+        for url in self.http.urls:
+            body = self.http.call(url, "/weights_checksum", {"names": names})
+            got = body.get("checksums", body)
+            for n in names:
+                if n not in got:
+                    raise WeightVerifyError(f"engine {url} has no tensor {n!r} after weight sync {version}")
+                if got[n] != sent[n]:
+                    raise WeightVerifyError(
+                        f"weight sync {version}: tensor {n!r} on engine {url} has checksum {got[n]} but the "
+                        f"actor sent {sent[n]} (dtype/shape/mapping mismatch)"
+                    )
+            wv = body.get("weight_version")
+            if wv is not None and str(wv) != version:
+                raise WeightVerifyError(f"engine {url} reports weight_version {wv!r} after sync, expected {version!r}")
+
+    def close(self) -> None:
+        self.transport.close()
+        self.http.close()
+
+
+def disk_resync(directory: str, token: str | None = None, timeout_s: float = 600.0) -> Callable[[str], None]:
+    """A pool ``resync(url)`` callback: load the last weights written to ``directory`` (disk
+    transport, or a snapshot) into one restarted engine, under the version recorded there."""
+    def resync(url: str) -> None:
+        vfile = Path(directory) / "mrl_weight_version.txt"
+        if not vfile.exists():
+            raise FileNotFoundError(f"no weights to re-sync from: {vfile} missing (no disk sync happened yet)")
+        http = EngineHttp([url], token=token, timeout_s=timeout_s)
+        try:
+            http.call(url.rstrip("/"), "/update_weights_from_disk",
+                      {"model_path": str(directory), "weight_version": vfile.read_text().strip(), "flush_cache": True})
+        finally:
+            http.close()
+    return resync

@@ -1,0 +1,193 @@
+"""The three ways a stage's HF-named tensors reach the engines (``rollout.weight_sync.transport``).
+
+Each transport consumes ``Bucket``s of one pipeline stage on that stage's source rank and makes
+the engines load them under ``weight_version``. Bytes moved = sum over tensors of
+numel * itemsize, counted once per bucket (a broadcast or a shared segment serves all engines).
+"""
+from __future__ import annotations
+
+import base64
+import os
+import secrets
+import socket
+from collections.abc import Sequence
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mrl.rollout.weight_sync.buckets import Bucket
+from mrl.rollout.weight_sync.group import destroy_group, init_custom_process_group
+from mrl.rollout.weight_sync.http import EngineHttp, wait_all
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class DistributedTransport:
+    """One process group per pipeline stage: this stage's source rank (group rank 0) + every
+    engine rank (engine i's tp ranks at ``rank_offset_i + tp_rank``). Per bucket: POST
+    ``/update_weights_from_distributed`` {names, dtypes, shapes, group_name,
+    load_format: "flattened_bucket", weight_version} to all engines and, concurrently, broadcast
+    the bucket's flat uint8 vector from group rank 0."""
+
+    def __init__(self, http: EngineHttp, stage: int, engine_world_sizes: Sequence[int], *,
+                 master_address: str = "127.0.0.1", backend: str | None = None, timeout_s: float = 600.0) -> None:
+        self.http = http
+        self.group_name = f"mrl_weight_sync_pp{stage}"
+        self.engine_world_sizes = list(engine_world_sizes)
+        self.master_address = master_address
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout_s = timeout_s
+        self.pg = None
+
+    def init(self) -> None:
+        world = 1 + sum(self.engine_world_sizes)
+        port = free_port(self.master_address)
+        futs, offset = [], 1
+        for url, ws in zip(self.http.urls, self.engine_world_sizes):
+            payload = {"master_address": self.master_address, "master_port": port, "rank_offset": offset,
+                           "world_size": world, "group_name": self.group_name, "backend": self.backend}
+            futs += self.http.submit_all("/init_weights_update_group", payload, urls=[url])
+            offset += ws
+        try:
+            self.pg = init_custom_process_group(self.backend, self.master_address, port, 0, world,
+                                                self.group_name, self.timeout_s)
+        finally:
+            wait_all(futs)
+
+    def send(self, bucket: Bucket, version: str) -> None:
+        if self.pg is None:
+            raise RuntimeError("DistributedTransport.send before init(); call WeightSyncer.init() once after the engines are up")
+        payload = {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes, "group_name": self.group_name,
+                       "load_format": "flattened_bucket", "weight_version": version, "flush_cache": False}
+        futs = self.http.submit_all("/update_weights_from_distributed", payload)
+        try:
+            flat = bucket.flatten()
+            if self.backend == "nccl":
+                flat = flat.cuda()
+            torch.distributed.broadcast(flat, group_src=0, group=self.pg)
+        finally:
+            wait_all(futs)
+
+    def finish(self, version: str) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.pg is not None:
+            try:  # best effort: engines keep serving even if they keep the group
+                self.http.call_all("/destroy_weights_update_group", {"group_name": self.group_name})
+            except Exception:  # noqa: BLE001, S110 - an older SGLang has no such endpoint
+                pass
+            destroy_group(self.pg)
+            self.pg = None
+
+
+class TensorTransport:
+    """Colocated engines on the same host. CPU: each bucket is written into one POSIX shared
+    memory segment and ``/update_weights_from_tensor`` gets ``shm_tensors`` [{name, shm_name,
+    dtype, shape, offset}] (mrl's JSON form; nothing is pickled). The segment is unlinked once
+    every engine has answered. GPU (SGLang): CUDA IPC handles in ``serialized_named_tensors``
+    (torch's ForkingPickler, base64), one entry per engine tp rank; written, NOT tested on CPU."""
+
+    def __init__(self, http: EngineHttp, engine_world_sizes: Sequence[int], use_cuda_ipc: bool | None = None) -> None:
+        self.http = http
+        self.engine_world_sizes = list(engine_world_sizes)
+        self.use_cuda_ipc = torch.cuda.is_available() if use_cuda_ipc is None else use_cuda_ipc
+        self._seq = 0
+
+    def init(self) -> None:
+        pass
+
+    def send(self, bucket: Bucket, version: str) -> None:
+        if self.use_cuda_ipc:
+            return self._send_cuda_ipc(bucket, version)
+        flat = bucket.flatten().cpu()
+        self._seq += 1
+        name = f"mrl_ws_{os.getpid()}_{self._seq}_{secrets.token_hex(4)}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=max(1, flat.numel()))
+        try:
+            np.frombuffer(shm.buf, dtype=np.uint8, count=flat.numel())[:] = flat.numpy()
+            entries, off = [], 0
+            for n, t, dt, shp in zip(bucket.names, bucket.tensors, bucket.dtypes, bucket.shapes):
+                entries.append({"name": n, "shm_name": name, "dtype": dt, "shape": shp, "offset": off})
+                off += t.numel() * t.element_size()
+            payload = {"shm_tensors": entries, "weight_version": version, "flush_cache": False}
+            self.http.call_all("/update_weights_from_tensor", payload)
+        finally:
+            shm.close()
+            shm.unlink()
+
+    def _send_cuda_ipc(self, bucket: Bucket, version: str) -> None:
+        # SGLang's MultiprocessingSerializer format: ForkingPickler dump of [(name, tensor)], base64
+        # text; CUDA tensors travel as IPC handles, so the engine maps the trainer's memory.
+        import io
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 - registers CUDA tensor reductions
+
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump([(n, t.detach().cuda().contiguous()) for n, t in zip(bucket.names, bucket.tensors)])
+        blob = base64.b64encode(buf.getvalue()).decode()
+        futs = []
+        for url, ws in zip(self.http.urls, self.engine_world_sizes):
+            payload: dict[str, Any] = {"serialized_named_tensors": [blob] * ws, "weight_version": version, "flush_cache": False}
+            futs += self.http.submit_all("/update_weights_from_tensor", payload, urls=[url])
+        wait_all(futs)
+
+    def finish(self, version: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def write_bucket_file(directory: Path, stage: int, index: int, bucket: Bucket) -> int:
+    """One safetensors shard per bucket: ``model-pp{stage}-{index}.safetensors``; returns bytes."""
+    from safetensors.torch import save_file
+
+    # clone: safetensors refuses tensors sharing storage (tied or sliced exports).
+    tensors = {n: t.detach().to("cpu").contiguous().clone() for n, t in zip(bucket.names, bucket.tensors)}
+    save_file(tensors, str(directory / f"model-pp{stage:02d}-{index:05d}.safetensors"), metadata={"format": "pt"})
+    return bucket.nbytes
+
+
+class DiskTransport:
+    """Every stage source writes its buckets as safetensors shards into ``directory`` (shared by
+    the trainer and the engines); once all stages are written the coordinator calls
+    ``/update_weights_from_disk`` {model_path: directory, weight_version} on every engine."""
+
+    def __init__(self, http: EngineHttp, directory: str | os.PathLike, stage: int) -> None:
+        self.http = http
+        self.dir = Path(directory)
+        self.stage = stage
+        self._index = 0
+
+    def init(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def clear(self) -> None:
+        """Coordinator, before any stage writes: old shards would otherwise be loaded too."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for p in self.dir.glob("model-pp*.safetensors"):
+            p.unlink()
+
+    def send(self, bucket: Bucket, version: str) -> None:
+        write_bucket_file(self.dir, self.stage, self._index, bucket)
+        self._index += 1
+
+    def finish(self, version: str) -> None:
+        self._index = 0
+
+    def load_on_engines(self, version: str, urls: Sequence[str] | None = None) -> None:
+        (self.dir / "mrl_weight_version.txt").write_text(version)
+        self.http.call_all("/update_weights_from_disk",
+                           {"model_path": str(self.dir), "weight_version": version, "flush_cache": True}, urls=urls)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,233 @@
+"""Per-rank policy worker: Megatron GPTModel + DDP + (Distributed)Optimizer, verl's actor API.
+
+``compute_log_prob`` and ``update_policy`` take the **full** step batch on every rank (the
+driver has DP-balanced it with :func:`mrl.data.balance.balanced_dp_permutation`); each DP rank
+works on its contiguous slice and results come back identical on every rank, in the caller's
+sample order. Units: see :mod:`mrl.workers.batch`.
+"""
+from __future__ import annotations
+
+import os
+from functools import partial
+from typing import Any, Optional
+
+import torch
+
+from mrl.config.actor import ActorConfig
+from mrl.workers.batch import TrainBatch
+from mrl.workers.engine import MegatronEngine, MicroBatch
+from mrl.workers.loss import (
+    ActorLossSpec, actor_loss_func, global_denominators, log_prob_func, sum_metrics,
+)
+from mrl.workers.minibatch import (
+    loss_keys, make_minibatch_iterator, restore_order, split_dynamic, split_fixed,
+)
+from mrl.workers.optim import build_lr_scheduler, build_optimizer, current_lr
+
+_METRIC_KEYS = ["loss", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss"]
+
+
+def micro_batch_parts(data: TrainBatch, *, micro_batch_size: Optional[int], use_dynamic_bsz: bool,
+                      max_tokens: int, dp_group) -> list[list[int]]:
+    """Fixed split by samples, or balanced token-budget split (same count on all DP ranks)."""
+    if use_dynamic_bsz:
+        return split_dynamic(data.seq_lengths().tolist(), max_tokens, dp_group=dp_group)
+    if micro_batch_size is None:
+        raise ValueError(
+            "actor.ppo_micro_batch_size_per_gpu is null and use_dynamic_bsz is false: set one of them"
+        )
+    return split_fixed(data.batch_size, micro_batch_size)
+
+
+class ActorWorker:
+    """The policy on this rank.
+
+    Args:
+        cfg: the ``actor`` config section.
+        model_path: HF checkpoint to start from.
+        device: ``cpu`` | ``cuda``.
+        mini_batch_size_samples: samples per optimizer step, global over DP
+            (``ppo_mini_batch_size × rollout.n``).
+        temperature: the rollout sampling temperature (log-probs are of ``softmax(z / T)``).
+        total_optimizer_steps: LR-schedule length in optimizer steps (None: constant schedule).
+        dtype: parameter dtype; default fp32 on CPU, bf16 on CUDA.
+        init_parallel: initialise torch.distributed/Megatron groups for ``cfg.megatron``.
+    """
+
+    def __init__(
+        self,
+        cfg: ActorConfig,
+        *,
+        model_path: str | os.PathLike,
+        device: str = "cpu",
+        mini_batch_size_samples: int,
+        temperature: float = 1.0,
+        total_optimizer_steps: Optional[int] = None,
+        seed: int = 1234,
+        dtype: Optional[torch.dtype] = None,
+        init_parallel: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.temperature = float(temperature)
+        self.seed = seed
+        dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+        self.engine = MegatronEngine(
+            model_path, cfg.megatron, device=device, dtype=dtype, seed=seed, train=True,
+            init_parallel=init_parallel,
+        )
+        e = self.engine
+        if mini_batch_size_samples % e.dp_size != 0:
+            raise ValueError(
+                f"mini-batch of {mini_batch_size_samples} samples (actor.ppo_mini_batch_size × "
+                f"rollout.n) is not divisible by the actor's DP size {e.dp_size}"
+            )
+        self.mini_batch_size_samples = mini_batch_size_samples
+        self.optimizer = build_optimizer(
+            e.chunks, cfg.optim, use_distributed_optimizer=cfg.use_distributed_optimizer, dtype=dtype,
+        )
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, total_optimizer_steps=total_optimizer_steps)
+        self.loss_spec = ActorLossSpec.from_config(cfg, self.temperature)
+        self.vocab_size = int(e.hf_config.vocab_size)
+        self.global_step = 0
+
+    # ---- forward only ------------------------------------------------------------------
+    def compute_log_prob(self, batch: TrainBatch, *, temperature: Optional[float] = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(old_log_probs [B, R], entropys [B, R]) of the full batch, identical on every rank."""
+        mbs = self.cfg.log_prob_micro_batch_size_per_gpu or self.cfg.ppo_micro_batch_size_per_gpu
+        return forward_log_probs(
+            self.engine, batch, temperature=self.temperature if temperature is None else temperature,
+            micro_batch_size=mbs, use_dynamic_bsz=self.cfg.use_dynamic_bsz,
+            max_tokens=self.cfg.ppo_max_token_len_per_gpu, vocab_size=self.vocab_size,
+            chunk_size=self.cfg.logits_chunk_size,
+        )
+
+    # ---- update ------------------------------------------------------------------------
+    def forward_backward(self, mini_batch: TrainBatch) -> dict[str, float]:
+        """Accumulate ∇L(M) of one (local) mini-batch in the DDP grad buffers; no optimizer step.
+
+        One ``get_forward_backward_func()`` call over its micro-batches; returns the mini-batch
+        loss terms summed over micro-batches and DP ranks (identical on every rank).
+        """
+        e = self.engine
+        parts = micro_batch_parts(
+            mini_batch, micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu,
+            use_dynamic_bsz=self.cfg.use_dynamic_bsz, max_tokens=self.cfg.ppo_max_token_len_per_gpu,
+            dp_group=e.dp_group,
+        )
+        mbs = e.make_micro_batches(mini_batch, parts)
+        n_tok, n_seq = global_denominators(mbs, e)
+        loss = partial(
+            actor_loss_func, spec=self.loss_spec, n_tok=n_tok, n_seq=n_seq,
+            scale=float(len(mbs) * e.dp_size), tp_group=e.tp_group, vocab_size=self.vocab_size,
+            chunk_size=self.cfg.logits_chunk_size,
+        )
+        for c in e.chunks:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        e.set_train(True)
+        out = e.run(mbs, loss, forward_only=False)
+        return sum_metrics(out, _METRIC_KEYS, e)
+
+    def update_policy(self, batch: TrainBatch) -> dict[str, float]:
+        """PPO/GRPO update on the full step batch: ``ppo_epochs`` × mini-batches optimizer steps.
+
+        Returns verl's metric names, averaged over the optimizer steps of this call:
+        ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
+        ``actor/entropy``, ``actor/kl_loss``, ``actor/kl_coef``, ``actor/grad_norm``, ``actor/lr``.
+        """
+        e = self.engine
+        local = e.dp_shard(batch)
+        keys = loss_keys(use_kl_loss=self.cfg.use_kl_loss,
+                         use_rollout_log_probs=self.cfg.tis_imp_ratio_cap is not None)
+        acc: dict[str, float] = {}
+        steps = 0
+        for mb in make_minibatch_iterator(
+            local, mini_batch_size=self.mini_batch_size_samples // e.dp_size, epochs=self.cfg.ppo_epochs,
+            shuffle=self.cfg.shuffle, seed=self.seed + self.global_step, select_keys=keys,
+        ):
+            m = self.forward_backward(mb)
+            ok, grad_norm, _ = self.optimizer.step()
+            if ok:
+                self.scheduler.step(increment=1)
+            m["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+            for k, v in m.items():
+                acc[k] = acc.get(k, 0.0) + v
+            steps += 1
+        self.global_step += 1
+        out = {f"actor/{k}": v / steps for k, v in acc.items() if k != "loss"}
+        if not self.cfg.use_kl_loss:
+            out.pop("actor/kl_loss", None)
+        out["actor/kl_coef"] = self.cfg.kl_loss_coef if self.cfg.use_kl_loss else 0.0
+        out["actor/lr"] = current_lr(self.optimizer)
+        return out
+
+    # ---- weights, checkpoints, memory ---------------------------------------------------
+    def export_hf_weights(self):
+        """``(hf_name, tensor)`` of this rank's pipeline stage (TP-gathered): for weight sync."""
+        return self.engine.named_parameters_hf()
+
+    def export_hf(self, out_dir: str | os.PathLike) -> None:
+        """Write an HF checkpoint (safetensors + config) of the current weights; collective."""
+        from mrl.workers.checkpointing import export_hf
+
+        export_hf(self.engine, out_dir)
+
+    def save(self, ckpt_dir: str | os.PathLike) -> None:
+        """Model + optimizer + LR scheduler via ``dist_checkpointing`` (layout independent)."""
+        from mrl.megatron.checkpoint import save_checkpoint
+
+        save_checkpoint(ckpt_dir, self.engine.chunks, self.optimizer, self.scheduler,
+                        extra={"global_step": self.global_step}, hf_config=self.engine.hf_config)
+
+    def load(self, ckpt_dir: str | os.PathLike, *, load_optimizer: bool = True) -> None:
+        from mrl.megatron.checkpoint import load_checkpoint
+
+        extra = load_checkpoint(ckpt_dir, self.engine.chunks, self.optimizer, self.scheduler,
+                                load_optimizer=load_optimizer)
+        self.global_step = int((extra or {}).get("global_step", self.global_step))
+
+    def offload(self, *, force: bool = False) -> None:
+        """Parameters, grads and optimizer state to CPU (no-op on CPU unless ``force``)."""
+        from mrl.workers.offload import offload_state
+
+        self._offloaded = offload_state(self.engine, self.optimizer, force=force)
+
+    def onload(self) -> None:
+        from mrl.workers.offload import onload_state
+
+        onload_state(getattr(self, "_offloaded", None))
+        self._offloaded = None
+
+    def compute_response_embedding(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, H] mean of the last layer's (final-norm) hidden states over each answer's tokens."""
+        from mrl.workers.embedding import response_embedding
+
+        return response_embedding(self.engine, batch, micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu or 1)
+
+
+def forward_log_probs(
+    engine: MegatronEngine, batch: TrainBatch, *, temperature: float, micro_batch_size: Optional[int],
+    use_dynamic_bsz: bool, max_tokens: int, vocab_size: int, chunk_size: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward-only log-probs/entropies of the full batch (shared by actor and reference)."""
+    local = engine.dp_shard(batch)
+    parts = micro_batch_parts(local, micro_batch_size=micro_batch_size or local.batch_size,
+                              use_dynamic_bsz=use_dynamic_bsz, max_tokens=max_tokens,
+                              dp_group=engine.dp_group)
+    mbs = engine.make_micro_batches(local, parts)
+    fn = partial(log_prob_func, temperature=temperature, tp_group=engine.tp_group,
+                 vocab_size=vocab_size, chunk_size=chunk_size)
+    engine.set_train(False)
+    with torch.no_grad():
+        out = engine.run(mbs, fn, forward_only=True)
+    B, R = local.batch_size, local.response_length
+    if engine.is_last_stage:
+        lp = restore_order([o["log_probs"].float() for o in out], parts)
+        ent = restore_order([o["entropys"].float() for o in out], parts)
+    else:
+        lp = torch.zeros(B, R, device=engine.device)
+        ent = torch.zeros(B, R, device=engine.device)
+    both = engine.broadcast_from_last_stage(torch.stack([lp.to(engine.device), ent.to(engine.device)]))
+    full = engine.all_gather_dp(both.transpose(0, 1).contiguous())  # [B, 2, R]
+    return full[:, 0].cpu(), full[:, 1].cpu()

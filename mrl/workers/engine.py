@@ -1,0 +1,306 @@
+"""One Megatron model on this rank: build, load HF weights, run the pipeline schedule.
+
+Shared by :class:`~mrl.workers.actor.ActorWorker`, the reference and the critic. It owns the
+model chunks (one ``GPTModel`` per virtual pipeline stage, Megatron-DDP wrapped when trained)
+and runs ``get_forward_backward_func()`` over a list of micro-batches; what happens to the
+output on the last pipeline stage is the caller's ``loss_func``.
+
+Attention layout: compact BSHD with a causal mask (:func:`mrl.workers.minibatch.build_model_inputs`),
+which every attention backend runs (CPU local spec included). All micro-batches of one schedule
+call are padded to the same length; their sample counts may differ (dynamic micro-batching), so
+``variable_seq_lengths`` is on whenever pipeline stages exchange activations.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from mrl.config.parallel import ParallelConfig
+from mrl.workers.batch import TrainBatch
+from mrl.workers.minibatch import ModelInputs, build_model_inputs
+
+
+def hf_tensor_getter(path: str | os.PathLike) -> Callable[[str], torch.Tensor]:
+    """``name -> tensor`` over every ``*.safetensors`` file of an HF checkpoint directory."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(str(path), "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors under {path}: point model.path at an HF checkpoint")
+    index: dict[str, str] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            for k in h.keys():
+                index[k] = f
+
+    def get(name: str) -> torch.Tensor:
+        if name not in index and name == "lm_head.weight" and "model.embed_tokens.weight" in index:
+            name = "model.embed_tokens.weight"  # tied checkpoint loaded into an untied model
+        if name not in index:
+            raise KeyError(f"tensor {name!r} missing from the safetensors files in {path}")
+        with safe_open(index[name], framework="pt") as h:
+            return h.get_tensor(name)
+
+    return get
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch: packed model inputs plus per-sample [b, R] loss tensors."""
+
+    inputs: ModelInputs
+    data: TrainBatch
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class MegatronEngine:
+    """Megatron model chunks of one role on this rank and the schedule that drives them.
+
+    Args:
+        hf_path: HF checkpoint directory (config.json + safetensors).
+        parallel: TP/PP/VPP/CP/EP layout of this role.
+        device: ``cpu`` (gloo, CPU support module) or ``cuda`` (NCCL).
+        dtype: parameter dtype (fp32 on CPU; bf16 on CUDA).
+        train: wrap in Megatron DDP (needed for an optimizer).
+        ddp_config: Megatron ``DistributedDataParallelConfig`` (train only).
+        value_head: replace the LM head with a scalar head (critic), see :meth:`_add_value_head`.
+        init_parallel: call :func:`mrl.megatron.parallel.init_parallel` for ``parallel``.
+    """
+
+    def __init__(
+        self,
+        hf_path: str | os.PathLike,
+        parallel: ParallelConfig,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 1234,
+        train: bool = True,
+        ddp_config: Any = None,
+        value_head: bool = False,
+        init_parallel: bool = True,
+        timeout_s: int = 300,
+    ) -> None:
+        from megatron.core import parallel_state as ps
+
+        from mrl.megatron import parallel as mpar
+        from mrl.megatron.provider import build_model_chunks, load_hf_config
+
+        if parallel.context_parallel_size != 1:
+            raise NotImplementedError(
+                "megatron.context_parallel_size > 1 needs THD packing with Transformer Engine, "
+                "which mrl's workers do not implement yet; set it to 1"
+            )
+        if init_parallel:
+            mpar.init_parallel(
+                device=device, tp=parallel.tensor_model_parallel_size,
+                pp=parallel.pipeline_model_parallel_size,
+                vpp=parallel.virtual_pipeline_model_parallel_size,
+                cp=1, ep=parallel.expert_model_parallel_size, seed=seed, timeout_s=timeout_s,
+            )
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        self.dtype = dtype
+        self.hf_path = str(hf_path)
+        self.hf_config = load_hf_config(hf_path)
+        self.parallel = parallel
+        self.value_head = value_head
+        overrides = {"sequence_parallel": parallel.sequence_parallel}
+        chunks = build_model_chunks(
+            self.hf_config, dtype=dtype, wrap_ddp=False, config_overrides=overrides,
+            share_embeddings_and_output_weights=False if value_head else None,
+        )
+        self.load_hf(hf_path, chunks)
+        if value_head:
+            for c in chunks:
+                self._add_value_head(c, seed)
+        if train:
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+            ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+            chunks = [
+                DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+                for i, c in enumerate(chunks)
+            ]
+        else:
+            for c in chunks:
+                c.requires_grad_(False)
+        self.chunks: list[torch.nn.Module] = chunks
+        self.config = unwrap(chunks[0]).config
+        # Set after construction: the config validator refuses it with the (unused, dense) MoE
+        # allgather dispatcher, but the p2p shape exchange it enables is all we need.
+        self.config.variable_seq_lengths = True
+        if train:
+            from megatron.core.distributed import finalize_model_grads
+
+            # Megatron-LM's wiring: grads are all-reduced over DP (and embedding grads across the
+            # first/last stage) once, after the last micro-batch.
+            self.config.finalize_model_grads_func = finalize_model_grads
+            self.config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.pad_to_multiple = ps.get_tensor_model_parallel_world_size() if parallel.sequence_parallel else 1
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_hf(self, hf_path: str | os.PathLike, chunks: Optional[list] = None) -> None:
+        """Fill this rank's shards from an HF checkpoint (value head untouched)."""
+        from mrl.megatron.mapping import load_hf_weights
+
+        load_hf_weights(chunks if chunks is not None else self.chunks, self.hf_config, hf_tensor_getter(hf_path))
+
+    def _add_value_head(self, chunk: torch.nn.Module, seed: int) -> None:
+        """Critic head: ``V = w·h`` with ``w ∈ R^H`` replacing the vocab-parallel LM head.
+
+        The head is replicated over TP (hidden states are replicated after the final norm), so
+        every TP rank computes the same [b, s, 1] values and the same head gradient.
+        """
+        model = unwrap(chunk)
+        if not model.post_process:
+            return
+        hidden = self.hf_config.hidden_size
+        g = torch.Generator().manual_seed(seed)
+        head = _ValueHead(hidden, self.dtype)
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(1, hidden, generator=g) * hidden ** -0.5)
+        model.output_layer = head.to(self.device)
+
+    def named_parameters_hf(self):
+        """``(hf_name, full tensor)`` of this rank's pipeline stage (TP-gathered); LM models only."""
+        from mrl.megatron.mapping import export_hf_weights
+
+        return export_hf_weights(self.chunks, self.hf_config)
+
+    # ---- schedule --------------------------------------------------------------------------
+    def run(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_func: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]],
+        *,
+        forward_only: bool,
+        hidden_hook: Optional[Callable[[MicroBatch, torch.Tensor], None]] = None,
+    ) -> list[dict]:
+        """One ``get_forward_backward_func()`` call over ``micro_batches``.
+
+        ``loss_func(mb, output)`` runs on the last pipeline stage with ``output`` = logits
+        [b, L, V/TP] (or values [b, L, 1]); it returns ``(loss, metrics)`` — Megatron divides
+        ``loss`` by ``len(micro_batches)`` and DDP averages gradients over DP, which the caller's
+        loss scaling must cancel. Returns the metrics dicts (last stage; ``[]`` elsewhere).
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        seq_len = max(int(mb.inputs.tokens.shape[1]) for mb in micro_batches)
+        for mb in micro_batches:  # one length per call: pipeline stages exchange [L, b, H]
+            _pad_inputs(mb.inputs, seq_len)
+        handles = []
+        current: list[MicroBatch] = []
+        if hidden_hook is not None:
+            for c in self.chunks:
+                m = unwrap(c)
+                if m.post_process:
+                    handles.append(m.decoder.final_layernorm.register_forward_hook(
+                        lambda _mod, _inp, out: hidden_hook(current[-1], out)))
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            current.append(mb)
+            inp = mb.inputs
+            out = model(
+                input_ids=inp.tokens.to(self.device), position_ids=inp.position_ids.to(self.device),
+                attention_mask=None,
+            )
+            return out, partial(loss_func, mb)
+
+        n = len(micro_batches)
+        iters = [iter(micro_batches) for _ in self.chunks]
+        try:
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iters if len(iters) > 1 else iters[0],
+                model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+                num_microbatches=n,
+                seq_length=seq_len,
+                micro_batch_size=max(int(mb.inputs.tokens.shape[0]) for mb in micro_batches),
+                forward_only=forward_only,
+            )
+        finally:
+            for h in handles:
+                h.remove()
+        return list(out) if out else []
+
+    def set_train(self, mode: bool) -> None:
+        for c in self.chunks:
+            c.train(mode)
+
+    # ---- collectives -----------------------------------------------------------------------
+    def broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        """Send the last pipeline stage's ``t`` to every stage (shape must be known everywhere)."""
+        if dist.get_world_size(self.pp_group) > 1:
+            t = t.contiguous()
+            dist.broadcast(t, src=self.pp_last_rank, group=self.pp_group)
+        return t
+
+    def all_gather_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate equal-shaped per-DP-rank tensors along dim 0 in DP-rank order."""
+        if self.dp_size == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.dp_size)]
+        dist.all_gather(parts, t.contiguous(), group=self.dp_group)
+        return torch.cat(parts, 0)
+
+    def all_reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dp_size > 1:
+            dist.all_reduce(t, group=self.dp_group)
+        return t
+
+    def dp_shard(self, batch: TrainBatch) -> TrainBatch:
+        """This DP rank's contiguous slice of a full batch (every rank gets the full batch)."""
+        B = batch.batch_size
+        if B % self.dp_size != 0:
+            raise ValueError(
+                f"batch of {B} samples is not divisible by the data-parallel size {self.dp_size}; "
+                "make train_batch_size*rollout.n a multiple of the DP size"
+            )
+        per = B // self.dp_size
+        return batch.slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+
+    def make_micro_batches(self, data: TrainBatch, parts: list[list[int]]) -> list[MicroBatch]:
+        out = []
+        for p in parts:
+            sub = data.index(p)
+            out.append(MicroBatch(build_model_inputs(sub, pad_to_multiple=self.pad_to_multiple), sub))
+        return out
+
+
+class _ValueHead(torch.nn.Module):
+    """Scalar value head with the ``output_layer`` call signature of ``GPTModel``."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden, dtype=dtype))
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):  # noqa: ARG002
+        return torch.nn.functional.linear(hidden_states, self.weight), None
+
+
+def _pad_inputs(inp: ModelInputs, length: int) -> None:
+    extra = length - int(inp.tokens.shape[1])
+    if extra > 0:
+        pad = lambda t: torch.nn.functional.pad(t, (0, extra))  # noqa: E731
+        inp.tokens, inp.position_ids, inp.labels = pad(inp.tokens), pad(inp.position_ids), pad(inp.labels)

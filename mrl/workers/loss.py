@@ -1,0 +1,172 @@
+"""The pipeline-schedule-aware actor / critic losses (run on the last pipeline stage only).
+
+Actor (seed 000, verl ``megatron_actor.py`` ``loss_func``), for one mini-batch M split into
+micro-batches m over DP ranks r, with response tensors [b, R] and mask ``M_it``:
+
+    L(M) = PG(M) − entropy_coeff · agg(H) + kl_loss_coef · agg(KL_{kl_loss_type}(log π, log π_ref))
+
+Every ``agg`` is the algorithms library's :func:`~mrl.algorithms.agg_loss.agg_loss` with the
+mini-batch's global denominators ``N = Σ_{r,m,i,t} M_it`` (tokens) and ``S = #{i : Σ_t M_it > 0}``
+(sequences) — counted once per mini-batch over all micro-batches and DP ranks
+(:func:`global_denominators`) — so ``L(M) = Σ_r Σ_m ℓ_{r,m}`` exactly, for every loss_agg_mode.
+Megatron's schedule divides each micro-batch loss by the number of micro-batches n_mb and DDP
+averages gradients over the D DP ranks; ``loss_func`` therefore hands back
+``ℓ_{r,m} · n_mb · D`` and the accumulated, DP-reduced gradient is exactly ∇L(M): the same at
+any TP/PP/DP layout and micro-batch split. See docs/loss_normalisation.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from mrl.algorithms.agg_loss import agg_loss
+from mrl.algorithms.kl import kl_penalty
+from mrl.algorithms.policy_loss import get_policy_loss_fn
+from mrl.algorithms.value import compute_value_loss
+from mrl.megatron.vocab_parallel import vocab_parallel_log_probs
+from mrl.workers.engine import MicroBatch
+
+Tensor = torch.Tensor
+
+
+def global_denominators(micro_batches: list[MicroBatch], engine) -> tuple[Tensor, Tensor]:
+    """(N tokens, S sequences) of the response mask over all micro-batches and DP ranks."""
+    tok = sum(float(mb.data.response_mask.sum()) for mb in micro_batches)
+    seq = sum(float((mb.data.response_mask.sum(-1) > 0).sum()) for mb in micro_batches)
+    t = torch.tensor([tok, seq], dtype=torch.float64, device=engine.device)
+    engine.all_reduce_dp(t)
+    return t[0].clamp(min=1.0).cpu(), t[1].clamp(min=1.0).cpu()
+
+
+@dataclass
+class ActorLossSpec:
+    """Loss knobs of one update (from :class:`mrl.config.actor.ActorConfig`)."""
+
+    policy_loss: str = "vanilla"
+    loss_agg_mode: str = "token-mean"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: Optional[float] = 3.0
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    tis_imp_ratio_cap: Optional[float] = None
+    temperature: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg, temperature: float) -> "ActorLossSpec":
+        return cls(
+            policy_loss=cfg.policy_loss, loss_agg_mode=cfg.loss_agg_mode,
+            clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c, entropy_coeff=cfg.entropy_coeff,
+            use_kl_loss=cfg.use_kl_loss, kl_loss_coef=cfg.kl_loss_coef,
+            kl_loss_type=cfg.kl_loss_type, tis_imp_ratio_cap=cfg.tis_imp_ratio_cap,
+            temperature=temperature,
+        )
+
+
+def response_log_probs(mb: MicroBatch, logits: Tensor, *, tp_group, temperature: float,
+                       vocab_size: int, chunk_size: Optional[int]) -> tuple[Tensor, Tensor]:
+    """log π(a_t|s_t) and entropy H_t at the response tokens: ([b, R], [b, R]), 0 where invalid.
+
+    ``logits`` [b, L, V/TP] are this TP rank's vocab shard; temperature is applied first so the
+    values match the distribution the rollout engine sampled from.
+    """
+    lp, ent = vocab_parallel_log_probs(
+        logits, mb.inputs.labels.to(logits.device), tp_group=tp_group, temperature=temperature,
+        vocab_size=vocab_size, chunk_size=chunk_size, with_entropy=True,
+    )
+    idx = mb.inputs
+    return idx.gather_response(lp), idx.gather_response(ent)
+
+
+def actor_loss_func(
+    mb: MicroBatch, logits: Tensor, *, spec: ActorLossSpec, n_tok: Tensor, n_seq: Tensor,
+    scale: float, tp_group, vocab_size: int, chunk_size: Optional[int],
+) -> tuple[Tensor, dict]:
+    """Micro-batch term ℓ_{r,m} of L(M), returned multiplied by ``scale`` = n_mb · D.
+
+    Metrics are this micro-batch's additive shares (sum them over micro-batches and DP ranks):
+    ``pg_loss``, ``kl_loss``, ``entropy`` (agg of H), ``pg_clipfrac``, ``ppo_kl``,
+    ``pg_clipfrac_lower`` (token-means with denominator N).
+    """
+    d = mb.data
+    dev = logits.device
+    log_prob, entropy = response_log_probs(
+        mb, logits, tp_group=tp_group, temperature=spec.temperature, vocab_size=vocab_size,
+        chunk_size=chunk_size,
+    )
+    mask = d.response_mask.to(dev, log_prob.dtype)
+    g = dict(global_tokens=n_tok.to(dev, log_prob.dtype), global_seqs=n_seq.to(dev, log_prob.dtype))
+    old = d.old_log_probs.to(dev, log_prob.dtype)
+    out = get_policy_loss_fn(spec.policy_loss)(
+        old, log_prob, d.advantages.to(dev, log_prob.dtype), mask,
+        loss_agg_mode=spec.loss_agg_mode, clip_ratio_low=spec.clip_ratio_low,
+        clip_ratio_high=spec.clip_ratio_high, clip_ratio_c=spec.clip_ratio_c,
+        rollout_log_probs=None if d.rollout_log_probs is None else d.rollout_log_probs.to(dev, log_prob.dtype),
+        tis_imp_ratio_cap=spec.tis_imp_ratio_cap, **g,
+    )
+    loss = out.pg_loss
+    ent_loss = agg_loss(entropy, mask, spec.loss_agg_mode, **g)
+    if spec.entropy_coeff != 0:
+        loss = loss - spec.entropy_coeff * ent_loss
+    metrics = {
+        "pg_loss": out.pg_loss.detach(), "entropy": ent_loss.detach(),
+        "pg_clipfrac": out.pg_clipfrac, "ppo_kl": out.ppo_kl, "pg_clipfrac_lower": out.pg_clipfrac_lower,
+    }
+    if spec.use_kl_loss:
+        if d.ref_log_prob is None:
+            raise KeyError("use_kl_loss is on but the mini-batch has no ref_log_prob")
+        kld = kl_penalty(log_prob, d.ref_log_prob.to(dev, log_prob.dtype), spec.kl_loss_type)
+        kl_loss = agg_loss(kld, mask, spec.loss_agg_mode, **g)
+        loss = loss + spec.kl_loss_coef * kl_loss
+        metrics["kl_loss"] = kl_loss.detach()
+    metrics["loss"] = loss.detach()
+    return loss * scale, metrics
+
+
+def log_prob_func(mb: MicroBatch, logits: Tensor, *, temperature: float, tp_group, vocab_size: int,
+                  chunk_size: Optional[int]) -> tuple[Tensor, dict]:
+    """Forward-only: collect [b, R] log-probs and entropies of the response tokens."""
+    with torch.no_grad():
+        lp, ent = response_log_probs(mb, logits, tp_group=tp_group, temperature=temperature,
+                                     vocab_size=vocab_size, chunk_size=chunk_size)
+    return torch.zeros((), device=logits.device), {"log_probs": lp, "entropys": ent}
+
+
+def response_values(mb: MicroBatch, values: Tensor) -> Tensor:
+    """[b, L, 1] per-position values → [b, R]: V(s_t) read at the position before token a_t."""
+    return mb.inputs.gather_response(values.squeeze(-1).float())
+
+
+def critic_loss_func(
+    mb: MicroBatch, values: Tensor, *, cliprange_value: float, loss_agg_mode: str, n_tok: Tensor,
+    n_seq: Tensor, scale: float,
+) -> tuple[Tensor, dict]:
+    """Clipped value loss ``½·agg(max((V−R)², (clip(V, V_old±ε)−R)²))`` share, × ``scale``."""
+    d = mb.data
+    dev = values.device
+    vpreds = response_values(mb, values)
+    mask = d.response_mask.to(dev, vpreds.dtype)
+    vf_loss, clipfrac = compute_value_loss(
+        vpreds, d.returns.to(dev, vpreds.dtype), d.values.to(dev, vpreds.dtype), mask,
+        cliprange_value, loss_agg_mode, global_tokens=n_tok.to(dev, vpreds.dtype),
+        global_seqs=n_seq.to(dev, vpreds.dtype),
+    )
+    vmean = (vpreds.detach() * mask).sum() / n_tok.to(dev, vpreds.dtype)
+    return vf_loss * scale, {"vf_loss": vf_loss.detach(), "vf_clipfrac": clipfrac, "vpred_mean": vmean}
+
+
+def sum_metrics(dicts: list[dict], keys: list[str], engine) -> dict[str, float]:
+    """Σ over micro-batches (last stage) and DP ranks, then shared with every pipeline stage."""
+    t = torch.zeros(len(keys), dtype=torch.float64, device=engine.device)
+    for d in dicts:
+        for i, k in enumerate(keys):
+            if k in d:
+                t[i] += float(d[k])
+    engine.all_reduce_dp(t)
+    t = engine.broadcast_from_last_stage(t)
+    return {k: float(t[i]) for i, k in enumerate(keys)}

@@ -1,0 +1,183 @@
+"""Mini-batch iteration, micro-batching and the packed model inputs of one micro-batch.
+
+Hierarchy of one training step (units as in :mod:`mrl.workers.batch`)::
+
+    step batch (B samples, every rank holds all of it, DP-balanced by the driver)
+      └─ DP shard r: samples [r*B/D, (r+1)*B/D)                       (contiguous, verl dispatch)
+          └─ mini-batch k: local samples [k*b, (k+1)*b), b = mini_batch_size_samples / D
+              └─ micro-batches: fixed (micro_batch_size samples) or dynamic
+                 (token budget, balanced partition, same count on every DP rank)
+
+``make_minibatch_iterator`` follows verl's Megatron actor (seed 000, ``megatron_actor.py``
+``make_minibatch_iterator``): it selects only the keys the loss needs — ``ref_log_prob`` iff
+``use_kl_loss``, ``rollout_log_probs`` iff importance-sampling correction is on.
+
+Model inputs are the *compact* BSHD layout: each sample's valid tokens (prompt then response,
+padding removed) start at column 0 and are right-padded, so the causal mask alone is correct and
+no padding token is attended. THD packing (``PackedSeqParams``) would remove the right padding
+too, but needs Transformer Engine's fused attention; this module builds the BSHD layout that runs
+everywhere (CPU local spec included).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from mrl.data.balance import get_seqlen_balanced_partitions
+from mrl.workers.batch import TrainBatch
+
+Tensor = torch.Tensor
+
+
+def loss_keys(*, use_kl_loss: bool, use_rollout_log_probs: bool) -> list[str]:
+    """Optional TrainBatch fields the actor loss reads (verl ``select_keys``)."""
+    keys = ["old_log_probs", "advantages"]
+    if use_kl_loss:
+        keys.append("ref_log_prob")
+    if use_rollout_log_probs:
+        keys.append("rollout_log_probs")
+    return keys
+
+
+def make_minibatch_iterator(
+    batch: TrainBatch,
+    *,
+    mini_batch_size: int,
+    epochs: int = 1,
+    shuffle: bool = False,
+    seed: int = 0,
+    select_keys: Optional[list[str]] = None,
+) -> Iterator[TrainBatch]:
+    """Yield ``epochs × (B_local / mini_batch_size)`` mini-batches of this rank's shard.
+
+    Args:
+        batch: this DP rank's samples (B_local).
+        mini_batch_size: local samples per mini-batch (``mini_batch_size_samples / DP``).
+        epochs: passes over the shard (``ppo_epochs``).
+        shuffle: permute samples each epoch with ``torch.Generator().manual_seed(seed + epoch)``
+            (deterministic, so a resumed run replays the same order).
+        select_keys: optional fields to keep (see :func:`loss_keys`); ``None`` keeps all.
+    """
+    n = batch.batch_size
+    if mini_batch_size < 1 or n % mini_batch_size != 0:
+        raise ValueError(
+            f"local batch of {n} samples is not divisible by the local mini-batch size "
+            f"{mini_batch_size}; make train_batch_size*rollout.n a multiple of "
+            "ppo_mini_batch_size*rollout.n, and that a multiple of the DP size"
+        )
+    if select_keys is not None:
+        batch = batch.select(select_keys)
+    for epoch in range(epochs):
+        if shuffle:
+            g = torch.Generator().manual_seed(seed + epoch)
+            data = batch.index(torch.randperm(n, generator=g))
+        else:
+            data = batch
+        for start in range(0, n, mini_batch_size):
+            yield data.slice(start, start + mini_batch_size)
+
+
+def split_fixed(n: int, micro_batch_size: int) -> list[list[int]]:
+    """Contiguous micro-batches of ``micro_batch_size`` samples (the last may be smaller)."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    return [list(range(s, min(s + micro_batch_size, n))) for s in range(0, n, micro_batch_size)]
+
+
+def split_dynamic(
+    seq_lengths: list[int], max_tokens: int, *, dp_group=None
+) -> list[list[int]]:
+    """Token-budget micro-batches, the same number on every rank of ``dp_group``.
+
+    k = max over DP ranks of ceil(Σ tokens / max_tokens) (verl ``rearrange_micro_batches``): the
+    pipeline schedule runs the same number of micro-batches everywhere. Samples are then split
+    into k balanced partitions (:func:`get_seqlen_balanced_partitions`); a partition may exceed
+    the budget slightly when balance forces it, never by more than one sample.
+    """
+    longest = max(seq_lengths)
+    if longest > max_tokens:
+        raise ValueError(
+            f"a sample has {longest} tokens but the micro-batch token budget is {max_tokens}; "
+            "raise ppo_max_token_len_per_gpu to at least max_prompt_length + max_response_length"
+        )
+    k = math.ceil(sum(seq_lengths) / max_tokens)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        t = torch.tensor([k], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
+        k = int(t.item())
+    k = min(k, len(seq_lengths))
+    return get_seqlen_balanced_partitions(seq_lengths, k, equal_size=False)
+
+
+def restore_order(chunks: list[Tensor], parts: list[list[int]]) -> Tensor:
+    """Inverse of a micro-batch split: rows of ``chunks[i]`` belong to ``parts[i]``."""
+    idx = torch.tensor([i for p in parts for i in p], dtype=torch.long)
+    cat = torch.cat(chunks, 0)
+    out = torch.empty_like(cat)
+    out[idx.to(cat.device)] = cat
+    return out
+
+
+@dataclass
+class ModelInputs:
+    """Compact right-padded inputs of one micro-batch (b samples, L columns).
+
+    Attributes:
+        tokens: [b, L] int64 valid tokens from column 0, then pad (0).
+        position_ids: [b, L] int64, the batch's position ids of those tokens (pad: 0).
+        labels: [b, L] int64 next token, ``labels[:, t] = tokens[:, t+1]`` (last column 0).
+        resp_index: [b, R] int64 column whose logits predict response token j (0 if invalid).
+        resp_valid: [b, R] bool, response token j exists (``attention_mask[:, P:]``).
+        num_tokens: [b] valid tokens per sample.
+    """
+
+    tokens: Tensor
+    position_ids: Tensor
+    labels: Tensor
+    resp_index: Tensor
+    resp_valid: Tensor
+    num_tokens: Tensor
+
+    def gather_response(self, per_pos: Tensor) -> Tensor:
+        """[b, L] per-position values (e.g. log-probs of ``labels``) → [b, R], 0 where invalid."""
+        out = per_pos.gather(1, self.resp_index)
+        return out * self.resp_valid.to(out.dtype)
+
+
+def build_model_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1) -> ModelInputs:
+    """Remove padding and left-align each sample (see module docstring).
+
+    Logits at compact column t predict token t+1, so response token j of sample i (compact
+    column c_ij = p_i + #valid response tokens before j) is scored by the logits at c_ij − 1.
+
+    Raises:
+        ValueError when a sample has an empty prompt (nothing to condition its first response
+        token on).
+    """
+    am = mb.attention_mask.bool()
+    b, s = am.shape
+    P = mb.prompt_length
+    n_tok = am.sum(-1)
+    prompt_len = am[:, :P].sum(-1)
+    if bool((prompt_len == 0).any()):
+        bad = torch.nonzero(prompt_len == 0).flatten().tolist()
+        raise ValueError(f"samples {bad} have an empty prompt (attention_mask[:, :P] all 0)")
+    cols = torch.arange(s, device=am.device)
+    # Stable sort key: valid positions first in original order, then padding.
+    order = torch.argsort((~am).long() * s + cols, dim=1)
+    L = int(n_tok.max())
+    L = ((L + pad_to_multiple - 1) // pad_to_multiple) * pad_to_multiple
+    order = order[:, :L] if L <= s else torch.cat([order, order[:, -1:].expand(b, L - s)], 1)
+    keep = torch.arange(L, device=am.device)[None, :] < n_tok[:, None]
+    tokens = torch.where(keep, mb.input_ids.gather(1, order), 0)
+    pos = torch.where(keep, mb.position_ids.gather(1, order), 0)
+    labels = torch.zeros_like(tokens)
+    labels[:, :-1] = tokens[:, 1:]
+    resp_valid = am[:, P:]
+    comp_col = prompt_len[:, None] + resp_valid.long().cumsum(-1) - 1
+    resp_index = torch.where(resp_valid, comp_col - 1, 0)
+    return ModelInputs(tokens, pos, labels, resp_index, resp_valid, n_tok)

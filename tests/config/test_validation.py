@@ -1,0 +1,134 @@
+"""Table of bad configs: each must fail with an error line that names the offending key(s).
+
+The base (``base_overrides`` in conftest.py) is valid and uses a real tiny HF checkpoint, so the
+model-dependent checks (heads/TP, layers/PP, positions) run against its config.json.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mrl.config import ConfigError, check_config, load_config
+
+# (case id, overrides added to the valid base, substrings that ONE error line must all contain)
+BAD = [
+    ("tbs_not_multiple_of_mini", ["data.train_batch_size=6"], ["data.train_batch_size", "actor.ppo_mini_batch_size"]),
+    ("mini_larger_than_tbs", ["actor.ppo_mini_batch_size=16"], ["actor.ppo_mini_batch_size", "exceeds"]),
+    ("mini_not_divisible_by_dp", ["cluster.n_gpus_per_node=3", "actor.ppo_micro_batch_size_per_gpu=1"],
+     ["actor.ppo_mini_batch_size", "DP size 3"]),
+    ("micro_not_dividing_rank_share", ["actor.ppo_micro_batch_size_per_gpu=3"], ["actor.ppo_micro_batch_size_per_gpu=3", "4 samples"]),
+    ("micro_missing", ["actor.ppo_micro_batch_size_per_gpu=null"], ["actor.ppo_micro_batch_size_per_gpu", "use_dynamic_bsz"]),
+    ("dynamic_budget_below_one_sequence", ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=64"],
+     ["actor.ppo_max_token_len_per_gpu=64", "96"]),
+    ("tp_pp_not_dividing_devices", ["actor.megatron.pipeline_model_parallel_size=4", "actor.megatron.tensor_model_parallel_size=2"],
+     ["actor.megatron", "TP*PP*CP", "does not divide the 4 devices"]),
+    ("heads_not_divisible_by_tp", ["cluster.n_gpus_per_node=3", "actor.megatron.tensor_model_parallel_size=3",
+                                   "actor.ppo_micro_batch_size_per_gpu=1"],
+     ["actor.megatron.tensor_model_parallel_size=3", "4 attention heads"]),
+    ("kv_heads_not_divisible_by_tp", ["actor.megatron.tensor_model_parallel_size=4"],
+     ["actor.megatron.tensor_model_parallel_size=4", "2 KV heads"]),
+    ("layers_not_divisible_by_pp", ["cluster.n_gpus_per_node=3", "actor.megatron.pipeline_model_parallel_size=3",
+                                    "actor.ppo_micro_batch_size_per_gpu=1"], ["actor.megatron", "4 layers", "= 3"]),
+    ("layers_not_divisible_by_pp_vpp", ["actor.megatron.pipeline_model_parallel_size=2",
+                                        "actor.megatron.virtual_pipeline_model_parallel_size=4"],
+     ["virtual_pipeline_model_parallel_size", "= 8"]),
+    ("vpp_without_pp", ["ref.megatron.virtual_pipeline_model_parallel_size=2"], ["ref.megatron.virtual_pipeline_model_parallel_size"]),
+    ("sequence_parallel_without_tp", ["actor.megatron.sequence_parallel=true"], ["actor.megatron.sequence_parallel"]),
+    ("ep_on_dense_model", ["actor.megatron.expert_model_parallel_size=2"], ["actor.megatron.expert_model_parallel_size=2"]),
+    ("tp_across_nodes", ["cluster.device=cuda", "cluster.n_gpus_per_node=2", "cluster.nnodes=2",
+                         "actor.megatron.tensor_model_parallel_size=4"],
+     ["actor.megatron.tensor_model_parallel_size=4", "spans nodes"]),
+    ("kl_loss_without_reference", ["ref.enable=false"], ["actor.use_kl_loss", "ref.enable=false"]),
+    ("blend_without_reference", ["actor.use_kl_loss=false", "ref.enable=false", "algorithm.ref_reward_blend.enable=true"],
+     ["algorithm.ref_reward_blend.enable", "ref.enable"]),
+    ("double_kl", ["algorithm.use_kl_in_reward=true"], ["actor.use_kl_loss", "algorithm.use_kl_in_reward", "allow_double_kl"]),
+    ("grpo_with_n1", ["rollout.n=1", "actor.ppo_micro_batch_size_per_gpu=1"], ["algorithm.adv_estimator=grpo", "rollout.n"]),
+    ("rloo_with_n1", ["algorithm.adv_estimator=rloo", "rollout.n=1", "actor.ppo_micro_batch_size_per_gpu=1"],
+     ["algorithm.adv_estimator=rloo", "rollout.n"]),
+    ("gae_without_critic", ["algorithm.adv_estimator=gae", "critic.enable=false"], ["algorithm.adv_estimator=gae", "critic.enable"]),
+    ("critic_warmup_without_critic", ["trainer.critic_warmup=2"], ["trainer.critic_warmup"]),
+    ("critic_micro_missing", ["algorithm.adv_estimator=gae"], ["critic.ppo_micro_batch_size_per_gpu"]),
+    ("temperature_zero", ["rollout.temperature=0"], ["rollout.temperature"]),
+    ("top_k_zero", ["rollout.top_k=0"], ["rollout.top_k"]),
+    ("positions_exceeded", ["rollout.max_response_length=200"], ["data.max_prompt_length", "rollout.max_response_length",
+                                                                 "max_position_embeddings=256"]),
+    ("engine_tp_not_dividing", ["rollout.engine_tp_size=3"], ["rollout.engine_tp_size=3", "does not divide"]),
+    ("too_many_colocated_engines", ["rollout.num_engines=3", "rollout.engine_tp_size=2"], ["rollout.num_engines", "exceeds"]),
+    ("sglang_on_cpu", ["rollout.engine=sglang"], ["rollout.engine=sglang", "cluster.device=cpu"]),
+    ("sglang_router_with_torch", ["rollout.router=sglang_router"], ["rollout.router=sglang_router"]),
+    ("tensor_sync_with_separate_engines", ["rollout.placement=separate", "rollout.num_engines=2",
+                                           "rollout.weight_sync.transport=tensor"], ["rollout.weight_sync.transport=tensor"]),
+    ("separate_engines_take_everything", ["rollout.placement=separate", "rollout.num_engines=4"],
+     ["leaving none for the actor", "rollout=4"]),
+    ("separate_engines_without_count", ["rollout.placement=separate"], ["rollout.num_engines"]),
+    ("separate_ref_without_devices", ["ref.placement=separate"], ["ref.num_devices"]),
+    ("ref_devices_while_colocated", ["ref.num_devices=2"], ["ref.num_devices", "placement=separate"]),
+    ("save_freq_without_dir", ["trainer.save_freq=10", "trainer.default_local_dir=null"],
+     ["trainer.save_freq", "trainer.default_local_dir"]),
+    ("test_freq_without_val", ["trainer.test_freq=5"], ["trainer.test_freq", "data.val_files"]),
+    ("resume_path_missing", ["trainer.resume_mode=/nonexistent/ckpt"], ["trainer.resume_mode"]),
+    ("kl_loss_type_full", ["actor.kl_loss_type=full"], ["actor.kl_loss_type=full", "low_var_kl"]),
+    ("kl_penalty_full", ["algorithm.kl_penalty=full"], ["algorithm.kl_penalty=full", "not supported"]),
+    ("both_warmups", ["actor.optim.lr_warmup_steps=10", "actor.optim.lr_warmup_steps_ratio=0.1"],
+     ["actor.optim.lr_warmup_steps", "lr_warmup_steps_ratio"]),
+    ("data_file_suffix", ["data.train_files=[prompts.csv]"], ["data.train_files[0]", "parquet"]),
+    ("reward_function_syntax", ["reward.function=not valid!"], ["reward.function"]),
+    ("reward_file_missing", ["reward.function=missing_rewards.py:score"], ["reward.function", "missing_rewards.py"]),
+    ("unknown_key_suggests", ["actor.optim.lrr=1e-6"], ["unknown key 'actor.optim.lrr'", "section 'actor.optim'", "'actor.optim.lr'"]),
+    ("unknown_section", ["actor_rollout_ref.actor.optim.lr=1e-6"], ["unknown key 'actor_rollout_ref'", "'actor'", "'rollout'"]),
+    ("unknown_nested_key", ["algorithm.ref_reward_blend.max_wieght=0.5"],
+     ["algorithm.ref_reward_blend.max_wieght", "'algorithm.ref_reward_blend.max_weight'"]),
+    ("bad_type", ["actor.ppo_epochs=many"], ["actor.ppo_epochs", "valid integer"]),
+    ("bad_literal", ["rollout.engine=vllm"], ["rollout.engine", "'torch' or 'sglang'"]),
+    ("bad_range", ["rollout.mem_fraction_static=1.5"], ["rollout.mem_fraction_static", "less than 1"]),
+    ("bad_schedule", ["algorithm.repr_align.ref_alignment.schedule=quadratic"], ["algorithm.repr_align.ref_alignment.schedule"]),
+]
+
+
+def _errors(overrides: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, overrides)
+    return ei.value.errors
+
+
+def test_base_is_valid(base_overrides: list[str]) -> None:
+    cfg = load_config(None, base_overrides)
+    errors, notes = check_config(cfg)
+    assert errors == [] and notes == []
+
+
+@pytest.mark.parametrize("case, extra, must_contain", BAD, ids=[c[0] for c in BAD])
+def test_bad_config_names_the_key(case: str, extra: list[str], must_contain: list[str], base_overrides: list[str]) -> None:
+    errors = _errors(base_overrides + extra)
+    assert any(all(s in e for s in must_contain) for e in errors), f"{case}: no error contains {must_contain}: {errors}"
+    # every message tells the user what to do
+    assert all("fix" in e or "did you mean" in e for e in errors), errors
+
+
+def test_unreadable_model_config_names_model_path(base_overrides: list[str], tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    errors = _errors(base_overrides + [f"model.path={tmp_path}"])
+    assert any(e.startswith("model.path:") and "config.json" in e for e in errors), errors
+
+
+def test_all_cross_field_errors_reported_together(base_overrides: list[str]) -> None:
+    errors = _errors(base_overrides + ["rollout.temperature=0", "actor.kl_loss_type=full", "trainer.test_freq=5"])
+    assert len(errors) == 3, errors
+
+
+def test_missing_model_is_a_note_not_an_error(base_overrides: list[str]) -> None:
+    cfg = load_config(None, base_overrides + ["model.path=Org/not-downloaded-here", "actor.megatron.tensor_model_parallel_size=4"])
+    errors, notes = check_config(cfg)
+    assert errors == []
+    assert len(notes) == 1 and "model.path='Org/not-downloaded-here'" in notes[0] and "skipped" in notes[0]
+
+
+def test_sglang_on_cuda_host_config_is_valid(base_overrides: list[str]) -> None:
+    cfg = load_config(None, base_overrides + ["cluster.device=cuda", "rollout.engine=sglang", "rollout.router=sglang_router"])
+    assert cfg.rollout.engine == "sglang"
+
+
+def test_double_kl_allowed_explicitly(base_overrides: list[str]) -> None:
+    cfg = load_config(None, base_overrides + ["algorithm.use_kl_in_reward=true", "algorithm.allow_double_kl=true"])
+    assert cfg.ref_enabled and cfg.algorithm.use_kl_in_reward

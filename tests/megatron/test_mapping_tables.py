@@ -1,0 +1,58 @@
+"""Pure parts of mrl.megatron.mapping: QKV interleaving and the spec-name resolver."""
+from __future__ import annotations
+
+import torch
+
+from mrl.megatron.mapping import FAMILY_TABLES, SPLITS, TE_RENAMES, _merge_qkv, _param, _split_qkv
+from tests.helpers.tiny_models import hf_config
+
+
+def test_qkv_interleave_per_group_and_inverse():
+    cfg = hf_config("llama")  # 4 heads, 2 kv groups, head_dim 16, hidden 64
+    d = 16
+    q = torch.arange(4 * d)[:, None].float().expand(-1, 64)
+    k = 1000 + torch.arange(2 * d)[:, None].float().expand(-1, 64)
+    v = 2000 + torch.arange(2 * d)[:, None].float().expand(-1, 64)
+    fused = _merge_qkv(q, k, v, cfg)
+    assert fused.shape == (2 * (2 + 2) * d, 64)
+    # Group 0 = q heads 0,1 then k head 0 then v head 0 (Megatron's per-query-group layout).
+    assert torch.equal(fused[: 2 * d, 0], q[: 2 * d, 0])
+    assert torch.equal(fused[2 * d: 3 * d, 0], k[:d, 0])
+    assert torch.equal(fused[3 * d: 4 * d, 0], v[:d, 0])
+    assert torch.equal(fused[4 * d: 6 * d, 0], q[2 * d:, 0])
+    for a, b in zip(_split_qkv(fused, cfg), (q, k, v)):
+        assert torch.equal(a, b)
+    bias = torch.randn(4 * d), torch.randn(2 * d), torch.randn(2 * d)
+    for a, b in zip(_split_qkv(_merge_qkv(*bias, cfg), cfg), bias):
+        assert torch.equal(a, b)
+
+
+def test_tables_are_well_formed():
+    for fam, table in FAMILY_TABLES.items():
+        assert all(r.split in SPLITS for r in table), fam
+        mc = [r.mcore for r in table]
+        assert len(mc) == len(set(mc)), f"{fam}: duplicate Megatron name"
+        hf = [n for r in table for n in r.hf]
+        assert len(hf) == len(set(hf)), f"{fam}: duplicate HF name"
+    assert any("q_norm" in n for r in FAMILY_TABLES["qwen3"] for n in r.hf)
+    assert any(r.mcore.endswith("linear_qkv.bias") for r in FAMILY_TABLES["qwen2"])
+
+
+def test_resolver_finds_te_fused_layernorm_names():
+    class TELike(torch.nn.Module):
+        """Parameter layout of a TE-spec layer: the layernorms live inside linear_qkv/linear_fc1."""
+
+        def __init__(self):
+            super().__init__()
+            self.self_attention = torch.nn.Module()
+            self.self_attention.linear_qkv = torch.nn.Module()
+            self.self_attention.linear_qkv.layer_norm_weight = torch.nn.Parameter(torch.ones(3))
+            self.mlp = torch.nn.Module()
+            self.mlp.linear_fc1 = torch.nn.Module()
+            self.mlp.linear_fc1.layer_norm_weight = torch.nn.Parameter(torch.ones(3))
+
+    m = TELike()
+    assert set(TE_RENAMES) == {"input_layernorm.weight", "pre_mlp_layernorm.weight"}
+    assert _param(m, "input_layernorm.weight") is m.self_attention.linear_qkv.layer_norm_weight
+    assert _param(m, "pre_mlp_layernorm.weight") is m.mlp.linear_fc1.layer_norm_weight
+    assert _param(m, "mlp.linear_fc2.weight") is None

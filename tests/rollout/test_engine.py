@@ -1,0 +1,219 @@
+"""Embedded engine through its HTTP app: log-prob parity with transformers, finish semantics,
+continuous batching, seeds, pause/continue, abort and the control token."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mrl.rollout.server import Engine, build_app
+from tests.helpers.tiny_models import make_tiny_hf
+
+PROMPTS = [[5, 17, 33, 101, 7, 9, 250, 12, 44, 3, 99], [8, 9], [120, 121, 122, 123, 124], [42] * 20]
+
+
+def _client(path, **kw) -> tuple[Engine, TestClient]:
+    token = kw.pop("token", None)
+    engine = Engine(str(path), **kw)
+    return engine, TestClient(build_app(engine, token=token))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_hf(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    engine, client = _client(model_dir)
+    with client:
+        yield engine, client
+
+
+def _gen(client, **body):
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _ref_logprobs(model_dir, prompt, output, temperature):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1]
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    return lp.gather(1, torch.tensor(output)[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_transformers(server, model_dir, temperature):
+    _, client = server
+    outs = _gen(client, input_ids=PROMPTS, return_logprob=True,
+                sampling_params={"temperature": temperature, "max_new_tokens": 12, "ignore_eos": True})
+    for prompt, out in zip(PROMPTS, outs):
+        lps = out["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in lps] == out["output_ids"] and all(x is None for _, _, x in lps)
+        ref = _ref_logprobs(model_dir, prompt, out["output_ids"], temperature)
+        got = torch.tensor([lp for lp, _, _ in lps])
+        assert torch.allclose(got, ref, atol=1e-5, rtol=0), (got - ref).abs().max()
+
+
+def test_greedy_matches_transformers_generate(server, model_dir):
+    _, client = server
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = _gen(client, input_ids=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": 10, "ignore_eos": True})
+    for prompt, out in zip(PROMPTS, outs):
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
+        assert out["output_ids"] == ref[0, len(prompt):].tolist()
+
+
+def test_max_new_tokens_and_length_reason(server):
+    _, client = server
+    out = _gen(client, input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 5, "ignore_eos": True})
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    assert out["meta_info"]["completion_tokens"] == 5 and len(out["output_ids"]) == 5
+    assert out["meta_info"]["prompt_tokens"] == 3
+    zero = _gen(client, input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 0})
+    assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_stop_token_ids_and_stop_strings(server, model_dir):
+    _, client = server
+    sp = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    base = _gen(client, input_ids=PROMPTS[0], sampling_params=sp)["output_ids"]
+    stop_tok = base[4]
+    first = base.index(stop_tok)
+    out = _gen(client, input_ids=PROMPTS[0], sampling_params={**sp, "stop_token_ids": [stop_tok]})
+    assert out["output_ids"] == base[: first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    # A stop string made of the decoded text of tokens 3..4: generation ends once it appears.
+    full = tok.decode(base)
+    stop_s = tok.decode(base[3:5])
+    assert stop_s and stop_s in full
+    out = _gen(client, input_ids=PROMPTS[0], sampling_params={**sp, "stop": [stop_s]})
+    fr = out["meta_info"]["finish_reason"]
+    assert fr == {"type": "stop", "matched": stop_s}
+    assert len(out["output_ids"]) <= 5 and out["output_ids"] == base[: len(out["output_ids"])]
+    assert stop_s not in out["text"] and full.startswith(out["text"])
+    kept = _gen(client, input_ids=PROMPTS[0], sampling_params={**sp, "stop": stop_s, "no_stop_trim": True})
+    assert kept["text"].endswith(stop_s) or stop_s in kept["text"]
+
+
+def test_eos_and_ignore_eos(tmp_path, model_dir, server):
+    _, client = server
+    base = _gen(client, input_ids=PROMPTS[1], sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+    eos = base["output_ids"][2]
+    first = base["output_ids"].index(eos)
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (d / "config.json").write_text(json.dumps(cfg))
+    _, c2 = _client(d)
+    with c2:
+        out = _gen(c2, input_ids=PROMPTS[1], sampling_params={"temperature": 0, "max_new_tokens": 8})
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+        assert out["output_ids"] == base["output_ids"][: first + 1]
+        out = _gen(c2, input_ids=PROMPTS[1], sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+        assert out["meta_info"]["finish_reason"]["type"] == "length" and len(out["output_ids"]) == 8
+
+
+def test_seeded_sampling_independent_of_batch(server):
+    _, client = server
+    sp = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "max_new_tokens": 10, "ignore_eos": True, "sampling_seed": 123}
+    alone = _gen(client, input_ids=PROMPTS[2], sampling_params=sp)["output_ids"]
+    batch = _gen(client, input_ids=[PROMPTS[0], PROMPTS[2], PROMPTS[3]],
+                 sampling_params=[{**sp, "sampling_seed": 7}, sp, {**sp, "sampling_seed": 9}])
+    assert batch[1]["output_ids"] == alone
+    assert batch[0]["output_ids"] != alone
+
+
+def test_continuous_batching_admits_into_running_set(model_dir):
+    engine, client = _client(model_dir, max_running=4)
+    lengths = [1, 40, 3, 25, 2, 37, 5, 11, 29, 4, 17, 8]
+    with client:
+        prompts = [[(7 * i + j) % 290 + 3 for j in range(3 + (i * 13) % 30)] for i in range(len(lengths))]
+        outs = _gen(client, input_ids=prompts,
+                    sampling_params=[{"max_new_tokens": n, "ignore_eos": True} for n in lengths])
+        stats = dict(engine.scheduler.stats)
+    assert [len(o["output_ids"]) for o in outs] == lengths
+    assert all(o["meta_info"]["finish_reason"] == {"type": "length", "length": n} for o, n in zip(outs, lengths))
+    assert stats["max_batch"] == 4
+    # Requests entered the batch while others were mid-decode (not one static batch after another).
+    assert stats["admitted_while_running"] >= len(lengths) // 2
+    # Finished rows leave at once: decoded rows = sum(n - 1) (the first token comes from prefill).
+    assert stats["decode_tokens"] == sum(n - 1 for n in lengths)
+
+
+def test_many_concurrent_http_requests(server):
+    engine, client = server
+    results: dict[int, dict] = {}
+
+    def worker(i: int) -> None:
+        results[i] = _gen(client, input_ids=[3 + i] * (1 + 9 * (i % 4)),
+                          sampling_params={"max_new_tokens": 2 + 5 * (i % 6), "ignore_eos": True})
+
+    before = engine.scheduler.stats["max_batch"]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert sorted(results) == list(range(16))
+    assert all(len(results[i]["output_ids"]) == 2 + 5 * (i % 6) for i in range(16))
+    assert max(before, engine.scheduler.stats["max_batch"]) > 1
+
+
+def test_pause_continue_and_abort(server):
+    engine, client = server
+    assert client.post("/pause_generation", json={}).json()["success"]
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(out=_gen(
+        client, input_ids=[4, 5, 6], rid="paused-req", sampling_params={"max_new_tokens": 3, "ignore_eos": True})))
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive() and engine.scheduler.num_waiting == 1  # queued, not served while paused
+    client.post("/continue_generation")
+    t.join(timeout=60)
+    assert box["out"]["meta_info"]["finish_reason"]["type"] == "length"
+
+    client.post("/pause_generation", json={"mode": "in_place"})
+    t = threading.Thread(target=lambda: box.update(ab=_gen(
+        client, input_ids=[4, 5, 6], rid="to-abort", sampling_params={"max_new_tokens": 3})))
+    t.start()
+    deadline = time.time() + 10
+    while engine.scheduler.num_waiting == 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert client.post("/abort_request", json={"rid": "to-abort"}).json()["num_aborted"] == 1
+    t.join(timeout=30)
+    client.post("/continue_generation")
+    assert box["ab"]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_bad_requests_name_the_field(server):
+    _, client = server
+    r = client.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"temprature": 1.0}})
+    assert r.status_code == 400 and "temprature" in r.text
+    r = client.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.3}})
+    assert r.status_code == 400 and "repetition_penalty" in r.text
+    r = client.post("/generate", json={"input_ids": [1, 100000]})
+    assert r.status_code == 400 and "vocabulary" in r.text
+
+
+def test_control_token_required_when_set(model_dir):
+    engine = Engine(str(model_dir))
+    with TestClient(build_app(engine, token="s3cret")) as c:
+        assert c.get("/health").status_code == 200
+        assert c.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+        assert c.post("/flush_cache").status_code == 401
+        assert c.post("/weights_checksum", json={}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        ok = c.post("/weights_checksum", json={"names": ["lm_head.weight"]}, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and len(ok.json()["checksums"]["lm_head.weight"]) == 32

@@ -1,0 +1,158 @@
+"""Weight updates by HF name into the embedded engine: disk, shared memory, torch.distributed
+(per-tensor and flattened bucket). Each must change generations, bump weight_version and make
+the engine's checksums equal the source tensors'."""
+from __future__ import annotations
+
+import uuid
+from multiprocessing import shared_memory
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from safetensors.torch import load_file
+
+from mrl.rollout.engine.checksum import tensor_checksum
+from mrl.rollout.server import Engine, build_app
+from tests.helpers.dist import free_port, run_ranks
+from tests.helpers.tiny_models import make_tiny_hf
+
+PROMPT = [5, 17, 33, 101, 7, 9]
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("w")
+    return make_tiny_hf(root / "a", "qwen2", seed=0), make_tiny_hf(root / "b", "qwen2", seed=1)
+
+
+def _source(dir_b) -> dict[str, torch.Tensor]:
+    return load_file(str(dir_b / "model.safetensors"))
+
+
+def _greedy(c) -> list[int]:
+    return c.post("/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY}).json()["output_ids"]
+
+
+def _checksums(c, names) -> dict[str, str]:
+    return c.post("/weights_checksum", json={"names": names}).json()["checksums"]
+
+
+def _reference_greedy(dirs) -> tuple[list[int], list[int]]:
+    out = []
+    for d in dirs:
+        with TestClient(build_app(Engine(str(d)))) as c:
+            out.append(_greedy(c))
+    assert out[0] != out[1]
+    return out[0], out[1]
+
+
+@pytest.fixture(scope="module")
+def greedy_ab(dirs):
+    return _reference_greedy(dirs)
+
+
+def test_update_from_disk(dirs, greedy_ab):
+    a, b = dirs
+    src = _source(b)
+    with TestClient(build_app(Engine(str(a)))) as c:
+        assert _greedy(c) == greedy_ab[0]
+        r = c.post("/update_weights_from_disk", json={"model_path": str(b)}).json()
+        assert r["success"] and r["weight_version"] == "1"
+        assert _greedy(c) == greedy_ab[1]
+        assert _checksums(c, list(src)) == {n: tensor_checksum(t) for n, t in src.items()}
+        gen = c.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}).json()
+        assert gen["meta_info"]["weight_version"] == "1"
+        r = c.post("/update_weights_from_disk", json={"model_path": str(a), "weight_version": "step-7"}).json()
+        assert r["weight_version"] == "step-7" and _greedy(c) == greedy_ab[0]
+        bad = c.post("/update_weights_from_disk", json={"model_path": str(a / "nope")})
+        assert bad.status_code == 400 and "nope" in bad.json()["message"]
+
+
+def test_update_from_tensor_shm(dirs, greedy_ab):
+    a, b = dirs
+    src = _source(b)
+    # The sender side: one segment holding every tensor back to back (a flat bucket in shm).
+    total = sum(t.numel() * t.element_size() for t in src.values())
+    shm = shared_memory.SharedMemory(name=f"mrl_test_{uuid.uuid4().hex[:8]}", create=True, size=total)
+    try:
+        specs, off = [], 0
+        for n, t in src.items():
+            nb = t.numel() * t.element_size()
+            shm.buf[off:off + nb] = t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+            specs.append({"name": n, "shm_name": shm.name, "dtype": "float32", "shape": list(t.shape), "offset": off})
+            off += nb
+        with TestClient(build_app(Engine(str(a)))) as c:
+            refused = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["gASVAAAA"]})
+            assert refused.status_code == 400 and "shm_tensors" in refused.json()["error"]["message"]
+            traversal = c.post("/update_weights_from_tensor", json={"shm_tensors": [{**specs[0], "shm_name": "../etc/passwd"}]})
+            assert traversal.status_code == 422
+            r = c.post("/update_weights_from_tensor", json={"shm_tensors": specs, "weight_version": "v2"}).json()
+            assert r["success"] and r["weight_version"] == "v2"
+            assert _greedy(c) == greedy_ab[1]
+            assert _checksums(c, list(src)) == {n: tensor_checksum(t) for n, t in src.items()}
+            short = c.post("/update_weights_from_tensor", json={"shm_tensors": [{**specs[-1], "offset": total}]})
+            assert short.status_code == 400 and specs[-1]["name"] in short.json()["message"]
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def _dist_rank(rank, world_size, port, a, b, load_format):
+    """rank 0: the trainer-side sender; rank 1: an engine (in-process app) receiving."""
+    import threading
+
+    import torch.distributed as dist
+
+    from mrl.rollout.weight_sync.group import init_custom_process_group
+
+    src = load_file(str(b / "model.safetensors"))
+    names = list(src)
+    if rank == 0:
+        pg = init_custom_process_group("gloo", "127.0.0.1", port, 0, 2, "weight_update_group", timeout_s=60)
+        if load_format == "flattened_bucket":
+            flat = torch.cat([src[n].contiguous().view(torch.uint8).reshape(-1) for n in names])
+            dist.broadcast(flat, group=pg, group_src=0)
+        else:
+            for n in names:
+                dist.broadcast(src[n].contiguous(), group=pg, group_src=0)
+        return {n: tensor_checksum(src[n]) for n in names}
+    with TestClient(build_app(Engine(str(a)))) as c:
+        before = _greedy(c)
+        r = c.post("/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "backend": "gloo"}).json()
+        assert r["success"], r
+        # While the update request waits on the broadcast, the event loop keeps serving.
+        box = {}
+        t = threading.Thread(target=lambda: box.update(r=c.post("/update_weights_from_distributed", json={
+            "names": names, "dtypes": ["float32"] * len(names), "shapes": [list(src[n].shape) for n in names],
+            "load_format": load_format}).json()))
+        t.start()
+        health = c.get("/health").status_code
+        t.join(timeout=60)
+        return {"before": before, "after": _greedy(c), "resp": box["r"], "health": health,
+                "checksums": _checksums(c, names)}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_update_from_distributed(dirs, greedy_ab, load_format):
+    a, b = dirs
+    sender, engine = run_ranks(_dist_rank, 2, args=(free_port(), a, b, load_format), timeout_s=150,
+                               init_process_group=False)
+    assert engine["resp"]["success"] and engine["resp"]["weight_version"] == "1"
+    assert engine["health"] == 200
+    assert engine["before"] == greedy_ab[0] and engine["after"] == greedy_ab[1]
+    assert engine["checksums"] == sender
+
+
+def test_release_and_resume(dirs, greedy_ab):
+    a, _ = dirs
+    engine = Engine(str(a))
+    with TestClient(build_app(engine)) as c:
+        r = c.post("/release_memory_occupation", json={}).json()
+        assert r["success"] and all(p.numel() == 0 for p in engine.runner.model.parameters())
+        assert c.post("/generate", json={"input_ids": PROMPT}).status_code == 503
+        assert c.post("/resume_memory_occupation", json={}).json()["success"]
+        assert _greedy(c) == greedy_ab[0]

@@ -1,0 +1,136 @@
+"""Two embedded engines behind the built-in router: batch shapes, affinity, failure reporting,
+and an engine killed mid-batch that is restarted and re-synced to the current weight version."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from mrl.rollout.client import RolloutClient
+from mrl.rollout.pool import EngineEndpoint, EnginePool
+from mrl.rollout.router import Router
+from mrl.rollout.sglang_launcher import EngineProcess, build_embedded_command
+from mrl.rollout.types import RolloutRequest
+from mrl.rollout.weight_sync import WeightSyncer, disk_resync
+from tests.helpers.dist import free_port
+from tests.helpers.tiny_models import build_tiny_model, make_tiny_hf
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20], [30, 31], [40, 41, 42, 43], [50, 51, 52], [60] * 6, [70, 71]]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    d = make_tiny_hf(tmp_path_factory.mktemp("model"), "qwen2")
+    procs = []
+    for i in range(2):
+        port = free_port()
+        p = EngineProcess(build_embedded_command(str(d), port), f"http://127.0.0.1:{port}",
+                          tmp_path_factory.getbasetemp() / f"engine{i}.log", startup_timeout_s=180)
+        p.start(wait=False)
+        procs.append(p)
+    try:
+        for p in procs:
+            p.wait_healthy()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.fixture
+def pool(engines):
+    pool = EnginePool([EngineEndpoint(p.url, p.restart) for p in engines], health_interval_s=0, restart_timeout_s=180)
+    yield pool
+    pool.close()
+
+
+def _checksums(url: str) -> dict[str, str]:
+    r = httpx.post(url + "/weights_checksum", json={}, timeout=60, trust_env=False)
+    r.raise_for_status()
+    return r.json()["checksums"]
+
+
+def test_batch_shapes_affinity_and_balance(pool):
+    client = RolloutClient(Router(pool))
+    res = client.generate(RolloutRequest(PROMPTS, n=4, sampling_params={"max_new_tokens": 8, "temperature": 1.0}))
+    assert len(res.samples) == 32 and not res.failed
+    assert [(s.prompt_index, s.sample_index) for s in res.samples] == [(i, j) for i in range(8) for j in range(4)]
+    for s in res.samples:
+        assert s.prompt_ids == PROMPTS[s.prompt_index]
+        assert 1 <= s.response_length <= 8 and len(s.rollout_log_probs) == s.response_length
+        assert all(lp <= 0.0 for lp in s.rollout_log_probs)
+        assert s.finish_reason in ("stop", "length")
+        assert s.finish_reason == "stop" or s.response_length == 8
+        assert s.weight_version == "default"  # SGLang's version before any update
+    # the n samples of one prompt share an engine; prompts spread over both engines
+    per_prompt = [{s.engine_url for s in res.samples[4 * i:4 * i + 4]} for i in range(8)]
+    assert all(len(u) == 1 for u in per_prompt)
+    assert {u for (u,) in per_prompt} == {e.url for e in pool.engines}
+    pad = res.to_padded()
+    r = max(res.response_lengths)
+    assert pad["responses"].shape == pad["rollout_log_probs"].shape == pad["response_mask"].shape == (32, r)
+    assert pad["response_mask"].sum().item() == sum(res.response_lengths)
+    assert pool.loop.run(pool.check_health()) == {e.url: True for e in pool.engines}
+
+
+def test_rejected_request_is_reported_not_retried(pool):
+    client = RolloutClient(Router(pool, max_retries=3))
+    res = client.generate(RolloutRequest(PROMPTS[:2], n=2, sampling_params={"max_new_tokens": 4, "no_such_param": 1}))
+    assert len(res.samples) == 4 and len(res.failed) == 4
+    for s in res.samples:
+        assert s.finish_reason == "error" and s.attempts == 1 and "HTTP 400" in s.error and "no_such_param" in s.error
+
+
+def test_unreachable_engine_fails_samples_with_reason():
+    dead = EnginePool([EngineEndpoint(f"http://127.0.0.1:{free_port()}")], health_interval_s=0)
+    try:
+        res = RolloutClient(Router(dead, max_retries=1, no_engine_wait_s=0.5)).generate(
+            RolloutRequest([[1, 2]], n=2, sampling_params={"max_new_tokens": 2}))
+    finally:
+        dead.close()
+    assert len(res.samples) == 2
+    assert all(s.finish_reason == "error" and "connection error" in s.error and "no healthy engine" in s.error
+               for s in res.samples)
+    assert dead.engines[0].healthy is False
+
+
+def test_kill_engine_mid_batch_then_restart_and_resync(pool, engines, tmp_path):
+    # Version 1 of the weights reaches both engines over the disk transport; a restarted engine
+    # comes back with its start weights and must be re-synced to version 1 before serving.
+    new = [(n, p.detach()) for n, p in build_tiny_model("qwen2", seed=7).named_parameters()]
+    syncer = WeightSyncer("disk", [e.url for e in engines], disk_dir=str(tmp_path / "w"), verify=True,
+                          barrier=lambda: None)
+    rep = syncer.sync(new, version=1)
+    syncer.close()
+    assert rep.weight_version == "1" and rep.verified and rep.bytes == sum(t.numel() * 4 for _, t in new)
+    pool.weight_version = "1"
+    pool.resync = disk_resync(str(tmp_path / "w"))
+    want = _checksums(engines[1].url)
+
+    client = RolloutClient(Router(pool, max_retries=3))
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("res", client.generate(
+        RolloutRequest(PROMPTS, n=4, sampling_params={"max_new_tokens": 40, "ignore_eos": True}))))
+    t.start()
+    victim = pool.engines[0]
+    deadline = time.monotonic() + 60
+    while victim.outstanding == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert victim.outstanding > 0
+    engines[0].kill()
+    t.join(timeout=240)
+    res = out["res"]
+    assert len(res.samples) == 32 and not res.failed, [s.error for s in res.failed][:2]
+    assert all(s.response_length == 40 for s in res.samples)
+    assert res.weight_versions == {"1"}
+    assert any(s.attempts > 1 for s in res.samples)  # the victim's requests were retried
+
+    pool.wait_recovered(timeout_s=240)
+    assert victim.healthy and victim.restarts == 1, victim.last_error
+    assert pool.loop.run(pool.get_weight_version(victim)) == "1"
+    assert _checksums(victim.url) == want

@@ -1,0 +1,59 @@
+"""SGLang launcher: argv building from config, and the launch / health / log-tail path run for
+real with the embedded engine's command (SGLang itself cannot run on these CPU hosts)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from mrl.rollout.sglang_launcher import (
+    EngineLaunchError,
+    EngineProcess,
+    SGLangLaunchSpec,
+    build_embedded_command,
+    build_sglang_command,
+)
+from tests.helpers.dist import free_port
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_sglang_command_from_config():
+    spec = SGLangLaunchSpec(model_path="/m/qwen", port=30001, tp_size=2, mem_fraction_static=0.55,
+                            colocated=True, base_gpu_id=2, random_seed=3, api_key="tok")
+    cmd = build_sglang_command(spec, python="py")
+    assert cmd[:3] == ["py", "-m", "sglang.launch_server"]
+    assert _flag(cmd, "--model-path") == "/m/qwen" and _flag(cmd, "--port") == "30001"
+    assert _flag(cmd, "--host") == "127.0.0.1" and _flag(cmd, "--tp-size") == "2"
+    assert _flag(cmd, "--mem-fraction-static") == "0.55" and _flag(cmd, "--base-gpu-id") == "2"
+    assert _flag(cmd, "--api-key") == "tok" and _flag(cmd, "--random-seed") == "3"
+    assert "--skip-server-warmup" in cmd and "--enable-memory-saver" in cmd
+    plain = build_sglang_command(SGLangLaunchSpec(model_path="/m", port=1, skip_server_warmup=False))
+    assert "--enable-memory-saver" not in plain and "--skip-server-warmup" not in plain and "--api-key" not in plain
+    with pytest.raises(ValueError, match="mem-fraction-static"):
+        SGLangLaunchSpec(model_path="/m", port=1, mem_fraction_static=1.5)
+
+
+def test_child_that_dies_reports_exit_code_and_log_tail(tmp_path):
+    port = free_port()
+    p = EngineProcess(build_embedded_command(str(tmp_path / "no_such_model"), port), f"http://127.0.0.1:{port}",
+                      tmp_path / "e.log", startup_timeout_s=120, poll_s=0.2)
+    with pytest.raises(EngineLaunchError, match="exited with code") as ei:
+        p.start()
+    assert "no_such_model" in str(ei.value)  # the child's own error, from the log tail
+    assert not p.alive()
+
+
+def test_child_that_never_answers_times_out_and_is_stopped(tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-c", "import time; print('warming up', flush=True); time.sleep(120)"]
+    p = EngineProcess(cmd, f"http://127.0.0.1:{port}", tmp_path / "e.log", startup_timeout_s=1.5, poll_s=0.2)
+    with pytest.raises(EngineLaunchError, match="not healthy after") as ei:
+        p.start()
+    assert "warming up" in str(ei.value)
+    assert not p.alive()
+
+# Launching the embedded engine through EngineProcess.start/wait_healthy/restart runs for real in
+# tests/rollout/test_pool_router.py (fixture + the kill/restart test).

@@ -1,0 +1,34 @@
+"""A fixed ragged TrainBatch for the worker tests (left-padded prompts, right-padded responses)."""
+from __future__ import annotations
+
+import torch
+
+from mrl.workers.batch import TrainBatch
+
+
+def ragged_batch(
+    B: int = 8, P: int = 6, R: int = 7, vocab: int = 300, seed: int = 0, with_ref: bool = True,
+    with_rollout: bool = False,
+) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    p_len = torch.randint(2, P + 1, (B,), generator=g)
+    r_len = torch.randint(1, R + 1, (B,), generator=g)
+    p_len[0], r_len[0] = P, R  # one full-width sample so padding widths are exercised
+    ids = torch.randint(3, vocab, (B, P + R), generator=g)
+    cols = torch.arange(P + R)
+    am = ((cols[None, :] >= (P - p_len)[:, None]) & (cols[None, :] < (P + r_len)[:, None])).long()
+    ids = ids * am
+    pos = (am.cumsum(-1) - 1).clamp(min=0) * am
+    resp_mask = am[:, P:].clone()
+    if B > 2:
+        resp_mask[2, 0] = 0  # a masked token inside a response (e.g. tool output)
+    lp = lambda: -torch.rand(B, R, generator=g) * 3 * resp_mask  # noqa: E731
+    return TrainBatch(
+        input_ids=ids, attention_mask=am, position_ids=pos, responses=ids[:, P:].clone(),
+        response_mask=resp_mask,
+        old_log_probs=lp(),
+        advantages=torch.randn(B, R, generator=g) * resp_mask,
+        ref_log_prob=lp() if with_ref else None,
+        rollout_log_probs=lp() if with_rollout else None,
+        uid=torch.arange(B) // 2,
+    )

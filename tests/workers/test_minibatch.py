@@ -1,0 +1,75 @@
+"""make_minibatch_iterator key selection, micro-batch splits and compact model inputs (pure torch)."""
+import pytest
+import torch
+
+from mrl.workers.batch import TrainBatch
+from mrl.workers.minibatch import (
+    build_model_inputs, loss_keys, make_minibatch_iterator, restore_order, split_dynamic, split_fixed,
+)
+from tests.workers.batches import ragged_batch
+
+
+@pytest.mark.parametrize("use_kl, use_is", [(False, False), (True, False), (True, True), (False, True)])
+def test_minibatch_selects_ref_log_prob_iff_use_kl_loss(use_kl, use_is):
+    batch = ragged_batch(with_rollout=True)
+    keys = loss_keys(use_kl_loss=use_kl, use_rollout_log_probs=use_is)
+    mbs = list(make_minibatch_iterator(batch, mini_batch_size=4, epochs=2, select_keys=keys))
+    assert len(mbs) == 4
+    for mb in mbs:
+        assert (mb.ref_log_prob is not None) == use_kl
+        assert (mb.rollout_log_probs is not None) == use_is
+        assert mb.old_log_probs is not None and mb.advantages is not None
+        assert mb.uid is None and mb.batch_size == 4
+    torch.testing.assert_close(mbs[1].input_ids, batch.input_ids[4:8], rtol=0, atol=0)
+
+
+def test_missing_key_names_its_producer():
+    batch = ragged_batch(with_ref=False)
+    with pytest.raises(KeyError, match="ref_log_prob.*compute_ref_log_prob"):
+        next(make_minibatch_iterator(batch, mini_batch_size=4, select_keys=loss_keys(
+            use_kl_loss=True, use_rollout_log_probs=False)))
+    with pytest.raises(ValueError, match="divisible"):
+        next(make_minibatch_iterator(batch, mini_batch_size=3))
+
+
+def test_shuffle_is_a_seeded_permutation_per_epoch():
+    batch = ragged_batch()
+    a = list(make_minibatch_iterator(batch, mini_batch_size=8, epochs=2, shuffle=True, seed=3))
+    b = list(make_minibatch_iterator(batch, mini_batch_size=8, epochs=2, shuffle=True, seed=3))
+    assert torch.equal(a[0].input_ids, b[0].input_ids) and torch.equal(a[1].input_ids, b[1].input_ids)
+    assert not torch.equal(a[0].input_ids, a[1].input_ids)
+    assert sorted(map(tuple, a[0].input_ids.tolist())) == sorted(map(tuple, batch.input_ids.tolist()))
+
+
+def test_fixed_and_dynamic_splits_restore_order():
+    lens = [13, 4, 9, 2, 11, 7, 5, 3]
+    parts = split_dynamic(lens, max_tokens=20)
+    assert len(parts) == 3  # ceil(54 / 20)
+    assert sorted(i for p in parts for i in p) == list(range(8))
+    assert max(sum(lens[i] for i in p) for p in parts) <= 20 + max(lens)
+    x = torch.arange(8.0)[:, None] * torch.ones(1, 3)
+    assert torch.equal(restore_order([x[p] for p in parts], parts), x)
+    assert split_fixed(5, 2) == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="ppo_max_token_len_per_gpu"):
+        split_dynamic(lens, max_tokens=10)
+
+
+def test_compact_inputs_align_labels_with_responses():
+    batch = ragged_batch()
+    mi = build_model_inputs(batch, pad_to_multiple=4)
+    assert mi.tokens.shape[1] % 4 == 0
+    n = batch.attention_mask.sum(-1)
+    for i in range(batch.batch_size):
+        valid = batch.input_ids[i][batch.attention_mask[i].bool()]
+        assert torch.equal(mi.tokens[i, : n[i]], valid)
+        assert torch.equal(mi.position_ids[i, : n[i]], torch.arange(int(n[i])))
+    # the label scored at resp_index is the response token itself
+    got = mi.labels.gather(1, mi.resp_index) * mi.resp_valid
+    assert torch.equal(got, batch.responses * batch.attention_mask[:, batch.prompt_length:])
+
+
+def test_batch_shape_errors_name_the_field():
+    b = ragged_batch()
+    with pytest.raises(ValueError, match="advantages"):
+        TrainBatch(b.input_ids, b.attention_mask, b.position_ids, b.responses, b.response_mask,
+                   advantages=torch.zeros(3, 3))
