@@ -61,7 +61,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--naive-repeats", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (1: on an oversubscribed host OpenMP barriers dominate)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     B, T = args.samples, args.tokens
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, T + 1, (B,), generator=g)

@@ -24,7 +24,13 @@ import numpy as np
 import torch
 
 from .registry import Registry
-from .scan import discounted_scan, gae_scan, masked_whiten_
+from .scan import (
+    discounted_scan,
+    gae_scan,
+    masked_whiten_,
+    moments_to_mean_rstd,
+    reverse_cumsum_masked,
+)
 
 
 class AdvEstimatorFn(Protocol):
@@ -154,7 +160,11 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, 
     scores = token_level_rewards.sum(dim=-1)
     mean, _, _ = group_mean_std(scores, _require(index, "index", "reinforce_plus_plus_baseline"))
     mask = response_mask.to(scores.dtype)
-    adv = masked_whiten_((scores - mean).unsqueeze(-1) * mask, mask)
+    # Whitening statistics from [B] vectors: row i holds a_i on its n_i valid tokens.
+    a = (scores - mean).to(torch.float64)
+    n = mask.sum(-1, dtype=torch.float64)
+    mu, rstd = moments_to_mean_rstd(n.sum(), (a * n).sum(), (a * a * n).sum())
+    adv = ((a - mu) * rstd).to(scores.dtype).unsqueeze(-1) * mask
     return adv, adv
 
 
@@ -163,9 +173,8 @@ def discounted_returns(token_level_rewards: torch.Tensor, response_mask: torch.T
     contribute no reward; output 0 there). Equals verl's reset-after-EOS loop for prefix masks.
     """
     mask = response_mask.to(token_level_rewards.dtype)
-    if gamma == 1.0:  # reverse cumsum without flipping copies: G_t = S - cumsum_t + x_t
-        x = token_level_rewards * mask
-        return torch.cumsum(x, -1).neg_().add_(x.sum(-1, keepdim=True)).add_(x).mul_(mask)
+    if gamma == 1.0:
+        return reverse_cumsum_masked(token_level_rewards, mask)
     return discounted_scan(token_level_rewards, mask, gamma)
 
 
@@ -192,7 +201,7 @@ def compute_remax_outcome_advantage(token_level_rewards, response_mask, *, index
     b = _require(reward_baselines, "reward_baselines", "remax")
     returns = discounted_returns(token_level_rewards, response_mask, 1.0)
     mask = response_mask.to(returns.dtype)
-    return returns - b.to(returns.dtype).unsqueeze(-1) * mask, returns
+    return torch.addcmul(returns, b.to(returns.dtype).unsqueeze(-1), mask, value=-1.0), returns
 
 
 @register_adv_est("gae")

@@ -9,41 +9,72 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_ROWS = 16384
+BLOCK_ROWS = 16384  # rows per block of the time recursions (per-step ops stay L2-sized)
+ELEM_ELEMENTS = 1 << 18  # elements per block of the elementwise passes (about 1 MB of float32)
 
 
-def _blocks(b: int):
-    for s in range(0, b, BLOCK_ROWS):
-        yield s, min(s + BLOCK_ROWS, b)
+def _blocks(b: int, rows: int | None = None):
+    rows = BLOCK_ROWS if rows is None else rows
+    for s in range(0, b, rows):
+        yield s, min(s + rows, b)
+
+
+def _elem_rows(t_len: int) -> int:
+    return max(1, ELEM_ELEMENTS // max(t_len, 1))
+
+
+def moments_to_mean_rstd(n: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor, eps: float = 1e-8):
+    """Mean and ``1/sqrt(var + eps)`` from float64 ``n = sum m``, ``s1 = sum m x``, ``s2 = sum m x^2``;
+    unbiased variance (times ``n / (n - 1)`` when ``n > 1``) as verl's ``masked_whiten``."""
+    nn = n.clamp(min=1)
+    mean = s1 / nn
+    var = (s2 / nn - mean * mean).clamp(min=0)
+    if n > 1:
+        var = var * n / (n - 1)
+    return mean, torch.rsqrt(var + eps)
 
 
 def masked_whiten_(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """In place: ``x <- (x - mean) / sqrt(var + eps) * m`` over valid entries of ``[B, T]`` ``x``.
 
-    Same result as ``masked_whiten(x, mask) * mask`` (unbiased variance, two passes, float64
-    accumulators) with one block-sized temporary instead of full-size ones. Only for tensors the
-    caller owns.
+    Same result as ``masked_whiten(x, mask) * mask`` (unbiased variance, float64 accumulators),
+    computed in cache-sized row blocks: one pass for the moments, one for the update. Only for
+    tensors the caller owns.
     """
     m = mask.to(x.dtype)
-    buf = torch.empty((min(BLOCK_ROWS, x.shape[0]), x.shape[-1]), dtype=x.dtype, device=x.device)
-    n = m.sum(dtype=torch.float64)
-    total = torch.zeros((), dtype=torch.float64, device=x.device)
-    for s, e in _blocks(x.shape[0]):
-        total += torch.mul(x[s:e], m[s:e], out=buf[: e - s]).sum(dtype=torch.float64)
-    mean = total / n.clamp(min=1)
-    ss = torch.zeros((), dtype=torch.float64, device=x.device)
-    for s, e in _blocks(x.shape[0]):
-        d = torch.sub(x[s:e], mean.to(x.dtype), out=buf[: e - s])
-        ss += d.square_().mul_(m[s:e]).sum(dtype=torch.float64)
-    var = ss / n.clamp(min=1)
-    if n > 1:
-        var = var * n / (n - 1)
-    return x.sub_(mean.to(x.dtype)).mul_(torch.rsqrt(var + eps).to(x.dtype)).mul_(m)
+    rows = _elem_rows(x.shape[-1])
+    buf = torch.empty((min(rows, x.shape[0]), x.shape[-1]), dtype=x.dtype, device=x.device)
+    s1 = torch.zeros((), dtype=torch.float64, device=x.device)
+    s2 = torch.zeros_like(s1)
+    for s, e in _blocks(x.shape[0], rows):
+        xm = torch.mul(x[s:e], m[s:e], out=buf[: e - s])
+        s1 += xm.sum(dtype=torch.float64)
+        s2 += xm.mul_(x[s:e]).sum(dtype=torch.float64)
+    mean, rstd = moments_to_mean_rstd(m.sum(dtype=torch.float64), s1, s2, eps)
+    mean, rstd = mean.to(x.dtype), rstd.to(x.dtype)
+    for s, e in _blocks(x.shape[0], rows):
+        x[s:e].sub_(mean).mul_(rstd).mul_(m[s:e])
+    return x
+
+
+def reverse_cumsum_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``G_t = sum_{k >= t} x_k m_k``, times ``m_t``, ``[B, T]``, in cache-sized row blocks."""
+    out = torch.empty_like(x)
+    rows = _elem_rows(x.shape[-1])
+    xb_buf = torch.empty((min(rows, x.shape[0]), x.shape[-1]), dtype=x.dtype, device=x.device)
+    for s, e in _blocks(x.shape[0], rows):
+        xm = torch.mul(x[s:e], mask[s:e], out=xb_buf[: e - s])
+        total = xm.sum(-1, keepdim=True)
+        o = torch.cumsum(xm, -1, out=out[s:e])
+        # G_t = S - cumsum_t + x_t (no flipped copies)
+        torch.sub(total, o, out=o).add_(xm).mul_(mask[s:e])
+    return out
 
 
 def gae_scan(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
              lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw GAE advantages and returns ``[B, T]`` (both 0 outside the mask); see
+    """Raw GAE advantages (not masked: masked tokens hold the carried value) and returns (0 outside
+    the mask), both ``[B, T]``; see
     :func:`mrl.algorithms.advantages.compute_gae_advantage_return` for the recursion.
     """
     b, t_len = rewards.shape
@@ -70,7 +101,6 @@ def gae_scan(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, ga
         adv[s:e].copy_(at.t())
         rt.copy_(at).add_(vt).mul_(mt)  # returns = A + V on valid tokens, reusing the reward buffer
         ret[s:e].copy_(rt.t())
-    adv.mul_(mask)
     return adv, ret
 
 

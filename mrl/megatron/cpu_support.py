@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
@@ -46,7 +46,7 @@ class HFCheckpointReader:
             from safetensors import safe_open
 
             with safe_open(str(self.path / SINGLE_NAME), framework="pt") as f:
-                self._where = {k: SINGLE_NAME for k in f.keys()}
+                self._where = {k: SINGLE_NAME for k in f}
         else:
             raise FileNotFoundError(
                 f"{self.path} holds neither {SINGLE_NAME} nor {INDEX_NAME}; point to a Hugging Face "

@@ -24,8 +24,9 @@ rules with an ``{e}`` expert index and an ``expert`` split over the EP group.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

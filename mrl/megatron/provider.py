@@ -124,42 +124,44 @@ def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float3
 
     family = model_family(hf_config)
     _check_supported(hf_config, family)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"model dtype {dtype} is not supported; use float32, bfloat16 or float16")
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     on_cuda = torch.cuda.is_available()
-    kw: dict[str, Any] = dict(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
-        num_attention_heads=hf_config.num_attention_heads,
-        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
-        kv_channels=head_dim(hf_config),
-        normalization="RMSNorm",
-        layernorm_epsilon=hf_config.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=family == "qwen2",
-        qk_layernorm=family == "qwen3",
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+    kw: dict[str, Any] = {
+        "num_layers": hf_config.num_hidden_layers,
+        "hidden_size": hf_config.hidden_size,
+        "ffn_hidden_size": hf_config.intermediate_size,
+        "num_attention_heads": hf_config.num_attention_heads,
+        "num_query_groups": getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+        "kv_channels": head_dim(hf_config),
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": hf_config.rms_norm_eps,
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": family == "qwen2",
+        "qk_layernorm": family == "qwen3",
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
         # Fusions need CUDA kernels (apex/TE); the unfused paths are exact in fp32.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        attention_softmax_in_fp32=True,
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-        virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=ps.get_context_parallel_world_size(),
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        use_cpu_initialization=not on_cuda,
-    )
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+        "apply_rope_fusion": False,
+        "gradient_accumulation_fusion": False,
+        "attention_softmax_in_fp32": True,
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": vpp,
+        "context_parallel_size": ps.get_context_parallel_world_size(),
+        "params_dtype": dtype,
+        "pipeline_dtype": dtype,
+        "bf16": dtype == torch.bfloat16,
+        "fp16": dtype == torch.float16,
+        "use_cpu_initialization": not on_cuda,
+    }
     kw.update(overrides)
     return TransformerConfig(**kw)
 
@@ -189,7 +191,8 @@ def build_model_chunks(
     """One ``GPTModel`` per virtual pipeline stage of this rank (a list of length VPP or 1).
 
     Each chunk gets ``pre_process``/``post_process`` from its (pp_rank, vp_stage), random init
-    (fill it with :func:`mrl.megatron.mapping.load_hf_weights`). With ``wrap_ddp`` the chunks are
+    (fill it with :func:`mrl.megatron.mapping.load_hf_weights`). bf16/fp16 chunks are wrapped in
+    Megatron's ``Float16Module`` (fp32 logits out). With ``wrap_ddp`` the chunks are
     wrapped in Megatron ``DistributedDataParallel`` (default config: fp32 grad reduce, no
     overlap; bucketing only on the first chunk, as Megatron-LM does).
     """
@@ -208,7 +211,7 @@ def build_model_chunks(
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     chunks = []
     for vp_stage in range(vpp):
-        stage_kw = dict(ignore_virtual=False, vp_stage=vp_stage) if vpp > 1 else {}
+        stage_kw = {"ignore_virtual": False, "vp_stage": vp_stage} if vpp > 1 else {}
         model = GPTModel(
             config=tcfg,
             transformer_layer_spec=spec,
@@ -224,11 +227,17 @@ def build_model_chunks(
             rope_scaling_factor=rope_factor,
             vp_stage=vp_stage if vpp > 1 else None,
         )
-        if dtype != torch.float32:
-            model = model.to(dtype)
+        if dtype in (torch.bfloat16, torch.float16):
+            from megatron.core.transformer.module import Float16Module
+
+            # As Megatron-LM: half-precision weights, fp32 logits out of the last stage.
+            model = Float16Module(tcfg, model)
         chunks.append(model)
     if wrap_ddp:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
 
         ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
         chunks = [

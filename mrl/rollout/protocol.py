@@ -14,7 +14,7 @@ Responses of ``POST /generate`` (one dict per prompt; a list for batch requests)
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -47,15 +47,15 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = -1
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    sampling_seed: Optional[int] = None
+    sampling_seed: int | None = None
 
     @model_validator(mode="after")
-    def _check_extras(self) -> "SamplingParams":
+    def _check_extras(self) -> SamplingParams:
         for key, value in (self.model_extra or {}).items():
             if key in IGNORED_SAMPLING_KEYS:
                 continue
@@ -84,15 +84,15 @@ class GenerateReqInput(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    text: Optional[Union[str, list[str]]] = None
-    input_ids: Optional[Union[list[int], list[list[int]]]] = None
-    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
-    return_logprob: Union[bool, list[bool]] = False
-    rid: Optional[Union[str, list[str]]] = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool | list[bool] = False
+    rid: str | list[str] | None = None
     stream: bool = False
 
     @model_validator(mode="after")
-    def _one_input(self) -> "GenerateReqInput":
+    def _one_input(self) -> GenerateReqInput:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("/generate needs exactly one of 'text' or 'input_ids'")
         if self.stream:
@@ -111,7 +111,7 @@ class GenerateReqInput(BaseModel):
             return 1
         return len(self.text if self.text is not None else self.input_ids)  # type: ignore[arg-type]
 
-    def item(self, i: int) -> tuple[Optional[str], Optional[list[int]], SamplingParams, bool, Optional[str]]:
+    def item(self, i: int) -> tuple[str | None, list[int] | None, SamplingParams, bool, str | None]:
         """(text, input_ids, sampling params, return_logprob, rid) of prompt ``i``."""
         n = self.batch_size
         text = (self.text[i] if self.is_batch else self.text) if self.text is not None else None  # type: ignore[index]
@@ -146,9 +146,9 @@ class PauseGenerationReqInput(BaseModel):
 
 class UpdateWeightFromDiskReqInput(BaseModel):
     model_path: str
-    load_format: Optional[str] = None
+    load_format: str | None = None
     abort_all_requests: bool = False
-    weight_version: Optional[str] = None
+    weight_version: str | None = None
     flush_cache: bool = True
 
 
@@ -176,11 +176,11 @@ class UpdateWeightsFromDistributedReqInput(BaseModel):
     group_name: str = "weight_update_group"
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: Optional[str] = None
-    load_format: Optional[str] = None
+    weight_version: str | None = None
+    load_format: str | None = None
 
     @model_validator(mode="after")
-    def _same_lengths(self) -> "UpdateWeightsFromDistributedReqInput":
+    def _same_lengths(self) -> UpdateWeightsFromDistributedReqInput:
         if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
             raise ValueError(
                 f"names/dtypes/shapes lengths differ ({len(self.names)}/{len(self.dtypes)}/{len(self.shapes)})"
@@ -203,12 +203,12 @@ class UpdateWeightsFromTensorReqInput(BaseModel):
     """SGLang's request carries pickled tensors (``serialized_named_tensors``); the embedded
     engine refuses them (no unpickling of network input) and reads ``shm_tensors`` (mrl) instead."""
 
-    serialized_named_tensors: Optional[list[Any]] = None
+    serialized_named_tensors: list[Any] | None = None
     shm_tensors: list[ShmTensor] = Field(default_factory=list)
-    load_format: Optional[str] = None
+    load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: Optional[str] = None
+    weight_version: str | None = None
 
 
 class GetWeightsByNameReqInput(BaseModel):
@@ -219,15 +219,15 @@ class GetWeightsByNameReqInput(BaseModel):
 class WeightsChecksumReqInput(BaseModel):
     """mrl: ``names`` None means every parameter (HF names, tied ones under each name)."""
 
-    names: Optional[list[str]] = None
+    names: list[str] | None = None
 
 
 class MemoryOccupationReqInput(BaseModel):
-    tags: Optional[list[str]] = None
+    tags: list[str] | None = None
 
 
 class UpdateWeightsReqOutput(BaseModel):
     success: bool
     message: str
-    weight_version: Optional[str] = None
+    weight_version: str | None = None
     num_paused_requests: int = 0

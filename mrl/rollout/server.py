@@ -16,22 +16,20 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
-import logging
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request as HTTPRequest
+from fastapi import Depends, FastAPI, HTTPException
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 
 from mrl.rollout import protocol as P
+from mrl.rollout.engine import weights as W
 from mrl.rollout.engine.checksum import tensor_checksum
 from mrl.rollout.engine.model_runner import ModelRunner
 from mrl.rollout.engine.scheduler import Request, Scheduler
-from mrl.rollout.engine import weights as W
-
-log = logging.getLogger("mrl.engine")
 
 
 class Engine:
@@ -42,10 +40,12 @@ class Engine:
         self.runner = ModelRunner(model_path, device=device, dtype=dtype)
         self.scheduler = Scheduler(self.runner, max_running=max_running, seed=seed)
         self.groups = W.DistGroups(self.runner.device)
-        # Where resume_memory_occupation restores weights from: the last full checkpoint loaded.
-        self.last_disk_path = model_path
+        # resume_memory_occupation restores the --model checkpoint, then the last directory
+        # loaded by /update_weights_from_disk (which may hold only a subset, e.g. one PP stage).
+        self.model_path = model_path
+        self.last_disk_path: str | None = None
 
-    def set_version(self, requested: Optional[str]) -> str:
+    def set_version(self, requested: str | None) -> str:
         s = self.scheduler
         if requested is not None:
             s.weight_version = str(requested)
@@ -63,7 +63,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def build_app(engine: Engine, token: Optional[str] = None) -> FastAPI:
+def build_app(engine: Engine, token: str | None = None) -> FastAPI:
     """FastAPI app over ``engine``; ``token`` (if any) guards the control endpoints."""
 
     @contextlib.asynccontextmanager
@@ -147,7 +147,7 @@ def build_app(engine: Engine, token: Optional[str] = None) -> FastAPI:
         return Response("Cache flushed.", status_code=200)
 
     @app.post("/pause_generation", dependencies=ctl)
-    async def pause_generation(body: Optional[P.PauseGenerationReqInput] = None):
+    async def pause_generation(body: P.PauseGenerationReqInput | None = None):
         mode = (body or P.PauseGenerationReqInput()).mode
         n = await asyncio.to_thread(sched.pause, mode)
         return {"success": True, "message": f"paused ({mode})", "num_paused_requests": n}
@@ -162,7 +162,7 @@ def build_app(engine: Engine, token: Optional[str] = None) -> FastAPI:
         n = await asyncio.to_thread(sched.abort, body.rid, body.abort_all)
         return {"success": True, "num_aborted": n}
 
-    async def _apply(named_fn, version: Optional[str], abort_all: bool) -> JSONResponse:
+    async def _apply(named_fn, version: str | None, abort_all: bool) -> JSONResponse:
         """Receive (off the event loop), then copy under the model lock and bump the version."""
         if abort_all:
             await asyncio.to_thread(sched.abort, "", True, "aborted for a weight update")
@@ -239,7 +239,7 @@ def build_app(engine: Engine, token: Optional[str] = None) -> FastAPI:
         return {"checksums": await asyncio.to_thread(_sums), "weight_version": sched.weight_version}
 
     @app.post("/release_memory_occupation", dependencies=ctl)
-    async def release_memory_occupation(body: Optional[P.MemoryOccupationReqInput] = None):
+    async def release_memory_occupation(body: P.MemoryOccupationReqInput | None = None):
         def _rel() -> int:
             with sched.model_lock:
                 return 0 if runner.released else runner.release()
@@ -247,19 +247,22 @@ def build_app(engine: Engine, token: Optional[str] = None) -> FastAPI:
         return {"success": True, "message": f"released {await asyncio.to_thread(_rel)} bytes of weights"}
 
     @app.post("/resume_memory_occupation", dependencies=ctl)
-    async def resume_memory_occupation(body: Optional[P.MemoryOccupationReqInput] = None):
+    async def resume_memory_occupation(body: P.MemoryOccupationReqInput | None = None):
         if not runner.released:
             return {"success": True, "message": "not released"}
 
         def _res() -> int:
             with sched.model_lock:
                 runner.resume()
-                moved = W.load_into_model(runner, W.read_disk(runner, engine.last_disk_path))
+                moved = 0
+                for path in filter(None, [engine.model_path, engine.last_disk_path]):
+                    moved += W.load_into_model(runner, W.read_disk(runner, path))
             sched.wake()  # the loop idles while weights are released
             return moved
 
         moved = await asyncio.to_thread(_res)
-        return {"success": True, "message": f"restored {moved} bytes from {engine.last_disk_path}",
+        return {"success": True, "message": f"restored {moved} bytes from {engine.model_path} "
+                f"then {engine.last_disk_path}; weights pushed since then must be synced again",
                 "weight_version": sched.weight_version}
 
     return app
@@ -288,7 +291,7 @@ def _response(engine: Engine, r: Request, latency: float) -> dict[str, Any]:
     return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
 
 
-def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="mrl engine", description="Embedded SGLang-protocol engine (PyTorch)")
     ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     ap.add_argument("--host", default="127.0.0.1")
@@ -304,7 +307,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def resolve_token(args: argparse.Namespace) -> Optional[str]:
+def resolve_token(args: argparse.Namespace) -> str | None:
     token = args.token
     if args.token_env:
         token = os.environ.get(args.token_env)
@@ -318,7 +321,7 @@ def resolve_token(args: argparse.Namespace) -> Optional[str]:
     return token
 
 
-def cli_main(argv: Optional[list[str]] = None) -> int:
+def cli_main(argv: list[str] | None = None) -> int:
     """Entry of ``mrl engine``; blocks serving until interrupted."""
     import uvicorn
 

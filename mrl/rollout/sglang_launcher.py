@@ -94,6 +94,22 @@ def build_embedded_command(
     return cmd
 
 
+def wait_for_health(url: str, timeout_s: float, poll_s: float = 0.5, health_path: str = "/health") -> float:
+    """Poll ``url + health_path`` until HTTP 200 (an engine someone else launched); returns the
+    seconds waited or raises TimeoutError naming the url."""
+    t0 = time.monotonic()
+    with httpx.Client(timeout=max(poll_s, 2.0), trust_env=False) as client:
+        while True:
+            try:
+                if client.get(url.rstrip("/") + health_path).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"engine at {url} not healthy after {timeout_s:.0f}s")
+            time.sleep(poll_s)
+
+
 class EngineProcess:
     """One engine server in a child process: start, wait healthy, log tail, stop, restart.
 

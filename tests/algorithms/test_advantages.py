@@ -149,6 +149,7 @@ def test_blocked_kernels_do_not_depend_on_block_size(monkeypatch, block_rows):
     from mrl.algorithms import scan
 
     monkeypatch.setattr(scan, "BLOCK_ROWS", block_rows)
+    monkeypatch.setattr(scan, "ELEM_ELEMENTS", block_rows * 7)  # elementwise passes: block_rows rows of T=7
     g = torch.Generator().manual_seed(5)
     B, T = 11, 7
     r = torch.randn(B, T, generator=g, dtype=torch.float64)
@@ -170,3 +171,5 @@ def test_blocked_kernels_do_not_depend_on_block_size(monkeypatch, block_rows):
     torch.testing.assert_close(adv2, masked_whiten(want, m) * m, rtol=1e-10, atol=1e-12)
     x = torch.randn(B, T, generator=g, dtype=torch.float64) + 3.0
     torch.testing.assert_close(scan.masked_whiten_(x.clone(), m), masked_whiten(x, m) * m, rtol=1e-10, atol=1e-12)
+    _, ret3 = get_adv_estimator("remax")(r, m, reward_baselines=torch.zeros(B, dtype=torch.float64))
+    torch.testing.assert_close(ret3, torch.flip(torch.cumsum(torch.flip(r * m, [-1]), -1), [-1]) * m)

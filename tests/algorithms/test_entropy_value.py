@@ -4,7 +4,12 @@ import math
 import pytest
 import torch
 
-from mrl.algorithms import compute_value_loss, entropy_from_logits, entropy_from_logits_chunked, explained_variance
+from mrl.algorithms import (
+    compute_value_loss,
+    entropy_from_logits,
+    entropy_from_logits_chunked,
+    explained_variance,
+)
 
 
 def test_entropy_matches_definition_and_is_stable():

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 import mrl.algorithms as A
 from mrl.algorithms.registry import Registry
 
@@ -16,9 +17,8 @@ def _imported_roots(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             roots |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level == 0:  # relative imports stay inside the package
-                roots.add(node.module.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:  # relative imports stay in the package
+            roots.add(node.module.split(".")[0])
     return roots
 
 

@@ -1,4 +1,6 @@
 """KL controllers, KL penalty in the reward (seed 002), reward-shaping schedules, blend and bonus (seed 003)."""
+import itertools
+
 import pytest
 import torch
 
@@ -49,7 +51,7 @@ def test_adaptive_controller_moves_toward_target_and_clips():
     c4 = AdaptiveKLController(1.0, 1.0, 1.0)
     c4.load_state_dict(s)
     assert c4.state_dict() == s
-    rewards, m = apply_kl_penalty(torch.zeros(1, 2), torch.full((1, 2), 0.5), torch.zeros(1, 2), torch.ones(1, 2), c4, "kl")
+    _rewards, m = apply_kl_penalty(torch.zeros(1, 2), torch.full((1, 2), 0.5), torch.zeros(1, 2), torch.ones(1, 2), c4, "kl")
     assert m["critic/kl_coeff"] == pytest.approx(0.098) and c4.value == pytest.approx(0.098 * (1 + 0.2 * 1 / 100))
 
 
@@ -70,7 +72,7 @@ def test_schedule_endpoints_and_monotone(schedule):
     ws = [schedule_weight(schedule, s, total, 0.6, warm, steps=3) for s in range(total + 1)]
     assert ws[0] == 0.0
     assert ws[70] == pytest.approx(0.6, abs=1e-12) and all(w == pytest.approx(0.6) for w in ws[70:])
-    assert all(b >= a - 1e-15 for a, b in zip(ws, ws[1:], strict=False))
+    assert all(b >= a - 1e-15 for a, b in itertools.pairwise(ws))
     assert all(0.0 <= w <= 0.6 + 1e-12 for w in ws)
 
 

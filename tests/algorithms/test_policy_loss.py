@@ -4,9 +4,14 @@ import math
 import pytest
 import torch
 
-from mrl.algorithms import LOSS_AGG_MODES, PolicyLossOutput, count_tokens_and_seqs, get_policy_loss_fn
+from mrl.algorithms import (
+    LOSS_AGG_MODES,
+    PolicyLossOutput,
+    count_tokens_and_seqs,
+    get_policy_loss_fn,
+)
 
-KW = dict(loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
+KW = {"loss_agg_mode": "token-mean", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
 
 
 def _t(x):

@@ -82,3 +82,13 @@ def test_yaml_file_errors_name_the_file(tmp_path) -> None:
     bad.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="bad.yaml: the top level must be a mapping"):
         load_config(bad)
+
+
+def test_driver_filled_fields_are_validated_on_assignment() -> None:
+    from pydantic import ValidationError
+
+    cfg = load_config(None, check=False)
+    cfg.actor.optim.total_training_steps = 100
+    assert cfg.actor.optim.total_training_steps == 100
+    with pytest.raises(ValidationError, match="total_training_steps"):
+        cfg.actor.optim.total_training_steps = 0

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import threading
 import traceback
-from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +32,8 @@ def _check_device_mode() -> None:
     assert y.device.type == "cpu" and y.dtype == torch.float64
     assert torch.empty(2, pin_memory=True).device.type == "cpu"
     # A Megatron TP collective that allocates with device=torch.cuda.current_device().
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     part = torch.full((2, 3), float(ps.get_tensor_model_parallel_rank()))
     full = gather_from_tensor_model_parallel_region(part)
@@ -58,7 +56,10 @@ def _check_tensor_type() -> None:
 
 def _check_rng_tracker() -> None:
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel import (
+        get_cuda_rng_tracker,
+        model_parallel_cuda_manual_seed,
+    )
 
     def draw():
         model_parallel_cuda_manual_seed(77)
@@ -131,7 +132,10 @@ def _sgd_step_vs_reference(hf_dir: str, lr: float) -> float:
     """
     import transformers as tf
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -192,19 +196,31 @@ def cpu_support_rank(rank: int, world: int, hf_dir: str) -> dict[str, str]:
     try:
         _check_inactive_before()
         results["inactive_before"] = "ok"
-    except Exception:
+    except Exception:  # noqa: BLE001 - reported per check to the parent
         results["inactive_before"] = traceback.format_exc()
     init_parallel(device="cpu", tp=world)
     for name, fn in CHECKS.items():
         try:
             fn()
             results[name] = "ok"
-        except Exception:
+        except Exception:  # noqa: BLE001 - reported per check to the parent
             results[name] = traceback.format_exc()
     init_parallel(device="cpu", tp=1)  # DP = world for the optimizer step
     try:
         diff = _sgd_step_vs_reference(hf_dir, lr=0.5)
+        print(f"rank {rank}: DDP+DistributedOptimizer Adam step max |Δw| vs torch = {diff:.3g}")
         results["ddp_distopt_step"] = "ok" if diff <= 1e-6 else f"max |Δw| = {diff:.3g} > 1e-6"
-    except Exception:
+    except Exception:  # noqa: BLE001 - reported per check to the parent
         results["ddp_distopt_step"] = traceback.format_exc()
+    try:
+        from megatron.core import parallel_state as ps
+
+        from mrl.megatron.parallel import destroy_parallel
+
+        destroy_parallel()
+        destroy_parallel()  # safe twice
+        assert not torch.distributed.is_initialized() and not ps.model_parallel_is_initialized()
+        results["destroy_parallel"] = "ok"
+    except Exception:  # noqa: BLE001 - reported per check to the parent
+        results["destroy_parallel"] = traceback.format_exc()
     return results

@@ -35,6 +35,7 @@ def pipeline_logits(chunks: list, hf_config: Any, ids: torch.Tensor) -> torch.Te
 
     for c in chunks:
         c.eval()
+        # Megatron's bf16 p2p buffers follow config.pipeline_dtype; nothing else to set here.
     n_chunks = len(chunks)
     iters = [iter(micro) for _ in range(n_chunks)] if n_chunks > 1 else iter(micro)
     with torch.no_grad():
@@ -64,15 +65,17 @@ def parity_and_roundtrip_rank(rank: int, world: int, root: str,
     for tp, pp, vpp in layouts:
         init_parallel(device="cpu", tp=tp, pp=pp, vpp=vpp)
         for fam in (name for name, lays in cases.items() if (tp, pp, vpp) in lays):
-            path = Path(root) / fam
+            # "<dir>@bfloat16" runs the checkpoint in <dir> as a bf16 model (Float16Module).
+            dir_name, _, dtype_name = fam.partition("@")
+            path = Path(root) / dir_name
             ref = torch.load(path / "ref.pt", weights_only=True)
             cfg = load_hf_config(path)
-            chunks = build_model_chunks(cfg)
+            chunks = build_model_chunks(cfg, dtype=getattr(torch, dtype_name or "float32"))
             load_hf_weights(chunks, cfg, HFCheckpointReader(path))
             logits = pipeline_logits(chunks, cfg, ref["ids"])
             if logits is not None:
                 out[(fam, tp, pp, vpp)] = (logits - ref["logits"]).abs().max().item()
-            if (tp, pp, vpp) == (2, 2, None):
+            if (tp, pp, vpp) == (2, 2, None) and not dtype_name:
                 stage_dir = Path(root) / f"rt_{fam}" / f"stage{ps.get_pipeline_model_parallel_rank()}"
                 tensors = export_hf_weights(chunks, cfg)
                 if ps.get_tensor_model_parallel_rank() == 0:

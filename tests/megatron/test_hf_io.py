@@ -6,7 +6,12 @@ import json
 import pytest
 import torch
 
-from mrl.megatron.hf_io import INDEX_NAME, HFCheckpointReader, copy_hf_side_files, write_hf_checkpoint
+from mrl.megatron.hf_io import (
+    INDEX_NAME,
+    HFCheckpointReader,
+    copy_hf_side_files,
+    write_hf_checkpoint,
+)
 from tests.helpers.tiny_models import make_tiny_hf
 
 

@@ -3,7 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from mrl.megatron.mapping import FAMILY_TABLES, SPLITS, TE_RENAMES, _merge_qkv, _param, _split_qkv
+from mrl.megatron.mapping import (
+    FAMILY_TABLES,
+    SPLITS,
+    TE_RENAMES,
+    _merge_qkv,
+    _param,
+    _split_qkv,
+)
 from tests.helpers.tiny_models import hf_config
 
 

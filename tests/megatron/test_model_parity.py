@@ -11,20 +11,24 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_models import make_tiny_hf
 from tests.megatron._ranks import MICRO_BATCH, NUM_MICRO, SEQ, parity_and_roundtrip_rank
 
-LLAMA3_ROPE = dict(  # wavelengths of head_dim 16 fall in all three llama3 bands
-    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                      original_max_position_embeddings=8192),
-    max_position_embeddings=16384,
-)
+LLAMA3_ROPE = {  # wavelengths of head_dim 16 fall in all three llama3 bands
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    "max_position_embeddings": 16384,
+}
 FAMILIES = {  # case -> (family, config overrides)
     "llama": ("llama", {}),                       # GQA, untied
     "qwen2": ("qwen2", {"vocab_size": 250}),      # qkv bias, tied, vocab not a multiple of 4*TP
     "qwen3": ("qwen3", {}),                       # q/k norm, explicit head_dim
     "llama3_rope": ("llama", LLAMA3_ROPE),        # llama 3.x rope scaling
+    "mistral": ("mistral", {}),
 }
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
 CASES = {name: LAYOUTS for name in ("llama", "qwen2", "qwen3")}
 CASES["llama3_rope"] = [(1, 1, None), (2, 2, None)]
+CASES["mistral"] = [(2, 1, None)]
+CASES["qwen2@bfloat16"] = [(2, 2, None)]  # bf16 weights, fp32 logits (Float16Module)
+TOLS = {"qwen2@bfloat16": 0.1}  # bf16 rounding of weights/activations; a wrong mapping gives O(1)
 PARAMS = [(name, lay) for name, lays in CASES.items() for lay in lays]
 TOL = 1e-5  # fp32, same maths in a different order (TP reductions, fused qkv)
 
@@ -46,6 +50,7 @@ def launched(tmp_path_factory):
     merged: dict = {}
     for r in results:
         merged.update(r)
+    print("max |Δlogits| per case/layout:", {k: f"{v:.2e}" for k, v in sorted(merged.items(), key=str)})
     return root, merged
 
 
@@ -56,11 +61,12 @@ def launched(tmp_path_factory):
 def test_logits_match_transformers(launched, family, layout):
     _, diffs = launched
     diff = diffs[(family, *layout)]
-    assert diff <= TOL, f"{family} {layout}: max |Δlogits| = {diff:.3g} > {TOL}"
+    tol = TOLS.get(family, TOL)
+    assert diff <= tol, f"{family} {layout}: max |Δlogits| = {diff:.3g} > {tol}"
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("family", list(CASES))
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama3_rope"])
 def test_roundtrip_tp2_pp2_bit_exact(launched, family):
     root, _ = launched
     src = HFCheckpointReader(root / family)

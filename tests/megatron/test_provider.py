@@ -50,19 +50,19 @@ def test_padded_vocab_size(vocab, tp, div, want):
 
 def test_rope_default_and_llama3():
     assert _rope_params(hf_config("llama", rope_theta=500000.0)) == (500000.0, False, 1.0)
-    scaling = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=8192)
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
     cfg = hf_config("llama", max_position_embeddings=16384, rope_scaling=scaling)
     assert _rope_params(cfg) == (10000.0, True, 32.0)
 
 
 def test_rope_unsupported_variants_are_errors():
-    bad = dict(rope_type="llama3", factor=8.0, low_freq_factor=2.0, high_freq_factor=4.0,
-               original_max_position_embeddings=8192)
+    bad = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
     with pytest.raises(ValueError, match="low_freq_factor"):
         _rope_params(hf_config("llama", max_position_embeddings=16384, rope_scaling=bad))
     with pytest.raises(ValueError, match="'yarn'"):
-        _rope_params(hf_config("llama", rope_scaling=dict(rope_type="yarn", factor=4.0)))
+        _rope_params(hf_config("llama", rope_scaling={"rope_type": "yarn", "factor": 4.0}))
 
 
 def test_unsupported_features_are_errors():

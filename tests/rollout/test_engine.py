@@ -217,3 +217,20 @@ def test_control_token_required_when_set(model_dir):
         assert c.post("/weights_checksum", json={}, headers={"Authorization": "Bearer wrong"}).status_code == 401
         ok = c.post("/weights_checksum", json={"names": ["lm_head.weight"]}, headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and len(ok.json()["checksums"]["lm_head.weight"]) == 32
+
+
+def test_logprobs_exact_when_rows_join_and_leave(model_dir):
+    """Cache surgery (rows merged mid-run, finished rows dropped, padding columns cut) must not
+    change any sequence's log-probs: every one equals transformers' on its own tokens."""
+    engine, client = _client(model_dir, max_running=3)
+    lengths = [3, 14, 6, 9, 2, 11]
+    prompts = [PROMPTS[i % 4][: 2 + 3 * i] for i in range(len(lengths))]
+    with client:
+        outs = _gen(client, input_ids=prompts, return_logprob=True,
+                    sampling_params=[{"temperature": 0.7, "max_new_tokens": n, "ignore_eos": True} for n in lengths])
+        assert engine.scheduler.stats["admitted_while_running"] >= 2
+    for prompt, out, n in zip(prompts, outs, lengths):
+        assert len(out["output_ids"]) == n
+        ref = _ref_logprobs(model_dir, prompt, out["output_ids"], 0.7)
+        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(got, ref, atol=1e-5, rtol=0), (got - ref).abs().max()

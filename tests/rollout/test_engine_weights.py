@@ -3,6 +3,7 @@
 the engine's checksums equal the source tensors'."""
 from __future__ import annotations
 
+import time
 import uuid
 from multiprocessing import shared_memory
 
@@ -98,53 +99,69 @@ def test_update_from_tensor_shm(dirs, greedy_ab):
         shm.unlink()
 
 
-def _dist_rank(rank, world_size, port, a, b, load_format):
-    """rank 0: the trainer-side sender; rank 1: an engine (in-process app) receiving."""
+def _post_into(client, path, body, box) -> None:
+    box["r"] = client.post(path, json=body).json()
+
+
+def _dist_rank(rank, world_size, port, a, b):
+    """rank 0: the trainer-side sender; rank 1: an engine (in-process app) receiving. Two updates
+    over one group: b per tensor (load_format null), then a as one flattened bucket."""
     import threading
 
     import torch.distributed as dist
 
     from mrl.rollout.weight_sync.group import init_custom_process_group
 
-    src = load_file(str(b / "model.safetensors"))
-    names = list(src)
+    srcs = [load_file(str(d / "model.safetensors")) for d in (b, a)]
+    formats = [None, "flattened_bucket"]
     if rank == 0:
         pg = init_custom_process_group("gloo", "127.0.0.1", port, 0, 2, "weight_update_group", timeout_s=60)
-        if load_format == "flattened_bucket":
-            flat = torch.cat([src[n].contiguous().view(torch.uint8).reshape(-1) for n in names])
-            dist.broadcast(flat, group=pg, group_src=0)
-        else:
-            for n in names:
-                dist.broadcast(src[n].contiguous(), group=pg, group_src=0)
-        return {n: tensor_checksum(src[n]) for n in names}
+        for i, (src, fmt) in enumerate(zip(srcs, formats)):
+            if i == 0:
+                time.sleep(4.0)  # hold the first broadcast: the engine must keep serving meanwhile
+            if fmt == "flattened_bucket":
+                flat = torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in src.values()])
+                dist.broadcast(flat, group=pg, group_src=0)
+            else:
+                for t in src.values():
+                    dist.broadcast(t.contiguous(), group=pg, group_src=0)
+        return [{n: tensor_checksum(t) for n, t in src.items()} for src in srcs]
+    out = []
     with TestClient(build_app(Engine(str(a)))) as c:
-        before = _greedy(c)
+        greedy = [_greedy(c)]
         r = c.post("/init_weights_update_group", json={
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "backend": "gloo"}).json()
         assert r["success"], r
-        # While the update request waits on the broadcast, the event loop keeps serving.
-        box = {}
-        t = threading.Thread(target=lambda: box.update(r=c.post("/update_weights_from_distributed", json={
-            "names": names, "dtypes": ["float32"] * len(names), "shapes": [list(src[n].shape) for n in names],
-            "load_format": load_format}).json()))
-        t.start()
-        health = c.get("/health").status_code
-        t.join(timeout=60)
-        return {"before": before, "after": _greedy(c), "resp": box["r"], "health": health,
-                "checksums": _checksums(c, names)}
+        for src, fmt in zip(srcs, formats):
+            names = list(src)
+            body = {"names": names, "dtypes": ["float32"] * len(names),
+                    "shapes": [list(src[n].shape) for n in names], "load_format": fmt}
+            box: dict = {}
+            # The request blocks on the broadcast in a worker thread; the event loop keeps serving.
+            t = threading.Thread(target=_post_into, args=(c, "/update_weights_from_distributed", body, box))
+            t.start()
+            time.sleep(0.5)
+            served_meanwhile = _greedy(c) == greedy[0] and "r" not in box
+            t.join(timeout=60)
+            out.append({"resp": box["r"], "served_meanwhile": served_meanwhile, "greedy": _greedy(c),
+                        "checksums": _checksums(c, names)})
+        destroyed = c.post("/destroy_weights_update_group", json={}).json()["success"]
+    return {"before": greedy[0], "updates": out, "destroyed": destroyed}
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
-def test_update_from_distributed(dirs, greedy_ab, load_format):
+def test_update_from_distributed_per_tensor_and_flattened_bucket(dirs, greedy_ab):
     a, b = dirs
-    sender, engine = run_ranks(_dist_rank, 2, args=(free_port(), a, b, load_format), timeout_s=150,
-                               init_process_group=False)
-    assert engine["resp"]["success"] and engine["resp"]["weight_version"] == "1"
-    assert engine["health"] == 200
-    assert engine["before"] == greedy_ab[0] and engine["after"] == greedy_ab[1]
-    assert engine["checksums"] == sender
+    sender, engine = run_ranks(_dist_rank, 2, args=(free_port(), a, b), timeout_s=150, init_process_group=False)
+    assert engine["before"] == greedy_ab[0]
+    first, second = engine["updates"]
+    assert first["resp"]["success"] and first["resp"]["weight_version"] == "1"
+    assert first["served_meanwhile"]  # /generate answered while the update waited on its broadcast
+    assert first["greedy"] == greedy_ab[1] and first["checksums"] == sender[0]
+    assert second["resp"]["success"] and second["resp"]["weight_version"] == "2"
+    assert second["greedy"] == greedy_ab[0] and second["checksums"] == sender[1]
+    assert engine["destroyed"]
 
 
 def test_release_and_resume(dirs, greedy_ab):

@@ -13,7 +13,7 @@ from mrl.rollout.pool import EngineEndpoint, EnginePool
 from mrl.rollout.router import Router
 from mrl.rollout.sglang_launcher import EngineProcess, build_embedded_command
 from mrl.rollout.types import RolloutRequest
-from mrl.rollout.weight_sync import WeightSyncer, disk_resync
+from mrl.rollout.weight_sync import WeightSyncer, WeightVerifyError, disk_resync
 from tests.helpers.dist import free_port
 from tests.helpers.tiny_models import build_tiny_model, make_tiny_hf
 
@@ -98,15 +98,42 @@ def test_unreachable_engine_fails_samples_with_reason():
     assert dead.engines[0].healthy is False
 
 
+def test_periodic_health_check_takes_out_a_dead_engine(engines):
+    calls = []
+
+    def cannot_restart() -> None:
+        calls.append(1)
+        raise RuntimeError("host gone")
+
+    dead = EngineEndpoint(f"http://127.0.0.1:{free_port()}", restart=cannot_restart)
+    pool = EnginePool([EngineEndpoint(p.url) for p in engines] + [dead], health_interval_s=0.3, health_timeout_s=30)
+    try:
+        pool.start_health_checks()
+        deadline = time.monotonic() + 30
+        while (dead.healthy or pool._recoveries) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not dead.healthy and calls == [1]
+        assert "recovery failed" in dead.last_error and "host gone" in dead.last_error
+        assert [e.healthy for e in pool.engines[:2]] == [True, True]
+        # routing skips it
+        assert Router(pool).pick() in pool.engines[:2]
+    finally:
+        pool.close()
+
+
 def test_kill_engine_mid_batch_then_restart_and_resync(pool, engines, tmp_path):
-    # Version 1 of the weights reaches both engines over the disk transport; a restarted engine
-    # comes back with its start weights and must be re-synced to version 1 before serving.
+    # Version 1 of the weights reaches both engines over the (CPU shared-memory) tensor transport,
+    # with a disk snapshot kept; a restarted engine comes back with its start weights and must be
+    # re-synced from the snapshot to version 1 before serving.
     new = [(n, p.detach()) for n, p in build_tiny_model("qwen2", seed=7).named_parameters()]
-    syncer = WeightSyncer("disk", [e.url for e in engines], disk_dir=str(tmp_path / "w"), verify=True,
-                          barrier=lambda: None)
+    syncer = WeightSyncer("tensor", [e.url for e in engines], snapshot_dir=str(tmp_path / "w"), verify=True,
+                          barrier=lambda: None, bucket_mb=0.1)
     rep = syncer.sync(new, version=1)
+    with pytest.raises(WeightVerifyError, match="'model.norm.weight' on engine"):
+        syncer._verify({"model.norm.weight": "0" * 32}, "1")  # what a dtype/mapping mismatch looks like
     syncer.close()
     assert rep.weight_version == "1" and rep.verified and rep.bytes == sum(t.numel() * 4 for _, t in new)
+    assert rep.num_buckets > 1 and (tmp_path / "w" / "mrl_weight_version.txt").read_text() == "1"
     pool.weight_version = "1"
     pool.resync = disk_resync(str(tmp_path / "w"))
     want = _checksums(engines[1].url)

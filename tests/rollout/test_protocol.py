@@ -7,7 +7,11 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from mrl.rollout.protocol import GenerateReqInput, SamplingParams, UpdateWeightsFromDistributedReqInput
+from mrl.rollout.protocol import (
+    GenerateReqInput,
+    SamplingParams,
+    UpdateWeightsFromDistributedReqInput,
+)
 from mrl.rollout.server import Engine, build_app
 from tests.helpers.tiny_models import make_tiny_hf
 

@@ -32,3 +32,32 @@ def ragged_batch(
         rollout_log_probs=lp() if with_rollout else None,
         uid=torch.arange(B) // 2,
     )
+
+
+def portable(obj):
+    """Tensors → numpy, recursively, for values returned from ``run_ranks``.
+
+    torch tensors sent through a multiprocessing queue are shared by file descriptor, which the
+    parent can only fetch while the sending rank is alive; ranks exit right after reporting, so
+    the parent may hang. numpy arrays pickle by value.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy()
+    if isinstance(obj, dict):
+        return {k: portable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(portable(v) for v in obj)
+    return obj
+
+
+def tensors(obj):
+    """Inverse of :func:`portable`."""
+    import numpy as np
+
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict):
+        return {k: tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tensors(v) for v in obj)
+    return obj

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -38,7 +37,7 @@ class RunningBatch:
     """Cache and per-row state of the running set. All tensors have B rows in ``reqs`` order."""
 
     def __init__(self) -> None:
-        self.cache: Optional[DynamicCache] = None
+        self.cache: DynamicCache | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long)  # [B, L] 1 = real cached token
         self.next_pos = torch.zeros(0, dtype=torch.long)  # [B] position of the token fed next
         self.last_tokens = torch.zeros(0, dtype=torch.long)  # [B] token fed at the next step
@@ -63,7 +62,7 @@ class RunningBatch:
             layer.keys = layer.keys.index_select(0, idx)[:, :, start:]
             layer.values = layer.values.index_select(0, idx)[:, :, start:]
 
-    def merge(self, other: "RunningBatch") -> None:
+    def merge(self, other: RunningBatch) -> None:
         """Append ``other``'s rows; the shorter cache is left-padded with zeros (masked out)."""
         if self.size == 0:
             self.cache, self.mask, self.next_pos, self.last_tokens = other.cache, other.mask, other.next_pos, other.last_tokens

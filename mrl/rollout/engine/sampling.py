@@ -14,7 +14,6 @@ mass reaches p (the token that crosses p is kept, as SGLang/HF do).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -26,7 +25,7 @@ class RowSampling:
     temperature: float
     top_p: float
     top_k: int
-    generator: Optional[torch.Generator]
+    generator: torch.Generator | None
 
 
 def sample(logits: torch.Tensor, rows: list[RowSampling], default_gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,10 +21,9 @@ import collections
 import concurrent.futures
 import itertools
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -41,11 +40,10 @@ class Request:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: Optional[dict[str, Any]] = None
-    aborted: Optional[str] = None
-    created: float = field(default_factory=time.monotonic)
+    finish_reason: dict[str, Any] | None = None
+    aborted: str | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    sampling: Optional[RowSampling] = None
+    sampling: RowSampling | None = None
 
 
 class Scheduler:
@@ -65,8 +63,7 @@ class Scheduler:
         self._rb = RunningBatch()
         self._paused = False
         self._stop = False
-        self._thread: Optional[threading.Thread] = None
-        self._rid_counter = itertools.count()
+        self._thread: threading.Thread | None = None
         # Counters the tests assert on (batching happened) and /get_server_info reports.
         self.stats = collections.Counter()
 
@@ -209,7 +206,7 @@ class Scheduler:
             r.finish_reason = self._check_finish(r, t)
         return tokens
 
-    def _check_finish(self, r: Request, t: int) -> Optional[dict[str, Any]]:
+    def _check_finish(self, r: Request, t: int) -> dict[str, Any] | None:
         p = r.params
         if (not p.ignore_eos and t in self.runner.eos_token_ids) or (p.stop_token_ids and t in p.stop_token_ids):
             return {"type": "stop", "matched": t}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -145,7 +145,7 @@ class DistGroups:
         empties = [torch.empty(s, dtype=d, device=self.device) for s, d in zip(req.shapes, dtypes)]
         # Validate before receiving so a bad request fails fast... but the sender broadcasts
         # anyway, so we still drain the broadcasts to keep the group usable.
-        error: Optional[Exception] = None
+        error: Exception | None = None
         try:
             check_named(runner, zip(req.names, empties))
         except (KeyError, ValueError) as e:

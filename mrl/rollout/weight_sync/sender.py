@@ -72,7 +72,8 @@ class WeightSyncer:
     stage: this rank's pipeline stage. is_source / is_coordinator: see module docstring.
     barrier: trainer-wide barrier (default: the default process group's). disk_dir: required
     for ``disk`` (a directory the engines can read); snapshot_dir: with another transport, also
-    keep the pushed weights there so a restarted engine can be re-synced (``disk_resync``).
+    write each pushed version there (safetensors shards + version file) so that a restarted
+    engine can be re-synced with ``disk_resync(snapshot_dir)``; costs one disk write per sync.
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class WeightSyncer:
         master_address: str = "127.0.0.1",
         backend: str | None = None,
         disk_dir: str | None = None,
+        snapshot_dir: str | None = None,
         timeout_s: float = 600.0,
     ) -> None:
         if transport not in TRANSPORTS:
@@ -117,6 +119,9 @@ class WeightSyncer:
             self.transport = TensorTransport(self.http, ws)
         else:
             self.transport = DiskTransport(self.http, disk_dir, stage)  # type: ignore[arg-type]
+        # A copy of each pushed version on disk, for re-syncing a restarted engine (disk_resync);
+        # the disk transport's own directory already is one.
+        self.snapshot = DiskTransport(self.http, snapshot_dir, stage) if snapshot_dir and transport != "disk" else None
         self._initialized = False
 
     def init(self) -> None:
@@ -137,6 +142,8 @@ class WeightSyncer:
             self.http.call_all("/flush_cache")
             if isinstance(self.transport, DiskTransport):
                 self.transport.clear()
+            if self.snapshot is not None:
+                self.snapshot.clear()
         self.barrier()
         sent: dict[str, str] = {}
         nbytes = ntensors = nbuckets = 0
@@ -145,14 +152,20 @@ class WeightSyncer:
                 if self.verify:
                     sent.update((n, tensor_checksum(t)) for n, t in zip(bucket.names, bucket.tensors))
                 self.transport.send(bucket, version)
+                if self.snapshot is not None:
+                    self.snapshot.send(bucket, version)
                 nbytes += bucket.nbytes
                 ntensors += len(bucket.names)
                 nbuckets += 1
             self.transport.finish(version)
+            if self.snapshot is not None:
+                self.snapshot.finish(version)
         else:
             for _ in named_tensors:  # TP gathers inside the export are collective: drive them
                 pass
         self.barrier()
+        if self.snapshot is not None and self.is_coordinator:
+            self.snapshot.mark_version(version)
         if isinstance(self.transport, DiskTransport):
             if self.is_coordinator:
                 self.transport.load_on_engines(version)

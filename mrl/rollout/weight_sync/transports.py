@@ -174,8 +174,8 @@ class DiskTransport:
     def clear(self) -> None:
         """Coordinator, before any stage writes: old shards would otherwise be loaded too."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        for p in self.dir.glob("model-pp*.safetensors"):
-            p.unlink()
+        for p in [*self.dir.glob("model-pp*.safetensors"), self.dir / "mrl_weight_version.txt"]:
+            p.unlink(missing_ok=True)
 
     def send(self, bucket: Bucket, version: str) -> None:
         write_bucket_file(self.dir, self.stage, self._index, bucket)
@@ -184,8 +184,12 @@ class DiskTransport:
     def finish(self, version: str) -> None:
         self._index = 0
 
-    def load_on_engines(self, version: str, urls: Sequence[str] | None = None) -> None:
+    def mark_version(self, version: str) -> None:
+        """Written last (coordinator, after every stage wrote): ``disk_resync`` reads it."""
         (self.dir / "mrl_weight_version.txt").write_text(version)
+
+    def load_on_engines(self, version: str, urls: Sequence[str] | None = None) -> None:
+        self.mark_version(version)
         self.http.call_all("/update_weights_from_disk",
                            {"model_path": str(self.dir), "weight_version": version, "flush_cache": True}, urls=urls)
 

@@ -1,0 +1,44 @@
+"""HF export of a Megatron role: gather every pipeline stage's TP-gathered tensors, write safetensors.
+
+Each PP stage yields its own layers (``mrl.megatron.mapping.export_hf_weights``, TP-gathered); the
+stages' tensors travel to global rank 0 (DP rank 0 of every stage sends, others only take part in
+the TP gathers) which writes ``model.safetensors`` + ``config.json`` (+ tokenizer files copied from
+the source checkpoint). Memory: rank 0 holds the whole model once on CPU — fine for the models the
+CPU path trains; the conversion CLI (``mrl-ckpt``) streams for large ones.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "vocab.json", "merges.txt", "generation_config.json")
+
+
+def export_hf(engine, out_dir: str | os.PathLike) -> None:
+    """Collective: write an HF checkpoint of ``engine``'s current weights to ``out_dir``."""
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    local = {n: t.detach().cpu().contiguous() for n, t in engine.named_parameters_hf()}
+    send = local if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0 else {}
+    gathered: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    # Object gather: tensors are pickled by torch's own reducer between our own ranks (trusted).
+    dist.gather_object(send, gathered, dst=0)
+    if dist.get_rank() == 0:
+        full: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            full.update(part or {})
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(full, str(out / "model.safetensors"), metadata={"format": "pt"})
+        engine.hf_config.save_pretrained(str(out))
+        for f in _TOKENIZER_FILES:
+            src = Path(engine.hf_path) / f
+            if src.is_file():
+                shutil.copy(src, out / f)
+    dist.barrier()

@@ -1,0 +1,42 @@
+"""Response embeddings for ``algorithm.repr_align`` (seed 003 §4.1): a worker-side forward.
+
+``e_i = (1/|A_i|) Σ_{t∈A_i} h_t`` with ``h_t`` ∈ R^H the last layer's hidden state after the final
+norm at the answer tokens ``A_i`` (the response part of the batch, ``attention_mask[:, P:]``), so
+the driver needs no second HF model. Output [B, H], identical on every rank, caller's order.
+"""
+from __future__ import annotations
+
+import torch
+
+from mrl.workers.batch import TrainBatch
+from mrl.workers.minibatch import restore_order, split_fixed
+
+
+def response_embedding(engine, batch: TrainBatch, *, micro_batch_size: int) -> torch.Tensor:
+    local = engine.dp_shard(batch)
+    parts = split_fixed(local.batch_size, micro_batch_size)
+    mbs = engine.make_micro_batches(local, parts)
+    H = engine.hf_config.hidden_size
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook(mb, hidden):  # hidden [L, b, H] (sequence-first inside Megatron)
+        captured[id(mb)] = hidden.detach().transpose(0, 1).float()
+
+    def loss_func(mb, _out):
+        h = captured.pop(id(mb))  # [b, L, H]
+        # answer token j sits at compact column resp_index + 1
+        cols = (mb.inputs.resp_index + 1) * mb.inputs.resp_valid
+        w = mb.inputs.resp_valid.to(h.dtype)
+        g = h.gather(1, cols[..., None].expand(-1, -1, H).to(h.device))  # [b, R, H]
+        emb = (g * w[..., None]).sum(1) / w.sum(1, keepdim=True).clamp(min=1)
+        return torch.zeros((), device=h.device), {"emb": emb}
+
+    engine.set_train(False)
+    with torch.no_grad():
+        out = engine.run(mbs, loss_func, forward_only=True, hidden_hook=hook)
+    if engine.is_last_stage:
+        emb = restore_order([o["emb"] for o in out], parts).to(engine.device)
+    else:
+        emb = torch.zeros(local.batch_size, H, device=engine.device)
+    emb = engine.broadcast_from_last_stage(emb)
+    return engine.all_gather_dp(emb).cpu()

@@ -1,0 +1,95 @@
+"""Frozen reference policy: ``ref_log_prob`` [B, R] = log π_ref(a_t|s_t), computed once per step.
+
+Two placements (``ref.placement``):
+
+* ``separate`` — :class:`ReferenceWorker`: its own ranks and TP/PP layout, a frozen Megatron
+  model with no DDP and no optimizer.
+* ``colocated`` — :class:`ColocatedReference`: lives inside the actor's processes and reuses
+  the actor's model chunks. The reference weights are kept in host memory (pinned on CUDA) and
+  copied into the actor's parameters for the forward, then the actor's weights are copied back
+  (slime's approach), so no second model copy lives on the device. Copies are exact, so the
+  actor's parameters, its DDP buffers and the optimizer's views of them are unchanged afterwards.
+
+The result feeds the KL loss (``actor.use_kl_loss``), the KL-in-reward penalty and
+``ref_reward_blend`` alike (seed 000: compute once, reuse).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from mrl.config.ref import RefConfig
+from mrl.workers.batch import TrainBatch
+from mrl.workers.engine import MegatronEngine
+
+
+class ReferenceWorker:
+    """Separate reference on this rank (``placement: separate``)."""
+
+    def __init__(
+        self, cfg: RefConfig, *, model_path: str | os.PathLike, device: str = "cpu",
+        temperature: float = 1.0, micro_batch_size: Optional[int] = None, seed: int = 1234,
+        dtype: Optional[torch.dtype] = None, init_parallel: bool = True,
+        logits_chunk_size: Optional[int] = None,
+    ) -> None:
+        dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+        self.cfg = cfg
+        self.temperature = float(temperature)
+        self.micro_batch_size = cfg.log_prob_micro_batch_size_per_gpu or micro_batch_size
+        self.chunk_size = logits_chunk_size
+        self.engine = MegatronEngine(model_path, cfg.megatron, device=device, dtype=dtype, seed=seed,
+                                     train=False, init_parallel=init_parallel)
+
+    def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, R] reference log-probs of the full batch, identical on every rank."""
+        from mrl.workers.actor import forward_log_probs
+
+        lp, _ = forward_log_probs(
+            self.engine, batch, temperature=self.temperature, micro_batch_size=self.micro_batch_size,
+            use_dynamic_bsz=False, max_tokens=0, vocab_size=int(self.engine.hf_config.vocab_size),
+            chunk_size=self.chunk_size,
+        )
+        return lp
+
+
+class ColocatedReference:
+    """Reference weights in host memory, swapped into ``actor``'s model for the forward.
+
+    Build it before the first update (it snapshots the actor's current weights) or pass
+    ``model_path`` to load the reference from an HF checkpoint instead.
+    """
+
+    def __init__(self, actor, *, model_path: str | os.PathLike | None = None) -> None:
+        self.actor = actor
+        e = actor.engine
+        params = self._params()
+        if model_path is not None:
+            backup = [p.detach().to("cpu", copy=True) for p in params]
+            e.load_hf(model_path)
+        pin = e.device.type == "cuda"
+        self.host = [p.detach().to("cpu", copy=True) for p in params]
+        if pin:
+            self.host = [h.pin_memory() for h in self.host]
+        if model_path is not None:
+            with torch.no_grad():
+                for p, b in zip(params, backup):
+                    p.copy_(b)
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for c in self.actor.engine.chunks for p in c.parameters()]
+
+    def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, R] log-probs under the reference weights; the actor's weights are restored after."""
+        params = self._params()
+        with torch.no_grad():
+            actor_w = [p.detach().to("cpu", copy=True) for p in params]
+            try:
+                for p, h in zip(params, self.host):
+                    p.copy_(h, non_blocking=True)
+                lp, _ = self.actor.compute_log_prob(batch)
+            finally:
+                for p, a in zip(params, actor_w):
+                    p.copy_(a, non_blocking=True)
+        return lp
