@@ -10,6 +10,7 @@ Every estimator has the same signature so the driver can call any of them::
 sample (numpy array of str/int, list, or integer tensor); ``reward_baselines`` ``[B]`` is ReMax's
 greedy-sample reward. Arguments an estimator does not use are ignored; a missing required one is an
 error naming it. Outputs are 0 outside ``response_mask`` and are computed without gradient.
+Masks are binary (0/1), as verl's response masks are.
 
 Everything is vectorised over samples: groups are formed with ``numpy.unique``/``torch.unique`` and
 reduced with ``index_add_``; the only Python loops are over the T time steps of the GAE /

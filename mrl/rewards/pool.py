@@ -1,0 +1,116 @@
+"""A process pool that scores samples with a hard per-call timeout.
+
+``concurrent.futures`` cannot stop a running call, so a scorer stuck in a loop would hang the
+trainer. Here each worker runs one call at a time over its own pipe; a call that exceeds
+``timeout_s`` gets its worker SIGKILLed and replaced, and the call is reported as an error. Workers
+start with ``spawn`` by default: the driver holds threads (Ray, MLflow) and ``fork`` of a
+threaded process can deadlock.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections import deque
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from mrl.rewards.registry import ScoreFn, get_reward_fn
+
+Outcome = tuple[float | None, str | None]  # (score, error message)
+
+
+def _worker_main(conn: Connection, spec: str | ScoreFn) -> None:
+    fn = get_reward_fn(spec)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        idx, kwargs = msg
+        try:
+            conn.send((idx, float(fn(**kwargs)), None))
+        except Exception as e:  # the scorer's failure is data for on_error, not a pool crash
+            conn.send((idx, None, f"{type(e).__name__}: {e}"))
+
+
+class _Worker:
+    def __init__(self, ctx: Any, spec: str | ScoreFn) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True)
+        self.proc.start()
+        child.close()
+        self.task: int | None = None
+        self.deadline = 0.0
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(2)
+        self.kill()
+
+
+class ScoringPool:
+    """``workers`` processes running ``spec``; ``map`` returns one (score, error) per kwargs dict, in order."""
+
+    def __init__(self, spec: str | ScoreFn, workers: int, timeout_s: float, mp_context: str = "spawn") -> None:
+        if workers < 1:
+            raise ValueError(f"ScoringPool needs workers >= 1, got {workers} (reward.workers=0 scores in process)")
+        self.spec, self.n, self.timeout_s = spec, workers, timeout_s
+        self._ctx = mp.get_context(mp_context)
+        self._workers: list[_Worker] = []
+
+    def _ensure(self) -> None:
+        # Started on first use and after kills, so an idle trainer holds no processes it never uses.
+        self._workers = [w for w in self._workers if w.proc.is_alive()]
+        while len(self._workers) < self.n:
+            self._workers.append(_Worker(self._ctx, self.spec))
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        self._workers[self._workers.index(w)] = _Worker(self._ctx, self.spec)
+
+    def map(self, calls: list[dict[str, Any]]) -> list[Outcome]:
+        self._ensure()
+        out: list[Outcome | None] = [None] * len(calls)
+        pending = deque(range(len(calls)))
+        while True:
+            for w in self._workers:
+                if w.task is None and pending:
+                    w.task = pending.popleft()
+                    # The clock starts when the call is handed over (includes worker start-up of the
+                    # first call; timeout_s should exceed an interpreter start, ~0.1 s).
+                    w.deadline = time.monotonic() + self.timeout_s
+                    w.conn.send((w.task, calls[w.task]))
+            busy = [w for w in self._workers if w.task is not None]
+            if not busy:
+                break
+            wait_s = max(0.0, min(w.deadline for w in busy) - time.monotonic())
+            ready = set(wait([w.conn for w in busy], timeout=wait_s))
+            for w in busy:
+                task = w.task
+                if w.conn in ready:
+                    try:
+                        idx, score, err = w.conn.recv()
+                        out[idx] = (score, err)
+                        w.task = None
+                        continue
+                    except (EOFError, OSError):
+                        out[task] = (None, f"scoring worker exited (code {w.proc.exitcode}) while scoring sample {task}")
+                elif time.monotonic() >= w.deadline:
+                    out[task] = (None, f"TimeoutError: scoring sample {task} took more than timeout_s={self.timeout_s}s")
+                else:
+                    continue
+                self._replace(w)
+        return [o if o is not None else (None, "not scored") for o in out]
+
+    def close(self) -> None:
+        for w in self._workers:
+            w.stop()
+        self._workers = []

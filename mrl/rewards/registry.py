@@ -1,0 +1,104 @@
+"""Reward scorer registry and custom-function loading (``reward.function``).
+
+A scorer maps one sample to a float::
+
+    fn(solution_str: str, ground_truth: str, data_source: str | None = None,
+       extra_info: dict | None = None) -> float
+
+It is always called with keyword arguments, the convention of verl's ``compute_score`` custom
+reward functions, so a verl scorer module loads unchanged with ``reward.function=file.py:compute_score``.
+``reward.function`` takes a registry name (``gsm8k``), ``pkg.module:fn`` or ``path/to/file.py:fn``.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ScoreFn = Callable[..., float]
+
+_REGISTRY: dict[str, ScoreFn] = {}
+_FIX = "fix: reward.function=<registry name> | pkg.module:fn | path/to/file.py:fn"
+
+
+def register_reward(name: str) -> Callable[[ScoreFn], ScoreFn]:
+    """Decorator ``@register_reward("name")``; a different function under a taken name is an error."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"reward name must be a non-empty string without ':', got {name!r}")
+
+    def deco(fn: ScoreFn) -> ScoreFn:
+        old = _REGISTRY.get(name)
+        # Same qualified name = the module was re-imported (e.g. in a spawned worker): not a clash.
+        if old is not None and (old.__module__, old.__qualname__) != (fn.__module__, fn.__qualname__):
+            raise ValueError(
+                f"reward {name!r} is already registered by {old.__module__}.{old.__qualname__}; "
+                f"pick another name for {fn.__module__}.{fn.__qualname__}"
+            )
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def reward_names() -> list[str]:
+    """Sorted names of the registered scorers (built-ins included)."""
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def _load_builtins() -> None:
+    # Imported lazily: scorers register themselves on import, and registry must not import them at
+    # module level (they import this module).
+    importlib.import_module("mrl.rewards.scorers")
+
+
+def _load_file(path: Path, spec: str):
+    if not path.is_file():
+        raise ValueError(f"reward.function={spec!r}: file {str(path)!r} does not exist; {_FIX}")
+    mod_name = f"mrl_custom_reward_{abs(hash(str(path.resolve())))}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    file_spec = importlib.util.spec_from_file_location(mod_name, path)
+    if file_spec is None or file_spec.loader is None:
+        raise ValueError(f"reward.function={spec!r}: cannot load {str(path)!r} as a Python module; {_FIX}")
+    module = importlib.util.module_from_spec(file_spec)
+    sys.modules[mod_name] = module
+    try:
+        file_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[mod_name]
+        raise ValueError(f"reward.function={spec!r}: importing {str(path)!r} failed: {e!r}") from e
+    return module
+
+
+def get_reward_fn(spec: str | ScoreFn) -> ScoreFn:
+    """Resolve ``reward.function``: a callable passes through; else registry name, ``pkg.mod:fn`` or ``file.py:fn``."""
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"reward.function must be a non-empty string, got {spec!r}; {_FIX}")
+    if ":" not in spec:
+        _load_builtins()
+        if spec not in _REGISTRY:
+            raise ValueError(
+                f"unknown reward {spec!r} (config key `reward.function`); valid names: {', '.join(sorted(_REGISTRY))}; "
+                "or give 'pkg.module:fn' / 'path/to/file.py:fn'"
+            )
+        return _REGISTRY[spec]
+    target, _, attr = spec.rpartition(":")
+    if target.endswith(".py"):
+        module = _load_file(Path(target), spec)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise ValueError(f"reward.function={spec!r}: cannot import module {target!r} ({e}); {_FIX}") from e
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ValueError(
+            f"reward.function={spec!r}: {target!r} has no callable {attr!r}; callables there: {', '.join(public) or 'none'}"
+        )
+    return fn
