@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument("--num-seqs", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-response", type=int, default=128)
+    ap.add_argument("--engine-first", action="store_true", help="measure the engine before generate")
+    ap.add_argument("--equal-lengths", action="store_true",
+                    help="every response max-response long: isolates per-step cost from ragged-length waste")
     args = ap.parse_args(argv)
 
     from fastapi.testclient import TestClient
@@ -56,36 +59,54 @@ def main(argv: list[str] | None = None) -> float:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, args.vocab) for _ in range(args.prompt_len)] for _ in range(args.num_seqs)]
     lengths = [rng.randint(8, args.max_response) for _ in range(args.num_seqs)]
+    if args.equal_lengths:
+        lengths = [args.max_response] * args.num_seqs
     useful = sum(lengths)
     sampling = {"temperature": 1.0, "top_p": 0.95, "top_k": 50}
 
     with tempfile.TemporaryDirectory() as tmp:
         d = build_model_dir(Path(tmp) / "m", args.hidden, args.layers, args.vocab)
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-        ids = torch.tensor(prompts)
-        model.generate(ids[:2], max_new_tokens=4, do_sample=True)  # warm-up
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=max(lengths),
-                                 min_new_tokens=max(lengths), pad_token_id=0, **sampling)
-        t_hf = time.perf_counter() - t0
-        assert out.shape[1] == args.prompt_len + max(lengths)
 
-        engine = Engine(str(d), max_running=args.num_seqs)
-        with TestClient(build_app(engine)) as c:
-            c.post("/generate", json={"input_ids": prompts[:2], "sampling_params": {"max_new_tokens": 4}})  # warm-up
+        def run_generate() -> float:
+            model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+            ids = torch.tensor(prompts)
+            kw = dict(do_sample=True, pad_token_id=0, **sampling)
+            model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=4, **kw)  # warm-up
             t0 = time.perf_counter()
-            r = c.post("/generate", json={
-                "input_ids": prompts, "return_logprob": True,
-                "sampling_params": [{**sampling, "max_new_tokens": n, "ignore_eos": True} for n in lengths]})
-            t_eng = time.perf_counter() - t0
-            got = sum(len(o["output_ids"]) for o in r.json())
-            assert got == useful, (got, useful)
-            stats = dict(engine.scheduler.stats)
+            with torch.inference_mode():
+                # min_new_tokens: like ignore_eos on the engine side, every row runs to max(lengths)
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max(lengths),
+                                     min_new_tokens=max(lengths), **kw)
+            dt = time.perf_counter() - t0
+            assert out.shape[1] == args.prompt_len + max(lengths)
+            return dt
+
+        def run_engine() -> float:
+            engine = Engine(str(d), max_running=args.num_seqs)
+            with TestClient(build_app(engine)) as c:
+                c.post("/generate", json={"input_ids": prompts[:2], "sampling_params": {"max_new_tokens": 4}})  # warm-up
+                t0 = time.perf_counter()
+                r = c.post("/generate", json={
+                    "input_ids": prompts, "return_logprob": True,
+                    "sampling_params": [{**sampling, "max_new_tokens": n, "ignore_eos": True} for n in lengths]})
+                dt = time.perf_counter() - t0
+                got = sum(len(o["output_ids"]) for o in r.json())
+                assert got == useful, (got, useful)
+                stats.update(engine.scheduler.stats)
+            return dt
+
+        stats: dict = {}
+        if args.engine_first:
+            t_eng = run_engine()
+            t_hf = run_generate()
+        else:
+            t_hf = run_generate()
+            t_eng = run_engine()
 
     hf_tps, eng_tps = useful / t_hf, useful / t_eng
     print(f"model: qwen2 hidden={args.hidden} layers={args.layers} vocab={args.vocab}; {args.num_seqs} seqs, "
-          f"prompt {args.prompt_len}, responses ragged 8..{args.max_response} (sum {useful} tokens); "
+          f"prompt {args.prompt_len}, responses {'all' if args.equal_lengths else 'ragged 8..'}"
+          f"{args.max_response} (sum {useful} tokens); "
           f"torch threads {torch.get_num_threads()}")
     print(f"transformers generate: {t_hf:7.2f} s  {hf_tps:8.1f} useful tok/s")
     print(f"mrl embedded engine:   {t_eng:7.2f} s  {eng_tps:8.1f} useful tok/s  "

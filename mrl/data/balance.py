@@ -18,7 +18,7 @@ Pure python/torch; imports no Ray or Megatron (design rule for ``mrl.data``).
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -13,9 +13,10 @@ marks a complete checkpoint. Everything non-tensor (``extra``, scheduler, optimi
 goes through ``common.pt``, which Megatron reads with ``torch.load(weights_only=True)``: keep
 ``extra`` to plain Python types (int, float, str, bool, lists/dicts of them, tensors).
 
-Optimizer state uses the DistributedOptimizer's ``fully_sharded_model_space`` format by default
-(each rank writes its own flat slice of every parameter's state: no gather, reshardable across
-TP/PP/DP). The format is recorded in the checkpoint and reused on load.
+Optimizer state uses the DistributedOptimizer's ``fully_reshardable`` format by default: each
+data-parallel group gathers its optimizer state on DP rank 0 into per-parameter tensors (like the
+weights), so it reshards across TP/PP/DP. ``dp_reshardable`` writes the flat DP buffers as they are
+(no gather, faster) but loads only at the same TP/PP. The format is recorded and reused on load.
 """
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ logger = logging.getLogger(__name__)
 
 METADATA_FILE = "mrl_checkpoint.json"
 FORMAT = "mrl-mcore-torch_dist-v1"
-DEFAULT_OPTIM_SHARDING = "fully_sharded_model_space"
-_OPTIM_SHARDINGS = ("fully_sharded_model_space", "fully_reshardable", "dp_reshardable")
+DEFAULT_OPTIM_SHARDING = "fully_reshardable"
+# megatron-core 0.16 rejects the flattened ShardedTensors that "fully_sharded_model_space" needs.
+_OPTIM_SHARDINGS = ("fully_reshardable", "dp_reshardable")
 
 
 class CheckpointError(RuntimeError):
@@ -271,6 +273,27 @@ def _check_keys(sharded_sd: dict, stored: dict[str, tuple]) -> None:
         )
 
 
+def _prime_torch_adam_state(optimizer: Any) -> None:
+    """Give a never-stepped torch Adam a zero state (``step=0``, zero moments) before loading.
+
+    Without Apex/Transformer Engine, megatron-core 0.16's ``DistributedOptimizer.state_dict()``
+    (called while building the sharded state dict to load into) reads ``step`` from every
+    parameter's Adam state and asserts there is exactly one value, so a fresh optimizer cannot be
+    loaded into. A zero state is what Adam starts from; the load then overwrites it.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if "step" not in st:
+                    st.setdefault("exp_avg", torch.zeros_like(p, memory_format=torch.preserve_format))
+                    st.setdefault("exp_avg_sq", torch.zeros_like(p, memory_format=torch.preserve_format))
+                    st["step"] = torch.tensor(0.0)
+
+
 def load_checkpoint(
     ckpt_dir: str | os.PathLike,
     model_chunks: Sequence[torch.nn.Module],
@@ -309,6 +332,7 @@ def load_checkpoint(
 
     state = _model_sharded_state_dict(model_chunks, md)
     if want_optim:
+        _prime_torch_adam_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=dict(md))
     _check_keys(state, info["tensors"])
 

@@ -19,7 +19,9 @@ Redirects (each has its own test in ``tests/megatron/test_cpu_support.py``):
 5. The CUDA RNG tracker: ``torch.cuda.{get,set}_rng_state`` / ``manual_seed`` and Megatron's
    ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` use the CPU generator, so
    ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` work (forked
-   streams stay reproducible, the tensor-parallel stream differs per TP rank as on GPU).
+   streams stay reproducible, the tensor-parallel stream differs per TP rank as on GPU). The
+   tracker's "CPU RNG state changed within GPU RNG context" warning is filtered out: on CPU the
+   two generators are one, so every forked draw trips it.
 6. ``torch.cuda.Stream`` / ``stream`` / ``current_stream`` / ``default_stream`` become a no-op
    stream (CPU ops are synchronous), ``torch.cuda.synchronize`` a no-op.
 
@@ -35,6 +37,7 @@ so entry points that use Megatron must keep their work under ``if __name__ == "_
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -108,6 +111,11 @@ class _NoOpStream:
         return True
 
 
+class _DropSameGeneratorWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "CPU RNG state changed within GPU RNG context"
+
+
 def _patch_process_wide() -> None:
     import megatron.core.tensor_parallel.random as mrandom
 
@@ -127,6 +135,7 @@ def _patch_process_wide() -> None:
     mrandom._set_cuda_rng_state = (
         lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     )
+    logging.getLogger(mrandom.__name__).addFilter(_DropSameGeneratorWarning())
 
 
 def enable_cpu_support() -> None:

@@ -46,7 +46,7 @@ class HFCheckpointReader:
             from safetensors import safe_open
 
             with safe_open(str(self.path / SINGLE_NAME), framework="pt") as f:
-                self._where = {k: SINGLE_NAME for k in f}
+                self._where = {k: SINGLE_NAME for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
         else:
             raise FileNotFoundError(
                 f"{self.path} holds neither {SINGLE_NAME} nor {INDEX_NAME}; point to a Hugging Face "

@@ -16,7 +16,10 @@ _EXPORTS = {
     "RewardManager": "mrl.rewards.manager", "RewardResult": "mrl.rewards.manager",
     "place_on_last_token": "mrl.rewards.manager", "ScoringPool": "mrl.rewards.pool",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "RewardManager", "RewardResult", "ScoringPool", "arith", "exact_match", "extract_gsm8k_answer",
+    "get_reward_fn", "gsm8k", "place_on_last_token", "register_reward", "reward_names",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -15,7 +15,7 @@ import signal
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import torch
 
@@ -103,7 +103,7 @@ class RewardManager:
             try:
                 with _Alarm(self.timeout_s):
                     out.append((float(self.fn(**kw)), None))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - any scorer failure is data for on_error
                 out.append((None, f"{type(e).__name__}: {e}"))
         return out
 
@@ -144,7 +144,7 @@ class RewardManager:
         if self._pool is not None:
             self._pool.close()
 
-    def __enter__(self) -> RewardManager:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

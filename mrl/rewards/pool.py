@@ -20,7 +20,12 @@ Outcome = tuple[float | None, str | None]  # (score, error message)
 
 
 def _worker_main(conn: Connection, spec: str | ScoreFn) -> None:
-    fn = get_reward_fn(spec)
+    try:
+        fn = get_reward_fn(spec)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
+        conn.send(("init_error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
     while True:
         msg = conn.recv()
         if msg is None:
@@ -28,7 +33,7 @@ def _worker_main(conn: Connection, spec: str | ScoreFn) -> None:
         idx, kwargs = msg
         try:
             conn.send((idx, float(fn(**kwargs)), None))
-        except Exception as e:  # the scorer's failure is data for on_error, not a pool crash
+        except Exception as e:  # noqa: BLE001 - the scorer's failure is data for on_error, not a pool crash
             conn.send((idx, None, f"{type(e).__name__}: {e}"))
 
 
@@ -59,6 +64,8 @@ class _Worker:
 class ScoringPool:
     """``workers`` processes running ``spec``; ``map`` returns one (score, error) per kwargs dict, in order."""
 
+    startup_timeout_s = 60.0
+
     def __init__(self, spec: str | ScoreFn, workers: int, timeout_s: float, mp_context: str = "spawn") -> None:
         if workers < 1:
             raise ValueError(f"ScoringPool needs workers >= 1, got {workers} (reward.workers=0 scores in process)")
@@ -67,25 +74,32 @@ class ScoringPool:
         self._workers: list[_Worker] = []
 
     def _ensure(self) -> None:
-        # Started on first use and after kills, so an idle trainer holds no processes it never uses.
-        self._workers = [w for w in self._workers if w.proc.is_alive()]
-        while len(self._workers) < self.n:
-            self._workers.append(_Worker(self._ctx, self.spec))
-
-    def _replace(self, w: _Worker) -> None:
-        w.kill()
-        self._workers[self._workers.index(w)] = _Worker(self._ctx, self.spec)
+        """Top the pool up to ``n`` live workers (on first use and after kills), started in parallel."""
+        self._workers = [w for w in self._workers if w.proc.is_alive() and not w.conn.closed]
+        fresh = [_Worker(self._ctx, self.spec) for _ in range(self.n - len(self._workers))]
+        for w in fresh:
+            # Wait until the scorer is imported before any call's clock starts: a loaded host can
+            # take seconds to spawn an interpreter, which must not count against timeout_s.
+            msg = w.conn.recv() if w.conn.poll(self.startup_timeout_s) else ("init_error", "no answer")
+            if msg[0] != "ready":
+                for x in fresh:
+                    x.kill()
+                raise RuntimeError(
+                    f"reward worker could not load reward.function={self.spec!r} within "
+                    f"{self.startup_timeout_s}s: {msg[1]}; fix the function, or set reward.workers=0 to debug it in process"
+                )
+        self._workers += fresh
 
     def map(self, calls: list[dict[str, Any]]) -> list[Outcome]:
-        self._ensure()
         out: list[Outcome | None] = [None] * len(calls)
         pending = deque(range(len(calls)))
         while True:
+            if pending and len(self._workers) < self.n:
+                self._ensure()
             for w in self._workers:
                 if w.task is None and pending:
                     w.task = pending.popleft()
-                    # The clock starts when the call is handed over (includes worker start-up of the
-                    # first call; timeout_s should exceed an interpreter start, ~0.1 s).
+                    # The clock starts when the call is handed to a ready worker.
                     w.deadline = time.monotonic() + self.timeout_s
                     w.conn.send((w.task, calls[w.task]))
             busy = [w for w in self._workers if w.task is not None]
@@ -102,12 +116,14 @@ class ScoringPool:
                         w.task = None
                         continue
                     except (EOFError, OSError):
+                        w.proc.join(2)  # reap it so that its exit code can be reported
                         out[task] = (None, f"scoring worker exited (code {w.proc.exitcode}) while scoring sample {task}")
                 elif time.monotonic() >= w.deadline:
                     out[task] = (None, f"TimeoutError: scoring sample {task} took more than timeout_s={self.timeout_s}s")
                 else:
                     continue
-                self._replace(w)
+                w.kill()  # replaced by _ensure at the top of the loop, all replacements at once
+                self._workers.remove(w)
         return [o if o is not None else (None, "not scored") for o in out]
 
     def close(self) -> None:

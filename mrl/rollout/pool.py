@@ -89,7 +89,6 @@ class EnginePool:
         self._client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Future | None = None
         self._recoveries: dict[str, asyncio.Future] = {}
-        self.changed: asyncio.Event | None = None  # set when an engine becomes healthy again
 
     # ---- lifecycle -------------------------------------------------------------------------
     @property

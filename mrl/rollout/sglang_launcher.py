@@ -85,12 +85,14 @@ def build_sglang_command(spec: SGLangLaunchSpec, python: str = sys.executable) -
 
 
 def build_embedded_command(
-    model_path: str, port: int, host: str = "127.0.0.1", token: str | None = None, python: str = sys.executable
+    model_path: str, port: int, host: str = "127.0.0.1", token_env: str | None = None, python: str = sys.executable
 ) -> list[str]:
-    """The argv of the embedded engine (``rollout.engine: torch``), same CLI shape."""
+    """The argv of the embedded engine (``rollout.engine: torch``), same CLI shape. The control
+    token travels in the environment variable ``token_env`` (pass it in ``EngineProcess(env=)``),
+    not in argv, which other users of the host can read."""
     cmd = [python, "-m", "mrl.rollout.server", "--model", str(model_path), "--host", host, "--port", str(port)]
-    if token:
-        cmd += ["--token", token]
+    if token_env:
+        cmd += ["--token-env", token_env]
     return cmd
 
 

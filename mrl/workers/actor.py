@@ -9,25 +9,32 @@ from __future__ import annotations
 
 import os
 from functools import partial
-from typing import Any, Optional
 
 import torch
 
 from mrl.config.actor import ActorConfig
 from mrl.workers.batch import TrainBatch
-from mrl.workers.engine import MegatronEngine, MicroBatch
+from mrl.workers.engine import MegatronEngine
 from mrl.workers.loss import (
-    ActorLossSpec, actor_loss_func, global_denominators, log_prob_func, sum_metrics,
+    ActorLossSpec,
+    actor_loss_func,
+    global_denominators,
+    log_prob_func,
+    sum_metrics,
 )
 from mrl.workers.minibatch import (
-    loss_keys, make_minibatch_iterator, restore_order, split_dynamic, split_fixed,
+    loss_keys,
+    make_minibatch_iterator,
+    restore_order,
+    split_dynamic,
+    split_fixed,
 )
 from mrl.workers.optim import build_lr_scheduler, build_optimizer, current_lr
 
 _METRIC_KEYS = ["loss", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss"]
 
 
-def micro_batch_parts(data: TrainBatch, *, micro_batch_size: Optional[int], use_dynamic_bsz: bool,
+def micro_batch_parts(data: TrainBatch, *, micro_batch_size: int | None, use_dynamic_bsz: bool,
                       max_tokens: int, dp_group) -> list[list[int]]:
     """Fixed split by samples, or balanced token-budget split (same count on all DP ranks)."""
     if use_dynamic_bsz:
@@ -62,9 +69,9 @@ class ActorWorker:
         device: str = "cpu",
         mini_batch_size_samples: int,
         temperature: float = 1.0,
-        total_optimizer_steps: Optional[int] = None,
+        total_optimizer_steps: int | None = None,
         seed: int = 1234,
-        dtype: Optional[torch.dtype] = None,
+        dtype: torch.dtype | None = None,
         init_parallel: bool = True,
     ) -> None:
         self.cfg = cfg
@@ -91,7 +98,7 @@ class ActorWorker:
         self.global_step = 0
 
     # ---- forward only ------------------------------------------------------------------
-    def compute_log_prob(self, batch: TrainBatch, *, temperature: Optional[float] = None
+    def compute_log_prob(self, batch: TrainBatch, *, temperature: float | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """(old_log_probs [B, R], entropys [B, R]) of the full batch, identical on every rank."""
         mbs = self.cfg.log_prob_micro_batch_size_per_gpu or self.cfg.ppo_micro_batch_size_per_gpu
@@ -207,8 +214,8 @@ class ActorWorker:
 
 
 def forward_log_probs(
-    engine: MegatronEngine, batch: TrainBatch, *, temperature: float, micro_batch_size: Optional[int],
-    use_dynamic_bsz: bool, max_tokens: int, vocab_size: int, chunk_size: Optional[int],
+    engine: MegatronEngine, batch: TrainBatch, *, temperature: float, micro_batch_size: int | None,
+    use_dynamic_bsz: bool, max_tokens: int, vocab_size: int, chunk_size: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward-only log-probs/entropies of the full batch (shared by actor and reference)."""
     local = engine.dp_shard(batch)

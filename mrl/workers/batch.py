@@ -17,8 +17,8 @@ response (log-probs, advantages, …) are ``[B, R]`` and aligned with ``response
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from typing import Iterable, Optional
 
 import torch
 
@@ -60,13 +60,13 @@ class TrainBatch:
     position_ids: Tensor
     responses: Tensor
     response_mask: Tensor
-    old_log_probs: Optional[Tensor] = None
-    advantages: Optional[Tensor] = None
-    ref_log_prob: Optional[Tensor] = None
-    rollout_log_probs: Optional[Tensor] = None
-    values: Optional[Tensor] = None
-    returns: Optional[Tensor] = None
-    uid: Optional[Tensor] = None
+    old_log_probs: Tensor | None = None
+    advantages: Tensor | None = None
+    ref_log_prob: Tensor | None = None
+    rollout_log_probs: Tensor | None = None
+    values: Tensor | None = None
+    returns: Tensor | None = None
+    uid: Tensor | None = None
 
     def __post_init__(self) -> None:
         B, S = self.input_ids.shape
@@ -115,25 +115,25 @@ class TrainBatch:
         return [f.name for f in fields(self) if getattr(self, f.name) is not None]
 
     # ---- structural ops ----------------------------------------------------------------
-    def _map(self, fn) -> "TrainBatch":
+    def _map(self, fn) -> TrainBatch:
         return TrainBatch(**{
             f.name: (None if getattr(self, f.name) is None else fn(getattr(self, f.name)))
             for f in fields(self)
         })
 
-    def index(self, idx: Tensor | list[int]) -> "TrainBatch":
+    def index(self, idx: Tensor | list[int]) -> TrainBatch:
         """Rows ``idx`` (any order, e.g. a permutation) of every field."""
         idx_t = torch.as_tensor(idx, dtype=torch.long, device=self.input_ids.device)
         return self._map(lambda t: t.index_select(0, idx_t.to(t.device)))
 
-    def slice(self, start: int, end: int) -> "TrainBatch":
+    def slice(self, start: int, end: int) -> TrainBatch:
         """Rows ``start:end``."""
         return self._map(lambda t: t[start:end])
 
-    def to(self, device: torch.device | str) -> "TrainBatch":
+    def to(self, device: torch.device | str) -> TrainBatch:
         return self._map(lambda t: t.to(device))
 
-    def select(self, keys: Iterable[str]) -> "TrainBatch":
+    def select(self, keys: Iterable[str]) -> TrainBatch:
         """Keep :data:`REQUIRED_KEYS` plus ``keys``; every requested key must be present.
 
         Raises:
@@ -153,11 +153,11 @@ class TrainBatch:
             f.name: getattr(self, f.name) if f.name in keep else None for f in fields(self)
         })
 
-    def replace(self, **changes) -> "TrainBatch":
+    def replace(self, **changes) -> TrainBatch:
         return dataclasses.replace(self, **changes)
 
     @staticmethod
-    def concat(batches: list["TrainBatch"]) -> "TrainBatch":
+    def concat(batches: list[TrainBatch]) -> TrainBatch:
         """Concatenate along B; all batches must have the same fields and widths."""
         first = batches[0]
         out = {}

@@ -9,20 +9,17 @@ CPU path trains; the conversion CLI (``mrl-ckpt``) streams for large ones.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "vocab.json", "merges.txt", "generation_config.json")
-
 
 def export_hf(engine, out_dir: str | os.PathLike) -> None:
     """Collective: write an HF checkpoint of ``engine``'s current weights to ``out_dir``."""
     from megatron.core import parallel_state as ps
-    from safetensors.torch import save_file
+
+    from mrl.megatron.hf_io import copy_hf_side_files, write_hf_checkpoint
 
     local = {n: t.detach().cpu().contiguous() for n, t in engine.named_parameters_hf()}
     send = local if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0 else {}
@@ -34,11 +31,6 @@ def export_hf(engine, out_dir: str | os.PathLike) -> None:
         for part in gathered:
             full.update(part or {})
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(full, str(out / "model.safetensors"), metadata={"format": "pt"})
-        engine.hf_config.save_pretrained(str(out))
-        for f in _TOKENIZER_FILES:
-            src = Path(engine.hf_path) / f
-            if src.is_file():
-                shutil.copy(src, out / f)
+        write_hf_checkpoint(out, sorted(full.items()))
+        copy_hf_side_files(engine.hf_path, out)  # config.json, tokenizer, generation config
     dist.barrier()

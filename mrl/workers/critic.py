@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import os
 from functools import partial
-from typing import Optional
 
 import torch
 
 from mrl.config.critic import CriticConfig
+from mrl.workers.actor import micro_batch_parts
 from mrl.workers.batch import TrainBatch
 from mrl.workers.engine import MegatronEngine
-from mrl.workers.loss import critic_loss_func, global_denominators, response_values, sum_metrics
+from mrl.workers.loss import (
+    critic_loss_func,
+    global_denominators,
+    response_values,
+    sum_metrics,
+)
 from mrl.workers.minibatch import make_minibatch_iterator, restore_order
-from mrl.workers.actor import micro_batch_parts
 from mrl.workers.optim import build_lr_scheduler, build_optimizer, current_lr
 
 
@@ -37,8 +41,8 @@ class CriticWorker:
 
     def __init__(
         self, cfg: CriticConfig, *, model_path: str | os.PathLike, device: str = "cpu",
-        mini_batch_size_samples: int, epochs: int = 1, total_optimizer_steps: Optional[int] = None,
-        seed: int = 1234, dtype: Optional[torch.dtype] = None, init_parallel: bool = True,
+        mini_batch_size_samples: int, epochs: int = 1, total_optimizer_steps: int | None = None,
+        seed: int = 1234, dtype: torch.dtype | None = None, init_parallel: bool = True,
     ) -> None:
         dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
         self.cfg = cfg

@@ -12,11 +12,11 @@ call are padded to the same length; their sample counts may differ (dynamic micr
 """
 from __future__ import annotations
 
-import glob
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,25 +27,19 @@ from mrl.workers.minibatch import ModelInputs, build_model_inputs
 
 
 def hf_tensor_getter(path: str | os.PathLike) -> Callable[[str], torch.Tensor]:
-    """``name -> tensor`` over every ``*.safetensors`` file of an HF checkpoint directory."""
-    from safetensors import safe_open
+    """``name -> tensor`` over an HF checkpoint directory (:class:`mrl.megatron.hf_io.HFCheckpointReader`).
 
-    files = sorted(glob.glob(os.path.join(str(path), "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors under {path}: point model.path at an HF checkpoint")
-    index: dict[str, str] = {}
-    for f in files:
-        with safe_open(f, framework="pt") as h:
-            for k in h.keys():
-                index[k] = f
+    A tied checkpoint (no ``lm_head.weight``) loaded into an untied model (the critic) reads the
+    embedding for the head.
+    """
+    from mrl.megatron.hf_io import HFCheckpointReader
+
+    reader = HFCheckpointReader(path)
 
     def get(name: str) -> torch.Tensor:
-        if name not in index and name == "lm_head.weight" and "model.embed_tokens.weight" in index:
-            name = "model.embed_tokens.weight"  # tied checkpoint loaded into an untied model
-        if name not in index:
-            raise KeyError(f"tensor {name!r} missing from the safetensors files in {path}")
-        with safe_open(index[name], framework="pt") as h:
-            return h.get_tensor(name)
+        if name == "lm_head.weight" and name not in reader and "model.embed_tokens.weight" in reader:
+            name = "model.embed_tokens.weight"
+        return reader.get(name)
 
     return get
 
@@ -127,7 +121,10 @@ class MegatronEngine:
             for c in chunks:
                 self._add_value_head(c, seed)
         if train:
-            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+            from megatron.core.distributed import (
+                DistributedDataParallel,
+                DistributedDataParallelConfig,
+            )
 
             ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
             chunks = [
@@ -159,7 +156,7 @@ class MegatronEngine:
         self.pad_to_multiple = ps.get_tensor_model_parallel_world_size() if parallel.sequence_parallel else 1
 
     # ---- weights -------------------------------------------------------------------------
-    def load_hf(self, hf_path: str | os.PathLike, chunks: Optional[list] = None) -> None:
+    def load_hf(self, hf_path: str | os.PathLike, chunks: list | None = None) -> None:
         """Fill this rank's shards from an HF checkpoint (value head untouched)."""
         from mrl.megatron.mapping import load_hf_weights
 
@@ -194,7 +191,7 @@ class MegatronEngine:
         loss_func: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]],
         *,
         forward_only: bool,
-        hidden_hook: Optional[Callable[[MicroBatch, torch.Tensor], None]] = None,
+        hidden_hook: Callable[[MicroBatch, torch.Tensor], None] | None = None,
     ) -> list[dict]:
         """One ``get_forward_backward_func()`` call over ``micro_batches``.
 
@@ -295,12 +292,12 @@ class _ValueHead(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(1, hidden, dtype=dtype))
 
-    def forward(self, hidden_states, weight=None, runtime_gather_output=None):  # noqa: ARG002
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden_states, self.weight), None
 
 
 def _pad_inputs(inp: ModelInputs, length: int) -> None:
     extra = length - int(inp.tokens.shape[1])
     if extra > 0:
-        pad = lambda t: torch.nn.functional.pad(t, (0, extra))  # noqa: E731
+        pad = lambda t: torch.nn.functional.pad(t, (0, extra))
         inp.tokens, inp.position_ids, inp.labels = pad(inp.tokens), pad(inp.position_ids), pad(inp.labels)

@@ -17,7 +17,6 @@ any TP/PP/DP layout and micro-batch split. See docs/loss_normalisation.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -48,16 +47,16 @@ class ActorLossSpec:
     loss_agg_mode: str = "token-mean"
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
-    clip_ratio_c: Optional[float] = 3.0
+    clip_ratio_c: float | None = 3.0
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "low_var_kl"
-    tis_imp_ratio_cap: Optional[float] = None
+    tis_imp_ratio_cap: float | None = None
     temperature: float = 1.0
 
     @classmethod
-    def from_config(cls, cfg, temperature: float) -> "ActorLossSpec":
+    def from_config(cls, cfg, temperature: float) -> ActorLossSpec:
         return cls(
             policy_loss=cfg.policy_loss, loss_agg_mode=cfg.loss_agg_mode,
             clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
@@ -69,7 +68,7 @@ class ActorLossSpec:
 
 
 def response_log_probs(mb: MicroBatch, logits: Tensor, *, tp_group, temperature: float,
-                       vocab_size: int, chunk_size: Optional[int]) -> tuple[Tensor, Tensor]:
+                       vocab_size: int, chunk_size: int | None) -> tuple[Tensor, Tensor]:
     """log π(a_t|s_t) and entropy H_t at the response tokens: ([b, R], [b, R]), 0 where invalid.
 
     ``logits`` [b, L, V/TP] are this TP rank's vocab shard; temperature is applied first so the
@@ -85,7 +84,7 @@ def response_log_probs(mb: MicroBatch, logits: Tensor, *, tp_group, temperature:
 
 def actor_loss_func(
     mb: MicroBatch, logits: Tensor, *, spec: ActorLossSpec, n_tok: Tensor, n_seq: Tensor,
-    scale: float, tp_group, vocab_size: int, chunk_size: Optional[int],
+    scale: float, tp_group, vocab_size: int, chunk_size: int | None,
 ) -> tuple[Tensor, dict]:
     """Micro-batch term ℓ_{r,m} of L(M), returned multiplied by ``scale`` = n_mb · D.
 
@@ -100,7 +99,7 @@ def actor_loss_func(
         chunk_size=chunk_size,
     )
     mask = d.response_mask.to(dev, log_prob.dtype)
-    g = dict(global_tokens=n_tok.to(dev, log_prob.dtype), global_seqs=n_seq.to(dev, log_prob.dtype))
+    g = {"global_tokens": n_tok.to(dev, log_prob.dtype), "global_seqs": n_seq.to(dev, log_prob.dtype)}
     old = d.old_log_probs.to(dev, log_prob.dtype)
     out = get_policy_loss_fn(spec.policy_loss)(
         old, log_prob, d.advantages.to(dev, log_prob.dtype), mask,
@@ -129,7 +128,7 @@ def actor_loss_func(
 
 
 def log_prob_func(mb: MicroBatch, logits: Tensor, *, temperature: float, tp_group, vocab_size: int,
-                  chunk_size: Optional[int]) -> tuple[Tensor, dict]:
+                  chunk_size: int | None) -> tuple[Tensor, dict]:
     """Forward-only: collect [b, R] log-probs and entropies of the response tokens."""
     with torch.no_grad():
         lp, ent = response_log_probs(mb, logits, tp_group=tp_group, temperature=temperature,

@@ -21,8 +21,8 @@ everywhere (CPU local spec included).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ def make_minibatch_iterator(
     epochs: int = 1,
     shuffle: bool = False,
     seed: int = 0,
-    select_keys: Optional[list[str]] = None,
+    select_keys: list[str] | None = None,
 ) -> Iterator[TrainBatch]:
     """Yield ``epochs × (B_local / mini_batch_size)`` mini-batches of this rank's shard.
 

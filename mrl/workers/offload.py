@@ -13,8 +13,9 @@ On a CPU device there is nothing to free: :func:`offload_state` is a no-op unles
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ def _tensors(engine, optimizer) -> Iterable[torch.Tensor]:
                     yield p
 
 
-def offload_state(engine, optimizer=None, *, force: bool = False) -> Optional[Offloaded]:
+def offload_state(engine, optimizer=None, *, force: bool = False) -> Offloaded | None:
     """Free the device memory of ``engine``'s model (+ ``optimizer``); returns what ``onload`` needs."""
     if engine.device.type == "cpu" and not force:
         return None
@@ -77,7 +78,7 @@ def offload_state(engine, optimizer=None, *, force: bool = False) -> Optional[Of
     return Offloaded(entries)
 
 
-def onload_state(state: Optional[Offloaded]) -> None:
+def onload_state(state: Offloaded | None) -> None:
     """Undo :func:`offload_state` (``None`` = nothing was offloaded)."""
     if state is None:
         return

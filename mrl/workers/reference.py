@@ -16,7 +16,6 @@ The result feeds the KL loss (``actor.use_kl_loss``), the KL-in-reward penalty a
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 
@@ -30,9 +29,9 @@ class ReferenceWorker:
 
     def __init__(
         self, cfg: RefConfig, *, model_path: str | os.PathLike, device: str = "cpu",
-        temperature: float = 1.0, micro_batch_size: Optional[int] = None, seed: int = 1234,
-        dtype: Optional[torch.dtype] = None, init_parallel: bool = True,
-        logits_chunk_size: Optional[int] = None,
+        temperature: float = 1.0, micro_batch_size: int | None = None, seed: int = 1234,
+        dtype: torch.dtype | None = None, init_parallel: bool = True,
+        logits_chunk_size: int | None = None,
     ) -> None:
         dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
         self.cfg = cfg

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from mrl.data.balance import (
-    balanced_dp_permutation, get_seqlen_balanced_partitions, partition_imbalance,
+    balanced_dp_permutation,
+    get_seqlen_balanced_partitions,
+    partition_imbalance,
 )
 
 

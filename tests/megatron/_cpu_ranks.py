@@ -2,6 +2,7 @@
 DDP + DistributedOptimizer SGD step compared with transformers + torch autograd."""
 from __future__ import annotations
 
+import logging
 import threading
 import traceback
 from collections.abc import Callable
@@ -70,7 +71,12 @@ def _check_rng_tracker() -> None:
         assert torch.equal(before, torch.get_rng_state())
         return tp_draw
 
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("megatron.core.tensor_parallel.random").addHandler(handler)
     a, b = draw(), draw()
+    assert not records, [r.getMessage() for r in records]
     assert torch.equal(a, b), "tensor-parallel RNG stream is not reproducible"
     gathered = [torch.empty(4) for _ in range(ps.get_tensor_model_parallel_world_size())]
     torch.distributed.all_gather(gathered, a, group=ps.get_tensor_model_parallel_group())

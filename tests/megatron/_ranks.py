@@ -1,6 +1,7 @@
 """Rank bodies shared by the multi-rank model-layer tests (module-level so spawn can pickle them)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,9 @@ def pipeline_logits(chunks: list, hf_config: Any, ids: torch.Tensor) -> torch.Te
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    micro = list(ids.split(MICRO_BATCH))
-    pos = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+    device = next(chunks[0].parameters()).device
+    micro = list(ids.to(device).split(MICRO_BATCH))
+    pos = torch.arange(SEQ, device=device).expand(MICRO_BATCH, SEQ)
 
     def step(data_iter, model):
         out = model(next(data_iter), pos, None)
@@ -60,10 +62,12 @@ def parity_and_roundtrip_rank(rank: int, world: int, root: str,
     from mrl.megatron.parallel import init_parallel
     from mrl.megatron.provider import build_model_chunks, load_hf_config
 
+    # MRL_TEST_DEVICE=cuda runs the same body with NCCL on a GPU host (one GPU per rank).
+    device = os.environ.get("MRL_TEST_DEVICE", "cpu")
     out: dict = {}
     layouts = list(dict.fromkeys(lay for lays in cases.values() for lay in lays))
     for tp, pp, vpp in layouts:
-        init_parallel(device="cpu", tp=tp, pp=pp, vpp=vpp)
+        init_parallel(device=device, tp=tp, pp=pp, vpp=vpp)
         for fam in (name for name, lays in cases.items() if (tp, pp, vpp) in lays):
             # "<dir>@bfloat16" runs the checkpoint in <dir> as a bf16 model (Float16Module).
             dir_name, _, dtype_name = fam.partition("@")
@@ -74,7 +78,7 @@ def parity_and_roundtrip_rank(rank: int, world: int, root: str,
             load_hf_weights(chunks, cfg, HFCheckpointReader(path))
             logits = pipeline_logits(chunks, cfg, ref["ids"])
             if logits is not None:
-                out[(fam, tp, pp, vpp)] = (logits - ref["logits"]).abs().max().item()
+                out[(fam, tp, pp, vpp)] = (logits.cpu() - ref["logits"]).abs().max().item()
             if (tp, pp, vpp) == (2, 2, None) and not dtype_name:
                 stage_dir = Path(root) / f"rt_{fam}" / f"stage{ps.get_pipeline_model_parallel_rank()}"
                 tensors = export_hf_weights(chunks, cfg)

@@ -94,13 +94,15 @@ def _train_setup(hf_dir: str):
 def _adam_step(cfg, chunks, opt, sched, seed: int) -> None:
     """One step on the same 2×8-token batch on every DP rank (so DP size does not change it)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     batch = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed))
     pos = torch.arange(8).expand(2, 8)
 
     def step(data_iter, model):
         b = next(data_iter)
-        logits = model(b[:, :-1], pos, None)[..., : cfg.vocab_size]
+        # Vocab-parallel logits [B, T, V_pad/TP] → full [B, T, V] (the gather's backward splits).
+        logits = gather_from_tensor_model_parallel_region(model(b[:, :-1], pos, None))[..., : cfg.vocab_size]
 
         def loss_func(out):
             loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), b[:, 1:].reshape(-1))
@@ -154,7 +156,7 @@ def test_optimizer_and_scheduler_state_resume_across_layouts(tmp_path: Path) -> 
         assert r["resumed"] <= 1e-6, r
         assert r["fresh"] > 1e-4, r  # without the Adam moments step 2 goes elsewhere
     meta = json.loads((ckpt / "mrl_checkpoint.json").read_text())
-    assert meta["has_optimizer"] and meta["optim_sharding"] == "fully_sharded_model_space"
+    assert meta["has_optimizer"] and meta["optim_sharding"] == "fully_reshardable"
 
 
 def _errors_rank(rank: int, world: int, hf_dir: str, ckpt_dir: str) -> list[str]:

@@ -46,7 +46,9 @@ def launched(tmp_path_factory):
         with torch.no_grad():
             logits = model(ids).logits
         torch.save({"ids": ids, "logits": logits}, path / "ref.pt")
-    results = run_ranks(parity_and_roundtrip_rank, 4, args=(str(root), CASES), timeout_s=300)
+    # init_parallel creates the process group itself: gloo on CPU, NCCL with MRL_TEST_DEVICE=cuda.
+    results = run_ranks(parity_and_roundtrip_rank, 4, args=(str(root), CASES), timeout_s=300,
+                        init_process_group=False)
     merged: dict = {}
     for r in results:
         merged.update(r)

@@ -19,6 +19,8 @@ from tests.helpers.tiny_models import build_tiny_model, make_tiny_hf
 
 pytestmark = pytest.mark.slow
 
+TOKEN = "per-run-test-token"  # engines require it on control endpoints; the pool and syncer send it
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20], [30, 31], [40, 41, 42, 43], [50, 51, 52], [60] * 6, [70, 71]]
 
 
@@ -28,8 +30,9 @@ def engines(tmp_path_factory):
     procs = []
     for i in range(2):
         port = free_port()
-        p = EngineProcess(build_embedded_command(str(d), port), f"http://127.0.0.1:{port}",
-                          tmp_path_factory.getbasetemp() / f"engine{i}.log", startup_timeout_s=180)
+        p = EngineProcess(build_embedded_command(str(d), port, token_env="MRL_TEST_TOKEN"), f"http://127.0.0.1:{port}",
+                          tmp_path_factory.getbasetemp() / f"engine{i}.log", env={"MRL_TEST_TOKEN": TOKEN},
+                          startup_timeout_s=180)
         p.start(wait=False)
         procs.append(p)
     try:
@@ -43,13 +46,15 @@ def engines(tmp_path_factory):
 
 @pytest.fixture
 def pool(engines):
-    pool = EnginePool([EngineEndpoint(p.url, p.restart) for p in engines], health_interval_s=0, restart_timeout_s=180)
+    pool = EnginePool([EngineEndpoint(p.url, p.restart) for p in engines], token=TOKEN, health_interval_s=0,
+                      restart_timeout_s=180)
     yield pool
     pool.close()
 
 
 def _checksums(url: str) -> dict[str, str]:
-    r = httpx.post(url + "/weights_checksum", json={}, timeout=60, trust_env=False)
+    assert httpx.post(url + "/weights_checksum", json={}, timeout=60, trust_env=False).status_code == 401
+    r = httpx.post(url + "/weights_checksum", json={}, headers=AUTH, timeout=60, trust_env=False)
     r.raise_for_status()
     return r.json()["checksums"]
 
@@ -127,7 +132,7 @@ def test_kill_engine_mid_batch_then_restart_and_resync(pool, engines, tmp_path):
     # re-synced from the snapshot to version 1 before serving.
     new = [(n, p.detach()) for n, p in build_tiny_model("qwen2", seed=7).named_parameters()]
     syncer = WeightSyncer("tensor", [e.url for e in engines], snapshot_dir=str(tmp_path / "w"), verify=True,
-                          barrier=lambda: None, bucket_mb=0.1)
+                          barrier=lambda: None, bucket_mb=0.1, token=TOKEN)
     rep = syncer.sync(new, version=1)
     with pytest.raises(WeightVerifyError, match="'model.norm.weight' on engine"):
         syncer._verify({"model.norm.weight": "0" * 32}, "1")  # what a dtype/mapping mismatch looks like
@@ -135,7 +140,7 @@ def test_kill_engine_mid_batch_then_restart_and_resync(pool, engines, tmp_path):
     assert rep.weight_version == "1" and rep.verified and rep.bytes == sum(t.numel() * 4 for _, t in new)
     assert rep.num_buckets > 1 and (tmp_path / "w" / "mrl_weight_version.txt").read_text() == "1"
     pool.weight_version = "1"
-    pool.resync = disk_resync(str(tmp_path / "w"))
+    pool.resync = disk_resync(str(tmp_path / "w"), token=TOKEN)
     want = _checksums(engines[1].url)
 
     client = RolloutClient(Router(pool, max_retries=3))

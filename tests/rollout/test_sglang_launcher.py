@@ -32,17 +32,24 @@ def test_sglang_command_from_config():
     assert "--skip-server-warmup" in cmd and "--enable-memory-saver" in cmd
     plain = build_sglang_command(SGLangLaunchSpec(model_path="/m", port=1, skip_server_warmup=False))
     assert "--enable-memory-saver" not in plain and "--skip-server-warmup" not in plain and "--api-key" not in plain
+    assert build_embedded_command("/m", 5, host="10.0.0.2", token_env="MRL_TOKEN", python="py") == [
+        "py", "-m", "mrl.rollout.server", "--model", "/m", "--host", "10.0.0.2", "--port", "5",
+        "--token-env", "MRL_TOKEN"]
     with pytest.raises(ValueError, match="mem-fraction-static"):
         SGLangLaunchSpec(model_path="/m", port=1, mem_fraction_static=1.5)
 
 
 def test_child_that_dies_reports_exit_code_and_log_tail(tmp_path):
+    # A stand-in child that fails the way a server with a bad --model-path does (message, exit 3);
+    # the real embedded engine goes through start/wait_healthy/restart in test_pool_router.py.
     port = free_port()
-    p = EngineProcess(build_embedded_command(str(tmp_path / "no_such_model"), port), f"http://127.0.0.1:{port}",
-                      tmp_path / "e.log", startup_timeout_s=120, poll_s=0.2)
-    with pytest.raises(EngineLaunchError, match="exited with code") as ei:
+    cmd = [sys.executable, "-c", ("import sys; print('loading /m/no_such_model', flush=True); "
+           "print('FileNotFoundError: no_such_model/config.json', file=sys.stderr); sys.exit(3)")]
+    p = EngineProcess(cmd, f"http://127.0.0.1:{port}", tmp_path / "e.log", startup_timeout_s=60, poll_s=0.2)
+    with pytest.raises(EngineLaunchError, match="exited with code 3") as ei:
         p.start()
-    assert "no_such_model" in str(ei.value)  # the child's own error, from the log tail
+    assert "FileNotFoundError: no_such_model/config.json" in str(ei.value)  # stderr lands in the tail
+    assert "loading /m/no_such_model" in p.log_tail(lines=5)
     assert not p.alive()
 
 

@@ -22,7 +22,7 @@ def ragged_batch(
     resp_mask = am[:, P:].clone()
     if B > 2:
         resp_mask[2, 0] = 0  # a masked token inside a response (e.g. tool output)
-    lp = lambda: -torch.rand(B, R, generator=g) * 3 * resp_mask  # noqa: E731
+    lp = lambda: -torch.rand(B, R, generator=g) * 3 * resp_mask
     return TrainBatch(
         input_ids=ids, attention_mask=am, position_ids=pos, responses=ids[:, P:].clone(),
         response_mask=resp_mask,

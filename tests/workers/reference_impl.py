@@ -44,4 +44,4 @@ def hf_loss_and_grads(model, batch: TrainBatch, spec: ActorLossSpec) -> tuple[fl
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     if "lm_head.weight" in grads and model.config.tie_word_embeddings:
         grads.pop("lm_head.weight")
-    return float(loss), grads
+    return float(loss.detach()), grads

@@ -16,14 +16,18 @@ def _cfg(tp, pp):
     from mrl.config.actor import ActorConfig
 
     return ActorConfig(
-        megatron=dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        megatron={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
         ppo_micro_batch_size_per_gpu=2, use_distributed_optimizer=True,
         # eps=1e-2: Adam's step is smooth in g (see test_layout_invariance), warmup+cosine schedule
-        optim=dict(lr=1e-3, eps=1e-2, lr_warmup_steps=1, lr_schedule="cosine", clip_grad=1.0),
+        optim={"lr": 1e-3, "eps": 1e-2, "lr_warmup_steps": 1, "lr_schedule": "cosine", "clip_grad": 1.0},
     )
 
 
 def _rank(rank, world, path, ckpt, hf_out):
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps a hung rank
     from mrl.workers.actor import ActorWorker
     from tests.workers.batches import ragged_batch
 

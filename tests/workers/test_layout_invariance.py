@@ -60,6 +60,10 @@ def _grads_by_hf_name(actor) -> dict[str, torch.Tensor]:
 
 
 def _rank(rank, world, path):
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps a hung rank
     from megatron.core import parallel_state as ps
 
     from mrl.config.actor import ActorConfig
@@ -71,12 +75,12 @@ def _rank(rank, world, path):
     results = []
     for tp, pp, mbs, max_tok in LAYOUTS:
         cfg = ActorConfig(
-            megatron=dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+            megatron={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
             ppo_micro_batch_size_per_gpu=mbs, use_dynamic_bsz=max_tok is not None,
             ppo_max_token_len_per_gpu=max_tok or 16384, use_distributed_optimizer=False,
             # eps=1e-2 makes Adam's first step lr*g/(|g|+eps): smooth in g, so weights after one
             # step are comparable across layouts at fp32 tolerance (eps=1e-8 gives lr*sign(g)).
-            optim=dict(lr=1e-3, eps=1e-2, weight_decay=0.0, clip_grad=0.0),
+            optim={"lr": 1e-3, "eps": 1e-2, "weight_decay": 0.0, "clip_grad": 0.0},
             use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.05, loss_agg_mode="token-mean",
         )
         actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8, temperature=TEMPERATURE)
@@ -89,7 +93,8 @@ def _rank(rank, world, path):
         for key, spec in _specs().items():
             actor.loss_spec = spec
             m = actor.forward_backward(local)
-            per_spec[key] = (m["loss"], _grads_by_hf_name(actor) if keep else None)
+            grads = _grads_by_hf_name(actor)  # collective over TP: every rank takes part
+            per_spec[key] = (m["loss"], grads if keep else None)
         # micro-batches this rank ran (from the split the worker uses)
         from mrl.workers.actor import micro_batch_parts
 
@@ -97,9 +102,10 @@ def _rank(rank, world, path):
                                         max_tokens=max_tok or 0, dp_group=e.dp_group))
         actor.loss_spec = ActorLossSpec.from_config(cfg, TEMPERATURE)
         metrics = actor.update_policy(batch)
-        weights = {n: t.clone() for n, t in actor.export_hf_weights()} if keep else None
-        results.append(dict(layout=(tp, pp, mbs, max_tok), dp=e.dp_size, n_micro=n_micro, lp=lp, ent=ent,
-                            per_spec=per_spec, metrics=metrics, weights=weights))
+        weights = {n: t.clone() for n, t in actor.export_hf_weights()}
+        weights = weights if keep else None
+        results.append({"layout": (tp, pp, mbs, max_tok), "dp": e.dp_size, "n_micro": n_micro, "lp": lp, "ent": ent,
+                            "per_spec": per_spec, "metrics": metrics, "weights": weights})
         del actor
     from tests.workers.batches import portable
 
@@ -118,7 +124,6 @@ def _merge(rank_results, layout_idx, getter):
 def test_loss_and_grads_equal_full_batch_reference_under_every_layout(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from mrl.workers.loss import ActorLossSpec
     from tests.workers.batches import ragged_batch, tensors
     from tests.workers.reference_impl import hf_log_probs, hf_loss_and_grads
 
@@ -134,7 +139,7 @@ def test_loss_and_grads_equal_full_batch_reference_under_every_layout(tmp_path):
     worst = {"lp": 0.0, "loss": 0.0, "grad": 0.0, "weights": 0.0}
     for li, layout in enumerate(LAYOUTS):
         assert res[0][li]["layout"] == layout
-        tp, pp, mbs, max_tok = layout
+        pp = layout[1]
         if pp == 2:  # at least two micro-batches per rank so 1F1B really pipelines
             assert res[0][li]["n_micro"] >= 2, layout
         for r in res:  # identical on every rank, caller's order, equal to transformers
@@ -151,7 +156,7 @@ def test_loss_and_grads_equal_full_batch_reference_under_every_layout(tmp_path):
             for name, g_ref in ref_grads.items():
                 scale = float(g_ref.abs().max())
                 torch.testing.assert_close(grads[name], g_ref, rtol=1e-5, atol=1e-5 * scale,
-                                           msg=lambda m, n=name, k=key: f"{layout} {k} {n}: {m}")
+                                           msg=lambda m, n=name, k=key, lay=layout: f"{lay} {k} {n}: {m}")
                 worst["grad"] = max(worst["grad"], float((grads[name] - g_ref).abs().max()) / max(scale, 1e-30))
         # kl_loss_coef = 0 gives exactly the no-KL gradient (same layout, same code path)
         g0 = _merge(res, li, lambda x: x["per_spec"][("token-mean", "kl0")][1])
@@ -163,7 +168,7 @@ def test_loss_and_grads_equal_full_batch_reference_under_every_layout(tmp_path):
     for li in range(1, len(LAYOUTS)):
         wl = _merge(res, li, lambda x: x["weights"])
         for name, t in w0.items():
-            torch.testing.assert_close(wl[name], t, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{LAYOUTS[li]} {n}: {m}")
+            torch.testing.assert_close(wl[name], t, rtol=0, atol=1e-6, msg=lambda m, n=name, lay=LAYOUTS[li]: f"{lay} {n}: {m}")
             worst["weights"] = max(worst["weights"], float((wl[name] - t).abs().max()))
     m = res[0][0]["metrics"]
     for k in ("actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",

@@ -4,7 +4,12 @@ import torch
 
 from mrl.workers.batch import TrainBatch
 from mrl.workers.minibatch import (
-    build_model_inputs, loss_keys, make_minibatch_iterator, restore_order, split_dynamic, split_fixed,
+    build_model_inputs,
+    loss_keys,
+    make_minibatch_iterator,
+    restore_order,
+    split_dynamic,
+    split_fixed,
 )
 from tests.workers.batches import ragged_batch
 

@@ -24,6 +24,10 @@ def _state(actor_like) -> list[torch.Tensor]:
 
 
 def _rank(rank, world, path):
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps a hung rank
     from mrl.config.actor import ActorConfig
     from mrl.config.critic import CriticConfig
     from mrl.config.ref import RefConfig
@@ -34,8 +38,8 @@ def _rank(rank, world, path):
 
     out = {}
     batch = ragged_batch()
-    cfg = ActorConfig(megatron=dict(pipeline_model_parallel_size=2), ppo_micro_batch_size_per_gpu=4,
-                      optim=dict(lr=1e-2, clip_grad=1.0), use_kl_loss=False)
+    cfg = ActorConfig(megatron={"pipeline_model_parallel_size": 2}, ppo_micro_batch_size_per_gpu=4,
+                      optim={"lr": 1e-2, "clip_grad": 1.0}, use_kl_loss=False)
     actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=4)
     colo = ColocatedReference(actor)
     out["embedding"] = actor.compute_response_embedding(batch)  # initial weights: compare with HF
@@ -48,7 +52,7 @@ def _rank(rank, world, path):
     out["actor_lp_changed"] = float((lp_actor - out["ref_colo"]).abs().max())
     out["actor_unchanged_by_swap"] = bool(torch.equal(lp_actor, lp_actor_after))
     # use_kl_loss=True: the KL term is in the loss and reported
-    actor.cfg = cfg.model_copy(update=dict(use_kl_loss=True, kl_loss_coef=0.5))
+    actor.cfg = cfg.model_copy(update={"use_kl_loss": True, "kl_loss_coef": 0.5})
     from mrl.workers.loss import ActorLossSpec
 
     actor.loss_spec = ActorLossSpec.from_config(actor.cfg, 1.0)
@@ -65,13 +69,13 @@ def _rank(rank, world, path):
     out["lp_before_offload"] = lp_actor_after
     del actor, colo
 
-    ref = ReferenceWorker(RefConfig(placement="separate", megatron=dict(tensor_model_parallel_size=2)),
+    ref = ReferenceWorker(RefConfig(placement="separate", megatron={"tensor_model_parallel_size": 2}),
                           model_path=path, micro_batch_size=3)
     out["ref_sep"] = ref.compute_ref_log_prob(batch)
     del ref
 
-    ccfg = CriticConfig(megatron=dict(tensor_model_parallel_size=2), ppo_micro_batch_size_per_gpu=4,
-                        optim=dict(lr=3e-3, clip_grad=1.0, weight_decay=0.0), cliprange_value=0.05)
+    ccfg = CriticConfig(megatron={"tensor_model_parallel_size": 2}, ppo_micro_batch_size_per_gpu=4,
+                        optim={"lr": 3e-3, "clip_grad": 1.0, "weight_decay": 0.0}, cliprange_value=0.05)
     critic = CriticWorker(ccfg, model_path=path, mini_batch_size_samples=8)
     v0 = critic.compute_values(batch)
     target = torch.linspace(-1, 1, batch.response_length).expand_as(v0) * batch.response_mask

@@ -1,0 +1,182 @@
+"""Prompt datasets from .jsonl / .parquet files (verl's RLHFDataset, reduced to what the loop needs).
+
+Each row yields a ``Prompt``: the rendered, tokenized prompt (at most ``max_prompt_length`` tokens)
+and its ground truth read from ``ground_truth_key`` (dotted for nested, e.g.
+``reward_model.ground_truth``). A batch of prompts collates to left-padded tensors [B, P] with
+P = max_prompt_length (see ``mrl.data.tokenize``). ``repeat_interleave`` expands B prompts to
+B*n samples with one uid per prompt, interleaved as verl does: p0 p0 .. p1 p1 ..
+"""
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from mrl.data.tokenize import (
+    encode_prompt,
+    left_pad,
+    pad_token_id_of,
+    position_ids_from_mask,
+)
+
+log = logging.getLogger("mrl.data")
+T = TypeVar("T")
+_MISSING = object()
+
+
+@dataclass
+class Prompt:
+    """One prompt row: token ids (unpadded), the raw prompt, and reward inputs."""
+
+    prompt_ids: list[int]
+    raw_prompt: str | list[dict]
+    ground_truth: Any
+    data_source: str | None = None
+    extra_info: dict | None = None
+    source: str = ""  # "file:row" for error messages and debugging
+
+
+@dataclass
+class PromptBatch:
+    """B prompts, left-padded to P = max_prompt_length."""
+
+    input_ids: torch.Tensor  # [B, P] long
+    attention_mask: torch.Tensor  # [B, P] long
+    position_ids: torch.Tensor  # [B, P] long
+    prompts: list[Prompt] = field(default_factory=list)
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Rows of a .jsonl (one JSON object per line) or .parquet file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"prompt file {str(p)!r} does not exist; fix: data.train_files / data.val_files")
+    if p.suffix == ".jsonl":
+        rows = []
+        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{n}: invalid JSON ({e.msg}); fix: one JSON object per line") from None
+            if not isinstance(row, dict):
+                raise TypeError(f"{p}:{n}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+        return rows
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    raise ValueError(f"prompt file {str(p)!r} is neither .jsonl nor .parquet; fix: convert it to one of them")
+
+
+def get_dotted(row: dict, key: str, default: Any = _MISSING) -> Any:
+    """``row['a']['b']`` for key ``a.b``; a flat column literally named ``a.b`` wins."""
+    if key in row:
+        return row[key]
+    cur: Any = row
+    for part in key.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            if default is _MISSING:
+                raise KeyError(key)
+            return default
+        cur = cur[part]
+    return cur
+
+
+class PromptDataset:
+    """Prompts of ``files`` rendered with ``tokenizer`` (chat template for message lists when present).
+
+    Prompts over ``max_prompt_length`` tokens are dropped when ``filter_overlong_prompts`` (the count
+    is logged and kept in ``num_filtered``), else they raise an error naming the file and row.
+    """
+
+    def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, prompt_key: str = "prompt",
+                 ground_truth_key: str = "reward_model.ground_truth", max_prompt_length: int = 512,
+                 filter_overlong_prompts: bool = True, config_key: str = "data.train_files") -> None:
+        if not files:
+            raise ValueError(f"{config_key} is empty; fix: {config_key}=[path/to/prompts.jsonl]")
+        self.tokenizer, self.max_prompt_length = tokenizer, max_prompt_length
+        self.pad_token_id = pad_token_id_of(tokenizer)
+        self.prompts: list[Prompt] = []
+        self.num_filtered = 0
+        for f in files:
+            for i, row in enumerate(read_rows(f)):
+                where = f"{f}:{i + 1}"
+                prompt = self._column(row, prompt_key, where, "data.prompt_key")
+                try:
+                    ids = encode_prompt(tokenizer, prompt)
+                except ValueError as e:
+                    raise ValueError(f"{where}: column {prompt_key!r}: {e}") from None
+                if len(ids) > max_prompt_length:
+                    if filter_overlong_prompts:
+                        self.num_filtered += 1
+                        continue
+                    raise ValueError(
+                        f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}; fix: raise "
+                        "data.max_prompt_length, shorten the prompt, or set data.filter_overlong_prompts=true"
+                    )
+                gt = self._column(row, ground_truth_key, where, "data.ground_truth_key")
+                extra = row.get("extra_info")
+                self.prompts.append(Prompt(ids, prompt, gt, row.get("data_source"),
+                                           extra if isinstance(extra, dict) else None, where))
+        if self.num_filtered:
+            log.warning("dropped %d of %d prompts longer than data.max_prompt_length=%d tokens (%s)",
+                        self.num_filtered, self.num_filtered + len(self.prompts), max_prompt_length, ", ".join(map(str, files)))
+        if not self.prompts:
+            raise ValueError(f"no prompts left in {', '.join(map(str, files))} (filtered {self.num_filtered} overlong); "
+                             "fix: raise data.max_prompt_length or check the files")
+
+    @staticmethod
+    def _column(row: dict, key: str, where: str, config_key: str) -> Any:
+        try:
+            return get_dotted(row, key)
+        except KeyError:
+            raise KeyError(
+                f"{where}: no column {key!r} ({config_key}); columns: {', '.join(sorted(row))}; "
+                f"fix: {config_key}=<one of them> (dotted for nested, e.g. reward_model.ground_truth)"
+            ) from None
+
+    @classmethod
+    def from_config(cls, cfg: Any, tokenizer: Any, split: str = "train") -> PromptDataset:
+        """From ``mrl.config.data.DataConfig``; ``split`` train | val picks train_files / val_files."""
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        return cls(cfg.train_files if split == "train" else cfg.val_files, tokenizer, prompt_key=cfg.prompt_key,
+                   ground_truth_key=cfg.ground_truth_key, max_prompt_length=cfg.max_prompt_length,
+                   filter_overlong_prompts=cfg.filter_overlong_prompts, config_key=f"data.{split}_files")
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i: int) -> Prompt:
+        return self.prompts[i]
+
+    def collate(self, indices: Sequence[int]) -> PromptBatch:
+        """Prompts ``indices`` left-padded to [B, max_prompt_length]."""
+        chosen = [self.prompts[i] for i in indices]
+        ids, mask = left_pad([p.prompt_ids for p in chosen], self.pad_token_id, self.max_prompt_length)
+        return PromptBatch(ids, mask, position_ids_from_mask(mask), chosen)
+
+
+def repeat_interleave(items: Sequence[T], n: int, uids: Sequence[str] | None = None) -> tuple[list[T], list[str]]:
+    """B items → (B*n items, B*n uids), item i repeated n times in a row with one uid per item.
+
+    verl (seed 001): ``batch.non_tensor_batch['uid'] = uuid4 per prompt`` then
+    ``batch.repeat(n, interleave=True)``: [p0, p0, p1, p1] for n=2. Samples sharing a uid form the
+    GRPO group. ``uids`` defaults to fresh uuid4 hex strings.
+    """
+    if n < 1:
+        raise ValueError(f"rollout.n must be >= 1, got {n}")
+    if uids is None:
+        uids = [uuid.uuid4().hex for _ in items]
+    if len(uids) != len(items):
+        raise ValueError(f"{len(items)} items but {len(uids)} uids")
+    return [x for x in items for _ in range(n)], [u for u in uids for _ in range(n)]

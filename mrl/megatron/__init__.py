@@ -1,0 +1,5 @@
+"""Megatron-Core model layer: HF config → GPTModel (provider), HF↔Megatron weights (mapping,
+hf_io), CPU/gloo support (cpu_support, parallel), vocab-parallel log-probs, dist checkpoints.
+
+Submodules import Megatron lazily; importing this package stays cheap. See docs/megatron.md.
+"""

@@ -1,0 +1,62 @@
+"""Per-step data metrics on plain tensors (verl ``compute_data_metrics``, seed 001).
+
+With response_mask m [B, T] and prompt mask [B, P]::
+
+    critic/score/{mean,max,min}     over s_i = sum_t token_level_scores[i, t]         [B]
+    critic/rewards/{...}            over sum_t token_level_rewards[i, t]               [B]
+    critic/advantages/{...}         over advantages[m == 1] (valid tokens only)
+    critic/returns/{...}            over returns[m == 1]
+    critic/values/{...}, critic/vf_explained_var = 1 - Var(R - V) / Var(R)  (valid tokens; PPO only)
+    response_length/{mean,max,min}  L_i = sum_t m[i, t];  clip_ratio = mean(L_i == T)
+    prompt_length/{...}             sum of the prompt mask;  clip_ratio = mean(len == P)
+"""
+from __future__ import annotations
+
+import torch
+
+from mrl.observability import names as N
+
+
+def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
+    x = x.detach().float()
+    if x.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": x.mean().item(), f"{prefix}/max": x.max().item(), f"{prefix}/min": x.min().item()}
+
+
+@torch.no_grad()
+def compute_data_metrics(*, response_mask: torch.Tensor, token_level_scores: torch.Tensor | None = None,
+                         token_level_rewards: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
+                         returns: torch.Tensor | None = None, values: torch.Tensor | None = None,
+                         prompt_mask: torch.Tensor | None = None, max_response_length: int | None = None,
+                         max_prompt_length: int | None = None) -> dict[str, float]:
+    """verl-named data metrics of one batch; every tensor but ``response_mask`` [B, T] is optional.
+
+    ``max_response_length`` / ``max_prompt_length`` default to the padded widths T / P.
+    """
+    m = response_mask.bool()
+    out: dict[str, float] = {}
+    if token_level_scores is not None:
+        out |= _stats(N.SCORE, token_level_scores.sum(-1))
+    if token_level_rewards is not None:
+        out |= _stats(N.REWARDS, token_level_rewards.sum(-1))
+    if advantages is not None:
+        out |= _stats(N.ADVANTAGES, advantages[m])
+    if returns is not None:
+        out |= _stats(N.RETURNS, returns[m])
+    if values is not None:
+        out |= _stats(N.VALUES, values[m])
+        if returns is not None:
+            r, v = returns[m].float(), values[m].float()
+            var_r = r.var(unbiased=False)
+            out[N.VF_EXPLAINED_VAR] = (1.0 - (r - v).var(unbiased=False) / (var_r + 1e-5)).item()
+    lengths = m.sum(-1).float()
+    out |= _stats(N.RESPONSE_LENGTH, lengths)
+    limit = m.shape[-1] if max_response_length is None else max_response_length
+    out[f"{N.RESPONSE_LENGTH}/{N.CLIP_RATIO}"] = (lengths >= limit).float().mean().item()
+    if prompt_mask is not None:
+        plen = prompt_mask.bool().sum(-1).float()
+        out |= _stats(N.PROMPT_LENGTH, plen)
+        plimit = prompt_mask.shape[-1] if max_prompt_length is None else max_prompt_length
+        out[f"{N.PROMPT_LENGTH}/{N.CLIP_RATIO}"] = (plen >= plimit).float().mean().item()
+    return out

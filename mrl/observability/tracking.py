@@ -1,0 +1,135 @@
+"""Metric logging to console and MLflow (verl ``Tracking``: one ``log(metrics, step)`` for all sinks).
+
+MLflow uses its SQLite store (``trainer.mlflow_tracking_uri``, e.g. ``sqlite:///mlruns/mlflow.db``;
+no server): experiment = ``trainer.project_name``, run = ``trainer.experiment_name``, params = the
+resolved config flattened to dotted keys. Telemetry is switched off (MLFLOW_DISABLE_TELEMETRY).
+The ``MlflowClient`` API is used instead of mlflow's fluent globals, so two trackers never share
+an "active run".
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+_MLFLOW_PARAM_MAX = 6000  # characters MLflow 3 stores per param value
+_MLFLOW_BATCH = 100  # params per log_batch call (MLflow's limit)
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} → {'a.b': 1}; lists stay values."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out |= flatten(v, key + ".")
+        else:
+            out[key] = v
+    return out
+
+
+def _scalar(v: Any) -> float | None:
+    if isinstance(v, torch.Tensor):
+        v = v.item() if v.numel() == 1 else None
+    if isinstance(v, bool | int | float):
+        return float(v)
+    return None
+
+
+class ConsoleSink:
+    """One line per step, ``step:N - key:value - ...`` (verl's console format), keys sorted."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        parts = [f"{k}:{v:.4g}" for k, v in sorted(metrics.items())]
+        print(" - ".join([f"step:{step}", *parts]), file=self.stream or sys.stdout, flush=True)
+
+    def finish(self) -> None:
+        pass
+
+
+def _sqlite_parent(uri: str) -> Path | None:
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///"):]).parent
+    return None
+
+
+class MlflowSink:
+    """An MLflow run in ``tracking_uri``: experiment ``project_name``, run ``experiment_name``."""
+
+    def __init__(self, tracking_uri: str, project_name: str, experiment_name: str,
+                 params: Mapping[str, Any] | None = None) -> None:
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        parent = _sqlite_parent(tracking_uri)
+        artifact_location = None
+        if parent is not None:
+            parent.mkdir(parents=True, exist_ok=True)
+            # Keep artifacts beside the database instead of MLflow's default under the cwd.
+            artifact_location = (parent / "artifacts").resolve().as_uri()
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        exp = self.client.get_experiment_by_name(project_name)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(
+            project_name, artifact_location=artifact_location)
+        self.run_id = self.client.create_run(exp_id, run_name=experiment_name).info.run_id
+        items = [Param(k, str(v)[:_MLFLOW_PARAM_MAX]) for k, v in sorted(flatten(params or {}).items())]
+        for i in range(0, len(items), _MLFLOW_BATCH):
+            self.client.log_batch(self.run_id, params=items[i:i + _MLFLOW_BATCH])
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, v, now, step) for k, v in sorted(metrics.items()) if math.isfinite(v)]
+        for i in range(0, len(batch), 1000):  # MLflow's metrics-per-batch limit
+            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+class Tracking:
+    """Fan ``log(metrics, step)`` out to the sinks named in ``backends`` (console | mlflow)."""
+
+    def __init__(self, project_name: str, experiment_name: str, backends: list[str] | tuple[str, ...] = ("console",),
+                 config: Mapping[str, Any] | None = None, mlflow_tracking_uri: str = "sqlite:///mlruns/mlflow.db",
+                 stream: TextIO | None = None) -> None:
+        unknown = sorted(set(backends) - {"console", "mlflow"})
+        if unknown:
+            raise ValueError(f"trainer.logger has unknown sinks {unknown}; valid: console, mlflow")
+        self.sinks: list[ConsoleSink | MlflowSink] = []
+        if "console" in backends:
+            self.sinks.append(ConsoleSink(stream))
+        if "mlflow" in backends:
+            self.sinks.append(MlflowSink(mlflow_tracking_uri, project_name, experiment_name, config))
+
+    @classmethod
+    def from_config(cls, cfg: Any, stream: TextIO | None = None) -> Tracking:
+        """From an ``MRLConfig``: sinks ``trainer.logger``, params = the whole resolved config."""
+        t = cfg.trainer
+        return cls(t.project_name, t.experiment_name, list(t.logger), config=cfg.model_dump(mode="json"),
+                   mlflow_tracking_uri=t.mlflow_tracking_uri, stream=stream)
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Log the scalar entries of ``metrics`` (numbers or 1-element tensors) at ``step``."""
+        clean = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
+        for sink in self.sinks:
+            sink.log(clean, step)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Close the MLflow run (``FINISHED`` or ``FAILED``)."""
+        for sink in self.sinks:
+            if isinstance(sink, MlflowSink):
+                sink.finish(status)
+            else:
+                sink.finish()

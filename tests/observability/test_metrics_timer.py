@@ -1,0 +1,44 @@
+"""compute_data_metrics against hand-computed values; timer; metric names."""
+import time
+
+import pytest
+import torch
+
+from mrl.observability import compute_data_metrics, names, timer
+
+
+def test_data_metrics_hand_computed():
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    scores = torch.tensor([[0, 0, 0, 1.0], [0, 0.5, 0, 0]])
+    rewards = scores - 0.1 * mask
+    adv = torch.tensor([[1.0, 2.0, 3.0, 4.0], [-1.0, -2.0, 99.0, 99.0]])  # 99 sits on padding: excluded
+    ret = adv + 1
+    values = ret - torch.tensor([[0.1, -0.1, 0.1, -0.1], [0.1, -0.1, 0.0, 0.0]])
+    pmask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    m = compute_data_metrics(response_mask=mask, token_level_scores=scores, token_level_rewards=rewards,
+                             advantages=adv, returns=ret, values=values, prompt_mask=pmask)
+    assert m["critic/score/mean"] == pytest.approx(0.75) and m["critic/score/max"] == 1.0 and m["critic/score/min"] == 0.5
+    assert m["critic/rewards/mean"] == pytest.approx((0.6 + 0.3) / 2, abs=1e-6)
+    assert m["critic/advantages/max"] == 4.0 and m["critic/advantages/min"] == -2.0
+    assert m["critic/advantages/mean"] == pytest.approx(7 / 6)
+    assert m["critic/returns/mean"] == pytest.approx(13 / 6)
+    r = torch.tensor([2.0, 3, 4, 5, 0, -1])
+    ev = 1 - torch.full((6,), 0.1).mul(torch.tensor([1, -1, 1, -1, 1, -1])).var(unbiased=False) / (r.var(unbiased=False) + 1e-5)
+    assert m["critic/vf_explained_var"] == pytest.approx(ev.item(), abs=1e-6)
+    assert (m["response_length/mean"], m["response_length/max"], m["response_length/min"]) == (3.0, 4.0, 2.0)
+    assert m["response_length/clip_ratio"] == 0.5
+    assert (m["prompt_length/mean"], m["prompt_length/clip_ratio"]) == (2.5, 0.5)
+    assert compute_data_metrics(response_mask=mask, max_response_length=8)["response_length/clip_ratio"] == 0.0
+    # Only what was given is reported.
+    assert set(compute_data_metrics(response_mask=mask)) == {f"response_length/{s}" for s in ("mean", "max", "min", "clip_ratio")}
+
+
+def test_timer_accumulates_and_survives_exceptions():
+    metrics: dict[str, float] = {}
+    with timer("gen", metrics):
+        time.sleep(0.05)
+    with pytest.raises(RuntimeError), timer("gen", metrics):
+        time.sleep(0.05)
+        raise RuntimeError
+    assert 0.1 <= metrics["timing_s/gen"] < 0.5
+    assert names.timing("update_actor") == "timing_s/update_actor" and "gen" in names.PHASES

@@ -1,0 +1,47 @@
+"""Tracking: console format, and a real MLflow run in a SQLite store read back with the MLflow client."""
+import io
+
+import pytest
+import torch
+
+from mrl.config.root import MRLConfig
+from mrl.observability import Tracking, flatten
+
+
+def test_flatten_and_console_sink():
+    assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": "x"}) == {"a.b": 1, "a.c.d": [1, 2], "e": "x"}
+    buf = io.StringIO()
+    t = Tracking("p", "e", ["console"], stream=buf)
+    t.log({"timing_s/gen": 1.23456, "critic/score/mean": torch.tensor(0.5), "skip": "text", "v": torch.ones(2)}, step=3)
+    assert buf.getvalue() == "step:3 - critic/score/mean:0.5 - timing_s/gen:1.235\n"
+    with pytest.raises(ValueError, match=r"trainer.logger has unknown sinks \['wandb'\]"):
+        Tracking("p", "e", ["wandb"])
+
+
+def test_mlflow_sqlite_run_read_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    uri = f"sqlite:///{tmp_path}/ml/mlflow.db"
+    cfg = MRLConfig.model_validate({"trainer": {"logger": ["mlflow"], "mlflow_tracking_uri": uri,
+                                                "project_name": "proj", "experiment_name": "run1"},
+                                    "actor": {"optim": {"lr": 3e-6}}})
+    t = Tracking.from_config(cfg)
+    for step in (1, 2):
+        t.log({"critic/score/mean": 0.25 * step, "timing_s/gen": float(step), "bad": float("nan")}, step=step)
+    t.finish()
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("proj")
+    assert exp.artifact_location.startswith("file://") and str(tmp_path) in exp.artifact_location
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.run_name == "run1" and run.info.status == "FINISHED"
+    assert run.data.params["actor.optim.lr"] == "3e-06"
+    assert run.data.params["trainer.experiment_name"] == "run1"
+    assert len(run.data.params) == len(flatten(cfg.model_dump(mode="json")))
+    hist = client.get_metric_history(run.info.run_id, "critic/score/mean")
+    assert [(h.step, h.value) for h in hist] == [(1, 0.25), (2, 0.5)]
+    assert "bad" not in run.data.metrics and run.data.metrics["timing_s/gen"] == 2.0
+    # A second run of the same project lands in the same experiment.
+    Tracking("proj", "run2", ["mlflow"], mlflow_tracking_uri=uri).finish("FAILED")
+    assert sorted(r.info.run_name for r in client.search_runs([exp.experiment_id])) == ["run1", "run2"]
