@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> float:
             model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
             ids = torch.tensor(prompts)
             kw = dict(do_sample=True, pad_token_id=0, **sampling)
-            model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=4, **kw)  # warm-up
+            # Full-size warm-up: the first large allocations of a process pay page faults (glibc
+            # raises its mmap threshold only after frees), which would otherwise bias the first side.
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, **kw)
             t0 = time.perf_counter()
             with torch.inference_mode():
                 # min_new_tokens: like ignore_eos on the engine side, every row runs to max(lengths)
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> float:
         def run_engine() -> float:
             engine = Engine(str(d), max_running=args.num_seqs)
             with TestClient(build_app(engine)) as c:
-                c.post("/generate", json={"input_ids": prompts[:2], "sampling_params": {"max_new_tokens": 4}})  # warm-up
+                c.post("/generate", json={"input_ids": prompts, "sampling_params": {"max_new_tokens": 8}})  # warm-up
                 t0 = time.perf_counter()
                 r = c.post("/generate", json={
                     "input_ids": prompts, "return_logprob": True,

@@ -13,8 +13,9 @@ error naming it. Outputs are 0 outside ``response_mask`` and are computed withou
 Masks are binary (0/1), as verl's response masks are.
 
 Everything is vectorised over samples: groups are formed with ``numpy.unique``/``torch.unique`` and
-reduced with ``index_add_``; the only Python loops are over the T time steps of the GAE /
-discounted-return recursions, run on blocks of samples by :mod:`mrl.algorithms.scan`. Timings: ``benchmarks/adv_estimators.py`` and docs/algorithms.md.
+reduced with ``index_add_``; the GAE / discounted-return recursions over time are blockwise GEMM
+scans on cache-sized row chunks (:mod:`mrl.algorithms.scan`), with no Python loop over samples or
+time steps. Timings: ``benchmarks/adv_estimators.py`` and docs/algorithms.md.
 """
 from __future__ import annotations
 
@@ -25,13 +26,7 @@ import numpy as np
 import torch
 
 from .registry import Registry
-from .scan import (
-    discounted_scan,
-    gae_scan,
-    masked_whiten_,
-    moments_to_mean_rstd,
-    reverse_cumsum_masked,
-)
+from .scan import discounted_scan, gae_scan, moments_to_mean_rstd, whiten_with_moments
 
 
 class AdvEstimatorFn(Protocol):
@@ -173,10 +168,7 @@ def discounted_returns(token_level_rewards: torch.Tensor, response_mask: torch.T
     """``G_t = r_t + gamma * G_next`` over valid tokens ``[B, T]`` (masked tokens are skipped and
     contribute no reward; output 0 there). Equals verl's reset-after-EOS loop for prefix masks.
     """
-    mask = response_mask.to(token_level_rewards.dtype)
-    if gamma == 1.0:
-        return reverse_cumsum_masked(token_level_rewards, mask)
-    return discounted_scan(token_level_rewards, mask, gamma)
+    return discounted_scan(token_level_rewards, response_mask, gamma)[0]
 
 
 @register_adv_est("reinforce_plus_plus")
@@ -187,8 +179,8 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_
     """REINFORCE++ (Hu 2025, arXiv 2501.03262): discounted returns ``G_t`` (see
     :func:`discounted_returns`), advantages = ``masked_whiten(G) * m`` over the batch; returns ``G``.
     """
-    returns = discounted_returns(token_level_rewards, response_mask, gamma)
-    return masked_whiten_(returns.clone(), response_mask), returns
+    returns, moments = discounted_scan(token_level_rewards, response_mask, gamma)
+    return whiten_with_moments(returns, response_mask, moments), returns
 
 
 @register_adv_est("remax")
@@ -219,6 +211,5 @@ def compute_gae_advantage_return(token_level_rewards, response_mask, *, index=No
     all valid tokens (unbiased variance). Inputs/outputs ``[B, T]``; outputs 0 outside the mask.
     """
     v = _require(values, "values", "gae")
-    mask = response_mask.to(token_level_rewards.dtype)
-    adv, returns = gae_scan(token_level_rewards, v.to(token_level_rewards.dtype), mask, gamma, lam)
-    return masked_whiten_(adv, mask), returns
+    adv, returns, moments = gae_scan(token_level_rewards, v.to(token_level_rewards.dtype), response_mask, gamma, lam)
+    return whiten_with_moments(adv, response_mask, moments, out=adv), returns

@@ -20,11 +20,12 @@ weights), so it reshards across TP/PP/DP. ``dp_reshardable`` writes the flat DP 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,20 @@ def _sd_metadata(optim_sharding: str) -> dict[str, Any]:
     }
 
 
+def _unwrap(model_chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The GPTModels inside DDP / Float16Module wrappers.
+
+    Megatron's DDP has no ``sharded_state_dict`` of its own: the generic one would store every key
+    under a ``module.`` prefix, tying the checkpoint to the wrapping. Parameters are the same
+    tensors, so the optimizer still finds them by identity.
+    """
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(list(model_chunks))
+
+
 def _model_sharded_state_dict(model_chunks: Sequence[torch.nn.Module], md: dict) -> dict[str, Any]:
+    model_chunks = _unwrap(model_chunks)
     # ``dict(md)``: Megatron adds a process group (dp_cp_group) to the dict it is given, which
     # must not leak into the checkpoint's content metadata.
     if len(model_chunks) == 1:
@@ -294,6 +308,42 @@ def _prime_torch_adam_state(optimizer: Any) -> None:
                     st["step"] = torch.tensor(0.0)
 
 
+@contextlib.contextmanager
+def _torch_adam_step_aside(optimizer: Any) -> Iterator[None]:
+    """Hide torch Adam's per-parameter ``step`` while the DistributedOptimizer loads param state.
+
+    megatron-core 0.16 (no Apex/TE) skips ``step`` in the loaded per-parameter tensors but still
+    copies into every key of the live state, ``step`` included (KeyError). ``step`` is restored
+    from the param groups by ``load_state_dict`` before this point, so setting it aside is exact.
+    """
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    patched = []
+    if not do.HAVE_APEX_OR_TE:
+        for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+            if not isinstance(opt, do.DistributedOptimizer):
+                continue
+            orig = opt.load_parameter_state_from_fully_reshardable
+
+            def load_without_step(param_state: Any, _opt: Any = opt, _orig: Any = orig) -> None:
+                states = _opt.optimizer.state.values()
+                steps = [st.pop("step", None) for st in states]
+                try:
+                    _orig(param_state)
+                finally:
+                    for st, step in zip(states, steps, strict=True):
+                        if step is not None:
+                            st["step"] = step
+
+            opt.load_parameter_state_from_fully_reshardable = load_without_step
+            patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt.load_parameter_state_from_fully_reshardable  # back to the class method
+
+
 def load_checkpoint(
     ckpt_dir: str | os.PathLike,
     model_chunks: Sequence[torch.nn.Module],
@@ -344,12 +394,13 @@ def load_checkpoint(
     loaded = dist_checkpointing.load(state, str(path), sharded_strategy=strategy)
 
     if len(model_chunks) == 1:
-        model_chunks[0].load_state_dict(loaded["model"], strict=True)
+        _unwrap(model_chunks)[0].load_state_dict(loaded["model"], strict=True)
     else:
-        for i, chunk in enumerate(model_chunks):
+        for i, chunk in enumerate(_unwrap(model_chunks)):
             chunk.load_state_dict(loaded[f"model{i}"], strict=True)
     if want_optim:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with _torch_adam_step_aside(optimizer):
+            optimizer.load_state_dict(loaded["optimizer"])
     elif optimizer is not None:
         # The optimizer keeps its own fp32 main copies of bf16/fp16 weights: refresh them.
         optimizer.reload_model_params()

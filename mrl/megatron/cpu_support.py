@@ -26,8 +26,9 @@ Redirects (each has its own test in ``tests/megatron/test_cpu_support.py``):
    stream (CPU ops are synchronous), ``torch.cuda.synchronize`` a no-op.
 
 Scope: :func:`enable_cpu_support` is called only when ``device == "cpu"`` (by
-:func:`mrl.megatron.parallel.init_parallel`) and refuses to run where CUDA is available, so nothing
-here can change GPU behaviour. The module-level patches are process-wide; the device mode is a
+:func:`mrl.megatron.parallel.init_parallel`), so nothing here runs with ``device: cuda``. It does
+work on a host that has GPUs (CPU tests on a GPU host): the process then treats every CUDA
+request as CPU, which is what ``device: cpu`` asks for. The module-level patches are process-wide; the device mode is a
 ``torch`` function mode, which is thread-local: call :func:`enable_cpu_support` (idempotent) in
 every thread that runs Megatron code.
 
@@ -141,11 +142,6 @@ def _patch_process_wide() -> None:
 def enable_cpu_support() -> None:
     """Activate every redirect listed in the module docstring (idempotent, per thread)."""
     global _PATCHED
-    if torch.cuda.is_available() and not _PATCHED:
-        raise RuntimeError(
-            "enable_cpu_support() called on a host where CUDA is available; it is meant for "
-            "cluster.device: cpu only. Set cluster.device: cuda to train on the GPUs."
-        )
     with _LOCK:
         if not _PATCHED:
             _patch_process_wide()

@@ -34,9 +34,6 @@ def init_parallel(
     (``model_parallel_cuda_manual_seed``) gets ``seed``; ``torch.manual_seed(seed)`` is set too so
     that weight initialisation is identical on every rank of a data-parallel group.
     """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     if device not in _DEVICES:
         raise ValueError(f"cluster.device must be one of {_DEVICES}, got {device!r}")
     for name, val in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
@@ -44,12 +41,19 @@ def init_parallel(
             raise ValueError(f"parallel size {name}={val} must be >= 1")
     if vpp is not None and (vpp < 1 or pp == 1 and vpp > 1):
         raise ValueError(f"vpp={vpp} needs pp > 1 (got pp={pp}); leave vpp unset for no interleaving")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "cluster.device is 'cuda' but no CUDA device is visible (CUDA_VISIBLE_DEVICES, driver, "
+            "CPU-only torch?); set cluster.device: cpu to run on CPU with gloo"
+        )
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
     if device == "cpu":
+        # The only place CPU support is switched on: never with device == "cuda".
         from mrl.megatron.cpu_support import enable_cpu_support
 
         enable_cpu_support()
-    elif not torch.cuda.is_available():
-        raise RuntimeError("cluster.device is 'cuda' but no CUDA device is visible; use 'cpu'")
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 

@@ -60,3 +60,15 @@ def compute_data_metrics(*, response_mask: torch.Tensor, token_level_scores: tor
         plimit = prompt_mask.shape[-1] if max_prompt_length is None else max_prompt_length
         out[f"{N.PROMPT_LENGTH}/{N.CLIP_RATIO}"] = (plen >= plimit).float().mean().item()
     return out
+
+
+def compute_throughput_metrics(timings: dict[str, float], num_tokens: int, num_devices: int) -> dict[str, float]:
+    """verl's perf metrics of one step: ``perf/total_num_tokens`` (prompt + response tokens, all
+    samples), ``perf/time_per_step`` = ``timing_s/step`` and ``perf/throughput`` = tokens / (step s x devices)."""
+    step_s = timings.get(N.timing("step"))
+    if step_s is None:
+        raise KeyError("timings has no 'timing_s/step'; fix: wrap the whole step in timer('step', metrics)")
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    return {N.PERF_TOTAL_TOKENS: float(num_tokens), "perf/time_per_step": step_s,
+            N.PERF_THROUGHPUT: num_tokens / (step_s * num_devices) if step_s > 0 else 0.0}

@@ -96,12 +96,20 @@ class ScoringPool:
         while True:
             if pending and len(self._workers) < self.n:
                 self._ensure()
-            for w in self._workers:
+            for w in list(self._workers):
                 if w.task is None and pending:
-                    w.task = pending.popleft()
+                    task = pending[0]
+                    try:
+                        w.conn.send((task, calls[task]))
+                    except (BrokenPipeError, OSError):  # died while idle (OOM killer, ...): replace it
+                        w.kill()
+                        self._workers.remove(w)
+                        continue
+                    pending.popleft()
                     # The clock starts when the call is handed to a ready worker.
-                    w.deadline = time.monotonic() + self.timeout_s
-                    w.conn.send((w.task, calls[w.task]))
+                    w.task, w.deadline = task, time.monotonic() + self.timeout_s
+            if pending and not self._workers:
+                continue  # every worker died on send: _ensure restarts them
             busy = [w for w in self._workers if w.task is not None]
             if not busy:
                 break

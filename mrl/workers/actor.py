@@ -80,6 +80,7 @@ class ActorWorker:
         dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
         self.engine = MegatronEngine(
             model_path, cfg.megatron, device=device, dtype=dtype, seed=seed, train=True,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
             init_parallel=init_parallel,
         )
         e = self.engine

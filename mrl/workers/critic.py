@@ -49,7 +49,8 @@ class CriticWorker:
         self.epochs = epochs
         self.seed = seed
         self.engine = MegatronEngine(cfg.model_path or model_path, cfg.megatron, device=device, dtype=dtype,
-                                     seed=seed, train=True, value_head=True, init_parallel=init_parallel)
+                                     seed=seed, train=True, value_head=True, init_parallel=init_parallel,
+                                     use_distributed_optimizer=cfg.use_distributed_optimizer)
         if mini_batch_size_samples % self.engine.dp_size:
             raise ValueError(
                 f"critic mini-batch of {mini_batch_size_samples} samples is not divisible by its DP "

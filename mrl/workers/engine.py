@@ -70,6 +70,7 @@ class MegatronEngine:
         dtype: parameter dtype (fp32 on CPU; bf16 on CUDA).
         train: wrap in Megatron DDP (needed for an optimizer).
         ddp_config: Megatron ``DistributedDataParallelConfig`` (train only).
+        use_distributed_optimizer: build DDP's param buffers for Megatron's DistributedOptimizer.
         value_head: replace the LM head with a scalar head (critic), see :meth:`_add_value_head`.
         init_parallel: call :func:`mrl.megatron.parallel.init_parallel` for ``parallel``.
     """
@@ -84,6 +85,7 @@ class MegatronEngine:
         seed: int = 1234,
         train: bool = True,
         ddp_config: Any = None,
+        use_distributed_optimizer: bool = False,
         value_head: bool = False,
         init_parallel: bool = True,
         timeout_s: int = 300,
@@ -126,7 +128,9 @@ class MegatronEngine:
                 DistributedDataParallelConfig,
             )
 
-            ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+            # The DistributedOptimizer needs DDP's contiguous param buffers (use_distributed_optimizer).
+            ddp_config = ddp_config or DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer)
             chunks = [
                 DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
                 for i, c in enumerate(chunks)

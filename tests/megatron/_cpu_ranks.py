@@ -194,6 +194,30 @@ def _sgd_step_vs_reference(hf_dir: str, lr: float) -> float:
     return max((t - ref[n].detach()).abs().max().item() for n, t in export_hf_weights(chunks, cfg))
 
 
+def _check_load_errors(hf_dir: str) -> None:
+    """A config/weights mismatch and a missing tensor both name the tensor and the cause."""
+    import pytest
+
+    from mrl.megatron.hf_io import HFCheckpointReader
+    from mrl.megatron.mapping import load_hf_weights
+    from mrl.megatron.provider import build_model_chunks, load_hf_config
+
+    cfg = load_hf_config(hf_dir)
+    reader = HFCheckpointReader(hf_dir)
+    wrong = load_hf_config(hf_dir)
+    wrong.intermediate_size = 96  # the checkpoint has 128
+    with pytest.raises(ValueError, match=r"mlp\.gate_proj\.weight.*config\.json does not match"):
+        load_hf_weights(build_model_chunks(wrong), wrong, reader)
+
+    def without_norm(name: str) -> torch.Tensor:
+        if name == "model.norm.weight":
+            raise KeyError(f"tensor {name!r} is missing")
+        return reader.get(name)
+
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        load_hf_weights(build_model_chunks(cfg), cfg, without_norm)
+
+
 def cpu_support_rank(rank: int, world: int, hf_dir: str) -> dict[str, str]:
     """Run every check; returns check name -> "ok" or the traceback (so each is its own test)."""
     from mrl.megatron.parallel import init_parallel
@@ -218,6 +242,11 @@ def cpu_support_rank(rank: int, world: int, hf_dir: str) -> dict[str, str]:
         results["ddp_distopt_step"] = "ok" if diff <= 1e-6 else f"max |Δw| = {diff:.3g} > 1e-6"
     except Exception:  # noqa: BLE001 - reported per check to the parent
         results["ddp_distopt_step"] = traceback.format_exc()
+    try:
+        _check_load_errors(hf_dir)
+        results["load_errors"] = "ok"
+    except Exception:  # noqa: BLE001 - reported per check to the parent
+        results["load_errors"] = traceback.format_exc()
     try:
         from megatron.core import parallel_state as ps
 

@@ -42,3 +42,12 @@ def test_timer_accumulates_and_survives_exceptions():
         raise RuntimeError
     assert 0.1 <= metrics["timing_s/gen"] < 0.5
     assert names.timing("update_actor") == "timing_s/update_actor" and "gen" in names.PHASES
+
+
+def test_throughput_metrics():
+    from mrl.observability import compute_throughput_metrics
+
+    m = compute_throughput_metrics({"timing_s/step": 2.0, "timing_s/gen": 1.0}, num_tokens=800, num_devices=4)
+    assert m == {"perf/total_num_tokens": 800.0, "perf/time_per_step": 2.0, "perf/throughput": 100.0}
+    with pytest.raises(KeyError, match=r"timer\('step', metrics\)"):
+        compute_throughput_metrics({}, 1, 1)

@@ -84,3 +84,13 @@ def test_bad_arguments():
         RewardManager("nope")
     with pytest.raises(ValueError, match="2 responses but 1 ground truths"):
         RewardManager("arith")(["1", "2"], ["1"])
+
+
+def test_pool_replaces_a_worker_killed_while_idle():
+    with RewardManager("arith", workers=1, timeout_s=10.0) as m:
+        assert m([" 1"], ["1"]).scores.tolist() == [1.0]
+        w = m._pool._workers[0]
+        w.proc.kill()
+        w.proc.join(5)
+        assert m([" 2", " 3"], ["2", "4"]).scores.tolist() == [1.0, 0.0]
+        assert m._pool._workers[0] is not w

@@ -58,6 +58,7 @@ def _rank(rank, world, path):
     actor.loss_spec = ActorLossSpec.from_config(actor.cfg, 1.0)
     out["metrics_kl"] = actor.update_policy(batch.replace(ref_log_prob=out["ref_colo"]))
     # offload / onload round trip (forced on CPU) keeps every tensor bit-identical
+    out["lp_before_offload"] = actor.compute_log_prob(batch)[0]
     before = _state(actor)
     actor.offload(force=True)
     freed = all(t.untyped_storage().nbytes() == 0 for t in actor.engine.chunks[0].parameters())
@@ -66,7 +67,6 @@ def _rank(rank, world, path):
     out["offload_freed"] = freed
     out["offload_equal"] = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
     out["lp_after_onload"] = actor.compute_log_prob(batch)[0]
-    out["lp_before_offload"] = lp_actor_after
     del actor, colo
 
     ref = ReferenceWorker(RefConfig(placement="separate", megatron={"tensor_model_parallel_size": 2}),
