@@ -8,7 +8,7 @@ ARGS   ?=
 TORCH_SPEC ?= torch==2.13.0
 IMAGE  ?= mrl:latest
 
-.PHONY: install train test plan lint docker clean-venv
+.PHONY: install train test plan lint docker clean-venv quickstart-assets
 
 $(VENV)/.installed: setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,15 @@ $(VENV)/.installed: setup.py
 
 install: $(VENV)/.installed
 
-train: $(VENV)/.installed
+# The quickstart's tiny model and toy dataset are generated locally (no downloads), once.
+QUICKSTART_ASSETS := outputs/quickstart/.assets-written
+$(QUICKSTART_ASSETS): $(VENV)/.installed mrl/quickstart.py
+	$(PY) -m mrl.quickstart --out outputs/quickstart
+	@touch $@
+
+quickstart-assets: $(QUICKSTART_ASSETS)
+
+train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(QUICKSTART_ASSETS))
 	$(VENV)/bin/mrl train $(CONFIG) $(ARGS)
 
 plan: $(VENV)/.installed

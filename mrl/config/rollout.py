@@ -21,6 +21,12 @@ class WeightSyncConfig(Section):
     )
     bucket_mb: int = Field(512, ge=1, description="MB of flattened parameters sent per bucket.")
     verify: bool = Field(False, description="After a sync, compare a checksum of engine weights with the actor's (slow; debugging).")
+    disk_dir: str | None = Field(
+        None, description="Directory the disk transport writes safetensors to; null = <checkpoint dir>/weight_sync."
+    )
+    snapshot_dir: str | None = Field(
+        None, description="Also keep a safetensors snapshot here so a restarted engine can re-sync (distributed/tensor)."
+    )
 
 
 class RolloutConfig(Section):
@@ -47,4 +53,8 @@ class RolloutConfig(Section):
     router: Literal["builtin", "sglang_router"] = Field("builtin", description="Load balancer across engines.")
     request_timeout_s: float = Field(600.0, gt=0, description="Seconds before a generate request is abandoned.")
     max_retries: int = Field(3, ge=0, description="Retries of a failed generate request on another engine.")
+    health_interval_s: float = Field(10.0, gt=0, description="Seconds between /health_generate probes of each engine.")
+    engine_startup_timeout_s: float = Field(
+        600.0, gt=0, description="Seconds an engine server may take to answer /health after launch."
+    )
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="Actor -> engine weight transfer.")

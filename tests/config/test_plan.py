@@ -42,7 +42,8 @@ def test_param_count_matches_transformers_models() -> None:
 
 
 def test_plan_quickstart_cpu_layout(tiny_model: Path, train_file: Path) -> None:
-    cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tiny_model}", f"data.train_files=[{train_file}]"])
+    cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tiny_model}", f"data.train_files=[{train_file}]",
+                                                      f"data.val_files=[{train_file}]"])
     plan = build_plan(cfg)
     assert (plan.samples_per_step, plan.mini_batches_per_step, plan.optimizer_steps_per_step) == (32, 2, 2)
     assert (plan.samples_per_dp_rank, plan.micro_batches_per_dp_rank, plan.micro_batches_is_bound) == (8, 2, False)
@@ -132,7 +133,8 @@ def test_empty_yaml_section_means_defaults(tmp_path: Path) -> None:
 def test_plan_text_has_resolved_config_and_plan(tiny_model: Path, train_file: Path) -> None:
     import yaml
 
-    cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tiny_model}", f"data.train_files=[{train_file}]"])
+    cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tiny_model}", f"data.train_files=[{train_file}]",
+                                                      f"data.val_files=[{train_file}]"])
     text = plan_text(cfg)
     head, _, tail = text.partition("\nplan:\n")
     assert yaml.safe_load(head)["rollout"]["n"] == 4

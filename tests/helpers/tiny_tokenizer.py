@@ -1,4 +1,4 @@
-"""A local byte-level BPE tokenizer (no downloads) for the tiny test models.
+"""A local byte-level BPE tokenizer (no downloads) for the tiny test models: the quickstart's.
 
 Byte-level BPE is what Qwen2/Qwen3/Llama-3 ship, so ``AutoTokenizer`` loads it faithfully under
 every family's own tokenizer class in transformers 5. The 256 byte symbols plus 4 special tokens
@@ -14,26 +14,11 @@ VOCAB_SIZE = 300
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 
 
-def _corpus():
-    for a in range(30):
-        for b in range(30):
-            yield f"question: what is {a} + {b} ? answer: {a + b}"
-            yield f"question: what is {a} times {b} ? answer: {a * b}"
-
-
 def build_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    # The package's quickstart tokenizer is the single definition; tests use the same one.
+    from mrl.quickstart import build_tokenizer as _build
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
-    return tok
+    return _build()
 
 
 def save_tiny_tokenizer(path: str | Path) -> None:

@@ -16,6 +16,7 @@ def rank_results(tmp_path_factory):
     return run_ranks(cpu_support_rank, 2, args=(str(hf_dir),), timeout_s=240)
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("check", NAMES)
 def test_redirect(rank_results, check):

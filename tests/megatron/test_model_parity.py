@@ -56,6 +56,7 @@ def launched(tmp_path_factory):
     return root, merged
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "family,layout", PARAMS, ids=[f"{n}-tp{l[0]}pp{l[1]}vpp{l[2]}" for n, l in PARAMS]
@@ -67,6 +68,7 @@ def test_logits_match_transformers(launched, family, layout):
     assert diff <= tol, f"{family} {layout}: max |Δlogits| = {diff:.3g} > {tol}"
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama3_rope"])
 def test_roundtrip_tp2_pp2_bit_exact(launched, family):

@@ -80,9 +80,12 @@ def _rank(rank, world, path):
     v0 = critic.compute_values(batch)
     target = torch.linspace(-1, 1, batch.response_length).expand_as(v0) * batch.response_mask
     losses, clip = [], []
-    for _ in range(6):
+    for i in range(6):
         v = critic.compute_values(batch)
-        m = critic.update_critic(batch.replace(values=v, returns=target))
+        # first update: stale old values (V_old = V + 0.5) put V outside V_old ± 0.05, so the
+        # clipped branch binds wherever the target lies below V + 0.225
+        old = v + 0.5 * batch.response_mask if i == 0 else v
+        m = critic.update_critic(batch.replace(values=old, returns=target))
         losses.append(m["critic/vf_loss"])
         clip.append(m["critic/vf_clipfrac"])
     out["critic_losses"], out["critic_clip"], out["critic_metrics"] = losses, clip, m
