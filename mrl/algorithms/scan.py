@@ -115,7 +115,7 @@ class _Chunks:
 
     def __init__(self, c: float, t_len: int, rows: int, dtype: torch.dtype, device: torch.device):
         k = max(1, min(TIME_BLOCK, t_len))
-        self.k, self.nb, self.t = k, -(-t_len // k), t_len
+        self.k, self.nb, self.t, self.c = k, -(-t_len // k), t_len, float(c)
         tp = self.nb * k
         c64 = torch.tensor(float(c), dtype=torch.float64)
         j = torch.arange(k, dtype=torch.float64)
@@ -137,6 +137,14 @@ class _Chunks:
 
     def scan(self, n: int) -> torch.Tensor:
         o = self.o[:n]
+        if self.c == 1.0:
+            # c = 1: G_t = S - cumsum_t + x_t (one sequential cumsum beats the GEMMs here); the
+            # padding columns of o are not read (callers use o[:, :T] only).
+            d, ot = self.d[:n, : self.t], o[:, : self.t]
+            torch.cumsum(d, -1, out=ot)
+            # S = last cumsum entry, so past the last valid token S - cumsum_t is exactly 0
+            torch.sub(ot[:, -1:].clone(), ot, out=ot).add_(d)
+            return o
         torch.mm(self.d[:n].view(-1, self.k), self.u, out=o.view(-1, self.k))
         if self.nb > 1:
             o3 = o.view(n, self.nb, self.k)
@@ -201,8 +209,8 @@ def gae_scan(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, ga
         o = ws.scan(n)
         a = o[:, :t_len]
         n_tot += float(lens.sum())
-        s1 += float(o.sum())
-        s2 += float(torch.mul(o, o, out=ws.d[:n]).sum())  # padding columns of o are 0: d stays 0 there
+        s1 += float(a.sum())
+        s2 += float(torch.mul(a, a, out=dt).sum())  # dt is rewritten by the next chunk
         if prefix:
             adv[s:e].copy_(a)
             torch.add(a, p, out=ret[s:e])
@@ -232,14 +240,14 @@ def discounted_scan(x: torch.Tensor, mask: torch.Tensor, gamma: float) -> tuple[
         else:
             (xc,), _, pos = ws.compact(m, lens, x[s:e])
             dt.copy_(xc)  # compacted rows are already 0 past their length
-        o = ws.scan(n)
+        g = ws.scan(n)[:, :t_len]
         n_tot += float(lens.sum())
-        s1 += float(o.sum())
-        s2 += float(torch.mul(o, o, out=ws.d[:n]).sum())
+        s1 += float(g.sum())
+        s2 += float(torch.mul(g, g, out=dt).sum())  # dt is rewritten by the next chunk
         if prefix:
-            out[s:e].copy_(o[:, :t_len])
+            out[s:e].copy_(g)
         else:
-            torch.gather(o[:, :t_len], 1, pos, out=out[s:e]).mul_(m)
+            torch.gather(g, 1, pos, out=out[s:e]).mul_(m)
     return out, Moments(n_tot, s1, s2)
 
 

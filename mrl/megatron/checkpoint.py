@@ -310,11 +310,12 @@ def _prime_torch_adam_state(optimizer: Any) -> None:
 
 @contextlib.contextmanager
 def _torch_adam_step_aside(optimizer: Any) -> Iterator[None]:
-    """Hide torch Adam's per-parameter ``step`` while the DistributedOptimizer loads param state.
+    """Work around two megatron-core 0.16 bugs of the DistributedOptimizer with torch Adam.
 
-    megatron-core 0.16 (no Apex/TE) skips ``step`` in the loaded per-parameter tensors but still
-    copies into every key of the live state, ``step`` included (KeyError). ``step`` is restored
-    from the param groups by ``load_state_dict`` before this point, so setting it aside is exact.
+    Without Apex/TE: (1) the fully_reshardable loader skips ``step`` in the loaded per-parameter
+    tensors but copies into every key of the live state, ``step`` included (KeyError); ``step`` is
+    restored from the param groups by ``load_state_dict`` before, so setting it aside is exact.
+    (2) see the comment at the end.
     """
     from megatron.core.optimizer import distrib_optimizer as do
 
@@ -342,6 +343,13 @@ def _torch_adam_step_aside(optimizer: Any) -> Iterator[None]:
     finally:
         for opt in patched:
             del opt.load_parameter_state_from_fully_reshardable  # back to the class method
+    if not do.HAVE_APEX_OR_TE:
+        # The same loader puts ONE ``step`` tensor into every parameter's state; torch Adam
+        # increments it in place per parameter, which would corrupt the bias correction.
+        for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+            for st in getattr(getattr(opt, "optimizer", None), "state", {}).values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].clone()
 
 
 def load_checkpoint(

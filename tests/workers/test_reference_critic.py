@@ -108,6 +108,7 @@ def test_reference_kl_gating_critic_offload_embedding(tmp_path):
     with torch.no_grad():
         ref_lp, _ = hf_log_probs(model, batch)
         mi_hidden = _hf_response_embedding(model, batch)
+    print("critic vf_loss per update:", res[0]["critic_losses"], "clipfrac:", res[0]["critic_clip"])
     for r in res:
         assert all(math.isfinite(v) for v in r["metrics_nokl"].values()), r["metrics_nokl"]
         assert "actor/kl_loss" not in r["metrics_nokl"] and r["metrics_nokl"]["actor/kl_coef"] == 0.0
@@ -121,8 +122,8 @@ def test_reference_kl_gating_critic_offload_embedding(tmp_path):
         torch.testing.assert_close(r["lp_after_onload"], r["lp_before_offload"], rtol=0, atol=0)
         # critic: loss decreases on a fixed target, clipping engages, verl metric names
         ls = r["critic_losses"]
-        assert ls[-1] < 0.5 * ls[0], ls
-        assert max(r["critic_clip"]) > 0.0
+        assert ls[-1] < 0.5 * ls[0] and ls[-1] < ls[1], ls  # ls[0] used stale V_old (clipping)
+        assert r["critic_clip"][0] > 0.0
         assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"} <= set(r["critic_metrics"])
         assert r["v0"].shape == batch.response_mask.shape
         assert torch.all(r["v0"][batch.response_mask == 0] == 0)

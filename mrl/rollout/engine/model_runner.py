@@ -135,6 +135,7 @@ class ModelRunner:
         out = self.model(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
             position_ids=pos.to(self.device), past_key_values=cache, use_cache=True,
+            logits_to_keep=1,  # only the last position is sampled: skip V x T of lm_head work
         )
         pad = (mask == 0).to(self.device)
         if pad.any():
