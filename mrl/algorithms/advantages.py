@@ -168,7 +168,7 @@ def discounted_returns(token_level_rewards: torch.Tensor, response_mask: torch.T
     """``G_t = r_t + gamma * G_next`` over valid tokens ``[B, T]`` (masked tokens are skipped and
     contribute no reward; output 0 there). Equals verl's reset-after-EOS loop for prefix masks.
     """
-    return discounted_scan(token_level_rewards, response_mask, gamma)[0]
+    return discounted_scan(token_level_rewards, response_mask, gamma, with_moments=False)[0]
 
 
 @register_adv_est("reinforce_plus_plus")

@@ -15,8 +15,9 @@ solved without a Python loop over t (a parallel-scan formulation, Blelloch 1990)
   ``S_b = sum_{k > b} (c^K)^(k - b - 1) A_local[k, 0]``, one GEMM ``[rows, nb] @ [nb, nb]``;
 * ``A[b, j] = A_local[b, j] + c^(K - j) S_b``.
 
-Every power is ``c^e`` with ``0 <= e`` and ``c <= 1`` in practice, so nothing is divided and nothing
-grows; rounding differs from the step-by-step loop only by the summation order (float32 within
+For ``c = 1`` the chunk uses ``A_t = S - cumsum_t + x_t`` with ``S`` the last cumsum entry (cheaper
+than the GEMMs on CPU, and exactly 0 after the last valid token). Every power is ``c^e`` with
+``0 <= e`` and ``c <= 1`` in practice, so nothing is divided and nothing grows; rounding differs from the step-by-step loop only by the summation order (float32 within
 1e-5, float64 within 1e-12, tested in ``tests/algorithms/test_scan.py``).
 
 Masks are binary (0/1). The recursions skip masked tokens (see
@@ -109,8 +110,9 @@ def whiten_with_moments(x: torch.Tensor, mask: torch.Tensor, mom: Moments, *, ou
 class _Chunks:
     """Row-chunk workspace for the reverse scan ``A_t = x_t + c A_{t+1}`` over the last dim.
 
-    ``x`` is written into ``self.d[:n, :T]`` (columns ``T..Tp-1`` stay 0, so the scan past T is 0);
-    :meth:`scan` returns the ``[n, Tp]`` result buffer.
+    ``x`` is written into ``self.d[:n, :T]`` (columns ``T..Tp-1`` stay 0, so the GEMM scan past T is
+    0); :meth:`scan` returns the ``[n, Tp]`` result buffer, of which callers read ``[:, :T]``.
+    Built once per call: ``U`` ``[K, K]``, the block-carry matrix ``[nb, nb]``, ``w`` ``[K]``.
     """
 
     def __init__(self, c: float, t_len: int, rows: int, dtype: torch.dtype, device: torch.device):
@@ -220,9 +222,14 @@ def gae_scan(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, ga
     return adv, ret, Moments(n_tot, s1, s2)
 
 
-def discounted_scan(x: torch.Tensor, mask: torch.Tensor, gamma: float) -> tuple[torch.Tensor, Moments]:
+def discounted_scan(x: torch.Tensor, mask: torch.Tensor, gamma: float, *,
+                    with_moments: bool = True) -> tuple[torch.Tensor, Moments | None]:
     """``G_t = x_t + gamma G'`` backwards over valid tokens (masked tokens skipped), output
-    ``G * m`` ``[B, T]`` and the moments of ``G`` over valid tokens."""
+    ``G * m`` ``[B, T]`` and the moments of ``G`` over valid tokens (None if not ``with_moments``).
+
+    With ``gamma = 1`` a skipped token adds nothing, so holes need no compaction:
+    ``G_t = sum_{k >= t} x_k m_k``.
+    """
     b, t_len = x.shape
     out = torch.empty_like(x)
     if b == 0 or t_len == 0:
@@ -233,7 +240,10 @@ def discounted_scan(x: torch.Tensor, mask: torch.Tensor, gamma: float) -> tuple[
     for s, e in _blocks(b, rows):
         n = e - s
         m = mask[s:e].to(x.dtype)
-        lens, prefix = ws.lengths(m)
+        if gamma == 1.0:
+            lens, prefix = (m.sum(-1) if with_moments else None), True
+        else:
+            lens, prefix = ws.lengths(m)
         dt = ws.d[:n, :t_len]
         if prefix:
             torch.mul(x[s:e], m, out=dt)
@@ -241,16 +251,19 @@ def discounted_scan(x: torch.Tensor, mask: torch.Tensor, gamma: float) -> tuple[
             (xc,), _, pos = ws.compact(m, lens, x[s:e])
             dt.copy_(xc)  # compacted rows are already 0 past their length
         g = ws.scan(n)[:, :t_len]
-        n_tot += float(lens.sum())
-        s1 += float(g.sum())
-        s2 += float(torch.mul(g, g, out=dt).sum())  # dt is rewritten by the next chunk
+        if gamma == 1.0:
+            g.mul_(m)  # holes were not compacted: masked tokens hold the carried sum
+        if with_moments:
+            n_tot += float(lens.sum())
+            s1 += float(g.sum())
+            s2 += float(torch.mul(g, g, out=dt).sum())  # dt is rewritten by the next chunk
         if prefix:
             out[s:e].copy_(g)
         else:
             torch.gather(g, 1, pos, out=out[s:e]).mul_(m)
-    return out, Moments(n_tot, s1, s2)
+    return out, Moments(n_tot, s1, s2) if with_moments else None
 
 
 def reverse_cumsum_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``G_t = sum_{k >= t} x_k m_k``, times ``m_t``, ``[B, T]`` (the ``gamma = 1`` scan)."""
-    return discounted_scan(x, mask, 1.0)[0]
+    return discounted_scan(x, mask, 1.0, with_moments=False)[0]

@@ -148,8 +148,8 @@ def save_checkpoint(
     """Collectively save ``model_chunks`` (and optimizer/scheduler state) to ``ckpt_dir``.
 
     Every rank of the job calls this with its own chunks (GPTModel, DDP or Float16Module wrapped;
-    one per virtual pipeline stage). ``extra`` (plain types) comes back from
-    :func:`load_checkpoint`. ``hf_config`` (transformers config or dict) is recorded in
+    one per virtual pipeline stage). ``extra`` (plain types; rank 0's copy is stored, so pass the
+    same on every rank) comes back from :func:`load_checkpoint`. ``hf_config`` (transformers config or dict) is recorded in
     ``mrl_checkpoint.json`` so that conversion back to HF needs no other input.
     Returns the checkpoint path.
     """
