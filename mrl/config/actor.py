@@ -17,7 +17,11 @@ from mrl.config.base import Section
 from mrl.config.optim import OptimConfig
 from mrl.config.parallel import ParallelConfig
 
-KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
+# Names with a "+" are straight-through: forward value of the estimator, gradient of k2 (seeds 000/004).
+KLType = Literal[
+    "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+    "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+", "full",
+]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -43,9 +47,9 @@ class ActorConfig(Section):
     entropy_coeff: float = Field(0.0, ge=0, description="Entropy bonus weight: loss -= entropy_coeff * H.")
     use_kl_loss: bool = Field(False, description="Add kl_loss_coef * KL(pi || pi_ref) to the actor loss (GRPO style); needs a reference.")
     kl_loss_coef: float = Field(0.001, ge=0, description="Weight of the KL loss term.")
-    kl_loss_type: KLType = Field("low_var_kl", description="KL estimator: kl(k1)|abs|mse(k2)|low_var_kl(k3); 'full' is not supported.")
+    kl_loss_type: KLType = Field("low_var_kl", description="KL estimator: kl(k1)|abs|mse(k2)|low_var_kl(k3), '+' suffix = straight-through k2 gradient; 'full' is not supported.")
     loss_agg_mode: LossAggMode = Field("token-mean", description="How [B, T] token losses are reduced to a scalar.")
-    policy_loss: str = Field("vanilla", description="Policy-loss registry name (e.g. vanilla, gspo, clip_cov).")
+    policy_loss: Literal["vanilla", "gspo", "reinforce"] = Field("vanilla", description="Policy-loss registry name: vanilla (PPO clip), gspo (sequence ratio), reinforce (no clip).")
     tis_imp_ratio_cap: float | None = Field(
         None, gt=0, description="Truncated importance sampling vs rollout log-probs, weight min(ratio, cap); null disables."
     )

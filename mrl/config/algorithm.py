@@ -58,7 +58,7 @@ class ReprAlignConfig(Section):
 class AlgorithmConfig(Section):
     """Advantage estimation and reward-side KL (verl ``algorithm``)."""
 
-    adv_estimator: Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "grpo_passk"] = Field(
+    adv_estimator: Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"] = Field(
         "grpo", description="Advantage estimator registry name."
     )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor (GAE, REINFORCE++).")

@@ -16,7 +16,7 @@ from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_
 from mrl.config.parallel import ParallelConfig
 from mrl.config.root import MRLConfig
 
-_GROUP_ESTIMATORS = {"grpo", "rloo", "grpo_passk", "opo", "reinforce_plus_plus_baseline"}
+_GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus_baseline"}
 _DATA_SUFFIXES = (".parquet", ".jsonl")
 
 

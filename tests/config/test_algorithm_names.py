@@ -5,9 +5,6 @@ accepted values from the pydantic field annotations and compare them, both ways,
 ``LOSS_AGG_MODES``, ``KL_PENALTY_NAMES``, ``policy_loss_names()`` and ``adv_estimator_names()``.
 ``full`` is accepted by the schema and refused by validation (tests/config/test_validation.py) and
 by ``kl_penalty``; it is the one allowed difference.
-
-Known disagreements are ``xfail(strict=True)``: once mrl/config is fixed they pass, the strict
-marker turns that into a failure, and the marker must be removed.
 """
 from __future__ import annotations
 
@@ -50,8 +47,6 @@ def test_config_kl_names_exist_in_algorithms() -> None:
         assert not missing, f"{model.__name__}.{field} accepts {sorted(missing)} that kl_penalty refuses"
 
 
-@pytest.mark.xfail(strict=True, reason="mrl/config/actor.py KLType lacks the straight-through '+' names "
-                   "(kl+, k1+, abs+, mse+, k2+, low_var_kl+, k3+) that kl_penalty accepts")
 def test_algorithm_kl_names_are_accepted_by_config() -> None:
     for model, field in ((ActorConfig, "kl_loss_type"), (AlgorithmConfig, "kl_penalty")):
         missing = set(alg.KL_PENALTY_NAMES) - _accepted(model, field)
@@ -63,8 +58,6 @@ def test_algorithm_adv_estimators_are_accepted_by_config() -> None:
     assert not missing, f"algorithm.adv_estimator refuses registered estimators {sorted(missing)}"
 
 
-@pytest.mark.xfail(strict=True, reason="mrl/config/algorithm.py accepts adv_estimator 'opo' and 'grpo_passk', "
-                   "which mrl.algorithms does not register")
 def test_config_adv_estimators_exist_in_algorithms() -> None:
     extra = _accepted(AlgorithmConfig, "adv_estimator") - set(alg.adv_estimator_names())
     assert not extra, f"algorithm.adv_estimator accepts unregistered {sorted(extra)}"
@@ -77,8 +70,6 @@ def test_registered_policy_losses_are_accepted_by_config() -> None:
         assert ActorConfig(policy_loss=name).policy_loss == name
 
 
-@pytest.mark.xfail(strict=True, reason="mrl/config/actor.py declares policy_loss as a free str: an unknown name "
-                   "passes config loading and fails only inside the actor worker")
 def test_config_refuses_unknown_policy_loss() -> None:
     accepted = _accepted(ActorConfig, "policy_loss")
     assert accepted is not None and accepted <= set(alg.policy_loss_names())
