@@ -24,6 +24,8 @@ setup(
         "httpx>=0.27",
         "tqdm>=4.66",
         "numpy>=1.26",
+        # megatron-core's dist_checkpointing writer needs it but does not declare it.
+        "psutil>=5.9",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "sglang"],

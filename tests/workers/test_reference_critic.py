@@ -5,6 +5,7 @@ TP2, then a critic at TP2.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -75,7 +76,7 @@ def _rank(rank, world, path):
     del ref
 
     ccfg = CriticConfig(megatron={"tensor_model_parallel_size": 2}, ppo_micro_batch_size_per_gpu=4,
-                        optim={"lr": 3e-3, "clip_grad": 1.0, "weight_decay": 0.0}, cliprange_value=0.05)
+                        optim={"lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.0}, cliprange_value=0.05)
     critic = CriticWorker(ccfg, model_path=path, mini_batch_size_samples=8)
     v0 = critic.compute_values(batch)
     target = torch.linspace(-1, 1, batch.response_length).expand_as(v0) * batch.response_mask
@@ -122,7 +123,8 @@ def test_reference_kl_gating_critic_offload_embedding(tmp_path):
         torch.testing.assert_close(r["lp_after_onload"], r["lp_before_offload"], rtol=0, atol=0)
         # critic: loss decreases on a fixed target, clipping engages, verl metric names
         ls = r["critic_losses"]
-        assert ls[-1] < 0.5 * ls[0] and ls[-1] < ls[1], ls  # ls[0] used stale V_old (clipping)
+        # ls[0] used stale V_old (clipping on); from then on the loss falls monotonically
+        assert all(b <= a for a, b in itertools.pairwise(ls[1:])) and ls[-1] < 0.1 * ls[1], ls
         assert r["critic_clip"][0] > 0.0
         assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"} <= set(r["critic_metrics"])
         assert r["v0"].shape == batch.response_mask.shape
