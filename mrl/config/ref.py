@@ -24,7 +24,7 @@ class RefConfig(Section):
     )
     num_devices: int | None = Field(None, ge=1, description="Devices of a separate reference; required when placement=separate.")
     megatron: ParallelConfig = Field(default_factory=ParallelConfig, description="Megatron parallel layout of the reference.")
-    offload: bool = Field(False, description="Keep reference weights on CPU between log-prob passes (colocated memory saver).")
+    offload: bool = Field(False, description="Keep reference weights on CPU between passes; colocated always does, separate refuses it (not built).")
     log_prob_micro_batch_size_per_gpu: int | None = Field(
         None, ge=1, description="SAMPLES per forward on one DP rank; null = actor.log_prob_micro_batch_size_per_gpu."
     )

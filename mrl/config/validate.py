@@ -127,6 +127,11 @@ def _check_placement(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelS
             errors.append(f"{role}.placement=separate needs {role}.num_devices; fix: set {role}.num_devices=<devices for the {role}>")
         if section.placement == "colocated" and section.num_devices is not None:
             errors.append(f"{role}.num_devices is only used with {role}.placement=separate; fix: remove it or set {role}.placement=separate")
+    if cfg.ref.offload and cfg.ref.placement == "separate":
+        # The colocated reference already lives in host memory between passes; a separate one
+        # has no offload path yet, and a flag that silently does nothing is worse than an error.
+        errors.append("ref.offload=true is not supported with ref.placement=separate; fix: ref.offload=false, "
+                      "or ref.placement=colocated (which keeps reference weights in host memory between passes)")
     r = cfg.rollout
     if r.placement == "separate" and r.num_engines is None:
         errors.append("rollout.placement=separate needs rollout.num_engines; fix: set rollout.num_engines=<servers>")

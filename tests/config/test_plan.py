@@ -104,7 +104,7 @@ def test_separate_roles_are_laid_out_after_the_actor(tmp_path: Path, train_file:
     model = write_hf_config(tmp_path / "q7", QWEN25_7B)
     cfg = load_config("mrl_configs/qwen2.5-7b_grpo_2x8_tp2.yaml",
                       [f"model.path={model}", f"data.train_files=[{train_file}]", f"data.val_files=[{train_file}]",
-                       "ref.placement=separate", "ref.num_devices=2", "rollout.placement=separate", "rollout.num_engines=3",
+                       "ref.placement=separate", "ref.num_devices=2", "ref.offload=false", "rollout.placement=separate", "rollout.num_engines=3",
                        "data.train_batch_size=160", "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size_per_gpu=2"])
     plan = build_plan(cfg)
     lay = plan.roles

@@ -63,6 +63,8 @@ BAD = [
      ["leaving none for the actor", "rollout=4"]),
     ("separate_engines_without_count", ["rollout.placement=separate"], ["rollout.num_engines"]),
     ("separate_ref_without_devices", ["ref.placement=separate"], ["ref.num_devices"]),
+    ("separate_ref_offload_not_built", ["ref.placement=separate", "ref.num_devices=1", "ref.offload=true"],
+     ["ref.offload=true", "ref.placement=separate"]),
     ("ref_devices_while_colocated", ["ref.num_devices=2"], ["ref.num_devices", "placement=separate"]),
     ("save_freq_without_dir", ["trainer.save_freq=10", "trainer.default_local_dir=null"],
      ["trainer.save_freq", "trainer.default_local_dir"]),

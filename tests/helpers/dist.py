@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable, Sequence
@@ -52,7 +53,9 @@ def _entry(fn, rank, world_size, port, args, init_pg, pg_timeout_s, queue):
                 timeout=datetime.timedelta(seconds=pg_timeout_s),
             )
         out = fn(rank, world_size, *args)
-        queue.put((rank, "ok", out))
+        # Plain pickle serialises tensors by value. The queue's own pickler would send them as
+        # shared-memory handles, which die with this process before the parent reads them (hang).
+        queue.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "err", traceback.format_exc()))
     finally:
@@ -108,7 +111,7 @@ def run_ranks(
                     )
                 continue
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)  # our own child's result, not external input
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 # One failed rank usually leaves the others blocked in a collective: stop early.
