@@ -76,3 +76,36 @@ def test_every_config_named_in_readme_exists() -> None:
     for name in set(re.findall(r"mrl_configs/[\w.\-<>]+\.yaml", README)):
         if "<" not in name:
             assert (REPO / name).is_file(), name
+
+
+def _tool_help_argv(cmd: str) -> list[str] | None:
+    """For the README's other tools: the argv that prints the help of the (sub)command it runs."""
+    words = [w for w in shlex.split(cmd) if w != "&"]
+    py = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else "python"
+    if words[0] == "mrl-ckpt":
+        return [py, "-m", "checkpoints_tools.cli", words[1], "--help"]
+    if words[:2] == ["mrl", "engine"]:
+        return [py, "-m", "mrl", "engine", "--help"]
+    if words[:3] == ["python", "-m", "mrl.quickstart"]:
+        return [py, "-m", "mrl.quickstart", "--help"]
+    if words[0] == "python" and words[1].startswith("benchmarks/"):
+        return [py, words[1], "--help"]
+    return None
+
+
+TOOLS = [(c, _tool_help_argv(c)) for c, argv in COMMANDS if argv is None and _tool_help_argv(c)]
+
+
+def test_readme_lists_the_tools_that_run_today() -> None:
+    names = " ".join(c for c, _ in TOOLS)
+    for tool in ("mrl-ckpt hf-to-mcore", "mrl-ckpt mcore-to-hf", "mrl engine", "mrl.quickstart", "benchmarks/"):
+        assert tool in names, tool
+
+
+@pytest.mark.parametrize("cmd,help_argv", TOOLS, ids=[c[:60] for c, _ in TOOLS])
+def test_readme_tool_flags_exist(cmd: str, help_argv: list[str]) -> None:
+    """Each flag a README tool line uses is one its --help lists (so the line would parse)."""
+    out = subprocess.run(help_argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for flag in re.findall(r"(?<!\S)(--[a-z][a-z0-9-]*)", cmd):
+        assert flag in out.stdout, f"README line {cmd!r} uses {flag}, which {' '.join(help_argv[1:])} does not list"

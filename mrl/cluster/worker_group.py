@@ -1,0 +1,125 @@
+"""One Ray actor per trainer rank, all in one placement group, driven SPMD-style.
+
+Every rank runs the same method on the same (full) arguments; collectives inside the workers
+(gloo/NCCL) need all ranks to enter together, so :meth:`WorkerGroup.execute_all` always calls all
+ranks and waits with a timeout (a rank that died or hangs surfaces as an error, never a hang).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+class WorkerGroupError(RuntimeError):
+    """A rank failed or did not answer within the timeout."""
+
+
+def init_ray(address: str | None, num_cpus: int | None = None) -> None:
+    """Join ``address`` (cluster.address) or start a local Ray instance with ``num_cpus``.
+
+    A local instance needs no auth token: ``RAY_AUTH_MODE=disabled`` keeps the first ``ray.init``
+    from writing one under ``~/.ray`` (design.md, measured facts); it binds to loopback.
+    """
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _resolve(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@ray.remote(max_concurrency=1)
+class _RankActor:
+    """Holds one rank's worker object. Synchronous: methods run on the actor's main thread, the
+    thread whose Megatron CPU redirect ``init_parallel`` installed; it is re-enabled per call
+    anyway because the redirect is per thread."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        os.environ.update(env)
+        self.obj: Any = None
+
+    def construct(self, cls_path: str, kwargs: dict[str, Any]) -> bool:
+        self.obj = _resolve(cls_path)(**kwargs)
+        return True
+
+    def call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if os.environ.get("MRL_DEVICE") == "cpu":
+            from mrl.megatron.cpu_support import enable_cpu_support
+
+            enable_cpu_support()
+        return getattr(self.obj, method)(*args, **kwargs)
+
+
+class WorkerGroup:
+    """``world_size`` rank actors with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK set.
+
+    ``cls_path`` (``"pkg.module.Class"``) is constructed on every rank with ``kwargs``; the env is
+    in place before the constructor runs (it calls ``init_parallel`` from env). Ranks are packed
+    into one placement group bundle per rank (``cpus_per_rank`` CPUs, ``gpus_per_rank`` GPUs).
+    """
+
+    def __init__(self, cls_path: str, kwargs: dict[str, Any], *, world_size: int, device: str,
+                 cpus_per_rank: float = 1.0, timeout_s: float = 600.0,
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        gpus = 1 if device == "cuda" else 0
+        bundle = {"CPU": cpus_per_rank, **({"GPU": gpus} if gpus else {})}
+        self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            raise WorkerGroupError(
+                f"Ray could not place {world_size} ranks with {bundle} each within {timeout_s:.0f}s; "
+                "fix: lower cluster.n_gpus_per_node or give Ray more CPUs (cluster.cpus_per_node)"
+            ) from None
+        port = str(_free_port())
+        self.actors = []
+        for r in range(world_size):
+            env = {"RANK": str(r), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(r),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "MRL_DEVICE": device,
+                   **(extra_env or {})}
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=r)
+            self.actors.append(_RankActor.options(
+                num_cpus=cpus_per_rank, num_gpus=gpus, scheduling_strategy=strategy,
+            ).remote(env))
+        self._wait([a.construct.remote(cls_path, kwargs) for a in self.actors], f"construct {cls_path}")
+
+    def _wait(self, refs: list, what: str) -> list[Any]:
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerGroupError(f"{what}: not every rank answered within {self.timeout_s:.0f}s") from None
+        except ray.exceptions.RayError as e:
+            raise WorkerGroupError(f"{what} failed on a rank: {e}") from e
+
+    def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method(*args, **kwargs)`` on every rank; per-rank results in rank order."""
+        refs = [a.call.remote(method, args, kwargs) for a in self.actors]
+        return self._wait(refs, f"{method}")
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+        remove_placement_group(self.pg)
+

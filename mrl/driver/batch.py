@@ -1,0 +1,69 @@
+"""Pure helpers of the RL step: prompts + rollout result -> TrainBatch (seed 002 layout).
+
+No Ray, no Megatron: these are where padding/mask bugs hide, so they are unit-tested alone.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mrl.data.dataset import Prompt, PromptBatch
+from mrl.rollout.types import RolloutResult
+from mrl.workers.batch import TrainBatch
+
+
+def assemble_train_batch(prompts: PromptBatch, result: RolloutResult, *, pad_token_id: int,
+                         uids: Sequence[int]) -> TrainBatch:
+    """One TrainBatch of the B = P·n samples of ``result`` (sample k = prompt k // n, verl's interleave).
+
+    ``prompts``: P prompts, left-padded ``input_ids``/``attention_mask``/``position_ids`` [P, Lp].
+    Output: ``input_ids = [prompt (left-padded, Lp) | response (right-padded, R)]`` [B, Lp+R],
+    ``attention_mask`` = prompt mask ‖ response mask, ``position_ids`` = the prompt's positions then
+    ``last_prompt_pos + 1 + t`` for response column t (padding columns too, as verl), ``responses``
+    [B, R], ``response_mask`` [B, R] (1 on generated tokens; a failed sample is all 0),
+    ``rollout_log_probs`` [B, R] (0 on padding), ``uid`` [B] (``uids`` per prompt, repeated n times).
+    """
+    n = result.n
+    P = prompts.input_ids.shape[0]
+    if len(result.samples) != P * n:
+        raise ValueError(f"rollout returned {len(result.samples)} samples for {P} prompts x n={n}")
+    if len(uids) != P:
+        raise ValueError(f"{len(uids)} uids for {P} prompts")
+    order = [s.prompt_index * n + s.sample_index for s in result.samples]
+    if order != list(range(P * n)):
+        raise ValueError("rollout samples are not in (prompt, sample) order")
+    padded = result.to_padded(pad_token_id)
+    responses, resp_mask = padded["responses"], padded["response_mask"]
+    R = responses.shape[1]
+    idx = torch.arange(P).repeat_interleave(n)
+    p_ids, p_mask, p_pos = prompts.input_ids[idx], prompts.attention_mask[idx], prompts.position_ids[idx]
+    last = p_pos[:, -1:]  # left padding: the last column is the last prompt token
+    r_pos = last + 1 + torch.arange(R).unsqueeze(0)
+    return TrainBatch(
+        input_ids=torch.cat([p_ids, responses], dim=1),
+        attention_mask=torch.cat([p_mask, resp_mask], dim=1),
+        position_ids=torch.cat([p_pos, r_pos], dim=1),
+        responses=responses,
+        response_mask=resp_mask,
+        rollout_log_probs=padded["rollout_log_probs"],
+        uid=torch.as_tensor(list(uids), dtype=torch.long).repeat_interleave(n),
+    )
+
+
+def repeat_prompts(prompts: Sequence[Prompt], n: int) -> list[Prompt]:
+    """[p0, p0, ..., p1, ...]: each prompt n times in a row (the sample order of the rollout)."""
+    return [p for p in prompts for _ in range(n)]
+
+
+def decode_responses(tokenizer, result: RolloutResult) -> list[str]:
+    """Response texts for the scorer (special tokens such as EOS dropped)."""
+    return [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in result.samples]
+
+
+def group_means(values: torch.Tensor, keys: Sequence[str | None], prefix: str, suffix: str) -> dict[str, float]:
+    """``{f"{prefix}/{key}/{suffix}": mean(values[key == k])}`` per distinct key (None -> ``unknown``)."""
+    out: dict[str, list[float]] = {}
+    for v, k in zip(values.tolist(), keys):
+        out.setdefault(k or "unknown", []).append(float(v))
+    return {f"{prefix}/{k}/{suffix}": sum(vs) / len(vs) for k, vs in out.items()}

@@ -1,0 +1,129 @@
+"""Build every component of a run, and tear them all down (engines killed, Ray shut down) on exit."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mrl.config import MRLConfig
+
+log = logging.getLogger(__name__)
+
+
+def check_supported(cfg: MRLConfig) -> None:
+    """Refuse what this driver does not run yet, naming the key (rather than training wrongly)."""
+    problems = []
+    if cfg.critic_enabled:
+        problems.append("critic (algorithm.adv_estimator=gae or critic.enable=true): set adv_estimator=grpo|rloo|...")
+    if cfg.algorithm.ref_reward_blend.enable:
+        problems.append("algorithm.ref_reward_blend.enable=true: set it to false")
+    if cfg.algorithm.repr_align.enable:
+        problems.append("algorithm.repr_align.enable=true: set it to false")
+    if cfg.rollout.engine != "torch":
+        problems.append("rollout.engine=sglang: set rollout.engine=torch")
+    if cfg.rollout.placement != "colocated":
+        problems.append("rollout.placement=separate: set rollout.placement=colocated")
+    if cfg.rollout.weight_sync.transport == "distributed":
+        problems.append("rollout.weight_sync.transport=distributed: set it to tensor (same host) or disk")
+    if cfg.algorithm.adv_estimator == "remax":
+        problems.append("algorithm.adv_estimator=remax (needs a greedy baseline rollout): choose grpo|rloo|reinforce_plus_plus")
+    if problems:
+        raise NotImplementedError("the RL driver does not support yet:\n  - " + "\n  - ".join(problems))
+    for key, path in (("model.path", cfg.model.path), *((f"data.train_files", f) for f in cfg.data.train_files)):
+        if not Path(path).exists():
+            raise FileNotFoundError(f"{key}={path!r} does not exist; for the quickstart run "
+                                    "`python -m mrl.quickstart --out outputs/quickstart` first (make train does)")
+
+
+@dataclass
+class Services:
+    tokenizer: Any
+    pad_token_id: int
+    train_ds: Any
+    val_ds: Any
+    reward: Any
+    tracking: Any
+    log_dir: Path
+    engines: list = field(default_factory=list)
+    pool: Any = None
+    client: Any = None
+    workers: Any = None
+
+
+def _n_engines(cfg: MRLConfig) -> int:
+    return cfg.rollout.num_engines or max(1, cfg.cluster.world_size // cfg.rollout.engine_tp_size)
+
+
+@contextlib.contextmanager
+def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Services]:
+    """Yield the built ``Services``; everything started is stopped on exit, errors included."""
+    from transformers import AutoTokenizer
+
+    from mrl.cluster import WorkerGroup, init_ray
+    from mrl.data.dataset import PromptDataset
+    from mrl.data.tokenize import pad_token_id_of
+    from mrl.observability.tracking import Tracking
+    from mrl.rewards import RewardManager
+    from mrl.rollout import EngineEndpoint, EnginePool, EngineProcess, RolloutClient, build_embedded_command, make_router
+
+    check_supported(cfg)
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    log_dir = Path(cfg.trainer.checkpoint_dir or "outputs") / "logs"
+    s = Services(tok, pad_token_id_of(tok), PromptDataset.from_config(cfg.data, tok, "train"),
+                 PromptDataset.from_config(cfg.data, tok, "val") if cfg.data.val_files else None,
+                 RewardManager.from_config(cfg.reward), None, log_dir)
+    status = "FAILED"
+    try:
+        # Engines first: they are separate processes and load while Ray and the ranks start.
+        r = cfg.rollout
+        for i in range(_n_engines(cfg)):
+            url = f"http://{r.host}:{r.port_base + i}"
+            e = EngineProcess(build_embedded_command(cfg.model.path, r.port_base + i, host=r.host), url,
+                              log_dir / f"engine_{i}.log", env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+                              startup_timeout_s=r.engine_startup_timeout_s)
+            e.start(wait=False)
+            s.engines.append(e)
+        world = cfg.cluster.world_size
+        init_ray(cfg.cluster.address, cfg.cluster.cpus_per_node or max(os.cpu_count() or 1, world))
+        device = cfg.cluster.device if cfg.cluster.device != "auto" else "cpu"
+        s.workers = WorkerGroup("mrl.driver.rank.TrainRank", {"cfg": cfg, "total_optimizer_steps": total_optimizer_steps},
+                                world_size=world, device=device,
+                                extra_env={"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+                                    p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)})
+        for e in s.engines:
+            e.wait_healthy()
+        s.pool = EnginePool([EngineEndpoint(e.url) for e in s.engines], health_interval_s=r.health_interval_s)
+        s.client = RolloutClient(make_router(s.pool, r.router, max_retries=r.max_retries,
+                                             request_timeout_s=r.request_timeout_s))
+        s.workers.execute_all("init_weight_sync", [e.url for e in s.engines])
+        s.tracking = Tracking.from_config(cfg)
+        yield s
+        status = "FINISHED"
+    finally:
+        _teardown(s, status)
+
+
+def _teardown(s: Services, status: str) -> None:
+    import ray
+
+    for step in (
+        lambda: s.tracking and s.tracking.finish(status),
+        lambda: s.workers and s.workers.execute_all("close"),
+        lambda: s.workers and s.workers.shutdown(),
+        lambda: s.pool and s.pool.close(),
+        lambda: s.reward.close(),
+        ray.shutdown,
+    ):
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - keep tearing down the rest
+            log.warning("shutdown step failed: %s", e)
+    for e in s.engines:
+        try:
+            e.stop()
+        except Exception as ex:  # noqa: BLE001
+            log.warning("could not stop engine %s: %s", e.url, ex)

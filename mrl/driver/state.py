@@ -1,0 +1,42 @@
+"""Trainer state next to the actor checkpoint: ``<dir>/global_step_<N>/{actor/, trainer_state.json}``
+plus ``<dir>/latest_checkpointed_iteration.txt`` (verl's layout)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"global_step_{step}"
+
+
+def write_trainer_state(root: str | Path, step: int, state: dict[str, Any]) -> None:
+    """Write the JSON state of ``step``, then mark it the latest (after the actor's save finished)."""
+    d = step_dir(root, step)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "trainer_state.json").write_text(json.dumps({"global_step": step, **state}, indent=1))
+    (Path(root) / LATEST).write_text(str(step))
+
+
+def find_resume_dir(root: str | None, resume_mode: str) -> Path | None:
+    """trainer.resume_mode: ``disable`` -> None; ``auto`` -> newest complete checkpoint under root or
+    None; anything else is a ``global_step_<N>`` path that must exist."""
+    if resume_mode == "disable":
+        return None
+    if resume_mode != "auto":
+        d = Path(resume_mode)
+        if not (d / "trainer_state.json").is_file():
+            raise FileNotFoundError(f"trainer.resume_mode={resume_mode!r}: no trainer_state.json there; "
+                                    "fix: point it at a global_step_<N> directory, or use auto|disable")
+        return d
+    if not root or not (Path(root) / LATEST).is_file():
+        return None
+    d = step_dir(root, int((Path(root) / LATEST).read_text().strip()))
+    return d if (d / "trainer_state.json").is_file() else None
+
+
+def read_trainer_state(d: Path) -> dict[str, Any]:
+    return json.loads((d / "trainer_state.json").read_text())

@@ -1,0 +1,209 @@
+"""The RL loop (design.md "Data flow of one step"; seeds 001/002): build once, then ``step()``
+as named phases: generate -> reward -> old_log_prob -> ref_log_prob -> KL in reward ->
+advantages -> update_actor -> sync_weights -> validate / checkpoint / log.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from mrl.algorithms import apply_kl_penalty, get_adv_estimator, get_kl_controller
+from mrl.config import MRLConfig
+from mrl.data.dataset import PromptDataset
+from mrl.data.sampler import ResumableSampler
+from mrl.driver.batch import assemble_train_batch, decode_responses, group_means, repeat_prompts
+from mrl.driver.state import find_resume_dir, read_trainer_state, step_dir, write_trainer_state
+from mrl.observability.data_metrics import compute_data_metrics
+from mrl.observability.timer import timer
+from mrl.observability.tracking import Tracking
+from mrl.rewards import RewardManager
+from mrl.rollout.types import RolloutRequest
+from mrl.workers.batch import TrainBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepData:
+    """What one step carries between phases (typed, not a growing dict)."""
+
+    batch: TrainBatch
+    prompts: list[Any]              # B Prompt records (repeated n times, interleaved)
+    token_level_scores: torch.Tensor  # [B, R]
+    token_level_rewards: torch.Tensor | None = None  # [B, R]
+    entropys: torch.Tensor | None = None  # [B, R]
+
+
+class RLTrainer:
+    """Holds the built components; ``fit()`` runs the loop. ``services`` is ``mrl.driver.build``'s result."""
+
+    def __init__(self, cfg: MRLConfig, services: Any) -> None:
+        self.cfg, self.s = cfg, services
+        a = cfg.algorithm
+        self.kl_ctrl = get_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
+        self.adv_fn = get_adv_estimator(a.adv_estimator)
+        self.sampler = ResumableSampler(len(services.train_ds), cfg.data.train_batch_size, seed=cfg.trainer.seed)
+        self.global_step = 0
+        self.weight_version = 0  # engines start from model.path = version 0 of the actor
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        m: dict[str, float] = {}
+        with timer("step", m):
+            with timer("gen", m):
+                d = self.generate()
+            with timer("reward", m):
+                self.reward(d, m)
+            with timer("old_log_prob", m):
+                self.old_log_prob(d)
+            if self.cfg.ref_enabled:
+                with timer("ref", m):
+                    self.ref_log_prob(d)
+            self.kl_in_reward(d, m)
+            with timer("adv", m):
+                self.advantages(d)
+            with timer("update_actor", m):
+                m |= self.s.workers.execute_all("update_policy", d.batch)[0]
+            with timer("sync_weights", m):
+                self.sync_weights()
+        self.global_step += 1
+        m |= compute_data_metrics(response_mask=d.batch.response_mask, token_level_scores=d.token_level_scores,
+                                  token_level_rewards=d.token_level_rewards, advantages=d.batch.advantages,
+                                  returns=d.batch.advantages, max_response_length=self.cfg.rollout.max_response_length)
+        m["actor/entropy_old"] = float((d.entropys * d.batch.response_mask).sum() / d.batch.response_mask.sum().clamp(min=1))
+        m["rollout/weight_version"] = float(self.weight_version)  # pushed after this step's update
+        m["rollout/engine_weight_version"] = float(self.engine_weight_version)  # what generated this step
+        m["training/global_step"] = float(self.global_step)
+        return m
+
+    # ---- phases -------------------------------------------------------------------------------
+    def generate(self) -> StepData:
+        """P prompts -> P·n samples from the engine pool (uid = dataset row, shared by the group)."""
+        idx = self.sampler.next_batch()
+        pb = self.s.train_ds.collate(idx)
+        r = self.cfg.rollout
+        req = RolloutRequest([p.prompt_ids for p in pb.prompts], n=r.n, sampling_params={
+            "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_response_length,
+        }, timeout_s=r.request_timeout_s)
+        res = self.s.client.generate(req)
+        if res.failed:
+            raise RuntimeError(f"{len(res.failed)} of {len(res.samples)} rollout samples failed, first: "
+                               f"{res.failed[0].error}; see the engine logs under {self.s.log_dir}")
+        if res.weight_versions - {str(self.weight_version), "default"}:
+            raise RuntimeError(f"engines answered with weight versions {res.weight_versions}, "
+                               f"expected {self.weight_version}: the weight sync did not reach every engine")
+        # What the engines themselves reported ("default" = the start weights, version 0).
+        self.engine_weight_version = max(0 if v in (None, "default") else int(v) for v in res.weight_versions)
+        batch = assemble_train_batch(pb, res, pad_token_id=self.s.pad_token_id, uids=idx)
+        d = StepData(batch, repeat_prompts(pb.prompts, r.n), torch.zeros(batch.response_mask.shape))
+        d.texts = decode_responses(self.s.tokenizer, res)  # type: ignore[attr-defined]
+        return d
+
+    def reward(self, d: StepData, m: dict[str, float]) -> None:
+        """Scores on the last response token (seed 002 stage 5): token_level_scores [B, R]."""
+        out = self.s.reward(d.texts, [p.ground_truth for p in d.prompts], d.batch.response_mask,  # type: ignore[attr-defined]
+                            data_sources=[p.data_source for p in d.prompts],
+                            extra_infos=[p.extra_info for p in d.prompts])
+        d.token_level_scores = out.token_level_scores
+
+    def old_log_prob(self, d: StepData) -> None:
+        """log π_old [B, R] and entropy [B, R] with the rollout temperature (recomputed, not the engine's)."""
+        lp, ent = self.s.workers.execute_all("compute_log_prob", d.batch)[0]
+        d.batch = d.batch.replace(old_log_probs=lp)
+        d.entropys = ent
+
+    def ref_log_prob(self, d: StepData) -> None:
+        d.batch = d.batch.replace(ref_log_prob=self.s.workers.execute_all("compute_ref_log_prob", d.batch)[0])
+
+    def kl_in_reward(self, d: StepData, m: dict[str, float]) -> None:
+        """r = score − β·KL(π_old‖π_ref) per token when algorithm.use_kl_in_reward, else r = score."""
+        if self.cfg.algorithm.use_kl_in_reward:
+            d.token_level_rewards, kl_m = apply_kl_penalty(
+                d.token_level_scores, d.batch.old_log_probs, d.batch.ref_log_prob, d.batch.response_mask,
+                self.kl_ctrl, self.cfg.algorithm.kl_penalty)
+            m |= kl_m
+        else:
+            d.token_level_rewards = d.token_level_scores
+
+    def advantages(self, d: StepData) -> None:
+        a = self.cfg.algorithm
+        adv, _ = self.adv_fn(d.token_level_rewards, d.batch.response_mask.float(), index=d.batch.uid,
+                             gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
+        d.batch = d.batch.replace(advantages=adv)
+
+    def sync_weights(self) -> None:
+        """Push the updated actor into every engine as version ``global_step + 1``."""
+        self.weight_version = self.global_step + 1
+        self.s.workers.execute_all("sync_weights", self.weight_version)
+
+    # ---- validation, checkpoints, loop -------------------------------------------------------
+    def validate(self) -> dict[str, float]:
+        """Greedy (temperature 0) answers to every val prompt; mean score per data_source."""
+        ds = self.s.val_ds
+        if ds is None:
+            return {}
+        prompts = [ds[i] for i in range(len(ds))]
+        res = self.s.client.generate(RolloutRequest([p.prompt_ids for p in prompts], n=1, sampling_params={
+            "temperature": 0.0, "max_new_tokens": self.cfg.rollout.max_response_length}, return_logprob=False,
+            timeout_s=self.cfg.rollout.request_timeout_s))
+        out = self.s.reward(decode_responses(self.s.tokenizer, res), [p.ground_truth for p in prompts],
+                            data_sources=[p.data_source for p in prompts], extra_infos=[p.extra_info for p in prompts])
+        # verl's name is val-core/<ds>/reward/mean@1; MLflow refuses '@' in metric names.
+        return group_means(out.scores, [p.data_source for p in prompts], "val-core", "reward/mean_at_1")
+
+    def save(self) -> None:
+        root = self.cfg.trainer.checkpoint_dir
+        d = step_dir(root, self.global_step)
+        self.s.workers.execute_all("save", str(d / "actor"))
+        write_trainer_state(root, self.global_step, {"sampler": self.sampler.state_dict(),
+                                                     "kl_ctrl": self.kl_ctrl.state_dict(),
+                                                     "weight_version": self.weight_version})
+
+    def maybe_resume(self) -> None:
+        d = find_resume_dir(self.cfg.trainer.checkpoint_dir, self.cfg.trainer.resume_mode)
+        if d is None:
+            return
+        st = read_trainer_state(d)
+        self.s.workers.execute_all("load", str(d / "actor"))
+        self.sampler.load_state_dict(st["sampler"])
+        self.kl_ctrl.load_state_dict(st["kl_ctrl"])
+        self.global_step = int(st["global_step"])
+        # The engines restarted from model.path: push the resumed weights as the saved version.
+        self.weight_version = int(st.get("weight_version", self.global_step))
+        self.s.workers.execute_all("sync_weights", self.weight_version)
+        log.info("resumed from %s at step %d", d, self.global_step)
+
+    def total_steps(self) -> int:
+        t = self.cfg.trainer
+        return t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
+
+    def fit(self) -> None:
+        t = self.cfg.trainer
+        self.maybe_resume()
+        total = self.total_steps()
+        if t.val_before_train and t.test_freq > 0:
+            self.s.tracking.log(self.validate(), self.global_step)
+        bar = tqdm(total=total, initial=self.global_step, desc="mrl train", disable=not os.isatty(2))
+        while self.global_step < total:
+            m = self.step()
+            last = self.global_step == total
+            if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
+                with timer("testing", m):
+                    m |= self.validate()
+            if t.save_freq > 0 and t.checkpoint_dir and (self.global_step % t.save_freq == 0 or last):
+                with timer("save_checkpoint", m):
+                    self.save()
+            self.s.tracking.log(m, self.global_step)
+            bar.update(1)
+        bar.close()
+
+
+def checkpoint_root(cfg: MRLConfig) -> Path | None:
+    d = cfg.trainer.checkpoint_dir
+    return Path(d) if d else None
