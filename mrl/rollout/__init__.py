@@ -27,7 +27,7 @@ _EXPORTS = {
     "WeightSyncReport": "mrl.rollout.weight_sync",
     "disk_resync": "mrl.rollout.weight_sync",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):

@@ -30,6 +30,7 @@ from mrl.workers.minibatch import (
     split_fixed,
 )
 from mrl.workers.optim import build_lr_scheduler, build_optimizer, current_lr
+from mrl.workers.trainable import TrainableState
 
 _METRIC_KEYS = ["loss", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss"]
 
@@ -46,7 +47,7 @@ def micro_batch_parts(data: TrainBatch, *, micro_batch_size: int | None, use_dyn
     return split_fixed(data.batch_size, micro_batch_size)
 
 
-class ActorWorker:
+class ActorWorker(TrainableState):
     """The policy on this rank.
 
     Args:
@@ -181,31 +182,6 @@ class ActorWorker:
 
         export_hf(self.engine, out_dir)
 
-    def save(self, ckpt_dir: str | os.PathLike) -> None:
-        """Model + optimizer + LR scheduler via ``dist_checkpointing`` (layout independent)."""
-        from mrl.megatron.checkpoint import save_checkpoint
-
-        save_checkpoint(ckpt_dir, self.engine.chunks, self.optimizer, self.scheduler,
-                        extra={"global_step": self.global_step}, hf_config=self.engine.hf_config)
-
-    def load(self, ckpt_dir: str | os.PathLike, *, load_optimizer: bool = True) -> None:
-        from mrl.megatron.checkpoint import load_checkpoint
-
-        extra = load_checkpoint(ckpt_dir, self.engine.chunks, self.optimizer, self.scheduler,
-                                load_optimizer=load_optimizer)
-        self.global_step = int((extra or {}).get("global_step", self.global_step))
-
-    def offload(self, *, force: bool = False) -> None:
-        """Parameters, grads and optimizer state to CPU (no-op on CPU unless ``force``)."""
-        from mrl.workers.offload import offload_state
-
-        self._offloaded = offload_state(self.engine, self.optimizer, force=force)
-
-    def onload(self) -> None:
-        from mrl.workers.offload import onload_state
-
-        onload_state(getattr(self, "_offloaded", None))
-        self._offloaded = None
 
     def compute_response_embedding(self, batch: TrainBatch) -> torch.Tensor:
         """[B, H] mean of the last layer's (final-norm) hidden states over each answer's tokens."""

@@ -28,9 +28,10 @@ from mrl.workers.loss import (
 )
 from mrl.workers.minibatch import make_minibatch_iterator, restore_order
 from mrl.workers.optim import build_lr_scheduler, build_optimizer, current_lr
+from mrl.workers.trainable import TrainableState
 
 
-class CriticWorker:
+class CriticWorker(TrainableState):
     """The critic on this rank.
 
     Args:
@@ -119,26 +120,3 @@ class CriticWorker:
         out["critic/lr"] = current_lr(self.optimizer)
         return out
 
-    def save(self, ckpt_dir: str | os.PathLike) -> None:
-        from mrl.megatron.checkpoint import save_checkpoint
-
-        save_checkpoint(ckpt_dir, self.engine.chunks, self.optimizer, self.scheduler,
-                        extra={"global_step": self.global_step}, hf_config=self.engine.hf_config)
-
-    def load(self, ckpt_dir: str | os.PathLike, *, load_optimizer: bool = True) -> None:
-        from mrl.megatron.checkpoint import load_checkpoint
-
-        extra = load_checkpoint(ckpt_dir, self.engine.chunks, self.optimizer, self.scheduler,
-                                load_optimizer=load_optimizer)
-        self.global_step = int((extra or {}).get("global_step", self.global_step))
-
-    def offload(self, *, force: bool = False) -> None:
-        from mrl.workers.offload import offload_state
-
-        self._offloaded = offload_state(self.engine, self.optimizer, force=force)
-
-    def onload(self) -> None:
-        from mrl.workers.offload import onload_state
-
-        onload_state(getattr(self, "_offloaded", None))
-        self._offloaded = None

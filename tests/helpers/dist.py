@@ -21,7 +21,8 @@ import os
 import pickle
 import socket
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def free_port() -> int:
@@ -64,8 +65,8 @@ def _entry(fn, rank, world_size, port, args, init_pg, pg_timeout_s, queue):
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:
-            pass
+        except Exception as e:  # noqa: BLE001 - best-effort teardown; the result is already sent
+            print(f"rank {rank}: destroy_process_group failed: {e}", flush=True)
 
 
 def run_ranks(
@@ -101,7 +102,7 @@ def run_ranks(
                 )
             try:
                 rank, status, payload = queue.get(timeout=min(remaining, 1.0))
-            except Exception:
+            except Exception:  # noqa: BLE001 - queue.Empty or a broken pipe from a dead rank
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead and queue.empty():
                     # A rank died without reporting (segfault, OOM kill).

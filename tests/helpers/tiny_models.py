@@ -7,7 +7,6 @@ and scaled so that logits are O(1) (useful for parity tests in fp32).
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -17,20 +16,20 @@ from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
 
 VOCAB = 300  # not a multiple of 128 nor of 8 (=4*TP2): exercises vocab padding
 
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
 
 
 def hf_config(family: str, **overrides):

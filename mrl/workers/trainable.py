@@ -1,0 +1,36 @@
+"""Checkpoint and offload hooks shared by the workers that own an optimizer (actor, critic)."""
+from __future__ import annotations
+
+import os
+
+
+class TrainableState:
+    """Mixin: needs ``self.engine`` (MegatronEngine), ``self.optimizer``, ``self.scheduler`` and
+    ``self.global_step``. Saving goes through ``dist_checkpointing`` so a checkpoint written at
+    one TP/PP layout loads at another (mrl/megatron/checkpoint.py)."""
+
+    def save(self, ckpt_dir: str | os.PathLike) -> None:
+        """Model + optimizer + LR scheduler (layout independent)."""
+        from mrl.megatron.checkpoint import save_checkpoint
+
+        save_checkpoint(ckpt_dir, self.engine.chunks, self.optimizer, self.scheduler,
+                        extra={"global_step": self.global_step}, hf_config=self.engine.hf_config)
+
+    def load(self, ckpt_dir: str | os.PathLike, *, load_optimizer: bool = True) -> None:
+        from mrl.megatron.checkpoint import load_checkpoint
+
+        extra = load_checkpoint(ckpt_dir, self.engine.chunks, self.optimizer, self.scheduler,
+                                load_optimizer=load_optimizer)
+        self.global_step = int((extra or {}).get("global_step", self.global_step))
+
+    def offload(self, *, force: bool = False) -> None:
+        """Parameters, grads and optimizer state to CPU (no-op on CPU unless ``force``)."""
+        from mrl.workers.offload import offload_state
+
+        self._offloaded = offload_state(self.engine, self.optimizer, force=force)
+
+    def onload(self) -> None:
+        from mrl.workers.offload import onload_state
+
+        onload_state(getattr(self, "_offloaded", None))
+        self._offloaded = None
