@@ -1,7 +1,7 @@
 """Entry point of a training run: validated config -> RL driver.
 
-The RL driver (``mrl.driver``: Ray workers, rollout, update loop) is a later issue and is not
-part of this build; :func:`run` says so plainly instead of pretending to train.
+The RL driver is ``mrl.driver.run`` (Ray workers, rollout, update loop; docs/driver.md). If an
+install lacks it, :func:`run` says so plainly (DriverNotBuiltError) instead of pretending to train.
 """
 from __future__ import annotations
 

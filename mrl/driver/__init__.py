@@ -6,18 +6,15 @@ from mrl.config import MRLConfig
 
 def run(cfg: MRLConfig) -> None:
     """Train ``cfg`` end to end (see docs/driver.md); everything started is stopped on exit."""
-    from mrl.data.sampler import ResumableSampler  # noqa: F401 - fail early on a broken install
     from mrl.driver.build import build
     from mrl.driver.trainer import RLTrainer
 
-    steps = _total_steps(cfg)
+    # LR-schedule length in optimizer steps: steps x mini-batches per step x ppo_epochs
+    # (None = constant schedule when the run length is given in epochs).
+    steps = cfg.trainer.total_training_steps
     mini = max(1, cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size) * cfg.actor.ppo_epochs
     with build(cfg, total_optimizer_steps=steps * mini if steps else None) as services:
         RLTrainer(cfg, services).fit()
-
-
-def _total_steps(cfg: MRLConfig) -> int | None:
-    return cfg.trainer.total_training_steps
 
 
 __all__ = ["run"]

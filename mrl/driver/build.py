@@ -4,6 +4,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,10 +36,21 @@ def check_supported(cfg: MRLConfig) -> None:
         problems.append("algorithm.adv_estimator=remax (needs a greedy baseline rollout): choose grpo|rloo|reinforce_plus_plus")
     if problems:
         raise NotImplementedError("the RL driver does not support yet:\n  - " + "\n  - ".join(problems))
-    for key, path in (("model.path", cfg.model.path), *((f"data.train_files", f) for f in cfg.data.train_files)):
+    for key, path in (("model.path", cfg.model.path), *(("data.train_files", f) for f in cfg.data.train_files)):
         if not Path(path).exists():
             raise FileNotFoundError(f"{key}={path!r} does not exist; for the quickstart run "
                                     "`python -m mrl.quickstart --out outputs/quickstart` first (make train does)")
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    sys.exit(128 + signum)
+
+
+def _trap_sigterm() -> None:
+    """Engines run in their own sessions: SIGTERM must unwind through build()'s cleanup (engines
+    stopped, Ray shut down) instead of killing the driver and leaving the servers behind."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
 @dataclass
@@ -68,9 +82,18 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
     from mrl.data.tokenize import pad_token_id_of
     from mrl.observability.tracking import Tracking
     from mrl.rewards import RewardManager
-    from mrl.rollout import EngineEndpoint, EnginePool, EngineProcess, RolloutClient, build_embedded_command, make_router
+    from mrl.rollout import (
+        EngineEndpoint,
+        EnginePool,
+        EngineProcess,
+        RolloutClient,
+        build_embedded_command,
+        disk_resync,
+        make_router,
+    )
 
     check_supported(cfg)
+    _trap_sigterm()
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     log_dir = Path(cfg.trainer.checkpoint_dir or "outputs") / "logs"
     s = Services(tok, pad_token_id_of(tok), PromptDataset.from_config(cfg.data, tok, "train"),
@@ -89,14 +112,21 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
             s.engines.append(e)
         world = cfg.cluster.world_size
         init_ray(cfg.cluster.address, cfg.cluster.cpus_per_node or max(os.cpu_count() or 1, world))
+        _trap_sigterm()  # again: ray.init installed its own handler, which aborts
         device = cfg.cluster.device if cfg.cluster.device != "auto" else "cpu"
         s.workers = WorkerGroup("mrl.driver.rank.TrainRank", {"cfg": cfg, "total_optimizer_steps": total_optimizer_steps},
                                 world_size=world, device=device,
-                                extra_env={"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-                                    p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)})
+                                extra_env={"OMP_NUM_THREADS": "1"})
         for e in s.engines:
             e.wait_healthy()
-        s.pool = EnginePool([EngineEndpoint(e.url) for e in s.engines], health_interval_s=r.health_interval_s)
+        # A dead engine is restarted by the pool; it is brought back to the current weights from
+        # disk when a snapshot exists (rollout.weight_sync.snapshot_dir, or the disk transport's dir),
+        # else it stays out of service with the reason logged.
+        s.pool = EnginePool([EngineEndpoint(e.url, restart=e.restart) for e in s.engines],
+                            health_interval_s=r.health_interval_s)
+        snap = r.weight_sync.snapshot_dir or (r.weight_sync.disk_dir if r.weight_sync.transport == "disk" else None)
+        if snap:
+            s.pool.resync = disk_resync(snap)
         s.client = RolloutClient(make_router(s.pool, r.router, max_retries=r.max_retries,
                                              request_timeout_s=r.request_timeout_s))
         s.workers.execute_all("init_weight_sync", [e.url for e in s.engines])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,14 +14,21 @@ from tqdm import tqdm
 
 from mrl.algorithms import apply_kl_penalty, get_adv_estimator, get_kl_controller
 from mrl.config import MRLConfig
-from mrl.data.dataset import PromptDataset
 from mrl.data.sampler import ResumableSampler
-from mrl.driver.batch import assemble_train_batch, decode_responses, group_means, repeat_prompts
-from mrl.driver.state import find_resume_dir, read_trainer_state, step_dir, write_trainer_state
+from mrl.driver.batch import (
+    assemble_train_batch,
+    decode_responses,
+    group_means,
+    repeat_prompts,
+)
+from mrl.driver.state import (
+    find_resume_dir,
+    read_trainer_state,
+    step_dir,
+    write_trainer_state,
+)
 from mrl.observability.data_metrics import compute_data_metrics
 from mrl.observability.timer import timer
-from mrl.observability.tracking import Tracking
-from mrl.rewards import RewardManager
 from mrl.rollout.types import RolloutRequest
 from mrl.workers.batch import TrainBatch
 
@@ -35,6 +41,7 @@ class StepData:
 
     batch: TrainBatch
     prompts: list[Any]              # B Prompt records (repeated n times, interleaved)
+    texts: list[str]                # B decoded responses (for the scorer)
     token_level_scores: torch.Tensor  # [B, R]
     token_level_rewards: torch.Tensor | None = None  # [B, R]
     entropys: torch.Tensor | None = None  # [B, R]
@@ -95,19 +102,20 @@ class RLTrainer:
         if res.failed:
             raise RuntimeError(f"{len(res.failed)} of {len(res.samples)} rollout samples failed, first: "
                                f"{res.failed[0].error}; see the engine logs under {self.s.log_dir}")
-        if res.weight_versions - {str(self.weight_version), "default"}:
-            raise RuntimeError(f"engines answered with weight versions {res.weight_versions}, "
-                               f"expected {self.weight_version}: the weight sync did not reach every engine")
+        expected = {str(self.weight_version)} | ({"default"} if self.weight_version == 0 else set())
+        if res.weight_versions - expected:
+            raise RuntimeError(f"engines answered with weight versions {res.weight_versions}, expected "
+                               f"{self.weight_version}: the weight sync did not reach every engine (or one restarted "
+                               "without a re-sync; set rollout.weight_sync.snapshot_dir to re-sync restarted engines)")
         # What the engines themselves reported ("default" = the start weights, version 0).
         self.engine_weight_version = max(0 if v in (None, "default") else int(v) for v in res.weight_versions)
         batch = assemble_train_batch(pb, res, pad_token_id=self.s.pad_token_id, uids=idx)
-        d = StepData(batch, repeat_prompts(pb.prompts, r.n), torch.zeros(batch.response_mask.shape))
-        d.texts = decode_responses(self.s.tokenizer, res)  # type: ignore[attr-defined]
-        return d
+        return StepData(batch, repeat_prompts(pb.prompts, r.n), decode_responses(self.s.tokenizer, res),
+                        torch.zeros(batch.response_mask.shape))
 
     def reward(self, d: StepData, m: dict[str, float]) -> None:
         """Scores on the last response token (seed 002 stage 5): token_level_scores [B, R]."""
-        out = self.s.reward(d.texts, [p.ground_truth for p in d.prompts], d.batch.response_mask,  # type: ignore[attr-defined]
+        out = self.s.reward(d.texts, [p.ground_truth for p in d.prompts], d.batch.response_mask,
                             data_sources=[p.data_source for p in d.prompts],
                             extra_infos=[p.extra_info for p in d.prompts])
         d.token_level_scores = out.token_level_scores
@@ -141,6 +149,7 @@ class RLTrainer:
         """Push the updated actor into every engine as version ``global_step + 1``."""
         self.weight_version = self.global_step + 1
         self.s.workers.execute_all("sync_weights", self.weight_version)
+        self.s.pool.weight_version = str(self.weight_version)  # what a restarted engine must be re-synced to
 
     # ---- validation, checkpoints, loop -------------------------------------------------------
     def validate(self) -> dict[str, float]:
@@ -177,6 +186,7 @@ class RLTrainer:
         # The engines restarted from model.path: push the resumed weights as the saved version.
         self.weight_version = int(st.get("weight_version", self.global_step))
         self.s.workers.execute_all("sync_weights", self.weight_version)
+        self.s.pool.weight_version = str(self.weight_version)
         log.info("resumed from %s at step %d", d, self.global_step)
 
     def total_steps(self) -> int:
@@ -203,7 +213,3 @@ class RLTrainer:
             bar.update(1)
         bar.close()
 
-
-def checkpoint_root(cfg: MRLConfig) -> Path | None:
-    d = cfg.trainer.checkpoint_dir
-    return Path(d) if d else None

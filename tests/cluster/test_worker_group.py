@@ -9,7 +9,7 @@ import pytest
 pytestmark = pytest.mark.slow
 pytest.importorskip("ray")
 
-from mrl.cluster import WorkerGroup, WorkerGroupError, init_ray  # noqa: E402
+from mrl.cluster import WorkerGroup, WorkerGroupError, init_ray
 
 
 class EnvProbe:

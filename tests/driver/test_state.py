@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from mrl.driver.state import find_resume_dir, read_trainer_state, step_dir, write_trainer_state
+from mrl.driver.state import (
+    find_resume_dir,
+    read_trainer_state,
+    step_dir,
+    write_trainer_state,
+)
 
 
 def test_auto_finds_latest_and_roundtrips(tmp_path) -> None:

@@ -1,0 +1,34 @@
+"""The driver refuses, by key, what it cannot run yet, and names the quickstart fix for missing assets."""
+from __future__ import annotations
+
+import pytest
+
+from mrl.config import load_config
+from mrl.driver.build import check_supported
+
+
+def _cfg(tmp_path, *overrides: str):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "t.jsonl").write_text("")
+    return load_config("mrl_configs/quickstart.yaml", [f"model.path={tmp_path}/m", f"data.train_files=[{tmp_path}/t.jsonl]",
+                                                       *overrides])
+
+
+def test_quickstart_is_supported(tmp_path) -> None:
+    check_supported(_cfg(tmp_path))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("critic.enable=true critic.ppo_micro_batch_size_per_gpu=4", "critic"),
+    ("rollout.weight_sync.transport=distributed", "rollout.weight_sync.transport=distributed"),
+    ("algorithm.adv_estimator=remax", "remax"),
+])
+def test_unsupported_keys_are_named(tmp_path, override: str, key: str) -> None:
+    with pytest.raises(NotImplementedError, match=key):
+        check_supported(_cfg(tmp_path, *override.split()))
+
+
+def test_missing_model_names_the_quickstart_fix(tmp_path) -> None:
+    cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tmp_path}/nope"])
+    with pytest.raises(FileNotFoundError, match="model.path=.*mrl.quickstart"):
+        check_supported(cfg)
