@@ -1,7 +1,7 @@
 """``mrl`` command line: ``plan``, ``train`` and ``engine``.
 
-Exit codes: 0 ok, 2 config errors (each printed with the key and the fix), 3 training
-unavailable in this build. Only ``mrl.config`` (pydantic + PyYAML) is imported before a config is
+Exit codes: 0 ok, 2 config errors (each printed with the key and the fix), 3 a valid config that
+this build's driver cannot run yet or whose files are missing (printed with the keys). Only ``mrl.config`` (pydantic + PyYAML) is imported before a config is
 valid, so ``mrl plan`` answers in well under 3 s; heavy stacks load lazily in ``train``/``engine``.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 
 EXIT_CONFIG = 2
-EXIT_NOT_BUILT = 3
+EXIT_UNSUPPORTED = 3
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,13 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     print(text, flush=True)
     if args.cmd == "plan" or dry_run:
         return 0
-    from mrl.train import DriverNotBuiltError, run
+    from mrl.train import UnsupportedConfigError, run
 
     try:
         run(cfg)
-    except DriverNotBuiltError as e:
-        print(f"\n{e}", file=sys.stderr)
-        return EXIT_NOT_BUILT
+    except UnsupportedConfigError as e:
+        print(f"\nmrl train: {e}", file=sys.stderr)
+        return EXIT_UNSUPPORTED
     return 0
 
 

@@ -1,14 +1,13 @@
 """`mrl` CLI: exit codes (0 valid, 2 config errors, 3 training not in this build), dry-run, engine dispatch."""
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from mrl.cli import EXIT_CONFIG, EXIT_NOT_BUILT, main
+from mrl.cli import EXIT_CONFIG, EXIT_UNSUPPORTED, main
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = str(REPO / "mrl_configs" / "quickstart.yaml")
@@ -43,12 +42,14 @@ def test_train_dry_run_stops_after_plan(argv: list[str], capsys: pytest.CaptureF
     assert "plan:" in capsys.readouterr().out
 
 
-def test_train_without_driver_exits_3_honestly(capsys: pytest.CaptureFixture[str]) -> None:
-    if getattr(importlib.import_module("mrl.driver"), "run", None) is not None:
-        pytest.skip("mrl.driver.run exists: training is covered by the driver's own tests")
-    assert main(["train", QUICK]) == EXIT_NOT_BUILT == 3
+def test_train_refuses_what_the_driver_cannot_run_before_starting_anything(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A valid config that this build's driver does not run: exit 3 naming the key, before Ray or
+    # any engine starts (the model path does not even exist, and nothing tries to load it).
+    argv = ["train", QUICK, "algorithm.ref_reward_blend.enable=true", "model.path=/nonexistent/model"]
+    assert main(argv) == EXIT_UNSUPPORTED == 3
     err = capsys.readouterr().err
-    assert "not part of this build" in err and "no training was started" in err and "mrl plan" in err
+    assert "algorithm.ref_reward_blend.enable" in err and "does not support yet" in err
 
 
 def test_engine_dispatches_to_rollout_server(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mrl.config import MRLConfig
+from mrl.train import UnsupportedConfigError
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,10 @@ def check_supported(cfg: MRLConfig) -> None:
     if cfg.algorithm.adv_estimator == "remax":
         problems.append("algorithm.adv_estimator=remax (needs a greedy baseline rollout): choose grpo|rloo|reinforce_plus_plus")
     if problems:
-        raise NotImplementedError("the RL driver does not support yet:\n  - " + "\n  - ".join(problems))
+        raise UnsupportedConfigError("the RL driver does not support yet:\n  - " + "\n  - ".join(problems))
     for key, path in (("model.path", cfg.model.path), *(("data.train_files", f) for f in cfg.data.train_files)):
         if not Path(path).exists():
-            raise FileNotFoundError(f"{key}={path!r} does not exist; for the quickstart run "
+            raise UnsupportedConfigError(f"{key}={path!r} does not exist; for the quickstart run "
                                     "`python -m mrl.quickstart --out outputs/quickstart` first (make train does)")
 
 

@@ -163,8 +163,8 @@ class RLTrainer:
             timeout_s=self.cfg.rollout.request_timeout_s))
         out = self.s.reward(decode_responses(self.s.tokenizer, res), [p.ground_truth for p in prompts],
                             data_sources=[p.data_source for p in prompts], extra_infos=[p.extra_info for p in prompts])
-        # verl's name is val-core/<ds>/reward/mean@1; MLflow refuses '@' in metric names.
-        return group_means(out.scores, [p.data_source for p in prompts], "val-core", "reward/mean_at_1")
+        # verl's name; the MLflow sink writes '@' as '_at_' (MLflow refuses '@' in metric names).
+        return group_means(out.scores, [p.data_source for p in prompts], "val-core", "reward/mean@1")
 
     def save(self) -> None:
         root = self.cfg.trainer.checkpoint_dir

@@ -90,7 +90,8 @@ class MlflowSink:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, v, now, step) for k, v in sorted(metrics.items()) if math.isfinite(v)]
+        # MLflow refuses '@' in metric names; verl's MLflow logger writes it as '_at_' too.
+        batch = [Metric(k.replace("@", "_at_"), v, now, step) for k, v in sorted(metrics.items()) if math.isfinite(v)]
         for i in range(0, len(batch), 1000):  # MLflow's metrics-per-batch limit
             self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
 

@@ -64,5 +64,5 @@ def test_sample_count_and_order_are_checked() -> None:
 
 def test_repeat_prompts_and_group_means() -> None:
     assert repeat_prompts(["a", "b"], 2) == ["a", "a", "b", "b"]
-    m = group_means(torch.tensor([1.0, 0.0, 1.0]), ["x", "x", None], "val-core", "reward/mean_at_1")
-    assert m == {"val-core/x/reward/mean_at_1": 0.5, "val-core/unknown/reward/mean_at_1": 1.0}
+    m = group_means(torch.tensor([1.0, 0.0, 1.0]), ["x", "x", None], "val-core", "reward/mean@1")
+    assert m == {"val-core/x/reward/mean@1": 0.5, "val-core/unknown/reward/mean@1": 1.0}

@@ -5,6 +5,7 @@ import pytest
 
 from mrl.config import load_config
 from mrl.driver.build import check_supported
+from mrl.train import UnsupportedConfigError
 
 
 def _cfg(tmp_path, *overrides: str):
@@ -24,11 +25,11 @@ def test_quickstart_is_supported(tmp_path) -> None:
     ("algorithm.adv_estimator=remax", "remax"),
 ])
 def test_unsupported_keys_are_named(tmp_path, override: str, key: str) -> None:
-    with pytest.raises(NotImplementedError, match=key):
+    with pytest.raises(UnsupportedConfigError, match=key):
         check_supported(_cfg(tmp_path, *override.split()))
 
 
 def test_missing_model_names_the_quickstart_fix(tmp_path) -> None:
     cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tmp_path}/nope"])
-    with pytest.raises(FileNotFoundError, match="model.path=.*mrl.quickstart"):
+    with pytest.raises(UnsupportedConfigError, match="model.path=.*mrl.quickstart"):
         check_supported(cfg)

@@ -26,7 +26,8 @@ def test_mlflow_sqlite_run_read_back(tmp_path, monkeypatch):
                                     "actor": {"optim": {"lr": 3e-6}}})
     t = Tracking.from_config(cfg)
     for step in (1, 2):
-        t.log({"critic/score/mean": 0.25 * step, "timing_s/gen": float(step), "bad": float("nan")}, step=step)
+        t.log({"critic/score/mean": 0.25 * step, "timing_s/gen": float(step), "bad": float("nan"),
+               "val-core/arith/reward/mean@1": 0.5}, step=step)
     t.finish()
 
     from mlflow.tracking import MlflowClient
@@ -42,6 +43,7 @@ def test_mlflow_sqlite_run_read_back(tmp_path, monkeypatch):
     hist = client.get_metric_history(run.info.run_id, "critic/score/mean")
     assert [(h.step, h.value) for h in hist] == [(1, 0.25), (2, 0.5)]
     assert "bad" not in run.data.metrics and run.data.metrics["timing_s/gen"] == 2.0
+    assert run.data.metrics["val-core/arith/reward/mean_at_1"] == 0.5  # verl's '@' name, sanitised
     # A second run of the same project lands in the same experiment.
     Tracking("proj", "run2", ["mlflow"], mlflow_tracking_uri=uri).finish("FAILED")
     assert sorted(r.info.run_name for r in client.search_runs([exp.experiment_id])) == ["run1", "run2"]
