@@ -107,6 +107,15 @@ def _tis_weight(old_log_prob, rollout_log_probs, cap) -> torch.Tensor | None:
         return torch.exp(torch.clamp(old_log_prob - rollout_log_probs, -20.0, 20.0)).clamp(max=cap)
 
 
+def _weighted_agg(pg_losses, old_log_prob, rollout_log_probs, cap, response_mask, loss_agg_mode,
+                  global_tokens, global_seqs) -> torch.Tensor:
+    """``agg_loss`` of the per-token losses, each first weighted by its truncated IS ratio when on."""
+    w = _tis_weight(old_log_prob, rollout_log_probs, cap)
+    if w is not None:
+        pg_losses = pg_losses * w
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+
+
 def _check_clip(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None) -> None:
     if not (0.0 <= clip_ratio_low < 1.0) or clip_ratio_high < 0.0:
         raise ValueError(
@@ -144,10 +153,8 @@ def compute_policy_loss_vanilla(
     else:
         pg_losses = clipped
         lower = torch.zeros_like(log_prob)
-    w = _tis_weight(old_log_prob, rollout_log_probs, tis_imp_ratio_cap)
-    if w is not None:
-        pg_losses = pg_losses * w
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+    pg_loss = _weighted_agg(pg_losses, old_log_prob, rollout_log_probs, tis_imp_ratio_cap, response_mask,
+                            loss_agg_mode, global_tokens, global_seqs)
     return PolicyLossOutput(
         pg_loss=pg_loss,
         pg_clipfrac=_token_mean((losses2 > losses1).to(log_prob.dtype), response_mask, global_tokens),
@@ -179,10 +186,8 @@ def compute_policy_loss_gspo(
     losses1 = -advantages * s
     losses2 = -advantages * torch.clamp(s, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     pg_losses = torch.maximum(losses1, losses2)
-    w = _tis_weight(old_log_prob, rollout_log_probs, tis_imp_ratio_cap)
-    if w is not None:
-        pg_losses = pg_losses * w
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+    pg_loss = _weighted_agg(pg_losses, old_log_prob, rollout_log_probs, tis_imp_ratio_cap, response_mask,
+                            loss_agg_mode, global_tokens, global_seqs)
     return PolicyLossOutput(
         pg_loss=pg_loss,
         pg_clipfrac=_token_mean((losses2 > losses1).to(log_prob.dtype), response_mask, global_tokens),
@@ -205,9 +210,7 @@ def compute_policy_loss_reinforce(
     """
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     pg_losses = -advantages * torch.exp(log_ratio)
-    w = _tis_weight(old_log_prob, rollout_log_probs, tis_imp_ratio_cap)
-    if w is not None:
-        pg_losses = pg_losses * w
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+    pg_loss = _weighted_agg(pg_losses, old_log_prob, rollout_log_probs, tis_imp_ratio_cap, response_mask,
+                            loss_agg_mode, global_tokens, global_seqs)
     zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
     return PolicyLossOutput(pg_loss, zero, _token_mean(-log_ratio.detach(), response_mask, global_tokens), zero.clone())

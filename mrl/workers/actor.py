@@ -155,13 +155,7 @@ class ActorWorker(TrainableState):
             local, mini_batch_size=self.mini_batch_size_samples // e.dp_size, epochs=self.cfg.ppo_epochs,
             shuffle=self.cfg.shuffle, seed=self.seed + self.global_step, select_keys=keys,
         ):
-            m = self.forward_backward(mb)
-            ok, grad_norm, _ = self.optimizer.step()
-            if ok:
-                self.scheduler.step(increment=1)
-            m["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-            for k, v in m.items():
-                acc[k] = acc.get(k, 0.0) + v
+            self.optimizer_step(self.forward_backward(mb), acc)
             steps += 1
         self.global_step += 1
         out = {f"actor/{k}": v / steps for k, v in acc.items() if k != "loss"}

@@ -108,12 +108,7 @@ class CriticWorker(TrainableState):
             self.optimizer.zero_grad()
             e.set_train(True)
             m = sum_metrics(e.run(mbs, fn, forward_only=False), ["vf_loss", "vf_clipfrac", "vpred_mean"], e)
-            ok, grad_norm, _ = self.optimizer.step()
-            if ok:
-                self.scheduler.step(increment=1)
-            m["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-            for k, v in m.items():
-                acc[k] = acc.get(k, 0.0) + v
+            self.optimizer_step(m, acc)
             steps += 1
         self.global_step += 1
         out = {f"critic/{k}": v / steps for k, v in acc.items()}

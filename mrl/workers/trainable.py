@@ -9,6 +9,15 @@ class TrainableState:
     ``self.global_step``. Saving goes through ``dist_checkpointing`` so a checkpoint written at
     one TP/PP layout loads at another (mrl/megatron/checkpoint.py)."""
 
+    def optimizer_step(self, metrics: dict[str, float], acc: dict[str, float]) -> None:
+        """One optimizer (+ LR scheduler) step; adds its grad norm to ``metrics``, then ``metrics`` into ``acc``."""
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:  # Megatron skips the step on inf/nan gradients; the schedule must not advance then
+            self.scheduler.step(increment=1)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        for k, v in metrics.items():
+            acc[k] = acc.get(k, 0.0) + v
+
     def save(self, ckpt_dir: str | os.PathLike) -> None:
         """Model + optimizer + LR scheduler (layout independent)."""
         from mrl.megatron.checkpoint import save_checkpoint
