@@ -140,11 +140,14 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
     async def get_server_info():
         return {"max_running_requests": sched.max_running, "device": str(runner.device), "dtype": str(runner.dtype),
                 "num_running": sched.num_running, "num_waiting": sched.num_waiting, "paused": sched.paused,
-                "released": runner.released, "weight_version": sched.weight_version, "stats": dict(sched.stats)}
+                "released": runner.released, "weight_version": sched.weight_version, "stats": dict(sched.stats),
+                "decode_path": runner.decode_path}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=ctl)
     async def flush_cache():
-        # No prefix cache is kept across requests; running sequences keep their own KV.
+        # No prefix cache is kept across requests; running sequences keep their own KV, an idle
+        # engine gives its KV buffers back.
+        await asyncio.to_thread(sched.free_idle_cache)
         return Response("Cache flushed.", status_code=200)
 
     @app.post("/pause_generation", dependencies=ctl)
@@ -241,11 +244,12 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
 
     @app.post("/release_memory_occupation", dependencies=ctl)
     async def release_memory_occupation(body: P.MemoryOccupationReqInput | None = None):
-        def _rel() -> int:
+        def _rel() -> str:
             with sched.model_lock:
-                return 0 if runner.released else runner.release()
+                weights = 0 if runner.released else runner.release()
+                return f"released {weights} bytes of weights and {sched.free_idle_cache()} bytes of KV cache"
 
-        return {"success": True, "message": f"released {await asyncio.to_thread(_rel)} bytes of weights"}
+        return {"success": True, "message": await asyncio.to_thread(_rel)}
 
     @app.post("/resume_memory_occupation", dependencies=ctl)
     async def resume_memory_occupation(body: P.MemoryOccupationReqInput | None = None):

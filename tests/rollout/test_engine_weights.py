@@ -168,8 +168,12 @@ def test_release_and_resume(dirs, greedy_ab):
     a, _ = dirs
     engine = Engine(str(a))
     with TestClient(build_app(engine)) as c:
+        assert _greedy(c) == greedy_ab[0]  # allocates the KV buffers
+        kv_bytes = engine.scheduler._rb.nbytes
+        assert kv_bytes > 0
         r = c.post("/release_memory_occupation", json={}).json()
         assert r["success"] and all(p.numel() == 0 for p in engine.runner.model.parameters())
+        assert f"{kv_bytes} bytes of KV cache" in r["message"] and engine.scheduler._rb.nbytes == 0
         assert c.post("/generate", json={"input_ids": PROMPT}).status_code == 503
         assert c.post("/resume_memory_occupation", json={}).json()["success"]
         assert _greedy(c) == greedy_ab[0]

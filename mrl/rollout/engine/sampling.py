@@ -33,27 +33,38 @@ def sample(logits: torch.Tensor, rows: list[RowSampling], default_gen: torch.Gen
 
     Draws by inverse CDF: one uniform u_b per row (from the row's own generator when seeded) and
     token = first index whose cumulative (unnormalised) probability exceeds u_b * total. With
-    top-k on every sampled row only the top max(k) candidates are sorted (``topk``), not V."""
+    top-k on every sampled row only the top max(k) candidates are sorted (``topk``), not V.
+    Nothing of size [B, V] is written beyond the temperature scaling: the log-probs are
+    ``z_y / T - logsumexp(z / T)`` (per-step cost is a visible share of a CPU decode step)."""
     logits = logits.float()
     B = logits.shape[0]
     dev = logits.device
-    temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=dev)
-    greedy = temps == 0
-    # Greedy rows keep T=1 for the returned log-prob (nothing else is defined for T=0).
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    logprobs_full = torch.log_softmax(scaled, dim=-1)
-    tokens = torch.argmax(logits, dim=-1)
+    temps = [r.temperature for r in rows]
+    greedy_rows = [i for i, t in enumerate(temps) if t == 0]
+    if all(t in (0.0, 1.0) for t in temps):
+        scaled = logits  # greedy rows keep T=1 for the returned log-prob (nothing else is defined for T=0)
+    else:
+        t = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32, device=dev)
+        scaled = logits / t[:, None]
+    lse = torch.logsumexp(scaled, dim=-1)  # [B]
+    tokens = torch.empty(B, dtype=torch.long, device=dev)
+    if greedy_rows:
+        g = torch.tensor(greedy_rows, device=dev)
+        tokens[g] = torch.argmax(logits.index_select(0, g), dim=-1)
 
-    sampled_rows = [i for i in range(B) if not greedy[i]]
+    sampled_rows = [i for i in range(B) if temps[i] != 0]
     if sampled_rows:
-        idx = torch.tensor(sampled_rows, device=dev)
-        lp = logprobs_full.index_select(0, idx)
-        sub = [rows[i] for i in sampled_rows]
-        cand_lp, cand_idx = _candidates(lp, sub)
+        every = len(sampled_rows) == B
+        idx = None if every else torch.tensor(sampled_rows, device=dev)
+        sub = rows if every else [rows[i] for i in sampled_rows]
+        cand_lp, cand_idx = _candidates(scaled if every else scaled.index_select(0, idx),
+                                        lse if every else lse.index_select(0, idx), sub)
         cdf = torch.cumsum(torch.exp(cand_lp), dim=-1)
         u = torch.empty(len(sub), dtype=torch.float32, device=dev)
         unseeded = [j for j, r in enumerate(sub) if r.generator is None]
-        if unseeded:
+        if len(unseeded) == len(sub):
+            u = torch.rand(len(sub), generator=default_gen).to(dev)
+        elif unseeded:
             u[torch.tensor(unseeded, device=dev)] = torch.rand(len(unseeded), generator=default_gen).to(dev)
         for j, r in enumerate(sub):
             if r.generator is not None:
@@ -62,26 +73,33 @@ def sample(logits: torch.Tensor, rows: list[RowSampling], default_gen: torch.Gen
                 u[j] = float(torch.rand(1, generator=r.generator))
         pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[1] - 1)
         drawn = pick.squeeze(1) if cand_idx is None else cand_idx.gather(1, pick).squeeze(1)
-        tokens[idx] = drawn
-    chosen = logprobs_full.gather(1, tokens[:, None]).squeeze(1)
+        if every:
+            tokens = drawn
+        else:
+            tokens[idx] = drawn
+    chosen = scaled.gather(1, tokens[:, None]).squeeze(1) - lse
     return tokens, chosen
 
 
-def _candidates(logprobs: torch.Tensor, rows: list[RowSampling]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of each row's drawable tokens, -inf outside its top-k / top-p set, and their
-    vocabulary ids ([N, K] each; ids None means the columns are the vocabulary itself)."""
-    V = logprobs.shape[1]
+def _candidates(scaled: torch.Tensor, lse: torch.Tensor,
+                rows: list[RowSampling]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (``scaled - lse``) of each row's drawable tokens, -inf outside its top-k / top-p
+    set, and their vocabulary ids ([N, K] each; ids None means the columns are the vocabulary)."""
+    V = scaled.shape[1]
+    dev = scaled.device
     ks = [r.top_k if 0 < r.top_k < V else V for r in rows]
     if max(ks) == V and all(r.top_p >= 1.0 for r in rows):
-        return logprobs, None
+        return scaled - lse[:, None], None
     K = max(ks)
+    # Log-probs are a per-row shift of the scaled logits: select on the logits, shift K columns.
     if K < V:
-        cand_lp, cand_idx = torch.topk(logprobs, K, dim=-1, sorted=True)
+        cand, cand_idx = torch.topk(scaled, K, dim=-1, sorted=True)
     else:
-        cand_lp, cand_idx = torch.sort(logprobs, dim=-1, descending=True)
-    ranks = torch.arange(K, device=logprobs.device)[None, :]
-    drop = ranks >= torch.tensor(ks, device=logprobs.device)[:, None]
-    ps = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=logprobs.device)
+        cand, cand_idx = torch.sort(scaled, dim=-1, descending=True)
+    cand_lp = cand - lse[:, None]
+    ranks = torch.arange(K, device=dev)[None, :]
+    drop = ranks >= torch.tensor(ks, device=dev)[:, None]
+    ps = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=dev)
     probs = torch.exp(cand_lp)
     # Mass strictly before each token (of the full distribution): kept while it is < p, so the
     # token that crosses p is kept.

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from mrl.rollout.engine.model_runner import ModelRunner, RunningBatch
+from mrl.rollout.engine.model_runner import ModelRunner
 from mrl.rollout.engine.sampling import RowSampling, sample
 from mrl.rollout.protocol import SamplingParams
 
@@ -60,7 +60,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[Request] = []
-        self._rb = RunningBatch()
+        self._rb = runner.new_batch()
         self._paused = False
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -139,6 +139,16 @@ class Scheduler:
         with self._cv:
             self._cv.notify_all()
 
+    def free_idle_cache(self) -> int:
+        """Drop the KV buffers when nothing is running (they are reallocated on the next admit);
+        returns the bytes given back (0 while sequences run: they keep their cache)."""
+        with self.model_lock:
+            if self._rows:
+                return 0
+            freed = self._rb.nbytes
+            self._rb = self.runner.new_batch()
+            return freed
+
     @property
     def paused(self) -> bool:
         return self._paused
@@ -175,15 +185,13 @@ class Scheduler:
                     for r in admit + self._rows:
                         if not r.future.done():
                             r.future.set_exception(e)
-                    self._rows, self._rb = [], RunningBatch()
+                    self._rows, self._rb = [], self.runner.new_batch()
 
     def _prefill(self, admit: list[Request]) -> None:
         if self._rows:
             self.stats["admitted_while_running"] += len(admit)
-        rb, logits = self.runner.prefill([r.prompt_ids for r in admit])
-        tokens = self._sample_and_append(admit, logits)
-        rb.last_tokens = tokens
-        self._rb.merge(rb)
+        rows, logits = self.runner.prefill([r.prompt_ids for r in admit])
+        self._rb.add(rows, last_tokens=self._sample_and_append(admit, logits))
         self._rows.extend(admit)
         self.stats["prefill_batches"] += 1
         self.stats["prefilled_requests"] += len(admit)
@@ -230,8 +238,8 @@ class Scheduler:
         if len(keep) == len(self._rows):
             return
         done = [r for r in self._rows if r.finish_reason is not None]
-        self._rb.keep(keep)
-        self._rows = [self._rows[i] for i in keep]
+        order = self._rb.remove([i for i, r in enumerate(self._rows) if r.finish_reason is not None])
+        self._rows = [self._rows[i] for i in order]
         for r in done:
             self.stats["finished"] += 1
             r.future.set_result(r)

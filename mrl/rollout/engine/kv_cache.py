@@ -1,0 +1,183 @@
+"""KV cache of the running set: preallocated per-layer buffers, right-aligned rows.
+
+Layout: layer ``i`` holds ``k[i]``, ``v[i]`` of shape ``[rows_cap, kv_heads, cols_cap, head_dim]``.
+The ``B`` running sequences are rows ``0..B-1``; every row is right-aligned so that all of them
+end at column ``end`` and the next token of every row is written into the same column. That is
+what makes a decode step one batched forward of ``[B, 1]`` tokens whose linear layers see no
+padding. ``bias[b, c]`` is 0 where row ``b`` holds a real token and ``-inf`` where it is padding
+(left of its prompt), the additive attention mask. The live columns are ``start..end-1``:
+``start`` is the first column any live row uses.
+
+Why preallocated and swap-remove (measured on a 2-core CPU at 36 rows, 4 layers, ~150 columns:
+the previous ``DynamicCache`` concatenated every layer's whole cache on every step — 22 % of a
+decode step): appending writes one column in place; a finished row is replaced by the last row
+(one row copied, not the cache); leading all-padding columns are dropped by moving ``start``.
+Buffers are reallocated (live region copied once) only when rows or columns run out, with
+headroom so that this happens every ``COL_HEADROOM`` steps at most.
+
+The buffers are inference tensors: every method that writes them runs under
+``torch.inference_mode`` (so do the decode steps).
+
+Row order changes on removal; :meth:`RunningBatch.remove` returns the new order so the owner
+can permute its per-request state the same way.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+COL_HEADROOM = 64  # free columns added on reallocation (steps between two reallocations)
+
+
+class PrefilledRows(NamedTuple):
+    """Cache of ``n`` prompts prefilled together, right-aligned: ``keys[i]``/``values[i]``
+    ``[n, kv_heads, Lp, D]`` per layer, ``valid`` ``[n, Lp]`` (1 = real token), ``next_pos`` ``[n]``."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    valid: torch.Tensor
+    next_pos: torch.Tensor
+
+
+class RunningBatch:
+    """Cache and per-row state of the running set (``B`` rows in the owner's request order)."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.shape = (num_layers, kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.bias = torch.zeros(0, 0, dtype=dtype, device=device)
+        self.size = 0
+        self.start = self.end = 0
+        self.next_pos = torch.zeros(0, dtype=torch.long, device=device)  # [B] position of the token fed next
+        self.last_tokens = torch.zeros(0, dtype=torch.long, device=device)  # [B] token fed at the next step
+
+    # ---- views ---------------------------------------------------------------------------
+    @property
+    def rows_cap(self) -> int:
+        return int(self.bias.shape[0])
+
+    @property
+    def cols_cap(self) -> int:
+        return int(self.bias.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, self.bias))
+
+    def keys(self, layer: int, end: int | None = None) -> torch.Tensor:
+        """``[B, kv_heads, L, head_dim]`` view of the live columns (``end`` overrides ``self.end``)."""
+        return self.k[layer][: self.size, :, self.start: self.end if end is None else end]
+
+    def values(self, layer: int, end: int | None = None) -> torch.Tensor:
+        return self.v[layer][: self.size, :, self.start: self.end if end is None else end]
+
+    def attn_bias(self, end: int | None = None) -> torch.Tensor:
+        """``[B, L]`` additive mask of the live columns: 0 = real token, -inf = padding."""
+        return self.bias[: self.size, self.start: self.end if end is None else end]
+
+    def valid_mask(self, end: int | None = None) -> torch.Tensor:
+        """``[B, L]`` int64 attention mask (1 = real token) of the live columns."""
+        return (self.attn_bias(end) == 0).long()
+
+    # ---- growth --------------------------------------------------------------------------
+    def _realloc(self, rows: int, width: int) -> None:
+        """New buffers with room for ``rows`` rows and ``width`` live columns (+ headroom); the
+        live region is copied right-aligned so that it ends at column ``width``."""
+        n_layers, kvh, hd = self.shape
+        live = self.end - self.start
+        assert width >= live
+        cols = width + COL_HEADROOM
+        rows = max(rows, 1)
+        new_end = width
+        new_start = new_end - live
+        b = self.size
+        k = [torch.zeros(rows, kvh, cols, hd, dtype=self.dtype, device=self.device) for _ in range(n_layers)]
+        v = [torch.zeros(rows, kvh, cols, hd, dtype=self.dtype, device=self.device) for _ in range(n_layers)]
+        bias = torch.full((rows, cols), float("-inf"), dtype=self.dtype, device=self.device)
+        if b and live:
+            for i in range(n_layers):
+                k[i][:b, :, new_start:new_end] = self.k[i][:b, :, self.start: self.end]
+                v[i][:b, :, new_start:new_end] = self.v[i][:b, :, self.start: self.end]
+            bias[:b, new_start:new_end] = self.bias[:b, self.start: self.end]
+        self.k, self.v, self.bias = k, v, bias
+        self.start, self.end = new_start, new_end
+
+    @torch.inference_mode()
+    def reserve_column(self) -> int:
+        """Column the next decode step writes into (``end``); reallocates when it is full."""
+        if self.end >= self.cols_cap:
+            self._realloc(self.rows_cap, self.end - self.start)
+        return self.end
+
+    def commit_column(self) -> None:
+        """After a decode step wrote column ``end`` of every live row."""
+        self.end += 1
+        self.next_pos = self.next_pos + 1
+
+    # ---- rows ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def add(self, rows: PrefilledRows, last_tokens: torch.Tensor) -> None:
+        """Append the ``n`` prefilled rows, whose next token is ``last_tokens`` ``[n]``. Their last
+        column lands on ``end - 1`` (the running rows' last written column); the live region widens
+        on the left when the prompts are longer than it."""
+        keys, values, valid, next_pos = rows
+        n, lp = valid.shape
+        need_rows = self.size + n
+        if self.size == 0 and need_rows <= self.rows_cap and lp < self.cols_cap:
+            self.start = self.end = lp  # reuse the empty buffers
+        elif self.end < lp or need_rows > self.rows_cap or self.end >= self.cols_cap:
+            # Wider prompt than the live region, or out of rows/columns: copy once into new buffers
+            # (50 % spare rows so that a stream of admissions does not reallocate every time).
+            self._realloc(need_rows + need_rows // 2, max(self.end - self.start, lp))
+        b0, b1 = self.size, self.size + n
+        c0 = self.end - lp
+        self.bias[b0:b1].fill_(float("-inf"))  # slots may hold a finished row's mask
+        self.bias[b0:b1, c0: self.end].masked_fill_(valid.to(self.device).bool(), 0.0)
+        for i in range(len(self.k)):
+            self.k[i][b0:b1, :, c0: self.end] = keys[i]
+            self.v[i][b0:b1, :, c0: self.end] = values[i]
+        self.start = min(self.start if self.size else c0, c0)
+        self.size = b1
+        self.next_pos = torch.cat([self.next_pos, next_pos.to(self.device)])
+        self.last_tokens = torch.cat([self.last_tokens, last_tokens.to(self.device)])
+        self._trim()
+
+    @torch.inference_mode()
+    def remove(self, rows: list[int]) -> list[int]:
+        """Drop ``rows``; each freed slot below the new size takes the current last live row.
+        Returns ``order``: new row ``j`` is old row ``order[j]``."""
+        drop = set(rows)
+        order = list(range(self.size))
+        b = self.size
+        for r in sorted(drop, reverse=True):  # descending: the last row moved in is never a dropped one
+            b -= 1
+            if r != b:
+                order[r] = order[b]
+                self._copy_row(b, r)
+        order = order[:b]
+        idx = torch.tensor(order, dtype=torch.long, device=self.device)
+        self.next_pos = self.next_pos.index_select(0, idx)
+        self.last_tokens = self.last_tokens.index_select(0, idx)
+        self.size = b
+        self._trim()
+        return order
+
+    def _copy_row(self, src: int, dst: int) -> None:
+        s, e = self.start, self.end
+        for i in range(len(self.k)):
+            self.k[i][dst, :, s:e] = self.k[i][src, :, s:e]
+            self.v[i][dst, :, s:e] = self.v[i][src, :, s:e]
+        self.bias[dst] = self.bias[src]
+
+    def _trim(self) -> None:
+        """Move ``start`` past the columns that are padding in every live row."""
+        if self.size == 0:
+            self.start = self.end = 0
+            return
+        real = (self.bias[: self.size, self.start: self.end] == 0).any(dim=0).nonzero()
+        self.start += int(real[0]) if real.numel() else self.end - self.start
