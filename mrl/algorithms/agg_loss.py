@@ -58,9 +58,12 @@ def agg_loss(
     * ``seq-mean-token-mean``:     ``sum_i (sum_t l m / n_i) / S``          (original GRPO)
     * ``seq-mean-token-sum-norm``: ``sum_i (sum_t l m) / (S * C)``          (Dr.GRPO)
 
-    ``C`` (``norm_constant``) is Dr.GRPO's fixed normaliser, the maximum response length; it
-    defaults to ``T = loss_mask.shape[-1]``. Pass the configured ``max_response_length`` when
-    micro-batches are padded to different lengths, or invariance across micro-batches breaks.
+    ``C`` (``norm_constant``) is Dr.GRPO's fixed normaliser, the generation budget (maximum
+    response length); it must not depend on the data. Without it ``C`` falls back to
+    ``T = loss_mask.shape[-1]``, the padded width, which changes with padding (the longest response
+    of the step) and with micro-batching, so the loss is then neither Dr.GRPO's nor invariant to
+    the micro-batch split. The trainer always passes ``rollout.max_response_length``
+    (:class:`mrl.workers.loss.ActorLossSpec`); the default is for one-off library use only.
     Choice documented against the sources: seed 004 shows ``sum / mask.sum()`` for this mode, which
     is just ``token-mean``; verl's code divides by ``T`` only (its 1/B lives in the
     gradient-accumulation scale); we follow the Dr.GRPO paper (arXiv 2503.20783): the mean over

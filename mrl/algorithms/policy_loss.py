@@ -5,11 +5,13 @@ them::
 
     fn(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode, clip_ratio_low,
        clip_ratio_high, clip_ratio_c, rollout_log_probs=None, tis_imp_ratio_cap=None,
-       global_tokens=None, global_seqs=None) -> PolicyLossOutput
+       global_tokens=None, global_seqs=None, norm_constant=None) -> PolicyLossOutput
 
 All tensors are ``[B, T]`` over response tokens. ``pg_loss`` is aggregated by :func:`agg_loss`
-(pass the mini-batch's global denominators and *sum* micro-batch losses). The metrics are
-token-means of indicators / log-ratios over valid tokens: with ``global_tokens`` they are
+(pass the mini-batch's global denominators and *sum* micro-batch losses). ``norm_constant`` is
+Dr.GRPO's ``C`` of ``seq-mean-token-sum-norm`` (unused by the other modes): the trainer passes
+``rollout.max_response_length`` so the loss does not depend on the padded width ``T``.
+The metrics are token-means of indicators / log-ratios over valid tokens: with ``global_tokens`` they are
 ``sum / global_tokens`` so that summing them over micro-batches and DP ranks gives the mini-batch
 token-mean, exactly like the loss; without it they are the local token-mean, to be weighted by the
 micro-batch's token count when the caller combines micro-batches.
@@ -64,6 +66,7 @@ class PolicyLossFn(Protocol):
         tis_imp_ratio_cap: float | None = None,
         global_tokens: float | torch.Tensor | None = None,
         global_seqs: float | torch.Tensor | None = None,
+        norm_constant: float | None = None,
     ) -> PolicyLossOutput: ...
 
 
@@ -108,12 +111,13 @@ def _tis_weight(old_log_prob, rollout_log_probs, cap) -> torch.Tensor | None:
 
 
 def _weighted_agg(pg_losses, old_log_prob, rollout_log_probs, cap, response_mask, loss_agg_mode,
-                  global_tokens, global_seqs) -> torch.Tensor:
+                  global_tokens, global_seqs, norm_constant) -> torch.Tensor:
     """``agg_loss`` of the per-token losses, each first weighted by its truncated IS ratio when on."""
     w = _tis_weight(old_log_prob, rollout_log_probs, cap)
     if w is not None:
         pg_losses = pg_losses * w
-    return agg_loss(pg_losses, response_mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
+                    norm_constant=norm_constant)
 
 
 def _check_clip(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float | None) -> None:
@@ -130,6 +134,7 @@ def _check_clip(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: flo
 def compute_policy_loss_vanilla(
     old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode, clip_ratio_low, clip_ratio_high,
     clip_ratio_c, rollout_log_probs=None, tis_imp_ratio_cap=None, global_tokens=None, global_seqs=None,
+    norm_constant=None,
 ) -> PolicyLossOutput:
     """PPO clip with asymmetric range and dual clip (Schulman et al. 2017; Ye et al. 2019, arXiv 1912.09729).
 
@@ -154,7 +159,7 @@ def compute_policy_loss_vanilla(
         pg_losses = clipped
         lower = torch.zeros_like(log_prob)
     pg_loss = _weighted_agg(pg_losses, old_log_prob, rollout_log_probs, tis_imp_ratio_cap, response_mask,
-                            loss_agg_mode, global_tokens, global_seqs)
+                            loss_agg_mode, global_tokens, global_seqs, norm_constant)
     return PolicyLossOutput(
         pg_loss=pg_loss,
         pg_clipfrac=_token_mean((losses2 > losses1).to(log_prob.dtype), response_mask, global_tokens),
@@ -167,6 +172,7 @@ def compute_policy_loss_vanilla(
 def compute_policy_loss_gspo(
     old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode, clip_ratio_low, clip_ratio_high,
     clip_ratio_c=None, rollout_log_probs=None, tis_imp_ratio_cap=None, global_tokens=None, global_seqs=None,
+    norm_constant=None,
 ) -> PolicyLossOutput:
     """GSPO: sequence-level importance ratio (Zheng et al. 2025, arXiv 2507.18071), as verl computes it.
 
@@ -187,7 +193,7 @@ def compute_policy_loss_gspo(
     losses2 = -advantages * torch.clamp(s, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     pg_losses = torch.maximum(losses1, losses2)
     pg_loss = _weighted_agg(pg_losses, old_log_prob, rollout_log_probs, tis_imp_ratio_cap, response_mask,
-                            loss_agg_mode, global_tokens, global_seqs)
+                            loss_agg_mode, global_tokens, global_seqs, norm_constant)
     return PolicyLossOutput(
         pg_loss=pg_loss,
         pg_clipfrac=_token_mean((losses2 > losses1).to(log_prob.dtype), response_mask, global_tokens),
@@ -200,6 +206,7 @@ def compute_policy_loss_gspo(
 def compute_policy_loss_reinforce(
     old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode, clip_ratio_low=0.0, clip_ratio_high=0.0,
     clip_ratio_c=None, rollout_log_probs=None, tis_imp_ratio_cap=None, global_tokens=None, global_seqs=None,
+    norm_constant=None,
 ) -> PolicyLossOutput:
     """Importance-weighted REINFORCE without ratio clipping (Williams 1992).
 
@@ -211,6 +218,6 @@ def compute_policy_loss_reinforce(
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
     pg_losses = -advantages * torch.exp(log_ratio)
     pg_loss = _weighted_agg(pg_losses, old_log_prob, rollout_log_probs, tis_imp_ratio_cap, response_mask,
-                            loss_agg_mode, global_tokens, global_seqs)
+                            loss_agg_mode, global_tokens, global_seqs, norm_constant)
     zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
     return PolicyLossOutput(pg_loss, zero, _token_mean(-log_ratio.detach(), response_mask, global_tokens), zero.clone())

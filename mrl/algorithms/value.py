@@ -17,6 +17,7 @@ def compute_value_loss(
     *,
     global_tokens: float | torch.Tensor | None = None,
     global_seqs: float | torch.Tensor | None = None,
+    norm_constant: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss, as in verl / TRL's PPO trainer.
 
@@ -25,6 +26,9 @@ def compute_value_loss(
     ``L = 0.5 * agg(max((vpreds - R)^2, (v_clip - R)^2))``.
     Returns ``(vf_loss, vf_clipfrac)``; ``vf_clipfrac`` is the token-mean of
     ``(v_clip - R)^2 > (vpreds - R)^2`` (``sum / global_tokens`` when given, like the loss).
+    ``global_tokens`` / ``global_seqs`` / ``norm_constant`` go to :func:`agg_loss`;
+    ``norm_constant`` is the ``C`` of ``seq-mean-token-sum-norm`` (the critic worker passes
+    ``rollout.max_response_length``) and is unused by the other modes.
     """
     if cliprange_value < 0:
         raise ValueError(f"critic.cliprange_value must be >= 0, got {cliprange_value}")
@@ -32,7 +36,7 @@ def compute_value_loss(
     l1 = (vpreds - returns) ** 2
     l2 = (vclip - returns) ** 2
     vf_loss = 0.5 * agg_loss(torch.maximum(l1, l2), response_mask, loss_agg_mode,
-                             global_tokens=global_tokens, global_seqs=global_seqs)
+                             global_tokens=global_tokens, global_seqs=global_seqs, norm_constant=norm_constant)
     with torch.no_grad():
         m = response_mask.to(l1.dtype)
         denom = m.sum().clamp(min=1) if global_tokens is None else global_tokens

@@ -25,7 +25,8 @@ class TrainRank:
             cfg.actor, model_path=cfg.model.path, device=cfg.cluster.device if cfg.cluster.device != "auto" else
             ("cuda" if torch.cuda.is_available() else "cpu"),
             mini_batch_size_samples=cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
-            temperature=cfg.rollout.temperature, total_optimizer_steps=total_optimizer_steps,
+            temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_response_length,
+            total_optimizer_steps=total_optimizer_steps,
             seed=cfg.trainer.seed,
         )
         # Snapshot of the start weights, before any update (verl's ref = initial policy).

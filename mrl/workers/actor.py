@@ -18,6 +18,7 @@ from mrl.workers.engine import MegatronEngine
 from mrl.workers.loss import (
     ActorLossSpec,
     actor_loss_func,
+    check_norm_constant,
     global_denominators,
     log_prob_func,
     sum_metrics,
@@ -57,6 +58,8 @@ class ActorWorker(TrainableState):
         mini_batch_size_samples: samples per optimizer step, global over DP
             (``ppo_mini_batch_size × rollout.n``).
         temperature: the rollout sampling temperature (log-probs are of ``softmax(z / T)``).
+        max_response_length: ``rollout.max_response_length``, Dr.GRPO's fixed ``C`` of
+            ``loss_agg_mode=seq-mean-token-sum-norm`` (required there, unused otherwise).
         total_optimizer_steps: LR-schedule length in optimizer steps (None: constant schedule).
         dtype: parameter dtype; default fp32 on CPU, bf16 on CUDA.
         init_parallel: initialise torch.distributed/Megatron groups for ``cfg.megatron``.
@@ -70,11 +73,13 @@ class ActorWorker(TrainableState):
         device: str = "cpu",
         mini_batch_size_samples: int,
         temperature: float = 1.0,
+        max_response_length: int | None = None,
         total_optimizer_steps: int | None = None,
         seed: int = 1234,
         dtype: torch.dtype | None = None,
         init_parallel: bool = True,
     ) -> None:
+        check_norm_constant(cfg.loss_agg_mode, max_response_length, "actor")
         self.cfg = cfg
         self.temperature = float(temperature)
         self.seed = seed
@@ -95,7 +100,7 @@ class ActorWorker(TrainableState):
             e.chunks, cfg.optim, use_distributed_optimizer=cfg.use_distributed_optimizer, dtype=dtype,
         )
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, total_optimizer_steps=total_optimizer_steps)
-        self.loss_spec = ActorLossSpec.from_config(cfg, self.temperature)
+        self.loss_spec = ActorLossSpec.from_config(cfg, self.temperature, max_response_length=max_response_length)
         self.vocab_size = int(e.hf_config.vocab_size)
         self.global_step = 0
 

@@ -21,6 +21,7 @@ from mrl.workers.actor import micro_batch_parts
 from mrl.workers.batch import TrainBatch
 from mrl.workers.engine import MegatronEngine
 from mrl.workers.loss import (
+    check_norm_constant,
     critic_loss_func,
     global_denominators,
     response_values,
@@ -38,13 +39,18 @@ class CriticWorker(TrainableState):
         cfg: the ``critic`` section; ``ppo_mini_batch_size``/``ppo_epochs`` already resolved
             by the caller (``mini_batch_size_samples``, ``epochs``).
         mini_batch_size_samples: samples per optimizer step, global over DP.
+        max_response_length: ``rollout.max_response_length``, Dr.GRPO's fixed ``C`` of
+            ``critic.loss_agg_mode=seq-mean-token-sum-norm`` (required there, unused otherwise).
     """
 
     def __init__(
         self, cfg: CriticConfig, *, model_path: str | os.PathLike, device: str = "cpu",
         mini_batch_size_samples: int, epochs: int = 1, total_optimizer_steps: int | None = None,
         seed: int = 1234, dtype: torch.dtype | None = None, init_parallel: bool = True,
+        max_response_length: int | None = None,
     ) -> None:
+        check_norm_constant(cfg.loss_agg_mode, max_response_length, "critic")
+        self.norm_constant = max_response_length
         dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
         self.cfg = cfg
         self.epochs = epochs
@@ -102,7 +108,7 @@ class CriticWorker(TrainableState):
             n_tok, n_seq = global_denominators(mbs, e)
             fn = partial(critic_loss_func, cliprange_value=self.cfg.cliprange_value,
                          loss_agg_mode=self.cfg.loss_agg_mode, n_tok=n_tok, n_seq=n_seq,
-                         scale=float(len(mbs) * e.dp_size))
+                         scale=float(len(mbs) * e.dp_size), norm_constant=self.norm_constant)
             for c in e.chunks:
                 c.zero_grad_buffer()
             self.optimizer.zero_grad()

@@ -8,7 +8,9 @@ micro-batches m over DP ranks r, with response tensors [b, R] and mask ``M_it``:
 Every ``agg`` is the algorithms library's :func:`~mrl.algorithms.agg_loss.agg_loss` with the
 mini-batch's global denominators ``N = Σ_{r,m,i,t} M_it`` (tokens) and ``S = #{i : Σ_t M_it > 0}``
 (sequences) — counted once per mini-batch over all micro-batches and DP ranks
-(:func:`global_denominators`) — so ``L(M) = Σ_r Σ_m ℓ_{r,m}`` exactly, for every loss_agg_mode.
+(:func:`global_denominators`) — and, for ``seq-mean-token-sum-norm``, Dr.GRPO's constant
+``C = rollout.max_response_length`` (``ActorLossSpec.norm_constant``), never the padded width of
+the tensors at hand — so ``L(M) = Σ_r Σ_m ℓ_{r,m}`` exactly, for every loss_agg_mode.
 Megatron's schedule divides each micro-batch loss by the number of micro-batches n_mb and DDP
 averages gradients over the D DP ranks; ``loss_func`` therefore hands back
 ``ℓ_{r,m} · n_mb · D`` and the accumulated, DP-reduced gradient is exactly ∇L(M): the same at
@@ -39,9 +41,32 @@ def global_denominators(micro_batches: list[MicroBatch], engine) -> tuple[Tensor
     return t[0].clamp(min=1.0).cpu(), t[1].clamp(min=1.0).cpu()
 
 
+NORM_MODE = "seq-mean-token-sum-norm"
+
+
+def check_norm_constant(loss_agg_mode: str, norm_constant: float | None, role: str) -> None:
+    """Dr.GRPO's ``C`` must be given (and > 0) in ``seq-mean-token-sum-norm``; unused otherwise.
+
+    Falling back to the padded width would make the loss depend on padding and micro-batching.
+    """
+    if loss_agg_mode != NORM_MODE:
+        return
+    if norm_constant is None:
+        raise ValueError(
+            f"{role}.loss_agg_mode={NORM_MODE} needs norm_constant = rollout.max_response_length "
+            "(Dr.GRPO's fixed C), got None: pass max_response_length= to the worker"
+        )
+    if norm_constant <= 0:
+        raise ValueError(f"{role}: norm_constant (rollout.max_response_length) must be > 0, got {norm_constant}")
+
+
 @dataclass
 class ActorLossSpec:
-    """Loss knobs of one update (from :class:`mrl.config.actor.ActorConfig`)."""
+    """Loss knobs of one update (from :class:`mrl.config.actor.ActorConfig`).
+
+    ``norm_constant`` is Dr.GRPO's ``C`` for ``seq-mean-token-sum-norm`` (required there, unused
+    by the other modes): ``rollout.max_response_length``, the generation budget.
+    """
 
     policy_loss: str = "vanilla"
     loss_agg_mode: str = "token-mean"
@@ -54,16 +79,21 @@ class ActorLossSpec:
     kl_loss_type: str = "low_var_kl"
     tis_imp_ratio_cap: float | None = None
     temperature: float = 1.0
+    norm_constant: float | None = None
+
+    def __post_init__(self) -> None:
+        check_norm_constant(self.loss_agg_mode, self.norm_constant, "actor")
 
     @classmethod
-    def from_config(cls, cfg, temperature: float) -> ActorLossSpec:
+    def from_config(cls, cfg, temperature: float, *, max_response_length: int | None) -> ActorLossSpec:
+        """``cfg``: the ``actor`` section; ``max_response_length``: ``rollout.max_response_length``."""
         return cls(
             policy_loss=cfg.policy_loss, loss_agg_mode=cfg.loss_agg_mode,
             clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
             clip_ratio_c=cfg.clip_ratio_c, entropy_coeff=cfg.entropy_coeff,
             use_kl_loss=cfg.use_kl_loss, kl_loss_coef=cfg.kl_loss_coef,
             kl_loss_type=cfg.kl_loss_type, tis_imp_ratio_cap=cfg.tis_imp_ratio_cap,
-            temperature=temperature,
+            temperature=temperature, norm_constant=max_response_length,
         )
 
 
@@ -99,7 +129,8 @@ def actor_loss_func(
         chunk_size=chunk_size,
     )
     mask = d.response_mask.to(dev, log_prob.dtype)
-    g = {"global_tokens": n_tok.to(dev, log_prob.dtype), "global_seqs": n_seq.to(dev, log_prob.dtype)}
+    g = {"global_tokens": n_tok.to(dev, log_prob.dtype), "global_seqs": n_seq.to(dev, log_prob.dtype),
+         "norm_constant": spec.norm_constant}
     old = d.old_log_probs.to(dev, log_prob.dtype)
     out = get_policy_loss_fn(spec.policy_loss)(
         old, log_prob, d.advantages.to(dev, log_prob.dtype), mask,
@@ -143,9 +174,14 @@ def response_values(mb: MicroBatch, values: Tensor) -> Tensor:
 
 def critic_loss_func(
     mb: MicroBatch, values: Tensor, *, cliprange_value: float, loss_agg_mode: str, n_tok: Tensor,
-    n_seq: Tensor, scale: float,
+    n_seq: Tensor, scale: float, norm_constant: float | None,
 ) -> tuple[Tensor, dict]:
-    """Clipped value loss ``½·agg(max((V−R)², (clip(V, V_old±ε)−R)²))`` share, × ``scale``."""
+    """Clipped value loss ``½·agg(max((V−R)², (clip(V, V_old±ε)−R)²))`` share, × ``scale``.
+
+    ``norm_constant``: Dr.GRPO's ``C`` (``rollout.max_response_length``) for
+    ``seq-mean-token-sum-norm``; unused by the other modes.
+    """
+    check_norm_constant(loss_agg_mode, norm_constant, "critic")
     d = mb.data
     dev = values.device
     vpreds = response_values(mb, values)
@@ -153,7 +189,7 @@ def critic_loss_func(
     vf_loss, clipfrac = compute_value_loss(
         vpreds, d.returns.to(dev, vpreds.dtype), d.values.to(dev, vpreds.dtype), mask,
         cliprange_value, loss_agg_mode, global_tokens=n_tok.to(dev, vpreds.dtype),
-        global_seqs=n_seq.to(dev, vpreds.dtype),
+        global_seqs=n_seq.to(dev, vpreds.dtype), norm_constant=norm_constant,
     )
     vmean = (vpreds.detach() * mask).sum() / n_tok.to(dev, vpreds.dtype)
     return vf_loss * scale, {"vf_loss": vf_loss.detach(), "vf_clipfrac": clipfrac, "vpred_mean": vmean}

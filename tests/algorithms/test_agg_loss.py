@@ -68,3 +68,57 @@ def test_global_counts_are_additive_over_micro_batches():
     _, m = _batch(B=10, T=9, seed=4)
     parts = [count_tokens_and_seqs(pm) for pm in m.chunk(5)]
     assert (sum(p[0] for p in parts), sum(p[1] for p in parts)) == count_tokens_and_seqs(m)
+
+
+def _pad(t: torch.Tensor, k: int, fill: torch.Tensor | float) -> torch.Tensor:
+    """``[B, T]`` -> ``[B, T + k]``: ``fill`` (a ``[B, k]`` tensor or a scalar) in the new columns."""
+    extra = fill if isinstance(fill, torch.Tensor) else torch.full((t.shape[0], k), fill, dtype=t.dtype)
+    return torch.cat([t, extra], dim=-1)
+
+
+def test_sum_norm_with_norm_constant_is_independent_of_padding_width():
+    """Dr.GRPO's C fixed (rollout.max_response_length): zero-mask columns change nothing, float64 rtol 1e-12."""
+    x, m = _batch(B=10, T=7, seed=5)
+    C = 32
+    g = torch.Generator().manual_seed(6)
+    a = x.clone().requires_grad_(True)
+    narrow = agg_loss(a, m, "seq-mean-token-sum-norm", norm_constant=C)
+    narrow.backward()
+    for k in (1, 9, 30):  # T + k never equals C here
+        b = x.clone().requires_grad_(True)
+        xb = _pad(b, k, 1e3 * torch.randn(10, k, generator=g, dtype=torch.float64))  # garbage under mask 0
+        wide = agg_loss(xb, _pad(m, k, 0.0), "seq-mean-token-sum-norm", norm_constant=C)
+        wide.backward()
+        torch.testing.assert_close(wide, narrow, rtol=1e-12, atol=0)
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=0)
+        # Without C the padded width T is used: the value moves with padding (the trainer bug).
+        default = agg_loss(xb.detach(), _pad(m, k, 0.0), "seq-mean-token-sum-norm")
+        assert default.item() == pytest.approx(narrow.item() * C / (7 + k), rel=1e-12)
+        assert default.item() != pytest.approx(narrow.item(), rel=1e-3)
+
+
+def test_sum_norm_micro_batches_of_different_widths_sum_to_the_full_batch():
+    """Micro-batches trimmed to their own longest row (as dynamic batching may pad) + global counts + C."""
+    x, m = _batch(B=10, T=9, seed=7)
+    C = 16
+    full_x = x.clone().requires_grad_(True)
+    full = agg_loss(_pad(full_x, C - 9, 0.0), _pad(m, C - 9, 0.0), "seq-mean-token-sum-norm", norm_constant=C)
+    full.backward()
+    tokens, seqs = count_tokens_and_seqs(m)
+    parts_x = x.clone().requires_grad_(True)
+    widths, total = [], 0
+    for px, pm in zip(parts_x.split([3, 4, 3]), m.split([3, 4, 3]), strict=True):
+        w = int(pm.sum(-1).max())
+        widths.append(w)
+        total = total + agg_loss(px[:, :w], pm[:, :w], "seq-mean-token-sum-norm", global_tokens=tokens,
+                                 global_seqs=seqs, norm_constant=C)
+    total.backward()
+    assert len(set(widths)) > 1, widths  # the micro-batches really have different widths
+    torch.testing.assert_close(total, full, rtol=1e-12, atol=0)
+    torch.testing.assert_close(parts_x.grad, full_x.grad, rtol=1e-12, atol=0)
+
+
+def test_non_positive_norm_constant_is_refused():
+    x, m = _batch()
+    with pytest.raises(ValueError, match="norm_constant.*max_response_length"):
+        agg_loss(x, m, "seq-mean-token-sum-norm", norm_constant=0)

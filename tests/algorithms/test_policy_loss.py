@@ -128,3 +128,42 @@ def test_micro_batches_sum_to_full_batch_loss_grad_and_metrics(name, mode):
     torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-15)
     for field in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
         torch.testing.assert_close(sum(getattr(o, field) for o in outs), getattr(full, field), rtol=1e-6, atol=1e-15)
+
+
+@pytest.mark.parametrize("tis", [False, True])
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "reinforce"])
+def test_sum_norm_with_norm_constant_ignores_padding_width(name, tis):
+    """Dr.GRPO with C = max_response_length: extra zero-mask columns change neither loss nor gradient.
+
+    float64, rtol 1e-12 (the sums only gain exact zeros). Without ``norm_constant`` the padded
+    width is C and the loss moves (what the trainer did before C was passed).
+    """
+    g = torch.Generator().manual_seed(11)
+    B, T, k, C = 6, 7, 5, 20
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2
+    new = old + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    rollout = old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=g)[:, None]).to(torch.float64)
+
+    def pad(t):  # garbage under the zero mask: it must not leak into loss, gradient or metrics
+        return torch.cat([t, -torch.rand(B, k, generator=g, dtype=torch.float64)], dim=-1)
+
+    kw = {**KW, "loss_agg_mode": "seq-mean-token-sum-norm", "norm_constant": C}
+    if tis:
+        kw["tis_imp_ratio_cap"] = 1.5
+    fn = get_policy_loss_fn(name)
+    a = new.clone().requires_grad_(True)
+    narrow = fn(old, a, adv, mask, **kw, rollout_log_probs=rollout if tis else None)
+    narrow.pg_loss.backward()
+    b = new.clone().requires_grad_(True)
+    wide_mask = torch.cat([mask, torch.zeros(B, k, dtype=torch.float64)], dim=-1)
+    wide = fn(pad(old), pad(b), pad(adv), wide_mask, **kw, rollout_log_probs=pad(rollout) if tis else None)
+    wide.pg_loss.backward()
+    torch.testing.assert_close(wide.pg_loss, narrow.pg_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=0)
+    for field in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
+        torch.testing.assert_close(getattr(wide, field), getattr(narrow, field), rtol=1e-12, atol=0)
+    kw_default = {key: v for key, v in kw.items() if key != "norm_constant"}
+    default = fn(old, new, adv, mask, **kw_default, rollout_log_probs=rollout if tis else None)
+    assert default.pg_loss.item() == pytest.approx(narrow.pg_loss.item() * C / T, rel=1e-12)

@@ -61,3 +61,27 @@ def tensors(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(tensors(v) for v in obj)
     return obj
+
+
+def with_response_width(batch: TrainBatch, width: int) -> TrainBatch:
+    """The same samples with the response part padded (zero columns) or trimmed to ``width``.
+
+    Trimming only drops columns where ``attention_mask`` is 0 for every sample. Models see the
+    same tokens either way (inputs are compacted), only the padded width R changes.
+    """
+    P, R = batch.prompt_length, batch.response_length
+    if width < R:
+        if bool(batch.attention_mask[:, P + width:].any()):
+            raise ValueError(f"cannot trim responses to {width}: valid tokens beyond it")
+        fix = lambda t, start: t[:, : start + width]
+    else:
+        def fix(t, start):
+            return torch.cat([t, torch.zeros(t.shape[0], width - R, dtype=t.dtype)], dim=1)
+    out = {}
+    for name in ("input_ids", "attention_mask", "position_ids"):
+        out[name] = fix(getattr(batch, name), P)
+    for name in ("responses", "response_mask", "old_log_probs", "advantages", "ref_log_prob",
+                 "rollout_log_probs", "values", "returns"):
+        t = getattr(batch, name)
+        out[name] = None if t is None else fix(t, 0)
+    return TrainBatch(**out, uid=batch.uid)

@@ -34,12 +34,13 @@ def hf_loss_and_grads(model, batch: TrainBatch, spec: ActorLossSpec) -> tuple[fl
     out = get_policy_loss_fn(spec.policy_loss)(
         batch.old_log_probs, lp, batch.advantages, mask, loss_agg_mode=spec.loss_agg_mode,
         clip_ratio_low=spec.clip_ratio_low, clip_ratio_high=spec.clip_ratio_high,
-        clip_ratio_c=spec.clip_ratio_c,
+        clip_ratio_c=spec.clip_ratio_c, norm_constant=spec.norm_constant,
     )
-    loss = out.pg_loss - spec.entropy_coeff * agg_loss(ent, mask, spec.loss_agg_mode)
+    loss = out.pg_loss - spec.entropy_coeff * agg_loss(ent, mask, spec.loss_agg_mode, norm_constant=spec.norm_constant)
     if spec.use_kl_loss:
         loss = loss + spec.kl_loss_coef * agg_loss(
-            kl_penalty(lp, batch.ref_log_prob, spec.kl_loss_type), mask, spec.loss_agg_mode)
+            kl_penalty(lp, batch.ref_log_prob, spec.kl_loss_type), mask, spec.loss_agg_mode,
+            norm_constant=spec.norm_constant)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     if "lm_head.weight" in grads and model.config.tie_word_embeddings:

@@ -5,7 +5,9 @@ token). Truth: the full-batch loss and gradient of the same loss on the HF model
 (``reference_impl``: TP1×PP1, one micro-batch). One 4-rank launch re-initialises Megatron for
 each layout — TP1PP1 (DP4), TP2 (DP2), PP2 (DP2, 2 micro-batches/rank, 1F1B), TP2PP2 (DP1,
 4 micro-batches), PP2 with dynamic micro-batching — and loops over the 4 loss_agg_modes × {plain
-PG, PG − 0.05·H + 0.1·KL(k3)} plus ``kl_loss_coef=0``. Then one optimizer step per layout.
+PG, PG − 0.05·H + 0.1·KL(k3)} plus ``kl_loss_coef=0``; ``seq-mean-token-sum-norm`` uses Dr.GRPO's
+C = max_response_length = 16 (wider than R = 7) and is run once more on the same batch padded to
+R = 11, which must not change loss or gradient. Then one optimizer step per layout.
 Gradients are compared by HF name after TP gathering (``export_hf_weights`` on ``main_grad``).
 """
 from __future__ import annotations
@@ -30,6 +32,9 @@ LAYOUTS = [  # (tp, pp, micro_batch_size, dynamic max tokens)
     (1, 2, None, 24),
 ]
 TEMPERATURE = 0.7
+MAX_RESPONSE_LENGTH = 16  # Dr.GRPO's C (rollout.max_response_length); the batch's R is 7
+WIDE_R = 11  # the same batch with more response padding: C must not follow it
+WIDE_KEY = ("seq-mean-token-sum-norm", "pg+ent+kl")
 
 
 def _specs():
@@ -37,7 +42,8 @@ def _specs():
 
     out = {}
     for mode in MODES:
-        base = ActorLossSpec(loss_agg_mode=mode, temperature=TEMPERATURE, clip_ratio_c=3.0)
+        base = ActorLossSpec(loss_agg_mode=mode, temperature=TEMPERATURE, clip_ratio_c=3.0,
+                             norm_constant=MAX_RESPONSE_LENGTH)
         out[(mode, "pg")] = base
         out[(mode, "pg+ent+kl")] = dataclasses.replace(
             base, entropy_coeff=0.05, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
@@ -69,7 +75,7 @@ def _rank(rank, world, path):
     from mrl.config.actor import ActorConfig
     from mrl.workers.actor import ActorWorker
     from mrl.workers.loss import ActorLossSpec
-    from tests.workers.batches import ragged_batch
+    from tests.workers.batches import ragged_batch, with_response_width
 
     batch = ragged_batch()
     results = []
@@ -83,7 +89,8 @@ def _rank(rank, world, path):
             optim={"lr": 1e-3, "eps": 1e-2, "weight_decay": 0.0, "clip_grad": 0.0},
             use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.05, loss_agg_mode="token-mean",
         )
-        actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8, temperature=TEMPERATURE)
+        actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8, temperature=TEMPERATURE,
+                            max_response_length=MAX_RESPONSE_LENGTH)
         e = actor.engine
         keep = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
         lp, ent = actor.compute_log_prob(batch)
@@ -95,12 +102,16 @@ def _rank(rank, world, path):
             m = actor.forward_backward(local)
             grads = _grads_by_hf_name(actor)  # collective over TP: every rank takes part
             per_spec[key] = (m["loss"], grads if keep else None)
+        actor.loss_spec = _specs()[WIDE_KEY]
+        m = actor.forward_backward(e.dp_shard(with_response_width(batch, WIDE_R)))
+        grads = _grads_by_hf_name(actor)
+        per_spec["wide"] = (m["loss"], grads if keep else None)
         # micro-batches this rank ran (from the split the worker uses)
         from mrl.workers.actor import micro_batch_parts
 
         n_micro = len(micro_batch_parts(local, micro_batch_size=mbs, use_dynamic_bsz=max_tok is not None,
                                         max_tokens=max_tok or 0, dp_group=e.dp_group))
-        actor.loss_spec = ActorLossSpec.from_config(cfg, TEMPERATURE)
+        actor.loss_spec = ActorLossSpec.from_config(cfg, TEMPERATURE, max_response_length=MAX_RESPONSE_LENGTH)
         metrics = actor.update_policy(batch)
         weights = {n: t.clone() for n, t in actor.export_hf_weights()}
         weights = weights if keep else None
@@ -146,7 +157,7 @@ def test_loss_and_grads_equal_full_batch_reference_under_every_layout(tmp_path):
             torch.testing.assert_close(r[li]["lp"], ref_lp, rtol=0, atol=1e-5)
             torch.testing.assert_close(r[li]["ent"], ref_ent, rtol=0, atol=1e-5)
             worst["lp"] = max(worst["lp"], float((r[li]["lp"] - ref_lp).abs().max()))
-        for key, (ref_loss, ref_grads) in truth.items():
+        for key, (ref_loss, ref_grads) in [*truth.items(), ("wide", truth[WIDE_KEY])]:
             losses = {r[li]["per_spec"][key][0] for r in res}
             for loss in losses:
                 assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7), (layout, key)

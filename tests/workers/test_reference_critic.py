@@ -56,7 +56,7 @@ def _rank(rank, world, path):
     actor.cfg = cfg.model_copy(update={"use_kl_loss": True, "kl_loss_coef": 0.5})
     from mrl.workers.loss import ActorLossSpec
 
-    actor.loss_spec = ActorLossSpec.from_config(actor.cfg, 1.0)
+    actor.loss_spec = ActorLossSpec.from_config(actor.cfg, 1.0, max_response_length=None)
     out["metrics_kl"] = actor.update_policy(batch.replace(ref_log_prob=out["ref_colo"]))
     # offload / onload round trip (forced on CPU) keeps every tensor bit-identical
     out["lp_before_offload"] = actor.compute_log_prob(batch)[0]
