@@ -1,7 +1,8 @@
 """Reference-policy section: frozen copy of the initial actor for KL terms and ref_reward_blend.
 
 A reference is built when ``actor.use_kl_loss``, ``algorithm.use_kl_in_reward`` or
-``algorithm.ref_reward_blend.enable`` needs ``ref_log_prob`` [B, T] (seeds 000, 003).
+``algorithm.ref_reward_blend.enable`` needs ``ref_log_prob`` [B, T] (seeds 000, 003), or
+``algorithm.repr_align`` needs its weights for the embeddings (seed 003).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class RefConfig(Section):
     """Frozen reference model (verl ``actor_rollout_ref.ref``)."""
 
     enable: bool | None = Field(
-        None, description="Build the reference; null = when use_kl_loss, use_kl_in_reward or ref_reward_blend needs it."
+        None, description="Build the reference; null = when use_kl_loss, use_kl_in_reward, ref_reward_blend or repr_align needs it."
     )
     placement: Literal["colocated", "separate"] = Field(
         "colocated", description="colocated: shares the actor's devices; separate: own devices (num_devices)."

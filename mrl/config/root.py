@@ -39,11 +39,18 @@ class MRLConfig(Section):
 
     @property
     def ref_enabled(self) -> bool:
-        """A reference model is built when ref.enable, or when some term consumes ref_log_prob [B, T]."""
+        """A reference model is built when ref.enable, or when some term consumes ref_log_prob [B, T]
+        or the reference weights (repr_align embeds with the initial policy, seed 003)."""
         if self.ref.enable is not None:
             return self.ref.enable
         a = self.algorithm
-        return self.actor.use_kl_loss or a.use_kl_in_reward or a.ref_reward_blend.enable
+        return self.actor.use_kl_loss or a.use_kl_in_reward or a.ref_reward_blend.enable or self.repr_align_enabled
+
+    @property
+    def repr_align_enabled(self) -> bool:
+        """algorithm.repr_align.enable and its only term, ref_alignment.enable."""
+        r = self.algorithm.repr_align
+        return r.enable and r.ref_alignment.enable
 
     @property
     def samples_per_step(self) -> int:

@@ -182,9 +182,11 @@ def _check_algorithm(cfg: MRLConfig, errors: list[str], notes: list[str]) -> Non
                 f"logits; fix: use {key}=low_var_kl (k3) or kl (k1)"
             )
     needs = [k for k, on in (("actor.use_kl_loss", a.use_kl_loss), ("algorithm.use_kl_in_reward", al.use_kl_in_reward),
-                             ("algorithm.ref_reward_blend.enable", al.ref_reward_blend.enable)) if on]
+                             ("algorithm.ref_reward_blend.enable", al.ref_reward_blend.enable),
+                             ("algorithm.repr_align.enable", cfg.repr_align_enabled)) if on]
     if cfg.ref.enable is False and needs:
-        errors.append(f"{', '.join(needs)} need ref_log_prob but ref.enable=false; fix: set ref.enable=true (or null) or turn that off")
+        errors.append(f"{', '.join(needs)} need the reference (ref_log_prob or its weights) but ref.enable=false; "
+                      "fix: set ref.enable=true (or null) or turn that off")
     if a.use_kl_loss and al.use_kl_in_reward and not al.allow_double_kl:
         errors.append(
             "actor.use_kl_loss=true and algorithm.use_kl_in_reward=true apply the KL penalty twice; fix: turn one off, "

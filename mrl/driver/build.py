@@ -22,11 +22,7 @@ def check_supported(cfg: MRLConfig) -> None:
     """Refuse what this driver does not run yet, naming the key (rather than training wrongly)."""
     problems = []
     if cfg.critic_enabled:
-        problems.append("critic (algorithm.adv_estimator=gae or critic.enable=true): set adv_estimator=grpo|rloo|...")
-    if cfg.algorithm.ref_reward_blend.enable:
-        problems.append("algorithm.ref_reward_blend.enable=true: set it to false")
-    if cfg.algorithm.repr_align.enable:
-        problems.append("algorithm.repr_align.enable=true: set it to false")
+        problems += _critic_problems(cfg)
     if cfg.rollout.engine != "torch":
         problems.append("rollout.engine=sglang: set rollout.engine=torch")
     if cfg.rollout.placement != "colocated":
@@ -37,10 +33,30 @@ def check_supported(cfg: MRLConfig) -> None:
         problems.append("algorithm.adv_estimator=remax (needs a greedy baseline rollout): choose grpo|rloo|reinforce_plus_plus")
     if problems:
         raise UnsupportedConfigError("the RL driver does not support yet:\n  - " + "\n  - ".join(problems))
-    for key, path in (("model.path", cfg.model.path), *(("data.train_files", f) for f in cfg.data.train_files)):
+    critic_path = [("critic.model_path", cfg.critic.model_path)] if cfg.critic_enabled and cfg.critic.model_path else []
+    for key, path in (("model.path", cfg.model.path), *critic_path,
+                      *(("data.train_files", f) for f in cfg.data.train_files)):
         if not Path(path).exists():
             raise UnsupportedConfigError(f"{key}={path!r} does not exist; for the quickstart run "
                                     "`python -m mrl.quickstart --out outputs/quickstart` first (make train does)")
+
+
+_GROUP_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+               "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
+
+
+def _critic_problems(cfg: MRLConfig) -> list[str]:
+    """The critic is colocated on the actor's ranks and reuses its Megatron groups (there is one
+    ``parallel_state`` per process), so its group-defining sizes must equal the actor's."""
+    c, out = cfg.critic, []
+    if c.placement != "colocated":
+        out.append("critic.placement=separate: set critic.placement=colocated (critic.num_devices unset)")
+    diff = [k for k in _GROUP_KEYS if getattr(c.megatron, k) != getattr(cfg.actor.megatron, k)]
+    if diff:
+        out.append("critic.megatron layout differs from actor.megatron in " + ", ".join(
+            f"critic.megatron.{k}={getattr(c.megatron, k)} (actor {getattr(cfg.actor.megatron, k)})" for k in diff)
+            + ": the colocated critic shares the actor's parallel groups; set critic.megatron.<key> equal to actor.megatron.<key>")
+    return out
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -1,22 +1,25 @@
-"""What one trainer rank holds in the driver: the actor, its colocated reference, the weight sender.
+"""What one trainer rank holds in the driver: the actor, its colocated reference and critic, the weight sender.
 
 Constructed inside a Ray rank actor (``mrl.cluster.WorkerGroup``) after RANK/WORLD_SIZE/... are
 set; every method is called on all ranks with the same full batch and returns identical results.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
 from mrl.config import MRLConfig
 from mrl.workers.actor import ActorWorker
 from mrl.workers.batch import TrainBatch
+from mrl.workers.critic import CriticWorker
 from mrl.workers.reference import ColocatedReference
 
 
 class TrainRank:
-    """Actor + reference (+ weight sync) of this rank; see the driver for the call order."""
+    """Actor + reference + critic (PPO) (+ weight sync) of this rank; see the driver for the call order."""
 
     def __init__(self, cfg: MRLConfig, *, total_optimizer_steps: int | None) -> None:
         torch.set_num_threads(int(os.environ.get("MRL_TORCH_THREADS", "1")))
@@ -31,6 +34,7 @@ class TrainRank:
         )
         # Snapshot of the start weights, before any update (verl's ref = initial policy).
         self.ref = ColocatedReference(self.actor) if cfg.ref_enabled else None
+        self.critic = _build_critic(cfg, self.actor.engine.device.type) if cfg.critic_enabled else None
         self.syncer = None
 
     def init_weight_sync(self, engine_urls: list[str]) -> None:
@@ -58,8 +62,45 @@ class TrainRank:
             raise RuntimeError("compute_ref_log_prob called but no reference model was built (ref_enabled is false)")
         return self.ref.compute_ref_log_prob(batch)
 
+    def compute_repr_similarity(self, batch: TrainBatch, gold: TrainBatch) -> torch.Tensor:
+        """[B] cosine of reference response embeddings, generated vs gold (algorithm.repr_align)."""
+        if self.ref is None:
+            raise RuntimeError("compute_repr_similarity called but no reference model was built (ref_enabled is false)")
+        return self.ref.compute_repr_similarity(batch, gold)
+
     def update_policy(self, batch: TrainBatch) -> dict[str, float]:
         return self.actor.update_policy(batch)
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        with self._critic_on() as critic:
+            return critic.compute_values(batch)
+
+    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
+        with self._critic_on() as critic:
+            return critic.update_critic(batch)
+
+    def save_critic(self, ckpt_dir: str) -> None:
+        with self._critic_on() as critic:
+            critic.save(ckpt_dir)
+
+    def load_critic(self, ckpt_dir: str) -> None:
+        with self._critic_on() as critic:
+            critic.load(ckpt_dir)
+
+    @contextlib.contextmanager
+    def _critic_on(self) -> Iterator[CriticWorker]:
+        """The critic on the device for one phase; with critic.offload_* it goes back to host memory
+        afterwards (all of params, grads and Adam state: the mixin moves them together; a no-op on CPU)."""
+        if self.critic is None:
+            raise RuntimeError("a critic method was called but no critic was built (critic_enabled is false)")
+        offload = self.cfg.critic.offload_param or self.cfg.critic.offload_grad or self.cfg.critic.offload_optimizer
+        if offload:
+            self.critic.onload()
+        try:
+            yield self.critic
+        finally:
+            if offload:
+                self.critic.offload()
 
     def sync_weights(self, version: int) -> dict[str, float]:
         if self.syncer is None:
@@ -75,3 +116,22 @@ class TrainRank:
     def close(self) -> None:
         if self.syncer is not None:
             self.syncer.close()
+
+
+def _build_critic(cfg: MRLConfig, device: str) -> CriticWorker:
+    """The colocated critic: same ranks and Megatron groups as the actor (``init_parallel=False``;
+    ``check_supported`` refuses a critic.megatron layout that differs), started in host memory
+    when offloading is configured."""
+    c, a = cfg.critic, cfg.actor
+    mini = c.ppo_mini_batch_size or a.ppo_mini_batch_size
+    epochs = c.ppo_epochs or a.ppo_epochs
+    steps = cfg.trainer.total_training_steps
+    critic = CriticWorker(
+        c, model_path=c.model_path or cfg.model.path, device=device, mini_batch_size_samples=mini * cfg.rollout.n, epochs=epochs,
+        # LR-schedule length as the actor's (mrl.driver.run): steps x mini-batches per step x epochs
+        total_optimizer_steps=steps * max(1, cfg.data.train_batch_size // mini) * epochs if steps else None,
+        seed=cfg.trainer.seed, init_parallel=False, max_response_length=cfg.rollout.max_response_length,
+    )
+    if c.offload_param or c.offload_grad or c.offload_optimizer:
+        critic.offload()
+    return critic

@@ -1,6 +1,7 @@
 """The RL loop (design.md "Data flow of one step"; seeds 001/002): build once, then ``step()``
-as named phases: generate -> reward -> old_log_prob -> ref_log_prob -> KL in reward ->
-advantages -> update_actor -> sync_weights -> validate / checkpoint / log.
+as named phases: generate -> reward -> old_log_prob -> ref_log_prob -> values (PPO) -> KL in
+reward -> reward shaping (seed 003: ref_reward_blend, repr_align) -> advantages -> update_critic
+(PPO) -> update_actor (after trainer.critic_warmup) -> sync_weights -> validate / checkpoint / log.
 """
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ from mrl.driver.batch import (
     decode_responses,
     group_means,
     repeat_prompts,
+)
+from mrl.driver.shaping import (
+    build_gold_batch,
+    check_gold_answers,
+    encode_gold,
+    ref_blend,
+    repr_align,
 )
 from mrl.driver.state import (
     find_resume_dir,
@@ -55,6 +63,8 @@ class RLTrainer:
         a = cfg.algorithm
         self.kl_ctrl = get_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
         self.adv_fn = get_adv_estimator(a.adv_estimator)
+        if cfg.repr_align_enabled:  # fail now, not at the first step
+            check_gold_answers(services.train_ds.prompts, cfg.data.ground_truth_key)
         self.sampler = ResumableSampler(len(services.train_ds), cfg.data.train_batch_size, seed=cfg.trainer.seed)
         self.global_step = 0
         self.weight_version = 0  # engines start from model.path = version 0 of the actor
@@ -72,17 +82,27 @@ class RLTrainer:
             if self.cfg.ref_enabled:
                 with timer("ref", m):
                     self.ref_log_prob(d)
+            if self.cfg.critic_enabled:
+                with timer("values", m):
+                    self.values(d)
             self.kl_in_reward(d, m)
+            with timer("reward_shaping", m):
+                self.shape_rewards(d, m)
             with timer("adv", m):
                 self.advantages(d)
-            with timer("update_actor", m):
-                m |= self.s.workers.execute_all("update_policy", d.batch)[0]
-            with timer("sync_weights", m):
-                self.sync_weights()
+            if self.cfg.critic_enabled:
+                with timer("update_critic", m):
+                    m |= self.s.workers.execute_all("update_critic", d.batch)[0]
+            if self.actor_update_due():
+                with timer("update_actor", m):
+                    m |= self.s.workers.execute_all("update_policy", d.batch)[0]
+                with timer("sync_weights", m):
+                    self.sync_weights()
         self.global_step += 1
         m |= compute_data_metrics(response_mask=d.batch.response_mask, token_level_scores=d.token_level_scores,
                                   token_level_rewards=d.token_level_rewards, advantages=d.batch.advantages,
-                                  returns=d.batch.advantages, max_response_length=self.cfg.rollout.max_response_length)
+                                  returns=d.batch.returns, values=d.batch.values,
+                                  max_response_length=self.cfg.rollout.max_response_length)
         m["actor/entropy_old"] = float((d.entropys * d.batch.response_mask).sum() / d.batch.response_mask.sum().clamp(min=1))
         m["rollout/weight_version"] = float(self.weight_version)  # pushed after this step's update
         m["rollout/engine_weight_version"] = float(self.engine_weight_version)  # what generated this step
@@ -129,6 +149,11 @@ class RLTrainer:
     def ref_log_prob(self, d: StepData) -> None:
         d.batch = d.batch.replace(ref_log_prob=self.s.workers.execute_all("compute_ref_log_prob", d.batch)[0])
 
+    def values(self, d: StepData) -> None:
+        """V_old(s_t) [B, R] from the critic (0 outside the response mask): GAE's baseline and the
+        clipping centre of the value loss."""
+        d.batch = d.batch.replace(values=self.s.workers.execute_all("compute_values", d.batch)[0])
+
     def kl_in_reward(self, d: StepData, m: dict[str, float]) -> None:
         """r = score − β·KL(π_old‖π_ref) per token when algorithm.use_kl_in_reward, else r = score."""
         if self.cfg.algorithm.use_kl_in_reward:
@@ -139,11 +164,35 @@ class RLTrainer:
         else:
             d.token_level_rewards = d.token_level_scores
 
+    def shape_rewards(self, d: StepData, m: dict[str, float]) -> None:
+        """Seed 003, after KL-in-reward: ref_reward_blend, then repr_align (mrl/driver/shaping.py)."""
+        a, step, total = self.cfg.algorithm, self.global_step, self.total_steps()
+        if a.ref_reward_blend.enable:
+            d.token_level_rewards = ref_blend(a.ref_reward_blend, d.token_level_rewards, d.batch.ref_log_prob,
+                                              d.batch.response_mask, step=step, total_steps=total, metrics=m)
+        if self.cfg.repr_align_enabled:
+            def similarity() -> torch.Tensor:
+                gold = build_gold_batch(d.batch, encode_gold(
+                    self.s.tokenizer, d.prompts, key=self.cfg.data.ground_truth_key,
+                    max_length=self.cfg.rollout.max_response_length), pad_token_id=self.s.pad_token_id)
+                return self.s.workers.execute_all("compute_repr_similarity", d.batch, gold)[0]
+            d.token_level_rewards = repr_align(a.repr_align.ref_alignment, d.token_level_rewards, d.batch.response_mask,
+                                               d.entropys, step=step, total_steps=total, similarity=similarity, metrics=m)
+
     def advantages(self, d: StepData) -> None:
         a = self.cfg.algorithm
-        adv, _ = self.adv_fn(d.token_level_rewards, d.batch.response_mask.float(), index=d.batch.uid,
-                             gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
-        d.batch = d.batch.replace(advantages=adv)
+        # returns: GAE's value targets A + V (the critic regresses on them); the outcome estimators
+        # return their advantages there, as verl (logged as critic/returns/* either way).
+        adv, ret = self.adv_fn(d.token_level_rewards, d.batch.response_mask.float(), index=d.batch.uid,
+                               values=d.batch.values, gamma=a.gamma, lam=a.lam,
+                               norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
+        d.batch = d.batch.replace(advantages=adv, returns=ret)
+
+    def actor_update_due(self) -> bool:
+        """False for the first ``trainer.critic_warmup`` steps (critic-only updates; the engines keep
+        the start weights, so no sync either). verl's ``critic_warmup <= global_steps`` with its
+        1-based step counter starts the actor one step earlier; we keep the documented count."""
+        return self.global_step >= self.cfg.trainer.critic_warmup
 
     def sync_weights(self) -> None:
         """Push the updated actor into every engine as version ``global_step + 1``."""
@@ -170,6 +219,8 @@ class RLTrainer:
         root = self.cfg.trainer.checkpoint_dir
         d = step_dir(root, self.global_step)
         self.s.workers.execute_all("save", str(d / "actor"))
+        if self.cfg.critic_enabled:
+            self.s.workers.execute_all("save_critic", str(d / "critic"))
         write_trainer_state(root, self.global_step, {"sampler": self.sampler.state_dict(),
                                                      "kl_ctrl": self.kl_ctrl.state_dict(),
                                                      "weight_version": self.weight_version})
@@ -180,6 +231,11 @@ class RLTrainer:
             return
         st = read_trainer_state(d)
         self.s.workers.execute_all("load", str(d / "actor"))
+        if self.cfg.critic_enabled:
+            if not (d / "critic").is_dir():
+                raise FileNotFoundError(f"{d} has no critic/ checkpoint but the critic is enabled; fix: resume "
+                                        "from a PPO checkpoint, or set trainer.resume_mode=disable to start fresh")
+            self.s.workers.execute_all("load_critic", str(d / "critic"))
         self.sampler.load_state_dict(st["sampler"])
         self.kl_ctrl.load_state_dict(st["kl_ctrl"])
         self.global_step = int(st["global_step"])

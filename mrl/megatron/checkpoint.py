@@ -165,6 +165,9 @@ def save_checkpoint(
     md = _sd_metadata(optim_sharding)
     state = _model_sharded_state_dict(model_chunks, md)
     if optimizer is not None:
+        # A never-stepped optimizer (the actor during trainer.critic_warmup) trips the same
+        # megatron-core assert as on load; its zero state is exactly what Adam would start from.
+        _prime_torch_adam_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=dict(md))
     if opt_param_scheduler is not None:
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()

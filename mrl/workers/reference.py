@@ -11,11 +11,14 @@ Two placements (``ref.placement``):
   actor's parameters, its DDP buffers and the optimizer's views of them are unchanged afterwards.
 
 The result feeds the KL loss (``actor.use_kl_loss``), the KL-in-reward penalty and
-``ref_reward_blend`` alike (seed 000: compute once, reuse).
+``ref_reward_blend`` alike (seed 000: compute once, reuse). ``compute_repr_similarity`` runs the
+response-embedding forward under the same swapped-in weights for ``algorithm.repr_align`` (seed 003).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -79,16 +82,37 @@ class ColocatedReference:
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for c in self.actor.engine.chunks for p in c.parameters()]
 
-    def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
-        """[B, R] log-probs under the reference weights; the actor's weights are restored after."""
+    @contextlib.contextmanager
+    def _swapped_in(self) -> Iterator[None]:
+        """The reference weights in the actor's parameters inside the block; the actor's are restored after."""
         params = self._params()
         with torch.no_grad():
             actor_w = [p.detach().to("cpu", copy=True) for p in params]
             try:
                 for p, h in zip(params, self.host):
                     p.copy_(h, non_blocking=True)
-                lp, _ = self.actor.compute_log_prob(batch)
+                yield
             finally:
                 for p, a in zip(params, actor_w):
                     p.copy_(a, non_blocking=True)
+
+    def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, R] log-probs under the reference weights; the actor's weights are restored after."""
+        with self._swapped_in():
+            lp, _ = self.actor.compute_log_prob(batch)
         return lp
+
+    def compute_repr_similarity(self, batch: TrainBatch, gold: TrainBatch) -> torch.Tensor:
+        """[B] ``cos(e(batch)_i, e(gold)_i)`` of reference response embeddings (``algorithm.repr_align``).
+
+        ``e`` is :func:`mrl.workers.embedding.response_embedding` (mean final-norm hidden state over
+        the response tokens) under the reference weights, i.e. the initial policy (seed 003: the
+        same HF model); ``gold`` holds the same prompts with the gold answer as the response.
+        Cosine in float64 (eps 1e-12), so identical sequences give 1 up to the forward's round-off.
+        """
+        if gold.batch_size != batch.batch_size:
+            raise ValueError(f"compute_repr_similarity: {gold.batch_size} gold samples for {batch.batch_size}")
+        with self._swapped_in():
+            e_gen = self.actor.compute_response_embedding(batch)
+            e_gold = self.actor.compute_response_embedding(gold)
+        return torch.nn.functional.cosine_similarity(e_gen.double(), e_gold.double(), dim=-1, eps=1e-12).float()

@@ -42,6 +42,8 @@ BAD = [
     ("kl_loss_without_reference", ["ref.enable=false"], ["actor.use_kl_loss", "ref.enable=false"]),
     ("blend_without_reference", ["actor.use_kl_loss=false", "ref.enable=false", "algorithm.ref_reward_blend.enable=true"],
      ["algorithm.ref_reward_blend.enable", "ref.enable"]),
+    ("repr_align_without_reference", ["actor.use_kl_loss=false", "ref.enable=false", "algorithm.repr_align.enable=true"],
+     ["algorithm.repr_align.enable", "ref.enable=false"]),
     ("double_kl", ["algorithm.use_kl_in_reward=true"], ["actor.use_kl_loss", "algorithm.use_kl_in_reward", "allow_double_kl"]),
     ("grpo_with_n1", ["rollout.n=1", "actor.ppo_micro_batch_size_per_gpu=1"], ["algorithm.adv_estimator=grpo", "rollout.n"]),
     ("rloo_with_n1", ["algorithm.adv_estimator=rloo", "rollout.n=1", "actor.ppo_micro_batch_size_per_gpu=1"],
@@ -134,3 +136,12 @@ def test_sglang_on_cuda_host_config_is_valid(base_overrides: list[str]) -> None:
 def test_double_kl_allowed_explicitly(base_overrides: list[str]) -> None:
     cfg = load_config(None, base_overrides + ["algorithm.use_kl_in_reward=true", "algorithm.allow_double_kl=true"])
     assert cfg.ref_enabled and cfg.algorithm.use_kl_in_reward
+
+
+def test_repr_align_builds_the_reference(base_overrides: list[str]) -> None:
+    # repr_align embeds with the reference (initial) weights: it alone turns the reference on
+    on = load_config(None, base_overrides + ["actor.use_kl_loss=false", "algorithm.repr_align.enable=true"])
+    off = load_config(None, base_overrides + ["actor.use_kl_loss=false", "algorithm.repr_align.enable=true",
+                                              "algorithm.repr_align.ref_alignment.enable=false"])
+    assert on.ref_enabled and on.repr_align_enabled
+    assert not off.ref_enabled and not off.repr_align_enabled

@@ -19,8 +19,24 @@ def test_quickstart_is_supported(tmp_path) -> None:
     check_supported(_cfg(tmp_path))
 
 
+def test_seed_003_reward_shaping_is_supported(tmp_path) -> None:
+    # ref_reward_blend and repr_align run in the driver (mrl/driver/shaping.py); no longer refused
+    check_supported(_cfg(tmp_path, "algorithm.ref_reward_blend.enable=true", "algorithm.repr_align.enable=true"))
+
+
+def test_ppo_quickstart_is_supported(tmp_path) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "t.jsonl").write_text("")
+    cfg = load_config("mrl_configs/quickstart_ppo.yaml", [f"model.path={tmp_path}/m", f"data.train_files=[{tmp_path}/t.jsonl]"])
+    assert cfg.critic_enabled and cfg.algorithm.adv_estimator == "gae"
+    check_supported(cfg)
+
+
 @pytest.mark.parametrize("override, key", [
-    ("critic.enable=true critic.ppo_micro_batch_size_per_gpu=4", "critic"),
+    ("critic.enable=true critic.ppo_micro_batch_size_per_gpu=4 critic.megatron.pipeline_model_parallel_size=2",
+     r"critic.megatron.pipeline_model_parallel_size=2 \(actor 1\).*set critic.megatron.<key> equal to actor.megatron.<key>"),
+    ("algorithm.adv_estimator=gae critic.ppo_micro_batch_size_per_gpu=4 critic.placement=separate critic.num_devices=2 cluster.n_gpus_per_node=4",
+     "critic.placement=separate"),
     ("rollout.weight_sync.transport=distributed", "rollout.weight_sync.transport=distributed"),
     ("algorithm.adv_estimator=remax", "remax"),
 ])
