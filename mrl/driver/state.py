@@ -3,6 +3,8 @@ plus ``<dir>/latest_checkpointed_iteration.txt`` (verl's layout)."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,24 @@ def find_resume_dir(root: str | None, resume_mode: str) -> Path | None:
         return None
     d = step_dir(root, int((Path(root) / LATEST).read_text().strip()))
     return d if (d / "trainer_state.json").is_file() else None
+
+
+def prune_checkpoints(root: str | Path, keep: int | None) -> list[Path]:
+    """trainer.max_ckpt_to_keep: delete all but the newest ``keep`` complete ``global_step_<N>``
+    directories (never the one ``latest`` names). Called after a save has been marked latest, so a
+    crash mid-save never leaves the run without a complete checkpoint. Returns what was removed."""
+    if keep is None:
+        return []
+    latest_file = Path(root) / LATEST
+    latest = int(latest_file.read_text().strip()) if latest_file.is_file() else None
+    steps = sorted(int(m.group(1)) for p in Path(root).iterdir()
+                   if (m := re.fullmatch(r"global_step_(\d+)", p.name)) and (p / "trainer_state.json").is_file())
+    removed = []
+    for step in steps[: max(0, len(steps) - keep)]:
+        if step != latest:
+            shutil.rmtree(step_dir(root, step))
+            removed.append(step_dir(root, step))
+    return removed
 
 
 def read_trainer_state(d: Path) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from mrl.driver.shaping import (
 )
 from mrl.driver.state import (
     find_resume_dir,
+    prune_checkpoints,
     read_trainer_state,
     step_dir,
     write_trainer_state,
@@ -224,6 +225,8 @@ class RLTrainer:
         write_trainer_state(root, self.global_step, {"sampler": self.sampler.state_dict(),
                                                      "kl_ctrl": self.kl_ctrl.state_dict(),
                                                      "weight_version": self.weight_version})
+        for gone in prune_checkpoints(root, self.cfg.trainer.max_ckpt_to_keep):
+            log.info("max_ckpt_to_keep=%s: removed %s", self.cfg.trainer.max_ckpt_to_keep, gone)
 
     def maybe_resume(self) -> None:
         d = find_resume_dir(self.cfg.trainer.checkpoint_dir, self.cfg.trainer.resume_mode)
