@@ -46,10 +46,10 @@ def test_train_refuses_what_the_driver_cannot_run_before_starting_anything(
         capsys: pytest.CaptureFixture[str]) -> None:
     # A valid config that this build's driver does not run: exit 3 naming the key, before Ray or
     # any engine starts (the model path does not even exist, and nothing tries to load it).
-    argv = ["train", QUICK, "algorithm.adv_estimator=remax", "model.path=/nonexistent/model"]
+    argv = ["train", QUICK, "rollout.weight_sync.transport=distributed", "model.path=/nonexistent/model"]
     assert main(argv) == EXIT_UNSUPPORTED == 3
     err = capsys.readouterr().err
-    assert "algorithm.adv_estimator=remax" in err and "does not support yet" in err
+    assert "rollout.weight_sync.transport=distributed" in err and "does not support yet" in err
 
 
 def test_engine_dispatches_to_rollout_server(capsys: pytest.CaptureFixture[str]) -> None:

@@ -29,8 +29,6 @@ def check_supported(cfg: MRLConfig) -> None:
         problems.append("rollout.placement=separate: set rollout.placement=colocated")
     if cfg.rollout.weight_sync.transport == "distributed":
         problems.append("rollout.weight_sync.transport=distributed: set it to tensor (same host) or disk")
-    if cfg.algorithm.adv_estimator == "remax":
-        problems.append("algorithm.adv_estimator=remax (needs a greedy baseline rollout): choose grpo|rloo|reinforce_plus_plus")
     if problems:
         raise UnsupportedConfigError("the RL driver does not support yet:\n  - " + "\n  - ".join(problems))
     critic_path = [("critic.model_path", cfg.critic.model_path)] if cfg.critic_enabled and cfg.critic.model_path else []

@@ -1,5 +1,5 @@
 """The RL loop (design.md "Data flow of one step"; seeds 001/002): build once, then ``step()``
-as named phases: generate -> reward -> old_log_prob -> ref_log_prob -> values (PPO) -> KL in
+as named phases: generate -> reward (-> greedy baseline for ReMax) -> old_log_prob -> ref_log_prob -> values (PPO) -> KL in
 reward -> reward shaping (seed 003: ref_reward_blend, repr_align) -> advantages -> update_critic
 (PPO) -> update_actor (after trainer.critic_warmup) -> sync_weights -> validate / checkpoint / log.
 """
@@ -54,6 +54,7 @@ class StepData:
     token_level_scores: torch.Tensor  # [B, R]
     token_level_rewards: torch.Tensor | None = None  # [B, R]
     entropys: torch.Tensor | None = None  # [B, R]
+    reward_baselines: torch.Tensor | None = None  # [B] ReMax: score of the prompt's greedy answer
 
 
 class RLTrainer:
@@ -78,6 +79,9 @@ class RLTrainer:
                 d = self.generate()
             with timer("reward", m):
                 self.reward(d, m)
+            if self.cfg.algorithm.adv_estimator == "remax":
+                with timer("gen_max", m):  # verl's name for the greedy baseline rollout
+                    self.remax_baseline(d, m)
             with timer("old_log_prob", m):
                 self.old_log_prob(d)
             if self.cfg.ref_enabled:
@@ -87,8 +91,9 @@ class RLTrainer:
                 with timer("values", m):
                     self.values(d)
             self.kl_in_reward(d, m)
-            with timer("reward_shaping", m):
-                self.shape_rewards(d, m)
+            if self.cfg.algorithm.ref_reward_blend.enable or self.cfg.repr_align_enabled:
+                with timer("reward_shaping", m):
+                    self.shape_rewards(d, m)
             with timer("adv", m):
                 self.advantages(d)
             if self.cfg.critic_enabled:
@@ -141,6 +146,21 @@ class RLTrainer:
                             extra_infos=[p.extra_info for p in d.prompts])
         d.token_level_scores = out.token_level_scores
 
+    def remax_baseline(self, d: StepData, m: dict[str, float]) -> None:
+        """ReMax (Li et al. 2023): one greedy answer per prompt, scored like the samples; its score is
+        the baseline ``b`` of the prompt's n samples (verl's ``reward_baselines``)."""
+        n = self.cfg.rollout.n
+        prompts = d.prompts[::n]  # d.prompts is each prompt n times in a row
+        res = self.s.client.generate(RolloutRequest([p.prompt_ids for p in prompts], n=1, sampling_params={
+            "temperature": 0.0, "max_new_tokens": self.cfg.rollout.max_response_length}, return_logprob=False,
+            timeout_s=self.cfg.rollout.request_timeout_s))
+        if res.failed:
+            raise RuntimeError(f"{len(res.failed)} ReMax baseline rollouts failed, first: {res.failed[0].error}")
+        out = self.s.reward(decode_responses(self.s.tokenizer, res), [p.ground_truth for p in prompts],
+                            data_sources=[p.data_source for p in prompts], extra_infos=[p.extra_info for p in prompts])
+        d.reward_baselines = out.scores.float().repeat_interleave(n)
+        m["critic/reward_baseline/mean"] = float(d.reward_baselines.mean())
+
     def old_log_prob(self, d: StepData) -> None:
         """log π_old [B, R] and entropy [B, R] with the rollout temperature (recomputed, not the engine's)."""
         lp, ent = self.s.workers.execute_all("compute_log_prob", d.batch)[0]
@@ -185,7 +205,7 @@ class RLTrainer:
         # returns: GAE's value targets A + V (the critic regresses on them); the outcome estimators
         # return their advantages there, as verl (logged as critic/returns/* either way).
         adv, ret = self.adv_fn(d.token_level_rewards, d.batch.response_mask.float(), index=d.batch.uid,
-                               values=d.batch.values, gamma=a.gamma, lam=a.lam,
+                               values=d.batch.values, reward_baselines=d.reward_baselines, gamma=a.gamma, lam=a.lam,
                                norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
         d.batch = d.batch.replace(advantages=adv, returns=ret)
 

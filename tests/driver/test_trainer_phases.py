@@ -136,3 +136,38 @@ def test_save_and_resume_include_the_critic(tmp_path) -> None:
     tr2, w2, _ = _trainer(tmp_path, *PPO)
     tr2.maybe_resume()
     assert ("load_critic", (str(ck / "critic"),)) in w2.calls and tr2.global_step == 1
+
+
+def test_remax_scores_one_greedy_answer_per_prompt_as_the_baseline(tmp_path) -> None:
+    n = 2
+    tr, w, _ = _trainer(tmp_path, "algorithm.adv_estimator=remax", f"rollout.n={n}")
+    B = 8
+    prompts = [SimpleNamespace(prompt_ids=[5, i], ground_truth=str(i), data_source="toy", extra_info={})
+               for i in range(B // n)]
+    requests = []
+
+    def generate(req):
+        requests.append(req)
+        return SimpleNamespace(failed=[], samples=[SimpleNamespace(response_ids=[7]) for _ in req.prompts])
+
+    def score(texts, truths, **kw):
+        return SimpleNamespace(scores=torch.tensor([float(t) for t in truths]))  # baseline of prompt i = i
+
+    tr.s.client = SimpleNamespace(generate=generate)
+    tr.s.reward, tr.s.tokenizer = score, SimpleNamespace(decode=lambda ids, skip_special_tokens: "x")
+    gen = tr.generate
+
+    def generate_with_prompts() -> StepData:
+        d = gen()
+        d.prompts = [p for p in prompts for _ in range(n)]
+        return d
+
+    tr.generate = generate_with_prompts
+    m = tr.step()
+    assert len(requests) == 1 and requests[0].n == 1 and requests[0].sampling_params["temperature"] == 0.0
+    assert requests[0].prompts == [p.prompt_ids for p in prompts]
+    baselines = torch.arange(B // n).float().repeat_interleave(n)
+    batch = w.calls[-2][1][0]  # update_policy's batch
+    adv, _ = get_adv_estimator("remax")(_scores(batch), batch.response_mask.float(), reward_baselines=baselines)
+    torch.testing.assert_close(batch.advantages, adv, rtol=0, atol=0)
+    assert "timing_s/gen_max" in m and m["critic/reward_baseline/mean"] == baselines.mean().item()
