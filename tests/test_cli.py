@@ -46,10 +46,11 @@ def test_train_refuses_what_the_driver_cannot_run_before_starting_anything(
         capsys: pytest.CaptureFixture[str]) -> None:
     # A valid config that this build's driver does not run: exit 3 naming the key, before Ray or
     # any engine starts (the model path does not even exist, and nothing tries to load it).
-    argv = ["train", QUICK, "rollout.weight_sync.transport=distributed", "model.path=/nonexistent/model"]
+    argv = ["train", QUICK, "critic.enable=true", "critic.ppo_micro_batch_size_per_gpu=4",
+            "critic.megatron.pipeline_model_parallel_size=2", "model.path=/nonexistent/model"]
     assert main(argv) == EXIT_UNSUPPORTED == 3
     err = capsys.readouterr().err
-    assert "rollout.weight_sync.transport=distributed" in err and "does not support yet" in err
+    assert "critic.megatron.pipeline_model_parallel_size=2" in err and "does not support yet" in err
 
 
 def test_engine_dispatches_to_rollout_server(capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,8 +27,6 @@ def check_supported(cfg: MRLConfig) -> None:
         problems.append("rollout.engine=sglang: set rollout.engine=torch")
     if cfg.rollout.placement != "colocated":
         problems.append("rollout.placement=separate: set rollout.placement=colocated")
-    if cfg.rollout.weight_sync.transport == "distributed":
-        problems.append("rollout.weight_sync.transport=distributed: set it to tensor (same host) or disk")
     if problems:
         raise UnsupportedConfigError("the RL driver does not support yet:\n  - " + "\n  - ".join(problems))
     critic_path = [("critic.model_path", cfg.critic.model_path)] if cfg.critic_enabled and cfg.critic.model_path else []

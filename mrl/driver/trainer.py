@@ -103,7 +103,7 @@ class RLTrainer:
                 with timer("update_actor", m):
                     m |= self.s.workers.execute_all("update_policy", d.batch)[0]
                 with timer("sync_weights", m):
-                    self.sync_weights()
+                    self.sync_weights(m)
         self.global_step += 1
         m |= compute_data_metrics(response_mask=d.batch.response_mask, token_level_scores=d.token_level_scores,
                                   token_level_rewards=d.token_level_rewards, advantages=d.batch.advantages,
@@ -215,10 +215,14 @@ class RLTrainer:
         1-based step counter starts the actor one step earlier; we keep the documented count."""
         return self.global_step >= self.cfg.trainer.critic_warmup
 
-    def sync_weights(self) -> None:
-        """Push the updated actor into every engine as version ``global_step + 1``."""
+    def sync_weights(self, m: dict[str, float]) -> None:
+        """Push the updated actor into every engine as version ``global_step + 1``; bytes, tensors and
+        buckets summed over the sending ranks (one per PP stage), ``timing_s/weight_sync`` their max."""
         self.weight_version = self.global_step + 1
-        self.s.workers.execute_all("sync_weights", self.weight_version)
+        per_rank = [r or {} for r in self.s.workers.execute_all("sync_weights", self.weight_version)]
+        for k in {k for r in per_rank for k in r}:
+            vals = [float(r.get(k, 0.0)) for r in per_rank]
+            m[k] = max(vals) if k.startswith("timing_s/") else sum(vals)
         self.s.pool.weight_version = str(self.weight_version)  # what a restarted engine must be re-synced to
 
     # ---- validation, checkpoints, loop -------------------------------------------------------

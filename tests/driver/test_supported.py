@@ -37,7 +37,6 @@ def test_ppo_quickstart_is_supported(tmp_path) -> None:
      r"critic.megatron.pipeline_model_parallel_size=2 \(actor 1\).*set critic.megatron.<key> equal to actor.megatron.<key>"),
     ("algorithm.adv_estimator=gae critic.ppo_micro_batch_size_per_gpu=4 critic.placement=separate critic.num_devices=2 cluster.n_gpus_per_node=4",
      "critic.placement=separate"),
-    ("rollout.weight_sync.transport=distributed", "rollout.weight_sync.transport=distributed"),
 ])
 def test_unsupported_keys_are_named(tmp_path, override: str, key: str) -> None:
     with pytest.raises(UnsupportedConfigError, match=key):
