@@ -2,11 +2,14 @@
 
     .venv/bin/python benchmarks/adv_estimators.py [--samples 100000] [--tokens 1000] [--n 4] [--repeats 3]
 
-Prints the best-of-``repeats`` wall and CPU seconds per estimator, and side by side two naive
-alternatives with the ratios: for GRPO a per-group Python loop (the shape of verl's dict-of-lists
-code), for GAE the step-by-step Python loop over the T time steps (batch-vectorised, on transposed
-blocks of samples: mrl's previous kernel; verl's loop over t is the same recursion). Inputs: float32 outcome rewards on the last valid token, prefix masks of random
-length, string uids (``n`` samples per prompt, interleaved as after ``repeat(interleave=True)``).
+For every estimator: the best-of-``repeats`` wall seconds with torch's default thread count (or
+``--threads``) and the best CPU seconds (``time.process_time()``, all threads of this process)
+with ``torch.set_num_threads(1)``. Side by side, two naive alternatives with the ratios: for GRPO a
+per-group Python loop (the shape of verl's dict-of-lists code), for GAE the step-by-step Python
+loop over the T time steps (batch-vectorised, on transposed blocks of samples: mrl's first kernel;
+verl's loop over t is the same recursion). Inputs: float32 outcome rewards on the last valid token,
+prefix masks of random length, string uids (``n`` samples per prompt, interleaved as after
+``repeat(interleave=True)``).
 """
 from __future__ import annotations
 
@@ -60,18 +63,24 @@ def loop_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, ga
     return ret
 
 
-def best_of(fn, repeats: int) -> tuple[float, float]:
-    """Best wall seconds and best CPU seconds (all threads of this process) over ``repeats`` runs.
+def best_of(fn, repeats: int, threads: int) -> tuple[float, float]:
+    """Best wall seconds and best CPU seconds (all threads of this process) over ``repeats`` runs
+    with ``torch.set_num_threads(threads)``.
 
     CPU time is reported too because shared CI hosts are oversubscribed: wall time then measures the
     neighbours as much as the code.
     """
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     walls, cpus = [], []
-    for _ in range(repeats):
-        w0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        walls.append(time.perf_counter() - w0)
-        cpus.append(time.process_time() - c0)
+    try:
+        for _ in range(repeats):
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            walls.append(time.perf_counter() - w0)
+            cpus.append(time.process_time() - c0)
+    finally:
+        torch.set_num_threads(before)
     return min(walls), min(cpus)
 
 
@@ -82,10 +91,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--naive-repeats", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (1: on an oversubscribed host OpenMP barriers dominate)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="torch threads for the wall-time column (default: torch's default here)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    nt = args.threads
     B, T = args.samples, args.tokens
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, T + 1, (B,), generator=g)
@@ -97,7 +106,7 @@ def main() -> None:
     index = np.repeat(prompt_uids, args.n)[:B]
     baselines = torch.rand(B, generator=g)
 
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpus {os.cpu_count()}, "
+    print(f"torch {torch.__version__}, default threads {torch.get_num_threads()}, cpus {os.cpu_count()}, "
           f"load avg {os.getloadavg()[0]:.1f}; B={B} samples x T={T} tokens, group size {args.n}")
     calls = {
         "grpo": lambda: get_adv_estimator("grpo")(rewards, mask, index=index),
@@ -108,23 +117,29 @@ def main() -> None:
             rewards, mask, index=index),
         "remax": lambda: get_adv_estimator("remax")(rewards, mask, reward_baselines=baselines),
         "gae": lambda: get_adv_estimator("gae")(rewards, mask, values=values, gamma=1.0, lam=0.95),
+        "gae(gamma=1, lam=1)": lambda: get_adv_estimator("gae")(rewards, mask, values=values, gamma=1.0, lam=1.0),
     }
-    results = {}
-    print(f"{'estimator':34s} {'wall s':>8s} {'cpu s':>8s}")
+    results, single = {}, {}
+    print(f"{'estimator':34s} {f'wall s ({nt} thr)':>16s} {f'cpu s ({nt} thr)':>15s} {'wall s (1 thr)':>15s} "
+          f"{'cpu s (1 thr)':>14s}")
     for name, fn in calls.items():
-        results[name] = best_of(fn, args.repeats)
-        print(f"{name:34s} {results[name][0]:8.3f} {results[name][1]:8.3f}", flush=True)
+        results[name] = best_of(fn, args.repeats, nt)
+        single[name] = best_of(fn, args.repeats, 1)
+        print(f"{name:34s} {results[name][0]:16.3f} {results[name][1]:15.3f} {single[name][0]:15.3f} "
+              f"{single[name][1]:14.3f}", flush=True)
     ours = get_adv_estimator("grpo")(rewards, mask, index=index)[0]
     ref = naive_grpo(rewards, mask, index)
     same = torch.allclose(ours, ref, rtol=1e-5, atol=1e-5)
-    w, c = best_of(lambda: naive_grpo(rewards, mask, index), args.naive_repeats)
-    print(f"{'grpo naive per-group loop':34s} {w:8.3f} {c:8.3f}   naive/ours: wall {w / results['grpo'][0]:.1f}x, "
-          f"cpu {c / results['grpo'][1]:.1f}x   (same result: {same})")
+    w, _ = best_of(lambda: naive_grpo(rewards, mask, index), args.naive_repeats, nt)
+    _, c = best_of(lambda: naive_grpo(rewards, mask, index), args.naive_repeats, 1)
+    print(f"{'grpo naive per-group loop':34s} {w:16.3f} {'':15s} {'':15s} {c:14.3f}   naive/ours: wall "
+          f"{w / results['grpo'][0]:.1f}x, cpu {c / single['grpo'][1]:.1f}x   (same result: {same})")
     gae_ret = get_adv_estimator("gae")(rewards, mask, values=values, gamma=1.0, lam=0.95)[1]
     same = torch.allclose(gae_ret, loop_gae(rewards, values, mask, 1.0, 0.95), rtol=1e-5, atol=1e-5)
-    w, c = best_of(lambda: loop_gae(rewards, values, mask, 1.0, 0.95), args.naive_repeats)
-    print(f"{'gae step-by-step loop over t':34s} {w:8.3f} {c:8.3f}   loop/ours: wall {w / results['gae'][0]:.1f}x, "
-          f"cpu {c / results['gae'][1]:.1f}x   (same returns: {same})")
+    w, _ = best_of(lambda: loop_gae(rewards, values, mask, 1.0, 0.95), args.naive_repeats, nt)
+    _, c = best_of(lambda: loop_gae(rewards, values, mask, 1.0, 0.95), args.naive_repeats, 1)
+    print(f"{'gae step-by-step loop over t':34s} {w:16.3f} {'':15s} {'':15s} {c:14.3f}   loop/ours: wall "
+          f"{w / results['gae'][0]:.1f}x, cpu {c / single['gae'][1]:.1f}x   (same returns: {same})")
     print(f"load avg at end {os.getloadavg()[0]:.1f}")
 
 

@@ -26,7 +26,13 @@ import numpy as np
 import torch
 
 from .registry import Registry
-from .scan import discounted_scan, gae_scan, moments_to_mean_rstd, whiten_with_moments
+from .scan import (
+    discounted_scan,
+    empty_output,
+    gae_scan,
+    moments_to_mean_rstd,
+    whiten_with_moments,
+)
 
 
 class AdvEstimatorFn(Protocol):
@@ -71,6 +77,13 @@ def _require(x, what: str, estimator: str):
     if x is None:
         raise ValueError(f"advantage estimator {estimator!r} needs `{what}`, which was not given")
     return x
+
+
+def _row_times_mask(per_row: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``out[i, t] = per_row[i] * m_it`` ``[B, T]``, written once into a fresh output (see
+    :func:`mrl.algorithms.scan.empty_output`)."""
+    out = empty_output(tuple(response_mask.shape), per_row, torch.promote_types(per_row.dtype, response_mask.dtype))
+    return torch.mul(per_row.unsqueeze(-1), response_mask, out=out)
 
 
 def group_ids(index: np.ndarray | Sequence | torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, int]:
@@ -124,7 +137,7 @@ def compute_grpo_outcome_advantage(token_level_rewards, response_mask, *, index=
     scores = token_level_rewards.sum(dim=-1)
     mean, std, _ = group_mean_std(scores, _require(index, "index", "grpo"))
     adv = (scores - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else scores - mean
-    adv = adv.unsqueeze(-1) * response_mask
+    adv = _row_times_mask(adv, response_mask)
     return adv, adv
 
 
@@ -141,7 +154,7 @@ def compute_rloo_outcome_advantage(token_level_rewards, response_mask, *, index=
     scores = token_level_rewards.sum(dim=-1)
     mean, _, n = group_mean_std(scores, _require(index, "index", "rloo"))
     adv = torch.where(n > 1, (scores - mean) * n / (n - 1).clamp(min=1), scores)
-    adv = adv.unsqueeze(-1) * response_mask
+    adv = _row_times_mask(adv, response_mask)
     return adv, adv
 
 
@@ -155,12 +168,12 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards, 
     """
     scores = token_level_rewards.sum(dim=-1)
     mean, _, _ = group_mean_std(scores, _require(index, "index", "reinforce_plus_plus_baseline"))
-    mask = response_mask.to(scores.dtype)
-    # Whitening statistics from [B] vectors: row i holds a_i on its n_i valid tokens.
+    # Whitening statistics from [B] vectors: row i holds a_i on its n_i valid tokens (n_i < 2^24 is
+    # exact in the float32 sum, and no float64 copy of the [B, T] mask is made).
     a = (scores - mean).to(torch.float64)
-    n = mask.sum(-1, dtype=torch.float64)
+    n = response_mask.sum(-1, dtype=scores.dtype).to(torch.float64)
     mu, rstd = moments_to_mean_rstd(n.sum(), (a * n).sum(), (a * a * n).sum())
-    adv = ((a - mu) * rstd).to(scores.dtype).unsqueeze(-1) * mask
+    adv = _row_times_mask(((a - mu) * rstd).to(scores.dtype), response_mask)
     return adv, adv
 
 
@@ -194,7 +207,8 @@ def compute_remax_outcome_advantage(token_level_rewards, response_mask, *, index
     b = _require(reward_baselines, "reward_baselines", "remax")
     returns = discounted_returns(token_level_rewards, response_mask, 1.0)
     mask = response_mask.to(returns.dtype)
-    return torch.addcmul(returns, b.to(returns.dtype).unsqueeze(-1), mask, value=-1.0), returns
+    adv = empty_output(tuple(returns.shape), returns)
+    return torch.addcmul(returns, b.to(returns.dtype).unsqueeze(-1), mask, value=-1.0, out=adv), returns
 
 
 @register_adv_est("gae")

@@ -15,10 +15,17 @@ solved without a Python loop over t (a parallel-scan formulation, Blelloch 1990)
   ``S_b = sum_{k > b} (c^K)^(k - b - 1) A_local[k, 0]``, one GEMM ``[rows, nb] @ [nb, nb]``;
 * ``A[b, j] = A_local[b, j] + c^(K - j) S_b``.
 
-For ``c = 1`` the chunk uses ``A_t = S - cumsum_t + x_t`` with ``S`` the last cumsum entry (cheaper
-than the GEMMs on CPU, and exactly 0 after the last valid token). Every power is ``c^e`` with
-``0 <= e`` and ``c <= 1`` in practice, so nothing is divided and nothing grows; rounding differs from the step-by-step loop only by the summation order (float32 within
-1e-5, float64 within 1e-12, tested in ``tests/algorithms/test_scan.py``).
+The carries are computed first (``A_local[k, 0] = x_block . (c^0, ..., c^(K-1))``, one GEMV) and
+``c S_b`` is added to the last input of block b, so the one block GEMM yields ``A`` directly
+(exactly 0 after the last valid token: the carries there are sums of zeros). For ``c = 1`` the
+chunk uses ``A_t = S - cumsum_t + x_t`` with ``S`` the last cumsum entry (cheaper than the GEMMs on
+CPU, and also exactly 0 after the last valid token). Every power is ``c^e`` with ``0 <= e`` and ``c <= 1`` in practice, so nothing is divided
+and nothing grows; rounding differs from the step-by-step loop only by the summation order
+(float32 within 1e-5, float64 within 1e-12, tested in ``tests/algorithms/test_scan.py``).
+
+Chunks are independent: with ``torch.get_num_threads() > 1`` they are shared out to that many
+worker threads, each computing its chunks with one intra-op thread (:func:`map_chunks`), and the
+per-chunk moments are added in chunk order, so results are bit-identical for any thread count.
 
 Masks are binary (0/1). The recursions skip masked tokens (see
 :func:`mrl.algorithms.advantages.compute_gae_advantage_return`). A chunk whose masks are all
@@ -29,7 +36,12 @@ order, ``scatter_``), scanned as prefixes and gathered back, which is the same r
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import itertools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -37,6 +49,8 @@ BLOCK_ROWS = 16384  # upper bound on rows per chunk
 ELEM_ELEMENTS = 1 << 18  # elements per chunk: rows = ELEM_ELEMENTS // T (1 MB of float32 per chunk buffer)
 TIME_BLOCK = 16  # K: time steps per GEMM block (cost ~ B T (K + T / K) multiply-adds)
 _EXACT_F32_INT = 1 << 24  # float32 represents every integer below this exactly
+
+_R = TypeVar("_R")
 
 
 class Moments(NamedTuple):
@@ -47,6 +61,14 @@ class Moments(NamedTuple):
     s2: float
 
 
+def _sum_moments(parts: Sequence[tuple[float, float, float]]) -> Moments:
+    """Per-chunk moments added in chunk order (the same sum whichever thread ran which chunk)."""
+    n = s1 = s2 = 0.0
+    for pn, p1, p2 in parts:
+        n, s1, s2 = n + pn, s1 + p1, s2 + p2
+    return Moments(n, s1, s2)
+
+
 def _chunk_rows(t_len: int, rows: int | None = None) -> int:
     rows = ELEM_ELEMENTS // max(t_len, 1) if rows is None else rows
     return max(1, min(BLOCK_ROWS, rows))
@@ -55,6 +77,84 @@ def _chunk_rows(t_len: int, rows: int | None = None) -> int:
 def _blocks(b: int, rows: int):
     for s in range(0, b, rows):
         yield s, min(s + rows, b)
+
+
+def empty_output(shape: tuple[int, int], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Uninitialised contiguous output on ``like``'s device, of ``dtype`` (default ``like.dtype``).
+
+    Written exactly once by the kernels. (Allocating large CPU outputs through numpy, which asks for
+    transparent huge pages, halved the page-fault cost of a streaming write on the 2-vCPU CI VM but
+    made the chunked kernels slower and erratic: 2 MB faults in the middle of the chunk loop, and
+    first touches of never-used guest memory costing up to a second; see docs/algorithms.md.)
+    """
+    return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
+
+
+_POOL: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, executor)
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """Process-wide worker threads whose torch ops run with one intra-op thread.
+
+    ``torch.set_num_threads(1)`` in a worker sets that thread's OpenMP/MKL thread count (thread
+    local) and torch's process-wide default; the caller's value is restored before any work runs,
+    so the caller's own thread count is unchanged. Rebuilt after ``fork`` (threads do not survive it).
+    """
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid() or _POOL[1] < workers:
+            if _POOL is not None and _POOL[0] == os.getpid():
+                _POOL[2].shutdown(wait=False)
+            n0 = torch.get_num_threads()
+            ready = threading.Barrier(workers + 1, timeout=120)
+
+            def init() -> None:
+                torch.get_num_threads()  # runs this thread's one-time lazy init (which would reset it)
+                torch.set_num_threads(1)
+                ready.wait()
+
+            ex = ThreadPoolExecutor(workers, thread_name_prefix="mrl-scan", initializer=init)
+            for _ in range(workers):  # each start blocks in init() until all have started
+                ex.submit(int)
+            ready.wait()
+            torch.set_num_threads(n0)
+            _POOL = (os.getpid(), workers, ex)
+        return _POOL[2]
+
+
+def map_chunks(b: int, rows: int, make_ws: Callable[[], object],
+               body: Callable[[object, int, int], _R], device: torch.device) -> list[_R]:
+    """``[body(ws, s, e) for (s, e) in row chunks of `rows`]``, in chunk order.
+
+    On CPU with ``torch.get_num_threads() > 1`` the chunks are shared out to that many worker
+    threads (torch ops release the GIL), each with its own workspace ``make_ws()`` and one intra-op
+    thread, so every chunk is computed exactly as with ``torch.set_num_threads(1)``: the result
+    does not depend on the thread count. Otherwise the chunks run here, in order. Workers run
+    under ``no_grad`` and, if the caller is in ``torch.inference_mode``, in inference mode too
+    (outputs allocated there are inference tensors, which only inference mode may write).
+    """
+    chunks = list(_blocks(b, rows))
+    workers = min(torch.get_num_threads(), len(chunks)) if device.type == "cpu" else 1
+    if torch.get_num_threads() <= 1 or workers < 1 or device.type != "cpu":
+        ws = make_ws()
+        return [body(ws, s, e) for s, e in chunks]
+    results: list = [None] * len(chunks)
+    nxt = itertools.count()  # next() is atomic under the GIL: dynamic load balance
+    inference = torch.is_inference_mode_enabled()  # grad modes are thread-local: carry the caller's
+
+    def work() -> None:
+        ws = make_ws()
+        with torch.inference_mode(inference), torch.no_grad():
+            for i in iter(lambda: next(nxt), None):
+                if i >= len(chunks):
+                    return
+                results[i] = body(ws, *chunks[i])
+
+    futs = [_pool(workers).submit(work) for _ in range(workers)]
+    for f in futs:
+        f.result()
+    return results
 
 
 def moments_to_mean_rstd(n: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor, eps: float = 1e-8):
@@ -96,14 +196,18 @@ def whiten_with_moments(x: torch.Tensor, mask: torch.Tensor, mom: Moments, *, ou
     """``out = (x - mean) * rstd * m`` for ``x`` ``[B, T]`` that is already 0 outside the mask, with
     mean/unbiased variance from ``mom`` (:func:`moments_to_mean_rstd`); ``out=x`` works in place.
 
-    Computed as ``x * rstd - (mean * rstd) m`` (two in-cache passes per row chunk).
+    Computed as ``x * rstd - (mean * rstd) m`` (two in-cache passes per row chunk, chunks shared
+    out by :func:`map_chunks`).
     """
-    out = torch.empty_like(x) if out is None else out
+    out = empty_output(tuple(x.shape), x) if out is None else out
     mean, rstd = moments_to_mean_rstd(*(torch.tensor(v, dtype=torch.float64) for v in mom), eps)
     shift = -float(mean * rstd)
     rstd_f = float(rstd)
-    for s, e in _blocks(x.shape[0], _chunk_rows(x.shape[-1])):
+
+    def body(_ws, s: int, e: int) -> None:
         torch.mul(x[s:e], rstd_f, out=out[s:e]).add_(mask[s:e].to(x.dtype), alpha=shift)
+
+    map_chunks(x.shape[0], _chunk_rows(x.shape[-1]), lambda: None, body, x.device)
     return out
 
 
@@ -112,7 +216,8 @@ class _Chunks:
 
     ``x`` is written into ``self.d[:n, :T]`` (columns ``T..Tp-1`` stay 0, so the GEMM scan past T is
     0); :meth:`scan` returns the ``[n, Tp]`` result buffer, of which callers read ``[:, :T]``.
-    Built once per call: ``U`` ``[K, K]``, the block-carry matrix ``[nb, nb]``, ``w`` ``[K]``.
+    Built once per call: ``U`` ``[K, K]``, its first column ``u0`` ``[K]``, the block-carry matrix
+    ``[nb, nb]``.
     """
 
     def __init__(self, c: float, t_len: int, rows: int, dtype: torch.dtype, device: torch.device):
@@ -122,11 +227,12 @@ class _Chunks:
         c64 = torch.tensor(float(c), dtype=torch.float64)
         j = torch.arange(k, dtype=torch.float64)
         e = j[:, None] - j[None, :]
-        self.u = torch.where(e >= 0, c64 ** e.clamp(min=0), 0.0).to(dtype=dtype, device=device)
+        u = torch.where(e >= 0, c64 ** e.clamp(min=0), 0.0)
+        self.u = u.to(dtype=dtype, device=device)
+        self.u0 = u[:, 0].to(dtype=dtype, device=device)  # c^k: x_block . u0 = A_local at the block start
         bb = torch.arange(self.nb, dtype=torch.float64)
         eb = bb[:, None] - bb[None, :] - 1
         self.m_blk = torch.where(eb >= 0, (c64 ** k) ** eb.clamp(min=0), 0.0).to(dtype=dtype, device=device)
-        self.w = (c64 ** (k - j)).to(dtype=dtype, device=device)
         self.d = torch.zeros((rows, tp), dtype=dtype, device=device)
         self.o = torch.empty((rows, tp), dtype=dtype, device=device)
         self.p = torch.empty((rows, t_len), dtype=dtype, device=device)
@@ -138,26 +244,37 @@ class _Chunks:
         self.vc: torch.Tensor | None = None
 
     def scan(self, n: int) -> torch.Tensor:
-        o = self.o[:n]
+        """Reverse scan of ``self.d[:n]`` (which it may overwrite) into ``self.o[:n]`` ``[n, Tp]``.
+
+        ``c = 1``: the cumsum form (module docstring). Otherwise:
+
+        The carries are computed first, from the block starts ``z_b = x_block . u0`` (one GEMV) and
+        ``S = z @ m_blk`` (``S_b`` = value entering block b from the right); adding ``c S_b`` to the
+        block's last input makes the one block GEMM produce the final values
+        (``A_local[j] + c^(K-1-j) c S_b``), so no pass over the chunk is spent on the carries.
+        Exactly 0 after the last nonzero input of a row (the carries there are sums of zeros).
+        """
         if self.c == 1.0:
-            # c = 1: G_t = S - cumsum_t + x_t (one sequential cumsum beats the GEMMs here); the
-            # padding columns of o are not read (callers use o[:, :T] only).
-            d, ot = self.d[:n, : self.t], o[:, : self.t]
+            # c = 1: A_t = S - cumsum_t + x_t with S the last cumsum entry (one sequential cumsum is
+            # cheaper than the GEMMs here); S - cumsum_t is exactly 0 past the last nonzero input.
+            # The padding columns of o are not read (callers use o[:, :T] only).
+            d, ot = self.d[:n, : self.t], self.o[:n, : self.t]
             torch.cumsum(d, -1, out=ot)
-            # S = last cumsum entry, so past the last valid token S - cumsum_t is exactly 0
             torch.sub(ot[:, -1:].clone(), ot, out=ot).add_(d)
-            return o
-        torch.mm(self.d[:n].view(-1, self.k), self.u, out=o.view(-1, self.k))
+            return self.o[:n]
+        d2 = self.d[:n].view(-1, self.k)
         if self.nb > 1:
-            o3 = o.view(n, self.nb, self.k)
-            carry = torch.mm(o3[:, :, 0], self.m_blk)  # [n, nb]: value entering each block from the right
-            o3.addcmul_(carry.unsqueeze(-1), self.w)
+            z = torch.mv(d2, self.u0).view(n, self.nb)
+            carry = torch.mm(z, self.m_blk)  # [n, nb]; its last column is exactly 0
+            self.d[:n].view(n, self.nb, self.k)[:, :, -1].add_(carry, alpha=self.c)
+        o = self.o[:n]
+        torch.mm(d2, self.u, out=o.view(-1, self.k))
         return o
 
     def lengths(self, m: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Valid-token counts ``L`` ``[n]`` and whether every row of the binary mask is a prefix."""
         lens = m.sum(-1, dtype=self.det.dtype)
-        pos_sum = torch.mv(m.to(self.det.dtype), self.det)
+        pos_sum = torch.mv(m if m.dtype == self.det.dtype else m.to(self.det.dtype), self.det)
         return lens, bool(torch.equal(pos_sum * 2, lens * (lens - 1)))
 
     def compact(self, m: torch.Tensor, lens: torch.Tensor, *xs: torch.Tensor):
@@ -181,20 +298,20 @@ def gae_scan(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, ga
     """Raw GAE advantages ``A * m`` and returns ``(A + V) * m``, both ``[B, T]``, and the moments
     of ``A`` over valid tokens; see :func:`mrl.algorithms.advantages.compute_gae_advantage_return`.
 
-    For a prefix row, ``V'`` of valid token t is ``V_{t+1} m_{t+1}``, so
-    ``delta = (r - V) m + gamma * shift(V m)`` and ``A`` is the reverse scan of ``delta`` with
-    ``c = gamma * lam`` (0 past the last valid token).
+    For a prefix row, ``V'`` of valid token t is ``V_{t+1} m_{t+1}``, so with ``P = V m``
+    ``delta = r m - P + gamma * shift(P)`` and ``A`` is the reverse scan of ``delta`` with
+    ``c = gamma * lam`` (0 past the last valid token). The chunk scans ``-delta``
+    (``P - r m`` is one ``addcmul``) and writes ``A = -scan`` and ``A + P = P - scan``.
     """
     b, t_len = rewards.shape
     dtype = rewards.dtype
-    adv = torch.empty_like(rewards)
-    ret = torch.empty_like(rewards)
+    adv = empty_output((b, t_len), rewards)
+    ret = empty_output((b, t_len), rewards)
     if b == 0 or t_len == 0:
         return adv.zero_(), ret.zero_(), Moments(0.0, 0.0, 0.0)
     rows = min(_chunk_rows(t_len), b)
-    ws = _Chunks(gamma * lam, t_len, rows, dtype, rewards.device)
-    n_tot = s1 = s2 = 0.0
-    for s, e in _blocks(b, rows):
+
+    def body(ws: _Chunks, s: int, e: int) -> tuple[float, float, float]:
         n = e - s
         m = mask[s:e].to(dtype)
         r, v = rewards[s:e], values[s:e]
@@ -205,21 +322,22 @@ def gae_scan(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, ga
             mc = m
         p = torch.mul(v, mc, out=ws.p[:n])
         dt = ws.d[:n, :t_len]
-        torch.sub(r, v, out=dt).mul_(mc)
+        torch.addcmul(p, r, mc, value=-1.0, out=dt)  # -delta without the next-value term
         if t_len > 1:
-            dt[:, :-1].add_(p[:, 1:], alpha=gamma)
-        o = ws.scan(n)
-        a = o[:, :t_len]
-        n_tot += float(lens.sum())
-        s1 += float(a.sum())
-        s2 += float(torch.mul(a, a, out=dt).sum())  # dt is rewritten by the next chunk
+            dt[:, :-1].sub_(p[:, 1:], alpha=gamma)
+        a = ws.scan(n)[:, :t_len]  # -A
+        mom = (float(lens.sum()), -float(a.sum()), float(torch.mul(a, a, out=dt).sum()))  # dt is free now
         if prefix:
-            adv[s:e].copy_(a)
-            torch.add(a, p, out=ret[s:e])
+            torch.neg(a, out=adv[s:e])
+            torch.sub(p, a, out=ret[s:e])
         else:
-            torch.gather(a, 1, pos, out=adv[s:e]).mul_(m)
-            torch.gather(p.add_(a), 1, pos, out=ret[s:e]).mul_(m)
-    return adv, ret, Moments(n_tot, s1, s2)
+            torch.gather(a, 1, pos, out=adv[s:e]).mul_(m).neg_()
+            torch.gather(p.sub_(a), 1, pos, out=ret[s:e]).mul_(m)
+        return mom
+
+    parts = map_chunks(b, rows, lambda: _Chunks(gamma * lam, t_len, rows, dtype, rewards.device), body,
+                       rewards.device)
+    return adv, ret, _sum_moments(parts)
 
 
 def discounted_scan(x: torch.Tensor, mask: torch.Tensor, gamma: float, *,
@@ -231,17 +349,16 @@ def discounted_scan(x: torch.Tensor, mask: torch.Tensor, gamma: float, *,
     ``G_t = sum_{k >= t} x_k m_k``.
     """
     b, t_len = x.shape
-    out = torch.empty_like(x)
+    out = empty_output((b, t_len), x)
     if b == 0 or t_len == 0:
         return out.zero_(), Moments(0.0, 0.0, 0.0)
     rows = min(_chunk_rows(t_len), b)
-    ws = _Chunks(gamma, t_len, rows, x.dtype, x.device)
-    n_tot = s1 = s2 = 0.0
-    for s, e in _blocks(b, rows):
+
+    def body(ws: _Chunks, s: int, e: int) -> tuple[float, float, float] | None:
         n = e - s
         m = mask[s:e].to(x.dtype)
         if gamma == 1.0:
-            lens, prefix = (m.sum(-1) if with_moments else None), True
+            lens, prefix = None, True
         else:
             lens, prefix = ws.lengths(m)
         dt = ws.d[:n, :t_len]
@@ -252,16 +369,18 @@ def discounted_scan(x: torch.Tensor, mask: torch.Tensor, gamma: float, *,
             dt.copy_(xc)  # compacted rows are already 0 past their length
         g = ws.scan(n)[:, :t_len]
         if gamma == 1.0:
-            g.mul_(m)  # holes were not compacted: masked tokens hold the carried sum
-        if with_moments:
-            n_tot += float(lens.sum())
-            s1 += float(g.sum())
-            s2 += float(torch.mul(g, g, out=dt).sum())  # dt is rewritten by the next chunk
-        if prefix:
+            g = torch.mul(g, m, out=out[s:e])  # holes were not compacted: masked tokens hold the carried sum
+        elif prefix:
             out[s:e].copy_(g)
         else:
             torch.gather(g, 1, pos, out=out[s:e]).mul_(m)
-    return out, Moments(n_tot, s1, s2) if with_moments else None
+        if not with_moments:
+            return None
+        n_valid = float(m.sum()) if lens is None else float(lens.sum())
+        return n_valid, float(g.sum()), float(torch.mul(g, g, out=dt).sum())  # dt is free now
+
+    parts = map_chunks(b, rows, lambda: _Chunks(gamma, t_len, rows, x.dtype, x.device), body, x.device)
+    return out, _sum_moments(parts) if with_moments else None
 
 
 def reverse_cumsum_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,14 @@
 
 Covers the prefix-mask fast path and the compaction path for masks with holes (and checks which one
 ran), every block geometry (T a multiple of K, not, T < K, T = 1, one row per chunk), float64 to
-1e-12 and float32 to 1e-5 relative, and the moments used for whitening.
+1e-12 and float32 to 1e-5 relative, and the moments used for whitening; then that the worker
+threads and the broadcast estimators change nothing in the results.
 """
 from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -126,3 +131,104 @@ def test_outputs_exactly_zero_outside_prefix_masks_float32(gamma, lam):
     g, _ = scan.discounted_scan(r, m, gamma)
     for x in (adv, ret, g):
         assert torch.count_nonzero(x * (1 - m)).item() == 0
+
+
+def _all_outputs(r, v, m):
+    adv, ret, mom = scan.gae_scan(r, v, m, 0.99, 0.95)
+    g1, mom1 = scan.discounted_scan(r, m, 1.0)
+    g2, mom2 = scan.discounted_scan(r, m, 0.9)
+    white = scan.whiten_with_moments(adv, m, mom)
+    return (adv, ret, g1, g2, white), (mom, mom1, mom2)
+
+
+@pytest.mark.parametrize("holes", [False, True])
+def test_results_do_not_depend_on_the_thread_count(monkeypatch, holes):
+    """Chunks go to worker threads when torch has more than one thread; each chunk is computed as
+    with one thread and the per-chunk moments are added in chunk order, so the outputs are
+    bit-identical for 1, 2 and 3 threads, and the caller's thread count is left alone."""
+    monkeypatch.setattr(scan, "ELEM_ELEMENTS", 7 * 50)  # 7 rows per chunk: 15 chunks, a short last one
+    r, v, m = _data(101, 50, torch.float32, holes, seed=4)
+    ran_on = []
+    orig = scan._Chunks.scan
+
+    def spy(self, n):
+        ran_on.append((threading.current_thread().name, torch.get_num_threads()))
+        return orig(self, n)
+
+    monkeypatch.setattr(scan._Chunks, "scan", spy)
+    n0 = torch.get_num_threads()
+    got = {}
+    try:
+        for nt in (1, 2, 3):
+            torch.set_num_threads(nt)
+            ran_on.clear()
+            got[nt] = _all_outputs(r, v, m)
+            assert torch.get_num_threads() == nt
+            workers = {name for name, _ in ran_on if name.startswith("mrl-scan")}
+            assert len(ran_on) == 3 * 15 and (workers == set() if nt == 1 else len(workers) >= 2)
+            assert {k for _, k in ran_on} == {1}  # one intra-op thread inside every chunk
+    finally:
+        torch.set_num_threads(n0)
+    want_adv, want_ret = _loop_gae(r, v, m, 0.99, 0.95)
+    for got_t, want in ((got[1][0][0], want_adv), (got[1][0][1], want_ret)):
+        assert ((got_t.double() - want).abs() / want.abs().clamp(min=1.0)).max().item() < 1e-5
+    for nt in (2, 3):
+        for a, b in zip(got[1][0], got[nt][0]):
+            assert torch.equal(a, b)
+        assert got[1][1] == got[nt][1]
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "grad"])
+def test_worker_threads_follow_the_callers_grad_mode(monkeypatch, mode):
+    """Outputs allocated under inference_mode are inference tensors: the workers, which write them,
+    must run in inference mode too (grad modes are thread-local)."""
+    monkeypatch.setattr(scan, "ELEM_ELEMENTS", 5 * 30)
+    r, v, m = _data(23, 30, torch.float64, holes=True, seed=6)
+    want_adv, want_ret = _loop_gae(r, v, m, 0.97, 0.9)
+    want_g = _loop_discounted(r, m, 1.0)
+    ctx = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "grad": torch.enable_grad}[mode]
+    n0 = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with ctx():
+            adv, ret = get_adv_estimator("gae")(r, m, values=v, gamma=0.97, lam=0.9)
+            adv2, g = get_adv_estimator("reinforce_plus_plus")(r, m, gamma=1.0)
+    finally:
+        torch.set_num_threads(n0)
+    torch.testing.assert_close(ret, want_ret, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(adv, masked_whiten(want_adv, m) * m, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g, want_g, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(adv2, masked_whiten(want_g, m) * m, rtol=1e-10, atol=1e-12)
+    assert ret.is_inference() == (mode == "inference_mode")
+
+
+def test_worker_pool_is_rebuilt_after_fork(monkeypatch):
+    """Threads do not survive fork: a pool recorded under another pid is replaced, not used."""
+    dead = ThreadPoolExecutor(1)
+    dead.shutdown()
+    monkeypatch.setattr(scan, "_POOL", (os.getpid() + 1, 64, dead))
+    r, v, m = _data(20, 30, torch.float64, holes=True, seed=2)
+    monkeypatch.setattr(scan, "ELEM_ELEMENTS", 4 * 30)
+    n0 = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        adv, ret, _ = scan.gae_scan(r, v, m, 0.9, 0.8)
+    finally:
+        torch.set_num_threads(n0)
+    assert scan._POOL[0] == os.getpid() and scan._POOL[2] is not dead
+    want_adv, want_ret = _loop_gae(r, v, m, 0.9, 0.8)
+    torch.testing.assert_close(adv, want_adv, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ret, want_ret, rtol=1e-12, atol=1e-12)
+
+
+def test_broadcast_estimators_promote_dtypes_and_accept_bool_masks():
+    r, _, m = _data(12, 9, torch.float32, holes=False, seed=5)
+    uid = [i // 3 for i in range(12)]
+    for name in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+        a32, _ = get_adv_estimator(name)(r, m, index=uid)
+        a64, _ = get_adv_estimator(name)(r, m.double(), index=uid)
+        ab, _ = get_adv_estimator(name)(r, m.bool(), index=uid)
+        assert a32.dtype == ab.dtype == torch.float32 and a64.dtype == torch.float64
+        torch.testing.assert_close(ab, a32, rtol=0, atol=0)
+        torch.testing.assert_close(a64.float(), a32, rtol=1e-6, atol=1e-6)
+        assert torch.count_nonzero(a32 * (1 - m)).item() == 0
