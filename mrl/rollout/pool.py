@@ -98,7 +98,11 @@ class EnginePool:
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
             # trust_env=False: engines are addressed directly, never through an HTTP proxy.
-            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+            # keepalive_expiry 2 s < the server's 5 s keep-alive (uvicorn's default, SGLang's too): with equal
+            # timers a connection idle ~5 s between steps can be reused just as the server closes it, a
+            # ReadError that takes a healthy engine out (likely cause of the drops on loaded CPU hosts with
+            # 4-5 s steps: 4 of 4 quickstart runs lost an engine before this, 0 of 2 after).
+            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256, keepalive_expiry=2.0)
             self._client = httpx.AsyncClient(timeout=None, limits=limits, trust_env=False, headers=self.headers)
         return self._client
 

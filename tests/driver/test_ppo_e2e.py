@@ -45,7 +45,7 @@ def _common(ckpt: Path) -> dict:
 
 def test_ppo_critic_warmup_checkpoint_and_resume(tmp_path: Path) -> None:
     assets = tmp_path / "assets"
-    subprocess.run([sys.executable, "-m", "mrl.quickstart", "--out", str(assets), "--sft-steps", "0"], cwd=ROOT, check=True,
+    subprocess.run([sys.executable, "-m", "mrl.quickstart", "--out", str(assets)], cwd=ROOT, check=True,
                    capture_output=True, timeout=120)
     port = _free_port_pair()
     p = _train(tmp_path, assets, 1, port)

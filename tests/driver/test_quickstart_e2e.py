@@ -52,7 +52,7 @@ def _metrics(db: Path, key: str) -> dict[int, float]:
 
 def test_quickstart_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     assets = tmp_path / "assets"
-    subprocess.run([sys.executable, "-m", "mrl.quickstart", "--out", str(assets), "--sft-steps", "0"], cwd=ROOT, check=True,
+    subprocess.run([sys.executable, "-m", "mrl.quickstart", "--out", str(assets)], cwd=ROOT, check=True,
                    capture_output=True, timeout=120)
     port = _free_port_pair()
     p = _train(tmp_path, assets, 2, port)

@@ -25,7 +25,7 @@ BLEND, ALIGN = "actor/ref_blend", "actor/repr/ref_gold_align"
 
 def test_quickstart_with_ref_blend_and_repr_align(tmp_path: Path) -> None:
     assets = tmp_path / "assets"
-    subprocess.run([sys.executable, "-m", "mrl.quickstart", "--out", str(assets), "--sft-steps", "0"], cwd=ROOT, check=True,
+    subprocess.run([sys.executable, "-m", "mrl.quickstart", "--out", str(assets)], cwd=ROOT, check=True,
                    capture_output=True, timeout=120)
     cmd = [sys.executable, "-m", "mrl", "train", "mrl_configs/quickstart.yaml",
            f"model.path={assets}/tiny-qwen2", f"data.train_files=[{assets}/data/train.jsonl]", "data.val_files=[]",
