@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+import time
 from typing import Any
 
 import ray
@@ -104,22 +105,41 @@ class WorkerGroup:
             ).remote(env))
         self._wait([a.construct.remote(cls_path, kwargs) for a in self.actors], f"construct {cls_path}")
 
-    def _wait(self, refs: list, what: str) -> list[Any]:
-        try:
-            return ray.get(refs, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise WorkerGroupError(f"{what}: not every rank answered within {self.timeout_s:.0f}s") from None
-        except ray.exceptions.RayError as e:
-            raise WorkerGroupError(f"{what} failed on a rank: {e}") from e
+    def _wait(self, refs: list, what: str, timeout_s: float | None = None) -> list[Any]:
+        """All ranks' results, failing as soon as ONE rank fails: its peers may then be blocked in a
+        collective that never completes, and waiting for them would turn one error into a hang."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WorkerGroupError(f"{what}: not every rank answered within {timeout:.0f}s")
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayError as e:
+                raise WorkerGroupError(f"{what} failed on rank {refs.index(ready[0])}: {e}") from e
+        return ray.get(refs)
 
     def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method(*args, **kwargs)`` on every rank; per-rank results in rank order."""
         refs = [a.call.remote(method, args, kwargs) for a in self.actors]
         return self._wait(refs, f"{method}")
 
+    def close(self, method: str = "close", timeout_s: float = 30.0) -> None:
+        """Teardown: ``method`` on every rank within ``timeout_s`` (a rank still stuck in a failed
+        step's collective cannot answer; :meth:`shutdown` kills it next), then :meth:`shutdown`."""
+        try:
+            self._wait([a.call.remote(method, (), {}) for a in self.actors], method, timeout_s)
+        finally:
+            self.shutdown()
+
     def shutdown(self) -> None:
+        """Kill every rank actor and release the placement group (idempotent)."""
         for a in self.actors:
             ray.kill(a)
         self.actors = []
-        remove_placement_group(self.pg)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
 

@@ -155,8 +155,7 @@ def _teardown(s: Services, status: str) -> None:
 
     for step in (
         lambda: s.tracking and s.tracking.finish(status),
-        lambda: s.workers and s.workers.execute_all("close"),
-        lambda: s.workers and s.workers.shutdown(),
+        lambda: s.workers and s.workers.close("close", timeout_s=30.0),
         lambda: s.pool and s.pool.close(),
         lambda: s.reward.close(),
         ray.shutdown,

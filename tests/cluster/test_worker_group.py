@@ -29,6 +29,15 @@ class EnvProbe:
     def sleep(self, s: float) -> None:
         time.sleep(s)
 
+    def ping(self) -> str:
+        return "pong"
+
+    def fail_on_rank1_while_rank0_waits(self) -> None:
+        """Rank 0 blocks as if in a collective its failed peer never joins."""
+        if self.seen["RANK"] == "1":
+            raise ValueError("rank 1 broke mid-step")
+        time.sleep(20)
+
 
 @pytest.fixture(scope="module")
 def group():
@@ -62,3 +71,15 @@ def test_timeout_does_not_hang(group) -> None:
         group.execute_all("sleep", 5.0)
     assert time.monotonic() - t0 < 4.0
     group.timeout_s = 60.0
+
+
+def test_one_failed_rank_fails_the_call_at_once(group) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(WorkerGroupError, match="(?s)failed on rank 1: .*rank 1 broke mid-step"):
+        group.execute_all("fail_on_rank1_while_rank0_waits")
+    assert time.monotonic() - t0 < 10.0  # not the 20 s rank 0 is stuck for, nor the 60 s timeout
+    # teardown of a group whose rank 0 is still stuck: bounded, then the actors are killed
+    t0 = time.monotonic()
+    with pytest.raises(WorkerGroupError, match="within 1s"):
+        group.close("ping", timeout_s=1.0)
+    assert time.monotonic() - t0 < 8.0 and group.actors == []
