@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.driver.test_quickstart_e2e import ROOT, _free_port_pair, _metrics
+from tests.helpers.e2e import free_port_pair, metrics, run_train, write_assets
 
 pytestmark = pytest.mark.slow
 
@@ -26,16 +23,12 @@ CRITIC_KEYS = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "cri
                "timing_s/values", "timing_s/update_critic"]
 
 
-def _train(tmp: Path, assets: Path, steps: int, port: int) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "mrl", "train", "mrl_configs/quickstart_ppo.yaml",
-           f"model.path={assets}/tiny-qwen2", f"data.train_files=[{assets}/data/train.jsonl]", "data.val_files=[]",
-           "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2",
-           "critic.ppo_micro_batch_size_per_gpu=2", "rollout.max_response_length=16",
-           f"trainer.total_training_steps={steps}", "trainer.critic_warmup=1", "trainer.save_freq=1",
-           f"trainer.default_local_dir={tmp}/ckpt", f"trainer.mlflow_tracking_uri=sqlite:///{tmp}/mlflow.db",
-           f"rollout.port_base={port}"]
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled"}
-    return subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+def _train(tmp: Path, assets: Path, steps: int, port: int):
+    return run_train("mrl_configs/quickstart_ppo.yaml", tmp, assets, port, "data.val_files=[]",
+                     "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2",
+                     "critic.ppo_micro_batch_size_per_gpu=2", "rollout.max_response_length=16",
+                     f"trainer.total_training_steps={steps}", "trainer.critic_warmup=1", "trainer.save_freq=1",
+                     f"trainer.default_local_dir={tmp}/ckpt")
 
 
 def _common(ckpt: Path) -> dict:
@@ -44,10 +37,8 @@ def _common(ckpt: Path) -> dict:
 
 
 def test_ppo_critic_warmup_checkpoint_and_resume(tmp_path: Path) -> None:
-    assets = tmp_path / "assets"
-    subprocess.run([sys.executable, "-m", "mrl.quickstart", "--out", str(assets)], cwd=ROOT, check=True,
-                   capture_output=True, timeout=120)
-    port = _free_port_pair()
+    assets = write_assets(tmp_path)
+    port = free_port_pair()
     p = _train(tmp_path, assets, 1, port)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     ckpt = tmp_path / "ckpt"
@@ -61,13 +52,13 @@ def test_ppo_critic_warmup_checkpoint_and_resume(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     db = tmp_path / "mlflow.db"
     for key in CRITIC_KEYS:
-        got = _metrics(db, key)
+        got = metrics(db, key)
         assert sorted(got) == [1, 2] and all(math.isfinite(v) for v in got.values()), (key, got)
-    assert _metrics(db, "critic/vf_loss")[1] > 0
+    assert metrics(db, "critic/vf_loss")[1] > 0
     # warm-up: step 1 trained only the critic and pushed nothing; the actor starts at step 2
-    assert sorted(_metrics(db, "actor/pg_loss")) == [2]
-    assert _metrics(db, "rollout/weight_version") == {1: 0.0, 2: 2.0}
-    assert _metrics(db, "rollout/engine_weight_version") == {1: 0.0, 2: 0.0}
+    assert sorted(metrics(db, "actor/pg_loss")) == [2]
+    assert metrics(db, "rollout/weight_version") == {1: 0.0, 2: 2.0}
+    assert metrics(db, "rollout/engine_weight_version") == {1: 0.0, 2: 0.0}
     # the resumed critic continued from the saved one: its step counter and LR schedule carry on
     # (a fresh critic would save global_step 1 / num_steps 2 again)
     c2 = _common(ckpt / "global_step_2" / "critic")
