@@ -57,7 +57,14 @@ class _RankActor:
         os.environ.update(env)
         self.obj: Any = None
 
-    def construct(self, cls_path: str, kwargs: dict[str, Any]) -> bool:
+    def node_info(self) -> dict[str, Any]:
+        """Where this rank landed: Ray node id and IP, the node-local GPU ids Ray assigned it, and
+        a free port on its node (rank 0's becomes MASTER_PORT)."""
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "gpu_ids": [int(g) for g in ray.get_gpu_ids()], "free_port": _free_port()}
+
+    def construct(self, cls_path: str, kwargs: dict[str, Any], env: dict[str, str]) -> bool:
+        os.environ.update(env)
         self.obj = _resolve(cls_path)(**kwargs)
         return True
 
@@ -69,8 +76,37 @@ class _RankActor:
         return getattr(self.obj, method)(*args, **kwargs)
 
 
+def rank_env(infos: list[dict[str, Any]], device: str) -> list[dict[str, str]]:
+    """Per-rank rendezvous env from where the ranks landed (``_RankActor.node_info``).
+
+    MASTER_ADDR/MASTER_PORT: a port free on rank 0's node, at 127.0.0.1 when every rank shares one
+    node (nothing leaves the host) and at rank 0's node IP otherwise (other nodes cannot reach the
+    driver's loopback). LOCAL_RANK: on CUDA the node-local GPU index Ray assigned (every GPU of
+    the node stays visible to the rank, see ``WorkerGroup``), so ``torch.cuda.set_device(LOCAL_RANK)``
+    picks the rank's own GPU; on CPU the rank's position among the ranks on its node.
+    NODE_RANK numbers the nodes in order of their first rank.
+    """
+    nodes: dict[str, list[int]] = {}
+    for r, info in enumerate(infos):
+        nodes.setdefault(info["node_id"], []).append(r)
+    node_rank = {node: i for i, node in enumerate(nodes)}
+    out = []
+    for r, info in enumerate(infos):
+        if device == "cuda":
+            if len(info["gpu_ids"]) != 1:
+                raise WorkerGroupError(f"rank {r} was given GPUs {info['gpu_ids']} by Ray; expected exactly one")
+            local = info["gpu_ids"][0]
+        else:
+            local = nodes[info["node_id"]].index(r)
+        out.append({"MASTER_ADDR": infos[0]["ip"] if len(nodes) > 1 else "127.0.0.1", "MASTER_PORT": str(infos[0]["free_port"]),
+                    "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(len(nodes[info["node_id"]])),
+                    "NODE_RANK": str(node_rank[info["node_id"]])})
+    return out
+
+
 class WorkerGroup:
-    """``world_size`` rank actors with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK set.
+    """``world_size`` rank actors with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK set
+    (``rank_env``: from where Ray placed them, so ranks on several nodes find rank 0).
 
     ``cls_path`` (``"pkg.module.Class"``) is constructed on every rank with ``kwargs``; the env is
     in place before the constructor runs (it calls ``init_parallel`` from env). Ranks are packed
@@ -79,7 +115,7 @@ class WorkerGroup:
 
     def __init__(self, cls_path: str, kwargs: dict[str, Any], *, world_size: int, device: str,
                  cpus_per_rank: float = 1.0, timeout_s: float = 600.0,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, wait: bool = True) -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
         gpus = 1 if device == "cuda" else 0
@@ -93,17 +129,29 @@ class WorkerGroup:
                 f"Ray could not place {world_size} ranks with {bundle} each within {timeout_s:.0f}s; "
                 "fix: lower cluster.n_gpus_per_node or give Ray more CPUs (cluster.cpus_per_node)"
             ) from None
-        port = str(_free_port())
         self.actors = []
+        # On CUDA every rank keeps all of its node's GPUs visible (Ray would otherwise narrow
+        # CUDA_VISIBLE_DEVICES to one): LOCAL_RANK then names the rank's GPU, NCCL keeps P2P between
+        # ranks, and an engine launched next to the ranks can address their GPUs by index.
+        runtime_env = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if gpus else None
         for r in range(world_size):
-            env = {"RANK": str(r), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(r),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "MRL_DEVICE": device,
-                   **(extra_env or {})}
+            env = {"RANK": str(r), "WORLD_SIZE": str(world_size), "MRL_DEVICE": device, **(extra_env or {})}
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=r)
             self.actors.append(_RankActor.options(
-                num_cpus=cpus_per_rank, num_gpus=gpus, scheduling_strategy=strategy,
+                num_cpus=cpus_per_rank, num_gpus=gpus, scheduling_strategy=strategy, runtime_env=runtime_env,
             ).remote(env))
-        self._wait([a.construct.remote(cls_path, kwargs) for a in self.actors], f"construct {cls_path}")
+        self.infos = self._wait([a.node_info.remote() for a in self.actors], "node_info")
+        envs = rank_env(self.infos, device)
+        self._construct = [a.construct.remote(cls_path, kwargs, e) for a, e in zip(self.actors, envs)]
+        if wait:
+            self.wait_constructed()
+
+    def wait_constructed(self) -> None:
+        """Block until every rank's worker object is built (``wait=False`` lets the caller start
+        engines next to the ranks while the models load)."""
+        if self._construct:
+            refs, self._construct = self._construct, []
+            self._wait(refs, "construct")
 
     def _wait(self, refs: list, what: str, timeout_s: float | None = None) -> list[Any]:
         """All ranks' results, failing as soon as ONE rank fails: its peers may then be blocked in a

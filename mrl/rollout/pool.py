@@ -85,6 +85,8 @@ class EnginePool:
         #: the version the last weight sync pushed (None: engines still hold their start weights)
         self.weight_version: str | None = None
         self.resync: Callable[[str], None] | None = None
+        #: engines released their memory (release_memory): health probes pause until resume_memory
+        self.asleep = False
         self.loop = PoolLoop()
         self._client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Future | None = None
@@ -143,9 +145,11 @@ class EnginePool:
                 reason = f"/health_generate answered HTTP {r.status_code}"
             except httpx.HTTPError as ex:
                 ok, reason = False, f"/health_generate failed: {type(ex).__name__}: {ex}"
-            if not ok:
+            if not ok and not self.asleep:  # a probe that raced release_memory is not a failure
                 self.mark_unhealthy(e, reason)
             return ok
+        if self.asleep:
+            return {}
         live = self.healthy_engines()
         oks = await asyncio.gather(*(one(e) for e in live))
         return {e.url: ok for e, ok in zip(live, oks)}
@@ -251,6 +255,20 @@ class EnginePool:
 
     def resume(self, engines: Sequence[EngineEndpoint] | None = None) -> None:
         self.control("/continue_generation", {}, engines=engines)
+
+    def release_memory(self) -> None:
+        """Put every engine to sleep (SGLang's /release_memory_occupation: KV cache and weights) so a
+        colocated trainer gets the device memory; no health probes until :meth:`resume_memory`,
+        since a sleeping engine cannot generate."""
+        self.asleep = True
+        self.control("/release_memory_occupation", {})
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Wake the engines: ``tags`` ``["weights"]`` first (then sync them), ``["kv_cache"]`` after, as
+        verl does to keep the peak low; None restores everything. Probing resumes with the KV cache."""
+        self.control("/resume_memory_occupation", {"tags": list(tags)} if tags else {})
+        if tags is None or "kv_cache" in tags:
+            self.asleep = False
 
     def engine(self, url: str) -> EngineEndpoint:
         for e in self.engines:

@@ -85,14 +85,19 @@ def build_sglang_command(spec: SGLangLaunchSpec, python: str = sys.executable) -
 
 
 def build_embedded_command(
-    model_path: str, port: int, host: str = "127.0.0.1", token_env: str | None = None, python: str = sys.executable
+    model_path: str, port: int, host: str = "127.0.0.1", token_env: str | None = None, python: str = sys.executable,
+    device: str | None = None, dtype: str | None = None, seed: int | None = None,
 ) -> list[str]:
     """The argv of the embedded engine (``rollout.engine: torch``), same CLI shape. The control
     token travels in the environment variable ``token_env`` (pass it in ``EngineProcess(env=)``),
-    not in argv, which other users of the host can read."""
+    not in argv, which other users of the host can read. ``device``/``dtype``/``seed``: the
+    server's defaults (cpu, float32, 0) when None."""
     cmd = [python, "-m", "mrl.rollout.server", "--model", str(model_path), "--host", host, "--port", str(port)]
     if token_env:
         cmd += ["--token-env", token_env]
+    for flag, value in (("--device", device), ("--dtype", dtype), ("--seed", seed)):
+        if value is not None:
+            cmd += [flag, str(value)]
     return cmd
 
 

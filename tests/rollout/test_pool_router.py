@@ -166,3 +166,22 @@ def test_kill_engine_mid_batch_then_restart_and_resync(pool, engines, tmp_path):
     assert victim.healthy and victim.restarts == 1, victim.last_error
     assert pool.loop.run(pool.get_weight_version(victim)) == "1"
     assert _checksums(victim.url) == want
+
+
+def test_sleeping_engines_are_not_probed_and_wake_in_two_stages(pool):
+    """release_memory: engines cannot generate (503), yet the health loop must not take them out
+    and restart them; resume weights then KV cache (verl's order) and they serve again."""
+    client = RolloutClient(Router(pool))
+    pool.release_memory()
+    assert pool.asleep
+    r = httpx.post(pool.engines[0].url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}},
+                   timeout=30, trust_env=False)
+    assert r.status_code == 503 and "released" in r.text
+    assert pool.loop.run(pool.check_health()) == {}  # no probe while asleep
+    assert all(e.healthy and e.restarts == 0 for e in pool.engines)
+    pool.resume_memory(["weights"])
+    assert pool.asleep  # the KV cache is still out: probes wait for it
+    pool.resume_memory(["kv_cache"])
+    assert not pool.asleep and all(pool.loop.run(pool.check_health()).values())
+    res = client.generate(RolloutRequest(PROMPTS[:2], n=2, sampling_params={"max_new_tokens": 4}))
+    assert len(res.samples) == 4 and not res.failed
