@@ -20,6 +20,7 @@ from .advantages import (
     register_adv_est,
 )
 from .agg_loss import LOSS_AGG_MODES, agg_loss, count_tokens_and_seqs
+from .dapo import informative_groups, overlong_penalty
 from .entropy import entropy_from_logits, entropy_from_logits_chunked
 from .kl import KL_PENALTY_NAMES, kl_penalty
 from .kl_control import (
@@ -84,11 +85,13 @@ __all__ = [
     "get_policy_loss_fn",
     "group_ids",
     "group_mean_std",
+    "informative_groups",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "overlong_penalty",
     "policy_loss_names",
     "register_adv_est",
     "register_policy_loss",

@@ -23,7 +23,7 @@ from mrl.config.optim import OptimConfig
 from mrl.config.parallel import ParallelConfig
 from mrl.config.ref import RefConfig
 from mrl.config.reward import RewardConfig
-from mrl.config.rollout import RolloutConfig, WeightSyncConfig
+from mrl.config.rollout import RolloutConfig, ValKwargsConfig, WeightSyncConfig
 from mrl.config.root import MRLConfig
 from mrl.config.trainer import TrainerConfig
 from mrl.config.validate import check_config
@@ -48,6 +48,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "TrainerConfig",
+    "ValKwargsConfig",
     "WeightSyncConfig",
     "apply_overrides",
     "check_config",

@@ -6,6 +6,7 @@
 * KL in reward: ``r_t <- r_t - beta * KL_t`` with beta from ``kl_ctrl``.
 * ref_reward_blend (seed 003): ``r <- (1 - w) r + w * minmax(ref_log_prob)`` with w scheduled to max_weight.
 * repr_align (seed 003): ``r_t += w * cos(emb_gen, emb_gold) * mask_t / |mask|`` when batch entropy is high.
+* filter_groups (DAPO dynamic sampling): train only on groups whose metric has std > 0.
 """
 from __future__ import annotations
 
@@ -55,6 +56,20 @@ class ReprAlignConfig(Section):
     ref_alignment: RefAlignmentConfig = Field(default_factory=RefAlignmentConfig, description="Gold-representation alignment term.")
 
 
+class FilterGroupsConfig(Section):
+    """DAPO dynamic sampling (verl ``algorithm.filter_groups``): drop the groups whose ``metric`` is
+    the same for every sample (no advantage signal) and generate more prompts until
+    ``data.train_batch_size`` informative groups are collected."""
+
+    enable: bool = Field(False, description="Turn dynamic sampling on (needs rollout.n > 1).")
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] | None = Field(
+        None, description="Per-sample value whose spread decides: acc (the scorer's 'acc' key), score (the reward "
+        "before shaping), seq_reward (sum of token_level_scores), seq_final_reward (sum of token_level_rewards).",
+    )
+    max_num_gen_batches: int = Field(
+        0, ge=0, description="Generation rounds per step at most (data.gen_batch_size prompts each); 0 = no limit.")
+
+
 class AlgorithmConfig(Section):
     """Advantage estimation and reward-side KL (verl ``algorithm``)."""
 
@@ -70,3 +85,4 @@ class AlgorithmConfig(Section):
     kl_ctrl: KLCtrlConfig = Field(default_factory=KLCtrlConfig, description="KL coefficient controller.")
     ref_reward_blend: RefRewardBlendConfig = Field(default_factory=RefRewardBlendConfig, description="Reference log-prob reward blend.")
     repr_align: ReprAlignConfig = Field(default_factory=ReprAlignConfig, description="Representation alignment shaping.")
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig, description="DAPO dynamic sampling.")

@@ -22,6 +22,9 @@ class DataConfig(Section):
     seed: int = Field(1, description="Seed of the prompt sampler (state is checkpointed).")
     train_batch_size: int = Field(256, ge=1, description="PROMPTS per training step (global, all DP ranks).")
     val_batch_size: int | None = Field(None, ge=1, description="PROMPTS per validation batch; null = whole validation set.")
+    gen_batch_size: int | None = Field(
+        None, ge=1, description="PROMPTS per generation round with algorithm.filter_groups (DAPO over-samples: "
+        "> train_batch_size); null = train_batch_size.")
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod

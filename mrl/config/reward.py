@@ -15,6 +15,15 @@ from mrl.config.base import Section
 _FUNCTION_RE = re.compile(r"^([A-Za-z_][\w]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*|[^:]+\.py:[A-Za-z_]\w*)$")
 
 
+class OverlongBufferConfig(Section):
+    """DAPO's soft overlong punishment (verl ``reward_model.overlong_buffer``): responses longer than
+    ``rollout.max_response_length - len`` tokens lose up to ``penalty_factor`` reward, linearly."""
+
+    enable: bool = Field(False, description="Add the overlong penalty to every score.")
+    len: int = Field(0, ge=0, description="Buffer length in TOKENS before rollout.max_response_length where the penalty ramps.")
+    penalty_factor: float = Field(1.0, ge=0, description="Penalty at rollout.max_response_length tokens.")
+
+
 class RewardConfig(Section):
     """Rule/function reward scorer run in a process pool."""
 
@@ -24,6 +33,7 @@ class RewardConfig(Section):
     on_error: Literal["raise", "zero", "mask"] = Field(
         "raise", description="When scoring fails or times out: raise, score 0, or mask the sample out of the loss."
     )
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig, description="DAPO overlong penalty.")
 
     @field_validator("function")
     @classmethod

@@ -29,6 +29,25 @@ class WeightSyncConfig(Section):
     )
 
 
+class ValKwargsConfig(Section):
+    """Sampling of the validation answers (verl ``actor_rollout_ref.rollout.val_kwargs``, same defaults).
+
+    ``do_sample=false`` (default) decodes one greedy answer per prompt, as verl's HF rollout does;
+    temperature/top_p/top_k are then unused and must stay at their defaults (``check_config``
+    refuses a set-but-ignored value). ``do_sample=true`` samples ``n`` answers per prompt with them.
+    """
+
+    top_k: int = Field(-1, ge=-1, description="Top-k of validation sampling (>= 1); -1 disables. Used only with do_sample=true.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass of validation sampling. Used only with do_sample=true.")
+    temperature: float = Field(
+        0.0, ge=0, description="Validation sampling temperature; > 0 with do_sample=true, 0 (greedy) otherwise."
+    )
+    n: int = Field(
+        1, ge=1, description="Answers per validation prompt: mean@n/std@n, and best@k/worst@k (k = 2, 4, ..., n) when > 1 (needs do_sample=true)."
+    )
+    do_sample: bool = Field(False, description="false: one greedy answer per prompt; true: sample n with temperature/top_p/top_k.")
+
+
 class RolloutConfig(Section):
     """Generation engines and sampling parameters (verl ``actor_rollout_ref.rollout``)."""
 
@@ -57,4 +76,11 @@ class RolloutConfig(Section):
     engine_startup_timeout_s: float = Field(
         600.0, gt=0, description="Seconds an engine server may take to answer /health after launch."
     )
+    free_cache_engine: bool | None = Field(
+        None, description="Release engine memory (KV cache + weights, /release_memory_occupation) after each generation "
+        "and restore it around the weight sync (verl free_cache_engine); null = on for colocated engines on CUDA, off otherwise.",
+    )
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="Actor -> engine weight transfer.")
+    val_kwargs: ValKwargsConfig = Field(
+        default_factory=ValKwargsConfig, description="Sampling of validation answers (verl val_kwargs; greedy by default)."
+    )

@@ -17,6 +17,9 @@ class TrainerConfig(Section):
     save_freq: int = Field(-1, ge=-1, description="Checkpoint every N steps; -1 or 0 disables.")
     test_freq: int = Field(-1, ge=-1, description="Validate every N steps; -1 or 0 disables.")
     val_before_train: bool = Field(False, description="Validate once before the first step.")
+    log_val_generations: int = Field(
+        0, ge=0, description="(input, output, score) rows of each validation logged to the console and as MLflow artifact val_step<N>.json; 0 = none."
+    )
     default_local_dir: str | None = Field(
         "checkpoints/${project_name}/${experiment_name}",
         description="Checkpoint directory; ${project_name}/${experiment_name} are substituted.",

@@ -218,6 +218,7 @@ def _check_rollout(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) 
         errors.append(f"rollout.temperature={r.temperature} must be > 0 for sampling; fix: e.g. rollout.temperature=1.0")
     if r.top_k == 0:
         errors.append("rollout.top_k=0 keeps no token; fix: rollout.top_k=-1 (disabled) or a value >= 1")
+    _check_val_kwargs(cfg, errors)
     if r.engine == "sglang":
         if cfg.cluster.device == "cpu":
             errors.append("rollout.engine=sglang needs CUDA devices but cluster.device=cpu; fix: rollout.engine=torch or cluster.device=cuda")
@@ -228,6 +229,9 @@ def _check_rollout(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) 
             )
     elif r.router == "sglang_router":
         errors.append("rollout.router=sglang_router needs rollout.engine=sglang; fix: rollout.router=builtin")
+    if cfg.cluster.nnodes > 1 and r.host in ("127.0.0.1", "localhost", "::1"):
+        errors.append(f"rollout.host={r.host} with cluster.nnodes={cfg.cluster.nnodes}: engines on other nodes would be "
+                      "unreachable from the driver; fix: rollout.host=0.0.0.0 (mrl then gives every engine a per-run token)")
     seq = cfg.data.max_prompt_length + r.max_response_length
     if shape is not None and shape.max_positions and seq > shape.max_positions:
         errors.append(
@@ -235,6 +239,48 @@ def _check_rollout(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) 
             f"= {seq} exceeds the model's max_position_embeddings={shape.max_positions} ({cfg.model.path}/config.json); "
             "fix: shorten one of them"
         )
+
+
+def _check_val_kwargs(cfg: MRLConfig, errors: list[str]) -> None:
+    v = cfg.rollout.val_kwargs
+    if v.do_sample:
+        # verl asserts the same (on the rollout temperature; the validation one is what samples).
+        if v.temperature <= 0:
+            errors.append(f"rollout.val_kwargs.do_sample=true needs rollout.val_kwargs.temperature > 0 (got {v.temperature}); "
+                          "fix: e.g. rollout.val_kwargs.temperature=1.0, or do_sample=false for greedy answers")
+        if v.top_k == 0:
+            errors.append("rollout.val_kwargs.top_k=0 keeps no token; fix: rollout.val_kwargs.top_k=-1 (disabled) or >= 1")
+        return
+    if v.n > 1:
+        errors.append(f"rollout.val_kwargs.n={v.n} with rollout.val_kwargs.do_sample=false would generate {v.n} identical "
+                      "greedy answers per prompt; fix: rollout.val_kwargs.do_sample=true with temperature > 0, or n=1")
+    # verl's agent loop samples with these even when do_sample=false while its HF rollout ignores
+    # them; a set value we would ignore is refused rather than silently dropped.
+    ignored = [f"{k}={getattr(v, k)}" for k, d in (("temperature", 0.0), ("top_p", 1.0), ("top_k", -1)) if getattr(v, k) != d]
+    if ignored:
+        errors.append(f"rollout.val_kwargs.{', '.join(ignored)} would be ignored: rollout.val_kwargs.do_sample=false decodes "
+                      "greedily; fix: rollout.val_kwargs.do_sample=true to sample with them, or remove them")
+
+
+def _check_dapo(cfg: MRLConfig, errors: list[str]) -> None:
+    """algorithm.filter_groups (dynamic sampling), data.gen_batch_size, reward.overlong_buffer."""
+    fg, r = cfg.algorithm.filter_groups, cfg.rollout
+    if fg.enable:
+        if fg.metric is None:
+            errors.append("algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric; "
+                          "fix: acc (scorer returns 'acc'), score, seq_reward or seq_final_reward")
+        if r.n < 2:
+            errors.append(f"algorithm.filter_groups needs groups: rollout.n={r.n} keeps every prompt; fix: rollout.n >= 2")
+        if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+            errors.append("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the KL "
+                          "penalty needs reference log-probs, computed only for the kept groups; fix: metric=seq_reward")
+    elif cfg.data.gen_batch_size is not None:
+        errors.append(f"data.gen_batch_size={cfg.data.gen_batch_size} is only used with algorithm.filter_groups.enable=true; "
+                      "fix: remove it or enable filter_groups")
+    ob = cfg.reward.overlong_buffer
+    if ob.enable and not 0 < ob.len < r.max_response_length:
+        errors.append(f"reward.overlong_buffer.len={ob.len} must be in (0, rollout.max_response_length={r.max_response_length}); "
+                      f"fix: e.g. reward.overlong_buffer.len={max(1, r.max_response_length // 4)}")
 
 
 def _check_files(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
@@ -296,6 +342,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
                             c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu, cfg, roles["critic"], errors)
     _check_algorithm(cfg, errors, notes)
     _check_rollout(cfg, shape, errors)
+    _check_dapo(cfg, errors)
     _check_files(cfg, errors, notes)
     if cfg.cluster.device == "cpu" and cfg.model.dtype != "float32":
         notes.append(f"cluster.device=cpu with model.dtype={cfg.model.dtype}: CPU runs are slow outside float32")

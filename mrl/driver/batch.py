@@ -61,9 +61,10 @@ def decode_responses(tokenizer, result: RolloutResult) -> list[str]:
     return [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in result.samples]
 
 
-def group_means(values: torch.Tensor, keys: Sequence[str | None], prefix: str, suffix: str) -> dict[str, float]:
-    """``{f"{prefix}/{key}/{suffix}": mean(values[key == k])}`` per distinct key (None -> ``unknown``)."""
-    out: dict[str, list[float]] = {}
-    for v, k in zip(values.tolist(), keys):
-        out.setdefault(k or "unknown", []).append(float(v))
-    return {f"{prefix}/{k}/{suffix}": sum(vs) / len(vs) for k, vs in out.items()}
+def mask_out_samples(batch: TrainBatch, drop: torch.Tensor) -> TrainBatch:
+    """``drop`` [B] bool: those samples' ``response_mask`` rows become 0 (no loss, no metrics) and each
+    gets a uid of its own (negative, unused by datasets), so group baselines ignore it."""
+    uid = batch.uid.clone()
+    rows = torch.nonzero(drop).squeeze(1)
+    uid[rows] = -1 - rows
+    return batch.replace(response_mask=batch.response_mask * (~drop).to(batch.response_mask.dtype)[:, None], uid=uid)

@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,9 @@ def check_supported(cfg: MRLConfig) -> None:
     problems = []
     if cfg.critic_enabled:
         problems += _critic_problems(cfg)
-    if cfg.rollout.engine != "torch":
-        problems.append("rollout.engine=sglang: set rollout.engine=torch")
-    if cfg.rollout.placement != "colocated":
-        problems.append("rollout.placement=separate: set rollout.placement=colocated")
+    if cfg.rollout.router != "builtin":
+        problems.append("rollout.router=sglang_router: set rollout.router=builtin (mrl's router; the driver does not "
+                        "launch sglang_router yet)")
     if problems:
         raise UnsupportedConfigError("the RL driver does not support yet:\n  - " + "\n  - ".join(problems))
     critic_path = [("critic.model_path", cfg.critic.model_path)] if cfg.critic_enabled and cfg.critic.model_path else []
@@ -55,6 +54,17 @@ def _critic_problems(cfg: MRLConfig) -> list[str]:
     return out
 
 
+def resolve_device(cfg: MRLConfig) -> str:
+    """``cluster.device=auto`` -> ``cuda`` when the Ray cluster has GPUs (the driver's own node may
+    have none), else ``cpu``; written back into ``cfg`` so the ranks, engines and trainer agree."""
+    import ray
+
+    if cfg.cluster.device == "auto":
+        cfg.cluster.device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+        log.info("cluster.device=auto resolved to %s", cfg.cluster.device)
+    return cfg.cluster.device
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     sys.exit(128 + signum)
 
@@ -75,14 +85,10 @@ class Services:
     reward: Any
     tracking: Any
     log_dir: Path
-    engines: list = field(default_factory=list)
+    engines: Any = None
     pool: Any = None
     client: Any = None
     workers: Any = None
-
-
-def _n_engines(cfg: MRLConfig) -> int:
-    return cfg.rollout.num_engines or max(1, cfg.cluster.world_size // cfg.rollout.engine_tp_size)
 
 
 @contextlib.contextmanager
@@ -91,16 +97,16 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
     from transformers import AutoTokenizer
 
     from mrl.cluster import WorkerGroup, init_ray
+    from mrl.config.layout import compute_layout
     from mrl.data.dataset import PromptDataset
     from mrl.data.tokenize import pad_token_id_of
+    from mrl.driver.engines import EngineSet
     from mrl.observability.tracking import Tracking
     from mrl.rewards import RewardManager
     from mrl.rollout import (
         EngineEndpoint,
         EnginePool,
-        EngineProcess,
         RolloutClient,
-        build_embedded_command,
         disk_resync,
         make_router,
     )
@@ -114,35 +120,31 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
                  RewardManager.from_config(cfg.reward), None, log_dir)
     status = "FAILED"
     try:
-        # Engines first: they are separate processes and load while Ray and the ranks start.
-        r = cfg.rollout
-        for i in range(_n_engines(cfg)):
-            url = f"http://{r.host}:{r.port_base + i}"
-            e = EngineProcess(build_embedded_command(cfg.model.path, r.port_base + i, host=r.host), url,
-                              log_dir / f"engine_{i}.log", env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
-                              startup_timeout_s=r.engine_startup_timeout_s)
-            e.start(wait=False)
-            s.engines.append(e)
-        world = cfg.cluster.world_size
-        init_ray(cfg.cluster.address, cfg.cluster.cpus_per_node or max(os.cpu_count() or 1, world))
+        r, layout = cfg.rollout, compute_layout(cfg)
+        world = layout["actor"].count  # trainer ranks; separate engines take the devices after them
+        extra_cpus = r.num_engines if r.placement == "separate" and r.num_engines else 0
+        init_ray(cfg.cluster.address, cfg.cluster.cpus_per_node or max(os.cpu_count() or 1, world) + extra_cpus)
         _trap_sigterm()  # again: ray.init installed its own handler, which aborts
-        device = cfg.cluster.device if cfg.cluster.device != "auto" else "cpu"
+        device = resolve_device(cfg)
         s.workers = WorkerGroup("mrl.driver.rank.TrainRank", {"cfg": cfg, "total_optimizer_steps": total_optimizer_steps},
-                                world_size=world, device=device,
-                                extra_env={"OMP_NUM_THREADS": "1"})
-        for e in s.engines:
-            e.wait_healthy()
+                                world_size=world, device=device, extra_env={"OMP_NUM_THREADS": "1"}, wait=False)
+        # Engines start on the ranks' nodes (colocated: in their ranks' placement bundles) and load
+        # while the ranks build their models.
+        s.engines = EngineSet(cfg, s.workers, log_dir)
+        s.workers.wait_constructed()
+        s.engines.wait_healthy()
         # A dead engine is restarted by the pool; it is brought back to the current weights from
         # disk when a snapshot exists (rollout.weight_sync.snapshot_dir, or the disk transport's dir),
         # else it stays out of service with the reason logged.
-        s.pool = EnginePool([EngineEndpoint(e.url, restart=e.restart) for e in s.engines],
-                            health_interval_s=r.health_interval_s)
+        token = s.engines.token
+        s.pool = EnginePool([EngineEndpoint(e.url, restart=e.restart) for e in s.engines.engines],
+                            health_interval_s=r.health_interval_s, token=token)
         snap = r.weight_sync.snapshot_dir or (r.weight_sync.disk_dir if r.weight_sync.transport == "disk" else None)
         if snap:
-            s.pool.resync = disk_resync(snap)
+            s.pool.resync = disk_resync(snap, token=token)
         s.client = RolloutClient(make_router(s.pool, r.router, max_retries=r.max_retries,
                                              request_timeout_s=r.request_timeout_s))
-        s.workers.execute_all("init_weight_sync", [e.url for e in s.engines])
+        s.workers.execute_all("init_weight_sync", s.engines.urls, token=token, routable=s.engines.remote_nodes)
         s.tracking = Tracking.from_config(cfg)
         yield s
         status = "FINISHED"
@@ -153,10 +155,12 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
 def _teardown(s: Services, status: str) -> None:
     import ray
 
+    # Engines before Ray: their servers run in sessions of their own and would outlive their actors.
     for step in (
         lambda: s.tracking and s.tracking.finish(status),
         lambda: s.workers and s.workers.close("close", timeout_s=30.0),
         lambda: s.pool and s.pool.close(),
+        lambda: [log.warning("could not stop %s", err) for err in (s.engines.stop() if s.engines else [])],
         lambda: s.reward.close(),
         ray.shutdown,
     ):
@@ -164,8 +168,3 @@ def _teardown(s: Services, status: str) -> None:
             step()
         except Exception as e:  # noqa: BLE001 - keep tearing down the rest
             log.warning("shutdown step failed: %s", e)
-    for e in s.engines:
-        try:
-            e.stop()
-        except Exception as ex:  # noqa: BLE001
-            log.warning("could not stop engine %s: %s", e.url, ex)

@@ -37,8 +37,11 @@ class TrainRank:
         self.critic = _build_critic(cfg, self.actor.engine.device.type) if cfg.critic_enabled else None
         self.syncer = None
 
-    def init_weight_sync(self, engine_urls: list[str]) -> None:
-        """Build the sender: the first DP replica's TP-rank 0 of each PP stage sends; rank 0 steers."""
+    def init_weight_sync(self, engine_urls: list[str], token: str | None = None, routable: bool = False) -> None:
+        """Build the sender: the first DP replica's TP-rank 0 of each PP stage sends; rank 0 steers.
+        ``token``: the engines' control token (bound off loopback). ``routable``: some engine runs on
+        another node, so the distributed transport's rendezvous uses this node's IP, not loopback."""
+        import ray
         from megatron.core import parallel_state as ps
 
         from mrl.rollout.weight_sync import WeightSyncer
@@ -50,7 +53,8 @@ class TrainRank:
             is_source=ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0,
             is_coordinator=torch.distributed.get_rank() == 0,
             engine_world_sizes=[self.cfg.rollout.engine_tp_size] * len(engine_urls),
-            disk_dir=ws.disk_dir, snapshot_dir=ws.snapshot_dir,
+            disk_dir=ws.disk_dir, snapshot_dir=ws.snapshot_dir, token=token,
+            master_address=ray.util.get_node_ip_address() if routable else "127.0.0.1",
         )
         self.syncer.init()
 

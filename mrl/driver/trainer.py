@@ -1,5 +1,6 @@
 """The RL loop (design.md "Data flow of one step"; seeds 001/002): build once, then ``step()``
-as named phases: generate -> reward (-> greedy baseline for ReMax) -> old_log_prob -> ref_log_prob -> values (PPO) -> KL in
+as named phases: generate -> reward (-> greedy baseline for ReMax) (-> engines release their memory,
+rollout.free_cache_engine) -> old_log_prob -> ref_log_prob -> values (PPO) -> KL in
 reward -> reward shaping (seed 003: ref_reward_blend, repr_align) -> advantages -> update_critic
 (PPO) -> update_actor (after trainer.critic_warmup) -> sync_weights -> validate / checkpoint / log.
 """
@@ -7,21 +8,28 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from mrl.algorithms import apply_kl_penalty, get_adv_estimator, get_kl_controller
+from mrl.algorithms import (
+    apply_kl_penalty,
+    get_adv_estimator,
+    get_kl_controller,
+    informative_groups,
+    overlong_penalty,
+)
 from mrl.config import MRLConfig
 from mrl.data.sampler import ResumableSampler
 from mrl.driver.batch import (
     assemble_train_batch,
     decode_responses,
-    group_means,
+    mask_out_samples,
     repeat_prompts,
 )
+from mrl.driver.dynamic_sampling import kept_prompts, merge_rounds
 from mrl.driver.shaping import (
     build_gold_batch,
     check_gold_answers,
@@ -36,9 +44,11 @@ from mrl.driver.state import (
     step_dir,
     write_trainer_state,
 )
+from mrl.driver.validation import run_validation
 from mrl.observability.data_metrics import compute_data_metrics
 from mrl.observability.timer import timer
-from mrl.rollout.types import RolloutRequest
+from mrl.rewards.manager import place_on_last_token
+from mrl.rollout.types import RolloutRequest, RolloutResult
 from mrl.workers.batch import TrainBatch
 
 log = logging.getLogger(__name__)
@@ -55,6 +65,13 @@ class StepData:
     token_level_rewards: torch.Tensor | None = None  # [B, R]
     entropys: torch.Tensor | None = None  # [B, R]
     reward_baselines: torch.Tensor | None = None  # [B] ReMax: score of the prompt's greedy answer
+    # verl's reward_extra_info (a dict-returning scorer's keys -> [B] values): kept with the batch as
+    # verl keeps it in non_tensor_batch; verl logs no training metrics from it (only rollout dumps).
+    reward_extra_info: dict[str, list[Any]] | None = None
+    rows: list[int] = field(default_factory=list)  # P dataset rows of the prompts (their uids)
+    result: RolloutResult | None = None  # the engines' answers (dynamic sampling re-assembles from them)
+    scores: torch.Tensor | None = None  # [B] the scorer's scores (before the overlong penalty)
+    valid: torch.Tensor | None = None  # [B] False where reward.on_error=mask dropped the sample
 
 
 class RLTrainer:
@@ -67,9 +84,14 @@ class RLTrainer:
         self.adv_fn = get_adv_estimator(a.adv_estimator)
         if cfg.repr_align_enabled:  # fail now, not at the first step
             check_gold_answers(services.train_ds.prompts, cfg.data.ground_truth_key)
-        self.sampler = ResumableSampler(len(services.train_ds), cfg.data.train_batch_size, seed=cfg.trainer.seed)
+        # DAPO dynamic sampling draws data.gen_batch_size prompts per generation round
+        gen_bs = (cfg.data.gen_batch_size or cfg.data.train_batch_size) if a.filter_groups.enable else cfg.data.train_batch_size
+        self.sampler = ResumableSampler(len(services.train_ds), gen_bs, seed=cfg.trainer.seed)
         self.global_step = 0
         self.weight_version = 0  # engines start from model.path = version 0 of the actor
+        r = cfg.rollout  # verl's free_cache_engine: colocated engines give the device to the trainer
+        self.free_cache_engine = r.free_cache_engine if r.free_cache_engine is not None else (
+            r.placement == "colocated" and cfg.cluster.device == "cuda")
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -79,9 +101,15 @@ class RLTrainer:
                 d = self.generate()
             with timer("reward", m):
                 self.reward(d, m)
+            if self.cfg.algorithm.filter_groups.enable:
+                with timer("filter_groups", m):  # DAPO dynamic sampling: more rounds until the batch is full
+                    d = self.filter_groups(d, m)
             if self.cfg.algorithm.adv_estimator == "remax":
                 with timer("gen_max", m):  # verl's name for the greedy baseline rollout
                     self.remax_baseline(d, m)
+            if self.free_cache_engine:
+                with timer("engine_sleep", m):
+                    self.s.pool.release_memory()
             with timer("old_log_prob", m):
                 self.old_log_prob(d)
             if self.cfg.ref_enabled:
@@ -118,6 +146,7 @@ class RLTrainer:
     # ---- phases -------------------------------------------------------------------------------
     def generate(self) -> StepData:
         """P prompts -> P·n samples from the engine pool (uid = dataset row, shared by the group)."""
+        self.wake_engines()
         idx = self.sampler.next_batch()
         pb = self.s.train_ds.collate(idx)
         r = self.cfg.rollout
@@ -137,14 +166,75 @@ class RLTrainer:
         self.engine_weight_version = max(0 if v in (None, "default") else int(v) for v in res.weight_versions)
         batch = assemble_train_batch(pb, res, pad_token_id=self.s.pad_token_id, uids=idx)
         return StepData(batch, repeat_prompts(pb.prompts, r.n), decode_responses(self.s.tokenizer, res),
-                        torch.zeros(batch.response_mask.shape))
+                        torch.zeros(batch.response_mask.shape), rows=list(idx), result=res)
 
     def reward(self, d: StepData, m: dict[str, float]) -> None:
-        """Scores on the last response token (seed 002 stage 5): token_level_scores [B, R]."""
+        """Scores on the last response token (seed 002 stage 5): token_level_scores [B, R], plus
+        DAPO's overlong penalty when reward.overlong_buffer.enable; samples whose scoring failed
+        under reward.on_error=mask leave the loss and their group's baseline."""
         out = self.s.reward(d.texts, [p.ground_truth for p in d.prompts], d.batch.response_mask,
                             data_sources=[p.data_source for p in d.prompts],
                             extra_infos=[p.extra_info for p in d.prompts])
-        d.token_level_scores = out.token_level_scores
+        d.scores, d.valid, d.reward_extra_info = out.scores, out.valid, out.extra
+        seq = out.scores
+        ob = self.cfg.reward.overlong_buffer
+        if ob.enable:
+            seq = seq + overlong_penalty(d.batch.response_mask.sum(-1), self.cfg.rollout.max_response_length,
+                                         ob.len, ob.penalty_factor)
+        d.token_level_scores = place_on_last_token(seq, d.batch.response_mask)
+        self.drop_invalid(d, m)
+
+    def drop_invalid(self, d: StepData, m: dict[str, float]) -> None:
+        """reward.on_error=mask: a failed sample's response mask becomes 0 (out of the loss) and it gets
+        a group of its own (out of the GRPO/RLOO baseline of its prompt's other samples)."""
+        if d.valid is None or bool(d.valid.all()):
+            return
+        bad = ~d.valid
+        d.batch = mask_out_samples(d.batch, bad)
+        d.token_level_scores = d.token_level_scores * d.valid[:, None]
+        m["reward/masked_samples"] = float(bad.sum())
+        log.warning("reward.on_error=mask: %d of %d samples left out of the loss (scoring failed)",
+                    int(bad.sum()), bad.numel())
+
+    def filter_groups(self, d: StepData, m: dict[str, float]) -> StepData:
+        """DAPO dynamic sampling (verl algorithm.filter_groups): keep the groups whose metric varies
+        (``informative_groups``); generate and score further rounds of data.gen_batch_size prompts
+        until data.train_batch_size are kept (at most max_num_gen_batches rounds; 0 = no limit), then
+        train on the first train_batch_size of them. ``train/num_gen_batches``: the rounds used."""
+        fg, n, want = self.cfg.algorithm.filter_groups, self.cfg.rollout.n, self.cfg.data.train_batch_size
+        rounds = [(d, informative_groups(self.filter_metric(d), d.batch.uid))]
+        while kept_prompts(rounds, n) < want:
+            if 0 < fg.max_num_gen_batches <= len(rounds):
+                raise RuntimeError(
+                    f"dynamic sampling kept {kept_prompts(rounds, n)} of the {want} prompts data.train_batch_size needs "
+                    f"after algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} rounds: too many groups "
+                    "score the same for every sample (data too easy or too hard); fix: raise max_num_gen_batches "
+                    "(0 = no limit) or data.gen_batch_size, or use easier/harder data")
+            with timer("gen", m):
+                nxt = self.generate()
+            with timer("reward", m):
+                self.reward(nxt, m)
+            rounds.append((nxt, informative_groups(self.filter_metric(nxt), nxt.batch.uid)))
+        m["train/num_gen_batches"] = float(len(rounds))
+        merged = StepData(**merge_rounds(rounds, n=n, max_prompts=want, dataset=self.s.train_ds,
+                                         pad_token_id=self.s.pad_token_id))
+        self.drop_invalid(merged, {})
+        return merged
+
+    def filter_metric(self, d: StepData) -> torch.Tensor:
+        """[B] values whose spread within a group decides whether dynamic sampling keeps it."""
+        metric = self.cfg.algorithm.filter_groups.metric
+        if metric == "acc":
+            if "acc" not in (d.reward_extra_info or {}):
+                raise RuntimeError(
+                    f"algorithm.filter_groups.metric=acc but reward.function={self.cfg.reward.function} returned no 'acc' "
+                    "key; fix: return {'score': ..., 'acc': ...} from it (docs/rewards.md) or set "
+                    "algorithm.filter_groups.metric=score")
+            return torch.tensor(d.reward_extra_info["acc"], dtype=torch.float64)
+        if metric == "score":
+            return d.scores
+        # seq_reward = seq_final_reward here: KL-in-reward comes later (config refuses it with seq_final_reward)
+        return d.token_level_scores.sum(-1)
 
     def remax_baseline(self, d: StepData, m: dict[str, float]) -> None:
         """ReMax (Li et al. 2023): one greedy answer per prompt, scored like the samples; its score is
@@ -216,29 +306,45 @@ class RLTrainer:
         return self.global_step >= self.cfg.trainer.critic_warmup
 
     def sync_weights(self, m: dict[str, float]) -> None:
-        """Push the updated actor into every engine as version ``global_step + 1``; bytes, tensors and
-        buckets summed over the sending ranks (one per PP stage), ``timing_s/weight_sync`` their max."""
+        """Push the updated actor into every engine as version ``global_step + 1``."""
         self.weight_version = self.global_step + 1
+        self.push_weights(m)
+
+    def push_weights(self, m: dict[str, float]) -> None:
+        """The actor's weights -> every engine as ``weight_version``; bytes, tensors and buckets summed
+        over the sending ranks (one per PP stage), ``timing_s/weight_sync`` their max. Sleeping
+        engines get their weight memory back before and their KV cache after (verl's order: a lower
+        peak next to the trainer's memory)."""
+        asleep = self.s.pool.asleep
+        if asleep:
+            self.s.pool.resume_memory(["weights"])
         per_rank = [r or {} for r in self.s.workers.execute_all("sync_weights", self.weight_version)]
+        if asleep:
+            self.s.pool.resume_memory(["kv_cache"])
         for k in {k for r in per_rank for k in r}:
             vals = [float(r.get(k, 0.0)) for r in per_rank]
             m[k] = max(vals) if k.startswith("timing_s/") else sum(vals)
         self.s.pool.weight_version = str(self.weight_version)  # what a restarted engine must be re-synced to
 
+    def wake_engines(self) -> None:
+        """Wake engines released after the last generation when no update has synced them since
+        (critic warmup, validation): released weights are not kept (SGLang's memory saver drops
+        them), so the current version is pushed again. A no-op when the engines are awake."""
+        if self.s.pool.asleep:
+            self.push_weights({})
+
     # ---- validation, checkpoints, loop -------------------------------------------------------
     def validate(self) -> dict[str, float]:
-        """Greedy (temperature 0) answers to every val prompt; mean score per data_source."""
-        ds = self.s.val_ds
-        if ds is None:
+        """rollout.val_kwargs answers to every val prompt, verl's val-core/val-aux metrics
+        (mrl/driver/validation.py); the MLflow sink writes '@' as '_at_' (MLflow refuses '@')."""
+        if self.s.val_ds is None:
             return {}
-        prompts = [ds[i] for i in range(len(ds))]
-        res = self.s.client.generate(RolloutRequest([p.prompt_ids for p in prompts], n=1, sampling_params={
-            "temperature": 0.0, "max_new_tokens": self.cfg.rollout.max_response_length}, return_logprob=False,
-            timeout_s=self.cfg.rollout.request_timeout_s))
-        out = self.s.reward(decode_responses(self.s.tokenizer, res), [p.ground_truth for p in prompts],
-                            data_sources=[p.data_source for p in prompts], extra_infos=[p.extra_info for p in prompts])
-        # verl's name; the MLflow sink writes '@' as '_at_' (MLflow refuses '@' in metric names).
-        return group_means(out.scores, [p.data_source for p in prompts], "val-core", "reward/mean@1")
+        res = run_validation(client=self.s.client, tokenizer=self.s.tokenizer, dataset=self.s.val_ds,
+                             reward=self.s.reward, rollout=self.cfg.rollout, val_batch_size=self.cfg.data.val_batch_size,
+                             log_generations=self.cfg.trainer.log_val_generations)
+        if res.generations and self.s.tracking is not None:
+            self.s.tracking.log_generations(res.generations, self.global_step)
+        return res.metrics
 
     def save(self) -> None:
         root = self.cfg.trainer.checkpoint_dir
@@ -288,6 +394,7 @@ class RLTrainer:
             last = self.global_step == total
             if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):
                 with timer("testing", m):
+                    self.wake_engines()  # asleep after a step without an actor update (critic warmup)
                     m |= self.validate()
             if t.save_freq > 0 and t.checkpoint_dir and (self.global_step % t.save_freq == 0 or last):
                 with timer("save_checkpoint", m):

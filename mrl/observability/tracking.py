@@ -8,6 +8,7 @@ an "active run".
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -52,6 +53,12 @@ class ConsoleSink:
         parts = [f"{k}:{v:.4g}" for k, v in sorted(metrics.items())]
         print(" - ".join([f"step:{step}", *parts]), file=self.stream or sys.stdout, flush=True)
 
+    def log_generations(self, rows: list[dict[str, Any]], step: int) -> None:
+        out = self.stream or sys.stdout
+        for i, r in enumerate(rows):
+            print(f"val_generation step:{step} #{i} score:{r['score']:.4g}\n[input] {r['input']}\n[output] {r['output']}",
+                  file=out, flush=True)
+
     def finish(self) -> None:
         pass
 
@@ -95,6 +102,10 @@ class MlflowSink:
         for i in range(0, len(batch), 1000):  # MLflow's metrics-per-batch limit
             self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
 
+    def log_generations(self, rows: list[dict[str, Any]], step: int) -> None:
+        # verl's MLflow validation logger writes the same artifact: val_step<N>.json, [{input, output, score}]
+        self.client.log_text(self.run_id, json.dumps(rows, ensure_ascii=False), f"val_step{step}.json")
+
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
 
@@ -126,6 +137,12 @@ class Tracking:
         clean = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
         for sink in self.sinks:
             sink.log(clean, step)
+
+    def log_generations(self, rows: list[dict[str, Any]], step: int) -> None:
+        """Validation samples ``[{"input", "output", "score"}]`` (verl ``trainer.log_val_generations``):
+        printed by the console sink, an artifact ``val_step<step>.json`` of the MLflow run."""
+        for sink in self.sinks:
+            sink.log_generations(rows, step)
 
     def finish(self, status: str = "FINISHED") -> None:
         """Close the MLflow run (``FINISHED`` or ``FAILED``)."""

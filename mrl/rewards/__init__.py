@@ -15,10 +15,12 @@ _EXPORTS = {
     "extract_gsm8k_answer": "mrl.rewards.scorers",
     "RewardManager": "mrl.rewards.manager", "RewardResult": "mrl.rewards.manager",
     "place_on_last_token": "mrl.rewards.manager", "ScoringPool": "mrl.rewards.pool",
+    "ScoreContractError": "mrl.rewards.outcome", "parse_return": "mrl.rewards.outcome",
 }
 __all__ = [
-    "RewardManager", "RewardResult", "ScoringPool", "arith", "exact_match", "extract_gsm8k_answer",
-    "get_reward_fn", "gsm8k", "place_on_last_token", "register_reward", "reward_names",
+    "RewardManager", "RewardResult", "ScoreContractError", "ScoringPool", "arith", "exact_match",
+    "extract_gsm8k_answer", "get_reward_fn", "gsm8k", "parse_return", "place_on_last_token", "register_reward",
+    "reward_names",
 ]
 
 

@@ -8,18 +8,24 @@ valid response token, all other positions 0::
 ``on_error`` decides what a failing or timed-out call becomes: ``raise`` (RuntimeError naming the
 sample), ``zero`` (score 0, still valid) or ``mask`` (score 0 and ``valid[i] = False``, so the
 driver can drop the sample from the loss).
+
+A scorer may return a dict (``mrl.rewards.outcome``): its ``score`` is the reward and all its keys
+become ``RewardResult.extra`` (verl's ``reward_extra_info``). A return value outside that contract,
+or key sets that differ between the samples of one call, always raise ``ScoreContractError`` (a
+ValueError): they are bugs in the scorer, which ``on_error`` must not turn into zeros.
 """
 from __future__ import annotations
 
 import signal
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Self
 
 import torch
 
-from mrl.rewards.pool import Outcome, ScoringPool
+from mrl.rewards.outcome import ExtraValue, Outcome, ScoreContractError, score_one
+from mrl.rewards.pool import ScoringPool
 from mrl.rewards.registry import ScoreFn, get_reward_fn
 
 OnError = Literal["raise", "zero", "mask"]
@@ -27,12 +33,45 @@ OnError = Literal["raise", "zero", "mask"]
 
 @dataclass
 class RewardResult:
-    """Scores of one batch of B samples."""
+    """Scores of one batch of B samples.
+
+    ``extra`` is verl's ``reward_extra_info``: {} when the scorer returns numbers; for a dict-returning
+    scorer, each of its keys (``score`` included) -> B values in sample order: a float for numeric keys
+    (bools become 1.0/0.0; units are the scorer's), ``str | None`` for ``pred``. A sample whose call
+    failed under on_error=zero|mask has 0.0 in every numeric key (as its score) and ``pred`` None.
+    """
 
     scores: torch.Tensor  # [B] float32, 0 where the call failed (zero/mask)
     valid: torch.Tensor  # [B] bool, False only for on_error=mask failures
     token_level_scores: torch.Tensor | None  # [B, T] float32, score on the last response token
     errors: list[str | None]  # per sample, None when scored
+    extra: dict[str, list[ExtraValue]] = field(default_factory=dict)  # key -> [B]
+
+    @classmethod
+    def cat(cls, parts: Sequence[RewardResult]) -> RewardResult:
+        """Results of consecutive calls as one (``token_level_scores`` None: their T may differ).
+
+        The extra keys must agree between parts, as within a call (verl's validation asserts one
+        value per sample for every key); a part whose calls all failed has none and is filled.
+        """
+        keyed = [p for p in parts if p.extra]
+        keys = list(keyed[0].extra) if keyed else []
+        extra: dict[str, list[ExtraValue]] = {k: [] for k in keys}
+        for p in parts:
+            if not keys:
+                break
+            if p.extra.keys() == set(keys):
+                for k in keys:
+                    extra[k] += p.extra[k]
+            elif not p.extra and all(e is not None for e in p.errors):  # every call failed: no keys seen
+                for k in keys:
+                    extra[k] += [_failed_value(k)] * len(p.errors)
+            else:
+                raise ScoreContractError(
+                    f"reward extra keys differ between batches: {sorted(keys)} vs "
+                    f"{sorted(p.extra) or '(a plain number)'}; fix: return the same dict keys for every sample")
+        return cls(scores=torch.cat([p.scores for p in parts]), valid=torch.cat([p.valid for p in parts]),
+                   token_level_scores=None, errors=[e for p in parts for e in p.errors], extra=extra)
 
 
 def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -50,6 +89,11 @@ def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     rows = torch.arange(mask.shape[0])[has]
     out[rows, last[has]] = scores.to(torch.float32)[has]
     return out
+
+
+def _failed_value(key: str) -> ExtraValue:
+    """Extra value of a sample whose call failed (on_error=zero|mask): 0.0 like its score; no ``pred``."""
+    return None if key == "pred" else 0.0
 
 
 class _Alarm:
@@ -87,6 +131,8 @@ class RewardManager:
         if timeout_s <= 0:
             raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
         self.fn = get_reward_fn(function)  # resolve now: a bad spec fails before any rollout
+        self.name = function if isinstance(function, str) else \
+            f"{getattr(function, '__module__', '?')}:{getattr(function, '__qualname__', repr(function))}"
         self.on_error, self.timeout_s = on_error, timeout_s
         # Workers get the spec string when there is one so they resolve it themselves (file scorers
         # are not importable by module name in a fresh process).
@@ -102,10 +148,32 @@ class RewardManager:
         for kw in calls:
             try:
                 with _Alarm(self.timeout_s):
-                    out.append((float(self.fn(**kw)), None))
-            except Exception as e:  # noqa: BLE001 - any scorer failure is data for on_error
-                out.append((None, f"{type(e).__name__}: {e}"))
+                    out.append(score_one(self.fn, kw))
+            except TimeoutError as e:  # the alarm fired outside the scorer's own frames
+                out.append(Outcome(None, None, error=f"TimeoutError: {e}"))
         return out
+
+    def _where(self, i: int, call: dict[str, Any]) -> str:
+        """``reward function 'x' on sample 3 (data_source='gsm8k', extra_info.index=17)``."""
+        info = call.get("extra_info")
+        row = f", extra_info.index={info['index']!r}" if isinstance(info, dict) and "index" in info else ""
+        return f"reward function {self.name!r} on sample {i} (data_source={call.get('data_source')!r}{row})"
+
+    def _extra(self, calls: list[dict[str, Any]], outcomes: list[Outcome]) -> dict[str, list[ExtraValue]]:
+        """Per-key lists over the B samples; every scored sample must return the same keys."""
+        scored = [i for i, o in enumerate(outcomes) if o.error is None]
+        if not scored:
+            return {}
+        ref = scored[0]
+        keys = list(outcomes[ref].extra)
+        for i in scored[1:]:
+            if set(outcomes[i].extra) != set(keys):
+                raise ScoreContractError(
+                    f"{self._where(i, calls[i])} returned keys {sorted(outcomes[i].extra) or '(a plain number)'} but "
+                    f"sample {ref} returned {sorted(keys) or '(a plain number)'}; fix: return the same dict keys for "
+                    "every sample (verl needs one value per sample for each key)"
+                )
+        return {k: [o.extra[k] if o.error is None else _failed_value(k) for o in outcomes] for k in keys}
 
     def __call__(self, responses: Sequence[str], ground_truths: Sequence[Any],
                  response_mask: torch.Tensor | None = None, data_sources: Sequence[str | None] | None = None,
@@ -121,23 +189,27 @@ class RewardManager:
             for i in range(B)
         ]
         outcomes = self._pool.map(calls) if self._pool is not None else self._score_in_process(calls)
+        for i, o in enumerate(outcomes):
+            if o.broken is not None:  # a bug in the scorer, whatever reward.on_error says
+                raise ScoreContractError(f"{self._where(i, calls[i])} {o.broken}")
         scores = torch.zeros(B, dtype=torch.float32)
         valid = torch.ones(B, dtype=torch.bool)
         errors: list[str | None] = []
-        for i, (score, err) in enumerate(outcomes):
-            errors.append(err)
-            if err is None:
-                scores[i] = score
+        for i, o in enumerate(outcomes):
+            errors.append(o.error)
+            if o.error is None:
+                scores[i] = o.score
                 continue
             if self.on_error == "raise":
                 raise RuntimeError(
-                    f"reward function failed on sample {i} (response {responses[i][:80]!r}): {err}; "
+                    f"{self._where(i, calls[i])} failed (response {responses[i][:80]!r}): {o.error}; "
                     "fix the scorer, or set reward.on_error=zero|mask to continue past failures"
                 )
             if self.on_error == "mask":
                 valid[i] = False
+        extra = self._extra(calls, outcomes)
         tls = place_on_last_token(scores, response_mask) if response_mask is not None else None
-        return RewardResult(scores=scores, valid=valid, token_level_scores=tls, errors=errors)
+        return RewardResult(scores=scores, valid=valid, token_level_scores=tls, errors=errors, extra=extra)
 
     def close(self) -> None:
         """Stop the worker processes (also done at exit: they are daemons)."""

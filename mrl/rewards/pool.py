@@ -14,9 +14,8 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from mrl.rewards.outcome import Outcome, score_one
 from mrl.rewards.registry import ScoreFn, get_reward_fn
-
-Outcome = tuple[float | None, str | None]  # (score, error message)
 
 
 def _worker_main(conn: Connection, spec: str | ScoreFn) -> None:
@@ -31,10 +30,9 @@ def _worker_main(conn: Connection, spec: str | ScoreFn) -> None:
         if msg is None:
             return
         idx, kwargs = msg
-        try:
-            conn.send((idx, float(fn(**kwargs)), None))
-        except Exception as e:  # noqa: BLE001 - the scorer's failure is data for on_error, not a pool crash
-            conn.send((idx, None, f"{type(e).__name__}: {e}"))
+        # Checked here, not in the parent: the parent receives only floats, strings and None, never
+        # an object whose class it would have to import (a scorer's own types).
+        conn.send((idx, score_one(fn, kwargs)))
 
 
 class _Worker:
@@ -62,7 +60,7 @@ class _Worker:
 
 
 class ScoringPool:
-    """``workers`` processes running ``spec``; ``map`` returns one (score, error) per kwargs dict, in order."""
+    """``workers`` processes running ``spec``; ``map`` returns one ``Outcome`` per kwargs dict, in order."""
 
     startup_timeout_s = 60.0
 
@@ -119,20 +117,22 @@ class ScoringPool:
                 task = w.task
                 if w.conn in ready:
                     try:
-                        idx, score, err = w.conn.recv()
-                        out[idx] = (score, err)
+                        idx, outcome = w.conn.recv()
+                        out[idx] = outcome
                         w.task = None
                         continue
                     except (EOFError, OSError):
                         w.proc.join(2)  # reap it so that its exit code can be reported
-                        out[task] = (None, f"scoring worker exited (code {w.proc.exitcode}) while scoring sample {task}")
+                        out[task] = Outcome(None, None, error=f"scoring worker exited (code {w.proc.exitcode}) "
+                                                              f"while scoring sample {task}")
                 elif time.monotonic() >= w.deadline:
-                    out[task] = (None, f"TimeoutError: scoring sample {task} took more than timeout_s={self.timeout_s}s")
+                    out[task] = Outcome(None, None, error=f"TimeoutError: scoring sample {task} took more than "
+                                                          f"timeout_s={self.timeout_s}s")
                 else:
                     continue
                 w.kill()  # replaced by _ensure at the top of the loop, all replacements at once
                 self._workers.remove(w)
-        return [o if o is not None else (None, "not scored") for o in out]
+        return [o if o is not None else Outcome(None, None, error="not scored") for o in out]
 
     def close(self) -> None:
         for w in self._workers:

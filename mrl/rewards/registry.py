@@ -1,9 +1,10 @@
 """Reward scorer registry and custom-function loading (``reward.function``).
 
-A scorer maps one sample to a float::
+A scorer maps one sample to a float, or to a dict with a ``score`` and extra keys (verl's
+``reward_extra_info``; the contract is in ``mrl.rewards.outcome``)::
 
     fn(solution_str: str, ground_truth: str, data_source: str | None = None,
-       extra_info: dict | None = None) -> float
+       extra_info: dict | None = None) -> float | dict
 
 It is always called with keyword arguments, the convention of verl's ``compute_score`` custom
 reward functions, so a verl scorer module loads unchanged with ``reward.function=file.py:compute_score``.
@@ -16,8 +17,9 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-ScoreFn = Callable[..., float]
+ScoreFn = Callable[..., float | dict[str, Any]]
 
 _REGISTRY: dict[str, ScoreFn] = {}
 _FIX = "fix: reward.function=<registry name> | pkg.module:fn | path/to/file.py:fn"

@@ -13,6 +13,16 @@ from mrl.config import ConfigError, check_config, load_config
 
 # (case id, overrides added to the valid base, substrings that ONE error line must all contain)
 BAD = [
+    ("filter_groups_without_metric", ["algorithm.filter_groups.enable=true", "rollout.n=4"],
+     ["algorithm.filter_groups.metric", "fix: acc"]),
+    ("filter_groups_without_groups", ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "rollout.n=1"],
+     ["rollout.n=1", "rollout.n >= 2"]),
+    ("filter_groups_final_reward_with_kl_in_reward", [
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward", "rollout.n=4",
+        "algorithm.use_kl_in_reward=true"], ["seq_final_reward", "metric=seq_reward"]),
+    ("gen_batch_size_without_filter_groups", ["data.gen_batch_size=16"], ["data.gen_batch_size=16", "filter_groups"]),
+    ("overlong_buffer_longer_than_response", ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=4096"],
+     ["reward.overlong_buffer.len=4096", "rollout.max_response_length"]),
     ("tbs_not_multiple_of_mini", ["data.train_batch_size=6"], ["data.train_batch_size", "actor.ppo_mini_batch_size"]),
     ("mini_larger_than_tbs", ["actor.ppo_mini_batch_size=16"], ["actor.ppo_mini_batch_size", "exceeds"]),
     ("mini_not_divisible_by_dp", ["cluster.n_gpus_per_node=3", "actor.ppo_micro_batch_size_per_gpu=1"],
@@ -53,6 +63,14 @@ BAD = [
     ("critic_micro_missing", ["algorithm.adv_estimator=gae"], ["critic.ppo_micro_batch_size_per_gpu"]),
     ("temperature_zero", ["rollout.temperature=0"], ["rollout.temperature"]),
     ("top_k_zero", ["rollout.top_k=0"], ["rollout.top_k"]),
+    ("val_sample_without_temperature", ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.n=4"],
+     ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature > 0"]),
+    ("val_sample_top_k_zero", ["rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=1",
+                               "rollout.val_kwargs.top_k=0"], ["rollout.val_kwargs.top_k=0"]),
+    ("val_greedy_with_n", ["rollout.val_kwargs.n=4"], ["rollout.val_kwargs.n=4", "do_sample=false", "identical"]),
+    ("val_greedy_ignores_temperature", ["rollout.val_kwargs.temperature=0.6", "rollout.val_kwargs.top_p=0.95"],
+     ["rollout.val_kwargs.temperature=0.6, top_p=0.95", "ignored", "do_sample=true"]),
+    ("val_generations_negative", ["trainer.log_val_generations=-1"], ["trainer.log_val_generations"]),
     ("positions_exceeded", ["rollout.max_response_length=200"], ["data.max_prompt_length", "rollout.max_response_length",
                                                                  "max_position_embeddings=256"]),
     ("engine_tp_not_dividing", ["rollout.engine_tp_size=3"], ["rollout.engine_tp_size=3", "does not divide"]),
@@ -100,6 +118,21 @@ def test_base_is_valid(base_overrides: list[str]) -> None:
     cfg = load_config(None, base_overrides)
     errors, notes = check_config(cfg)
     assert errors == [] and notes == []
+
+
+def test_val_sampling_is_valid(base_overrides: list[str]) -> None:
+    v = "rollout.val_kwargs"
+    cfg = load_config(None, base_overrides + [f"{v}.do_sample=true", f"{v}.n=4", f"{v}.temperature=0.6", f"{v}.top_p=0.95"])
+    assert check_config(cfg)[0] == []
+    assert cfg.rollout.val_kwargs.n == 4 and cfg.rollout.val_kwargs.top_k == -1
+
+
+def test_dapo_settings_are_valid(base_overrides: list[str]) -> None:
+    cfg = load_config(None, base_overrides + [
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "rollout.n=4",
+        "algorithm.filter_groups.max_num_gen_batches=3", "data.gen_batch_size=16", "actor.clip_ratio_high=0.28",
+        "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=8"])
+    assert check_config(cfg)[0] == []
 
 
 @pytest.mark.parametrize("case, extra, must_contain", BAD, ids=[c[0] for c in BAD])

@@ -6,7 +6,7 @@ import torch
 
 from mrl.data.dataset import Prompt, PromptBatch
 from mrl.data.tokenize import left_pad, position_ids_from_mask
-from mrl.driver.batch import assemble_train_batch, group_means, repeat_prompts
+from mrl.driver.batch import assemble_train_batch, repeat_prompts
 from mrl.rollout.types import FINISH_ERROR, RolloutResult, RolloutSample
 
 
@@ -62,7 +62,5 @@ def test_sample_count_and_order_are_checked() -> None:
         assemble_train_batch(_prompts(seqs), res, pad_token_id=0, uids=[0, 1])
 
 
-def test_repeat_prompts_and_group_means() -> None:
+def test_repeat_prompts() -> None:
     assert repeat_prompts(["a", "b"], 2) == ["a", "a", "b", "b"]
-    m = group_means(torch.tensor([1.0, 0.0, 1.0]), ["x", "x", None], "val-core", "reward/mean@1")
-    assert m == {"val-core/x/reward/mean@1": 0.5, "val-core/unknown/reward/mean@1": 1.0}

@@ -3,7 +3,8 @@
 Step 1 is a critic-only warm-up step (trainer.critic_warmup=1) and is checkpointed; a second run
 resumes from it for step 2, where the actor starts. Real components throughout: Ray rank actors
 with Megatron GPTModel actor + value model (gloo, DP=2), two embedded engine processes, tensor
-weight sync, the arith scorer and an MLflow sqlite store. Tiny sizes keep it near 150 s idle.
+weight sync (checksums verified) into engines that release their memory after each generation and
+get it back around the sync (rollout.free_cache_engine), the arith scorer and an MLflow sqlite store. Tiny sizes keep it near 150 s idle.
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def _train(tmp: Path, assets: Path, steps: int, port: int):
                      "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2",
                      "critic.ppo_micro_batch_size_per_gpu=2", "rollout.max_response_length=16",
                      f"trainer.total_training_steps={steps}", "trainer.critic_warmup=1", "trainer.save_freq=1",
-                     f"trainer.default_local_dir={tmp}/ckpt")
+                     f"trainer.default_local_dir={tmp}/ckpt",
+                     # engines release their memory after generating and get it back around the sync
+                     "rollout.free_cache_engine=true", "rollout.weight_sync.verify=true")
 
 
 def _common(ckpt: Path) -> dict:
@@ -59,6 +62,7 @@ def test_ppo_critic_warmup_checkpoint_and_resume(tmp_path: Path) -> None:
     assert sorted(metrics(db, "actor/pg_loss")) == [2]
     assert metrics(db, "rollout/weight_version") == {1: 0.0, 2: 2.0}
     assert metrics(db, "rollout/engine_weight_version") == {1: 0.0, 2: 0.0}
+    assert sorted(metrics(db, "timing_s/engine_sleep")) == [1, 2]
     # the resumed critic continued from the saved one: its step counter and LR schedule carry on
     # (a fresh critic would save global_step 1 / num_steps 2 again)
     c2 = _common(ckpt / "global_step_2" / "critic")

@@ -18,7 +18,12 @@ pytestmark = pytest.mark.slow
 def _train(tmp: Path, assets: Path, steps: int, port: int):
     return run_train("mrl_configs/quickstart.yaml", tmp, assets, port, f"data.val_files=[{assets}/data/val.jsonl]",
                      f"trainer.total_training_steps={steps}", "trainer.save_freq=2", "trainer.test_freq=2",
-                     f"trainer.default_local_dir={tmp}/ckpt")
+                     f"trainer.default_local_dir={tmp}/ckpt", *VAL_SAMPLING)
+
+
+# verl val_kwargs: 2 sampled answers per val prompt -> mean@2, best@2 (+ 3 logged generations)
+VAL_SAMPLING = ("rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.n=2", "rollout.val_kwargs.temperature=1.0",
+                "trainer.log_val_generations=3")
 
 
 def test_quickstart_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
@@ -30,7 +35,12 @@ def test_quickstart_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     score = metrics(db, "critic/score/mean")
     assert sorted(score) == [1, 2] and all(0.0 <= v <= 1.0 for v in score.values())
     assert sorted(metrics(db, "actor/pg_loss")) == [1, 2]
-    assert sorted(metrics(db, "val-core/arith/reward/mean_at_1")) == [2]
+    mean2 = metrics(db, "val-core/arith/reward/mean_at_2")
+    best2 = metrics(db, "val-core/arith/reward/best_at_2/mean")
+    assert sorted(mean2) == sorted(best2) == [2] and 0.0 <= mean2[2] <= best2[2] + 0.05 <= 1.05
+    assert sorted(metrics(db, "val-aux/arith/reward/worst_at_2/mean")) == [2]
+    (gens,) = (tmp_path / "artifacts").rglob("val_step2.json")  # the MLflow run's artifact
+    assert [sorted(r) for r in json.loads(gens.read_text())] == [["input", "output", "score"]] * 3
     # The engines themselves reported the version they generated with: start weights at step 1,
     # the version pushed after step 1 at step 2.
     assert metrics(db, "rollout/engine_weight_version") == {1: 0.0, 2: 1.0}

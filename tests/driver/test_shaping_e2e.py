@@ -30,7 +30,9 @@ def test_quickstart_with_ref_blend_and_repr_align(tmp_path: Path) -> None:
                   "algorithm.repr_align.ref_alignment.warmup_ratio=0.5",
                   "algorithm.repr_align.ref_alignment.schedule=linear",
                   "algorithm.repr_align.ref_alignment.entropy_high_threshold=0.0",
-                  "rollout.weight_sync.transport=distributed", "rollout.weight_sync.verify=true")
+                  "rollout.weight_sync.transport=distributed", "rollout.weight_sync.verify=true",
+                  # engines in a placement group of their own (not in the ranks' bundles)
+                  "rollout.placement=separate", "rollout.num_engines=2", "cluster.n_gpus_per_node=4")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     db = tmp_path / "mlflow.db"
     assert metrics(db, f"{BLEND}/weight") == pytest.approx({1: 0.0, 2: 0.6})

@@ -47,3 +47,15 @@ def test_missing_model_names_the_quickstart_fix(tmp_path) -> None:
     cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tmp_path}/nope"])
     with pytest.raises(UnsupportedConfigError, match="model.path=.*mrl.quickstart"):
         check_supported(cfg)
+
+
+def test_sglang_engines_and_separate_placement_are_supported(tmp_path) -> None:
+    # The driver launches them (mrl/driver/engines.py); config validation still refuses SGLang on CPU.
+    (tmp_path / "m").mkdir()
+    (tmp_path / "t.jsonl").write_text("")
+    base = [f"model.path={tmp_path}/m", f"data.train_files=[{tmp_path}/t.jsonl]"]
+    check_supported(load_config("mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml", base))
+    check_supported(load_config("mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml", [
+        *base, "rollout.placement=separate", "rollout.num_engines=2", "cluster.n_gpus_per_node=10"]))
+    with pytest.raises(UnsupportedConfigError, match="rollout.router=sglang_router: set rollout.router=builtin"):
+        check_supported(load_config("mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml", [*base, "rollout.router=sglang_router"]))

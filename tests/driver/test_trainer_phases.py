@@ -40,6 +40,22 @@ class RecordingWorkers:
         return [c[0] for c in self.calls]
 
 
+class RecordingPool:
+    """The engine pool's memory calls, recorded into the workers' call list (one ordered log)."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls, self.asleep, self.weight_version = calls, False, None
+
+    def release_memory(self) -> None:
+        self.calls.append(("release_memory", ()))
+        self.asleep = True
+
+    def resume_memory(self, tags=None) -> None:
+        self.calls.append(("resume_memory", tuple(tags or ())))
+        if tags is None or "kv_cache" in tags:
+            self.asleep = False
+
+
 def _scores(batch) -> torch.Tensor:
     """1 on the last response token of every third sample (the reward phase's layout)."""
     scores = torch.zeros(batch.response_mask.shape)
@@ -57,11 +73,12 @@ def _trainer(tmp_path, *overrides: str) -> tuple[RLTrainer, RecordingWorkers, to
     batch = ragged_batch().replace(advantages=None)
     values = torch.linspace(-0.5, 0.5, batch.response_length).expand(batch.batch_size, -1) * batch.response_mask
     workers = RecordingWorkers(values)
-    services = SimpleNamespace(train_ds=list(range(16)), workers=workers, pool=SimpleNamespace(weight_version=None))
+    services = SimpleNamespace(train_ds=list(range(16)), workers=workers, pool=RecordingPool(workers.calls))
     tr = RLTrainer(cfg, services)
     scores = _scores(batch)
 
     def generate() -> StepData:  # the engine round trip is tested in the e2e tests
+        tr.wake_engines()  # as the real phase does first
         tr.engine_weight_version = tr.weight_version
         return StepData(batch, [], [], torch.zeros_like(scores))
 
@@ -171,3 +188,24 @@ def test_remax_scores_one_greedy_answer_per_prompt_as_the_baseline(tmp_path) -> 
     adv, _ = get_adv_estimator("remax")(_scores(batch), batch.response_mask.float(), reward_baselines=baselines)
     torch.testing.assert_close(batch.advantages, adv, rtol=0, atol=0)
     assert "timing_s/gen_max" in m and m["critic/reward_baseline/mean"] == baselines.mean().item()
+
+
+def test_free_cache_engine_sleeps_engines_while_training_and_pushes_weights_on_wake(tmp_path) -> None:
+    tr, w, _ = _trainer(tmp_path, *PPO, "trainer.critic_warmup=1", "rollout.free_cache_engine=true")
+    tr.step()  # critic-only: engines released after generation, not woken (nothing to push)
+    assert w.calls[:2] == [("release_memory", ()), ("compute_log_prob", w.calls[1][1])]
+    assert tr.s.pool.asleep and "sync_weights" not in w.names()
+    w.calls.clear()
+    tr.wake_engines()  # validation after a warmup step: the released weights are gone, push version 0 again
+    assert w.calls == [("resume_memory", ("weights",)), ("sync_weights", (0,)), ("resume_memory", ("kv_cache",))]
+    w.calls.clear()
+    tr.step()
+    assert w.names()[0] == "release_memory" and w.calls[-3:] == [
+        ("resume_memory", ("weights",)), ("sync_weights", (2,)), ("resume_memory", ("kv_cache",))]
+    assert not tr.s.pool.asleep and tr.s.pool.weight_version == "2"
+
+
+def test_free_cache_engine_defaults_off_on_cpu(tmp_path) -> None:
+    tr, w, _ = _trainer(tmp_path)
+    tr.step()
+    assert "release_memory" not in w.names() and not tr.free_cache_engine

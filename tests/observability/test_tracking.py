@@ -14,6 +14,9 @@ def test_flatten_and_console_sink():
     t = Tracking("p", "e", ["console"], stream=buf)
     t.log({"timing_s/gen": 1.23456, "critic/score/mean": torch.tensor(0.5), "skip": "text", "v": torch.ones(2)}, step=3)
     assert buf.getvalue() == "step:3 - critic/score/mean:0.5 - timing_s/gen:1.235\n"
+    buf.truncate(0), buf.seek(0)
+    t.log_generations([{"input": "1+2=", "output": "3", "score": 1.0}], step=4)
+    assert buf.getvalue() == "val_generation step:4 #0 score:1\n[input] 1+2=\n[output] 3\n"
     with pytest.raises(ValueError, match=r"trainer.logger has unknown sinks \['wandb'\]"):
         Tracking("p", "e", ["wandb"])
 
@@ -28,6 +31,8 @@ def test_mlflow_sqlite_run_read_back(tmp_path, monkeypatch):
     for step in (1, 2):
         t.log({"critic/score/mean": 0.25 * step, "timing_s/gen": float(step), "bad": float("nan"),
                "val-core/arith/reward/mean@1": 0.5}, step=step)
+    rows = [{"input": "1+2=", "output": "3 é", "score": 1.0}, {"input": "2*3=", "output": "5", "score": 0.0}]
+    t.log_generations(rows, step=2)
     t.finish()
 
     from mlflow.tracking import MlflowClient
@@ -44,6 +49,12 @@ def test_mlflow_sqlite_run_read_back(tmp_path, monkeypatch):
     assert [(h.step, h.value) for h in hist] == [(1, 0.25), (2, 0.5)]
     assert "bad" not in run.data.metrics and run.data.metrics["timing_s/gen"] == 2.0
     assert run.data.metrics["val-core/arith/reward/mean_at_1"] == 0.5  # verl's '@' name, sanitised
+    # verl's validation-generations artifact: val_step<N>.json = [{input, output, score}]
+    import json
+    from pathlib import Path
+
+    local = client.download_artifacts(run.info.run_id, "val_step2.json", str(tmp_path / "dl"))
+    assert json.loads(Path(local).read_text(encoding="utf-8")) == rows
     # A second run of the same project lands in the same experiment.
     Tracking("proj", "run2", ["mlflow"], mlflow_tracking_uri=uri).finish("FAILED")
     assert sorted(r.info.run_name for r in client.search_runs([exp.experiment_id])) == ["run1", "run2"]

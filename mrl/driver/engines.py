@@ -1,0 +1,243 @@
+"""The run's engine servers: where each one runs, its command line, and a Ray actor that launches
+it on the node of the devices it uses (so multi-node runs start every engine next to its GPUs).
+
+Colocated (verl's hybrid engine): engine ``i`` shares the devices of trainer ranks
+``[i·tp, (i+1)·tp)`` and its actor sits in the bundle of the first of them. Separate: engines get
+a placement group of their own (one bundle of ``tp`` GPUs per engine). On CUDA every GPU of the
+node stays visible to the engine and ``--base-gpu-id`` names its first one, so device indices
+agree between trainer and engine (CUDA IPC handles of the tensor transport rely on that).
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mrl.config import MRLConfig
+from mrl.train import UnsupportedConfigError
+
+TOKEN_ENV = "MRL_ENGINE_TOKEN"
+
+
+@dataclass(frozen=True)
+class EngineSlot:
+    """One engine: its index, the node it runs on and the node-local GPU ids it uses (empty on CPU)."""
+
+    index: int
+    node_id: str
+    node_ip: str
+    gpu_ids: tuple[int, ...]
+    bundle: int     # bundle index in the placement group the engine's actor is scheduled into
+    url: str
+    port: int
+
+
+def _loopback(host: str) -> bool:
+    from mrl.rollout.server import is_loopback
+
+    return is_loopback(host)
+
+
+def plan_engines(cfg: MRLConfig, infos: list[dict[str, Any]], n_engines: int) -> list[EngineSlot]:
+    """Slots for ``n_engines`` engines over ``infos`` (``_RankActor.node_info`` of the devices they
+    use: the trainer ranks when colocated, the engines' own bundles when separate)."""
+    r, tp = cfg.rollout, cfg.rollout.engine_tp_size
+    colocated = r.placement == "colocated"
+    per_engine = tp if colocated else 1  # separate: one bundle holds an engine's tp GPUs
+    if len(infos) < n_engines * per_engine:
+        raise UnsupportedConfigError(f"{n_engines} engines of rollout.engine_tp_size={tp} need "
+                                     f"{n_engines * per_engine} device slots, the run has {len(infos)}")
+    nodes = {i["node_id"] for i in infos}
+    if len(nodes) > 1 and _loopback(r.host):
+        raise UnsupportedConfigError(
+            f"rollout.host={r.host} is loopback but the run spans {len(nodes)} nodes: the driver cannot reach "
+            "engines on other nodes; fix: rollout.host=0.0.0.0 (engines then require the per-run token mrl generates)")
+    slots = []
+    for i in range(n_engines):
+        members = infos[i * per_engine:(i + 1) * per_engine]
+        if len({m["node_id"] for m in members}) != 1:
+            raise UnsupportedConfigError(
+                f"engine {i} would span nodes (ranks {i * tp}..{(i + 1) * tp - 1}); fix: rollout.engine_tp_size "
+                "dividing cluster.n_gpus_per_node so each engine's devices share one node")
+        gpus = tuple(g for m in members for g in m["gpu_ids"])
+        if gpus and list(gpus) != list(range(gpus[0], gpus[0] + len(gpus))):
+            raise UnsupportedConfigError(
+                f"engine {i}: its devices have GPU ids {list(gpus)}, not consecutive (SGLang takes --base-gpu-id "
+                "and the next tp-1 GPUs); fix: give Ray whole nodes (cluster.n_gpus_per_node = GPUs per node)")
+        host = members[0]["ip"] if r.host in ("0.0.0.0", "::") else r.host
+        port = r.port_base + i
+        slots.append(EngineSlot(i, members[0]["node_id"], members[0]["ip"], gpus, i * per_engine,
+                                f"http://{host}:{port}", port))
+    return slots
+
+
+def run_token(cfg: MRLConfig) -> str | None:
+    """A fresh control token when engines bind off loopback (their control endpoints then need it)."""
+    return None if _loopback(cfg.rollout.host) else secrets.token_urlsafe(32)
+
+
+def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra env) of ``slot``'s server: ``mrl.rollout.server`` (torch) or SGLang's launch_server."""
+    from mrl.rollout.sglang_launcher import (
+        SGLangLaunchSpec,
+        build_embedded_command,
+        build_sglang_command,
+    )
+
+    r = cfg.rollout
+    cuda = bool(slot.gpu_ids)
+    if r.engine == "sglang":
+        if not cuda:
+            raise UnsupportedConfigError(f"rollout.engine=sglang: engine {slot.index} was placed without GPUs; "
+                                         "fix: cluster.device=cuda")
+        # SGLang's --api-key is an argv flag (visible in ps to users of the node); it has no env form.
+        return build_sglang_command(SGLangLaunchSpec(
+            model_path=cfg.model.path, port=slot.port, host=r.host, tp_size=r.engine_tp_size,
+            mem_fraction_static=r.mem_fraction_static, colocated=r.placement == "colocated",
+            base_gpu_id=slot.gpu_ids[0], dtype=cfg.model.dtype, random_seed=cfg.trainer.seed + slot.index,
+            api_key=token)), {}
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if token:
+        env[TOKEN_ENV] = token
+    if cuda:  # the embedded engine is single-device: it sees only its GPU, as cuda:0
+        env["CUDA_VISIBLE_DEVICES"] = str(slot.gpu_ids[0])
+    cmd = build_embedded_command(cfg.model.path, slot.port, host=r.host, token_env=TOKEN_ENV if token else None,
+                                 device="cuda" if cuda else "cpu", dtype=cfg.model.dtype if cuda else "float32",
+                                 seed=cfg.trainer.seed + slot.index)
+    return cmd, env
+
+
+class RemoteEngine:
+    """Driver-side handle of one engine server whose process a Ray actor (``EngineProcess``) owns on
+    the slot's node. Every call waits with a timeout; ``stop`` ends the server, then the actor."""
+
+    def __init__(self, slot: EngineSlot, cmd: list[str], env: dict[str, str], log_path: Path,
+                 startup_timeout_s: float, scheduling_strategy: Any, cuda: bool) -> None:
+        import ray
+
+        from mrl.rollout.sglang_launcher import make_engine_actor_class
+
+        self.slot, self.url, self.log_path = slot, slot.url, log_path
+        self._startup_timeout_s = startup_timeout_s
+        runtime_env = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if cuda else None
+        self._actor = make_engine_actor_class().options(
+            scheduling_strategy=scheduling_strategy, runtime_env=runtime_env,
+            max_concurrency=2,  # stop() must get through while a restart waits for health
+        ).remote(cmd, slot.url, str(log_path), env=env, startup_timeout_s=startup_timeout_s)
+        self._ray = ray
+
+    def _call(self, method: str, timeout_s: float, *args: Any) -> Any:
+        return self._ray.get(getattr(self._actor, method).remote(*args), timeout=timeout_s)
+
+    def start(self) -> None:
+        self._call("start", 120.0, False)
+
+    def wait_healthy(self) -> float:
+        return self._call("wait_healthy", self._startup_timeout_s + 60.0)
+
+    def restart(self) -> None:
+        """The pool's restart callback: same node, same command, same url."""
+        self._call("restart", self._startup_timeout_s + 120.0)
+
+    def kill(self) -> None:
+        self._call("kill", 60.0)
+
+    def log_tail(self, lines: int = 40) -> str:
+        return self._call("log_tail", 30.0, lines)
+
+    def stop(self) -> None:
+        try:
+            self._call("stop", 60.0)
+        finally:
+            self._ray.kill(self._actor)
+
+
+def n_engines(cfg: MRLConfig) -> int:
+    """rollout.num_engines, or (colocated, null) one per engine_tp_size actor devices: the plan's count."""
+    from mrl.config.layout import compute_layout
+
+    return max(1, compute_layout(cfg)["rollout"].count // cfg.rollout.engine_tp_size)
+
+
+def _separate_placement(cfg: MRLConfig, n: int, timeout_s: float = 600.0) -> tuple[Any, list[dict[str, Any]]]:
+    """A placement group of ``n`` engine bundles (``tp`` GPUs each on CUDA) and where they landed."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cuda = cfg.cluster.device == "cuda"
+    tp = cfg.rollout.engine_tp_size
+    bundle = {"CPU": 1, **({"GPU": tp} if cuda else {})}
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise UnsupportedConfigError(f"Ray could not place {n} separate engines with {bundle} each within "
+                                     f"{timeout_s:.0f}s; fix: lower rollout.num_engines or add devices") from None
+
+    def where() -> dict[str, Any]:
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "gpu_ids": sorted(int(g) for g in ray.get_gpu_ids())}
+
+    probe = ray.remote(where)
+    refs = [probe.options(num_cpus=0.01, num_gpus=tp if cuda else 0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=i),
+        runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if cuda else None).remote()
+        for i in range(n)]
+    return pg, ray.get(refs, timeout=timeout_s)
+
+
+class EngineSet:
+    """The run's engines: started next to their devices, stopped (servers, actors, placement) on ``stop``."""
+
+    def __init__(self, cfg: MRLConfig, workers: Any, log_dir: Path) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        r = cfg.rollout
+        n = n_engines(cfg)
+        self.token = run_token(cfg)
+        self.own_pg = None
+        if r.placement == "colocated":
+            pg, infos = workers.pg, workers.infos
+        else:
+            pg, infos = _separate_placement(cfg, n)
+            self.own_pg = pg
+        self.slots = plan_engines(cfg, infos, n)
+        # The trainer's source ranks reach an engine on another node only through a routable address.
+        self.remote_nodes = len({s.node_id for s in self.slots} | {i["node_id"] for i in workers.infos}) > 1
+        self.engines: list[RemoteEngine] = []
+        for slot in self.slots:
+            cmd, env = engine_command(cfg, slot, self.token)
+            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=slot.bundle)
+            # absolute: the actor's working directory is Ray's choice, not the driver's
+            e = RemoteEngine(slot, cmd, env, log_dir.resolve() / f"engine_{slot.index}.log", r.engine_startup_timeout_s,
+                             strategy, cuda=bool(slot.gpu_ids))
+            self.engines.append(e)
+            e.start()
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    def wait_healthy(self) -> None:
+        for e in self.engines:
+            e.wait_healthy()
+
+    def stop(self) -> list[str]:
+        """Stop every server (before Ray shuts down: the servers run in their own sessions and would
+        outlive their actors); returns the errors met, one line each."""
+        errors = []
+        for e in self.engines:
+            try:
+                e.stop()
+            except Exception as ex:  # noqa: BLE001 - stop the others anyway
+                errors.append(f"engine {e.url}: {ex}")
+        self.engines = []
+        if self.own_pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.own_pg)
+            self.own_pg = None
+        return errors

@@ -1,0 +1,109 @@
+"""The validation phase (verl ``RayPPOTrainer._validate``): every val prompt answered
+``rollout.val_kwargs.n`` times, scored like training samples, summarised with verl's names.
+
+    val prompts (P, in chunks of data.val_batch_size) -> RolloutRequest(n = val_kwargs.n,
+    sampling = val_kwargs) -> P·n answers -> reward manager -> per-sample ``reward`` and the
+    scorer's dict keys (verl's reward_extra_info: ``acc``, ``pred``, ...) -> process_validation_metrics
+    (uid = dataset row) -> val-core/… and val-aux/… metrics
+
+A dict-returning scorer adds one metric variable per numeric key (``score`` included, as in verl),
+``acc`` becomes the val-core variable, and ``pred`` is the vote of ``maj@k``.
+
+With the defaults (do_sample=false, n=1) this is one greedy answer per prompt and the metric
+``val-core/<data_source>/reward/mean@1``. Dependencies are passed in (no trainer object), so the
+phase runs against any rollout client, e.g. one engine in a test.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mrl.driver.batch import decode_responses
+from mrl.observability.val_metrics import (
+    process_validation_metrics,
+    validation_metric_dict,
+)
+from mrl.rewards.manager import RewardResult
+from mrl.rollout.types import RolloutRequest
+
+GENERATIONS_SEED = 42  # verl's fixed shuffle seed: the same rows are logged at every validation
+
+
+@dataclass
+class ValidationResult:
+    """What one validation produced."""
+
+    metrics: dict[str, float]        # verl names, e.g. val-core/<data_source>/reward/mean@N
+    generations: list[dict[str, Any]]  # trainer.log_val_generations rows: {"input", "output", "score"}
+    num_prompts: int
+    num_samples: int                 # num_prompts * val_kwargs.n
+
+
+def val_sampling_params(val_kwargs: Any, max_new_tokens: int) -> dict[str, Any]:
+    """SGLang sampling_params of the validation answers: greedy (temperature 0) unless
+    ``do_sample``, then ``temperature``/``top_p``/``top_k`` of ``rollout.val_kwargs``."""
+    if not val_kwargs.do_sample:
+        return {"temperature": 0.0, "max_new_tokens": max_new_tokens}
+    return {"temperature": val_kwargs.temperature, "top_p": val_kwargs.top_p, "top_k": val_kwargs.top_k,
+            "max_new_tokens": max_new_tokens}
+
+
+def prompt_chunks(num_prompts: int, val_batch_size: int | None) -> list[range]:
+    """Dataset rows per request: all at once when ``val_batch_size`` is None (verl's advice: the
+    engines schedule memory themselves), else consecutive chunks of ``val_batch_size`` PROMPTS."""
+    size = val_batch_size or max(num_prompts, 1)
+    return [range(i, min(i + size, num_prompts)) for i in range(0, num_prompts, size)]
+
+
+def pick_generations(inputs: Sequence[str], outputs: Sequence[str], scores: Sequence[float],
+                     k: int) -> list[dict[str, Any]]:
+    """``k`` rows as verl picks them: sort (input, output, score) by input, shuffle with a fixed
+    seed, take the first k — so successive validations show the same prompts."""
+    if k <= 0:
+        return []
+    rows = sorted(zip(inputs, outputs, scores, strict=True), key=lambda r: r[0])
+    order = np.random.RandomState(GENERATIONS_SEED).permutation(len(rows))
+    return [{"input": rows[i][0], "output": rows[i][1], "score": float(rows[i][2])} for i in order[:k]]
+
+
+def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, rollout: Any,
+                   val_batch_size: int | None = None, log_generations: int = 0) -> ValidationResult:
+    """Answer, score and summarise every prompt of ``dataset`` (a ``PromptDataset``).
+
+    ``client``: RolloutClient; ``reward``: RewardManager; ``rollout``: RolloutConfig (its
+    ``val_kwargs``, ``max_response_length``, ``request_timeout_s``). Samples are ordered prompt-major,
+    ``n`` answers per prompt in a row; the uid of an answer is its prompt's dataset row.
+    """
+    vk = rollout.val_kwargs
+    params = val_sampling_params(vk, rollout.max_response_length)
+    sources: list[str | None] = []
+    uids: list[int] = []
+    inputs: list[str] = []
+    outputs: list[str] = []
+    parts: list[RewardResult] = []
+    for rows in prompt_chunks(len(dataset), val_batch_size):
+        prompts = [dataset[i] for i in rows]
+        res = client.generate(RolloutRequest([p.prompt_ids for p in prompts], n=vk.n, sampling_params=params,
+                                             return_logprob=False, timeout_s=rollout.request_timeout_s))
+        if res.failed:
+            raise RuntimeError(f"{len(res.failed)} of {len(res.samples)} validation samples failed, first: "
+                               f"{res.failed[0].error}; see the engine logs (or raise rollout.request_timeout_s)")
+        rep = [p for p in prompts for _ in range(vk.n)]  # sample i*n + j answers prompt i
+        texts = decode_responses(tokenizer, res)
+        out = reward(texts, [p.ground_truth for p in rep], data_sources=[p.data_source for p in rep],
+                     extra_infos=[p.extra_info for p in rep])
+        sources += [p.data_source for p in rep]
+        uids += [r for r in rows for _ in range(vk.n)]
+        outputs += texts
+        parts.append(out)
+        if log_generations:
+            inputs += [tokenizer.decode(p.prompt_ids, skip_special_tokens=True) for p in rep]
+    scored = RewardResult.cat(parts) if parts else None
+    scores: list[float] = scored.scores.tolist() if scored is not None else []
+    infos = {"reward": scores, **(scored.extra if scored is not None else {})}  # verl: "reward" first
+    metrics = validation_metric_dict(process_validation_metrics(sources, uids, infos))
+    gens = pick_generations(inputs, outputs, scores, log_generations) if log_generations else []
+    return ValidationResult(metrics, gens, len(dataset), len(scores))

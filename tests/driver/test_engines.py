@@ -1,0 +1,83 @@
+"""Engine placement and command lines: which node/GPUs each engine uses, SGLang's and the embedded
+engine's argv from the config, and the errors for layouts an engine cannot span (no Ray needed)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from mrl.config import ConfigError, load_config
+from mrl.driver.engines import TOKEN_ENV, engine_command, plan_engines, run_token
+from mrl.train import UnsupportedConfigError
+
+GPU_RECIPE = "mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml"
+
+
+def _node(node: str, ip: str, gpus: list[int]) -> dict:
+    return {"node_id": node, "ip": ip, "gpu_ids": gpus, "free_port": 1}
+
+
+def _gpu_infos(nodes: int = 1, per_node: int = 8) -> list[dict]:
+    return [_node(f"n{k}", f"10.0.0.{k + 1}", [g]) for k in range(nodes) for g in range(per_node)]
+
+
+def test_sglang_engines_tp2_colocated_on_one_node() -> None:
+    cfg = load_config(GPU_RECIPE, ["rollout.engine_tp_size=2"])
+    slots = plan_engines(cfg, _gpu_infos(), 4)
+    assert [s.gpu_ids for s in slots] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [s.bundle for s in slots] == [0, 2, 4, 6]  # the bundle of each engine's first trainer rank
+    assert [s.url for s in slots] == [f"http://127.0.0.1:{30000 + i}" for i in range(4)]
+    cmd, env = engine_command(cfg, slots[1], token=None)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"] and env == {}
+    flags = dict(itertools.pairwise(cmd))
+    assert flags["--model-path"] == "Qwen/Qwen2.5-0.5B-Instruct" and flags["--tp-size"] == "2"
+    assert flags["--base-gpu-id"] == "2" and flags["--port"] == "30001" and flags["--dtype"] == "bfloat16"
+    assert flags["--mem-fraction-static"] == str(cfg.rollout.mem_fraction_static)
+    assert "--enable-memory-saver" in cmd and "--skip-server-warmup" in cmd and "--api-key" not in cmd
+
+
+def test_two_nodes_need_a_routable_host_and_get_the_token() -> None:
+    with pytest.raises(ConfigError, match="rollout.host=127.0.0.1 with cluster.nnodes=2.*rollout.host=0.0.0.0"):
+        load_config(GPU_RECIPE, ["cluster.nnodes=2"])  # refused before anything starts
+    # ... and again if Ray spreads a one-node config over two nodes
+    cfg = load_config(GPU_RECIPE, ["cluster.n_gpus_per_node=16"])
+    with pytest.raises(UnsupportedConfigError, match="rollout.host=127.0.0.1 is loopback.*rollout.host=0.0.0.0"):
+        plan_engines(cfg, _gpu_infos(nodes=2), 16)
+    cfg = load_config(GPU_RECIPE, ["cluster.nnodes=2", "rollout.host=0.0.0.0"])
+    slots = plan_engines(cfg, _gpu_infos(nodes=2), 16)
+    assert slots[9].url == "http://10.0.0.2:30009" and slots[9].gpu_ids == (1,)
+    token = run_token(cfg)
+    assert token and len(token) >= 32 and run_token(cfg) != token  # fresh per run
+    cmd, _ = engine_command(cfg, slots[9], token)
+    assert cmd[cmd.index("--api-key") + 1] == token and cmd[cmd.index("--host") + 1] == "0.0.0.0"
+
+
+def test_an_engine_spanning_nodes_is_refused() -> None:
+    cfg = load_config(GPU_RECIPE, ["cluster.nnodes=2", "cluster.n_gpus_per_node=3", "rollout.host=0.0.0.0",
+                                   "rollout.engine_tp_size=2", "actor.ppo_mini_batch_size=60",
+                                   "data.train_batch_size=240"])
+    with pytest.raises(UnsupportedConfigError, match="engine 1 would span nodes"):
+        plan_engines(cfg, _gpu_infos(nodes=2, per_node=3), 3)
+
+
+def test_non_consecutive_gpus_are_refused() -> None:
+    cfg = load_config(GPU_RECIPE, ["rollout.engine_tp_size=2"])
+    infos = [_node("a", "1.1.1.1", [g]) for g in (0, 2, 1, 3)]
+    with pytest.raises(UnsupportedConfigError, match=r"GPU ids \[0, 2\], not consecutive"):
+        plan_engines(cfg, infos, 2)
+
+
+def test_embedded_engine_command_on_cpu_and_cuda(tmp_path) -> None:
+    (tmp_path / "m").mkdir()
+    cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tmp_path}/m", "rollout.host=0.0.0.0"])
+    slot = plan_engines(cfg, [_node("a", "10.1.1.1", []), _node("a", "10.1.1.1", [])], 2)[1]
+    assert slot.url == "http://10.1.1.1:30001"
+    cmd, env = engine_command(cfg, slot, token="secret")
+    assert cmd[1:3] == ["-m", "mrl.rollout.server"] and "secret" not in cmd  # argv is readable by other users
+    assert env[TOKEN_ENV] == "secret" and cmd[cmd.index("--token-env") + 1] == TOKEN_ENV
+    assert cmd[cmd.index("--device") + 1] == "cpu" and cmd[cmd.index("--dtype") + 1] == "float32"
+    assert cmd[cmd.index("--seed") + 1] == str(cfg.trainer.seed + 1)
+    gpu_cfg = load_config(GPU_RECIPE, ["rollout.engine=torch"])
+    cmd, env = engine_command(gpu_cfg, plan_engines(gpu_cfg, _gpu_infos(), 8)[5], token=None)
+    assert env["CUDA_VISIBLE_DEVICES"] == "5" and cmd[cmd.index("--device") + 1] == "cuda"
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and TOKEN_ENV not in env
