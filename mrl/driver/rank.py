@@ -58,6 +58,12 @@ class TrainRank:
         )
         self.syncer.init()
 
+    def rejoin_weight_sync(self) -> None:
+        """An engine restarted: the distributed transport forms its group again (all ranks call)."""
+        if self.syncer is None:
+            raise RuntimeError("rejoin_weight_sync before init_weight_sync")
+        self.syncer.rejoin()
+
     def compute_log_prob(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self.actor.compute_log_prob(batch)
 

@@ -315,12 +315,21 @@ class RLTrainer:
         over the sending ranks (one per PP stage), ``timing_s/weight_sync`` their max. Sleeping
         engines get their weight memory back before and their KV cache after (verl's order: a lower
         peak next to the trainer's memory)."""
-        asleep = self.s.pool.asleep
+        pool = self.s.pool
+        # An engine restarted since the last sync (no snapshot to re-sync from) rejoins here: the
+        # distributed transport re-forms its group with it, the push reaches it, then it serves.
+        pool.wait_recovered(self.cfg.rollout.engine_startup_timeout_s)
+        rejoin = any(e.awaiting_sync for e in pool.engines)
+        if rejoin:
+            self.s.workers.execute_all("rejoin_weight_sync")
+        asleep = pool.asleep
         if asleep:
-            self.s.pool.resume_memory(["weights"])
+            pool.resume_memory(["weights"])
         per_rank = [r or {} for r in self.s.workers.execute_all("sync_weights", self.weight_version)]
         if asleep:
-            self.s.pool.resume_memory(["kv_cache"])
+            pool.resume_memory(["kv_cache"])
+        if rejoin:
+            pool.readmit(str(self.weight_version))
         for k in {k for r in per_rank for k in r}:
             vals = [float(r.get(k, 0.0)) for r in per_rank]
             m[k] = max(vals) if k.startswith("timing_s/") else sum(vals)

@@ -33,6 +33,7 @@ class EngineEndpoint:
     restart: Callable[[], None] | None = None
     healthy: bool = True
     recovering: bool = False
+    awaiting_sync: bool = False  # restarted with no resync callback: back after the next weight sync
     outstanding: int = 0
     failures: int = 0
     restarts: int = 0
@@ -171,10 +172,11 @@ class EnginePool:
             await self._wait_health(e)
             if self.weight_version is not None:
                 if self.resync is None:
-                    raise RuntimeError(
-                        f"engine {e.url} restarted but no resync callback is set to bring it to weight "
-                        f"version {self.weight_version}; the weight syncer must set pool.resync"
-                    )
+                    # Alive but on its start weights: out of routing until the trainer's next weight
+                    # sync reaches it (``readmit``), which is the driver's job between steps.
+                    e.awaiting_sync = True
+                    log.warning("engine %s restarted; it serves again after the next weight sync", e.url)
+                    return
                 await asyncio.to_thread(self.resync, e.url)
                 got = await self.get_weight_version(e)
                 if got != self.weight_version:
@@ -204,6 +206,21 @@ class EnginePool:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine {e.url} not healthy {self.restart_timeout_s}s after restart")
             await asyncio.sleep(0.3)
+
+    def readmit(self, version: str) -> list[str]:
+        """Engines that waited for a weight sync (``awaiting_sync``) and now report ``version`` serve
+        again; returns their urls. One reporting another version is an error naming it."""
+        back = []
+        for e in [e for e in self.engines if e.awaiting_sync]:
+            got = self.loop.run(self.get_weight_version(e))
+            if got != version:
+                raise RuntimeError(f"engine {e.url} restarted and was synced, but reports weight_version {got!r}, "
+                                   f"expected {version!r}")
+            e.awaiting_sync, e.healthy, e.failures = False, True, 0
+            e.restarts += 1
+            back.append(e.url)
+            log.warning("engine %s back in service at weight version %s (restart #%d)", e.url, version, e.restarts)
+        return back
 
     def wait_recovered(self, timeout_s: float = 120.0) -> None:
         """Block until no recovery is in flight (tests and orderly shutdown)."""

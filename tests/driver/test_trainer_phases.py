@@ -45,6 +45,16 @@ class RecordingPool:
 
     def __init__(self, calls: list) -> None:
         self.calls, self.asleep, self.weight_version = calls, False, None
+        self.engines = [SimpleNamespace(awaiting_sync=False), SimpleNamespace(awaiting_sync=False)]
+
+    def wait_recovered(self, timeout_s: float) -> None:
+        self.waited = timeout_s
+
+    def readmit(self, version: str) -> list[str]:
+        self.calls.append(("readmit", (version,)))
+        for e in self.engines:
+            e.awaiting_sync = False
+        return []
 
     def release_memory(self) -> None:
         self.calls.append(("release_memory", ()))
@@ -209,3 +219,12 @@ def test_free_cache_engine_defaults_off_on_cpu(tmp_path) -> None:
     tr, w, _ = _trainer(tmp_path)
     tr.step()
     assert "release_memory" not in w.names() and not tr.free_cache_engine
+
+
+def test_a_restarted_engine_rejoins_at_the_next_sync(tmp_path) -> None:
+    tr, w, _ = _trainer(tmp_path)
+    tr.s.pool.engines[1].awaiting_sync = True  # restarted by the pool, no snapshot to re-sync from
+    tr.step()
+    assert w.names()[-3:] == ["rejoin_weight_sync", "sync_weights", "readmit"]  # recoveries in flight waited for first
+    assert w.calls[-1] == ("readmit", ("1",)) and not tr.s.pool.engines[1].awaiting_sync
+    assert tr.s.pool.waited == tr.cfg.rollout.engine_startup_timeout_s

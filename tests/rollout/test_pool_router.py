@@ -185,3 +185,29 @@ def test_sleeping_engines_are_not_probed_and_wake_in_two_stages(pool):
     assert not pool.asleep and all(pool.loop.run(pool.check_health()).values())
     res = client.generate(RolloutRequest(PROMPTS[:2], n=2, sampling_params={"max_new_tokens": 4}))
     assert len(res.samples) == 4 and not res.failed
+
+
+def test_restarted_engine_rejoins_the_distributed_group(pool, engines):
+    """No snapshot to re-sync from: the restarted engine waits out of service; the next sync forms
+    the (gloo) group again with it, pushes the new version to both engines (checksums verified)
+    and only then does it serve."""
+    v1 = [(n, p.detach()) for n, p in build_tiny_model("qwen2", seed=11).named_parameters()]
+    syncer = WeightSyncer("distributed", [e.url for e in engines], verify=True, barrier=lambda: None, bucket_mb=0.1,
+                          token=TOKEN)
+    try:
+        syncer.sync(v1, version=1)
+        pool.weight_version = "1"
+        engines[1].kill()
+        assert pool.loop.run(pool.check_health())[engines[1].url] is False  # taken out, restart started
+        pool.wait_recovered(180)
+        e1 = pool.engines[1]
+        assert e1.awaiting_sync and not e1.healthy and pool.healthy_engines() == [pool.engines[0]]
+        v2 = [(n, t + 0.01) for n, t in v1]
+        syncer.rejoin()
+        rep = syncer.sync(v2, version=2)
+        assert rep.verified and rep.weight_version == "2"
+        assert pool.readmit("2") == [e1.url] and e1.healthy and e1.restarts == 1 and not e1.awaiting_sync
+        res = RolloutClient(Router(pool)).generate(RolloutRequest(PROMPTS, n=2, sampling_params={"max_new_tokens": 4}))
+        assert not res.failed and res.weight_versions == {"2"}
+    finally:
+        syncer.close()

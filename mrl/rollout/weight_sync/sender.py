@@ -131,6 +131,12 @@ class WeightSyncer:
             self.transport.init()
         self._initialized = True
 
+    def rejoin(self) -> None:
+        """After an engine restarted: the ``distributed`` transport forms its group again (collective
+        with the engines, call on every rank); the other transports reach a restarted engine as is."""
+        if self.is_source and isinstance(self.transport, DistributedTransport):
+            self.transport.rejoin()
+
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | str) -> WeightSyncReport:
         """Push one full set of weights; see the module docstring for the protocol."""
         if not self._initialized:

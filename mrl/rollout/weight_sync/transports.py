@@ -61,6 +61,20 @@ class DistributedTransport:
         finally:
             wait_all(futs)
 
+    def rejoin(self) -> None:
+        """Form the group again after an engine restarted (its new process is no member): every
+        engine leaves the old group (the restarted one never joined: its refusal is expected), this
+        rank leaves it, then ``init`` forms a fresh group with every engine."""
+        if self.pg is not None:
+            for url in self.http.urls:
+                try:
+                    self.http.call(url, "/destroy_weights_update_group", {"group_name": self.group_name})
+                except Exception:  # noqa: BLE001, S112 - the restarted engine has no such group
+                    continue
+            destroy_group(self.pg)
+            self.pg = None
+        self.init()
+
     def send(self, bucket: Bucket, version: str) -> None:
         if self.pg is None:
             raise RuntimeError("DistributedTransport.send before init(); call WeightSyncer.init() once after the engines are up")
