@@ -23,6 +23,28 @@ KLType = Literal[
     "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+", "full",
 ]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+# verl's checkpoint contents: model = Megatron weights, optimizer = Adam state + LR schedule,
+# extra = the worker's update counter (mini-batch shuffle seed), hf_model = a transformers directory.
+CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
+
+
+class CheckpointConfig(Section):
+    """What an actor checkpoint holds and what a resume reads (verl ``actor.checkpoint``); layout in docs/checkpoints.md."""
+
+    save_contents: list[CheckpointContent] = Field(
+        default_factory=lambda: ["model", "optimizer", "extra"],
+        description="Parts written to <ckpt>/global_step_N/actor: model (required), optimizer (+ LR schedule), extra "
+        "(update counter), hf_model (a transformers-loadable copy in actor/huggingface).",
+    )
+    load_contents: list[CheckpointContent] | None = Field(
+        None, description="Parts a resume loads (hf_model is ignored: the Megatron weights are loaded); null = "
+        "save_contents (verl's ${.save_contents}). Without optimizer, Adam and the LR schedule restart.",
+    )
+
+    @property
+    def load(self) -> list[str]:
+        """load_contents with its default (save_contents) applied."""
+        return list(self.save_contents if self.load_contents is None else self.load_contents)
 
 
 class ActorConfig(Section):
@@ -30,6 +52,7 @@ class ActorConfig(Section):
 
     megatron: ParallelConfig = Field(default_factory=ParallelConfig, description="Megatron parallel layout of the actor.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Actor optimizer and LR schedule.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint contents (verl actor.checkpoint).")
     use_distributed_optimizer: bool = Field(True, description="Shard Adam state and fp32 master weights over DP ranks (Megatron).")
     ppo_mini_batch_size: int = Field(
         256, ge=1, description="PROMPTS per optimizer step; samples per mini-batch = ppo_mini_batch_size * rollout.n."

@@ -17,8 +17,20 @@ class TrainerConfig(Section):
     save_freq: int = Field(-1, ge=-1, description="Checkpoint every N steps; -1 or 0 disables.")
     test_freq: int = Field(-1, ge=-1, description="Validate every N steps; -1 or 0 disables.")
     val_before_train: bool = Field(False, description="Validate once before the first step.")
+    val_only: bool = Field(
+        False, description="Validate once (model.path, or the checkpoint a resume loads) and exit without training; "
+        "runs in the val_before_train slot as in verl, so it needs val_before_train=true."
+    )
     log_val_generations: int = Field(
         0, ge=0, description="(input, output, score) rows of each validation logged to the console and as MLflow artifact val_step<N>.json; 0 = none."
+    )
+    rollout_data_dir: str | None = Field(
+        None, description="Write every training sample of step N to <dir>/N.jsonl (input, output, gts, score, step, "
+        "the scorer's extra keys; verl's layout); null = off."
+    )
+    validation_data_dir: str | None = Field(
+        None, description="Write every validation sample to <dir>/N.jsonl, N = the step validated after (0 before "
+        "training); same keys as rollout_data_dir plus 'reward'; null = off."
     )
     default_local_dir: str | None = Field(
         "checkpoints/${project_name}/${experiment_name}",

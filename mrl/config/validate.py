@@ -306,6 +306,18 @@ def _check_files(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
         errors.append(f"reward.function={fn!r}: file '{fn.split(':', 1)[0]}' does not exist; fix: give a path relative to the working directory")
 
 
+def _check_checkpoint_and_val_only(cfg: MRLConfig, errors: list[str]) -> None:
+    ck, t = cfg.actor.checkpoint, cfg.trainer
+    for key, contents in (("save_contents", ck.save_contents), ("load_contents", ck.load)):
+        if "model" not in contents:
+            errors.append(
+                f"actor.checkpoint.{key}={contents} lacks 'model': an mrl checkpoint always carries the Megatron weights "
+                f"a resume starts from; fix: actor.checkpoint.{key}=[{','.join(['model', *contents])}]")
+    if t.val_only and not t.val_before_train:
+        errors.append("trainer.val_only=true runs in the val_before_train slot (verl trains anyway without it); "
+                      "fix: also set trainer.val_before_train=true")
+
+
 def load_shape(cfg: MRLConfig, errors: list[str], notes: list[str]) -> ModelShape | None:
     """Model shape from model.path/config.json, or None with a note (absent) or an error (unreadable)."""
     if not cfg.model.path:
@@ -344,6 +356,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     _check_rollout(cfg, shape, errors)
     _check_dapo(cfg, errors)
     _check_files(cfg, errors, notes)
+    _check_checkpoint_and_val_only(cfg, errors)
     if cfg.cluster.device == "cpu" and cfg.model.dtype != "float32":
         notes.append(f"cluster.device=cpu with model.dtype={cfg.model.dtype}: CPU runs are slow outside float32")
     return errors, notes

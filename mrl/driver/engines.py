@@ -119,6 +119,7 @@ class RemoteEngine:
         from mrl.rollout.sglang_launcher import make_engine_actor_class
 
         self.slot, self.url, self.log_path = slot, slot.url, log_path
+        self.pid: int | None = None
         self._startup_timeout_s = startup_timeout_s
         runtime_env = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if cuda else None
         self._actor = make_engine_actor_class().options(
@@ -132,6 +133,7 @@ class RemoteEngine:
 
     def start(self) -> None:
         self._call("start", 120.0, False)
+        self.pid = self._call("get_pid", 30.0)
 
     def wait_healthy(self) -> float:
         return self._call("wait_healthy", self._startup_timeout_s + 60.0)
@@ -139,6 +141,7 @@ class RemoteEngine:
     def restart(self) -> None:
         """The pool's restart callback: same node, same command, same url."""
         self._call("restart", self._startup_timeout_s + 120.0)
+        self.pid = self._call("get_pid", 30.0)
 
     def kill(self) -> None:
         self._call("kill", 60.0)
@@ -147,10 +150,31 @@ class RemoteEngine:
         return self._call("log_tail", 30.0, lines)
 
     def stop(self) -> None:
+        """Stop the server through its actor; if that fails (a stuck or dead actor) and the server
+        runs on this node, kill its process group from here, so no server outlives the run."""
         try:
             self._call("stop", 60.0)
+        except Exception:
+            if not self._kill_local():
+                raise
         finally:
             self._ray.kill(self._actor)
+
+    def _kill_local(self) -> bool:
+        """SIGKILL the server's process group if it is on the driver's node and still this server."""
+        import os
+        import signal
+
+        if self.pid is None or self.slot.node_id != self._ray.get_runtime_context().get_node_id():
+            return False
+        try:
+            with open(f"/proc/{self.pid}/cmdline", "rb") as f:  # the pid may have been reused
+                if str(self.slot.port).encode() not in f.read():
+                    return True
+            os.killpg(self.pid, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # already gone
+        return True
 
 
 def n_engines(cfg: MRLConfig) -> int:

@@ -117,11 +117,13 @@ class TrainRank:
             raise RuntimeError("sync_weights before init_weight_sync")
         return self.syncer.sync(self.actor.export_hf_weights(), version).metrics()
 
-    def save(self, ckpt_dir: str) -> None:
-        self.actor.save(ckpt_dir)
+    def save(self, ckpt_dir: str, contents: list[str] | None = None) -> None:
+        """``contents``: actor.checkpoint.save_contents (None: model, optimizer, extra)."""
+        self.actor.save_checkpoint(ckpt_dir, contents or ["model", "optimizer", "extra"])
 
-    def load(self, ckpt_dir: str) -> None:
-        self.actor.load(ckpt_dir)
+    def load(self, ckpt_dir: str, contents: list[str] | None = None) -> None:
+        """``contents``: actor.checkpoint.load_contents with its default applied (None: model, optimizer, extra)."""
+        self.actor.load_checkpoint(ckpt_dir, contents or ["model", "optimizer", "extra"])
 
     def close(self) -> None:
         if self.syncer is not None:

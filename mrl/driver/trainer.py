@@ -1,8 +1,8 @@
 """The RL loop (design.md "Data flow of one step"; seeds 001/002): build once, then ``step()``
-as named phases: generate -> reward (-> greedy baseline for ReMax) (-> engines release their memory,
-rollout.free_cache_engine) -> old_log_prob -> ref_log_prob -> values (PPO) -> KL in
-reward -> reward shaping (seed 003: ref_reward_blend, repr_align) -> advantages -> update_critic
-(PPO) -> update_actor (after trainer.critic_warmup) -> sync_weights -> validate / checkpoint / log.
+as named phases: generate -> reward (-> sample dump, trainer.rollout_data_dir) (-> greedy baseline for
+ReMax) (-> engines release their memory, rollout.free_cache_engine) -> old_log_prob -> ref_log_prob
+-> values (PPO) -> KL in reward -> reward shaping (seed 003: ref_reward_blend, repr_align) -> advantages
+-> update_critic (PPO) -> update_actor (after trainer.critic_warmup) -> sync_weights -> validate / checkpoint / log.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from mrl.driver.batch import (
     mask_out_samples,
     repeat_prompts,
 )
+from mrl.driver.dumps import GenerationRows, dump_generations
 from mrl.driver.dynamic_sampling import kept_prompts, merge_rounds
 from mrl.driver.shaping import (
     build_gold_batch,
@@ -104,6 +105,9 @@ class RLTrainer:
             if self.cfg.algorithm.filter_groups.enable:
                 with timer("filter_groups", m):  # DAPO dynamic sampling: more rounds until the batch is full
                     d = self.filter_groups(d, m)
+            if self.cfg.trainer.rollout_data_dir:
+                with timer("dump_rollout_generations", m):
+                    self.dump_rollout(d)
             if self.cfg.algorithm.adv_estimator == "remax":
                 with timer("gen_max", m):  # verl's name for the greedy baseline rollout
                     self.remax_baseline(d, m)
@@ -195,6 +199,16 @@ class RLTrainer:
         m["reward/masked_samples"] = float(bad.sum())
         log.warning("reward.on_error=mask: %d of %d samples left out of the loss (scoring failed)",
                     int(bad.sum()), bad.numel())
+
+    def dump_rollout(self, d: StepData) -> None:
+        """trainer.rollout_data_dir: the samples this step trains on as verl's JSONL (mrl/driver/dumps.py),
+        in ``<step>.jsonl`` with the step number its metrics are logged at; score = the sample's
+        token_level_scores sum (overlong penalty included, 0 for samples masked out)."""
+        decode = self.s.tokenizer.decode
+        rows = GenerationRows([decode(p.prompt_ids, skip_special_tokens=True) for p in d.prompts], list(d.texts),
+                              [p.ground_truth for p in d.prompts], d.token_level_scores.sum(-1).tolist(),
+                              dict(d.reward_extra_info or {}))
+        dump_generations(self.cfg.trainer.rollout_data_dir, self.global_step + 1, rows)
 
     def filter_groups(self, d: StepData, m: dict[str, float]) -> StepData:
         """DAPO dynamic sampling (verl algorithm.filter_groups): keep the groups whose metric varies
@@ -345,20 +359,25 @@ class RLTrainer:
     # ---- validation, checkpoints, loop -------------------------------------------------------
     def validate(self) -> dict[str, float]:
         """rollout.val_kwargs answers to every val prompt, verl's val-core/val-aux metrics
-        (mrl/driver/validation.py); the MLflow sink writes '@' as '_at_' (MLflow refuses '@')."""
+        (mrl/driver/validation.py); the MLflow sink writes '@' as '_at_' (MLflow refuses '@').
+        trainer.validation_data_dir: every sample to ``<dir>/<global_step>.jsonl`` (0 = before training)."""
         if self.s.val_ds is None:
             return {}
+        dump_dir = self.cfg.trainer.validation_data_dir
         res = run_validation(client=self.s.client, tokenizer=self.s.tokenizer, dataset=self.s.val_ds,
                              reward=self.s.reward, rollout=self.cfg.rollout, val_batch_size=self.cfg.data.val_batch_size,
-                             log_generations=self.cfg.trainer.log_val_generations)
+                             log_generations=self.cfg.trainer.log_val_generations, keep_samples=bool(dump_dir))
         if res.generations and self.s.tracking is not None:
             self.s.tracking.log_generations(res.generations, self.global_step)
+        if dump_dir:
+            dump_generations(dump_dir, self.global_step, res.samples)
         return res.metrics
 
     def save(self) -> None:
         root = self.cfg.trainer.checkpoint_dir
         d = step_dir(root, self.global_step)
-        self.s.workers.execute_all("save", str(d / "actor"))
+        # actor.checkpoint.save_contents; hf_model adds a transformers directory at actor/huggingface
+        self.s.workers.execute_all("save", str(d / "actor"), list(self.cfg.actor.checkpoint.save_contents))
         if self.cfg.critic_enabled:
             self.s.workers.execute_all("save_critic", str(d / "critic"))
         write_trainer_state(root, self.global_step, {"sampler": self.sampler.state_dict(),
@@ -372,7 +391,7 @@ class RLTrainer:
         if d is None:
             return
         st = read_trainer_state(d)
-        self.s.workers.execute_all("load", str(d / "actor"))
+        self.s.workers.execute_all("load", str(d / "actor"), self.cfg.actor.checkpoint.load)
         if self.cfg.critic_enabled:
             if not (d / "critic").is_dir():
                 raise FileNotFoundError(f"{d} has no critic/ checkpoint but the critic is enabled; fix: resume "
@@ -395,8 +414,12 @@ class RLTrainer:
         t = self.cfg.trainer
         self.maybe_resume()
         total = self.total_steps()
-        if t.val_before_train and t.test_freq > 0:
+        # trainer.val_only (verl): the start (or resumed) weights are validated once, nothing is trained
+        if t.val_only or (t.val_before_train and t.test_freq > 0):
             self.s.tracking.log(self.validate(), self.global_step)
+            if t.val_only:
+                log.info("trainer.val_only: validated at step %d, not training", self.global_step)
+                return
         bar = tqdm(total=total, initial=self.global_step, desc="mrl train", disable=not os.isatty(2))
         while self.global_step < total:
             m = self.step()

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from mrl.driver.batch import decode_responses
+from mrl.driver.dumps import GenerationRows
 from mrl.observability.val_metrics import (
     process_validation_metrics,
     validation_metric_dict,
@@ -40,6 +41,7 @@ class ValidationResult:
     generations: list[dict[str, Any]]  # trainer.log_val_generations rows: {"input", "output", "score"}
     num_prompts: int
     num_samples: int                 # num_prompts * val_kwargs.n
+    samples: GenerationRows | None = None  # every sample, for trainer.validation_data_dir (keep_samples)
 
 
 def val_sampling_params(val_kwargs: Any, max_new_tokens: int) -> dict[str, Any]:
@@ -70,12 +72,14 @@ def pick_generations(inputs: Sequence[str], outputs: Sequence[str], scores: Sequ
 
 
 def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, rollout: Any,
-                   val_batch_size: int | None = None, log_generations: int = 0) -> ValidationResult:
+                   val_batch_size: int | None = None, log_generations: int = 0,
+                   keep_samples: bool = False) -> ValidationResult:
     """Answer, score and summarise every prompt of ``dataset`` (a ``PromptDataset``).
 
     ``client``: RolloutClient; ``reward``: RewardManager; ``rollout``: RolloutConfig (its
     ``val_kwargs``, ``max_response_length``, ``request_timeout_s``). Samples are ordered prompt-major,
     ``n`` answers per prompt in a row; the uid of an answer is its prompt's dataset row.
+    ``keep_samples``: also return every sample's input, output, ground truth, score and scorer keys.
     """
     vk = rollout.val_kwargs
     params = val_sampling_params(vk, rollout.max_response_length)
@@ -83,6 +87,7 @@ def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, ro
     uids: list[int] = []
     inputs: list[str] = []
     outputs: list[str] = []
+    gts: list[Any] = []
     parts: list[RewardResult] = []
     for rows in prompt_chunks(len(dataset), val_batch_size):
         prompts = [dataset[i] for i in rows]
@@ -99,11 +104,13 @@ def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, ro
         uids += [r for r in rows for _ in range(vk.n)]
         outputs += texts
         parts.append(out)
-        if log_generations:
+        gts += [p.ground_truth for p in rep]
+        if log_generations or keep_samples:
             inputs += [tokenizer.decode(p.prompt_ids, skip_special_tokens=True) for p in rep]
     scored = RewardResult.cat(parts) if parts else None
     scores: list[float] = scored.scores.tolist() if scored is not None else []
     infos = {"reward": scores, **(scored.extra if scored is not None else {})}  # verl: "reward" first
     metrics = validation_metric_dict(process_validation_metrics(sources, uids, infos))
     gens = pick_generations(inputs, outputs, scores, log_generations) if log_generations else []
-    return ValidationResult(metrics, gens, len(dataset), len(scores))
+    samples = GenerationRows(inputs, outputs, gts, scores, infos) if keep_samples else None
+    return ValidationResult(metrics, gens, len(dataset), len(scores), samples)

@@ -326,12 +326,36 @@ def resolve_token(args: argparse.Namespace) -> str | None:
     return token
 
 
+PARENT_PID_ENV = "MRL_ENGINE_PARENT_PID"
+
+
+def exit_with_parent(poll_s: float = 2.0) -> None:
+    """When ``MRL_ENGINE_PARENT_PID`` names the process that launched this server (``EngineProcess``
+    sets it), exit as soon as that process is gone: the server runs in a session of its own, so a
+    launcher killed without stopping it (a Ray actor killed at teardown) would otherwise leave it
+    serving, holding its port, forever."""
+    want = os.environ.get(PARENT_PID_ENV)
+    if not want:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(want):
+            time.sleep(poll_s)
+        print(f"mrl engine: launcher (pid {want}) is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    import threading
+
+    threading.Thread(target=watch, name="mrl-engine-parent-watch", daemon=True).start()
+
+
 def cli_main(argv: list[str] | None = None) -> int:
     """Entry of ``mrl engine``; blocks serving until interrupted."""
     import uvicorn
 
     args = parse_args(argv)
     token = resolve_token(args)
+    exit_with_parent()
     engine = Engine(args.model, device=args.device, dtype=args.dtype, max_running=args.max_running, seed=args.seed)
     app = build_app(engine, token=token)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -148,6 +148,10 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    def get_pid(self) -> int | None:
+        """The server's pid (= its process group: it leads its own session); for a remote owner."""
+        return self.pid
+
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
@@ -157,6 +161,7 @@ class EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
         env = dict(os.environ) if self.env is None else {**os.environ, **self.env}
+        env["MRL_ENGINE_PARENT_PID"] = str(os.getpid())  # the embedded engine exits when its launcher dies
         self._proc = subprocess.Popen(
             self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )

@@ -181,6 +181,30 @@ class ActorWorker(TrainableState):
 
         export_hf(self.engine, out_dir)
 
+    def save_checkpoint(self, ckpt_dir: str | os.PathLike, contents: list[str]) -> None:
+        """verl's ``actor.checkpoint.save_contents``; collective. ``huggingface/`` gets the config and
+        tokenizer files always (as verl: ``mrl-ckpt mcore-to-hf`` and SGLang want them) and the
+        weights too with ``hf_model``."""
+        from mrl.workers.checkpointing import HF_SUBDIR, save_hf_side_files
+
+        self.save(ckpt_dir, optimizer="optimizer" in contents, extra="extra" in contents)
+        if "hf_model" in contents:
+            self.export_hf(os.path.join(ckpt_dir, HF_SUBDIR))
+        else:
+            save_hf_side_files(self.engine, os.path.join(ckpt_dir, HF_SUBDIR))
+
+    def load_checkpoint(self, ckpt_dir: str | os.PathLike, contents: list[str]) -> None:
+        """verl's ``actor.checkpoint.load_contents`` (model always; ``hf_model`` needs nothing here)."""
+        from mrl.megatron.checkpoint import CheckpointError, read_checkpoint_metadata
+
+        want_optim = "optimizer" in contents
+        if want_optim and not read_checkpoint_metadata(ckpt_dir).get("has_optimizer"):
+            raise CheckpointError(
+                f"{ckpt_dir} was saved without optimizer state (actor.checkpoint.save_contents had no 'optimizer') "
+                "but actor.checkpoint.load_contents asks for it; fix: actor.checkpoint.load_contents=[model,extra] "
+                "(Adam and the LR schedule restart)")
+        self.load(ckpt_dir, load_optimizer=want_optim, load_extra="extra" in contents)
+
 
     def compute_response_embedding(self, batch: TrainBatch) -> torch.Tensor:
         """[B, H] mean of the last layer's (final-norm) hidden states over each answer's tokens."""

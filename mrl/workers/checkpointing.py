@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+HF_SUBDIR = "huggingface"  # verl's get_hf_model_checkpoint_path: <ckpt>/global_step_N/actor/huggingface
+
 
 def export_hf(engine, out_dir: str | os.PathLike) -> None:
     """Collective: write an HF checkpoint of ``engine``'s current weights to ``out_dir``."""
@@ -33,4 +35,13 @@ def export_hf(engine, out_dir: str | os.PathLike) -> None:
         out = Path(out_dir)
         write_hf_checkpoint(out, sorted(full.items()))
         copy_hf_side_files(engine.hf_path, out)  # config.json, tokenizer, generation config
+    dist.barrier()
+
+
+def save_hf_side_files(engine, out_dir: str | os.PathLike) -> None:
+    """Collective: rank 0 copies ``engine``'s config and tokenizer files (no weights) to ``out_dir``."""
+    from mrl.megatron.hf_io import copy_hf_side_files
+
+    if dist.get_rank() == 0:
+        copy_hf_side_files(engine.hf_path, out_dir)
     dist.barrier()

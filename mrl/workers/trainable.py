@@ -18,19 +18,21 @@ class TrainableState:
         for k, v in metrics.items():
             acc[k] = acc.get(k, 0.0) + v
 
-    def save(self, ckpt_dir: str | os.PathLike) -> None:
-        """Model + optimizer + LR scheduler (layout independent)."""
+    def save(self, ckpt_dir: str | os.PathLike, *, optimizer: bool = True, extra: bool = True) -> None:
+        """Model (+ optimizer and LR scheduler) (+ ``extra``: the update counter); layout independent."""
         from mrl.megatron.checkpoint import save_checkpoint
 
-        save_checkpoint(ckpt_dir, self.engine.chunks, self.optimizer, self.scheduler,
-                        extra={"global_step": self.global_step}, hf_config=self.engine.hf_config)
+        save_checkpoint(ckpt_dir, self.engine.chunks, self.optimizer if optimizer else None,
+                        self.scheduler if optimizer else None,
+                        extra={"global_step": self.global_step} if extra else {}, hf_config=self.engine.hf_config)
 
-    def load(self, ckpt_dir: str | os.PathLike, *, load_optimizer: bool = True) -> None:
+    def load(self, ckpt_dir: str | os.PathLike, *, load_optimizer: bool = True, load_extra: bool = True) -> None:
         from mrl.megatron.checkpoint import load_checkpoint
 
         extra = load_checkpoint(ckpt_dir, self.engine.chunks, self.optimizer, self.scheduler,
                                 load_optimizer=load_optimizer)
-        self.global_step = int((extra or {}).get("global_step", self.global_step))
+        if load_extra:
+            self.global_step = int((extra or {}).get("global_step", self.global_step))
 
     def offload(self, *, force: bool = False) -> None:
         """Parameters, grads and optimizer state to CPU (no-op on CPU unless ``force``)."""

@@ -1,4 +1,4 @@
-"""`mrl train mrl_configs/quickstart.yaml` end to end on CPU: 2 steps, checkpoint, resume for 1 more.
+"""`mrl train mrl_configs/quickstart.yaml` end to end on CPU: 2 steps, checkpoint (with its HF copy), resume for 1 more.
 
 Real components throughout: Ray rank actors with Megatron GPTModel (gloo, DP=2), two embedded
 engine processes, tensor-transport weight sync, the arith scorer and an MLflow sqlite store.
@@ -18,12 +18,19 @@ pytestmark = pytest.mark.slow
 def _train(tmp: Path, assets: Path, steps: int, port: int):
     return run_train("mrl_configs/quickstart.yaml", tmp, assets, port, f"data.val_files=[{assets}/data/val.jsonl]",
                      f"trainer.total_training_steps={steps}", "trainer.save_freq=2", "trainer.test_freq=2",
-                     f"trainer.default_local_dir={tmp}/ckpt", *VAL_SAMPLING)
+                     "trainer.val_before_train=false",
+                     f"trainer.default_local_dir={tmp}/ckpt", *VAL_SAMPLING, *_dumps_and_hf(tmp))
 
 
 # verl val_kwargs: 2 sampled answers per val prompt -> mean@2, best@2 (+ 3 logged generations)
 VAL_SAMPLING = ("rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.n=2", "rollout.val_kwargs.temperature=1.0",
                 "trainer.log_val_generations=3")
+
+
+def _dumps_and_hf(tmp: Path) -> tuple[str, ...]:
+    """verl's sample dumps and an HF copy of the actor in every checkpoint (actor/huggingface)."""
+    return (f"trainer.rollout_data_dir={tmp}/rollouts", f"trainer.validation_data_dir={tmp}/val_dumps",
+            "actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]")
 
 
 def test_quickstart_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
@@ -49,6 +56,7 @@ def test_quickstart_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     state = json.loads((ckpt / "global_step_2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and state["weight_version"] == 2
     assert (ckpt / "global_step_2" / "actor" / "metadata.json").is_file()
+    _check_dumps_and_hf_export(tmp_path, assets, ckpt / "global_step_2" / "actor" / "huggingface")
 
     p = _train(tmp_path, assets, 3, port)  # resume_mode=auto picks up global_step_2
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
@@ -56,3 +64,23 @@ def test_quickstart_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     assert metrics(db, "rollout/engine_weight_version")[3] == 2.0
     assert sorted(metrics(db, "critic/score/mean")) == [1, 2, 3]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert (ckpt / "global_step_3" / "actor" / "huggingface" / "model.safetensors").is_file()
+    assert sorted(int(f.stem) for f in (tmp_path / "rollouts").glob("*.jsonl")) == [1, 2, 3]
+
+
+def _check_dumps_and_hf_export(tmp: Path, assets: Path, hf_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    for step in (1, 2):  # 8 prompts x rollout.n=4 samples per step
+        rows = [json.loads(x) for x in (tmp / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == 32 and all(r["step"] == step and 0.0 <= r["score"] <= 1.0 for r in rows)
+        assert list(rows[0])[:5] == ["input", "output", "gts", "score", "step"]
+    n_val = len((assets / "data" / "val.jsonl").read_text().splitlines())
+    assert sorted(f.name for f in (tmp / "val_dumps").iterdir()) == ["2.jsonl"]  # test_freq=2, no val before train
+    val = [json.loads(x) for x in (tmp / "val_dumps" / "2.jsonl").read_text().splitlines()]
+    assert len(val) == 2 * n_val and all(r["reward"] == r["score"] for r in val)  # val_kwargs.n=2
+    trained = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).state_dict()
+    start = AutoModelForCausalLM.from_pretrained(str(assets / "tiny-qwen2"), dtype=torch.float32).state_dict()
+    assert trained.keys() == start.keys() and all(trained[k].shape == start[k].shape for k in start)
+    assert any(not torch.equal(trained[k], start[k]) for k in start)  # two updates moved the weights

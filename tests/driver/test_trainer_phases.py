@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from mrl.algorithms import get_adv_estimator
@@ -157,12 +158,24 @@ def test_save_and_resume_include_the_critic(tmp_path) -> None:
     w.calls.clear()
     tr.save()
     ck = tmp_path / "ck" / "global_step_1"
-    assert [(n, a) for n, a in w.calls if n.startswith("save")] == [("save", (str(ck / "actor"),)),
-                                                                      ("save_critic", (str(ck / "critic"),))]
+    assert [(n, a) for n, a in w.calls if n.startswith("save")] == [
+        ("save", (str(ck / "actor"), ["model", "optimizer", "extra"])), ("save_critic", (str(ck / "critic"),))]
     (ck / "critic").mkdir()  # the recorder writes nothing; the real save is in the e2e test
     tr2, w2, _ = _trainer(tmp_path, *PPO)
     tr2.maybe_resume()
     assert ("load_critic", (str(ck / "critic"),)) in w2.calls and tr2.global_step == 1
+    assert ("load", (str(ck / "actor"), ["model", "optimizer", "extra"])) in w2.calls
+
+
+def test_checkpoint_contents_reach_the_ranks(tmp_path) -> None:
+    tr, w, _ = _trainer(tmp_path, "actor.checkpoint.save_contents=[model,extra,hf_model]")
+    tr.step()
+    tr.save()
+    ck = tmp_path / "ck" / "global_step_1"
+    assert ("save", (str(ck / "actor"), ["model", "extra", "hf_model"])) in w.calls
+    tr2, w2, _ = _trainer(tmp_path, "actor.checkpoint.save_contents=[model,extra,hf_model]")
+    tr2.maybe_resume()  # load_contents null = save_contents (verl's ${.save_contents})
+    assert ("load", (str(ck / "actor"), ["model", "extra", "hf_model"])) in w2.calls
 
 
 def test_remax_scores_one_greedy_answer_per_prompt_as_the_baseline(tmp_path) -> None:
@@ -228,3 +241,84 @@ def test_a_restarted_engine_rejoins_at_the_next_sync(tmp_path) -> None:
     assert w.names()[-3:] == ["rejoin_weight_sync", "sync_weights", "readmit"]  # recoveries in flight waited for first
     assert w.calls[-1] == ("readmit", ("1",)) and not tr.s.pool.engines[1].awaiting_sync
     assert tr.s.pool.waited == tr.cfg.rollout.engine_startup_timeout_s
+
+
+def _decode(ids, skip_special_tokens):
+    assert skip_special_tokens  # verl's dumps decode with skip_special_tokens=True
+    return " ".join(map(str, ids))
+
+
+def test_rollout_dump_writes_the_steps_samples_after_scoring(tmp_path) -> None:
+    import json
+
+    tr, _, _ = _trainer(tmp_path, f"trainer.rollout_data_dir={tmp_path}/roll")
+    gen, B = tr.generate, 8
+    tr.s.tokenizer = SimpleNamespace(decode=_decode)
+
+    def generate() -> StepData:
+        d = gen()
+        d.prompts = [SimpleNamespace(prompt_ids=[5, i // 2], ground_truth=str(i // 2)) for i in range(B)]
+        d.texts = [f"answer {i}" for i in range(B)]
+        return d
+
+    def reward(d: StepData, m: dict) -> None:
+        d.token_level_scores = _scores(d.batch)
+        d.reward_extra_info = {"acc": [float(i % 3 == 0) for i in range(B)], "pred": [str(i) for i in range(B)]}
+
+    tr.generate, tr.reward = generate, reward
+    m = tr.step()
+    tr.step()
+    lines = (tmp_path / "roll" / "1.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [
+        {"input": f"5 {i // 2}", "output": f"answer {i}", "gts": str(i // 2), "score": float(i % 3 == 0), "step": 1,
+         "acc": float(i % 3 == 0), "pred": str(i)} for i in range(B)]
+    assert (tmp_path / "roll" / "2.jsonl").is_file() and "timing_s/dump_rollout_generations" in m
+
+
+def _with_validation(tr, logged: list) -> None:
+    """A val set of 3 prompts answered by a fake engine and scored by a dict-returning fake scorer."""
+    from mrl.rewards.manager import RewardResult
+
+    prompts = [SimpleNamespace(prompt_ids=[9, i], ground_truth=str(i), data_source="toy", extra_info={})
+               for i in range(3)]
+
+    def generate(req):
+        return SimpleNamespace(failed=[], samples=[SimpleNamespace(response_ids=[p[1]]) for p in req.prompts])
+
+    def score(texts, truths, **kw):
+        acc = [float(t == g and t != "2") for t, g in zip(texts, truths, strict=True)]
+        return RewardResult(torch.tensor(acc), torch.ones(len(acc), dtype=torch.bool), None, [None] * len(acc),
+                            {"score": acc, "acc": acc})
+
+    tr.s.val_ds, tr.s.client, tr.s.reward = prompts, SimpleNamespace(generate=generate), score
+    tr.s.tokenizer = SimpleNamespace(decode=_decode)
+    tr.s.tracking = SimpleNamespace(log=lambda metrics, step: logged.append((step, metrics)))
+
+
+def test_val_only_validates_the_start_weights_once_and_trains_nothing(tmp_path) -> None:
+    import json
+
+    tr, w, _ = _trainer(tmp_path, "trainer.val_only=true", "trainer.val_before_train=true",
+                        f"trainer.validation_data_dir={tmp_path}/val", "trainer.total_training_steps=3")
+    logged: list = []
+    _with_validation(tr, logged)
+    tr.fit()
+    assert w.names() == [] and tr.global_step == 0  # no generation, update or sync
+    assert [step for step, _ in logged] == [0]
+    assert logged[0][1]["val-core/toy/acc/mean@1"] == pytest.approx(2 / 3)
+    rows = [json.loads(x) for x in (tmp_path / "val" / "0.jsonl").read_text().splitlines()]
+    assert rows == [{"input": f"9 {i}", "output": str(i), "gts": str(i), "score": float(i != 2), "step": 0,
+                     "reward": float(i != 2), "acc": float(i != 2)} for i in range(3)]
+
+
+def test_val_only_after_resume_validates_the_resumed_weights(tmp_path) -> None:
+    tr, _, _ = _trainer(tmp_path)
+    tr.step()
+    tr.save()
+    tr2, w2, _ = _trainer(tmp_path, "trainer.val_only=true", "trainer.val_before_train=true")
+    logged: list = []
+    _with_validation(tr2, logged)
+    tr2.fit()
+    # the resumed actor is loaded and pushed to the engines (version 1), validated at step 1, not trained
+    assert w2.names() == ["load", "sync_weights"] and w2.calls[1][1] == (1,)
+    assert [step for step, _ in logged] == [1] and tr2.global_step == 1

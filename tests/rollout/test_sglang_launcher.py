@@ -64,3 +64,48 @@ def test_child_that_never_answers_times_out_and_is_stopped(tmp_path):
 
 # Launching the embedded engine through EngineProcess.start/wait_healthy/restart runs for real in
 # tests/rollout/test_pool_router.py (fixture + the kill/restart test).
+
+
+LAUNCHER = """
+import sys, time
+from mrl.rollout.sglang_launcher import EngineProcess, build_embedded_command
+p = EngineProcess(build_embedded_command(sys.argv[1], int(sys.argv[2])), "http://127.0.0.1:" + sys.argv[2], sys.argv[3],
+                  startup_timeout_s=180)
+p.start(wait=True)
+print(p.get_pid(), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_embedded_server_exits_when_its_launcher_is_killed(tmp_path):
+    """A launcher killed without stop() (a Ray actor killed at teardown) must not leave its server
+    serving: the server runs in its own session, so it watches its parent itself."""
+    import os
+    import subprocess
+    import time
+
+    from tests.helpers.tiny_models import make_tiny_hf
+
+    model = make_tiny_hf(tmp_path / "m", "qwen2")
+    port = free_port()
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(model), str(port), str(tmp_path / "e.log")],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(launcher.stdout.readline())
+        os.kill(server_pid, 0)  # serving
+        launcher.kill()
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(server_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            os.killpg(server_pid, 9)
+            pytest.fail(f"server {server_pid} outlived its launcher by 30 s")
+        assert "launcher" in (tmp_path / "e.log").read_text() and "is gone; exiting" in (tmp_path / "e.log").read_text()
+    finally:
+        launcher.kill()
