@@ -155,12 +155,13 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
 def _teardown(s: Services, status: str) -> None:
     import ray
 
-    # Engines before Ray: their servers run in sessions of their own and would outlive their actors.
+    # Engines before the ranks and Ray: colocated engine actors live in the ranks' placement group,
+    # which the rank teardown removes (killing them), and the servers run in sessions of their own.
     for step in (
         lambda: s.tracking and s.tracking.finish(status),
-        lambda: s.workers and s.workers.close("close", timeout_s=30.0),
         lambda: s.pool and s.pool.close(),
         lambda: [log.warning("could not stop %s", err) for err in (s.engines.stop() if s.engines else [])],
+        lambda: s.workers and s.workers.close("close", timeout_s=30.0),
         lambda: s.reward.close(),
         ray.shutdown,
     ):

@@ -3,6 +3,7 @@ metrics read back from the MLflow sqlite store."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sqlite3
 import subprocess
@@ -13,19 +14,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port_pair() -> int:
-    """A port p with p and p + 1 free (the two engines of a run bind port_base + i)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-        if p < 65000:
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", p + 1))
-                    return p
-                except OSError:
-                    continue
-    raise RuntimeError("no two consecutive free ports")
+    """A port p with p and p + 1 free (the two engines of a run bind port_base + i), drawn below
+    the kernel's ephemeral range (32768+) and above Ray's worker ports (10002-19999): Ray, gloo and
+    every bind(0) pick ephemeral ports while the run starts, and one of them took an engine's port
+    between this check and the engine's bind under a loaded CI host."""
+    rng = random.Random()
+    for _ in range(200):
+        p = rng.randrange(20000, 32000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports in 20000-32000")
 
 
 def write_assets(tmp: Path) -> Path:
