@@ -19,10 +19,11 @@ $(VENV)/.installed: setup.py
 
 install: $(VENV)/.installed
 
-# The quickstart's tiny model and toy dataset are generated locally (no downloads), once.
+# The quickstart's tiny model and toy dataset are generated locally (no downloads), once, and again
+# (--force) when mrl/quickstart.py changes: stale assets would not match the config.
 QUICKSTART_ASSETS := outputs/quickstart/.assets-written
 $(QUICKSTART_ASSETS): $(VENV)/.installed mrl/quickstart.py
-	$(PY) -m mrl.quickstart --out outputs/quickstart
+	$(PY) -m mrl.quickstart --out outputs/quickstart --force
 	@touch $@
 
 quickstart-assets: $(QUICKSTART_ASSETS)

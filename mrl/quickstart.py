@@ -1,15 +1,25 @@
 """Write the quickstart's assets locally, with no download: ``python -m mrl.quickstart --out outputs/quickstart``.
 
-* ``<out>/tiny-qwen2/``: a random Qwen2-style HF checkpoint (vocab 300, hidden 64, intermediate
+* ``<out>/tiny-qwen2/``: a tiny Qwen2-style HF checkpoint (vocab 300, hidden 64, intermediate
   128, 4 layers, 4 heads, 2 KV heads, tied embeddings, fp32) with a byte-level BPE tokenizer trained
-  here on the toy corpus with the ``tokenizers`` library (256 byte symbols + 4 specials + merges).
+  here with the ``tokenizers`` library (256 byte symbols + 4 specials + merges) on a broader
+  arithmetic corpus (operands < 30, ``+`` and ``times``), so that it has its 300 entries.
   Special tokens: <pad>=0, <s>=1, </s>=2, <unk>=3.
-* ``<out>/data/train.jsonl`` and ``val.jsonl``: arithmetic prompts
+  The weights are HF's seeded random init followed by a short supervised **warm start**
+  (``warm_start``: AdamW steps of cross-entropy on ``prompt + " " + answer + "</s>"``, answer tokens
+  only, until greedy accuracy reaches ``WARM_START_TARGET``, at most ``--warm-start-steps``). It
+  stops early on purpose: the model answers about a third of the problems, so GRPO starts with
+  reward signal in most groups and has room to raise the score. ``--warm-start-steps 0`` writes
+  the plain random model.
+* ``<out>/data/train.jsonl`` and ``val.jsonl``: single-digit addition prompts
   ``"question: what is 3 + 4 ? answer:"`` with ``reward_model.ground_truth = "7"`` (verl's row
-  layout), graded by the ``arith`` scorer (``reward.function=arith``). Train and val are disjoint.
+  layout), graded by the ``arith`` scorer (``reward.function=arith``). There are only 100 problems:
+  train holds all of them and val ``--n-val`` of them (all by default), so val OVERLAPS train — it
+  measures how well the policy solves the task it trains on, not generalization.
 
-Everything follows from ``--seed``: two runs write identical bytes. An asset already present is
-kept unless ``--force``.
+Everything follows from ``--seed``: two runs on one host and torch build write identical bytes (the
+warm start runs on one thread, with a seeded init and a seeded batch order). An asset already present is kept unless
+``--force``.
 """
 from __future__ import annotations
 
@@ -28,22 +38,28 @@ QWEN2_SHAPE = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }
-MAX_OPERAND = 30  # a, b in [0, 30): 1800 distinct problems
+MAX_OPERAND = 10  # a, b in [0, 10): 100 problems, sums 0..18 -- within a 0.2M-parameter model's reach
+TOKENIZER_MAX_OPERAND = 30  # the tokenizer's corpus is wider: 100 problems are too little text for 300 entries
+# Warm start: supervised steps until the model answers WARM_START_TARGET of the problems greedily
+# (checked every WARM_START_CHECK steps), at most --warm-start-steps. Addition is learnt in a sudden
+# jump (greedy accuracy ~0.1 -> ~0.7 within ~50 steps, at step ~80-180 depending on seed and batch
+# order), so a fixed step count would start GRPO anywhere on that jump; a target gives every seed a
+# similar start (0.31 and 0.52 measured for seeds 0 and 1, after 85 and 100 steps).
+WARM_START_STEPS, WARM_START_BATCH, WARM_START_LR = 400, 64, 3e-3
+WARM_START_TARGET, WARM_START_CHECK = 0.3, 5
 
 
 def problems() -> list[tuple[str, str]]:
-    """All (prompt, answer) pairs of the toy task, in a fixed order."""
-    out = []
-    for a in range(MAX_OPERAND):
-        for b in range(MAX_OPERAND):
-            out.append((f"question: what is {a} + {b} ? answer:", str(a + b)))
-            out.append((f"question: what is {a} times {b} ? answer:", str(a * b)))
-    return out
+    """All (prompt, answer) pairs of the toy task (single-digit addition), in a fixed order."""
+    return [(f"question: what is {a} + {b} ? answer:", str(a + b))
+            for a in range(MAX_OPERAND) for b in range(MAX_OPERAND)]
 
 
 def _corpus() -> Iterator[str]:
-    for prompt, answer in problems():
-        yield f"{prompt} {answer}"
+    for a in range(TOKENIZER_MAX_OPERAND):
+        for b in range(TOKENIZER_MAX_OPERAND):
+            yield f"question: what is {a} + {b} ? answer: {a + b}"
+            yield f"question: what is {a} times {b} ? answer: {a * b}"
 
 
 def build_tokenizer():
@@ -61,10 +77,84 @@ def build_tokenizer():
     return tok
 
 
-def write_model(path: Path, seed: int) -> None:
-    """Tokenizer + random tiny Qwen2 (HF init, seeded) as safetensors in ``path``."""
+def greedy_accuracy(model, tokenizer) -> float:
+    """Fraction of ``problems()`` whose greedy answer is right by the ``arith`` rule (first integer)."""
     import torch
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    from mrl.rewards.scorers import arith
+
+    rows = problems()
+    enc = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in rows]
+    P = max(map(len, enc))
+    ids = torch.zeros(len(enc), P, dtype=torch.long)  # left-padded, as the engine sees prompts
+    mask = torch.zeros_like(ids)
+    for i, e in enumerate(enc):
+        ids[i, P - len(e):], mask[i, P - len(e):] = torch.tensor(e), 1
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                             pad_token_id=QWEN2_SHAPE["pad_token_id"], eos_token_id=QWEN2_SHAPE["eos_token_id"])
+    answers = tokenizer.batch_decode(out[:, P:], skip_special_tokens=True)
+    return sum(arith(r, a) for r, (_, a) in zip(answers, rows, strict=True)) / len(rows)
+
+
+def warm_start(model, tokenizer, seed: int, max_steps: int) -> tuple[int, float]:
+    """Supervised warm start in place, until ``greedy_accuracy >= WARM_START_TARGET`` (checked every
+    ``WARM_START_CHECK`` steps) or ``max_steps``; returns (steps taken, greedy accuracy).
+
+    AdamW (lr ``WARM_START_LR``, no weight decay) on batches of ``WARM_START_BATCH`` problems drawn
+    with ``random.Random(seed)``; the loss is the mean next-token cross-entropy over the answer
+    tokens of ``prompt + " " + answer + "</s>"``::
+
+        L = -1/|A| sum_{t in A} log p(x_t | x_<t),   A = positions of " <answer></s>"
+
+    One thread, so that the bytes do not depend on the host's core count.
+    """
+    import torch
+
+    rows, rng = problems(), random.Random(seed)
+    eos = QWEN2_SHAPE["eos_token_id"]
+    opt = torch.optim.AdamW(model.parameters(), lr=WARM_START_LR, weight_decay=0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    step, acc = 0, 0.0
+    try:
+        while step < max_steps and acc < WARM_START_TARGET:
+            model.train()
+            for _ in range(min(WARM_START_CHECK, max_steps - step)):
+                seqs, starts = [], []
+                for prompt, answer in (rng.choice(rows) for _ in range(WARM_START_BATCH)):
+                    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                    seqs.append(p + tokenizer(f" {answer}", add_special_tokens=False)["input_ids"] + [eos])
+                    starts.append(len(p))
+                ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)  # right-padded, <pad>=0
+                target = torch.zeros_like(ids, dtype=torch.bool)  # True on the answer tokens
+                for i, (s, k) in enumerate(zip(seqs, starts, strict=True)):
+                    ids[i, :len(s)] = torch.tensor(s)
+                    target[i, k:len(s)] = True
+                logits = model(input_ids=ids).logits[:, :-1]  # causal: the right pads change nothing before them
+                nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+                loss = nll[target[:, 1:]].mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                step += 1
+            model.eval()
+            acc = greedy_accuracy(model, tokenizer)
+    finally:
+        torch.set_num_threads(threads)
+    return step, acc
+
+
+def write_model(path: Path, seed: int, warm_start_steps: int = WARM_START_STEPS) -> tuple[int, float] | None:
+    """Tokenizer + tiny Qwen2 (HF init, seeded, then ``warm_start``) as safetensors in ``path``;
+    returns ``warm_start``'s (steps, greedy accuracy), None without a warm start."""
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+    )
 
     path.mkdir(parents=True, exist_ok=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), pad_token="<pad>", bos_token="<s>",
@@ -73,23 +163,34 @@ def write_model(path: Path, seed: int) -> None:
     fast.save_pretrained(str(path))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN2_SHAPE), dtype=torch.float32)
+    warm = None
+    if warm_start_steps > 0:
+        # The tokenizer as the trainer and the engines load it: with config.json present, AutoTokenizer
+        # gives a Qwen2Tokenizer whose pre-tokenizer splits digits one by one (" 17" -> " ", "1", "7"),
+        # unlike the in-memory ``fast``; the warm start must see the ids RL will see.
+        model.config.save_pretrained(str(path))
+        warm = warm_start(model, AutoTokenizer.from_pretrained(str(path)), seed, warm_start_steps)
     model.generation_config.pad_token_id = QWEN2_SHAPE["pad_token_id"]
     model.save_pretrained(str(path), safe_serialization=True)
+    return warm
 
 
 def write_data(data_dir: Path, seed: int, n_val: int) -> None:
-    """Shuffle the problems with ``seed``; the first ``n_val`` go to val.jsonl, the rest to train.jsonl."""
+    """Shuffle the problems with ``seed``: all of them go to train.jsonl, the first ``n_val`` to
+    val.jsonl (val overlaps train: 100 problems are too few to hold any out)."""
     rows = problems()
     random.Random(seed).shuffle(rows)
     data_dir.mkdir(parents=True, exist_ok=True)
-    for split, part in (("val", rows[:n_val]), ("train", rows[n_val:])):
+    for split, part in (("val", rows[:n_val]), ("train", rows)):
         lines = [json.dumps({"data_source": "arith", "prompt": p, "reward_model": {"ground_truth": a, "style": "rule"},
                              "extra_info": {"split": split, "index": i}}) for i, (p, a) in enumerate(part)]
         (data_dir / f"{split}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def write_assets(out: str | Path, *, seed: int = 0, n_val: int = 200, force: bool = False) -> dict[str, str]:
-    """Write what is missing (everything with ``force``); returns {asset: 'written' | 'kept'}."""
+def write_assets(out: str | Path, *, seed: int = 0, n_val: int = MAX_OPERAND ** 2, force: bool = False,
+                 warm_start_steps: int = WARM_START_STEPS) -> dict[str, str]:
+    """Write what is missing (everything with ``force``); returns {asset: 'written…' | 'kept'}
+    (a warm-started model's entry says how many steps it took and the accuracy it reached)."""
     out = Path(out)
     model_dir, data_dir = out / MODEL_DIR, out / "data"
     status = {}
@@ -97,8 +198,9 @@ def write_assets(out: str | Path, *, seed: int = 0, n_val: int = 200, force: boo
         and (model_dir / "tokenizer.json").is_file()
     if force or not model_done:
         shutil.rmtree(model_dir, ignore_errors=True)
-        write_model(model_dir, seed)
-        status[str(model_dir)] = "written"
+        warm = write_model(model_dir, seed, warm_start_steps)
+        status[str(model_dir)] = "written" + (f" (warm start: {warm[0]} steps, greedy accuracy {warm[1]:.2f})"
+                                              if warm else "")
     else:
         status[str(model_dir)] = "kept"
     data_done = (data_dir / "train.jsonl").is_file() and (data_dir / "val.jsonl").is_file()
@@ -114,12 +216,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mrl.quickstart", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="outputs/quickstart", help="output directory (default: outputs/quickstart)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the train/val split")
-    p.add_argument("--n-val", type=int, default=200, help="validation prompts (the rest of the 1800 are train)")
+    p.add_argument("--n-val", type=int, default=len(problems()),
+                   help=f"validation prompts, taken from the {len(problems())} train problems (default: all)")
+    p.add_argument("--warm-start-steps", type=int, default=WARM_START_STEPS,
+                   help=f"most supervised warm-start steps; it stops once greedy accuracy reaches "
+                        f"{WARM_START_TARGET} (default {WARM_START_STEPS}; 0: random weights)")
     p.add_argument("--force", action="store_true", help="rewrite assets that are already present")
     args = p.parse_args(argv)
-    if not 0 < args.n_val < len(problems()):
-        p.error(f"--n-val must be in 1..{len(problems()) - 1}")
-    for asset, what in write_assets(args.out, seed=args.seed, n_val=args.n_val, force=args.force).items():
+    if not 0 < args.n_val <= len(problems()):
+        p.error(f"--n-val must be in 1..{len(problems())}")
+    if args.warm_start_steps < 0:
+        p.error("--warm-start-steps must be >= 0")
+    for asset, what in write_assets(args.out, seed=args.seed, n_val=args.n_val, force=args.force,
+                                    warm_start_steps=args.warm_start_steps).items():
         print(f"{what}: {asset}" + ("  (present; --force rewrites it)" if what == "kept" else ""))
     return 0
 

@@ -69,7 +69,7 @@ def test_make_plan_runs_for_real() -> None:
     line = next(c for c in _commands() if c.startswith("make plan") and "ARGS=" in c)
     out = subprocess.run(shlex.split(line), cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
-    assert "samples per step: 64" in out.stdout  # ARGS sets rollout.n=8: 8 prompts x 8
+    assert "samples per step: 128" in out.stdout  # ARGS sets rollout.n=4: 32 prompts x 4
 
 
 def test_every_config_named_in_readme_exists() -> None:

@@ -19,7 +19,13 @@ def _train(tmp: Path, assets: Path, steps: int, port: int):
     return run_train("mrl_configs/quickstart.yaml", tmp, assets, port, f"data.val_files=[{assets}/data/val.jsonl]",
                      f"trainer.total_training_steps={steps}", "trainer.save_freq=2", "trainer.test_freq=2",
                      "trainer.val_before_train=false",
-                     f"trainer.default_local_dir={tmp}/ckpt", *VAL_SAMPLING, *_dumps_and_hf(tmp))
+                     f"trainer.default_local_dir={tmp}/ckpt", *SMALL_BATCH, *VAL_SAMPLING, *_dumps_and_hf(tmp))
+
+
+# The pipeline, not learning, is under test: 8 prompts x n=4 = 32 samples per step (the shipped 32 x 8 = 256
+# is there for the learning curve), 2 optimizer steps per step (mini-batches of 4 prompts).
+SMALL_BATCH = ("data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+               "actor.ppo_micro_batch_size_per_gpu=4")
 
 
 # verl val_kwargs: 2 sampled answers per val prompt -> mean@2, best@2 (+ 3 logged generations)

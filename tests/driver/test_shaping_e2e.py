@@ -23,7 +23,9 @@ BLEND, ALIGN = "actor/ref_blend", "actor/repr/ref_gold_align"
 def test_quickstart_with_ref_blend_and_repr_align(tmp_path: Path) -> None:
     assets = write_assets(tmp_path)
     p = run_train("mrl_configs/quickstart.yaml", tmp_path, assets, free_port_pair(), "data.val_files=[]",
-                  "trainer.total_training_steps=2", "trainer.test_freq=0", "trainer.save_freq=0",
+                  "trainer.total_training_steps=2", "trainer.test_freq=0", "trainer.val_before_train=false",
+                  "trainer.save_freq=0", "data.train_batch_size=8", "rollout.n=4",  # 32 samples: pipeline, not learning
+                  "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4",
                   "algorithm.ref_reward_blend.enable=true", "algorithm.ref_reward_blend.max_weight=0.6",
                   "algorithm.ref_reward_blend.warmup_ratio=0.5", "algorithm.ref_reward_blend.schedule=linear",
                   "algorithm.repr_align.enable=true", "algorithm.repr_align.ref_alignment.max_weight=0.2",

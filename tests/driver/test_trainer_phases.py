@@ -84,7 +84,7 @@ def _trainer(tmp_path, *overrides: str) -> tuple[RLTrainer, RecordingWorkers, to
     batch = ragged_batch().replace(advantages=None)
     values = torch.linspace(-0.5, 0.5, batch.response_length).expand(batch.batch_size, -1) * batch.response_mask
     workers = RecordingWorkers(values)
-    services = SimpleNamespace(train_ds=list(range(16)), workers=workers, pool=RecordingPool(workers.calls))
+    services = SimpleNamespace(train_ds=list(range(64)), workers=workers, pool=RecordingPool(workers.calls))
     tr = RLTrainer(cfg, services)
     scores = _scores(batch)
 
@@ -180,7 +180,7 @@ def test_checkpoint_contents_reach_the_ranks(tmp_path) -> None:
 
 def test_remax_scores_one_greedy_answer_per_prompt_as_the_baseline(tmp_path) -> None:
     n = 2
-    tr, w, _ = _trainer(tmp_path, "algorithm.adv_estimator=remax", f"rollout.n={n}")
+    tr, w, _ = _trainer(tmp_path, "algorithm.adv_estimator=remax", f"rollout.n={n}", "actor.ppo_micro_batch_size_per_gpu=16")
     B = 8
     prompts = [SimpleNamespace(prompt_ids=[5, i], ground_truth=str(i), data_source="toy", extra_info={})
                for i in range(B // n)]

@@ -72,7 +72,7 @@ def setup(tmp_path_factory):
     from tests.helpers.dist import free_port
 
     tmp = tmp_path_factory.mktemp("val")
-    write_assets(tmp / "assets", n_val=20)
+    write_assets(tmp / "assets", n_val=20, warm_start_steps=0)  # a random model: its answers spread
     model = str(tmp / "assets" / "tiny-qwen2")
     rows = [json.loads(x) for x in (tmp / "assets" / "data" / "val.jsonl").read_text().splitlines()][:10]
     for r in rows[5:]:

@@ -32,10 +32,12 @@ def free_port_pair() -> int:
 
 
 def write_assets(tmp: Path) -> Path:
-    """The quickstart's tiny model and data under ``tmp/assets`` (no download)."""
+    """The quickstart's tiny model and data under ``tmp/assets`` (no download). Without the supervised
+    warm start (~20 CPU-s, covered by tests/test_quickstart_assets.py): these tests check the
+    pipeline, not learning, and a random model exercises it as well."""
     assets = tmp / "assets"
-    subprocess.run([sys.executable, "-m", "mrl.quickstart", "--out", str(assets)], cwd=ROOT, check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "mrl.quickstart", "--out", str(assets), "--warm-start-steps", "0"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=120)
     return assets
 
 
