@@ -1,15 +1,25 @@
 """Tokens/s of the embedded engine vs batched ``transformers`` ``generate``, side by side.
 
 Workload: 64 sequences, prompt 32 tokens each, response lengths ragged up to 128 (fixed seed),
-same model and sampling (temperature 1.0, top_p 0.95, top_k 50) on both sides. Two length mixes:
+same model and sampling (temperature 1.0, top_p 0.95, top_k 50) on both sides. Two request modes:
+
+* burst (default, ``--requests 64``): exactly 64 requests at once; the engine's batch decays from
+  64 to 1 as rows finish, ``generate`` runs one batch of 64 padded to its longest response.
+* steady (``--requests N`` with N > 64, e.g. 256): N requests sent at once with at most 64 in
+  flight, how RL uses the engine (the driver sends batch x n requests; ``--num-seqs`` is the
+  engine's max running batch); the engine admits a waiting request as a row finishes, so its batch
+  stays near 64 until the queue drains. ``generate`` takes the N requests in batches of 64, each
+  padded to its own longest response — what a TRL-style loop over minibatches does.
+
+Two length mixes:
 ``--lengths uniform`` (default; uniform in [8, 128], mean 75) and ``--lengths rl`` (the shape of
 an RL rollout batch: 10 % truncated at the budget, the rest ending early, log-normal around 32
 tokens; mean 38).
-Useful tokens = sum of the 64 response lengths on both sides: ``generate`` decodes the whole
-batch until the longest response is done (rows past their length are waste), which is exactly
-what a TRL user's rollout on CPU pays; the engine retires a row the step it finishes.
+Useful tokens = sum of the response lengths on both sides: ``generate`` decodes each batch
+until its longest response is done (rows past their length are waste), which is exactly what a
+TRL user's rollout on CPU pays; the engine retires a row the step it finishes.
 
-    .venv/bin/python benchmarks/engine_throughput.py [--hidden 256 --layers 4 --vocab 8192]
+    .venv/bin/python benchmarks/engine_throughput.py [--hidden 256 --layers 4 --vocab 8192] [--requests 256]
 
 Prints one line per side and the ratio engine/generate by process CPU time (robust when other
 jobs share the host; with ``--threads 1`` CPU time is the work done) and by wall time.
@@ -48,7 +58,10 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--num-seqs", type=int, default=64)
+    ap.add_argument("--num-seqs", type=int, default=64,
+                    help="concurrent sequences: the engine's max running batch and generate's batch size")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests in all (default --num-seqs: one burst); more = steady load at --num-seqs in flight")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-response", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1,
@@ -60,6 +73,9 @@ def main(argv: list[str] | None = None) -> float:
                     help="every response max-response long: isolates per-step cost from ragged-length waste")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    n_req = args.requests or args.num_seqs
+    if n_req < args.num_seqs:
+        raise SystemExit(f"--requests {n_req} < --num-seqs {args.num_seqs}: pass at least one full batch")
 
     from fastapi.testclient import TestClient
     from transformers import AutoModelForCausalLM
@@ -67,16 +83,19 @@ def main(argv: list[str] | None = None) -> float:
     from mrl.rollout.server import Engine, build_app
 
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, args.vocab) for _ in range(args.prompt_len)] for _ in range(args.num_seqs)]
+    prompts = [[rng.randrange(3, args.vocab) for _ in range(args.prompt_len)] for _ in range(n_req)]
     if args.lengths == "uniform":
-        lengths = [rng.randint(8, args.max_response) for _ in range(args.num_seqs)]
+        lengths = [rng.randint(8, args.max_response) for _ in range(n_req)]
     else:
         lengths = [args.max_response if rng.random() < 0.1 else
                    max(8, min(args.max_response, int(math.exp(rng.gauss(math.log(32), 0.6)))))
-                   for _ in range(args.num_seqs)]
+                   for _ in range(n_req)]
     if args.equal_lengths:
-        lengths = [args.max_response] * args.num_seqs
+        lengths = [args.max_response] * n_req
     useful = sum(lengths)
+    # generate's batches: --num-seqs requests each, in order (the last one may be smaller)
+    batches = [range(s, min(s + args.num_seqs, n_req)) for s in range(0, n_req, args.num_seqs)]
+    hf_row_steps = sum(len(b) * max(lengths[i] for i in b) for b in batches)
     sampling = {"temperature": 1.0, "top_p": 0.95, "top_k": 50}
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,24 +103,27 @@ def main(argv: list[str] | None = None) -> float:
 
         def run_generate() -> tuple[float, float]:
             model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-            ids = torch.tensor(prompts)
             kw = dict(do_sample=True, pad_token_id=0, **sampling)
             # Full-size warm-up: the first large allocations of a process pay page faults (glibc
             # raises its mmap threshold only after frees), which would otherwise bias the first side.
+            ids = torch.tensor([prompts[i] for i in batches[0]])
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, **kw)
             t0, c0 = time.perf_counter(), time.process_time()
             with torch.inference_mode():
-                # min_new_tokens: like ignore_eos on the engine side, every row runs to max(lengths)
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max(lengths),
-                                     min_new_tokens=max(lengths), **kw)
-            dt = (time.perf_counter() - t0, time.process_time() - c0)
-            assert out.shape[1] == args.prompt_len + max(lengths)
-            return dt
+                for b in batches:
+                    ids = torch.tensor([prompts[i] for i in b])
+                    longest = max(lengths[i] for i in b)
+                    # min_new_tokens: like ignore_eos on the engine side, every row runs to the longest
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=longest,
+                                         min_new_tokens=longest, **kw)
+                    assert out.shape[1] == args.prompt_len + longest
+            return time.perf_counter() - t0, time.process_time() - c0
 
         def run_engine() -> tuple[float, float]:
             engine = Engine(str(d), max_running=args.num_seqs)
             with TestClient(build_app(engine)) as c:
-                c.post("/generate", json={"input_ids": prompts, "sampling_params": {"max_new_tokens": 8}})  # warm-up
+                warm = prompts[: args.num_seqs]
+                c.post("/generate", json={"input_ids": warm, "sampling_params": {"max_new_tokens": 8}})  # warm-up
                 t0, c0 = time.perf_counter(), time.process_time()
                 r = c.post("/generate", json={
                     "input_ids": prompts, "return_logprob": True,
@@ -122,16 +144,18 @@ def main(argv: list[str] | None = None) -> float:
 
     (w_hf, c_hf), (w_eng, c_eng) = t_hf, t_eng
     mix = f"all {args.max_response}" if args.equal_lengths else f"{args.lengths} 8..{args.max_response}"
-    print(f"model: qwen2 hidden={args.hidden} layers={args.layers} vocab={args.vocab}; {args.num_seqs} seqs, "
+    mode = (f"burst: {n_req} requests at once" if n_req == args.num_seqs else
+            f"steady: {n_req} requests, at most {args.num_seqs} in flight (generate: {len(batches)} batches)")
+    print(f"model: qwen2 hidden={args.hidden} layers={args.layers} vocab={args.vocab}; mode {mode}; "
           f"prompt {args.prompt_len}, responses {mix} (sum {useful} useful tokens); torch threads {args.threads}")
     print(f"transformers generate: wall {w_hf:7.2f} s ({useful / w_hf:7.1f} tok/s)  cpu {c_hf:7.2f} s ({useful / c_hf:7.1f} tok/cpu-s)")
     print(f"mrl embedded engine:   wall {w_eng:7.2f} s ({useful / w_eng:7.1f} tok/s)  cpu {c_eng:7.2f} s "
           f"({useful / c_eng:7.1f} tok/cpu-s)  decode steps {stats.get('decode_steps')}, max batch {stats.get('max_batch')}")
     ratio = c_hf / c_eng
     print(f"ratio engine/generate: {ratio:.2f}x by CPU time, {w_hf / w_eng:.2f}x by wall time")
-    # Where it comes from: generate runs num_seqs rows for max(lengths) steps, the engine only the
-    # useful row-steps; the rest is the cost of one row-step on each side.
-    bound = args.num_seqs * max(lengths) / useful
+    # Where it comes from: generate runs every row of a batch until that batch's longest is done,
+    # the engine only the useful row-steps; the rest is the cost of one row-step on each side.
+    bound = hf_row_steps / useful
     print(f"  = {bound:.2f}x fewer row-steps (rows retired when done) x {ratio / bound:.2f}x cheaper row-step")
     return ratio
 

@@ -153,6 +153,25 @@ def test_continuous_batching_admits_into_running_set(model_dir):
     assert stats["decode_tokens"] == sum(n - 1 for n in lengths)
 
 
+def test_admission_waits_for_min_admit_free_slots(model_dir):
+    """Under steady load (more requests than slots) a freed slot is refilled only once
+    ``min_admit`` slots are free, so prefills come in groups: with 8 slots, min_admit 4 and 24
+    requests of distinct lengths there are at most 2 (the first wave may be split by the
+    submission race) + 16 / 4 prefills, where one per freed slot would be ~17."""
+    engine, client = _client(model_dir, max_running=8)
+    engine.scheduler.min_admit = 4
+    lengths = [3 + (5 * i) % 23 + i for i in range(24)]
+    with client:
+        prompts = [[(11 * i + j) % 290 + 3 for j in range(4 + i % 7)] for i in range(len(lengths))]
+        outs = _gen(client, input_ids=prompts,
+                    sampling_params=[{"max_new_tokens": n, "ignore_eos": True} for n in lengths])
+        stats = dict(engine.scheduler.stats)
+    assert [len(o["output_ids"]) for o in outs] == lengths
+    assert stats["max_batch"] == 8
+    assert stats["prefilled_requests"] == len(lengths)
+    assert stats["prefill_batches"] <= 2 + (len(lengths) - 8) // 4, stats
+
+
 def test_many_concurrent_http_requests(server):
     engine, client = server
     results: dict[int, dict] = {}

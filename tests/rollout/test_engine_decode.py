@@ -25,7 +25,10 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("decode")
-    return {f: make_tiny_hf(root / f, f) for f in ("llama", "qwen2", "qwen3", "mistral")}
+    dirs = {f: make_tiny_hf(root / f, f) for f in ("llama", "qwen2", "qwen3", "mistral")}
+    # llama with biases on q/k/v/o and the MLP: exercises the fused bias buffers
+    dirs["llama_bias"] = make_tiny_hf(root / "llama_bias", "llama", attention_bias=True, mlp_bias=True)
+    return dirs
 
 
 def _reference_last_logits(model, seqs: list[list[int]]) -> torch.Tensor:
@@ -66,12 +69,49 @@ def _run_schedule(runner: ModelRunner, seed: int = 0) -> int:
     return checked
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "llama_bias"])
 def test_fast_decode_matches_transformers(model_dirs, family, monkeypatch):
     monkeypatch.setattr(kv_cache, "COL_HEADROOM", 3)  # reallocate every few steps
     runner = ModelRunner(str(model_dirs[family]))
     assert runner.decode_path == "fast"
     assert _run_schedule(runner) > 40
+
+
+def _decode_once(runner: ModelRunner, prompts: list[list[int]], nxt: list[int]) -> torch.Tensor:
+    rb = runner.new_batch()
+    rows, _ = runner.prefill(prompts)
+    rb.add(rows, last_tokens=torch.tensor(nxt))
+    return runner.decode(rb)
+
+
+def test_weight_updates_reach_the_fused_fast_path(model_dirs):
+    """An update by HF name (the copy every /update_weights_* endpoint does) and a release/resume
+    + reload must both show up in the fast path's logits, which must keep matching the model's own
+    forward (guards any weight the decoder might cache: fused, packed or transposed copies)."""
+    from mrl.rollout.engine.weights import load_into_model, read_disk
+
+    runner = ModelRunner(str(model_dirs["llama_bias"]))
+    assert runner.decode_path == "fast"
+    prompts, nxt = [[5, 6, 7, 8], [9, 10]], [11, 12]
+    seqs = [p + [t] for p, t in zip(prompts, nxt)]
+    before = _decode_once(runner, prompts, nxt)
+    assert (before - _reference_last_logits(runner.model, seqs)).abs().max() <= TOL
+
+    names = [f"model.layers.{i}.{m}.{w}" for i in (0, 3) for m in ("self_attn.q_proj", "self_attn.k_proj",
+             "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj") for w in ("weight", "bias")]
+    params = runner.named_weights()
+    gen = torch.Generator().manual_seed(0)
+    load_into_model(runner, [(n, 0.1 * torch.randn(params[n].shape, generator=gen)) for n in names])
+    updated = _decode_once(runner, prompts, nxt)
+    assert (updated - before).abs().max() > 1e-2  # the update reached the step
+    assert (updated - _reference_last_logits(runner.model, seqs)).abs().max() <= TOL
+
+    runner.release()
+    runner.resume()  # fresh zero storage: the next step must not use anything cached before
+    load_into_model(runner, read_disk(runner, str(model_dirs["llama_bias"])))
+    restored = _decode_once(runner, prompts, nxt)
+    assert (restored - before).abs().max() <= TOL
+    assert (restored - _reference_last_logits(runner.model, seqs)).abs().max() <= TOL
 
 
 def test_generic_decode_matches_transformers(model_dirs, monkeypatch):
