@@ -414,8 +414,8 @@ class RLTrainer:
         t = self.cfg.trainer
         self.maybe_resume()
         total = self.total_steps()
-        # trainer.val_only (verl): the start (or resumed) weights are validated once, nothing is trained
-        if t.val_only or (t.val_before_train and t.test_freq > 0):
+        # verl: val_before_train validates whatever test_freq says; val_only then stops (nothing trained)
+        if t.val_only or t.val_before_train:
             self.s.tracking.log(self.validate(), self.global_step)
             if t.val_only:
                 log.info("trainer.val_only: validated at step %d, not training", self.global_step)

@@ -322,3 +322,12 @@ def test_val_only_after_resume_validates_the_resumed_weights(tmp_path) -> None:
     # the resumed actor is loaded and pushed to the engines (version 1), validated at step 1, not trained
     assert w2.names() == ["load", "sync_weights"] and w2.calls[1][1] == (1,)
     assert [step for step, _ in logged] == [1] and tr2.global_step == 1
+
+
+def test_val_before_train_validates_even_without_test_freq(tmp_path) -> None:
+    tr, w, _ = _trainer(tmp_path, "trainer.val_before_train=true", "trainer.test_freq=0", "trainer.total_training_steps=1")
+    logged: list = []
+    _with_validation(tr, logged)
+    tr.fit()
+    assert [step for step, m in logged if any(k.startswith("val-core/") for k in m)] == [0]  # before step 1 only
+    assert tr.global_step == 1 and "update_policy" in w.names()
