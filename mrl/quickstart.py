@@ -113,6 +113,11 @@ def warm_start(model, tokenizer, seed: int, max_steps: int) -> tuple[int, float]
 
     rows, rng = problems(), random.Random(seed)
     eos = QWEN2_SHAPE["eos_token_id"]
+    # every problem tokenized once: (prompt ids, prompt ids + " <answer></s>" ids)
+    encoded = []
+    for prompt, answer in rows:
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        encoded.append((ids, ids + tokenizer(f" {answer}", add_special_tokens=False)["input_ids"] + [eos]))
     opt = torch.optim.AdamW(model.parameters(), lr=WARM_START_LR, weight_decay=0.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -122,9 +127,8 @@ def warm_start(model, tokenizer, seed: int, max_steps: int) -> tuple[int, float]
             model.train()
             for _ in range(min(WARM_START_CHECK, max_steps - step)):
                 seqs, starts = [], []
-                for prompt, answer in (rng.choice(rows) for _ in range(WARM_START_BATCH)):
-                    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-                    seqs.append(p + tokenizer(f" {answer}", add_special_tokens=False)["input_ids"] + [eos])
+                for p, full in (rng.choice(encoded) for _ in range(WARM_START_BATCH)):
+                    seqs.append(full)
                     starts.append(len(p))
                 ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)  # right-padded, <pad>=0
                 target = torch.zeros_like(ids, dtype=torch.bool)  # True on the answer tokens

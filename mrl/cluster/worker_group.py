@@ -42,6 +42,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# On CUDA every process we place keeps all of its node's GPUs visible (Ray would narrow
+# CUDA_VISIBLE_DEVICES to its own): ranks select theirs by LOCAL_RANK, engines by --base-gpu-id, so
+# device indices agree between trainer and engine and NCCL keeps P2P between ranks.
+ALL_GPUS_VISIBLE = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+
+
+def placement_info() -> dict[str, Any]:
+    """Where the calling Ray task/actor runs: node id and IP, and the node-local GPU ids Ray gave it."""
+    return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+            "gpu_ids": sorted(int(g) for g in ray.get_gpu_ids())}
+
+
 def _resolve(path: str) -> type:
     module, _, name = path.rpartition(".")
     return getattr(importlib.import_module(module), name)
@@ -60,8 +72,7 @@ class _RankActor:
     def node_info(self) -> dict[str, Any]:
         """Where this rank landed: Ray node id and IP, the node-local GPU ids Ray assigned it, and
         a free port on its node (rank 0's becomes MASTER_PORT)."""
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "gpu_ids": [int(g) for g in ray.get_gpu_ids()], "free_port": _free_port()}
+        return {**placement_info(), "free_port": _free_port()}
 
     def construct(self, cls_path: str, kwargs: dict[str, Any], env: dict[str, str]) -> bool:
         os.environ.update(env)
@@ -130,10 +141,7 @@ class WorkerGroup:
                 "fix: lower cluster.n_gpus_per_node or give Ray more CPUs (cluster.cpus_per_node)"
             ) from None
         self.actors = []
-        # On CUDA every rank keeps all of its node's GPUs visible (Ray would otherwise narrow
-        # CUDA_VISIBLE_DEVICES to one): LOCAL_RANK then names the rank's GPU, NCCL keeps P2P between
-        # ranks, and an engine launched next to the ranks can address their GPUs by index.
-        runtime_env = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if gpus else None
+        runtime_env = ALL_GPUS_VISIBLE if gpus else None
         for r in range(world_size):
             env = {"RANK": str(r), "WORLD_SIZE": str(world_size), "MRL_DEVICE": device, **(extra_env or {})}
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=r)

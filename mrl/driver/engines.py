@@ -121,7 +121,9 @@ class RemoteEngine:
         self.slot, self.url, self.log_path = slot, slot.url, log_path
         self.pid: int | None = None
         self._startup_timeout_s = startup_timeout_s
-        runtime_env = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if cuda else None
+        from mrl.cluster.worker_group import ALL_GPUS_VISIBLE
+
+        runtime_env = ALL_GPUS_VISIBLE if cuda else None
         self._actor = make_engine_actor_class().options(
             scheduling_strategy=scheduling_strategy, runtime_env=runtime_env,
             max_concurrency=2,  # stop() must get through while a restart waits for health
@@ -190,6 +192,8 @@ def _separate_placement(cfg: MRLConfig, n: int, timeout_s: float = 600.0) -> tup
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from mrl.cluster.worker_group import ALL_GPUS_VISIBLE, placement_info
+
     cuda = cfg.cluster.device == "cuda"
     tp = cfg.rollout.engine_tp_size
     bundle = {"CPU": 1, **({"GPU": tp} if cuda else {})}
@@ -201,14 +205,9 @@ def _separate_placement(cfg: MRLConfig, n: int, timeout_s: float = 600.0) -> tup
         raise UnsupportedConfigError(f"Ray could not place {n} separate engines with {bundle} each within "
                                      f"{timeout_s:.0f}s; fix: lower rollout.num_engines or add devices") from None
 
-    def where() -> dict[str, Any]:
-        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "gpu_ids": sorted(int(g) for g in ray.get_gpu_ids())}
-
-    probe = ray.remote(where)
+    probe = ray.remote(placement_info)
     refs = [probe.options(num_cpus=0.01, num_gpus=tp if cuda else 0, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=i),
-        runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if cuda else None).remote()
+        placement_group=pg, placement_group_bundle_index=i), runtime_env=ALL_GPUS_VISIBLE if cuda else None).remote()
         for i in range(n)]
     return pg, ray.get(refs, timeout=timeout_s)
 
@@ -232,14 +231,18 @@ class EngineSet:
         # The trainer's source ranks reach an engine on another node only through a routable address.
         self.remote_nodes = len({s.node_id for s in self.slots} | {i["node_id"] for i in workers.infos}) > 1
         self.engines: list[RemoteEngine] = []
-        for slot in self.slots:
-            cmd, env = engine_command(cfg, slot, self.token)
-            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=slot.bundle)
-            # absolute: the actor's working directory is Ray's choice, not the driver's
-            e = RemoteEngine(slot, cmd, env, log_dir.resolve() / f"engine_{slot.index}.log", r.engine_startup_timeout_s,
-                             strategy, cuda=bool(slot.gpu_ids))
-            self.engines.append(e)
-            e.start()
+        try:
+            for slot in self.slots:
+                cmd, env = engine_command(cfg, slot, self.token)
+                strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=slot.bundle)
+                # absolute: the actor's working directory is Ray's choice, not the driver's
+                e = RemoteEngine(slot, cmd, env, log_dir.resolve() / f"engine_{slot.index}.log",
+                                 r.engine_startup_timeout_s, strategy, cuda=bool(slot.gpu_ids))
+                self.engines.append(e)
+                e.start()
+        except BaseException:
+            self.stop()  # the caller never gets this set to stop: the ones already started go now
+            raise
 
     @property
     def urls(self) -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from mrl.driver.batch import decode_responses
+from mrl.driver.batch import decode_responses, repeat_prompts
 from mrl.driver.dumps import GenerationRows
 from mrl.observability.val_metrics import (
     process_validation_metrics,
@@ -96,7 +96,7 @@ def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, ro
         if res.failed:
             raise RuntimeError(f"{len(res.failed)} of {len(res.samples)} validation samples failed, first: "
                                f"{res.failed[0].error}; see the engine logs (or raise rollout.request_timeout_s)")
-        rep = [p for p in prompts for _ in range(vk.n)]  # sample i*n + j answers prompt i
+        rep = repeat_prompts(prompts, vk.n)  # sample i*n + j answers prompt i
         texts = decode_responses(tokenizer, res)
         out = reward(texts, [p.ground_truth for p in rep], data_sources=[p.data_source for p in rep],
                      extra_infos=[p.extra_info for p in rep])
