@@ -21,7 +21,8 @@ setup(
         "pyarrow>=15",
         "fastapi>=0.110",
         "uvicorn>=0.29",
-        "httpx>=0.27",
+        "httpx>=0.27",  # synchronous control calls (weight sync, launcher health polls)
+        "aiohttp>=3.9",  # the rollout pool's concurrent /generate calls (mrl/rollout/pool.py says why)
         "tqdm>=4.66",
         "numpy>=1.26",
         # megatron-core's dist_checkpointing writer needs it but does not declare it.

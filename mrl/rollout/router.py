@@ -2,12 +2,15 @@
 
 Built-in policy (what slime/verl users expect from sgl-router's defaults, minus the radix tree):
 - least outstanding requests: a request goes to the healthy engine with the fewest in flight;
-- affinity: requests sharing ``affinity_key`` (the n samples of one prompt) go to the engine the
-  first of them went to, so the prompt's prefix is computed once and reused from the cache;
+- affinity: requests sharing ``affinity_key`` go to the engine the first of them went to, so a
+  shared prefix is computed once and reused from the cache (the rollout client needs none: it sends
+  the n samples of a prompt as one batch request; the key serves callers that send related requests
+  one by one, such as the turns of one conversation);
 - per-request timeout; on a connection error, a timeout or HTTP 5xx the request is retried on
-  another healthy engine (up to ``max_retries`` more attempts). Connection errors take the engine
-  out at once (the pool restarts and re-syncs it); 5xx and timeouts count towards ``max_failures``.
-  HTTP 4xx is the caller's error and is not retried.
+  another healthy engine (up to ``max_retries`` more attempts). A connection error takes the engine
+  out at once (the pool restarts and re-syncs it) unless the engine still answers ``/health`` (a
+  keep-alive connection the server closed as it was reused: counted like a 5xx); 5xx and timeouts
+  count towards ``max_failures``. HTTP 4xx is the caller's error and is not retried.
 
 When the ``sglang_router`` package is installed and ``rollout.router: sglang`` is chosen,
 ``SGLangRouterProcess`` launches it in front of the engines and the same ``Router`` sends to it
@@ -23,9 +26,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
-from mrl.rollout.pool import EngineEndpoint, EnginePool
+from mrl.rollout.pool import EngineEndpoint, EnginePool, RequestTimeout, TransportError
 
 
 class NoHealthyEngineError(RuntimeError):
@@ -36,7 +37,7 @@ class NoHealthyEngineError(RuntimeError):
 class RouteOutcome:
     """The engine's JSON (None when every attempt failed), where it ran, and why it failed."""
 
-    body: dict[str, Any] | None
+    body: Any
     engine_url: str | None
     attempts: int
     error: str | None = None
@@ -107,17 +108,21 @@ class Router:
             e.outstanding += 1
             try:
                 r = await self.pool.client().post(e.url + "/generate", json=payload, timeout=timeout_s)
-            except httpx.TimeoutException as ex:
-                errors.append(f"{e.url}: timeout after {timeout_s}s ({type(ex).__name__})")
+            except RequestTimeout:
+                errors.append(f"{e.url}: timeout after {timeout_s}s")
                 self._count_failure(e, errors[-1])
-            except httpx.TransportError as ex:
-                errors.append(f"{e.url}: connection error {type(ex).__name__}: {ex}")
-                self.pool.mark_unhealthy(e, errors[-1])
+            except TransportError as ex:
+                errors.append(f"{e.url}: connection error {ex}")
+                await self._connection_failed(e, errors[-1])
             else:
                 if r.status_code < 300:
                     e.served += 1
                     e.failures = 0
-                    return RouteOutcome(r.json(), e.url, attempt)
+                    try:
+                        return RouteOutcome(r.json(), e.url, attempt)
+                    except ValueError:
+                        return RouteOutcome(None, e.url, attempt, f"{e.url}: /generate answered HTTP {r.status_code} "
+                                            f"with a body that is not JSON: {r.text[:300]!r}")
                 errors.append(f"{e.url}: HTTP {r.status_code}: {r.text[:300]}")
                 if r.status_code < 500:
                     return RouteOutcome(None, e.url, attempt, errors[-1])
@@ -128,6 +133,17 @@ class Router:
             if affinity_key is not None:
                 self.forget(affinity_key)
         return RouteOutcome(None, None, self.max_retries + 1, " | ".join(errors))
+
+    async def _connection_failed(self, e: EngineEndpoint, reason: str) -> None:
+        """Out at once if the engine is gone; a failure like a 5xx if it still answers /health."""
+        try:
+            alive = (await self.pool.client().get(e.url + "/health", timeout=5.0)).status_code == 200
+        except TransportError:
+            alive = False
+        if alive:
+            self._count_failure(e, reason + " (the engine answers /health)")
+        else:
+            self.pool.mark_unhealthy(e, reason)
 
     def _count_failure(self, e: EngineEndpoint, reason: str) -> None:
         e.failures += 1
