@@ -73,6 +73,40 @@ def test_greedy_matches_transformers_generate(server, model_dir):
         assert out["output_ids"] == ref[0, len(prompt):].tolist()
 
 
+def test_repeated_prompts_are_prefilled_once_with_exact_logprobs(model_dir):
+    """The n samples of a prompt arrive as one batch: each distinct prompt is computed once, and
+    every copy's log-probs still equal transformers' (greedy: the copies agree token for token)."""
+    engine, client = _client(model_dir)
+    with client:
+        batch = [PROMPTS[0]] * 4 + [PROMPTS[1]] * 3 + [PROMPTS[2]]
+        for temperature in (0.0, 1.0):
+            outs = _gen(client, input_ids=batch, return_logprob=True,
+                        sampling_params={"temperature": temperature, "max_new_tokens": 6, "ignore_eos": True})
+            for prompt, out in zip(batch, outs):
+                lps = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+                ref = _ref_logprobs(model_dir, prompt, out["output_ids"], 1.0)
+                assert torch.allclose(lps, ref, atol=1e-5, rtol=0), (lps - ref).abs().max()
+            if temperature == 0.0:
+                assert len({tuple(o["output_ids"]) for o in outs[:4]}) == 1
+                assert len({tuple(o["output_ids"]) for o in outs[4:7]}) == 1
+    assert engine.scheduler.stats["prefilled_requests"] == 16
+
+    # Once per distinct prompt, whatever the admission timing: the model's forward sees 3 rows for 8,
+    # and the copies' cache and logits equal an undeduplicated prefill of the same batch.
+    runner, seen = engine.runner, []
+    hook = runner.model.model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    try:
+        rows, logits = runner.prefill(batch)
+        want_rows, want_logits = runner._prefill(batch)
+    finally:
+        hook.remove()
+    assert seen == [3, 8]
+    assert torch.allclose(logits, want_logits, atol=1e-6, rtol=0)
+    for got, want in zip(rows.keys + rows.values, want_rows.keys + want_rows.values):
+        assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    assert torch.equal(rows.valid, want_rows.valid) and torch.equal(rows.next_pos, want_rows.next_pos)
+
+
 def test_max_new_tokens_and_length_reason(server):
     _, client = server
     out = _gen(client, input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 5, "ignore_eos": True})

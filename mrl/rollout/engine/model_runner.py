@@ -80,7 +80,22 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> tuple[PrefilledRows, torch.Tensor]:
         """Left-padded batched prefill. Returns the new rows' cache (for ``RunningBatch.add``) and
-        the logits of each prompt's last position [N, V]."""
+        the logits of each prompt's last position [N, V].
+
+        Identical prompts are computed once and their rows copied: the rollout client sends the n
+        samples of a prompt together, so an RL admission is mostly n-fold repeats (SGLang reuses
+        them from its prefix cache)."""
+        first: dict[tuple[int, ...], int] = {}
+        index = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        if len(first) == len(prompts):
+            return self._prefill(prompts)
+        rows, logits = self._prefill([list(p) for p in first])
+        idx = torch.tensor(index, device=self.device)
+        rows = PrefilledRows([k.index_select(0, idx) for k in rows.keys], [v.index_select(0, idx) for v in rows.values],
+                             rows.valid.index_select(0, idx), rows.next_pos.index_select(0, idx.cpu()))
+        return rows, logits.index_select(0, idx)
+
+    def _prefill(self, prompts: list[list[int]]) -> tuple[PrefilledRows, torch.Tensor]:
         n, L = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(n, L, dtype=torch.long)
         mask = torch.zeros(n, L, dtype=torch.long)

@@ -204,6 +204,7 @@ class Scheduler:
         self._rows.extend(admit)
         self.stats["prefill_batches"] += 1
         self.stats["prefilled_requests"] += len(admit)
+        self.stats["prefilled_unique_prompts"] += len({tuple(r.prompt_ids) for r in admit})  # see ModelRunner.prefill
         self.stats["max_batch"] = max(self.stats["max_batch"], len(self._rows))
         self._drop_finished()
 
