@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 # Resolved lazily: `mrl engine` imports mrl.rollout.server and should not pay for the pool's
-# httpx client or the weight-sync stack, and the driver should not pay for FastAPI.
+# HTTP client or the weight-sync stack, and the driver should not pay for FastAPI.
 _EXPORTS = {
     "RolloutClient": "mrl.rollout.client",
     "RolloutRequest": "mrl.rollout.types",
