@@ -46,7 +46,11 @@ from mrl.driver.state import (
     write_trainer_state,
 )
 from mrl.driver.validation import run_validation
-from mrl.observability.data_metrics import compute_data_metrics
+from mrl.observability.data_metrics import (
+    compute_data_metrics,
+    compute_rollout_mismatch_metrics,
+    compute_throughput_metrics,
+)
 from mrl.observability.timer import timer
 from mrl.rewards.manager import place_on_last_token
 from mrl.rollout.types import RolloutRequest, RolloutResult
@@ -116,6 +120,8 @@ class RLTrainer:
                     self.s.pool.release_memory()
             with timer("old_log_prob", m):
                 self.old_log_prob(d)
+            m |= compute_rollout_mismatch_metrics(d.batch.rollout_log_probs, d.batch.old_log_probs,
+                                                  d.batch.response_mask)
             if self.cfg.ref_enabled:
                 with timer("ref", m):
                     self.ref_log_prob(d)
@@ -141,6 +147,7 @@ class RLTrainer:
                                   token_level_rewards=d.token_level_rewards, advantages=d.batch.advantages,
                                   returns=d.batch.returns, values=d.batch.values,
                                   max_response_length=self.cfg.rollout.max_response_length)
+        m |= compute_throughput_metrics(m, int(d.batch.attention_mask.sum()), self.cfg.cluster.world_size)
         m["actor/entropy_old"] = float((d.entropys * d.batch.response_mask).sum() / d.batch.response_mask.sum().clamp(min=1))
         m["rollout/weight_version"] = float(self.weight_version)  # pushed after this step's update
         m["rollout/engine_weight_version"] = float(self.engine_weight_version)  # what generated this step

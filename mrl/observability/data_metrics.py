@@ -9,6 +9,13 @@ With response_mask m [B, T] and prompt mask [B, P]::
     critic/values/{...}, critic/vf_explained_var = 1 - Var(R - V) / Var(R)  (valid tokens; PPO only)
     response_length/{mean,max,min}  L_i = sum_t m[i, t];  clip_ratio = mean(L_i == T)
     prompt_length/{...}             sum of the prompt mask;  clip_ratio = mean(len == P)
+
+Rollout/trainer agreement (verl ``calculate_debug_metrics``), over the response tokens, with
+p_r = exp(engine log-prob) and p_a = exp(actor's recomputed log-prob, same temperature)::
+
+    training/rollout_probs_diff_{max,mean,std}   of |p_a - p_r|
+    training/rollout_actor_probs_pearson_corr    Pearson correlation of p_a and p_r
+    training/rollout_probs_diff_valid            1, or 0 when there is no response token
 """
 from __future__ import annotations
 
@@ -59,6 +66,29 @@ def compute_data_metrics(*, response_mask: torch.Tensor, token_level_scores: tor
         out |= _stats(N.PROMPT_LENGTH, plen)
         plimit = prompt_mask.shape[-1] if max_prompt_length is None else max_prompt_length
         out[f"{N.PROMPT_LENGTH}/{N.CLIP_RATIO}"] = (plen >= plimit).float().mean().item()
+    return out
+
+
+@torch.no_grad()
+def compute_rollout_mismatch_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                                     response_mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's sampling distribution is from the trainer's (module docstring): ~1e-6 when
+    both compute the same fp32 model; verl's docs call a mean above 0.01 a precision problem."""
+    if rollout_log_probs.shape != old_log_probs.shape or old_log_probs.shape != response_mask.shape:
+        raise ValueError(f"rollout_log_probs {tuple(rollout_log_probs.shape)}, old_log_probs "
+                         f"{tuple(old_log_probs.shape)} and response_mask {tuple(response_mask.shape)} must match")
+    m = response_mask.bool()
+    pr, pa = rollout_log_probs[m].double().exp(), old_log_probs[m].double().exp()
+    if pr.numel() == 0:
+        return {"training/rollout_probs_diff_valid": 0.0}
+    diff = (pa - pr).abs()
+    out = {"training/rollout_probs_diff_valid": 1.0, "training/rollout_probs_diff_max": diff.max().item(),
+           "training/rollout_probs_diff_mean": diff.mean().item(),
+           "training/rollout_probs_diff_std": diff.std().item() if diff.numel() > 1 else 0.0}
+    dr, da = pr - pr.mean(), pa - pa.mean()
+    denom = (dr.square().sum() * da.square().sum()).sqrt()
+    if denom > 0:  # undefined when either side is constant (e.g. every token sampled with p = 1)
+        out["training/rollout_actor_probs_pearson_corr"] = ((dr * da).sum() / denom).item()
     return out
 
 

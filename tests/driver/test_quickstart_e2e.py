@@ -48,6 +48,11 @@ def test_quickstart_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     score = metrics(db, "critic/score/mean")
     assert sorted(score) == [1, 2] and all(0.0 <= v <= 1.0 for v in score.values())
     assert sorted(metrics(db, "actor/pg_loss")) == [1, 2]
+    # the engines sample from the actor's distribution: fp32 engine vs Megatron actor (step 2: after a
+    # weight sync), probabilities equal to 4.5e-7 when measured
+    diff = metrics(db, "training/rollout_probs_diff_max")
+    assert sorted(diff) == [1, 2] and all(v < 1e-5 for v in diff.values()), diff
+    assert all(v > 0 for v in metrics(db, "perf/throughput").values())
     mean2 = metrics(db, "val-core/arith/reward/mean_at_2")
     best2 = metrics(db, "val-core/arith/reward/best_at_2/mean")
     assert sorted(mean2) == sorted(best2) == [2] and 0.0 <= mean2[2] <= best2[2] + 0.05 <= 1.05

@@ -4,7 +4,32 @@ import time
 import pytest
 import torch
 
-from mrl.observability import compute_data_metrics, names, timer
+from mrl.observability import compute_data_metrics, compute_rollout_mismatch_metrics, names, timer
+
+
+def test_rollout_mismatch_metrics_hand_computed():
+    import math
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    rollout = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.8, 1.0, 1.0]]))   # 0.9 sits on padding: excluded
+    actor = torch.log(torch.tensor([[0.4, 0.25, 0.1], [0.9, 1.0, 1.0]]))
+    m = compute_rollout_mismatch_metrics(rollout, actor, mask)
+    diff = torch.tensor([0.1, 0.0, 0.1], dtype=torch.float64)
+    assert m["training/rollout_probs_diff_valid"] == 1.0
+    assert m["training/rollout_probs_diff_max"] == pytest.approx(0.1, abs=1e-7)
+    assert m["training/rollout_probs_diff_mean"] == pytest.approx(0.2 / 3, abs=1e-7)
+    assert m["training/rollout_probs_diff_std"] == pytest.approx(diff.std().item(), abs=1e-7)
+    pr, pa = torch.tensor([0.5, 0.25, 0.8]), torch.tensor([0.4, 0.25, 0.9])
+    dr, da = pr - pr.mean(), pa - pa.mean()
+    want = float((dr * da).sum() / math.sqrt(float((dr * dr).sum() * (da * da).sum())))
+    assert m["training/rollout_actor_probs_pearson_corr"] == pytest.approx(want, abs=1e-6)
+    # identical distributions: zero difference, correlation 1; no response token: only valid = 0
+    same = compute_rollout_mismatch_metrics(rollout, rollout, mask)
+    assert same["training/rollout_probs_diff_max"] == 0.0
+    assert same["training/rollout_actor_probs_pearson_corr"] == pytest.approx(1.0)
+    assert compute_rollout_mismatch_metrics(rollout, actor, torch.zeros_like(mask)) == {
+        "training/rollout_probs_diff_valid": 0.0}
+    with pytest.raises(ValueError, match="must match"):
+        compute_rollout_mismatch_metrics(rollout[:, :2], actor, mask)
 
 
 def test_data_metrics_hand_computed():
