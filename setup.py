@@ -30,7 +30,8 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "sglang"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5"],
+        # sglang-router (SGLang's Rust router) runs without a GPU: CI tests rollout.router=sglang_router with it
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5", "sglang-router>=0.3"],
     },
     entry_points={
         "console_scripts": [

@@ -69,7 +69,11 @@ class RolloutConfig(Section):
     )
     host: str = Field("127.0.0.1", description="Address engine servers bind to (loopback by default).")
     port_base: int = Field(30000, ge=1024, le=65000, description="First engine port; engine i listens on port_base + i.")
-    router: Literal["builtin", "sglang_router"] = Field("builtin", description="Load balancer across engines.")
+    router: Literal["builtin", "sglang_router"] = Field(
+        "builtin", description="Load balancer across engines: mrl's (builtin) or SGLang's sglang_router package "
+                               "(cache-aware; launched on the driver's host, works with both engines).")
+    router_port: int | None = Field(
+        None, ge=1024, le=65535, description="Port of sglang_router on 127.0.0.1 (null: port_base - 1).")
     request_timeout_s: float = Field(600.0, gt=0, description="Seconds before a generate request is abandoned.")
     max_retries: int = Field(3, ge=0, description="Retries of a failed generate request on another engine.")
     health_interval_s: float = Field(10.0, gt=0, description="Seconds between /health_generate probes of each engine.")

@@ -8,6 +8,7 @@ does not exist yet, e.g. for a HF hub id resolved on the GPU host.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -227,8 +228,9 @@ def _check_rollout(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) 
                 "rollout.engine=sglang needs CUDA devices but this host shows no NVIDIA GPU (cluster.device=auto, local Ray); "
                 "fix: rollout.engine=torch, or run on a GPU host"
             )
-    elif r.router == "sglang_router":
-        errors.append("rollout.router=sglang_router needs rollout.engine=sglang; fix: rollout.router=builtin")
+    if r.router == "sglang_router" and importlib.util.find_spec("sglang_router") is None:
+        errors.append("rollout.router=sglang_router needs the sglang_router package on the driver's host; "
+                      "fix: pip install sglang-router, or rollout.router=builtin")
     if cfg.cluster.nnodes > 1 and r.host in ("127.0.0.1", "localhost", "::1"):
         errors.append(f"rollout.host={r.host} with cluster.nnodes={cfg.cluster.nnodes}: engines on other nodes would be "
                       "unreachable from the driver; fix: rollout.host=0.0.0.0 (mrl then gives every engine a per-run token)")

@@ -23,9 +23,6 @@ def check_supported(cfg: MRLConfig) -> None:
     problems = []
     if cfg.critic_enabled:
         problems += _critic_problems(cfg)
-    if cfg.rollout.router != "builtin":
-        problems.append("rollout.router=sglang_router: set rollout.router=builtin (mrl's router; the driver does not "
-                        "launch sglang_router yet)")
     if problems:
         raise UnsupportedConfigError("the RL driver does not support yet:\n  - " + "\n  - ".join(problems))
     critic_path = [("critic.model_path", cfg.critic.model_path)] if cfg.critic_enabled and cfg.critic.model_path else []
@@ -86,7 +83,9 @@ class Services:
     tracking: Any
     log_dir: Path
     engines: Any = None
-    pool: Any = None
+    pool: Any = None  # the engines: health, restarts, control calls, weight sync
+    router: Any = None  # sglang_router process (rollout.router=sglang_router)
+    route_pool: Any = None  # what /generate goes to when the router is sglang_router: the router alone
     client: Any = None
     workers: Any = None
 
@@ -142,7 +141,19 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
         snap = r.weight_sync.snapshot_dir or (r.weight_sync.disk_dir if r.weight_sync.transport == "disk" else None)
         if snap:
             s.pool.resync = disk_resync(snap, token=token)
-        s.client = RolloutClient(make_router(s.pool, r.router, max_retries=r.max_retries,
+        gen_pool = s.pool
+        if r.router == "sglang_router":
+            from mrl.rollout.sglang_router import SGLangRouter
+
+            s.router = SGLangRouter(s.engines.urls, r.router_port or r.port_base - 1, log_dir / "sglang_router.log",
+                                    startup_timeout_s=min(r.engine_startup_timeout_s, 300.0))
+            s.router.start()
+            s.pool.on_service_change = s.router.on_engine_service  # restarted engines rejoin once synced
+            # No periodic probes of the router: it would forward them to engines that may be asleep;
+            # a connection error on /generate finds a dead router (no /health) and restarts it.
+            gen_pool = s.route_pool = EnginePool([EngineEndpoint(s.router.url, restart=s.router.restart)],
+                                                 health_interval_s=0, token=token)
+        s.client = RolloutClient(make_router(gen_pool, r.router, max_retries=r.max_retries,
                                              request_timeout_s=r.request_timeout_s))
         s.workers.execute_all("init_weight_sync", s.engines.urls, token=token, routable=s.engines.remote_nodes)
         s.tracking = Tracking.from_config(cfg)
@@ -159,6 +170,8 @@ def _teardown(s: Services, status: str) -> None:
     # which the rank teardown removes (killing them), and the servers run in sessions of their own.
     for step in (
         lambda: s.tracking and s.tracking.finish(status),
+        lambda: s.route_pool and s.route_pool.close(),
+        lambda: s.router and s.router.stop(),
         lambda: s.pool and s.pool.close(),
         lambda: [log.warning("could not stop %s", err) for err in (s.engines.stop() if s.engines else [])],
         lambda: s.workers and s.workers.close("close", timeout_s=30.0),

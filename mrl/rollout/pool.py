@@ -160,6 +160,9 @@ class EnginePool:
         #: the version the last weight sync pushed (None: engines still hold their start weights)
         self.weight_version: str | None = None
         self.resync: Callable[[str], None] | None = None
+        #: called (blocking, off the loop) with (url, False) when an engine is taken out for a restart
+        #: and (url, True) once it serves the current weights again: keeps an external router in step
+        self.on_service_change: Callable[[str, bool], None] | None = None
         #: engines released their memory (release_memory): health probes pause until resume_memory
         self.asleep = False
         self.loop = PoolLoop()
@@ -229,8 +232,16 @@ class EnginePool:
         if e.url not in self._recoveries and e.restart is not None:
             self._recoveries[e.url] = asyncio.run_coroutine_threadsafe(self._recover(e), self.loop.loop)
 
+    async def _service_changed(self, e: EngineEndpoint, serving: bool) -> None:
+        if self.on_service_change is not None:
+            try:
+                await asyncio.to_thread(self.on_service_change, e.url, serving)
+            except Exception as ex:  # noqa: BLE001 - the engine's own recovery goes on; logged
+                log.error("engine %s: service-change hook (%s) failed: %s", e.url, serving, ex)
+
     async def _recover(self, e: EngineEndpoint) -> None:
         e.recovering = True
+        await self._service_changed(e, False)
         try:
             # restart/resync block (process launch, weight push): keep them off the event loop.
             await asyncio.to_thread(e.restart)
@@ -250,6 +261,7 @@ class EnginePool:
                     )
             e.restarts += 1
             e.failures = 0
+            await self._service_changed(e, True)
             e.healthy = True
             log.warning("engine %s back in service (restart #%d)", e.url, e.restarts)
         except Exception as ex:  # noqa: BLE001 - stays out of service, reason recorded
@@ -281,6 +293,8 @@ class EnginePool:
             if got != version:
                 raise RuntimeError(f"engine {e.url} restarted and was synced, but reports weight_version {got!r}, "
                                    f"expected {version!r}")
+            if self.on_service_change is not None:
+                self.on_service_change(e.url, True)
             e.awaiting_sync, e.healthy, e.failures = False, True, 0
             e.restarts += 1
             back.append(e.url)

@@ -12,9 +12,9 @@ Built-in policy (what slime/verl users expect from sgl-router's defaults, minus 
   keep-alive connection the server closed as it was reused: counted like a 5xx); 5xx and timeouts
   count towards ``max_failures``. HTTP 4xx is the caller's error and is not retried.
 
-When the ``sglang_router`` package is installed and ``rollout.router: sglang`` is chosen,
-``SGLangRouterProcess`` launches it in front of the engines and the same ``Router`` sends to it
-as its only upstream (control calls still go to each engine directly).
+With ``rollout.router: sglang_router`` the driver launches SGLang's router in front of the engines
+(``mrl.rollout.sglang_router.SGLangRouter``) and this ``Router`` sends to it as its only upstream
+(control calls still go to each engine directly).
 """
 from __future__ import annotations
 
@@ -166,14 +166,12 @@ def build_sglang_router_command(
 
 
 def make_router(pool: EnginePool, kind: str = "builtin", **kw: Any) -> Router:
-    """``kind``: ``builtin`` (always available) or ``sglang`` (needs the sglang_router package;
-    the caller launches it with ``build_sglang_router_command`` + ``EngineProcess`` and passes a
-    pool whose single engine is the router's url)."""
-    if kind in ("sglang", "sglang_router") and not sglang_router_available():
-        raise ValueError(
-            "rollout.router: sglang needs the sglang_router package (pip install sglang-router); "
-            "set rollout.router: builtin to use mrl's router"
-        )
-    if kind not in ("builtin", "sglang", "sglang_router"):
-        raise ValueError(f"rollout.router must be 'builtin' or 'sglang', got {kind!r}")
+    """``kind``: ``builtin`` (always available) or ``sglang_router`` (needs the sglang_router package;
+    the caller starts it with ``mrl.rollout.sglang_router.SGLangRouter`` and passes a pool whose
+    single engine is the router's url)."""
+    if kind not in ("builtin", "sglang_router"):
+        raise ValueError(f"rollout.router must be 'builtin' or 'sglang_router', got {kind!r}")
+    if kind == "sglang_router" and not sglang_router_available():
+        raise ValueError("rollout.router=sglang_router needs the sglang_router package (pip install sglang-router); "
+                         "or set rollout.router=builtin to use mrl's router")
     return Router(pool, **kw)

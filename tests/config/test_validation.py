@@ -76,7 +76,6 @@ BAD = [
     ("engine_tp_not_dividing", ["rollout.engine_tp_size=3"], ["rollout.engine_tp_size=3", "does not divide"]),
     ("too_many_colocated_engines", ["rollout.num_engines=3", "rollout.engine_tp_size=2"], ["rollout.num_engines", "exceeds"]),
     ("sglang_on_cpu", ["rollout.engine=sglang"], ["rollout.engine=sglang", "cluster.device=cpu"]),
-    ("sglang_router_with_torch", ["rollout.router=sglang_router"], ["rollout.router=sglang_router"]),
     ("tensor_sync_with_separate_engines", ["rollout.placement=separate", "rollout.num_engines=2",
                                            "rollout.weight_sync.transport=tensor"], ["rollout.weight_sync.transport=tensor"]),
     ("separate_engines_take_everything", ["rollout.placement=separate", "rollout.num_engines=4"],
@@ -166,6 +165,17 @@ def test_missing_model_is_a_note_not_an_error(base_overrides: list[str]) -> None
     errors, notes = check_config(cfg)
     assert errors == []
     assert len(notes) == 1 and "model.path='Org/not-downloaded-here'" in notes[0] and "skipped" in notes[0]
+
+
+def test_sglang_router_needs_its_package(base_overrides: list[str], monkeypatch) -> None:
+    import importlib.util
+
+    from mrl.config import validate
+    cfg = load_config(None, base_overrides + ["rollout.router=sglang_router"])  # torch engines: same protocol
+    real = importlib.util.find_spec
+    monkeypatch.setattr(validate.importlib.util, "find_spec", lambda name, *a: None if name == "sglang_router" else real(name, *a))
+    errors, _ = check_config(cfg)
+    assert any("rollout.router=sglang_router" in e and "pip install sglang-router" in e for e in errors), errors
 
 
 def test_sglang_on_cuda_host_config_is_valid(base_overrides: list[str]) -> None:

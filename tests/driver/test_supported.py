@@ -49,7 +49,7 @@ def test_missing_model_names_the_quickstart_fix(tmp_path) -> None:
         check_supported(cfg)
 
 
-def test_sglang_engines_and_separate_placement_are_supported(tmp_path) -> None:
+def test_sglang_engines_separate_placement_and_sglang_router_are_supported(tmp_path) -> None:
     # The driver launches them (mrl/driver/engines.py); config validation still refuses SGLang on CPU.
     (tmp_path / "m").mkdir()
     (tmp_path / "t.jsonl").write_text("")
@@ -57,5 +57,4 @@ def test_sglang_engines_and_separate_placement_are_supported(tmp_path) -> None:
     check_supported(load_config("mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml", base))
     check_supported(load_config("mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml", [
         *base, "rollout.placement=separate", "rollout.num_engines=2", "cluster.n_gpus_per_node=10"]))
-    with pytest.raises(UnsupportedConfigError, match="rollout.router=sglang_router: set rollout.router=builtin"):
-        check_supported(load_config("mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml", [*base, "rollout.router=sglang_router"]))
+    check_supported(load_config("mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml", [*base, "rollout.router=sglang_router"]))
