@@ -141,6 +141,7 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
         snap = r.weight_sync.snapshot_dir or (r.weight_sync.disk_dir if r.weight_sync.transport == "disk" else None)
         if snap:
             s.pool.resync = disk_resync(snap, token=token)
+        s.pool.start_health_checks()  # every rollout.health_interval_s: dead engines restart between steps too
         gen_pool = s.pool
         if r.router == "sglang_router":
             from mrl.rollout.sglang_router import SGLangRouter

@@ -120,8 +120,9 @@ class RLTrainer:
                     self.s.pool.release_memory()
             with timer("old_log_prob", m):
                 self.old_log_prob(d)
-            m |= compute_rollout_mismatch_metrics(d.batch.rollout_log_probs, d.batch.old_log_probs,
-                                                  d.batch.response_mask)
+            if d.batch.rollout_log_probs is not None:  # engines that return log-probs (all mrl launches)
+                m |= compute_rollout_mismatch_metrics(d.batch.rollout_log_probs, d.batch.old_log_probs,
+                                                      d.batch.response_mask)
             if self.cfg.ref_enabled:
                 with timer("ref", m):
                     self.ref_log_prob(d)

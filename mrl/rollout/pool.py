@@ -205,23 +205,36 @@ class EnginePool:
                 log.exception("health check round failed")
 
     async def check_health(self) -> dict[str, bool]:
-        """GET /health_generate on every healthy engine (it runs a 1-token generation); a failure
-        takes the engine out and starts its recovery."""
+        """GET /health_generate (a 1-token generation) on every healthy engine with no request in
+        flight (one that is answering requests shows it is alive, and a probe queued behind its batch
+        could time out). No connection: the engine is taken out and its recovery starts. A timeout or
+        an error status counts towards ``max_failures`` in a row, as for requests."""
         async def one(e: EngineEndpoint) -> bool:
+            gone = False
             try:
                 r = await self.client().get(e.url + "/health_generate", timeout=self.health_timeout_s)
-                ok = r.status_code == 200
+                if r.status_code == 200:
+                    e.failures = 0
+                    return True
                 reason = f"/health_generate answered HTTP {r.status_code}"
+            except RequestTimeout:
+                reason = f"/health_generate: no answer within {self.health_timeout_s}s"
             except TransportError as ex:
-                ok, reason = False, f"/health_generate failed: {type(ex).__name__}: {ex}"
-            if not ok and not self.asleep:  # a probe that raced release_memory is not a failure
+                gone, reason = True, f"/health_generate failed: {ex}"
+            if self.asleep:  # a probe that raced release_memory is not a failure
+                return False
+            if gone:
                 self.mark_unhealthy(e, reason)
-            return ok
+            else:
+                e.failures, e.last_error = e.failures + 1, reason
+                if e.failures >= self.max_failures:
+                    self.mark_unhealthy(e, f"{e.failures} consecutive failures, last: {reason}")
+            return False
         if self.asleep:
             return {}
-        live = self.healthy_engines()
-        oks = await asyncio.gather(*(one(e) for e in live))
-        return {e.url: ok for e, ok in zip(live, oks)}
+        idle = [e for e in self.healthy_engines() if e.outstanding == 0]
+        oks = await asyncio.gather(*(one(e) for e in idle))
+        return {e.url: ok for e, ok in zip(idle, oks)}
 
     def mark_unhealthy(self, e: EngineEndpoint, reason: str) -> None:
         """Take ``e`` out of routing and (once) start restart + re-sync in the background."""

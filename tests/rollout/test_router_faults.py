@@ -17,7 +17,8 @@ from mrl.rollout.types import RolloutRequest
 
 class FaultyEngine:
     """Answers GET /health with 200; POST /generate per ``mode``: ``drop`` closes the connection
-    without answering, ``short`` answers a batch with one result too few, ``ok`` answers it whole."""
+    without answering, ``short`` answers a batch with one result too few, ``ok`` answers it whole;
+    ``sick`` answers /health_generate with HTTP 500."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -35,7 +36,9 @@ class FaultyEngine:
                 line, *headers = head.decode().split("\r\n")
                 size = next((int(h.split(":")[1]) for h in headers if h.lower().startswith("content-length")), 0)
                 body = json.loads(await reader.readexactly(size)) if size else None
-                if line.startswith("GET /health"):
+                if line.startswith("GET /health_generate") and self.mode == "sick":
+                    self._answer(writer, 500, b"scheduler stuck")
+                elif line.startswith("GET /health"):
                     self._answer(writer, 200, b"")
                 elif line.startswith("POST /generate"):
                     self.generate_calls += 1
@@ -98,3 +101,24 @@ def test_batch_answer_of_the_wrong_length_fails_every_sample_of_the_prompt(engin
         pool.close()
     assert len(res.samples) == 4 and len(res.failed) == 4
     assert all("batch of 4 answered a list of 3, not a list of 4" in s.error for s in res.samples)
+
+
+def test_health_probe_errors_count_towards_max_failures_before_a_restart(engines):
+    sick = engines("sick")
+    restarts = []
+    pool = EnginePool([EngineEndpoint(sick.url, restart=lambda: restarts.append(1))], health_interval_s=0,
+                      max_failures=3, restart_timeout_s=5)
+    try:
+        e = pool.engines[0]
+        for k in (1, 2):
+            assert pool.loop.run(pool.check_health()) == {sick.url: False}
+            assert e.healthy and e.failures == k and "HTTP 500" in e.last_error and not restarts
+        e.outstanding = 1  # an engine answering requests is not probed
+        assert pool.loop.run(pool.check_health()) == {} and e.failures == 2
+        e.outstanding = 0
+        assert pool.loop.run(pool.check_health()) == {sick.url: False}
+        assert not e.healthy and "3 consecutive failures" in e.last_error
+        pool.wait_recovered(30)
+        assert restarts == [1]
+    finally:
+        pool.close()
