@@ -14,6 +14,7 @@ pytestmark = pytest.mark.slow
 def test_quickstart_step_through_sglang_router(tmp_path: Path) -> None:
     assets = write_assets(tmp_path)
     p = run_train("mrl_configs/quickstart.yaml", tmp_path, assets, free_port_pair(), "rollout.router=sglang_router",
+                  f"data.val_files=[{assets}/data/val.jsonl]",
                   f"rollout.router_port={free_port_pair()}", "trainer.total_training_steps=2",
                   "trainer.val_before_train=false", "trainer.test_freq=0", f"trainer.default_local_dir={tmp_path}/ckpt",
                   "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8",
