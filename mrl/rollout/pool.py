@@ -101,7 +101,7 @@ class PoolHTTP:
             async with self.session().request(method, url, json=json,
                                               timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 return Answer(r.status, await r.read(), r.headers.get("content-type", ""))
-        except asyncio.TimeoutError as ex:
+        except TimeoutError as ex:
             raise RequestTimeout(f"no answer within {timeout}s") from ex
         except aiohttp.ClientError as ex:
             raise TransportError(f"{type(ex).__name__}: {ex}") from ex

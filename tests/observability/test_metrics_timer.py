@@ -4,7 +4,12 @@ import time
 import pytest
 import torch
 
-from mrl.observability import compute_data_metrics, compute_rollout_mismatch_metrics, names, timer
+from mrl.observability import (
+    compute_data_metrics,
+    compute_rollout_mismatch_metrics,
+    names,
+    timer,
+)
 
 
 def test_rollout_mismatch_metrics_hand_computed():
