@@ -119,10 +119,7 @@ class RLTrainer:
                 with timer("engine_sleep", m):
                     self.s.pool.release_memory()
             with timer("old_log_prob", m):
-                self.old_log_prob(d)
-            if d.batch.rollout_log_probs is not None:  # engines that return log-probs (all mrl launches)
-                m |= compute_rollout_mismatch_metrics(d.batch.rollout_log_probs, d.batch.old_log_probs,
-                                                      d.batch.response_mask)
+                self.old_log_prob(d, m)
             if self.cfg.ref_enabled:
                 with timer("ref", m):
                     self.ref_log_prob(d)
@@ -273,11 +270,14 @@ class RLTrainer:
         d.reward_baselines = out.scores.float().repeat_interleave(n)
         m["critic/reward_baseline/mean"] = float(d.reward_baselines.mean())
 
-    def old_log_prob(self, d: StepData) -> None:
-        """log π_old [B, R] and entropy [B, R] with the rollout temperature (recomputed, not the engine's)."""
+    def old_log_prob(self, d: StepData, m: dict[str, float]) -> None:
+        """log π_old [B, R] and entropy [B, R] with the rollout temperature (recomputed, not the engine's),
+        and verl's check that the engines sampled from that distribution (training/rollout_probs_diff_*)."""
         lp, ent = self.s.workers.execute_all("compute_log_prob", d.batch)[0]
         d.batch = d.batch.replace(old_log_probs=lp)
         d.entropys = ent
+        if d.batch.rollout_log_probs is not None:  # engines that return log-probs (all mrl launches)
+            m |= compute_rollout_mismatch_metrics(d.batch.rollout_log_probs, lp, d.batch.response_mask)
 
     def ref_log_prob(self, d: StepData) -> None:
         d.batch = d.batch.replace(ref_log_prob=self.s.workers.execute_all("compute_ref_log_prob", d.batch)[0])

@@ -306,8 +306,7 @@ class EnginePool:
             if got != version:
                 raise RuntimeError(f"engine {e.url} restarted and was synced, but reports weight_version {got!r}, "
                                    f"expected {version!r}")
-            if self.on_service_change is not None:
-                self.on_service_change(e.url, True)
+            self.loop.run(self._service_changed(e, True))
             e.awaiting_sync, e.healthy, e.failures = False, True, 0
             e.restarts += 1
             back.append(e.url)

@@ -166,12 +166,9 @@ def build_sglang_router_command(
 
 
 def make_router(pool: EnginePool, kind: str = "builtin", **kw: Any) -> Router:
-    """``kind``: ``builtin`` (always available) or ``sglang_router`` (needs the sglang_router package;
-    the caller starts it with ``mrl.rollout.sglang_router.SGLangRouter`` and passes a pool whose
-    single engine is the router's url)."""
+    """``kind``: ``builtin``, or ``sglang_router``: the caller has started SGLang's router
+    (``mrl.rollout.sglang_router.SGLangRouter``, which needs the package) and passes a pool whose
+    single engine is the router's url."""
     if kind not in ("builtin", "sglang_router"):
         raise ValueError(f"rollout.router must be 'builtin' or 'sglang_router', got {kind!r}")
-    if kind == "sglang_router" and not sglang_router_available():
-        raise ValueError("rollout.router=sglang_router needs the sglang_router package (pip install sglang-router); "
-                         "or set rollout.router=builtin to use mrl's router")
     return Router(pool, **kw)

@@ -31,6 +31,7 @@ from mrl.rollout.engine import weights as W
 from mrl.rollout.engine.checksum import tensor_checksum
 from mrl.rollout.engine.model_runner import ModelRunner
 from mrl.rollout.engine.scheduler import Request, Scheduler
+from mrl.rollout.sglang_launcher import PARENT_PID_ENV
 
 
 class Engine:
@@ -326,11 +327,8 @@ def resolve_token(args: argparse.Namespace) -> str | None:
     return token
 
 
-PARENT_PID_ENV = "MRL_ENGINE_PARENT_PID"
-
-
 def exit_with_parent(poll_s: float = 2.0) -> None:
-    """When ``MRL_ENGINE_PARENT_PID`` names the process that launched this server (``EngineProcess``
+    """When ``PARENT_PID_ENV`` (``MRL_ENGINE_PARENT_PID``) names the process that launched this server (``EngineProcess``
     sets it), exit as soon as that process is gone: the server runs in a session of its own, so a
     launcher killed without stopping it (a Ray actor killed at teardown) would otherwise leave it
     serving, holding its port, forever."""

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import httpx
 
+# The embedded engine exits when the process named here (its launcher) is gone (mrl/rollout/server.py).
+PARENT_PID_ENV = "MRL_ENGINE_PARENT_PID"
+
 
 class EngineLaunchError(RuntimeError):
     """The engine child died or never became healthy; the message holds its log tail."""
@@ -161,7 +164,7 @@ class EngineProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
         env = dict(os.environ) if self.env is None else {**os.environ, **self.env}
-        env["MRL_ENGINE_PARENT_PID"] = str(os.getpid())  # the embedded engine exits when its launcher dies
+        env[PARENT_PID_ENV] = str(os.getpid())
         self._proc = subprocess.Popen(
             self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )

@@ -52,19 +52,21 @@ class SGLangRouter:
     def stop(self) -> None:
         self.proc.stop()
 
-    def workers(self) -> list[dict]:
+    def workers(self) -> list[dict] | None:
+        """The router's workers (``GET /workers``: url, id, is_healthy, ...); None before 0.3 (no such API)."""
         r = httpx.get(self.url + "/workers", timeout=30, trust_env=False)
+        if r.status_code == 404:
+            return None
         r.raise_for_status()
         return r.json()["workers"]
 
     def remove_worker(self, url: str) -> None:
         url = url.rstrip("/")
-        r = httpx.get(self.url + "/workers", timeout=30, trust_env=False)
-        if r.status_code == 404:  # sglang_router < 0.3
+        workers = self.workers()
+        if workers is None:  # sglang_router < 0.3
             r = httpx.post(self.url + "/remove_worker", params={"url": url}, timeout=30, trust_env=False)
         else:
-            r.raise_for_status()
-            ids = [w["id"] for w in r.json()["workers"] if w["url"].rstrip("/") == url]
+            ids = [w["id"] for w in workers if w["url"].rstrip("/") == url]
             if not ids:
                 return  # not routed to (already removed)
             r = httpx.delete(f"{self.url}/workers/{ids[0]}", timeout=30, trust_env=False)

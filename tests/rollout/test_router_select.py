@@ -2,12 +2,9 @@
 and the sglang_router option."""
 import pytest
 
+from mrl.rollout import sglang_router
 from mrl.rollout.pool import EngineEndpoint, EnginePool
-from mrl.rollout.router import (
-    build_sglang_router_command,
-    make_router,
-    sglang_router_available,
-)
+from mrl.rollout.router import build_sglang_router_command, make_router
 
 
 @pytest.fixture
@@ -36,12 +33,12 @@ def test_least_outstanding_affinity_and_exclusion(pool):
     assert r.pick() is None
 
 
-def test_sglang_router_option(pool):
+def test_sglang_router_option(pool, monkeypatch):
     cmd = build_sglang_router_command(["http://h:1", "http://h:2"], 31000, python="py")
     assert cmd[:3] == ["py", "-m", "sglang_router.launch_router"]
     assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--worker-urls") + 3] == ["http://h:1", "http://h:2"]
-    if not sglang_router_available():
-        with pytest.raises(ValueError, match="pip install sglang-router"):
-            make_router(pool, "sglang_router")
+    monkeypatch.setattr(sglang_router, "sglang_router_available", lambda: False)
+    with pytest.raises(RuntimeError, match="pip install sglang-router"):
+        sglang_router.SGLangRouter(["http://h:1"], 31000, "/nonexistent/router.log")
     with pytest.raises(ValueError, match="rollout.router must be"):
         make_router(pool, "round_robin")
