@@ -29,9 +29,15 @@ setup(
         "psutil>=5.9",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "sglang"],
+        # THE supported SGLang release (one pin everywhere: docker/Dockerfile, requirements-sglang-cpu.txt,
+        # mrl.rollout.sglang_launcher.SGLANG_VERSION; tests/rollout/conformance/test_version_pins.py checks)
+        "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23"],
         # sglang-router (SGLang's Rust router) runs without a GPU: CI tests rollout.router=sglang_router with it
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5", "sglang-router>=0.3"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5", "sglang-router>=0.3",
+                # real clients of `mrl engine` (tests/rollout/clients/) and the pure-Python modules SGLang's
+                # code imports when the conformance suite runs it on CPU (requirements-sglang-cpu.txt)
+                "openai>=1.40", "pybase64", "msgspec", "pyzmq", "dill", "ipython", "gguf", "loguru",
+                "sentencepiece", "partial-json-parser", "apache-tvm-ffi"],
     },
     entry_points={
         "console_scripts": [
