@@ -37,7 +37,8 @@ setup(
                 # real clients of `mrl engine` (tests/rollout/clients/) and the pure-Python modules SGLang's
                 # code imports when the conformance suite runs it on CPU (requirements-sglang-cpu.txt)
                 "openai>=1.40", "pybase64", "msgspec", "pyzmq", "dill", "ipython", "gguf", "loguru",
-                "sentencepiece", "partial-json-parser", "apache-tvm-ffi"],
+                "sentencepiece", "partial-json-parser", "apache-tvm-ffi", "uvloop", "einops", "soundfile",
+                "python-multipart"],
     },
     entry_points={
         "console_scripts": [

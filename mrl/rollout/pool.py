@@ -355,8 +355,9 @@ class EnginePool:
     def control(self, path: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
         return self.loop.run(self.acontrol(path, payload, **kw))
 
-    def pause(self, engines: Sequence[EngineEndpoint] | None = None) -> None:
-        self.control("/pause_generation", {}, engines=engines)
+    def pause(self, engines: Sequence[EngineEndpoint] | None = None, mode: str = "retract") -> None:
+        """SGLang's pause; "retract" keeps in-flight samples (they resume after :meth:`resume`)."""
+        self.control("/pause_generation", {"mode": mode}, engines=engines)
 
     def flush(self, engines: Sequence[EngineEndpoint] | None = None) -> None:
         self.control("/flush_cache", None, engines=engines)

@@ -138,10 +138,20 @@ class AbortReqInput(BaseModel):
 
 
 class PauseGenerationReqInput(BaseModel):
-    """SGLang modes: "abort" aborts in-flight requests; "retract"/"in_place" keep them and resume
-    on ``/continue_generation``. mrl's default is "in_place" (weight sync must not lose samples)."""
+    """SGLang's modes and default: "abort" ends in-flight requests (finish_reason abort);
+    "retract" sends running requests back to the queue (their KV is rebuilt after
+    /continue_generation, no token lost); "in_place" keeps them with their cache (then
+    /flush_cache is refused until they finish). mrl's weight sync pauses with "retract"."""
 
-    mode: Literal["abort", "retract", "in_place"] = "in_place"
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class WeightUpdateSessionReqInput(BaseModel):
+    """/begin_weight_update and /end_weight_update (SGLang >= 0.5.22): distributed and tensor
+    weight updates are accepted only between the two. ``selector`` is SGLang's (target/draft/all);
+    the embedded engine has only a target model."""
+
+    selector: Literal["target", "draft", "all"] = "all"
 
 
 class UpdateWeightFromDiskReqInput(BaseModel):
@@ -222,8 +232,17 @@ class WeightsChecksumReqInput(BaseModel):
     names: list[str] | None = None
 
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
 class MemoryOccupationReqInput(BaseModel):
-    tags: list[str] | None = None
+    """SGLang's tags: None/[] = everything; "weights", "kv_cache" (and "cuda_graph", which a CPU
+    engine does not have: accepted, nothing to release)."""
+
+    tags: list[Literal["weights", "kv_cache", "cuda_graph"]] | None = None
+
+    def released(self, tag: str) -> bool:
+        return not self.tags or tag in self.tags
 
 
 class UpdateWeightsReqOutput(BaseModel):

@@ -46,6 +46,8 @@ class Engine:
         # loaded by /update_weights_from_disk (which may hold only a subset, e.g. one PP stage).
         self.model_path = model_path
         self.last_disk_path: str | None = None
+        # SGLang >= 0.5.22: distributed/tensor weight updates only inside begin/end_weight_update.
+        self.weight_update_open = False
 
     def set_version(self, requested: str | None) -> str:
         s = self.scheduler
@@ -146,8 +148,11 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=ctl)
     async def flush_cache():
-        # No prefix cache is kept across requests; running sequences keep their own KV, an idle
-        # engine gives its KV buffers back.
+        # SGLang's rule: refused (400) while requests run, or wait unless the engine is paused.
+        # No prefix cache is kept across requests here; an idle engine gives its KV buffers back.
+        if not sched.is_idle(ignore_waiting=sched.paused):
+            return Response(f"Cache not flushed because there are pending requests. #queue-req: {sched.num_waiting}, "
+                            f"#running-req: {sched.num_running}\n", status_code=400)
         await asyncio.to_thread(sched.free_idle_cache)
         return Response("Cache flushed.", status_code=200)
 
@@ -155,19 +160,41 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
     async def pause_generation(body: P.PauseGenerationReqInput | None = None):
         mode = (body or P.PauseGenerationReqInput()).mode
         n = await asyncio.to_thread(sched.pause, mode)
-        return {"success": True, "message": f"paused ({mode})", "num_paused_requests": n}
+        return {"message": "Generation paused successfully.", "status": "ok", "mode": mode, "num_paused_requests": n}
 
     @app.post("/continue_generation", dependencies=ctl)
     async def continue_generation():
         sched.resume()
-        return {"success": True, "message": "continued"}
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/begin_weight_update", dependencies=ctl)
+    async def begin_weight_update(body: P.WeightUpdateSessionReqInput | None = None):
+        if engine.weight_update_open:
+            return JSONResponse({"success": False, "message": "a weight-update session is already open; "
+                                 "call end_weight_update() first"}, status_code=400)
+        engine.weight_update_open = True
+        return {"success": True, "message": "Success"}
+
+    @app.post("/end_weight_update", dependencies=ctl)
+    async def end_weight_update(body: P.WeightUpdateSessionReqInput | None = None):
+        if not engine.weight_update_open:
+            return JSONResponse({"success": False, "message": "no weight-update session is open; "
+                                 "call begin_weight_update() first"}, status_code=400)
+        engine.weight_update_open = False
+        return {"success": True, "message": "Success"}
+
+    def outside_window(route: str) -> JSONResponse | None:
+        if engine.weight_update_open:
+            return None
+        return JSONResponse({"success": False, "message": f"{route} must run between begin_weight_update() and "
+                             "end_weight_update()"}, status_code=400)
 
     @app.post("/abort_request", dependencies=ctl)
     async def abort_request(body: P.AbortReqInput):
         n = await asyncio.to_thread(sched.abort, body.rid, body.abort_all)
         return {"success": True, "num_aborted": n}
 
-    async def _apply(named_fn, version: str | None, abort_all: bool) -> JSONResponse:
+    async def _apply(named_fn, version: str | None, abort_all: bool, flush: bool) -> JSONResponse:
         """Receive (off the event loop), then copy under the model lock and bump the version."""
         if abort_all:
             await asyncio.to_thread(sched.abort, "", True, "aborted for a weight update")
@@ -181,6 +208,11 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
             moved, ver = await asyncio.to_thread(_load)
         except (KeyError, ValueError, FileNotFoundError, RuntimeError) as e:
             return JSONResponse({"success": False, "message": str(e)}, status_code=400)
+        if flush and not sched.is_idle(ignore_waiting=sched.paused):
+            # SGLang's answer when flush_cache=true meets running requests (the weights did change).
+            return JSONResponse({"success": False, "message": "Weights were updated, but the cache was not flushed "
+                                 "because requests are still running or queued. Retract or finish them, then call "
+                                 "/flush_cache."}, status_code=400)
         return JSONResponse({"success": True, "message": f"updated {len(named)} tensors ({moved} bytes)",
                              "weight_version": ver, "num_paused_requests": sched.num_running})
 
@@ -188,18 +220,22 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
     async def update_weights_from_disk(body: P.UpdateWeightFromDiskReqInput):
         if body.load_format not in (None, "auto", "safetensors"):
             return bad_request(ValueError(f"load_format {body.load_format!r}: only safetensors directories are supported"))
-        resp = await _apply(lambda: W.read_disk(runner, body.model_path), body.weight_version, body.abort_all_requests)
+        resp = await _apply(lambda: W.read_disk(runner, body.model_path), body.weight_version, body.abort_all_requests,
+                            body.flush_cache)
         if resp.status_code == 200:
             engine.last_disk_path = body.model_path
         return resp
 
     @app.post("/update_weights_from_tensor", dependencies=ctl)
     async def update_weights_from_tensor(body: P.UpdateWeightsFromTensorReqInput):
+        if (refused := outside_window("update_weights_from_tensor")) is not None:
+            return refused
         if body.serialized_named_tensors:
             return bad_request(ValueError(
                 "serialized_named_tensors (pickled tensors) are refused by the embedded engine; "
                 "send shm_tensors (POSIX shared-memory metadata, see docs/rollout.md)"))
-        return await _apply(lambda: W.read_shm(runner, body.shm_tensors), body.weight_version, body.abort_all_requests)
+        return await _apply(lambda: W.read_shm(runner, body.shm_tensors), body.weight_version, body.abort_all_requests,
+                            body.flush_cache)
 
     @app.post("/init_weights_update_group", dependencies=ctl)
     async def init_weights_update_group(body: P.InitWeightsUpdateGroupReqInput):
@@ -220,7 +256,12 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
 
     @app.post("/update_weights_from_distributed", dependencies=ctl)
     async def update_weights_from_distributed(body: P.UpdateWeightsFromDistributedReqInput):
-        return await _apply(lambda: engine.groups.receive(runner, body), body.weight_version, body.abort_all_requests)
+        if (refused := outside_window("update_weights_from_distributed")) is not None:
+            # SGLang refuses before joining the broadcast; the sender's broadcast then fails on its
+            # timeout. Our sender never does this (it opens the window first).
+            return refused
+        return await _apply(lambda: engine.groups.receive(runner, body), body.weight_version, body.abort_all_requests,
+                            body.flush_cache)
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"], dependencies=ctl)
     async def get_weights_by_name(body: P.GetWeightsByNameReqInput):
@@ -243,19 +284,27 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
 
         return {"checksums": await asyncio.to_thread(_sums), "weight_version": sched.weight_version}
 
-    @app.post("/release_memory_occupation", dependencies=ctl)
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"], dependencies=ctl)
     async def release_memory_occupation(body: P.MemoryOccupationReqInput | None = None):
+        body = body or P.MemoryOccupationReqInput()
+        if not sched.is_idle(ignore_waiting=sched.paused):  # SGLang asserts the same
+            return JSONResponse({"success": False, "message": "release_memory_occupation should be called only when "
+                                 "server is idle (pause_generation first)"}, status_code=400)
+
         def _rel() -> str:
             with sched.model_lock:
-                weights = 0 if runner.released else runner.release()
-                return f"released {weights} bytes of weights and {sched.free_idle_cache()} bytes of KV cache"
+                weights = runner.release() if body.released("weights") and not runner.released else 0
+                kv = sched.free_idle_cache() if body.released("kv_cache") else 0
+                return f"released {weights} bytes of weights and {kv} bytes of KV cache"
 
         return {"success": True, "message": await asyncio.to_thread(_rel)}
 
-    @app.post("/resume_memory_occupation", dependencies=ctl)
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"], dependencies=ctl)
     async def resume_memory_occupation(body: P.MemoryOccupationReqInput | None = None):
-        if not runner.released:
-            return {"success": True, "message": "not released"}
+        body = body or P.MemoryOccupationReqInput()
+        if not (runner.released and body.released("weights")):
+            sched.wake()  # KV buffers are reallocated on the next admission
+            return {"success": True, "message": "weights not released" if not runner.released else "kv_cache resumed"}
 
         def _res() -> int:
             with sched.model_lock:

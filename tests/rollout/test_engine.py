@@ -227,7 +227,7 @@ def test_many_concurrent_http_requests(server):
 
 def test_pause_continue_and_abort(server):
     engine, client = server
-    assert client.post("/pause_generation", json={}).json()["success"]
+    assert client.post("/pause_generation", json={}).json()["status"] == "ok"
     box: dict = {}
     t = threading.Thread(target=lambda: box.update(out=_gen(
         client, input_ids=[4, 5, 6], rid="paused-req", sampling_params={"max_new_tokens": 3, "ignore_eos": True})))

@@ -84,6 +84,7 @@ def test_update_from_tensor_shm(dirs, greedy_ab):
             specs.append({"name": n, "shm_name": shm.name, "dtype": "float32", "shape": list(t.shape), "offset": off})
             off += nb
         with TestClient(build_app(Engine(str(a)))) as c:
+            assert c.post("/begin_weight_update", json={}).json()["success"]
             refused = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["gASVAAAA"]})
             assert refused.status_code == 400 and "shm_tensors" in refused.json()["error"]["message"]
             traversal = c.post("/update_weights_from_tensor", json={"shm_tensors": [{**specs[0], "shm_name": "../etc/passwd"}]})
@@ -133,6 +134,7 @@ def _dist_rank(rank, world_size, port, a, b):
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "backend": "gloo"}).json()
         assert r["success"], r
+        assert c.post("/begin_weight_update", json={}).json()["success"]
         for src, fmt in zip(srcs, formats):
             names = list(src)
             body = {"names": names, "dtypes": ["float32"] * len(names),
@@ -146,6 +148,7 @@ def _dist_rank(rank, world_size, port, a, b):
             t.join(timeout=60)
             out.append({"resp": box["r"], "served_meanwhile": served_meanwhile, "greedy": _greedy(c),
                         "checksums": _checksums(c, names)})
+        assert c.post("/end_weight_update", json={}).json()["success"]
         destroyed = c.post("/destroy_weights_update_group", json={}).json()["success"]
     return {"before": greedy[0], "updates": out, "destroyed": destroyed}
 

@@ -126,8 +126,14 @@ class Scheduler:
                 self._retire_aborted()
         return n
 
-    def pause(self, mode: str = "in_place") -> int:
-        """Stop stepping; running requests keep their cache and wait. mode "abort" aborts them."""
+    def pause(self, mode: str = "abort") -> int:
+        """Stop stepping (SGLang's three modes); returns the number of running requests touched.
+
+        abort: in-flight requests finish now with finish_reason abort. retract: running requests
+        leave the batch (their KV is dropped) and go back to the front of the queue; after
+        /continue_generation they are prefilled again over prompt + tokens so far and go on
+        sampling, so no sampled token is lost or repeated. in_place: they keep their cache and
+        wait (then the engine is not idle and /flush_cache is refused, as in SGLang)."""
         with self._cv:
             self._paused = True
         with self.model_lock:  # returns once the step in flight has ended
@@ -135,7 +141,19 @@ class Scheduler:
             if mode == "abort":
                 self.abort(abort_all=True, message="aborted by /pause_generation")
                 self._retire_aborted()
+            elif mode == "retract" and self._rows:
+                self._rb = self.runner.new_batch()
+                with self._cv:
+                    self._waiting.extendleft(reversed(self._rows))
+                self.stats["retracted"] += len(self._rows)
+                self._rows = []
         return n
+
+    def is_idle(self, ignore_waiting: bool = False) -> bool:
+        """SGLang's rule for /flush_cache and memory release: nothing running, and nothing
+        waiting unless the engine is paused (retracted requests wait for /continue_generation)."""
+        with self._cv:
+            return not self._rows and (ignore_waiting or not self._waiting)
 
     def resume(self) -> None:
         with self._cv:
@@ -199,7 +217,8 @@ class Scheduler:
     def _prefill(self, admit: list[Request]) -> None:
         if self._rows:
             self.stats["admitted_while_running"] += len(admit)
-        rows, logits = self.runner.prefill([r.prompt_ids for r in admit])
+        # A retracted request resumes from prompt + the tokens it had sampled (see pause).
+        rows, logits = self.runner.prefill([r.prompt_ids + r.output_ids for r in admit])
         self._rb.add(rows, last_tokens=self._sample_and_append(admit, logits))
         self._rows.extend(admit)
         self.stats["prefill_batches"] += 1

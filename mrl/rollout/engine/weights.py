@@ -152,6 +152,11 @@ class DistGroups:
             error = e
         if req.load_format == "flattened_bucket":
             sizes = [t.numel() * t.element_size() for t in empties]
+            off = 0
+            for name, t, n in zip(req.names, empties, sizes):
+                if off % t.element_size() and error is None:  # SGLang's FlattenedTensorBucket refuses it too
+                    error = ValueError(f"Unaligned received tensor {name}: byte offset {off}, dtype {t.dtype}")
+                off += n
             flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
             pg.broadcast([flat], _bcast_opts()).wait()
             out, off = [], 0

@@ -5,6 +5,12 @@ in the order of ``names``, each made contiguous and viewed as bytes, are concate
 uint8 vector ``flat`` [sum_i numel_i * itemsize_i]. The receiver allocates the same vector from
 ``names/dtypes/shapes`` alone, receives one broadcast and slices it back, so mixed dtypes share a
 bucket and one collective moves the whole bucket.
+
+Alignment: the receiver views ``flat[offset:offset + nbytes]`` as each tensor's dtype and SGLang
+refuses an offset that is not a multiple of the itemsize ("Unaligned received tensor"). Packing
+has no padding, so each bucket orders its tensors by itemsize, largest first: every offset is then
+a sum of sizes of tensors whose itemsize is a multiple of the current one (itemsizes are powers of
+two), hence aligned. ``names`` travels in that order.
 """
 from __future__ import annotations
 
@@ -46,6 +52,12 @@ class Bucket:
         """uint8 [nbytes] on the tensors' device (the first tensor's)."""
         return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in self.tensors])
 
+    def aligned(self) -> Bucket:
+        """The same tensors ordered by itemsize, largest first (stable), so every offset in the
+        flat vector is a multiple of its tensor's itemsize (see the module docstring)."""
+        order = sorted(range(len(self.tensors)), key=lambda i: -self.tensors[i].element_size())
+        return Bucket([self.names[i] for i in order], [self.tensors[i] for i in order])
+
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
     """Group tensors greedily in arrival order into buckets of at most ``bucket_bytes``; a tensor
@@ -57,12 +69,12 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
     for name, t in named_tensors:
         nb = tensor_nbytes(t)
         if cur.tensors and cur.nbytes + nb > bucket_bytes:
-            yield cur
+            yield cur.aligned()
             cur = Bucket()
         cur.names.append(name)
         cur.tensors.append(t)
     if cur.tensors:
-        yield cur
+        yield cur.aligned()
 
 
 def unflatten(flat: torch.Tensor, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
@@ -73,7 +85,11 @@ def unflatten(flat: torch.Tensor, names: list[str], dtypes: list[str], shapes: l
         numel = 1
         for s in shape:
             numel *= s
-        nb = numel * torch.empty((), dtype=dtype).element_size()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if off % itemsize:
+            raise ValueError(f"unaligned tensor {name!r} in flat bucket: byte offset {off} is not a multiple of "
+                             f"{dt}'s itemsize {itemsize} (order a bucket's tensors by itemsize, largest first)")
+        nb = numel * itemsize
         out.append((name, flat[off:off + nb].view(dtype).reshape(shape)))
         off += nb
     if off != flat.numel():

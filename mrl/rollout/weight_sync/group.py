@@ -1,9 +1,11 @@
 """A process group between one trainer rank and the engine ranks, outside the trainer's world.
 
-Formed the way SGLang's ``init_weights_update_group`` forms it on the engine side (TCP rendezvous
-at ``master_address:master_port``, c10d's group helper with ``group_name`` as store prefix), so the
-trainer (rank 0, the broadcast source) and every engine rank (``rank_offset + i``) meet in one
-group. gloo on CPU, NCCL on GPU. The trainer's default group is left untouched.
+Formed exactly the way SGLang's ``init_custom_process_group`` forms it on the engine side (TCP
+rendezvous at ``master_address:master_port``, the store wrapped in ``PrefixStore(group_name, ·)``,
+c10d's group helper), so the trainer (rank 0, the broadcast source) and every engine rank
+(``rank_offset + tp_rank``) meet in one group: a store without that prefix never sees the engines'
+keys and the rendezvous times out. gloo on CPU, NCCL on GPU. The trainer's default group is left
+untouched. tests/rollout/conformance/ runs SGLang's own function on the other side.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ def init_custom_process_group(
         dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
     )
     store.set_timeout(timeout)
+    # SGLang (every release since 0.4) prefixes the store with the group name: keys must meet.
+    store = c10d.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(
         world_size, rank, [], backend, store, group_name=group_name, timeout=timeout
     )

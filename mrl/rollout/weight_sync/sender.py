@@ -3,14 +3,21 @@
 Every rank of a pipeline stage iterates the same ``named_tensors`` (Megatron's
 ``export_hf_weights`` gathers TP shards collectively, so all TP ranks must drive it); only the
 stage's *source* rank (tp/dp/cp rank 0) sends. One *coordinator* rank (global rank 0) does the
-pool-wide steps. A sync is:
+pool-wide steps. A sync follows SGLang's protocol (the pinned release; tests/rollout/conformance/
+checks each call against SGLang's own code):
 
-    coordinator: POST /pause_generation {mode: in_place}, POST /flush_cache     (all engines)
+    coordinator: POST /pause_generation {mode: retract}    running requests go back to the queue
+                 POST /flush_cache, repeated while it answers 400 (SGLang refuses to flush while
+                 requests run; retract makes that end within a step)
+                 POST /begin_weight_update {}              distributed/tensor: SGLang >= 0.5.22
+                                                           refuses updates outside this window
     barrier
     source of stage s: buckets of <= bucket_mb -> transport (distributed | tensor | disk)
-    barrier;  disk: coordinator POST /update_weights_from_disk {model_path, weight_version}; barrier
-    verify (sources): engine /weights_checksum == tensor_checksum of what was sent, per name
-    barrier;  coordinator: POST /continue_generation
+    barrier
+    coordinator: POST /end_weight_update {} (distributed/tensor) or
+                 POST /update_weights_from_disk {model_path, weight_version} (disk); barrier
+    verify (sources, embedded engine only): /weights_checksum == tensor_checksum of what was sent
+    barrier;  coordinator: POST /continue_generation {}
     -> WeightSyncReport(weight_version, timing_s/weight_sync, bytes, ...)
 
 ``weight_version`` is a string (SGLang's type) of the integer the caller increments per sync.
@@ -27,7 +34,7 @@ import torch
 
 from mrl.rollout.engine.checksum import tensor_checksum
 from mrl.rollout.weight_sync.buckets import iter_buckets
-from mrl.rollout.weight_sync.http import EngineHttp
+from mrl.rollout.weight_sync.http import EngineCallError, EngineHttp
 from mrl.rollout.weight_sync.transports import (
     DiskTransport,
     DistributedTransport,
@@ -94,6 +101,7 @@ class WeightSyncer:
         disk_dir: str | None = None,
         snapshot_dir: str | None = None,
         timeout_s: float = 600.0,
+        pause_mode: str = "retract",
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"rollout.weight_sync.transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -101,7 +109,11 @@ class WeightSyncer:
             raise ValueError("WeightSyncer needs at least one engine url (rollout.num_engines >= 1)")
         if transport == "disk" and not disk_dir:
             raise ValueError("rollout.weight_sync.transport=disk needs a directory shared with the engines (disk_dir)")
+        if pause_mode not in ("retract", "abort", "in_place"):
+            raise ValueError(f"pause_mode must be retract, abort or in_place (SGLang's modes), got {pause_mode!r}")
         self.transport_name = transport
+        self.pause_mode = pause_mode
+        self.timeout_s = timeout_s
         self.bucket_bytes = int(bucket_mb * 1024 * 1024)
         self.verify = verify
         self.stage = stage
@@ -143,13 +155,16 @@ class WeightSyncer:
             self.init()
         version = str(version)
         t0 = time.perf_counter()
+        windowed = not isinstance(self.transport, DiskTransport)  # SGLang: disk loads need no window
         if self.is_coordinator:
-            self.http.call_all("/pause_generation", {"mode": "in_place"})
-            self.http.call_all("/flush_cache")
+            self.http.call_all("/pause_generation", {"mode": self.pause_mode})
+            self._flush_when_idle()
             if isinstance(self.transport, DiskTransport):
                 self.transport.clear()
             if self.snapshot is not None:
                 self.snapshot.clear()
+            if windowed:
+                self.http.call_all("/begin_weight_update", {})
         self.barrier()
         sent: dict[str, str] = {}
         nbytes = ntensors = nbuckets = 0
@@ -170,12 +185,14 @@ class WeightSyncer:
             for _ in named_tensors:  # TP gathers inside the export are collective: drive them
                 pass
         self.barrier()
-        if self.snapshot is not None and self.is_coordinator:
-            self.snapshot.mark_version(version)
-        if isinstance(self.transport, DiskTransport):
-            if self.is_coordinator:
+        if self.is_coordinator:
+            if self.snapshot is not None:
+                self.snapshot.mark_version(version)
+            if windowed:
+                self.http.call_all("/end_weight_update", {})
+            else:
                 self.transport.load_on_engines(version)
-            self.barrier()  # other stages verify only after the engines have loaded the files
+        self.barrier()  # every stage verifies only after the engines have finished loading
         error: Exception | None = None
         if self.verify and self.is_source:
             try:
@@ -189,6 +206,25 @@ class WeightSyncer:
             raise error
         return WeightSyncReport(version, self.transport_name, time.perf_counter() - t0, nbytes, ntensors, nbuckets,
                                 self.verify and self.is_source)
+
+    def _flush_when_idle(self, poll_s: float = 0.05) -> None:
+        """POST /flush_cache to every engine until each accepts: SGLang answers 400 while requests
+        run (or wait, unless paused); after a retract/abort pause that ends within one step."""
+        deadline = time.monotonic() + self.timeout_s
+        pending = list(self.http.urls)
+        while pending:
+            still = []
+            for url in pending:
+                try:
+                    self.http.call(url, "/flush_cache")
+                except EngineCallError as e:
+                    if "HTTP 400" not in str(e) or time.monotonic() > deadline:
+                        raise EngineCallError(f"{e} (engine still busy after {self.timeout_s:.0f} s of waiting to flush its "
+                                              "cache before a weight sync)") from e
+                    still.append(url)
+            pending = still
+            if pending:
+                time.sleep(poll_s)
 
     def _verify(self, sent: dict[str, str], version: str) -> None:
         names = list(sent)

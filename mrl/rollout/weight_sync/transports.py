@@ -6,11 +6,10 @@ numel * itemsize, counted once per bucket (a broadcast or a shared segment serve
 """
 from __future__ import annotations
 
-import base64
 import os
 import secrets
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
@@ -102,12 +101,37 @@ class DistributedTransport:
             self.pg = None
 
 
+def sglang_serializer() -> Callable[[list[tuple[str, torch.Tensor]]], str]:
+    """SGLang's own serializer with its torch reductions patched in (CUDA tensors travel as IPC
+    handles naming the device by UUID, which is what SGLang's receiver maps; plain ordinals differ
+    between the trainer's and the engine's CUDA_VISIBLE_DEVICES). Needs SGLang in the trainer's
+    environment, as it is in the image."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    except ImportError as e:
+        raise RuntimeError("rollout.weight_sync.transport=tensor with SGLang engines (CUDA IPC) needs SGLang importable on "
+                           f"the trainer ranks ({e}); fix: install mrl[gpu] there (the docker image has it) or use "
+                           "transport=distributed") from e
+    monkey_patch_torch_reductions()
+    return lambda named: MultiprocessingSerializer.serialize(named, output_str=True)
+
+
+def cuda_ipc_payloads(named: list[tuple[str, torch.Tensor]], engine_tp_size: int,
+                      serialize: Callable[[list[tuple[str, torch.Tensor]]], str]) -> list[str]:
+    """``serialized_named_tensors`` for one engine: one serialization *per engine tp rank* (SGLang's
+    ``deserialize_own_rank`` reads entry ``tp_rank``, and each deserialization takes its own
+    reference on the producer's CUDA IPC handles, so ranks must not share one blob)."""
+    return [serialize(named) for _ in range(engine_tp_size)]
+
+
 class TensorTransport:
     """Colocated engines on the same host. CPU: each bucket is written into one POSIX shared
     memory segment and ``/update_weights_from_tensor`` gets ``shm_tensors`` [{name, shm_name,
-    dtype, shape, offset}] (mrl's JSON form; nothing is pickled). The segment is unlinked once
-    every engine has answered. GPU (SGLang): CUDA IPC handles in ``serialized_named_tensors``
-    (torch's ForkingPickler, base64), one entry per engine tp rank; written, NOT tested on CPU."""
+    dtype, shape, offset}] (mrl's JSON form for the embedded engine; nothing is pickled). The
+    segment is unlinked once every engine has answered. GPU (SGLang): CUDA IPC handles in
+    ``serialized_named_tensors`` (SGLang's serializer, base64), one entry per engine tp rank; the
+    payload is checked against SGLang's schema and deserializer on CPU, the IPC itself needs GPUs."""
 
     def __init__(self, http: EngineHttp, engine_world_sizes: Sequence[int], use_cuda_ipc: bool | None = None) -> None:
         self.http = http
@@ -138,19 +162,12 @@ class TensorTransport:
             shm.unlink()
 
     def _send_cuda_ipc(self, bucket: Bucket, version: str) -> None:
-        # SGLang's MultiprocessingSerializer format: ForkingPickler dump of [(name, tensor)], base64
-        # text; CUDA tensors travel as IPC handles, so the engine maps the trainer's memory.
-        import io
-        from multiprocessing.reduction import ForkingPickler
-
-        import torch.multiprocessing  # noqa: F401 - registers CUDA tensor reductions
-
-        buf = io.BytesIO()
-        ForkingPickler(buf).dump([(n, t.detach().cuda().contiguous()) for n, t in zip(bucket.names, bucket.tensors)])
-        blob = base64.b64encode(buf.getvalue()).decode()
+        named = [(n, t.detach().cuda().contiguous()) for n, t in zip(bucket.names, bucket.tensors)]
+        serialize = sglang_serializer()
         futs = []
         for url, ws in zip(self.http.urls, self.engine_world_sizes):
-            payload: dict[str, Any] = {"serialized_named_tensors": [blob] * ws, "weight_version": version, "flush_cache": False}
+            payload: dict[str, Any] = {"serialized_named_tensors": cuda_ipc_payloads(named, ws, serialize),
+                                       "weight_version": version, "flush_cache": False}
             futs += self.http.submit_all("/update_weights_from_tensor", payload, urls=[url])
         wait_all(futs)
 
