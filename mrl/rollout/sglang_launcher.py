@@ -21,6 +21,29 @@ from pathlib import Path
 
 import httpx
 
+# THE supported SGLang release: its HTTP protocol is what the weight sync and the rollout client speak
+# (begin/end_weight_update, pause modes, flattened buckets; tests/rollout/conformance/ runs its code).
+# Also pinned in setup.py's gpu extra, docker/Dockerfile and requirements-sglang-cpu.txt.
+SGLANG_VERSION = "0.5.23"
+
+
+def check_sglang_version(installed: str | None = None) -> str:
+    """The installed SGLang's version; raises naming the fix when it is not the supported one
+    (older releases lack /begin_weight_update and flattened-bucket loads, newer ones are untested)."""
+    if installed is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            installed = version("sglang")
+        except PackageNotFoundError as e:
+            raise EngineLaunchError(f"rollout.engine=sglang but SGLang is not installed; fix: pip install 'mrl[gpu]' "
+                                    f"(sglang=={SGLANG_VERSION}) or use the docker image") from e
+    if installed != SGLANG_VERSION:
+        raise EngineLaunchError(f"SGLang {installed} is installed but mrl speaks SGLang {SGLANG_VERSION}'s protocol; "
+                                f"fix: pip install sglang=={SGLANG_VERSION} (or use the docker image)")
+    return installed
+
+
 # The embedded engine exits when the process named here (its launcher) is gone (mrl/rollout/server.py).
 PARENT_PID_ENV = "MRL_ENGINE_PARENT_PID"
 
@@ -62,7 +85,8 @@ class SGLangLaunchSpec:
 
 
 def build_sglang_command(spec: SGLangLaunchSpec, python: str = sys.executable) -> list[str]:
-    """The argv of ``python -m sglang.launch_server`` for one engine."""
+    """The argv of ``python -m sglang.launch_server`` for one engine (flags checked against SGLang's
+    own ServerArgs parser in tests/rollout/conformance/test_launch_and_pins.py)."""
     cmd = [
         python, "-m", "sglang.launch_server",
         "--model-path", str(spec.model_path),

@@ -1,0 +1,53 @@
+"""One SGLang version everywhere, and our launch command as SGLang's own argument parser reads it."""
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from mrl.rollout.sglang_launcher import (
+    SGLANG_VERSION,
+    EngineLaunchError,
+    SGLangLaunchSpec,
+    build_sglang_command,
+    check_sglang_version,
+)
+from tests.helpers.sglang_real import require
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_one_sglang_version_pinned_everywhere():
+    pins = {
+        "setup.py": re.findall(r'"sglang==([^"]+)"', (REPO / "setup.py").read_text()),
+        "docker/Dockerfile": re.findall(r"ARG SGLANG_VERSION=(\S+)", (REPO / "docker/Dockerfile").read_text()),
+        "requirements-sglang-cpu.txt": re.findall(r"^sglang==(\S+)", (REPO / "requirements-sglang-cpu.txt").read_text(), re.M),
+        "README.md": re.findall(r"SGLang (\d+\.\d+\.\d+\S*) is the supported", (REPO / "README.md").read_text()),
+    }
+    for where, found in pins.items():
+        assert found and set(found) == {SGLANG_VERSION}, f"{where} pins {found}, mrl speaks SGLang {SGLANG_VERSION}"
+    assert require().__version__ == SGLANG_VERSION  # the code the conformance suite runs is that release
+
+
+def test_other_sglang_versions_are_refused_with_the_fix():
+    assert check_sglang_version(SGLANG_VERSION) == SGLANG_VERSION
+    with pytest.raises(EngineLaunchError, match=rf"pip install sglang=={re.escape(SGLANG_VERSION)}"):
+        check_sglang_version("0.5.1.post3")
+
+
+def test_launch_command_parses_with_sglang_server_args():
+    require()
+    from sglang.srt.server_args import ServerArgs
+
+    spec = SGLangLaunchSpec(model_path="/models/m", port=30001, host="127.0.0.1", tp_size=2, mem_fraction_static=0.6,
+                            colocated=True, base_gpu_id=4, dtype="bfloat16", random_seed=7, api_key="tok")
+    cmd = build_sglang_command(spec, python="python")
+    assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(cmd[3:])  # exits (SystemExit) on a flag SGLang does not know
+    assert (args.model_path, args.port, args.tp_size, args.base_gpu_id) == ("/models/m", 30001, 2, 4)
+    assert args.mem_fraction_static == 0.6 and args.enable_memory_saver and args.random_seed == 7
+    assert args.dtype == "bfloat16" and args.api_key == "tok" and args.skip_server_warmup
