@@ -50,15 +50,19 @@ class HFNamedModel(torch.nn.Module):
 
 def build(weights_file: str):
     from safetensors import safe_open
-    from sglang.srt.entrypoints import http_server as hs
-    from sglang.srt.managers import io_struct as io
-    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
-    from sglang.srt.managers.tp_worker import TpModelWorker
-    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
     # SGLang's server publishes its resolved ServerArgs as config namespaces at start-up; the weight
     # path reads one value from them (--weight-cache-mode, default "off"). Publish just that.
     from sglang.srt import runtime_context
+    from sglang.srt.entrypoints import http_server as hs
+    from sglang.srt.managers import io_struct as io
+    from sglang.srt.managers.scheduler_components.weight_updater import (
+        SchedulerWeightUpdaterManager,
+    )
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.model_executor.model_runner_components.weight_updater import (
+        WeightUpdater,
+    )
 
     bags = runtime_context._CONTEXT._config_bags
     runtime_context._CONTEXT._config_bags = {**(bags or {}), "model": SimpleNamespace(weight_cache_mode="off")}

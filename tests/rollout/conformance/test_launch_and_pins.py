@@ -23,7 +23,7 @@ def test_one_sglang_version_pinned_everywhere():
     pins = {
         "setup.py": re.findall(r'"sglang==([^"]+)"', (REPO / "setup.py").read_text()),
         "docker/Dockerfile": re.findall(r"ARG SGLANG_VERSION=(\S+)", (REPO / "docker/Dockerfile").read_text()),
-        "requirements-sglang-cpu.txt": re.findall(r"^sglang==(\S+)", (REPO / "requirements-sglang-cpu.txt").read_text(), re.M),
+        "requirements-sglang-cpu.txt": re.findall(r"^sglang==(\S+)", (REPO / "requirements-sglang-cpu.txt").read_text(), re.MULTILINE),
         "README.md": re.findall(r"SGLang (\d+\.\d+\.\d+\S*) is the supported", (REPO / "README.md").read_text()),
     }
     for where, found in pins.items():
