@@ -44,7 +44,7 @@ def test_generate_bodies_are_valid_sglang_requests(sampling_params, n):
     for body in sent_generate_bodies(sampling_params, n):
         req = GenerateReqInput(**body)  # unknown keys raise TypeError here
         req.normalize_batch_and_arguments()
-        assert req.batch_size == (n if n > 1 else 1) and req.is_single == (n == 1)
+        assert req.batch_size == (max(1, n)) and req.is_single == (n == 1)
         sp = SamplingParams(**body["sampling_params"])  # what SGLang's tokenizer manager builds
         sp.verify(VOCAB)
         assert sp.max_new_tokens == sampling_params["max_new_tokens"]

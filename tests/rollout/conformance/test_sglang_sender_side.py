@@ -12,7 +12,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from mrl.rollout.engine.checksum import tensor_checksum
