@@ -228,6 +228,10 @@ def _check_rollout(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) 
                 "rollout.engine=sglang needs CUDA devices but this host shows no NVIDIA GPU (cluster.device=auto, local Ray); "
                 "fix: rollout.engine=torch, or run on a GPU host"
             )
+        if r.weight_sync.verify:
+            errors.append("rollout.weight_sync.verify=true reads the engines' /weights_checksum, which only the embedded "
+                          "engine has (SGLang's /weights_checker checksums its own sharded parameters); fix: "
+                          "rollout.weight_sync.verify=false with rollout.engine=sglang")
     if r.router == "sglang_router" and importlib.util.find_spec("sglang_router") is None:
         errors.append("rollout.router=sglang_router needs the sglang_router package on the driver's host; "
                       "fix: pip install sglang-router, or rollout.router=builtin")

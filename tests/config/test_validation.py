@@ -76,6 +76,8 @@ BAD = [
     ("engine_tp_not_dividing", ["rollout.engine_tp_size=3"], ["rollout.engine_tp_size=3", "does not divide"]),
     ("too_many_colocated_engines", ["rollout.num_engines=3", "rollout.engine_tp_size=2"], ["rollout.num_engines", "exceeds"]),
     ("sglang_on_cpu", ["rollout.engine=sglang"], ["rollout.engine=sglang", "cluster.device=cpu"]),
+    ("sglang_verify", ["cluster.device=cuda", "rollout.engine=sglang", "rollout.weight_sync.verify=true"],
+     ["rollout.weight_sync.verify=true", "/weights_checksum", "fix: rollout.weight_sync.verify=false"]),
     ("tensor_sync_with_separate_engines", ["rollout.placement=separate", "rollout.num_engines=2",
                                            "rollout.weight_sync.transport=tensor"], ["rollout.weight_sync.transport=tensor"]),
     ("separate_engines_take_everything", ["rollout.placement=separate", "rollout.num_engines=4"],
