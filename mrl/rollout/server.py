@@ -144,10 +144,12 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
         return {"weight_version": sched.weight_version}
 
     # SGLang serves both at its NORMAL auth level, like /generate: open where /generate is.
+    started = time.time()
+
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info():
-        return I.server_info(engine)
+        return I.server_info(engine, started)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=ctl)
     async def flush_cache():

@@ -3,7 +3,7 @@
 SGLang's ``/model_info`` keys are all present (values this engine does not have — parsers,
 disaggregation, multimodal — are their "off" values). Its ``/server_info`` is the server's
 resolved launch arguments plus scheduler state; here: the arguments this engine has (model,
-dtype, device, seed, ``max_running_requests``, parallel sizes 1, ``context_length``), the
+dtype, device, ``max_running_requests``, parallel sizes 1, ``context_length``), the
 scheduler limits (``max_total_num_tokens``, ``max_req_input_len``), ``internal_states`` (one
 entry, as for one DP rank), ``version`` (the SGLang protocol release this engine speaks, so a
 client negotiating on it picks that protocol), plus mrl's own ``engine``, ``stats``, ``paused``,
@@ -34,7 +34,7 @@ def context_length(engine) -> int:
     return int(getattr(engine.runner.config, "max_position_embeddings", 0) or 0)
 
 
-def server_info(engine) -> dict[str, Any]:
+def server_info(engine, startup_time: float) -> dict[str, Any]:
     runner, sched = engine.runner, engine.scheduler
     ctx = context_length(engine)
     state = {"num_running": sched.num_running, "num_waiting": sched.num_waiting, "paused": sched.paused,
@@ -47,5 +47,5 @@ def server_info(engine) -> dict[str, Any]:
         "max_running_requests": sched.max_running, "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1,
         "max_total_num_tokens": ctx * sched.max_running, "max_req_input_len": max(ctx - 1, 0),
         "weight_version": sched.weight_version, "internal_states": [state], "version": SGLANG_PROTOCOL_VERSION,
-        "frontend": "python", "engine": "mrl-torch", "decode_path": runner.decode_path, **state,
+        "frontend": "python", "startup_time": startup_time, "engine": "mrl-torch", "decode_path": runner.decode_path, **state,
     }

@@ -43,3 +43,10 @@ def healthy(url: str) -> bool:
     r = httpx.post(f"{url}/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
                    timeout=30, trust_env=False)
     return r.status_code == 200
+
+
+def wait_until(cond, timeout_s: float, what: str) -> None:
+    deadline = time.time() + timeout_s
+    while not cond():
+        assert time.time() < deadline, what
+        time.sleep(0.05)
