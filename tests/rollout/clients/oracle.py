@@ -22,3 +22,10 @@ class Oracle:
         ids = prompt + output
         lp = self.logprobs(ids, temperature)
         return [float(lp[len(prompt) - 1 + k, t]) for k, t in enumerate(output)]
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        """n tokens of greedy decoding (argmax of each full forward)."""
+        ids = list(prompt)
+        for _ in range(n):
+            ids.append(int(self.logprobs(ids + [0])[-1].argmax()))
+        return ids[len(prompt):]
