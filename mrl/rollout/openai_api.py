@@ -148,7 +148,12 @@ def _completion_lp(engine, r, a: int, b: int, offset: int) -> dict[str, Any]:
         offset += len(s_)
     tops = None
     if r.top_logprobs_num > 0:
-        tops = [dict(zip(_token_strs(engine, [t for _, t in e]), [v for v, _ in e])) for e in r.top_logprobs[a:b]]
+        tops = []
+        for e in r.top_logprobs[a:b]:  # most likely first: of tokens sharing a text, the likeliest keeps the key
+            d: dict[str, float] = {}
+            for s_, (v, _) in zip(_token_strs(engine, [t for _, t in e]), e):
+                d.setdefault(s_, v)
+            tops.append(d)
     return {"tokens": strs, "token_logprobs": list(r.logprobs[a:b]), "top_logprobs": tops, "text_offset": offsets}
 
 
