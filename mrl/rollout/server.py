@@ -110,10 +110,12 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
         listed = body.is_batch or len(jobs) > 1  # n > 1 answers a list, as SGLang does
         if body.stream:
             async def events():
-                async for moved in S.watch(engine, http, jobs):
-                    for k in moved:
-                        out = S.native_output(engine, jobs[k], t0, body.return_text_in_logprobs, jobs[k].req.future.done())
-                        yield S.sse({**out, "index": k} if listed else out)
+                async with contextlib.aclosing(S.watch(engine, http, jobs)) as progress:  # closed -> aborts
+                    async for moved in progress:
+                        for k in moved:
+                            out = S.native_output(engine, jobs[k], t0, body.return_text_in_logprobs,
+                                                  jobs[k].req.future.done())
+                            yield S.sse({**out, "index": k} if listed else out)
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")

@@ -5,6 +5,7 @@ temperatures, and refusals of bad values. Log-probs are checked against transfor
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import math
 
@@ -111,7 +112,7 @@ def test_stream_is_sglang_sse_with_cumulative_output(served):
     assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
     chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
     ids = [c["output_ids"] for c in chunks]
-    assert all(b[: len(a)] == a for a, b in zip(ids, ids[1:]))  # cumulative
+    assert all(b[: len(a)] == a for a, b in itertools.pairwise(ids))  # cumulative
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     last = chunks[-1]
     assert last["output_ids"] == whole["output_ids"] and last["text"] == whole["text"]
@@ -132,12 +133,11 @@ def test_client_disconnect_aborts_its_request(served, stream):
     assert ctl.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
     steps = sched.stats["decode_steps"]
     try:
-        with pytest.raises(httpx.ReadTimeout):
-            with httpx.stream("POST", f"{url}/generate", timeout=httpx.Timeout(30, read=1.0), trust_env=False, json={
-                    "input_ids": PROMPT, "stream": stream,
-                    "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}) as r:
-                for _ in r.iter_lines():
-                    pass
+        body = {"input_ids": PROMPT, "stream": stream, "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+        with pytest.raises(httpx.ReadTimeout), httpx.stream(
+                "POST", f"{url}/generate", timeout=httpx.Timeout(30, read=1.0), trust_env=False, json=body) as r:
+            for _ in r.iter_lines():
+                pass
         # The engine notices within its poll interval and drops the request without decoding it.
         wait_until(lambda: sched.num_waiting == 0 and sched.num_running == 0, 10, "disconnected request not aborted")
     finally:
@@ -186,3 +186,15 @@ def test_bad_values_are_4xx_naming_the_field(served, body, field):
     r = post(url, body)
     assert 400 <= r.status_code < 500 and field in r.text, (r.status_code, r.text)
     assert healthy(url)
+
+
+def test_auth_levels_follow_sglang(tmp_path):
+    """With a token, the client routes stay open (SGLang's NORMAL level, like /generate) and the
+    control routes still need it."""
+    with serve(tmp_path, token="s3cret") as (url, _):
+        c = httpx.Client(base_url=url, timeout=30, trust_env=False)
+        for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info", "/v1/models"):
+            assert c.get(path).status_code == 200, path
+        assert c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 200
+        assert c.post("/flush_cache").status_code == 401
+        assert c.post("/flush_cache", headers={"Authorization": "Bearer s3cret"}).status_code == 200

@@ -81,7 +81,7 @@ def test_chat_uses_the_chat_template(served):
 
 def test_streaming_equals_non_streaming(served):
     _, _, client, _ = served
-    kw = dict(model="m", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    kw = {"model": "m", "max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
     whole = client.completions.create(prompt=PROMPT, **kw).choices[0].text
     parts, usage = [], None
     for ch in client.completions.create(prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **kw):
