@@ -270,6 +270,9 @@ async def _serve(engine, http: HTTPRequest, obj: str, req: _Common, prompts: lis
         async with contextlib.aclosing(S.watch(engine, http, jobs)) as progress:  # closed -> aborts
             async for moved in progress:
                 for k in moved:
+                    if (err := S.failure(jobs[k])) is not None:
+                        yield S.sse(err)
+                        continue
                     r = jobs[k].req
                     final = r.future.done()
                     text = S.output_text(engine, r, list(r.output_ids[: _visible(r, False)]), final)

@@ -113,6 +113,9 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
                 async with contextlib.aclosing(S.watch(engine, http, jobs)) as progress:  # closed -> aborts
                     async for moved in progress:
                         for k in moved:
+                            if (err := S.failure(jobs[k])) is not None:
+                                yield S.sse(err)
+                                continue
                             out = S.native_output(engine, jobs[k], t0, body.return_text_in_logprobs,
                                                   jobs[k].req.future.done())
                             yield S.sse({**out, "index": k} if listed else out)

@@ -216,5 +216,13 @@ def native_output(engine, job: Job, t0: float, with_text: bool, final: bool = Tr
     return {"text": output_text(engine, r, ids, final), "output_ids": ids, "meta_info": meta}
 
 
+def failure(job: Job) -> dict[str, Any] | None:
+    """SGLang's error event for a sample whose engine step failed (None if it did not)."""
+    f = job.req.future
+    if not f.done() or f.exception() is None:
+        return None
+    return {"error": {"message": f"engine step failed: {f.exception()}", "type": "internal_error", "code": 500}}
+
+
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, allow_nan=False)}\n\n"
