@@ -97,6 +97,15 @@ class SamplingParams(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+# GenerateReqInput fields of SGLang this engine does not implement: refused unless at their
+# default, so that a request relying on one fails loudly (other unknown keys are ignored, as SGLang does).
+UNSUPPORTED_GENERATE_DEFAULTS: dict[str, Any] = {
+    "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None, "lora_path": None,
+    "token_ids_logprob": None, "return_hidden_states": False, "custom_logit_processor": None,
+    "session_params": None, "return_routed_experts": False,
+}
+
+
 class GenerateReqInput(BaseModel):
     """SGLang ``GenerateReqInput`` subset: exactly one of ``text`` / ``input_ids``; a list of
     prompts makes a batch request whose response is a list. ``sampling_params`` may be one dict
@@ -110,7 +119,7 @@ class GenerateReqInput(BaseModel):
     ``stream`` answers with Server-Sent Events (``data: {json}`` with cumulative text, then
     ``data: [DONE]``)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -126,6 +135,9 @@ class GenerateReqInput(BaseModel):
     def _one_input(self) -> GenerateReqInput:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("/generate needs exactly one of 'text' or 'input_ids'")
+        for key, value in (self.model_extra or {}).items():
+            if key in UNSUPPORTED_GENERATE_DEFAULTS and value not in (UNSUPPORTED_GENERATE_DEFAULTS[key], [], {}):
+                raise ValueError(f"{key} is not supported by the embedded engine; drop it or use rollout.engine: sglang")
         for name in ("logprob_start_len", "top_logprobs_num"):
             value = getattr(self, name)
             low, high = (-1, None) if name == "logprob_start_len" else (0, MAX_TOP_LOGPROBS)

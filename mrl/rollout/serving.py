@@ -133,6 +133,7 @@ async def watch(engine, http: HTTPRequest | None, jobs: list[Job]) -> AsyncItera
     for j in jobs:
         j.req.on_token = poke
         j.req.future.add_done_callback(poke)
+    ev.set()  # tokens may have come before the hooks were set
     seen = [-1] * len(jobs)
     done = [False] * len(jobs)
     try:
