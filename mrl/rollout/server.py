@@ -5,7 +5,8 @@
     python -m mrl.rollout.server (same arguments)
 
 Security: binds 127.0.0.1 by default. When a token is configured, every control endpoint
-(everything except /generate, /health*, /get_model_info, /get_weight_version) requires
+(everything except /generate, /health*, /model_info, /server_info and their /get_* aliases,
+/get_weight_version and the OpenAI /v1 routes: SGLang's NORMAL auth level) requires
 ``Authorization: Bearer <token>``; the
 server refuses to bind a non-loopback address without one. Requests are JSON only; tensors
 arrive from disk (safetensors), shared memory or torch.distributed, never pickled.

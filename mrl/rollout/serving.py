@@ -69,23 +69,10 @@ def encode(engine, text: str) -> list[int]:
 
 
 async def run(engine, jobs: list[Job]) -> None:
-    """Prompt log-probs (one forward per distinct prompt, under the model lock), then submit
-    every job; all or nothing: a refused one aborts those already submitted."""
+    """Submit every job, all or nothing (a refused one aborts those already submitted: the
+    scheduler's checks name the bad field), then compute prompt log-probs (one forward per
+    distinct prompt, under the model lock) while they decode."""
     sched = engine.scheduler
-    need = [j for j in jobs if 0 <= j.start < len(j.req.prompt_ids)]
-    if need:
-        def _forward() -> None:
-            seen: dict[tuple, tuple] = {}
-            with sched.model_lock:
-                for j in need:
-                    key = (tuple(j.req.prompt_ids), j.start, j.req.params.temperature, j.req.top_logprobs_num)
-                    if key not in seen:
-                        temp = j.req.params.temperature
-                        seen[key] = prompt_logprobs(engine.runner, j.req.prompt_ids, j.start,
-                                                    temp if temp >= GREEDY_BELOW else 0.0, j.req.top_logprobs_num)
-                    j.input_lp, j.input_top = seen[key]
-
-        await asyncio.to_thread(_forward)
     submitted: list[Request] = []
     try:
         for j in jobs:
@@ -94,6 +81,26 @@ async def run(engine, jobs: list[Job]) -> None:
     except ValueError:
         for r in submitted:
             sched.abort(r.rid)
+        raise
+    need = [j for j in jobs if 0 <= j.start < len(j.req.prompt_ids)]
+    if not need:
+        return
+
+    def _forward() -> None:
+        seen: dict[tuple, tuple] = {}
+        with sched.model_lock:
+            for j in need:
+                temp = j.req.params.temperature
+                key = (tuple(j.req.prompt_ids), j.start, temp, j.req.top_logprobs_num)
+                if key not in seen:
+                    seen[key] = prompt_logprobs(engine.runner, j.req.prompt_ids, j.start,
+                                                temp if temp >= GREEDY_BELOW else 0.0, j.req.top_logprobs_num)
+                j.input_lp, j.input_top = seen[key]
+
+    try:
+        await asyncio.to_thread(_forward)
+    except BaseException:
+        abort_soon(engine, jobs, "prompt log-probs failed")
         raise
 
 
