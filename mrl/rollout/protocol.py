@@ -34,6 +34,7 @@ UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
 }
 GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: smaller temperatures sample greedily
 MAX_N = 128  # samples per prompt in one request
+MAX_STOP_REGEX_COUNT, MAX_STOP_REGEX_LEN = 32, 256  # SGLang's bounds: patterns run on the scheduler thread
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs; the same bound for top_logprobs_num
 # Accepted and ignored: they change nothing observable in this engine.
 IGNORED_SAMPLING_KEYS = {"spaces_between_special_tokens", "stream_interval", "custom_params"}
@@ -78,7 +79,13 @@ class SamplingParams(BaseModel):
                 continue
             valid = sorted(set(type(self).model_fields) | set(UNSUPPORTED_SAMPLING_DEFAULTS))
             raise ValueError(f"unknown sampling_params key {key!r}; valid keys: {valid}")
+        if len(self.stop_regex_list) > MAX_STOP_REGEX_COUNT:
+            raise ValueError(f"sampling_params.stop_regex: at most {MAX_STOP_REGEX_COUNT} patterns, "
+                             f"got {len(self.stop_regex_list)}")
         for pattern in self.stop_regex_list:
+            if len(pattern.encode()) > MAX_STOP_REGEX_LEN:
+                raise ValueError(f"sampling_params.stop_regex: a pattern is {len(pattern.encode())} bytes, "
+                                 f"over the limit of {MAX_STOP_REGEX_LEN}")
             try:
                 re.compile(pattern)
             except re.error as e:

@@ -107,6 +107,9 @@ class Scheduler:
         bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"input_ids contain ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if (req.params.stop_strings or req.params.stop_regex_list) and self.runner.tokenizer is None:
+            raise ValueError("sampling_params.stop / stop_regex need a tokenizer in the model directory; "
+                             "use stop_token_ids")
         if req.params.max_new_tokens == 0:
             req.finish_reason = {"type": "length", "length": 0}
             req.future.set_result(req)

@@ -177,6 +177,7 @@ BAD = [
     ({"input_ids": PROMPT, "sampling_params": {"stop_regex": "(unclosed"}}, "stop_regex"),
     ({"input_ids": PROMPT, "sampling_params": {"temperature": -1}}, "temperature"),
     ({"input_ids": PROMPT, "stream": "yes please"}, "stream"),
+    ({"input_ids": PROMPT, "sampling_params": {"stop_regex": ["a"] * 33}}, "stop_regex"),
     ({"input_ids": PROMPT, "image_data": "http://x/y.png"}, "image_data"),
     ({"input_ids": [1, 99999], "return_logprob": True, "logprob_start_len": 0}, "input_ids"),
     ({"input_ids": PROMPT, "sampling_params": {"regex": "[0-9]+"}}, "regex"),
