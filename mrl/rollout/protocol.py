@@ -10,10 +10,12 @@ Responses of ``POST /generate`` (one dict per prompt; a list for batch requests)
         "id": rid, "finish_reason": {"type": "stop", "matched": int|str} | {"type": "length",
         "length": int} | {"type": "abort", "message": str}, "prompt_tokens": int,
         "completion_tokens": int, "cached_tokens": 0, "weight_version": str, "e2e_latency": float,
-        "output_token_logprobs": [[logprob, token_id, None], ...]   # only if return_logprob}}
+        "output_token_logprobs": [[logprob, token_id, None], ...]   # only if return_logprob
+        ...}}   # prompt / top log-probs and streaming: see mrl/rollout/serving.py
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -25,29 +27,38 @@ UNSUPPORTED_SAMPLING_DEFAULTS: dict[str, Any] = {
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "n": 1,
     "json_schema": None,
     "regex": None,
     "ebnf": None,
     "logit_bias": None,
 }
+GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: smaller temperatures sample greedily
+MAX_N = 128  # samples per prompt in one request
+MAX_STOP_REGEX_COUNT, MAX_STOP_REGEX_LEN = 32, 256  # SGLang's bounds: patterns run on the scheduler thread
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs; the same bound for top_logprobs_num
 # Accepted and ignored: they change nothing observable in this engine.
 IGNORED_SAMPLING_KEYS = {"spaces_between_special_tokens", "stream_interval", "custom_params"}
 
 
 class SamplingParams(BaseModel):
-    """SGLang ``sampling_params``. temperature 0 means greedy. top_k -1 (or 0) means the full
-    vocabulary. ``sampling_seed`` (SGLang's name) makes one request's draws reproducible
-    regardless of which other requests share its batch."""
+    """SGLang ``sampling_params``. temperature 0 means greedy; like SGLang, any temperature
+    below ``GREEDY_BELOW`` (1e-6) is greedy too (dividing logits by 1e-40 overflows). top_k -1
+    (or 0) means the full vocabulary. ``min_p`` drops tokens whose probability is below
+    ``min_p`` times the most likely one's. ``n`` samples per prompt (the response is a list).
+    ``stop_regex`` ends a sequence when a pattern matches the decoded tail of its output.
+    ``sampling_seed`` (SGLang's name) makes one request's draws reproducible regardless of which
+    other requests share its batch."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     max_new_tokens: int = Field(128, ge=0)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = -1
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
+    stop_regex: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -68,7 +79,24 @@ class SamplingParams(BaseModel):
                 continue
             valid = sorted(set(type(self).model_fields) | set(UNSUPPORTED_SAMPLING_DEFAULTS))
             raise ValueError(f"unknown sampling_params key {key!r}; valid keys: {valid}")
+        if len(self.stop_regex_list) > MAX_STOP_REGEX_COUNT:
+            raise ValueError(f"sampling_params.stop_regex: at most {MAX_STOP_REGEX_COUNT} patterns, "
+                             f"got {len(self.stop_regex_list)}")
+        for pattern in self.stop_regex_list:
+            if len(pattern.encode()) > MAX_STOP_REGEX_LEN:
+                raise ValueError(f"sampling_params.stop_regex: a pattern is {len(pattern.encode())} bytes, "
+                                 f"over the limit of {MAX_STOP_REGEX_LEN}")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"sampling_params.stop_regex {pattern!r} is not a valid regular expression: {e}") from e
         return self
+
+    @property
+    def stop_regex_list(self) -> list[str]:
+        if self.stop_regex is None:
+            return []
+        return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -77,17 +105,37 @@ class SamplingParams(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+# GenerateReqInput fields of SGLang this engine does not implement: refused unless at their
+# default, so that a request relying on one fails loudly (other unknown keys are ignored, as SGLang does).
+UNSUPPORTED_GENERATE_DEFAULTS: dict[str, Any] = {
+    "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None, "lora_path": None,
+    "token_ids_logprob": None, "return_hidden_states": False, "custom_logit_processor": None,
+    "session_params": None, "return_routed_experts": False,
+}
+
+
 class GenerateReqInput(BaseModel):
     """SGLang ``GenerateReqInput`` subset: exactly one of ``text`` / ``input_ids``; a list of
     prompts makes a batch request whose response is a list. ``sampling_params`` may be one dict
-    for all prompts or a list with one per prompt; ``rid`` likewise (a str is used as prefix)."""
+    for all prompts or a list with one per prompt; ``rid`` likewise (a str is used as prefix).
 
-    model_config = ConfigDict(extra="ignore")
+    Log-prob options (SGLang semantics, per prompt or one for all): ``logprob_start_len`` -1
+    returns output log-probs only, k >= 0 also the prompt's from position k
+    (``input_token_logprobs``; its first entry's log-prob is None, as SGLang's);
+    ``top_logprobs_num`` adds the k most likely tokens per position; ``return_text_in_logprobs``
+    puts each token's text in the third slot of every ``[logprob, token_id, text]``.
+    ``stream`` answers with Server-Sent Events (``data: {json}`` with cumulative text, then
+    ``data: [DONE]``)."""
+
+    model_config = ConfigDict(extra="allow")
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     stream: bool = False
 
@@ -95,8 +143,15 @@ class GenerateReqInput(BaseModel):
     def _one_input(self) -> GenerateReqInput:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("/generate needs exactly one of 'text' or 'input_ids'")
-        if self.stream:
-            raise ValueError("stream=true is not supported by the embedded engine; send stream=false")
+        for key, value in (self.model_extra or {}).items():
+            if key in UNSUPPORTED_GENERATE_DEFAULTS and value not in (UNSUPPORTED_GENERATE_DEFAULTS[key], [], {}):
+                raise ValueError(f"{key} is not supported by the embedded engine; drop it or use rollout.engine: sglang")
+        for name in ("logprob_start_len", "top_logprobs_num"):
+            value = getattr(self, name)
+            low, high = (-1, None) if name == "logprob_start_len" else (0, MAX_TOP_LOGPROBS)
+            for v in value if isinstance(value, list) else [value]:
+                if v < low or (high is not None and v > high):
+                    raise ValueError(f"{name}={v} is out of range [{low}, {high if high is not None else 'prompt length'}]")
         return self
 
     @property
@@ -130,6 +185,18 @@ class GenerateReqInput(BaseModel):
         elif rid is not None and self.is_batch:
             rid = f"{rid}_{i}"
         return text, ids, SamplingParams(**sp), bool(lp), rid
+
+    def logprob_options(self, i: int) -> tuple[int, int]:
+        """(logprob_start_len, top_logprobs_num) of prompt ``i``."""
+        out = []
+        for name in ("logprob_start_len", "top_logprobs_num"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                if len(value) != self.batch_size:
+                    raise ValueError(f"{name} has {len(value)} entries for {self.batch_size} prompts")
+                value = value[i]
+            out.append(int(value))
+        return out[0], out[1]
 
 
 class AbortReqInput(BaseModel):

@@ -5,7 +5,8 @@
     python -m mrl.rollout.server (same arguments)
 
 Security: binds 127.0.0.1 by default. When a token is configured, every control endpoint
-(everything except /generate, /health*, /get_model_info, /get_weight_version) requires
+(everything except /generate, /health*, /model_info, /server_info and their /get_* aliases,
+/get_weight_version and the OpenAI /v1 routes: SGLang's NORMAL auth level) requires
 ``Authorization: Bearer <token>``; the
 server refuses to bind a non-loopback address without one. Requests are JSON only; tensors
 arrive from disk (safetensors), shared memory or torch.distributed, never pickled.
@@ -20,17 +21,19 @@ import ipaddress
 import os
 import sys
 import time
-from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mrl.rollout import protocol as P
+from mrl.rollout import server_info as I
+from mrl.rollout import serving as S
 from mrl.rollout.engine import weights as W
 from mrl.rollout.engine.checksum import tensor_checksum
 from mrl.rollout.engine.model_runner import ModelRunner
 from mrl.rollout.engine.scheduler import Request, Scheduler
+from mrl.rollout.openai_api import add_openai_routes
 from mrl.rollout.sglang_launcher import PARENT_PID_ENV
 
 
@@ -92,30 +95,40 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
         return JSONResponse({"error": {"message": str(e)}}, status_code=400)
 
     @app.post("/generate")
-    async def generate(body: P.GenerateReqInput):
+    async def generate(body: P.GenerateReqInput, http: HTTPRequest):
         if runner.released:
             return JSONResponse({"error": {"message": "weights released; call /resume_memory_occupation"}}, status_code=503)
         t0 = time.monotonic()
-        futures, submitted = [], []
         try:
-            for i in range(body.batch_size):
+            jobs = []
+            for i in range(body.batch_size):  # SGLang's order: prompt-major, then the n samples
                 text, ids, sp, lp, rid = body.item(i)
-                if ids is None:
-                    if runner.tokenizer is None:
-                        raise ValueError("'text' needs a tokenizer in the model directory; send input_ids instead")
-                    ids = runner.tokenizer.encode(text)
-                req = Request(prompt_ids=list(ids), params=sp, return_logprob=lp)
-                if rid is not None:
-                    req.rid = rid
-                futures.append(sched.submit(req))
-                submitted.append(req)
+                start, top = body.logprob_options(i)
+                ids = S.encode(engine, text) if ids is None else ids
+                jobs += [S.new_job(engine, ids, sp, lp, start, top, rid if sp.n == 1 or rid is None else f"{rid}_{j}")
+                         for j in range(sp.n)]
+            await S.run(engine, jobs)
         except ValueError as e:
-            for r in submitted:  # all or nothing for a batch request
-                sched.abort(r.rid)
             return bad_request(e)
-        done = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-        outs = [_response(engine, r, time.monotonic() - t0) for r in done]
-        return outs if body.is_batch else outs[0]
+        listed = body.is_batch or len(jobs) > 1  # n > 1 answers a list, as SGLang does
+        if body.stream:
+            async def events():
+                async with contextlib.aclosing(S.watch(engine, http, jobs)) as progress:  # closed -> aborts
+                    async for moved in progress:
+                        for k in moved:
+                            if (err := S.failure(jobs[k])) is not None:
+                                yield S.sse(err)
+                                continue
+                            out = S.native_output(engine, jobs[k], t0, body.return_text_in_logprobs,
+                                                  jobs[k].req.future.done())
+                            yield S.sse({**out, "index": k} if listed else out)
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        if not await S.wait_all(engine, http, jobs):
+            return Response(status_code=499)  # client closed the request; nobody reads this
+        outs = [S.native_output(engine, j, t0, body.return_text_in_logprobs) for j in jobs]
+        return outs if listed else outs[0]
 
     @app.get("/health")
     async def health():
@@ -129,22 +142,22 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
         await asyncio.wait_for(asyncio.wrap_future(sched.submit(req)), timeout=60)
         return Response(status_code=200)
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info():
-        return {"model_path": runner.model_path, "tokenizer_path": runner.model_path if runner.tokenizer else None,
-                "is_generation": True, "weight_version": sched.weight_version,
-                "model_type": getattr(runner.config, "model_type", None), "engine": "mrl-torch"}
+        return I.model_info(engine)
 
     @app.get("/get_weight_version")
     async def get_weight_version():
         return {"weight_version": sched.weight_version}
 
-    @app.get("/get_server_info", dependencies=ctl)
+    # SGLang serves both at its NORMAL auth level, like /generate: open where /generate is.
+    started = time.time()
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
     async def get_server_info():
-        return {"max_running_requests": sched.max_running, "device": str(runner.device), "dtype": str(runner.dtype),
-                "num_running": sched.num_running, "num_waiting": sched.num_waiting, "paused": sched.paused,
-                "released": runner.released, "weight_version": sched.weight_version, "stats": dict(sched.stats),
-                "decode_path": runner.decode_path}
+        return I.server_info(engine, started)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"], dependencies=ctl)
     async def flush_cache():
@@ -320,30 +333,8 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
                 f"then {engine.last_disk_path}; weights pushed since then must be synced again",
                 "weight_version": sched.weight_version}
 
+    add_openai_routes(app, engine)
     return app
-
-
-def _response(engine: Engine, r: Request, latency: float) -> dict[str, Any]:
-    tok = engine.runner.tokenizer
-    p = r.params
-    text = ""
-    if tok is not None and r.output_ids:
-        ids = r.output_ids
-        fr = r.finish_reason or {}
-        if fr.get("type") == "stop" and isinstance(fr.get("matched"), int) and not p.no_stop_trim:
-            ids = ids[:-1]
-        text = tok.decode(ids, skip_special_tokens=p.skip_special_tokens)
-        if fr.get("type") == "stop" and isinstance(fr.get("matched"), str) and not p.no_stop_trim:
-            cut = text.find(fr["matched"])
-            text = text[:cut] if cut >= 0 else text
-    meta: dict[str, Any] = {
-        "id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": len(r.prompt_ids),
-        "completion_tokens": len(r.output_ids), "cached_tokens": 0,
-        "weight_version": engine.scheduler.weight_version, "e2e_latency": latency,
-    }
-    if r.return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids)]
-    return {"text": text, "output_ids": list(r.output_ids), "meta_info": meta}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

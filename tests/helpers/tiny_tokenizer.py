@@ -33,3 +33,17 @@ def save_tiny_tokenizer(path: str | Path) -> None:
     cfg = json.loads(cfg_path.read_text())
     cfg["tokenizer_class"] = "TokenizersBackend"
     cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def add_chat_template(path: str | Path, template: str = CHATML_TEMPLATE) -> None:
+    """Give the saved tokenizer a chat template (ChatML-like, over its own special tokens)."""
+    cfg_path = Path(path) / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = template
+    cfg_path.write_text(json.dumps(cfg, indent=2))

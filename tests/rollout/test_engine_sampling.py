@@ -51,3 +51,22 @@ def test_greedy_and_seeded_rows():
     assert a == b  # the seeded row ignores the shared generator
     tok, lp = sample(logits, rows, torch.Generator())
     assert tok[0].item() == 0 and abs(lp[0].item() - Z[0].item()) < 1e-6
+
+
+def test_min_p_restricts_support_but_not_logprob():
+    rows = [RowSampling(1.0, 1.0, -1, None, 0.3)] * 4000  # keeps p >= 0.3 * 0.5: tokens 0, 1
+    tok, lp = sample(Z.expand(4000, -1).clone(), rows, torch.Generator().manual_seed(0))
+    assert set(tok.tolist()) == {0, 1}
+    assert torch.allclose(lp, Z[tok], atol=1e-6)
+    assert abs((tok == 0).float().mean() - 0.5 / 0.7) < 0.03
+    rows = [RowSampling(1.0, 1.0, -1, None, 1.0)] * 100  # only the most likely token
+    assert set(sample(Z.expand(100, -1).clone(), rows, torch.Generator().manual_seed(0))[0].tolist()) == {0}
+
+
+def test_top_logprobs_match_the_sampled_distribution():
+    from mrl.rollout.engine.sampling import top_logprobs
+
+    vals, ids = top_logprobs(Z.expand(2, -1).clone(), [0.0, 0.5], 2)
+    assert ids.tolist() == [[0, 1], [0, 1]]
+    assert torch.allclose(vals[0], Z[:2], atol=1e-6)
+    assert torch.allclose(vals[1], torch.log_softmax(Z / 0.5, -1)[:2], atol=1e-6)

@@ -110,8 +110,13 @@ def test_batch_items_and_rid_prefix():
 def test_request_validation_errors():
     with pytest.raises(ValidationError, match="exactly one"):
         GenerateReqInput(text="a", input_ids=[1])
-    with pytest.raises(ValidationError, match="stream"):
-        GenerateReqInput(text="a", stream=True)
+    assert GenerateReqInput(text="a", stream=True).stream
+    with pytest.raises(ValidationError, match="top_logprobs_num=-1"):
+        GenerateReqInput(text="a", top_logprobs_num=-1)
+    with pytest.raises(ValidationError, match="stop_regex"):
+        SamplingParams(stop_regex="(")
+    with pytest.raises(ValidationError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
     with pytest.raises(ValidationError, match="unknown sampling_params key 'tempreature'"):
         SamplingParams(tempreature=1.0)
     assert SamplingParams(min_new_tokens=0, spaces_between_special_tokens=True).max_new_tokens == 128

@@ -9,7 +9,8 @@ over the *full* vocabulary, i.e. before top-k/top-p truncation: the same quantit
 ``compute_log_prob`` computes from the actor's logits divided by the rollout temperature
 (verl semantics, seed 001). Truncation only restricts which tokens can be drawn:
 top-k keeps the k largest z_b, top-p keeps the smallest prefix of the sorted distribution whose
-mass reaches p (the token that crosses p is kept, as SGLang/HF do).
+mass reaches p (the token that crosses p is kept, as SGLang/HF do), min-p keeps the tokens whose
+probability is at least min_p times the largest one's.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class RowSampling:
     top_p: float
     top_k: int
     generator: torch.Generator | None
+    min_p: float = 0.0
 
 
 def sample(logits: torch.Tensor, rows: list[RowSampling], default_gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +90,7 @@ def _candidates(scaled: torch.Tensor, lse: torch.Tensor,
     V = scaled.shape[1]
     dev = scaled.device
     ks = [r.top_k if 0 < r.top_k < V else V for r in rows]
-    if max(ks) == V and all(r.top_p >= 1.0 for r in rows):
+    if max(ks) == V and all(r.top_p >= 1.0 and r.min_p <= 0.0 for r in rows):
         return scaled - lse[:, None], None
     K = max(ks)
     # Log-probs are a per-row shift of the scaled logits: select on the logits, shift K columns.
@@ -104,4 +106,18 @@ def _candidates(scaled: torch.Tensor, lse: torch.Tensor,
     # Mass strictly before each token (of the full distribution): kept while it is < p, so the
     # token that crosses p is kept.
     drop |= (torch.cumsum(probs, dim=-1) - probs) >= ps[:, None]
+    min_ps = [r.min_p for r in rows]
+    if any(m > 0 for m in min_ps):
+        # Column 0 is each row's most likely token, so it is never dropped.
+        drop |= probs < torch.tensor(min_ps, dtype=torch.float32, device=dev)[:, None] * probs[:, :1]
     return cand_lp.masked_fill(drop, float("-inf")), cand_idx
+
+
+def top_logprobs(logits: torch.Tensor, temperatures: list[float], num: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``num`` largest log-probs of each row and their token ids ([N, num] each), for the
+    same distribution whose log-prob :func:`sample` returns: ``log_softmax(z / T)`` over the full
+    vocabulary (T = 0 meaning 1)."""
+    t = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32, device=logits.device)
+    scaled = logits.float() / t[:, None]
+    lp = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
+    return torch.topk(lp, min(num, lp.shape[-1]), dim=-1)

@@ -14,7 +14,8 @@ never under a forward.
 
 Finish rules (SGLang semantics): EOS (unless ``ignore_eos``) or a ``stop_token_ids`` hit ->
 ``{"type": "stop", "matched": token_id}``; a ``stop`` string in the decoded output ->
-``{"type": "stop", "matched": str}``; ``max_new_tokens`` reached (or the model's
+``{"type": "stop", "matched": str}``; a ``stop_regex`` pattern found in the decoded tail of the
+output -> ``{"type": "stop", "matched": pattern}``; ``max_new_tokens`` reached (or the model's
 ``max_position_embeddings``) -> ``{"type": "length", "length": n}``; ``/abort_request`` ->
 ``{"type": "abort", "message": ...}``. The matched stop token stays in ``output_ids`` (and its
 log-prob in ``output_token_logprobs``); text is trimmed at the stop string unless ``no_stop_trim``.
@@ -24,16 +25,20 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import itertools
+import re
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from mrl.rollout.engine.model_runner import ModelRunner
-from mrl.rollout.engine.sampling import RowSampling, sample
-from mrl.rollout.protocol import SamplingParams
+from mrl.rollout.engine.sampling import RowSampling, sample, top_logprobs
+from mrl.rollout.protocol import GREEDY_BELOW, SamplingParams
+
+REGEX_TAIL_TOKENS = 64  # output tokens decoded for a stop_regex search (at least)
 
 
 @dataclass
@@ -48,6 +53,11 @@ class Request:
     aborted: str | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     sampling: RowSampling | None = None
+    # Top log-probs of each output position ([(logprob, token_id)] * top_logprobs_num).
+    top_logprobs_num: int = 0
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # Called (on the scheduler thread) after each token is appended: streaming responses.
+    on_token: Callable[[Request], None] | None = None
 
 
 class Scheduler:
@@ -97,6 +107,9 @@ class Scheduler:
         bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"input_ids contain ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if (req.params.stop_strings or req.params.stop_regex_list) and self.runner.tokenizer is None:
+            raise ValueError("sampling_params.stop / stop_regex need a tokenizer in the model directory; "
+                             "use stop_token_ids")
         if req.params.max_new_tokens == 0:
             req.finish_reason = {"type": "length", "length": 0}
             req.future.set_result(req)
@@ -104,7 +117,9 @@ class Scheduler:
         gen = None
         if req.params.sampling_seed is not None:
             gen = torch.Generator(device="cpu").manual_seed(int(req.params.sampling_seed))
-        req.sampling = RowSampling(req.params.temperature, req.params.top_p, req.params.top_k, gen)
+        # SGLang samples greedily below GREEDY_BELOW: z / 1e-40 overflows to inf (NaN log-probs).
+        temp = req.params.temperature if req.params.temperature >= GREEDY_BELOW else 0.0
+        req.sampling = RowSampling(temp, req.params.top_p, req.params.top_k, gen, req.params.min_p)
         with self._cv:
             self._waiting.append(req)
             self.stats["submitted"] += 1
@@ -237,10 +252,19 @@ class Scheduler:
 
     def _sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
         tokens, lps = sample(logits, [r.sampling for r in reqs], self.default_gen)  # type: ignore[misc]
+        want = [i for i, r in enumerate(reqs) if r.top_logprobs_num > 0]
+        if want:
+            vals, ids = top_logprobs(logits[want], [reqs[i].sampling.temperature for i in want],  # type: ignore[union-attr]
+                                     max(reqs[i].top_logprobs_num for i in want))
+            for i, v, t in zip(want, vals.tolist(), ids.tolist()):
+                k = reqs[i].top_logprobs_num
+                reqs[i].top_logprobs.append(list(zip(v[:k], t[:k])))
         for r, t, lp in zip(reqs, tokens.tolist(), lps.tolist()):
             r.output_ids.append(t)
             r.logprobs.append(lp)
             r.finish_reason = self._check_finish(r, t)
+            if r.on_token is not None:
+                r.on_token(r)
         return tokens
 
     def _check_finish(self, r: Request, t: int) -> dict[str, Any] | None:
@@ -256,6 +280,17 @@ class Scheduler:
             tail = tok.decode(r.output_ids[-window:], skip_special_tokens=p.skip_special_tokens)
             for s in stops:
                 if s in tail:
+                    return {"type": "stop", "matched": s}
+        patterns = p.stop_regex_list
+        if patterns:
+            tok = self.runner.tokenizer
+            if tok is None:
+                raise ValueError("sampling_params.stop_regex needs a tokenizer in the model directory")
+            # SGLang searches a tail window of the decoded output, not all of it.
+            window = max(REGEX_TAIL_TOKENS, max(len(s) for s in patterns) + 8)
+            tail = tok.decode(r.output_ids[-window:], skip_special_tokens=p.skip_special_tokens)
+            for s in patterns:
+                if re.search(s, tail):
                     return {"type": "stop", "matched": s}
         max_pos = int(getattr(self.runner.config, "max_position_embeddings", 1 << 30))
         if len(r.output_ids) >= p.max_new_tokens or len(r.prompt_ids) + len(r.output_ids) >= max_pos:
