@@ -83,7 +83,6 @@ def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple
         SGLangLaunchSpec,
         build_embedded_command,
         build_sglang_command,
-        check_sglang_version,
     )
 
     r = cfg.rollout
@@ -92,7 +91,6 @@ def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple
         if not cuda:
             raise UnsupportedConfigError(f"rollout.engine=sglang: engine {slot.index} was placed without GPUs; "
                                          "fix: cluster.device=cuda")
-        check_sglang_version()
         # SGLang's --api-key is an argv flag (visible in ps to users of the node); it has no env form.
         return build_sglang_command(SGLangLaunchSpec(
             model_path=cfg.model.path, port=slot.port, host=r.host, tp_size=r.engine_tp_size,

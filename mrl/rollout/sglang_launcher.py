@@ -185,6 +185,8 @@ class EngineProcess:
     def start(self, wait: bool = True) -> None:
         if self.alive():
             raise RuntimeError(f"engine at {self.url} already running (pid {self.pid}); call stop() first")
+        if "sglang.launch_server" in self.cmd:
+            check_sglang_version()  # on the engine's node, in the interpreter that will run SGLang
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
         env = dict(os.environ) if self.env is None else {**os.environ, **self.env}

@@ -28,9 +28,26 @@ def test_flatten_unflatten_is_byte_exact_for_mixed_dtypes():
     (bucket,) = list(iter_buckets(named, bucket_bytes=1 << 20))
     flat = bucket.flatten()
     assert flat.dtype == torch.uint8 and flat.numel() == bucket.nbytes == 544
-    back = unflatten(flat.clone(), bucket.names, bucket.dtypes, bucket.shapes)
-    for (n0, t0), (n1, t1) in zip(named, back):
-        assert n0 == n1 and t1.dtype == t0.dtype and torch.equal(t0, t1)
+    back = dict(unflatten(flat.clone(), bucket.names, bucket.dtypes, bucket.shapes))
+    assert list(back) == bucket.names and sorted(back) == sorted(n for n, _ in named)
+    for n0, t0 in named:
+        assert back[n0].dtype == t0.dtype and torch.equal(t0, back[n0])
+
+
+def test_buckets_keep_every_offset_aligned_and_unflatten_refuses_misalignment():
+    """SGLang's receiver refuses a tensor whose byte offset is not a multiple of its itemsize; a
+    bf16 vector of odd length before an fp32 matrix would be one. Buckets order by itemsize."""
+    named = [("odd_bf16", torch.ones(3, dtype=torch.bfloat16)), ("f32", torch.arange(4.0)),
+             ("u8", torch.ones(5, dtype=torch.uint8)), ("f16", torch.ones(2, dtype=torch.float16))]
+    (bucket,) = list(iter_buckets(named, 1 << 20))
+    assert bucket.names == ["f32", "odd_bf16", "f16", "u8"]  # itemsize 4, 2, 2, 1 (stable)
+    off = 0
+    for t in bucket.tensors:
+        assert off % t.element_size() == 0
+        off += t.numel() * t.element_size()
+    arrival = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named])
+    with pytest.raises(ValueError, match="unaligned tensor 'f32'"):
+        unflatten(arrival, [n for n, _ in named], ["bfloat16", "float32", "uint8", "float16"], [[3], [4], [5], [2]])
 
 
 def test_non_contiguous_tensor_packs_its_logical_values():

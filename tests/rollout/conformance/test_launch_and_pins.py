@@ -51,3 +51,18 @@ def test_launch_command_parses_with_sglang_server_args():
     assert (args.model_path, args.port, args.tp_size, args.base_gpu_id) == ("/models/m", 30001, 2, 4)
     assert args.mem_fraction_static == 0.6 and args.enable_memory_saver and args.random_seed == 7
     assert args.dtype == "bfloat16" and args.api_key == "tok" and args.skip_server_warmup
+
+
+def test_engine_process_refuses_an_sglang_launch_without_the_supported_release(tmp_path, monkeypatch):
+    """The check runs where SGLang would start (the engine's node), before any process is spawned."""
+    import importlib.metadata as md
+
+    from mrl.rollout.sglang_launcher import EngineProcess
+
+    real = md.version
+    monkeypatch.setattr(md, "version", lambda name: "0.5.1.post3" if name == "sglang" else real(name))
+    proc = EngineProcess(build_sglang_command(SGLangLaunchSpec(model_path="/m", port=1)), "http://127.0.0.1:1",
+                         log_path=tmp_path / "engine.log")
+    with pytest.raises(EngineLaunchError, match="SGLang 0.5.1.post3 is installed"):
+        proc.start(wait=False)
+    assert not proc.alive() and not (tmp_path / "engine.log").exists()
