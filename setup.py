@@ -31,7 +31,7 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "sglang"],
         # sglang-router (SGLang's Rust router) runs without a GPU: CI tests rollout.router=sglang_router with it
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5", "sglang-router>=0.3"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5", "sglang-router>=0.3", "peft>=0.13"],
     },
     entry_points={
         "console_scripts": [
