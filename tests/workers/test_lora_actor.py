@@ -114,3 +114,20 @@ def test_lora_actor_tp2pp2(tmp_path):
     d_merged = float((lp_merged - r["lp2"]).abs().max())
     print(f"peft export vs actor: {d_peft:.2e}; merged HF export vs actor: {d_merged:.2e}")
     assert d_peft <= 1e-5 and d_merged <= 1e-5
+
+    # mrl-ckpt on the step-1 checkpoint (TP2×PP2, loaded at TP1): the adapter alone in peft's format, and
+    # the merged model; both reproduce the actor's log-probs at that checkpoint.
+    from checkpoints_tools.cli import main as ckpt_main
+
+    peft_out, hf_merged = tmp_path / "ckpt_peft", tmp_path / "ckpt_merged"
+    assert ckpt_main(["mcore-to-peft", "--mcore", dirs[0], "--out", str(peft_out), "--device", "cpu"]) == 0
+    assert sorted(p.name for p in peft_out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert ckpt_main(["mcore-to-hf", "--mcore", dirs[0], "--out", str(hf_merged), "--device", "cpu"]) == 0
+    base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(base, str(peft_out)).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(hf_merged), dtype=torch.float32).eval()
+    with torch.no_grad():
+        d_ckpt_peft = float((hf_log_probs(pm, b)[0] - r["lp1"]).abs().max())
+        d_ckpt_merged = float((hf_log_probs(merged, b)[0] - r["lp1"]).abs().max())
+    print(f"mrl-ckpt mcore-to-peft vs actor: {d_ckpt_peft:.2e}; mcore-to-hf (merged) vs actor: {d_ckpt_merged:.2e}")
+    assert d_ckpt_peft <= 1e-5 and d_ckpt_merged <= 1e-5
