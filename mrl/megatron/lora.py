@@ -136,7 +136,17 @@ class LoraAdapter(torch.nn.Module):
             reduce_from_tensor_model_parallel_region,
         )
 
-        xd = self.dropout(x)
+        if self.kind == "row" and self.training and isinstance(self.dropout, torch.nn.Dropout):
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+            # x_t is this rank's slice of the features: Megatron's model-parallel RNG (a different
+            # stream per TP rank) keeps the slices' masks independent, as one mask over all of x.
+            with get_cuda_rng_tracker().fork():
+                xd = self.dropout(x)
+        else:
+            # Column layers see the same x on every TP rank and must draw the same mask: the default
+            # generator, seeded alike on the ranks of a TP group (mrl.megatron.parallel.init_parallel).
+            xd = self.dropout(x)
         parts = []
         for proj in self.projs:
             if proj not in self.A:

@@ -86,3 +86,41 @@ def lora_parity_rank(rank: int, world: int, root: str, cases: dict[str, list[tup
                 out[key + ("merged",)] = max((t - ref["merged"][n]).abs().max().item() for n, t in merged.items())
                 out[key + ("only_lora", ps.get_pipeline_model_parallel_rank())] = (n_lora, len(merged))
     return out
+
+
+def lora_dropout_rank(rank: int, world: int, root: str) -> dict:
+    """TP2, dropout 0.3, train mode: the replicated adapter tensors (column A, row B) must get the same
+    gradient on both TP ranks (the column layers drew one mask for their shared input); returns the
+    max |Δgrad| across ranks and how far the train-mode logits are from eval-mode ones."""
+    import torch.distributed as dist
+
+    from mrl.megatron.hf_io import HFCheckpointReader
+    from mrl.megatron.lora import adapters_of, apply_lora, load_peft_tensors
+    from mrl.megatron.mapping import load_hf_weights
+    from mrl.megatron.parallel import init_parallel
+    from mrl.megatron.provider import build_model_chunks, load_hf_config
+
+    init_parallel(device="cpu", tp=2, pp=1)
+    path = Path(root) / "llama_all"
+    ref = torch.load(path / "ref.pt", weights_only=True)
+    cfg = load_hf_config(path / "base")
+    chunks = build_model_chunks(cfg)
+    load_hf_weights(chunks, cfg, HFCheckpointReader(path / "base"))
+    apply_lora(chunks, cfg, targets=tuple(ref["targets"]), rank=ref["r"], alpha=ref["alpha"], dropout=0.3, seed=0)
+    load_peft_tensors(chunks, lambda n: ref["adapters"][n])
+    model = chunks[0]
+    ids, pos = ref["ids"][:MICRO_BATCH], torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+    model.eval()
+    with torch.no_grad():
+        eval_logits = model(ids, pos, None)
+    model.train()
+    train_logits = model(ids, pos, None)
+    (train_logits * ref["weight"][:MICRO_BATCH, :, : train_logits.shape[-1]]).sum().backward()
+    worst = 0.0
+    for ad in adapters_of(chunks):
+        for proj in ad.A:
+            g = (ad.A[proj] if ad.kind == "column" else ad.B[proj]).grad
+            other = g.clone()
+            dist.broadcast(other, src=0)
+            worst = max(worst, (g - other).abs().max().item())
+    return {"replicated_grad_diff": worst, "train_vs_eval": (train_logits - eval_logits).abs().max().item()}

@@ -7,7 +7,7 @@ import torch
 
 from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_models import make_tiny_hf
-from tests.megatron._lora_ranks import lora_parity_rank
+from tests.megatron._lora_ranks import lora_dropout_rank, lora_parity_rank
 from tests.megatron._ranks import MICRO_BATCH, NUM_MICRO, SEQ
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -59,7 +59,7 @@ def launched(tmp_path_factory):
         merged.update(r)
     print("LoRA parity (max over tensors):",
           {k: max(v.values()) if isinstance(v, dict) else v for k, v in sorted(merged.items(), key=str)})
-    return merged
+    return root, merged
 
 
 PARAMS = [(c, lay) for c, lays in CASES.items() for lay in lays]
@@ -69,6 +69,7 @@ PARAMS = [(c, lay) for c, lays in CASES.items() for lay in lays]
 @pytest.mark.multirank
 @pytest.mark.parametrize("case,layout", PARAMS, ids=[f"{c}-tp{l[0]}pp{l[1]}" for c, l in PARAMS])
 def test_lora_logits_and_grads_match_peft(launched, case, layout):
+    launched = launched[1]
     diff = launched[(case, *layout, "logits")]
     assert diff <= TOL, f"{case} {layout}: max |Δlogits| = {diff:.3g}"
     grads = launched[(case, *layout, "grads")]
@@ -83,6 +84,7 @@ def test_lora_logits_and_grads_match_peft(launched, case, layout):
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", list(CASES))
 def test_merged_export_matches_peft_merge(launched, case):
+    launched = launched[1]
     diff = launched[(case, 2, 2, "merged")]
     assert diff <= 1e-6, f"{case}: merged export vs peft merge_and_unload max |Δ| = {diff:.3g}"
     for stage in (0, 1):
@@ -90,3 +92,13 @@ def test_merged_export_matches_peft_merge(launched, case):
         per_layer = 5 if CASES_DEF[case][1] == ALL else 3  # q,k,v,o,gate,up,down = 7 tensors; qkv only = 3
         assert n_lora == 2 * (7 if per_layer == 5 else 3), (case, stage, n_lora)
         assert n_lora < n_all
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_dropout_keeps_tensor_parallel_ranks_consistent(launched):
+    root, _ = launched
+    res = run_ranks(lora_dropout_rank, 2, args=(str(root),), timeout_s=180, init_process_group=False)
+    for r in res:
+        assert r["train_vs_eval"] > 1e-3  # dropout is on in train mode
+        assert r["replicated_grad_diff"] == 0.0, r  # one mask per column input: replicated grads agree
