@@ -83,7 +83,9 @@ class LoraAdapter(torch.nn.Module):
 
     def __init__(self, linear: str, targets: tuple[str, ...], *, hf_config: Any, layer: int, rank: int,
                  alpha: float, dropout: float, dtype: torch.dtype, device: torch.device, seed: int) -> None:
-        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+        from megatron.core.tensor_parallel.layers import (
+            set_tensor_model_parallel_attributes,
+        )
 
         super().__init__()
         self.kind, self.projs = LINEARS[linear]
@@ -208,7 +210,10 @@ def apply_lora(chunks: list[torch.nn.Module], hf_config: Any, *, targets: tuple[
     Linears must be Megatron's local-spec layers (the Transformer Engine spec fuses the input
     norm into ``linear_qkv``/``linear_fc1``, which hides the adapter's input).
     """
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+    )
 
     adapters = []
     for chunk in map(_unwrap, chunks):

@@ -201,7 +201,9 @@ class ActorWorker(TrainableState):
     def load_checkpoint(self, ckpt_dir: str | os.PathLike, contents: list[str]) -> None:
         """verl's ``actor.checkpoint.load_contents`` (model always; ``hf_model`` needs nothing here)."""
         from mrl.megatron.checkpoint import CheckpointError, read_checkpoint_metadata
+        from mrl.workers.lora_io import check_lora_matches
 
+        check_lora_matches(ckpt_dir, self.cfg.lora)
         want_optim = "optimizer" in contents
         if want_optim and not read_checkpoint_metadata(ckpt_dir).get("has_optimizer"):
             raise CheckpointError(

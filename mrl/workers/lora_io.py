@@ -57,3 +57,23 @@ def write_peft(out_dir: str | os.PathLike, tensors: dict, meta: dict, base_model
                               dropout=meta["dropout"], targets=tuple(meta["targets"]))
     (out / PEFT_CONFIG).write_text(json.dumps(cfg, indent=2))
     return [PEFT_WEIGHTS, PEFT_CONFIG]
+
+
+def check_lora_matches(ckpt_dir: str | os.PathLike, lora: Any) -> None:
+    """Refuse a resume whose adapters do not match ``actor.lora`` (before Megatron reports missing keys)."""
+    from mrl.megatron.checkpoint import CheckpointError
+
+    meta = read_lora_meta(ckpt_dir)
+    if meta is None and lora.enabled:
+        raise CheckpointError(
+            f"{ckpt_dir} was saved without LoRA but actor.lora.rank={lora.rank}; fix: actor.lora.rank=0 to resume "
+            "it, or start the LoRA run from the HF model (model.path) instead of this checkpoint")
+    if meta is not None:
+        want = {"rank": lora.rank, "targets": list(lora.targets)}
+        have = {"rank": meta["rank"], "targets": list(meta["targets"])}
+        if want != have or (lora.enabled and float(meta["alpha"]) != float(lora.alpha)):
+            raise CheckpointError(
+                f"{ckpt_dir} holds LoRA adapters rank={meta['rank']} alpha={meta['alpha']} targets={meta['targets']} "
+                f"({LORA_META}) but actor.lora is rank={lora.rank} alpha={lora.alpha} targets={list(lora.targets)}; "
+                f"fix: set actor.lora.rank={meta['rank']} actor.lora.alpha={meta['alpha']} "
+                f"actor.lora.target_modules=[{','.join(meta['targets'])}]")

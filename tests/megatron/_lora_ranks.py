@@ -61,7 +61,7 @@ def lora_parity_rank(rank: int, world: int, root: str, cases: dict[str, list[tup
             load_hf_weights(chunks, cfg, HFCheckpointReader(path / "base"))
             apply_lora(chunks, cfg, targets=tuple(ref["targets"]), rank=ref["r"], alpha=ref["alpha"],
                        dropout=0.0, seed=0)
-            load_peft_tensors(chunks, lambda n: ref["adapters"][n])
+            load_peft_tensors(chunks, ref["adapters"].__getitem__)
             logits = _logits_and_grads(chunks, cfg, ref["ids"], ref["weight"])
             key = (case, tp, pp)
             if logits is not None:
@@ -80,7 +80,7 @@ def lora_parity_rank(rank: int, world: int, root: str, cases: dict[str, list[tup
                 grads[name] = ((g - ref["grads"][name]).abs().max() / ref["grads"][name].abs().max()).item()
             out[key + ("grads",)] = grads
             if (tp, pp) == (2, 2):
-                load_peft_tensors(chunks, lambda n: ref["adapters"][n])
+                load_peft_tensors(chunks, ref["adapters"].__getitem__)
                 merged = dict(export_hf_weights(chunks, cfg))
                 n_lora = len(list(export_hf_weights(chunks, cfg, only_lora=True)))
                 out[key + ("merged",)] = max((t - ref["merged"][n]).abs().max().item() for n, t in merged.items())
@@ -107,7 +107,7 @@ def lora_dropout_rank(rank: int, world: int, root: str) -> dict:
     chunks = build_model_chunks(cfg)
     load_hf_weights(chunks, cfg, HFCheckpointReader(path / "base"))
     apply_lora(chunks, cfg, targets=tuple(ref["targets"]), rank=ref["r"], alpha=ref["alpha"], dropout=0.3, seed=0)
-    load_peft_tensors(chunks, lambda n: ref["adapters"][n])
+    load_peft_tensors(chunks, ref["adapters"].__getitem__)
     model = chunks[0]
     ids, pos = ref["ids"][:MICRO_BATCH], torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
     model.eval()
