@@ -188,11 +188,11 @@ class ActorWorker(TrainableState):
         weights too with ``hf_model``."""
         from mrl.workers.checkpointing import HF_SUBDIR, save_hf_side_files
 
-        self.save(ckpt_dir, optimizer="optimizer" in contents, extra="extra" in contents)
-        if self.engine.lora:
+        if self.engine.lora:  # before the weights: their completion marker then vouches for it too
             from mrl.workers.lora_io import write_lora_meta
 
             write_lora_meta(ckpt_dir, self.cfg.lora, self.engine.hf_path)
+        self.save(ckpt_dir, optimizer="optimizer" in contents, extra="extra" in contents)
         if "hf_model" in contents:
             self.export_hf(os.path.join(ckpt_dir, HF_SUBDIR))
         else:

@@ -19,13 +19,14 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 
 
 def write_lora_meta(ckpt_dir: str | os.PathLike, lora: Any, base_model: str) -> None:
-    """Rank 0 writes ``lora_config.json`` (plain JSON; no pickles) after the checkpoint is saved."""
+    """Rank 0 writes ``lora_config.json`` (plain JSON; no pickles) before the checkpoint's weights."""
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     meta = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": list(lora.targets),
             "base_model": str(base_model)}
+    Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
     tmp = Path(ckpt_dir) / (LORA_META + ".tmp")
     tmp.write_text(json.dumps(meta, indent=2))
     tmp.replace(Path(ckpt_dir) / LORA_META)

@@ -72,6 +72,14 @@ def _rank(rank, world, path, ckpt, peft_dir, hf_out):
     out["lp1_loaded"] = resumed.compute_log_prob(b_batch)[0]
     out["m2_resumed"] = resumed.update_policy(b_batch)
     out["lp2_resumed"] = resumed.compute_log_prob(b_batch)[0]
+    del resumed
+
+    # resharded: TP1×PP1 (DP4) loads the TP2×PP2 adapters and their Adam state
+    flat = ActorWorker(_cfg(1, 1), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4)
+    flat.load_checkpoint(ckpt, ["model", "optimizer", "extra"])
+    out["lp1_flat"] = flat.compute_log_prob(b_batch)[0]
+    out["m2_flat"] = flat.update_policy(b_batch)
+    out["lp2_flat"] = flat.compute_log_prob(b_batch)[0]
     return portable(out)
 
 
@@ -100,8 +108,12 @@ def test_lora_actor_tp2pp2(tmp_path):
         assert x["m2_resumed"]["actor/grad_norm"] == pytest.approx(x["m2"]["actor/grad_norm"], rel=1e-5)
         assert x["m2_resumed"]["actor/lr"] == pytest.approx(x["m2"]["actor/lr"], rel=1e-12)
         torch.testing.assert_close(x["lp2_resumed"], x["lp2"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(x["lp1_flat"], x["lp1"], rtol=0, atol=1e-5)
+        assert x["m2_flat"]["actor/grad_norm"] == pytest.approx(x["m2"]["actor/grad_norm"], rel=1e-5)
+        torch.testing.assert_close(x["lp2_flat"], x["lp2"], rtol=0, atol=1e-5)
     assert r["meta"]["rank"] == 4 and len(r["meta"]["targets"]) == 7
-    print("resume: max |Δ lp2|", float((r["lp2_resumed"] - r["lp2"]).abs().max()))
+    print("resume: max |Δ lp2| same layout", float((r["lp2_resumed"] - r["lp2"]).abs().max()),
+          "TP1xPP1", float((r["lp2_flat"] - r["lp2"]).abs().max()))
     b = ragged_batch(seed=2)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     pm = peft.PeftModel.from_pretrained(model, dirs[1]).eval()
