@@ -207,7 +207,7 @@ def _mcore_to_peft(args: argparse.Namespace) -> None:
     from checkpoints_tools.convert import mcore_to_peft_rank
     from checkpoints_tools.launch import pick_device, run_local_ranks
     from mrl.megatron.checkpoint import verify_checkpoint
-    from mrl.workers.lora_io import read_lora_meta, write_peft
+    from mrl.megatron.lora_io import read_lora_meta, write_peft
 
     world = _check_sizes(args)
     lora = read_lora_meta(args.ckpt)
@@ -253,7 +253,7 @@ def _reshard(args: argparse.Namespace) -> None:
         run_local_ranks(reshard_rank, world, (str(args.ckpt), str(tmp), str(tmp), args.tp, args.pp,
                         args.vpp, str(meta.get("params_dtype", "float32")), device, args.timeout),
                         device=device, timeout_s=args.timeout)
-        from mrl.workers.lora_io import LORA_META
+        from mrl.megatron.lora_io import LORA_META
 
         if (args.ckpt / LORA_META).is_file():  # the adapters were resharded too: keep them loadable
             shutil.copy2(args.ckpt / LORA_META, tmp / LORA_META)

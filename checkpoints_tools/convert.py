@@ -44,8 +44,8 @@ def _setup(device: str, tp: int, pp: int, vpp: int | None, timeout_s: int) -> No
 
 
 def _build(cfg_dir: str, dtype: torch.dtype, lora_ckpt: str | None = None) -> tuple[Any, list]:
+    from mrl.megatron.lora_io import LORA_META
     from mrl.megatron.provider import build_model_chunks, load_hf_config
-    from mrl.workers.lora_io import LORA_META
 
     cfg = load_hf_config(cfg_dir)
     lora = lora_ckpt is not None and (Path(lora_ckpt) / LORA_META).is_file()
@@ -55,7 +55,7 @@ def _build(cfg_dir: str, dtype: torch.dtype, lora_ckpt: str | None = None) -> tu
 def _maybe_lora(ckpt_dir: str, cfg: Any, chunks: list) -> dict | None:
     """Add the adapters a LoRA checkpoint holds (``lora_config.json``), so it loads and exports merged."""
     from mrl.megatron.lora import apply_lora
-    from mrl.workers.lora_io import read_lora_meta
+    from mrl.megatron.lora_io import read_lora_meta
 
     meta = read_lora_meta(ckpt_dir)
     if meta is not None:

@@ -189,7 +189,7 @@ class ActorWorker(TrainableState):
         from mrl.workers.checkpointing import HF_SUBDIR, save_hf_side_files
 
         if self.engine.lora:  # before the weights: their completion marker then vouches for it too
-            from mrl.workers.lora_io import write_lora_meta
+            from mrl.megatron.lora_io import write_lora_meta
 
             write_lora_meta(ckpt_dir, self.cfg.lora, self.engine.hf_path)
         self.save(ckpt_dir, optimizer="optimizer" in contents, extra="extra" in contents)
@@ -201,7 +201,7 @@ class ActorWorker(TrainableState):
     def load_checkpoint(self, ckpt_dir: str | os.PathLike, contents: list[str]) -> None:
         """verl's ``actor.checkpoint.load_contents`` (model always; ``hf_model`` needs nothing here)."""
         from mrl.megatron.checkpoint import CheckpointError, read_checkpoint_metadata
-        from mrl.workers.lora_io import check_lora_matches
+        from mrl.megatron.lora_io import check_lora_matches
 
         check_lora_matches(ckpt_dir, self.cfg.lora)
         want_optim = "optimizer" in contents

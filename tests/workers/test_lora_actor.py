@@ -27,8 +27,8 @@ def _rank(rank, world, path, ckpt, peft_dir, hf_out):
     import torch.distributed as dist
 
     from mrl.megatron.lora import adapters_of, export_peft_tensors
+    from mrl.megatron.lora_io import read_lora_meta, write_peft
     from mrl.workers.actor import ActorWorker
-    from mrl.workers.lora_io import read_lora_meta, write_peft
     from mrl.workers.reference import ColocatedReference
     from tests.workers.batches import portable, ragged_batch
 

@@ -5,7 +5,7 @@ import pytest
 
 from mrl.config.lora import LoraConfig
 from mrl.megatron.checkpoint import CheckpointError
-from mrl.workers.lora_io import check_lora_matches, read_lora_meta, write_lora_meta
+from mrl.megatron.lora_io import check_lora_matches, read_lora_meta, write_lora_meta
 
 
 def test_resume_checks(tmp_path):
