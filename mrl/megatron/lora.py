@@ -107,7 +107,7 @@ class LoraAdapter(torch.nn.Module):
             out, inp = shapes[proj]
             # Full A drawn from a generator keyed by (seed, layer, projection), then sliced: every TP
             # layout starts from the same adapters. peft's init: A Kaiming-uniform(a=√5), B = 0.
-            g = torch.Generator().manual_seed(seed * 1000003 + layer * 101 + self.projs.index(proj) + 7 * len(self.projs))
+            g = torch.Generator().manual_seed((seed * 1009 + layer) * len(HF_MODULE) + list(HF_MODULE).index(proj))
             a_full = torch.empty(rank, inp)
             torch.nn.init.kaiming_uniform_(a_full, a=math.sqrt(5), generator=g)
             if self.kind == "column":
@@ -162,12 +162,13 @@ class LoraAdapter(torch.nn.Module):
             parts.append(F.linear(u, self.B[proj]) * self.scaling)
         return self._fuse(parts)
 
-    def hook(self, _module: torch.nn.Module, args: tuple, output: Any) -> Any:
+    def hook(self, _module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Forward hook on the base linear: add the adapter output (its ``(out, bias)`` kept)."""
         if not self.enabled:
             return output
         out, *rest = output if isinstance(output, tuple) else (output,)
-        out = out + self.delta(args[0]).to(out.dtype)
+        x = args[0] if args else kwargs["input_"]  # Megatron's linears name their input ``input_``
+        out = out + self.delta(x).to(out.dtype)
         return (out, *rest) if isinstance(output, tuple) else out
 
     @torch.no_grad()
@@ -236,7 +237,7 @@ def apply_lora(chunks: list[torch.nn.Module], hf_config: Any, *, targets: tuple[
                 ad = LoraAdapter(path, chosen, hf_config=hf_config, layer=layer.layer_number - 1, rank=rank,
                                  alpha=alpha, dropout=dropout, dtype=w.dtype, device=w.device, seed=seed)
                 parent.add_module(name + "_lora", ad)
-                linear.register_forward_hook(ad.hook)
+                linear.register_forward_hook(ad.hook, with_kwargs=True)
                 w._lora_adapter = ad  # the HF export merges through it (mapping.export_hf_weights)
                 adapters.append(ad)
     return adapters

@@ -61,6 +61,8 @@ def lora_parity_rank(rank: int, world: int, root: str, cases: dict[str, list[tup
             load_hf_weights(chunks, cfg, HFCheckpointReader(path / "base"))
             apply_lora(chunks, cfg, targets=tuple(ref["targets"]), rank=ref["r"], alpha=ref["alpha"],
                        dropout=0.0, seed=0)
+            # Initial adapters (peft's init: A Kaiming-uniform, B = 0) do not depend on the layout.
+            out[(case, tp, pp, "init")] = {n: t.double().sum().item() for n, t in export_peft_tensors(chunks)}
             load_peft_tensors(chunks, ref["adapters"].__getitem__)
             logits = _logits_and_grads(chunks, cfg, ref["ids"], ref["weight"])
             key = (case, tp, pp)

@@ -102,3 +102,17 @@ def test_dropout_keeps_tensor_parallel_ranks_consistent(launched):
     for r in res:
         assert r["train_vs_eval"] > 1e-3  # dropout is on in train mode
         assert r["replicated_grad_diff"] == 0.0, r  # one mask per column input: replicated grads agree
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", list(CASES))
+def test_initial_adapters_do_not_depend_on_the_layout(launched, case):
+    _, res = launched
+    inits = [res[(case, *lay, "init")] for lay in CASES[case]]
+    full = inits[0] if CASES[case][0] == (1, 1) else {k: v for d in inits for k, v in d.items()}
+    for d in inits:
+        assert d and all(d[k] == full[k] for k in d), case
+    assert all(v == 0 for k, v in full.items() if "lora_B" in k)
+    a_sums = [v for k, v in full.items() if "lora_A" in k]
+    assert len(set(a_sums)) == len(a_sums)  # every projection of every layer draws its own A
