@@ -226,7 +226,8 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any, *, on
     device; the embedding / lm_head are un-padded to ``hf_config.vocab_size``; a tied model yields
     ``model.embed_tokens.weight`` (first stage) and no ``lm_head.weight``. A weight with LoRA
     adapters (:mod:`mrl.megatron.lora`) is exported merged, ``W + (alpha/r)·B·A``; ``only_lora``
-    yields just those (the only tensors that change while the base is frozen).
+    yields just the adapted HF projections (the only tensors that change while the base is frozen;
+    e.g. ``q_proj``/``v_proj`` but not ``k_proj`` of a fused ``linear_qkv`` with q,v targets).
     """
     with torch.no_grad():
         for rule, fmt, p in _stage_params(model_chunks, hf_config):
@@ -236,6 +237,8 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any, *, on
             elif only_lora:
                 continue
             for name, tensor in zip(rule.hf, _to_hf(rule, p, hf_config)):
+                if only_lora and name.split(".")[-2] not in adapter.A:
+                    continue
                 yield name.format(**fmt), tensor
 
 

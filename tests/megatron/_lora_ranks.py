@@ -16,7 +16,7 @@ def _logits_and_grads(chunks: list, hf_config, ids: torch.Tensor, weight: torch.
 
     micro, wts = list(ids.split(MICRO_BATCH)), list(weight.split(MICRO_BATCH))
     pos = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
-    k = iter(range(NUM_MICRO))
+    iters = [iter(range(NUM_MICRO)) for _ in chunks]  # one per virtual stage (interleaved schedule)
 
     def step(data_iter, model):
         i = next(data_iter)
@@ -32,13 +32,14 @@ def _logits_and_grads(chunks: list, hf_config, ids: torch.Tensor, weight: torch.
     for c in chunks:
         c.eval()
     store = get_forward_backward_func()(
-        forward_step_func=step, data_iterator=k, model=chunks[0], num_microbatches=NUM_MICRO,
+        forward_step_func=step, data_iterator=iters if len(chunks) > 1 else iters[0],
+        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=NUM_MICRO,
         seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False,
     )
     return torch.cat([d["logits"] for d in store]) if ps.is_pipeline_last_stage() else None
 
 
-def lora_parity_rank(rank: int, world: int, root: str, cases: dict[str, list[tuple[int, int]]]) -> dict:
+def lora_parity_rank(rank: int, world: int, root: str, cases: dict[str, list[tuple[int, int, int | None]]]) -> dict:
     """Per case/layout: max |Δlogits| vs peft, max |Δgrad| of A/B vs peft, and (TP2×PP2) max |Δ| of the
     merged HF export vs peft's merge_and_unload."""
     from megatron.core import parallel_state as ps
@@ -51,9 +52,9 @@ def lora_parity_rank(rank: int, world: int, root: str, cases: dict[str, list[tup
 
     out: dict = {}
     layouts = list(dict.fromkeys(lay for lays in cases.values() for lay in lays))
-    for tp, pp in layouts:
-        init_parallel(device="cpu", tp=tp, pp=pp)
-        for case in (c for c, lays in cases.items() if (tp, pp) in lays):
+    for tp, pp, vpp in layouts:
+        init_parallel(device="cpu", tp=tp, pp=pp, vpp=vpp)
+        for case in (c for c, lays in cases.items() if (tp, pp, vpp) in lays):
             path = Path(root) / case
             ref = torch.load(path / "ref.pt", weights_only=True)
             cfg = load_hf_config(path / "base")
@@ -62,10 +63,10 @@ def lora_parity_rank(rank: int, world: int, root: str, cases: dict[str, list[tup
             apply_lora(chunks, cfg, targets=tuple(ref["targets"]), rank=ref["r"], alpha=ref["alpha"],
                        dropout=0.0, seed=0)
             # Initial adapters (peft's init: A Kaiming-uniform, B = 0) do not depend on the layout.
-            out[(case, tp, pp, "init")] = {n: t.double().sum().item() for n, t in export_peft_tensors(chunks)}
+            out[(case, tp, pp, vpp, "init")] = {n: t.double().sum().item() for n, t in export_peft_tensors(chunks)}
             load_peft_tensors(chunks, ref["adapters"].__getitem__)
             logits = _logits_and_grads(chunks, cfg, ref["ids"], ref["weight"])
-            key = (case, tp, pp)
+            key = (case, tp, pp, vpp)
             if logits is not None:
                 out[key + ("logits",)] = (logits - ref["logits"]).abs().max().item()
             frozen = [n for c in chunks for n, p in c.named_parameters() if p.grad is not None and "_lora." not in n]
@@ -81,7 +82,7 @@ def lora_parity_rank(rank: int, world: int, root: str, cases: dict[str, list[tup
                 # Relative to the tensor's largest entry: these grads are O(100) (Σ over B·T·V terms).
                 grads[name] = ((g - ref["grads"][name]).abs().max() / ref["grads"][name].abs().max()).item()
             out[key + ("grads",)] = grads
-            if (tp, pp) == (2, 2):
+            if (tp, pp, vpp) == (2, 2, None):
                 load_peft_tensors(chunks, ref["adapters"].__getitem__)
                 merged = dict(export_hf_weights(chunks, cfg))
                 n_lora = len(list(export_hf_weights(chunks, cfg, only_lora=True)))

@@ -1,4 +1,4 @@
-"""Megatron + LoRA == transformers + peft (fp32) at TP1, TP2, PP2, TP2×PP2: logits, gradients of A
+"""Megatron + LoRA == transformers + peft (fp32) at TP1, TP2, PP2, TP2×PP2 (and PP2×VPP2): logits, gradients of A
 and B, and the merged HF export (= peft's merge_and_unload). One 4-rank gloo launch."""
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ CASES_DEF = {  # case -> (family, targets, r, alpha)
     "qwen2_all": ("qwen2", ALL, 2, 16.0),            # qkv bias, tied embeddings
     "qwen2_qv": ("qwen2", ["q_proj", "v_proj"], 4, 4.0),  # k untargeted: zero block inside the fused qkv
 }
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
-CASES = {"llama_all": LAYOUTS, "qwen2_all": LAYOUTS, "qwen2_qv": [(2, 1), (2, 2)]}
+LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None)]  # (TP, PP, VPP)
+CASES = {"llama_all": LAYOUTS + [(1, 2, 2)], "qwen2_all": LAYOUTS, "qwen2_qv": [(2, 1, None), (2, 2, None)]}
 TOL = 1e-5  # fp32; same maths in another order (TP reductions, fused layouts). Grads: relative to max |grad|.
 
 
@@ -67,7 +67,7 @@ PARAMS = [(c, lay) for c, lays in CASES.items() for lay in lays]
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("case,layout", PARAMS, ids=[f"{c}-tp{l[0]}pp{l[1]}" for c, l in PARAMS])
+@pytest.mark.parametrize("case,layout", PARAMS, ids=[f"{c}-tp{l[0]}pp{l[1]}vpp{l[2]}" for c, l in PARAMS])
 def test_lora_logits_and_grads_match_peft(launched, case, layout):
     launched = launched[1]
     diff = launched[(case, *layout, "logits")]
@@ -85,12 +85,12 @@ def test_lora_logits_and_grads_match_peft(launched, case, layout):
 @pytest.mark.parametrize("case", list(CASES))
 def test_merged_export_matches_peft_merge(launched, case):
     launched = launched[1]
-    diff = launched[(case, 2, 2, "merged")]
+    diff = launched[(case, 2, 2, None, "merged")]
     assert diff <= 1e-6, f"{case}: merged export vs peft merge_and_unload max |Δ| = {diff:.3g}"
     for stage in (0, 1):
-        n_lora, n_all = launched[(case, 2, 2, "only_lora", stage)]
-        per_layer = 5 if CASES_DEF[case][1] == ALL else 3  # q,k,v,o,gate,up,down = 7 tensors; qkv only = 3
-        assert n_lora == 2 * (7 if per_layer == 5 else 3), (case, stage, n_lora)
+        n_lora, n_all = launched[(case, 2, 2, None, "only_lora", stage)]
+        # Only the adapted projections of this stage's 2 layers: all seven, or q and v (k is unchanged).
+        assert n_lora == 2 * len(CASES_DEF[case][1]), (case, stage, n_lora)
         assert n_lora < n_all
 
 
@@ -110,7 +110,7 @@ def test_dropout_keeps_tensor_parallel_ranks_consistent(launched):
 def test_initial_adapters_do_not_depend_on_the_layout(launched, case):
     _, res = launched
     inits = [res[(case, *lay, "init")] for lay in CASES[case]]
-    full = inits[0] if CASES[case][0] == (1, 1) else {k: v for d in inits for k, v in d.items()}
+    full = inits[0] if CASES[case][0] == (1, 1, None) else {k: v for d in inits for k, v in d.items()}
     for d in inits:
         assert d and all(d[k] == full[k] for k in d), case
     assert all(v == 0 for k, v in full.items() if "lora_B" in k)
