@@ -196,8 +196,9 @@ def _check_lora(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) -> 
     if lo.separate_reference and cfg.ref.placement != "separate":
         errors.append("actor.lora.separate_reference=true is only used with ref.placement=separate; fix: remove it")
     if cfg.actor.megatron.sequence_parallel:
-        errors.append("actor.megatron.sequence_parallel=true is not supported with actor.lora (the adapters take the "
-                      "full-sequence input of the column-parallel layers); fix: actor.megatron.sequence_parallel=false")
+        errors.append("actor.megatron.sequence_parallel=true is not supported with actor.lora (LoRA builds Megatron's "
+                      "local layer spec, whose torch norms refuse sequence parallelism); fix: "
+                      "actor.megatron.sequence_parallel=false")
     if shape is not None:
         if shape.num_experts:
             errors.append(f"actor.lora on a mixture-of-experts model ({shape.num_experts} experts) is not supported "
