@@ -143,3 +143,13 @@ def test_lora_actor_tp2pp2(tmp_path):
         d_ckpt_merged = float((hf_log_probs(merged, b)[0] - r["lp1"]).abs().max())
     print(f"mrl-ckpt mcore-to-peft vs actor: {d_ckpt_peft:.2e}; mcore-to-hf (merged) vs actor: {d_ckpt_merged:.2e}")
     assert d_ckpt_peft <= 1e-5 and d_ckpt_merged <= 1e-5
+
+    # reshard (TP2×PP2 -> TP1×PP2) keeps the adapters and lora_config.json: the same peft tensors come out
+    from safetensors.torch import load_file
+
+    resharded, peft_rs = tmp_path / "ckpt_rs", tmp_path / "ckpt_rs_peft"
+    assert ckpt_main(["reshard", "--in", dirs[0], "--out", str(resharded), "--tp", "1", "--pp", "2",
+                      "--device", "cpu"]) == 0
+    assert ckpt_main(["mcore-to-peft", "--mcore", str(resharded), "--out", str(peft_rs), "--device", "cpu"]) == 0
+    a, b2 = load_file(str(peft_out / "adapter_model.safetensors")), load_file(str(peft_rs / "adapter_model.safetensors"))
+    assert a.keys() == b2.keys() and all(torch.equal(a[k], b2[k]) for k in a)
