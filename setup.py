@@ -33,7 +33,7 @@ setup(
         # mrl.rollout.sglang_launcher.SGLANG_VERSION; tests/rollout/conformance/test_version_pins.py checks)
         "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23"],
         # sglang-router (SGLang's Rust router) runs without a GPU: CI tests rollout.router=sglang_router with it
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5", "sglang-router>=0.3",
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5", "sglang-router>=0.3", "peft>=0.13",
                 # real clients of `mrl engine` (tests/rollout/clients/) and the pure-Python modules SGLang's
                 # code imports when the conformance suite runs it on CPU (requirements-sglang-cpu.txt)
                 "openai>=1.40", "pybase64", "msgspec", "pyzmq", "dill", "ipython", "gguf", "loguru",

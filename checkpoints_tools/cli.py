@@ -2,6 +2,7 @@
 
     mrl-ckpt hf-to-mcore --hf DIR --out DIR --tp N --pp M [--vpp K] [--dtype bf16]
     mrl-ckpt mcore-to-hf --mcore DIR --out DIR [--hf-template DIR] [--tp N --pp M] [--dtype bf16]
+    mrl-ckpt mcore-to-peft --mcore DIR --out DIR [--tp N --pp M]   (LoRA checkpoints: the adapter alone)
     mrl-ckpt reshard --in DIR --out DIR --tp N --pp M [--vpp K]
     mrl-ckpt inspect DIR [--no-checksums]
 
@@ -56,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="ranks used for loading (any layout works)")
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="output dtype (default: as saved)")
+    _common(p)
+
+    p = sub.add_parser("mcore-to-peft", help="LoRA dist checkpoint -> peft adapter (adapter_config.json + "
+                       "adapter_model.safetensors); mcore-to-hf gives the merged model")
+    p.add_argument("--mcore", "--ckpt", dest="ckpt", required=True, type=Path)
+    p.add_argument("--base-model", default=None, help="base_model_name_or_path to record (default: the training model.path)")
+    p.add_argument("--tp", type=int, default=1, help="ranks used for loading (any layout works)")
+    p.add_argument("--pp", type=int, default=1)
     _common(p)
 
     p = sub.add_parser("reshard", help="Megatron dist checkpoint -> same at another TP/PP/VPP")
@@ -192,6 +201,38 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
     print(f"parameters in (Megatron, vocab padded): {_mcore_param_count(info):,}; out (HF): {n_out:,}")
 
 
+def _mcore_to_peft(args: argparse.Namespace) -> None:
+    import torch
+
+    from checkpoints_tools.convert import mcore_to_peft_rank
+    from checkpoints_tools.launch import pick_device, run_local_ranks
+    from mrl.megatron.checkpoint import verify_checkpoint
+    from mrl.megatron.lora_io import read_lora_meta, write_peft
+
+    world = _check_sizes(args)
+    lora = read_lora_meta(args.ckpt)
+    if lora is None:
+        raise UsageError(f"{args.ckpt} has no lora_config.json: not a LoRA checkpoint (actor.lora.rank was 0); "
+                         "use mrl-ckpt mcore-to-hf for the full model")
+    meta = verify_checkpoint(args.ckpt)["metadata"]
+    device = pick_device(args.device, world)
+    tmp = _prepare_out(args.out, args.force, [args.ckpt])
+    try:
+        _stage_side_files(args.ckpt, None, meta, tmp)
+        results = run_local_ranks(mcore_to_peft_rank, world, (str(args.ckpt), str(tmp), args.tp, args.pp,
+                                  str(meta.get("params_dtype", "float32")), device, args.timeout),
+                                  device=device, timeout_s=args.timeout)
+        tensors = {k: torch.from_numpy(v) for r in results for k, v in r.items()}
+        for f in list(tmp.iterdir()):  # the config was for loading; a peft directory holds only its two files
+            f.unlink()
+        write_peft(tmp, tensors, lora, base_model=args.base_model)
+        _finish(tmp, args.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"mcore-to-peft: {len(tensors)} adapter tensors (rank {lora['rank']}, alpha {lora['alpha']}, "
+          f"{', '.join(lora['targets'])}) -> {args.out}")
+
+
 def _reshard(args: argparse.Namespace) -> None:
     from checkpoints_tools.convert import reshard_rank
     from checkpoints_tools.launch import pick_device, run_local_ranks
@@ -212,6 +253,10 @@ def _reshard(args: argparse.Namespace) -> None:
         run_local_ranks(reshard_rank, world, (str(args.ckpt), str(tmp), str(tmp), args.tp, args.pp,
                         args.vpp, str(meta.get("params_dtype", "float32")), device, args.timeout),
                         device=device, timeout_s=args.timeout)
+        from mrl.megatron.lora_io import LORA_META
+
+        if (args.ckpt / LORA_META).is_file():  # the adapters were resharded too: keep them loadable
+            shutil.copy2(args.ckpt / LORA_META, tmp / LORA_META)
         n_out = _mcore_param_count(verify_checkpoint(tmp))
         _finish(tmp, args.out)
     finally:
@@ -228,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             _hf_to_mcore(args)
         elif args.command == "mcore-to-hf":
             _mcore_to_hf(args)
+        elif args.command == "mcore-to-peft":
+            _mcore_to_peft(args)
         elif args.command == "reshard":
             _reshard(args)
         else:

@@ -43,11 +43,46 @@ def _setup(device: str, tp: int, pp: int, vpp: int | None, timeout_s: int) -> No
     init_parallel(device=device, tp=tp, pp=pp, vpp=vpp, timeout_s=timeout_s)
 
 
-def _build(cfg_dir: str, dtype: torch.dtype) -> tuple[Any, list]:
+def _build(cfg_dir: str, dtype: torch.dtype, lora_ckpt: str | None = None) -> tuple[Any, list]:
+    from mrl.megatron.lora_io import LORA_META
     from mrl.megatron.provider import build_model_chunks, load_hf_config
 
     cfg = load_hf_config(cfg_dir)
-    return cfg, build_model_chunks(cfg, dtype=dtype)
+    lora = lora_ckpt is not None and (Path(lora_ckpt) / LORA_META).is_file()
+    return cfg, build_model_chunks(cfg, dtype=dtype, use_te=False if lora else None)
+
+
+def _maybe_lora(ckpt_dir: str, cfg: Any, chunks: list) -> dict | None:
+    """Add the adapters a LoRA checkpoint holds (``lora_config.json``), so it loads and exports merged."""
+    from mrl.megatron.lora import apply_lora
+    from mrl.megatron.lora_io import read_lora_meta
+
+    meta = read_lora_meta(ckpt_dir)
+    if meta is not None:
+        apply_lora(chunks, cfg, targets=tuple(meta["targets"]), rank=int(meta["rank"]), alpha=float(meta["alpha"]),
+                   dropout=0.0, seed=0)
+    return meta
+
+
+def mcore_to_peft_rank(
+    rank: int, ckpt_dir: str, cfg_dir: str, tp: int, pp: int, model_dtype: str, device: str, timeout_s: int,
+) -> dict[str, Any]:
+    """Load a LoRA dist checkpoint at (tp, pp); TP/DP rank 0 of each stage returns its full adapter tensors."""
+    from megatron.core import parallel_state as ps
+
+    from mrl.megatron.checkpoint import load_checkpoint
+    from mrl.megatron.lora import export_peft_tensors
+    from mrl.megatron.provider import build_model_chunks, load_hf_config
+
+    _setup(device, tp, pp, None, timeout_s)
+    cfg = load_hf_config(cfg_dir)
+    chunks = build_model_chunks(cfg, dtype=dtype_from_name(model_dtype), use_te=False)
+    if _maybe_lora(ckpt_dir, cfg, chunks) is None:
+        raise ValueError(f"{ckpt_dir} has no lora_config.json: it is not a LoRA checkpoint (use mcore-to-hf)")
+    load_checkpoint(ckpt_dir, chunks)
+    tensors = {n: t.cpu().numpy() for n, t in export_peft_tensors(chunks)}  # collective over TP
+    keep = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    return tensors if keep else {}
 
 
 def hf_to_mcore_rank(
@@ -98,7 +133,8 @@ def mcore_to_hf_rank(
     from mrl.megatron.mapping import export_hf_weights, hf_names_for_stage
 
     _setup(device, tp, pp, None, timeout_s)
-    cfg, chunks = _build(cfg_dir, dtype_from_name(model_dtype))
+    cfg, chunks = _build(cfg_dir, dtype_from_name(model_dtype), lora_ckpt=ckpt_dir)
+    _maybe_lora(ckpt_dir, cfg, chunks)  # a LoRA checkpoint exports merged weights W + (alpha/r)·B·A
     load_checkpoint(ckpt_dir, chunks)
     total = len(hf_names_for_stage(chunks, cfg))
     stream: Iterator = iter(_progress(export_hf_weights(chunks, cfg), total=total, desc="mcore -> hf"))
@@ -120,7 +156,8 @@ def reshard_rank(
     from mrl.megatron.checkpoint import load_checkpoint, save_checkpoint
 
     _setup(device, tp, pp, vpp, timeout_s)
-    cfg, chunks = _build(cfg_dir, dtype_from_name(model_dtype))
+    cfg, chunks = _build(cfg_dir, dtype_from_name(model_dtype), lora_ckpt=in_dir)
+    _maybe_lora(in_dir, cfg, chunks)
     extra = load_checkpoint(in_dir, chunks)
     save_checkpoint(out_dir, chunks, hf_config=cfg, extra=extra)
     return {"rank": rank}

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field
 
 from mrl.config.base import Section
+from mrl.config.lora import LoraConfig
 from mrl.config.optim import OptimConfig
 from mrl.config.parallel import ParallelConfig
 
@@ -53,6 +54,7 @@ class ActorConfig(Section):
     megatron: ParallelConfig = Field(default_factory=ParallelConfig, description="Megatron parallel layout of the actor.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Actor optimizer and LR schedule.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint contents (verl actor.checkpoint).")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="Low-rank adapters (rank 0 = off); docs/lora.md.")
     use_distributed_optimizer: bool = Field(True, description="Shard Adam state and fp32 master weights over DP ranks (Megatron).")
     ppo_mini_batch_size: int = Field(
         256, ge=1, description="PROMPTS per optimizer step; samples per mini-batch = ppo_mini_batch_size * rollout.n."

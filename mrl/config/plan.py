@@ -15,6 +15,9 @@ Memory per device (Megatron mixed precision, nothing offloaded, activations and 
     actor/critic  = params * (w + 4 [fp32 main grads] + (12 if w < 4 else 8) [fp32 master + Adam m, v] / (DP*CP
                     when use_distributed_optimizer)), w = bytes of model.dtype
     reference     = params * w;  engine = unpadded params / engine_tp_size * w
+    LoRA actor    = params * w + a * (w + 4 + opt / shard): only the a adapter params/device get grads and
+                    Adam state; a = Σ_layers Σ_targets r·in + r·out/TP (column) or r·in/TP + r·out (row).
+                    The colocated reference is the same model with adapters off: 0 bytes.
 """
 from __future__ import annotations
 
@@ -67,14 +70,28 @@ class RoleMemory:
         return self.weights + self.grads + self.optimizer
 
 
+def lora_params_per_device(shape: ModelShape, par: ParallelConfig, rank: int, targets: tuple[str, ...]) -> int:
+    """Adapter parameters on the most loaded device (a full stage of layers; see the module doc)."""
+    tp = par.tensor_model_parallel_size
+    h, q, kv, f = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, \
+        shape.intermediate_size
+    column = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "gate_proj": (h, f), "up_proj": (h, f)}
+    row = {"o_proj": (q, h), "down_proj": (f, h)}
+    per_layer = sum(rank * i + rank * o / tp for t, (i, o) in column.items() if t in targets)
+    per_layer += sum(rank * i / tp + rank * o for t, (i, o) in row.items() if t in targets)
+    return int(per_layer * (shape.num_layers // par.pipeline_model_parallel_size))
+
+
 def trained_memory(shape: ModelShape, par: ParallelConfig, dp: int, dtype: str, distributed_optimizer: bool,
-                   divisible_by: int, value_head: bool = False) -> RoleMemory:
-    """Weights + fp32 grads + optimizer state of a trained Megatron role per device (see module doc)."""
+                   divisible_by: int, value_head: bool = False, trainable: int | None = None) -> RoleMemory:
+    """Weights + fp32 grads + optimizer state of a trained Megatron role per device (see module doc).
+    ``trainable``: LoRA adapter params per device (the rest is frozen: no grads, no optimizer state)."""
     p = params_per_device(shape, par, divisible_by, value_head)
     w = _DTYPE_BYTES[dtype]
     opt = 12 if w < 4 else 8
     shard = dp * par.context_parallel_size if distributed_optimizer else 1
-    return RoleMemory(weights=p * w, grads=p * 4, optimizer=int(p * opt / max(shard, 1)))
+    t = p if trainable is None else trainable
+    return RoleMemory(weights=(p if trainable is None else p + t) * w, grads=t * 4, optimizer=int(t * opt / max(shard, 1)))
 
 
 @dataclass
@@ -92,6 +109,7 @@ class Plan:
     memory: dict[str, RoleMemory] = field(default_factory=dict)
     param_count: int | None = None
     notes: list[str] = field(default_factory=list)
+    full_finetune_actor: RoleMemory | None = None  # the actor without LoRA, to show what LoRA saves
 
     def device_total(self) -> dict[str, int]:
         """Bytes on one device of each group of roles sharing devices (colocated roles add up)."""
@@ -135,9 +153,15 @@ def build_plan(cfg: MRLConfig) -> Plan:
     plan.param_count = shape.param_count()
     div, dt = cfg.model.make_vocab_size_divisible_by, cfg.model.dtype
     plan.memory["actor"] = trained_memory(shape, a.megatron, dp, dt, a.use_distributed_optimizer, div)
+    if a.lora.enabled:
+        plan.full_finetune_actor = plan.memory["actor"]
+        plan.memory["actor"] = trained_memory(shape, a.megatron, dp, dt, a.use_distributed_optimizer, div,
+                                              trainable=lora_params_per_device(shape, a.megatron, a.lora.rank,
+                                                                               a.lora.targets))
     if "ref" in roles:
         p = params_per_device(shape, cfg.ref.megatron, div)
-        plan.memory["ref"] = RoleMemory(weights=p * _DTYPE_BYTES[dt])
+        lora_ref = a.lora.enabled and cfg.ref.placement == "colocated"  # adapters off: no second copy
+        plan.memory["ref"] = RoleMemory(weights=0 if lora_ref else p * _DTYPE_BYTES[dt])
     if "critic" in roles:
         c = cfg.critic
         plan.memory["critic"] = trained_memory(shape, c.megatron, max(roles["critic"].dp, 1), dt,
@@ -189,6 +213,13 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
             lines.append(f"    {name:8s} {parts} = {_gib(m.total)}")
         for group, total in plan.device_total().items():
             lines.append(f"    total per {group} device if nothing is offloaded: {_gib(total)}")
+        full, lo = plan.full_finetune_actor, plan.memory["actor"]
+        if full is not None:
+            lines.append(
+                f"    LoRA rank {a.lora.rank} ({len(a.lora.targets)} target projections): actor grads + optimizer "
+                f"{_gib(lo.grads + lo.optimizer)} instead of {_gib(full.grads + full.optimizer)} (full fine-tuning), "
+                f"saves {_gib(full.total - lo.total)} per actor device; reference = base model with adapters off "
+                + ("(0 bytes)" if cfg.ref.placement == "colocated" else "(separate copy)"))
     if plan.notes:
         lines.append("  notes:")
         lines.extend(f"    - {n}" for n in plan.notes)

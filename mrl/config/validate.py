@@ -174,6 +174,40 @@ def _check_placement(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelS
         )
 
 
+def _check_lora(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) -> None:
+    """actor.lora: no setting silently ignored, only what the adapters support (docs/lora.md)."""
+    lo = cfg.actor.lora
+    if not lo.enabled:
+        stray = sorted(lo.model_fields_set - {"rank"})
+        if stray:
+            errors.append(f"actor.lora.{stray[0]} is set but actor.lora.rank=0 (LoRA off) ignores it; fix: set "
+                          "actor.lora.rank > 0 (e.g. 8) or remove " + ", ".join(f"actor.lora.{k}" for k in stray))
+        return
+    if not lo.target_modules:
+        errors.append("actor.lora.target_modules is empty; fix: list HF projections (q_proj,k_proj,v_proj,o_proj,"
+                      "gate_proj,up_proj,down_proj) or [all-linear]")
+    elif "all-linear" in lo.target_modules and len(lo.target_modules) > 1:
+        errors.append(f"actor.lora.target_modules={lo.target_modules} mixes all-linear with projection names; fix: "
+                      "use [all-linear] alone or list the projections")
+    if cfg.ref.placement == "separate" and not lo.separate_reference:
+        errors.append("ref.placement=separate with actor.lora.rank > 0 would hold a second full model although the "
+                      "actor with its adapters off is the reference; fix: ref.placement=colocated (no copy), or "
+                      "actor.lora.separate_reference=true to keep a separate reference anyway")
+    if lo.separate_reference and cfg.ref.placement != "separate":
+        errors.append("actor.lora.separate_reference=true is only used with ref.placement=separate; fix: remove it")
+    if cfg.actor.megatron.sequence_parallel:
+        errors.append("actor.megatron.sequence_parallel=true is not supported with actor.lora (LoRA builds Megatron's "
+                      "local layer spec, whose torch norms refuse sequence parallelism); fix: "
+                      "actor.megatron.sequence_parallel=false")
+    if shape is not None:
+        if shape.num_experts:
+            errors.append(f"actor.lora on a mixture-of-experts model ({shape.num_experts} experts) is not supported "
+                          "(adapters exist for dense attention/MLP projections only); fix: actor.lora.rank=0")
+        if lo.rank > shape.hidden_size:
+            errors.append(f"actor.lora.rank={lo.rank} exceeds the model's hidden size {shape.hidden_size} (no longer "
+                          f"low-rank); fix: choose actor.lora.rank <= {shape.hidden_size}, typically 8-64")
+
+
 def _check_algorithm(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
     a, al = cfg.actor, cfg.algorithm
     for key, val in (("actor.kl_loss_type", a.kl_loss_type), ("algorithm.kl_penalty", al.kl_penalty)):
@@ -358,6 +392,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
         c = cfg.critic
         _check_role_batches("critic", c.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu,
                             c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu, cfg, roles["critic"], errors)
+    _check_lora(cfg, shape, errors)
     _check_algorithm(cfg, errors, notes)
     _check_rollout(cfg, shape, errors)
     _check_dapo(cfg, errors)

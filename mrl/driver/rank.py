@@ -115,7 +115,13 @@ class TrainRank:
     def sync_weights(self, version: int) -> dict[str, float]:
         if self.syncer is None:
             raise RuntimeError("sync_weights before init_weight_sync")
-        return self.syncer.sync(self.actor.export_hf_weights(), version).metrics()
+        # LoRA: only the adapted (merged) weights change once the engines hold the base; the disk
+        # transport has the engines reload a whole checkpoint directory, so it always sends all.
+        only_lora = (self.cfg.actor.lora.enabled and getattr(self, "_synced_once", False)
+                     and self.cfg.rollout.weight_sync.transport != "disk")
+        metrics = self.syncer.sync(self.actor.export_hf_weights(only_lora=only_lora), version).metrics()
+        self._synced_once = True
+        return metrics
 
     def save(self, ckpt_dir: str, contents: list[str] | None = None) -> None:
         """``contents``: actor.checkpoint.save_contents (None: model, optimizer, extra)."""

@@ -217,17 +217,28 @@ def _to_hf(rule: Rule, local: torch.Tensor, hf_config: Any) -> list[torch.Tensor
     raise ValueError(f"unknown split {rule.split!r}; expected one of {SPLITS}")
 
 
-def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any, *, only_lora: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for this rank's pipeline stage.
 
     Every rank of the TP group must iterate in lockstep (TP gathers are collectives); each PP
     stage yields its own layers under global HF indices. Tensors keep the parameter's dtype and
     device; the embedding / lm_head are un-padded to ``hf_config.vocab_size``; a tied model yields
-    ``model.embed_tokens.weight`` (first stage) and no ``lm_head.weight``.
+    ``model.embed_tokens.weight`` (first stage) and no ``lm_head.weight``. A weight with LoRA
+    adapters (:mod:`mrl.megatron.lora`) is exported merged, ``W + (alpha/r)·B·A``; ``only_lora``
+    yields just the adapted HF projections (the only tensors that change while the base is frozen;
+    e.g. ``q_proj``/``v_proj`` but not ``k_proj`` of a fused ``linear_qkv`` with q,v targets).
     """
     with torch.no_grad():
         for rule, fmt, p in _stage_params(model_chunks, hf_config):
+            adapter = getattr(p, "_lora_adapter", None)
+            if adapter is not None:
+                p = adapter.merged_weight(p)
+            elif only_lora:
+                continue
             for name, tensor in zip(rule.hf, _to_hf(rule, p, hf_config)):
+                if only_lora and name.split(".")[-2] not in adapter.A:
+                    continue
                 yield name.format(**fmt), tensor
 
 

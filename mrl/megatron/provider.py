@@ -187,6 +187,7 @@ def build_model_chunks(
     make_vocab_size_divisible_by: int = 128,
     share_embeddings_and_output_weights: bool | None = None,
     config_overrides: dict[str, Any] | None = None,
+    use_te: bool | None = None,
 ) -> list:
     """One ``GPTModel`` per virtual pipeline stage of this rank (a list of length VPP or 1).
 
@@ -207,7 +208,7 @@ def build_model_chunks(
         else share_embeddings_and_output_weights
     )
     vocab = padded_vocab_size(hf_config.vocab_size, tcfg.tensor_model_parallel_size, make_vocab_size_divisible_by)
-    spec = layer_spec(hf_config)
+    spec = layer_spec(hf_config, use_te=use_te)  # LoRA passes False: its adapters need the unfused norm
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     chunks = []
     for vp_stage in range(vpp):

@@ -87,7 +87,7 @@ class ActorWorker(TrainableState):
         self.engine = MegatronEngine(
             model_path, cfg.megatron, device=device, dtype=dtype, seed=seed, train=True,
             use_distributed_optimizer=cfg.use_distributed_optimizer,
-            init_parallel=init_parallel,
+            init_parallel=init_parallel, lora=cfg.lora,
         )
         e = self.engine
         if mini_batch_size_samples % e.dp_size != 0:
@@ -171,9 +171,10 @@ class ActorWorker(TrainableState):
         return out
 
     # ---- weights, checkpoints, memory ---------------------------------------------------
-    def export_hf_weights(self):
-        """``(hf_name, tensor)`` of this rank's pipeline stage (TP-gathered): for weight sync."""
-        return self.engine.named_parameters_hf()
+    def export_hf_weights(self, *, only_lora: bool = False):
+        """``(hf_name, tensor)`` of this rank's pipeline stage (TP-gathered): for weight sync. With LoRA
+        the weights come merged (``W + (alpha/r)·B·A``); ``only_lora`` yields only the adapted ones."""
+        return self.engine.named_parameters_hf(only_lora=only_lora)
 
     def export_hf(self, out_dir: str | os.PathLike) -> None:
         """Write an HF checkpoint (safetensors + config) of the current weights; collective."""
@@ -187,6 +188,10 @@ class ActorWorker(TrainableState):
         weights too with ``hf_model``."""
         from mrl.workers.checkpointing import HF_SUBDIR, save_hf_side_files
 
+        if self.engine.lora:  # before the weights: their completion marker then vouches for it too
+            from mrl.megatron.lora_io import write_lora_meta
+
+            write_lora_meta(ckpt_dir, self.cfg.lora, self.engine.hf_path)
         self.save(ckpt_dir, optimizer="optimizer" in contents, extra="extra" in contents)
         if "hf_model" in contents:
             self.export_hf(os.path.join(ckpt_dir, HF_SUBDIR))
@@ -196,7 +201,9 @@ class ActorWorker(TrainableState):
     def load_checkpoint(self, ckpt_dir: str | os.PathLike, contents: list[str]) -> None:
         """verl's ``actor.checkpoint.load_contents`` (model always; ``hf_model`` needs nothing here)."""
         from mrl.megatron.checkpoint import CheckpointError, read_checkpoint_metadata
+        from mrl.megatron.lora_io import check_lora_matches
 
+        check_lora_matches(ckpt_dir, self.cfg.lora)
         want_optim = "optimizer" in contents
         if want_optim and not read_checkpoint_metadata(ckpt_dir).get("has_optimizer"):
             raise CheckpointError(

@@ -75,6 +75,8 @@ class MegatronEngine:
         use_distributed_optimizer: build DDP's param buffers for Megatron's DistributedOptimizer.
         value_head: replace the LM head with a scalar head (critic), see :meth:`_add_value_head`.
         init_parallel: call :func:`mrl.megatron.parallel.init_parallel` for ``parallel``.
+        lora: ``actor.lora``; with ``rank > 0`` the base weights are frozen and adapters added
+            (:mod:`mrl.megatron.lora`) before DDP, on Megatron's local layer spec.
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class MegatronEngine:
         value_head: bool = False,
         init_parallel: bool = True,
         timeout_s: int = 300,
+        lora: Any = None,
     ) -> None:
         from megatron.core import parallel_state as ps
 
@@ -116,11 +119,18 @@ class MegatronEngine:
         self.parallel = parallel
         self.value_head = value_head
         overrides = {"sequence_parallel": parallel.sequence_parallel}
+        self.lora = lora if lora is not None and lora.enabled else None
         chunks = build_model_chunks(
             self.hf_config, dtype=dtype, wrap_ddp=False, config_overrides=overrides,
             share_embeddings_and_output_weights=False if value_head else None,
+            use_te=False if self.lora else None,
         )
         self.load_hf(hf_path, chunks)
+        if self.lora:
+            from mrl.megatron.lora import apply_lora
+
+            apply_lora(chunks, self.hf_config, targets=self.lora.targets, rank=self.lora.rank,
+                       alpha=self.lora.alpha, dropout=self.lora.dropout, seed=seed)
         if value_head:
             for c in chunks:
                 self._add_value_head(c, seed)
@@ -184,11 +194,12 @@ class MegatronEngine:
             head.weight.copy_(torch.randn(1, hidden, generator=g) * hidden ** -0.5)
         model.output_layer = head.to(self.device)
 
-    def named_parameters_hf(self):
-        """``(hf_name, full tensor)`` of this rank's pipeline stage (TP-gathered); LM models only."""
+    def named_parameters_hf(self, *, only_lora: bool = False):
+        """``(hf_name, full tensor)`` of this rank's pipeline stage (TP-gathered); LM models only.
+        With LoRA the adapted weights come merged; ``only_lora``: just those."""
         from mrl.megatron.mapping import export_hf_weights
 
-        return export_hf_weights(self.chunks, self.hf_config)
+        return export_hf_weights(self.chunks, self.hf_config, only_lora=only_lora)
 
     # ---- schedule --------------------------------------------------------------------------
     def run(

@@ -9,6 +9,8 @@ Two placements (``ref.placement``):
   copied into the actor's parameters for the forward, then the actor's weights are copied back
   (slime's approach), so no second model copy lives on the device. Copies are exact, so the
   actor's parameters, its DDP buffers and the optimizer's views of them are unchanged afterwards.
+  With LoRA on (``actor.lora.rank > 0``) the base weights never change, so the reference is the
+  actor's own model with its adapters switched off: no copy, no swap (verl's ``ref_in_actor``).
 
 The result feeds the KL loss (``actor.use_kl_loss``), the KL-in-reward penalty and
 ``ref_reward_blend`` alike (seed 000: compute once, reuse). ``compute_repr_similarity`` runs the
@@ -66,6 +68,9 @@ class ColocatedReference:
     def __init__(self, actor, *, model_path: str | os.PathLike | None = None) -> None:
         self.actor = actor
         e = actor.engine
+        self.host = None
+        if getattr(e, "lora", None) and model_path is None:
+            return  # the frozen base is the reference: see _swapped_in
         params = self._params()
         if model_path is not None:
             backup = [p.detach().to("cpu", copy=True) for p in params]
@@ -85,6 +90,12 @@ class ColocatedReference:
     @contextlib.contextmanager
     def _swapped_in(self) -> Iterator[None]:
         """The reference weights in the actor's parameters inside the block; the actor's are restored after."""
+        if self.host is None:
+            from mrl.megatron.lora import adapters_disabled
+
+            with adapters_disabled(self.actor.engine.chunks):
+                yield
+            return
         params = self._params()
         with torch.no_grad():
             actor_w = [p.detach().to("cpu", copy=True) for p in params]

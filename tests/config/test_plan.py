@@ -139,3 +139,35 @@ def test_plan_text_has_resolved_config_and_plan(tiny_model: Path, train_file: Pa
     head, _, tail = text.partition("\nplan:\n")
     assert yaml.safe_load(head)["rollout"]["n"] == 8
     assert "samples per step: 256" in tail and "memory per device" in tail
+
+
+QWEN25_3B = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+             "num_attention_heads": 16, "num_key_value_heads": 2, "max_position_embeddings": 32768, "tie_word_embeddings": True}
+
+
+def test_lora_recipe_plan_shows_memory_saved(tmp_path: Path, train_file: Path) -> None:
+    """The GPU LoRA recipe at Qwen2.5-3B: adapter count = peft's trainable count on the same architecture
+    (built on the meta device), only adapters get grads and Adam state, the colocated reference costs 0."""
+    import peft
+    import torch
+    import transformers as tf
+
+    model = write_hf_config(tmp_path / "q3b", QWEN25_3B)
+    cfg = load_config("mrl_configs/qwen2.5-3b_gsm8k_grpo_lora.yaml",
+                      [f"model.path={model}", f"data.train_files=[{train_file}]", f"data.val_files=[{train_file}]"])
+    plan = build_plan(cfg)
+    with torch.device("meta"):
+        hf = tf.AutoModelForCausalLM.from_config(tf.Qwen2Config(**{k: v for k, v in QWEN25_3B.items() if k != "model_type"}))
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=64, lora_alpha=32, target_modules="all-linear"))
+    a = sum(p.numel() for p in pm.parameters() if p.requires_grad)
+    assert a == 36 * 64 * (2 * 2048 + 2 * (2048 + 256) + 2 * 2048 + 3 * (2048 + 11008)) == 119_734_272
+    p = 3_085_938_688  # Qwen2.5-3B (tied), vocab 151936 already a multiple of 128
+    assert plan.param_count == p
+    # bf16 weights (+ adapters) + fp32 grads and fp32 master + Adam (12 B) / DP 8 of the adapters only
+    assert plan.memory["actor"].total == (p + a) * 2 + a * 4 + a * 12 // 8
+    assert plan.full_finetune_actor.total == p * 2 + p * 4 + p * 12 // 8
+    assert plan.memory["ref"].total == 0
+    text = format_plan(cfg, plan)
+    saved = (plan.full_finetune_actor.total - plan.memory["actor"].total) / 1024**3
+    assert f"saves {saved:.2f} GiB per actor device" in text and "LoRA rank 64 (7 target projections)" in text
+    print(text.split("memory per device")[1])

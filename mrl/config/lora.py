@@ -1,0 +1,47 @@
+"""LoRA section of the actor: low-rank adapters on the attention and MLP projections.
+
+With ``rank > 0`` every target projection ``W`` (frozen) gets a trainable update
+``ΔW = (alpha / rank) · B · A`` with ``A ∈ R^{rank × in}`` and ``B ∈ R^{out × rank}`` (Hu et al.
+2021; the names and initialisation of Hugging Face ``peft``: A Kaiming-uniform, B zero, so the
+first policy equals the base model). Only A and B are trained and hold optimizer state; the
+reference policy is the same model with its adapters switched off (verl's ``ref_in_actor``).
+Layout over tensor parallelism and the fused projections: docs/lora.md.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mrl.config.base import Section
+
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "all-linear"]
+# Hugging Face projection names of the supported decoder families (Llama/Qwen2/Qwen3/Mistral).
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Section):
+    """Low-rank adapters on the actor (verl ``actor_rollout_ref.model.lora_rank`` / ``lora_alpha`` / ``target_modules``)."""
+
+    rank: int = Field(0, ge=0, description="Adapter rank r; 0 = LoRA off (full fine-tuning).")
+    alpha: float = Field(16.0, gt=0, description="Scaling numerator: ΔW = (alpha / rank) · B · A (peft's lora_alpha).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input during training (peft's lora_dropout).")
+    target_modules: list[LoraTarget] = Field(
+        default_factory=lambda: ["all-linear"],
+        description="Hugging Face projection names that get adapters (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+        "down_proj) or all-linear for all seven.",
+    )
+    separate_reference: bool = Field(
+        False, description="With LoRA the reference is the base model (adapters off, no second copy); true allows "
+        "ref.placement=separate anyway (a second full model).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """Expanded target names in canonical order (all-linear → all seven)."""
+        chosen = set(ALL_LINEAR) if "all-linear" in self.target_modules else set(self.target_modules)
+        return tuple(t for t in ALL_LINEAR if t in chosen)

@@ -1,0 +1,306 @@
+"""LoRA adapters on Megatron-Core's tensor-parallel linears, laid out so HF ``peft`` maps exactly.
+
+For a frozen projection ``y = x Wᵀ`` (HF ``W ∈ R^{out × in}``) the adapter adds
+``Δy = s · dropout(x) Aᵀ Bᵀ`` with ``A ∈ R^{r × in}``, ``B ∈ R^{out × r}``, ``s = alpha / r``
+(peft's ``lora_A``/``lora_B``/``scaling``). Over ``T`` tensor-parallel ranks (rank ``t``):
+
+* **column-parallel** (``linear_qkv``, ``linear_fc1``; ``W`` split by rows, ``W_t = W[t·out/T:(t+1)·out/T]``):
+  ``A`` replicated, ``B_t`` = the same row block of ``B``. ``u = x Aᵀ`` is identical on every rank;
+  ``Δy_t = s · u B_tᵀ`` is the rank's slice of the output. Backward: the gradient of ``u`` is a
+  partial sum per rank, so ``u`` passes Megatron's ``copy_to_tensor_model_parallel_region``
+  (identity forward, all-reduce backward) and ``∂A`` comes out whole and equal on every rank.
+* **row-parallel** (``linear_proj``, ``linear_fc2``; ``W`` split by columns, the input arrives split):
+  ``A_t = A[:, t·in/T:(t+1)·in/T]``, ``B`` replicated. ``u = Σ_t x_t A_tᵀ`` is formed by
+  ``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward), then
+  ``Δy = s · u Bᵀ`` is added to the (already all-reduced) base output.
+
+Fused projections keep one adapter per HF projection (so ``q_proj``, ``k_proj``, ``v_proj`` each
+have their own rank-``r`` ``A``/``B``, exactly as peft on the HF model): their per-rank outputs are
+placed in the fused layout of :mod:`mrl.megatron.mapping` — ``linear_qkv`` interleaved per query
+group ``[q_g (nh/ng heads), k_g, v_g]`` over this rank's ``ng/T`` groups, ``linear_fc1`` as
+``[gate_t, up_t]``. A projection that is not targeted contributes zero. Pipeline stages only see
+their own layers; ``layer_number`` gives the global HF index.
+
+The adapters are sibling modules of the linear (``self_attention.linear_qkv_lora``), applied by a
+forward hook on the linear, so the base parameter names, the HF mapping and Megatron's checkpoint
+keys of the base model are unchanged; their ``sharded_state_dict`` stores global ``A``/``B``
+tensors (layout independent, like the weights). The base weights are frozen (``requires_grad``
+off before DDP wraps the model: no gradient buffer, no optimizer state).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mrl.megatron.provider import head_dim
+
+# Megatron linear (relative to a TransformerLayer) -> (parallel kind, HF projections it fuses).
+LINEARS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "self_attention.linear_qkv": ("column", ("q_proj", "k_proj", "v_proj")),
+    "self_attention.linear_proj": ("row", ("o_proj",)),
+    "mlp.linear_fc1": ("column", ("gate_proj", "up_proj")),
+    "mlp.linear_fc2": ("row", ("down_proj",)),
+}
+HF_MODULE = {
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_name(layer: int, proj: str, which: str) -> str:
+    """peft's saved tensor name: ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``."""
+    return f"{PEFT_PREFIX}model.layers.{layer}.{HF_MODULE[proj]}.lora_{which}.weight"
+
+
+def proj_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
+    """HF ``(out, in)`` of every projection."""
+    nh = hf_config.num_attention_heads
+    ng = getattr(hf_config, "num_key_value_heads", None) or nh
+    d, h, f = head_dim(hf_config), hf_config.hidden_size, hf_config.intermediate_size
+    return {"q_proj": (nh * d, h), "k_proj": (ng * d, h), "v_proj": (ng * d, h), "o_proj": (h, nh * d),
+            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
+
+
+def _tp() -> tuple[int, int, Any]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+
+
+class LoraAdapter(torch.nn.Module):
+    """The adapters of one Megatron parallel linear on this rank (see the module docstring).
+
+    ``A[proj]``/``B[proj]`` hold this rank's shards: column ``A [r, in]``, ``B [out/T, r]``;
+    row ``A [r, in/T]``, ``B [out, r]``.
+    """
+
+    def __init__(self, linear: str, targets: tuple[str, ...], *, hf_config: Any, layer: int, rank: int,
+                 alpha: float, dropout: float, dtype: torch.dtype, device: torch.device, seed: int) -> None:
+        from megatron.core.tensor_parallel.layers import (
+            set_tensor_model_parallel_attributes,
+        )
+
+        super().__init__()
+        self.kind, self.projs = LINEARS[linear]
+        self.linear = linear
+        self.layer = layer
+        self.rank, self.scaling = rank, alpha / rank
+        self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
+        self.enabled = True
+        tp, tp_rank, _ = _tp()
+        nh = hf_config.num_attention_heads
+        self.ng_local = (getattr(hf_config, "num_key_value_heads", None) or nh) // tp
+        self.heads_per_group = nh // (self.ng_local * tp)
+        self.d = head_dim(hf_config)
+        shapes = proj_shapes(hf_config)
+        self.out_local = {p: shapes[p][0] // tp if self.kind == "column" else shapes[p][0] for p in self.projs}
+        self.A = torch.nn.ParameterDict()
+        self.B = torch.nn.ParameterDict()
+        for proj in (p for p in self.projs if p in targets):
+            out, inp = shapes[proj]
+            # Full A drawn from a generator keyed by (seed, layer, projection), then sliced: every TP
+            # layout starts from the same adapters. peft's init: A Kaiming-uniform(a=√5), B = 0.
+            g = torch.Generator().manual_seed((seed * 1009 + layer) * len(HF_MODULE) + list(HF_MODULE).index(proj))
+            a_full = torch.empty(rank, inp)
+            torch.nn.init.kaiming_uniform_(a_full, a=math.sqrt(5), generator=g)
+            if self.kind == "column":
+                a, b = a_full, torch.zeros(out // tp, rank)
+            else:
+                a, b = a_full.chunk(tp, dim=1)[tp_rank].clone(), torch.zeros(out, rank)
+            self.A[proj] = torch.nn.Parameter(a.to(device=device, dtype=dtype))
+            self.B[proj] = torch.nn.Parameter(b.to(device=device, dtype=dtype))
+            split = self.B[proj] if self.kind == "column" else self.A[proj]
+            set_tensor_model_parallel_attributes(split, True, 0 if self.kind == "column" else 1, 1)
+
+    # ---- layout of the fused outputs ---------------------------------------------------------
+    def _fuse(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Per-projection local outputs ``[..., out_p/T]`` → the linear's local layout (last dim)."""
+        if self.linear == "self_attention.linear_qkv":
+            q, k, v = parts
+            lead = q.shape[:-1]
+            g = self.ng_local
+            q = q.reshape(*lead, g, self.heads_per_group * self.d)
+            k, v = k.reshape(*lead, g, self.d), v.reshape(*lead, g, self.d)
+            return torch.cat([q, k, v], dim=-1).reshape(*lead, -1)
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """``s · dropout(x) Aᵀ Bᵀ`` in this rank's output layout (the linear's output shape)."""
+        from megatron.core.tensor_parallel import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        if self.kind == "row" and self.training and isinstance(self.dropout, torch.nn.Dropout):
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+            # x_t is this rank's slice of the features: Megatron's model-parallel RNG (a different
+            # stream per TP rank) keeps the slices' masks independent, as one mask over all of x.
+            with get_cuda_rng_tracker().fork():
+                xd = self.dropout(x)
+        else:
+            # Column layers see the same x on every TP rank and must draw the same mask: the default
+            # generator, seeded alike on the ranks of a TP group (mrl.megatron.parallel.init_parallel).
+            xd = self.dropout(x)
+        parts = []
+        for proj in self.projs:
+            if proj not in self.A:
+                parts.append(x.new_zeros(*x.shape[:-1], self.out_local[proj]))
+                continue
+            u = F.linear(xd, self.A[proj])
+            if self.kind == "column":
+                u = copy_to_tensor_model_parallel_region(u)
+            else:
+                u = reduce_from_tensor_model_parallel_region(u)
+            parts.append(F.linear(u, self.B[proj]) * self.scaling)
+        return self._fuse(parts)
+
+    def hook(self, _module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """Forward hook on the base linear: add the adapter output (its ``(out, bias)`` kept)."""
+        if not self.enabled:
+            return output
+        out, *rest = output if isinstance(output, tuple) else (output,)
+        x = args[0] if args else kwargs["input_"]  # Megatron's linears name their input ``input_``
+        out = out + self.delta(x).to(out.dtype)
+        return (out, *rest) if isinstance(output, tuple) else out
+
+    @torch.no_grad()
+    def merged_weight(self, w_local: torch.Tensor) -> torch.Tensor:
+        """``W_t + s · (B A)_t`` in this rank's layout (no collective: ``B·A`` is local per shard)."""
+        parts = []
+        for proj in self.projs:
+            if proj not in self.A:
+                parts.append(w_local.new_zeros(self.out_local[proj], w_local.shape[1]).T)
+                continue
+            parts.append((self.scaling * (self.B[proj].float() @ self.A[proj].float())).T)
+        return (w_local.float() + self._fuse(parts).T).to(w_local.dtype)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Global ``A``/``B`` tensors (TP shards as slices, layers stacked by the caller's offsets)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        sd = self.state_dict(prefix="", keep_vars=True)
+        split = "B" if self.kind == "column" else "A"
+        axis = {k: (0 if self.kind == "column" else 1) for k in sd if k.startswith(split + ".")}
+        return make_sharded_tensors_for_checkpoint(sd, prefix, axis, sharded_offsets)
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _resolve(layer: torch.nn.Module, path: str) -> tuple[torch.nn.Module, str]:
+    parent_path, _, name = path.rpartition(".")
+    return layer.get_submodule(parent_path), name
+
+
+def apply_lora(chunks: list[torch.nn.Module], hf_config: Any, *, targets: tuple[str, ...], rank: int, alpha: float,
+               dropout: float, seed: int) -> list[LoraAdapter]:
+    """Freeze every parameter of ``chunks`` and add adapters on the layers' target linears.
+
+    Call before DDP wraps the chunks (DDP and the optimizer only see ``requires_grad`` params).
+    Linears must be Megatron's local-spec layers (the Transformer Engine spec fuses the input
+    norm into ``linear_qkv``/``linear_fc1``, which hides the adapter's input).
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+    )
+
+    adapters = []
+    for chunk in map(_unwrap, chunks):
+        chunk.requires_grad_(False)
+        for layer in chunk.decoder.layers:
+            for path, (kind, projs) in LINEARS.items():
+                chosen = tuple(p for p in projs if p in targets)
+                if not chosen:
+                    continue
+                parent, name = _resolve(layer, path)
+                linear = getattr(parent, name)
+                want = ColumnParallelLinear if kind == "column" else RowParallelLinear
+                if not isinstance(linear, want):
+                    raise TypeError(
+                        f"LoRA needs Megatron's local {want.__name__} at layer {layer.layer_number - 1} {path}, got "
+                        f"{type(linear).__name__} (the Transformer Engine spec fuses the input norm); build the model "
+                        "with the local spec (MegatronEngine does this when actor.lora.rank > 0)"
+                    )
+                w = linear.weight
+                ad = LoraAdapter(path, chosen, hf_config=hf_config, layer=layer.layer_number - 1, rank=rank,
+                                 alpha=alpha, dropout=dropout, dtype=w.dtype, device=w.device, seed=seed)
+                parent.add_module(name + "_lora", ad)
+                linear.register_forward_hook(ad.hook, with_kwargs=True)
+                w._lora_adapter = ad  # the HF export merges through it (mapping.export_hf_weights)
+                adapters.append(ad)
+    return adapters
+
+
+def adapters_of(chunks: list[torch.nn.Module]) -> list[LoraAdapter]:
+    return [m for c in chunks for m in c.modules() if isinstance(m, LoraAdapter)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks: list[torch.nn.Module]) -> Iterator[None]:
+    """The base model inside the block (the LoRA reference policy); adapters back on after."""
+    ads = adapters_of(chunks)
+    for a in ads:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a in ads:
+            a.enabled = True
+
+
+def export_peft_tensors(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(peft name, full tensor)`` of this rank's stage; TP-gathered (all TP ranks iterate in lockstep)."""
+    import torch.distributed as dist
+
+    tp, _, group = _tp()
+
+    def gather(t: torch.Tensor, dim: int) -> torch.Tensor:
+        if tp == 1:
+            return t.detach().clone()
+        parts = [torch.empty_like(t) for _ in range(tp)]
+        dist.all_gather(parts, t.detach().contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    for ad in adapters_of(chunks):
+        for proj in ad.A:
+            a, b = ad.A[proj], ad.B[proj]
+            a = gather(a, 1) if ad.kind == "row" else a.detach().clone()
+            b = gather(b, 0) if ad.kind == "column" else b.detach().clone()
+            yield peft_name(ad.layer, proj, "A"), a
+            yield peft_name(ad.layer, proj, "B"), b
+
+
+@torch.no_grad()
+def load_peft_tensors(chunks: list[torch.nn.Module], get: Callable[[str], torch.Tensor]) -> None:
+    """Fill this rank's adapter shards from full peft tensors (``get(peft name)``); shapes checked."""
+    tp, tp_rank, _ = _tp()
+    for ad in adapters_of(chunks):
+        for proj in ad.A:
+            for which, param in (("A", ad.A[proj]), ("B", ad.B[proj])):
+                name = peft_name(ad.layer, proj, which)
+                full = get(name)
+                split_dim = (0 if which == "B" else None) if ad.kind == "column" else (1 if which == "A" else None)
+                local = full if split_dim is None else full.chunk(tp, dim=split_dim)[tp_rank]
+                if local.shape != param.shape:
+                    raise ValueError(f"adapter tensor {name} of shape {tuple(full.shape)} does not fit "
+                                     f"{tuple(param.shape)} on TP rank {tp_rank}/{tp}: another rank or model?")
+                param.copy_(local)
+
+
+def peft_adapter_config(base_model: str, *, rank: int, alpha: float, dropout: float, targets: tuple[str, ...]) -> dict:
+    """``adapter_config.json`` that ``peft.PeftModel.from_pretrained`` reads."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": rank,
+            "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": list(targets), "bias": "none",
+            "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "init_lora_weights": True}
