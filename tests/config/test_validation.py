@@ -111,6 +111,25 @@ BAD = [
     ("bad_literal", ["rollout.engine=vllm"], ["rollout.engine", "'torch' or 'sglang'"]),
     ("bad_range", ["rollout.mem_fraction_static=1.5"], ["rollout.mem_fraction_static", "less than 1"]),
     ("bad_schedule", ["algorithm.repr_align.ref_alignment.schedule=quadratic"], ["algorithm.repr_align.ref_alignment.schedule"]),
+    # found by an independent reliability round (issue 19): each was accepted before
+    ("temperature_nan", ["rollout.temperature=.nan"], ["rollout.temperature", "finite number"]),
+    ("temperature_inf", ["rollout.temperature=.inf"], ["rollout.temperature", "finite number"]),
+    ("lr_inf", ["actor.optim.lr=.inf"], ["actor.optim.lr", "finite number"]),
+    ("kl_loss_coef_inf", ["actor.kl_loss_coef=.inf"], ["actor.kl_loss_coef", "finite number"]),
+    ("betas_out_of_range", ["actor.optim.betas=[1.5,-2]"], ["actor.optim.betas", "[0, 1)"]),
+    ("seed_too_large", ["trainer.seed=1.0e+23"], ["trainer.seed", "maximum size"]),
+    ("seed_huge_int", ["trainer.seed=100000000000000000000000"], ["trainer.seed", "less than"]),
+    ("data_seed_negative", ["data.seed=-1"], ["data.seed", "greater than or equal to 0"]),
+    ("lr_bool", ["actor.optim.lr=true"], ["actor.optim.lr", "boolean", "expected a number"]),
+    ("ppo_epochs_bool", ["actor.ppo_epochs=true"], ["actor.ppo_epochs", "boolean", "expected a number"]),
+    ("host_not_an_address", ["rollout.host=not an address"], ["rollout.host", "neither an IP address nor a host name"]),
+    ("cosine_without_length", ["actor.optim.lr_schedule=cosine"],
+     ["actor.optim.lr_schedule=cosine", "trainer.total_training_steps"]),
+    ("warmup_ratio_without_length", ["actor.optim.lr_warmup_steps_ratio=0.1"],
+     ["actor.optim.lr_warmup_steps_ratio=0.1", "trainer.total_training_steps"]),
+    ("reward_function_unknown_name", ["reward.function=gsm8kk"], ["reward.function='gsm8kk'", "not a registered scorer", "gsm8k"]),
+    ("ref_separate_not_wired", ["ref.placement=separate", "ref.num_devices=1"], ["ref.placement=separate", "ref.placement=colocated"]),
+    ("cpus_fewer_than_ranks", ["cluster.cpus_per_node=2"], ["cluster.cpus_per_node=2", "4 ranks"]),
 ]
 
 
