@@ -97,7 +97,7 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
 
     from mrl.cluster import WorkerGroup, init_ray
     from mrl.config.layout import compute_layout
-    from mrl.data.dataset import PromptDataset
+    from mrl.data.dataset import PromptDataset, check_batch_fits
     from mrl.data.tokenize import pad_token_id_of
     from mrl.driver.engines import EngineSet
     from mrl.observability.tracking import Tracking
@@ -114,8 +114,15 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
     _trap_sigterm()
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     log_dir = Path(cfg.trainer.checkpoint_dir or "outputs") / "logs"
-    s = Services(tok, pad_token_id_of(tok), PromptDataset.from_config(cfg.data, tok, "train"),
-                 PromptDataset.from_config(cfg.data, tok, "val") if cfg.data.val_files else None,
+    # Every row is checked here, before Ray starts (DataError: file:row:column, `mrl train` exits 2);
+    # the built-in scorers compare the ground truth as text, so it must be a string or number.
+    scalar_gt = ":" not in cfg.reward.function
+    train_ds = PromptDataset.from_config(cfg.data, tok, "train", scalar_ground_truth=scalar_gt)
+    d = cfg.data
+    check_batch_fits(len(train_ds), (d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable
+                     else d.train_batch_size, d.train_files, train_ds.num_filtered)
+    s = Services(tok, pad_token_id_of(tok), train_ds,
+                 PromptDataset.from_config(d, tok, "val", scalar_ground_truth=scalar_gt) if d.val_files else None,
                  RewardManager.from_config(cfg.reward), None, log_dir)
     status = "FAILED"
     try:
