@@ -31,6 +31,7 @@ from mrl.driver.batch import (
 )
 from mrl.driver.dumps import GenerationRows, dump_generations
 from mrl.driver.dynamic_sampling import kept_prompts, merge_rounds
+from mrl.driver.seeds import group_seeds
 from mrl.driver.shaping import (
     build_gold_batch,
     check_gold_answers,
@@ -161,7 +162,8 @@ class RLTrainer:
         r = self.cfg.rollout
         req = RolloutRequest([p.prompt_ids for p in pb.prompts], n=r.n, sampling_params={
             "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_response_length,
-        }, timeout_s=r.request_timeout_s)
+        }, timeout_s=r.request_timeout_s,  # per-sample seeds: reproducible and resume-exact draws (mrl/driver/seeds.py)
+            sampling_seeds=group_seeds(self.cfg.trainer.seed, "train", self.global_step, self.sampler.epoch, idx, r.n))
         res = self.s.client.generate(req)
         if res.failed:
             raise RuntimeError(f"{len(res.failed)} of {len(res.samples)} rollout samples failed, first: "
@@ -390,7 +392,8 @@ class RLTrainer:
             self.s.workers.execute_all("save_critic", str(d / "critic"))
         write_trainer_state(root, self.global_step, {"sampler": self.sampler.state_dict(),
                                                      "kl_ctrl": self.kl_ctrl.state_dict(),
-                                                     "weight_version": self.weight_version})
+                                                     "weight_version": self.weight_version,
+                                                     "total_training_steps": self.total_steps()})
         for gone in prune_checkpoints(root, self.cfg.trainer.max_ckpt_to_keep):
             log.info("max_ckpt_to_keep=%s: removed %s", self.cfg.trainer.max_ckpt_to_keep, gone)
 
@@ -413,6 +416,11 @@ class RLTrainer:
         self.s.workers.execute_all("sync_weights", self.weight_version)
         self.s.pool.weight_version = str(self.weight_version)
         log.info("resumed from %s at step %d", d, self.global_step)
+        saved_total = st.get("total_training_steps")
+        if saved_total is not None and saved_total != self.total_steps():
+            log.warning("the checkpoint was written by a run of %d steps, this one has %d "
+                        "(trainer.total_training_steps): the LR schedule is rebuilt for %d steps from step %d",
+                        saved_total, self.total_steps(), self.total_steps(), self.global_step)
 
     def total_steps(self) -> int:
         t = self.cfg.trainer
