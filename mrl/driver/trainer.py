@@ -187,6 +187,7 @@ class RLTrainer:
                             data_sources=[p.data_source for p in d.prompts],
                             extra_infos=[p.extra_info for p in d.prompts])
         d.scores, d.valid, d.reward_extra_info = out.scores, out.valid, out.extra
+        m.update(out.fault_metrics())  # reward/errors, reward/timeouts, reward/zeroed_samples
         seq = out.scores
         ob = self.cfg.reward.overlong_buffer
         if ob.enable:
