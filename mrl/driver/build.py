@@ -51,6 +51,14 @@ def _critic_problems(cfg: MRLConfig) -> list[str]:
     return out
 
 
+def resumed_mlflow_run(cfg: MRLConfig) -> str | None:
+    """The MLflow run id of the checkpoint this run will resume from (None: fresh start or unknown)."""
+    from mrl.driver.state import find_resume_dir, read_trainer_state
+
+    d = find_resume_dir(cfg.trainer.checkpoint_dir, cfg.trainer.resume_mode)
+    return read_trainer_state(d).get("mlflow_run_id") if d is not None else None
+
+
 def resolve_device(cfg: MRLConfig) -> str:
     """``cluster.device=auto`` -> ``cuda`` when the Ray cluster has GPUs (the driver's own node may
     have none), else ``cpu``; written back into ``cfg`` so the ranks, engines and trainer agree."""
@@ -164,7 +172,7 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
         s.client = RolloutClient(make_router(gen_pool, r.router, max_retries=r.max_retries,
                                              request_timeout_s=r.request_timeout_s))
         s.workers.execute_all("init_weight_sync", s.engines.urls, token=token, routable=s.engines.remote_nodes)
-        s.tracking = Tracking.from_config(cfg)
+        s.tracking = Tracking.from_config(cfg, resume_run_id=resumed_mlflow_run(cfg))
         yield s
         status = "FINISHED"
     finally:

@@ -394,7 +394,8 @@ class RLTrainer:
         write_trainer_state(root, self.global_step, {"sampler": self.sampler.state_dict(),
                                                      "kl_ctrl": self.kl_ctrl.state_dict(),
                                                      "weight_version": self.weight_version,
-                                                     "total_training_steps": self.total_steps()})
+                                                     "total_training_steps": self.total_steps(),
+                                                     "mlflow_run_id": getattr(self.s.tracking, "mlflow_run_id", None)})
         for gone in prune_checkpoints(root, self.cfg.trainer.max_ckpt_to_keep):
             log.info("max_ckpt_to_keep=%s: removed %s", self.cfg.trainer.max_ckpt_to_keep, gone)
 
