@@ -218,7 +218,7 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         line = raw[: e.start].count(b"\n") + 1
         raise ConfigError([f"{p}:{line}: byte 0x{raw[e.start]:02x} is not UTF-8; fix: save the file as UTF-8"], str(p)) from None
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:
         raise ConfigError([f"{p}: not valid YAML: {_clip(str(e))}; fix: correct the YAML there"], str(p)) from None
     except RecursionError:

@@ -325,7 +325,8 @@ def _check_reliability(cfg: MRLConfig, errors: list[str], notes: list[str]) -> N
     """Settings that would otherwise fail (or hang) only once Ray and Megatron are up."""
     fn = cfg.reward.function
     if ":" not in fn:
-        from mrl.rewards.registry import reward_names  # plain-Python registry: no heavy imports
+        # the registry is plain Python (no heavy imports): mrl plan stays fast
+        from mrl.rewards.registry import reward_names
 
         if fn not in reward_names():
             errors.append(f"reward.function={fn!r} is not a registered scorer (valid: {', '.join(reward_names())}); "

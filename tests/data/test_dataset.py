@@ -9,7 +9,13 @@ import torch
 from transformers import AutoTokenizer
 
 from mrl.config.data import DataConfig
-from mrl.data.dataset import DataError, PromptDataset, check_batch_fits, read_rows, repeat_interleave
+from mrl.data.dataset import (
+    DataError,
+    PromptDataset,
+    check_batch_fits,
+    read_rows,
+    repeat_interleave,
+)
 from mrl.data.tokenize import left_pad, position_ids_from_mask
 from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
 
