@@ -115,9 +115,9 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
     from mrl.cluster import WorkerGroup, init_ray
     from mrl.config.layout import compute_layout
     from mrl.data.dataset import PromptDataset, check_batch_fits
-    from mrl.driver.state import read_trainer_state
     from mrl.data.tokenize import pad_token_id_of
     from mrl.driver.engines import EngineSet
+    from mrl.driver.state import read_trainer_state
     from mrl.observability.tracking import Tracking
     from mrl.rewards import RewardManager
     from mrl.rollout import (
