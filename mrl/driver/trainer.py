@@ -377,7 +377,8 @@ class RLTrainer:
         dump_dir = self.cfg.trainer.validation_data_dir
         res = run_validation(client=self.s.client, tokenizer=self.s.tokenizer, dataset=self.s.val_ds,
                              reward=self.s.reward, rollout=self.cfg.rollout, val_batch_size=self.cfg.data.val_batch_size,
-                             log_generations=self.cfg.trainer.log_val_generations, keep_samples=bool(dump_dir))
+                             log_generations=self.cfg.trainer.log_val_generations, keep_samples=bool(dump_dir),
+                             seed=(self.cfg.trainer.seed, self.global_step))
         if res.generations and self.s.tracking is not None:
             self.s.tracking.log_generations(res.generations, self.global_step)
         if dump_dir:
