@@ -214,3 +214,21 @@ def test_repr_align_builds_the_reference(base_overrides: list[str]) -> None:
                                               "algorithm.repr_align.ref_alignment.enable=false"])
     assert on.ref_enabled and on.repr_align_enabled
     assert not off.ref_enabled and not off.repr_align_enabled
+
+
+def test_more_ranks_than_local_gpus_is_refused(base_overrides: list[str], monkeypatch) -> None:
+    # issue 19: accepted, then Ray waited for the placement group until its timeout
+    from mrl.config import validate
+
+    monkeypatch.setattr(validate.glob, "glob", lambda pat: ["/dev/nvidia0", "/dev/nvidia1"] if "nvidia" in pat else [])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cuda = ["cluster.device=cuda", "model.dtype=bfloat16"]
+    errors = _errors(base_overrides + cuda)  # 4 ranks per node, 2 GPUs here
+    assert any("cluster.n_gpus_per_node=4" in e and "exposes 2 GPU(s)" in e for e in errors), errors
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert any("exposes 1 GPU(s)" in e for e in _errors(base_overrides + cuda + ["cluster.n_gpus_per_node=2",
+                                                                                  "actor.ppo_micro_batch_size_per_gpu=1"]))
+    # a cluster (address set or several nodes) is not judged by this host's devices
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert not [e for e in check_config(load_config(None, base_overrides + cuda + ["cluster.address=auto"]))[0]
+                if "GPU(s)" in e]
