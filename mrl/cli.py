@@ -1,6 +1,6 @@
 """``mrl`` command line: ``plan``, ``train`` and ``engine``.
 
-Exit codes: 0 ok, 2 config errors (each printed with the key and the fix), 3 a valid config that
+Exit codes: 0 ok, 2 config or data errors (each printed with the key or file:row and the fix), 3 a valid config that
 this build's driver cannot run yet or whose files are missing (printed with the keys). Only ``mrl.config`` (pydantic + PyYAML) is imported before a config is
 valid, so ``mrl plan`` answers in well under 3 s; heavy stacks load lazily in ``train``/``engine``.
 """
@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text, flush=True)
     if args.cmd == "plan" or dry_run:
         return 0
+    from mrl.data.dataset import DataError
     from mrl.train import UnsupportedConfigError, run
 
     try:
@@ -68,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedConfigError as e:
         print(f"\nmrl train: {e}", file=sys.stderr)
         return EXIT_UNSUPPORTED
+    except DataError as e:  # a prompt file's row: found while the data loads, before Ray starts
+        print(f"\nmrl train: {e}\nfix the data above; nothing was started.", file=sys.stderr)
+        return EXIT_CONFIG
     return 0
 
 

@@ -19,7 +19,7 @@ class DataConfig(Section):
     max_prompt_length: int = Field(512, ge=1, description="TOKENS per prompt at most (left-padded).")
     filter_overlong_prompts: bool = Field(True, description="Drop prompts longer than max_prompt_length instead of failing.")
     shuffle: bool = Field(True, description="Shuffle training prompts every epoch.")
-    seed: int = Field(1, description="Seed of the prompt sampler (state is checkpointed).")
+    seed: int = Field(1, ge=0, lt=2**63, description="Seed of the prompt sampler (state is checkpointed).")
     train_batch_size: int = Field(256, ge=1, description="PROMPTS per training step (global, all DP ranks).")
     val_batch_size: int | None = Field(None, ge=1, description="PROMPTS per validation batch; null = whole validation set.")
     gen_batch_size: int | None = Field(

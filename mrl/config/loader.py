@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -36,7 +37,9 @@ class ConfigError(ValueError):
         self.errors = list(errors)
         self.source = source
         where = f" in {source}" if source else ""
-        lines = "\n".join(f"  - {e}" for e in self.errors)
+        shown = [_clip(e) for e in self.errors[:_MAX_ERRORS_SHOWN]]
+        more = len(self.errors) - len(shown)
+        lines = "\n".join(f"  - {e}" for e in shown) + (f"\n  ... and {more} more" if more > 0 else "")
         super().__init__(f"{len(self.errors)} config error(s){where}:\n{lines}")
 
 
@@ -142,7 +145,7 @@ def _format_validation_error(err: ValidationError) -> list[str]:
         for p in e["loc"]:
             key += f"[{p}]" if isinstance(p, int) else (f".{p}" if key else str(p))
         got = e.get("input")
-        got_s = f" (got {got!r})" if not isinstance(got, dict) else ""
+        got_s = f" (got {reprlib.repr(got)})" if not isinstance(got, dict) else ""
         msg = str(e["msg"]).removeprefix("Value error, ")
         if "fix:" in msg:  # our own validators already say how to fix it
             out.append(f"{key}: {msg}")
@@ -153,20 +156,85 @@ def _format_validation_error(err: ValidationError) -> list[str]:
     return out
 
 
+MAX_DEPTH = 32  # sections nest 4 deep; anything near this is not a config
+_MAX_ALIAS_USES = 50  # anchors are rare in configs; billion-laughs files nest dozens of them
+_MAX_ERRORS_SHOWN = 30
+_MAX_ERROR_CHARS = 500
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys (PyYAML keeps the last one silently) and caps alias
+    expansion (a few KB of anchors can otherwise expand into gigabytes of error messages)."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self.alias_uses = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self.alias_uses += 1
+            if self.alias_uses > _MAX_ALIAS_USES:
+                raise yaml.YAMLError(f"more than {_MAX_ALIAS_USES} alias (*anchor) uses; a config does not need them")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None,
+                    f"duplicate key {key!r} (first at line {seen[key].line + 1}); the first would be silently "
+                    "dropped: merge the two into one", key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def _depth(x: Any, limit: int) -> int:
+    """Nesting depth of dicts/lists, stopping once it exceeds ``limit``. YAML aliases share nodes,
+    so each container is walked once per depth it is reached at (not once per path to it)."""
+    stack, best, seen = [(x, 1)], 0, {}
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict | list) and seen.get(id(v), 0) < d:
+            seen[id(v)] = d
+            best = max(best, d)
+            if best > limit:
+                return best
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return best
+
+
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Parse a YAML config file into a dict; ConfigError names the file on any problem."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError([f"config file '{p}' does not exist; fix: pass a YAML file, e.g. mrl_configs/quickstart.yaml"])
+    raw = p.read_bytes()
     try:
-        data = yaml.safe_load(p.read_text())
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError([f"{p}:{line}: byte 0x{raw[e.start]:02x} is not UTF-8; fix: save the file as UTF-8"], str(p)) from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)
     except yaml.YAMLError as e:
-        raise ConfigError([f"{p}: not valid YAML: {e}"], str(p)) from e
+        raise ConfigError([f"{p}: not valid YAML: {_clip(str(e))}; fix: correct the YAML there"], str(p)) from None
+    except RecursionError:
+        raise ConfigError([f"{p}: nested too deeply to be a config (more than {MAX_DEPTH} levels); fix: check the file"],
+                          str(p)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError([f"{p}: the top level must be a mapping of sections (cluster:, actor:, ...), got {type(data).__name__}"], str(p))
+    if _depth(data, MAX_DEPTH) > MAX_DEPTH:
+        raise ConfigError([f"{p}: nested more than {MAX_DEPTH} levels deep, which no config section is; fix: check the file"], str(p))
     return data
+
+
+def _clip(text: str, limit: int = _MAX_ERROR_CHARS) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def build_config(data: dict[str, Any]) -> tuple[MRLConfig | None, list[str]]:

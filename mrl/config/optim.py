@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from mrl.config.base import Section
 
@@ -30,3 +30,10 @@ class OptimConfig(Section):
     total_training_steps: int | None = Field(
         None, ge=1, description="LR-schedule length in trainer steps (verl steps the scheduler once per step); filled by the driver."
     )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"Adam betas must each lie in [0, 1), got {list(v)}; fix: e.g. betas=[0.9,0.999]")
+        return v

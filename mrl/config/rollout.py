@@ -6,11 +6,15 @@ the actor's devices (verl hybrid engine), separate ones get ``num_engines * engi
 """
 from __future__ import annotations
 
+import ipaddress
+import re
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from mrl.config.base import Section
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 
 
 class WeightSyncConfig(Section):
@@ -88,3 +92,17 @@ class RolloutConfig(Section):
     val_kwargs: ValKwargsConfig = Field(
         default_factory=ValKwargsConfig, description="Sampling of validation answers (verl val_kwargs; greedy by default)."
     )
+
+    @field_validator("host")
+    @classmethod
+    def _host_is_an_address(cls, v: str) -> str:
+        # Caught here, not when every engine fails to bind minutes later.
+        try:
+            ipaddress.ip_address(v)
+            return v
+        except ValueError:
+            pass
+        if not _HOSTNAME.match(v):
+            raise ValueError(f"{v!r} is neither an IP address nor a host name; fix: e.g. rollout.host=127.0.0.1 (loopback) "
+                             "or rollout.host=0.0.0.0 (all interfaces)")
+        return v

@@ -42,7 +42,7 @@ class TrainerConfig(Section):
     mlflow_tracking_uri: str = Field("sqlite:///mlruns/mlflow.db", description="MLflow store (no server needed for sqlite).")
     project_name: str = Field("mrl", description="Project (MLflow experiment) name.")
     experiment_name: str = Field("default", description="Run name (MLflow run, checkpoint sub-directory).")
-    seed: int = Field(42, description="Global seed of model init, dropout and sampling.")
+    seed: int = Field(42, ge=0, lt=2**63, description="Global seed of model init, dropout and sampling.")
 
     @property
     def checkpoint_dir(self) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import os
 import shutil
 from pathlib import Path
 
@@ -358,6 +359,59 @@ def _check_checkpoint_and_val_only(cfg: MRLConfig, errors: list[str]) -> None:
                       "fix: also set trainer.val_before_train=true")
 
 
+def _check_reliability(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
+    """Settings that would otherwise fail (or hang) only once Ray and Megatron are up."""
+    fn = cfg.reward.function
+    if ":" not in fn:
+        # the registry is plain Python (no heavy imports): mrl plan stays fast
+        from mrl.rewards.registry import reward_names
+
+        if fn not in reward_names():
+            errors.append(f"reward.function={fn!r} is not a registered scorer (valid: {', '.join(reward_names())}); "
+                          "fix: one of those, 'pkg.module:fn' or 'path/to/file.py:fn'")
+    for role, optim in (("actor", cfg.actor.optim), ("critic", cfg.critic.optim if cfg.critic_enabled else None)):
+        if optim is None or cfg.trainer.total_training_steps:
+            continue
+        if optim.lr_schedule != "constant" or (optim.lr_warmup_steps == 0 and optim.lr_warmup_steps_ratio > 0):
+            what = (f"{role}.optim.lr_schedule={optim.lr_schedule}" if optim.lr_schedule != "constant"
+                    else f"{role}.optim.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio}")
+            errors.append(f"{what} needs the run length, but trainer.total_training_steps is null; "
+                          "fix: set trainer.total_training_steps=<steps> (or use a constant schedule / lr_warmup_steps)")
+    if cfg.ref_enabled and cfg.ref.placement == "separate":
+        # The driver builds the reference on the actor's ranks; silently doing that is worse than refusing.
+        errors.append("ref.placement=separate is not wired into the driver yet (the reference would silently be "
+                      "colocated with the actor); fix: ref.placement=colocated")
+    _check_host_capacity(cfg, errors)
+
+
+def _visible_gpus() -> int | None:
+    """GPUs this host exposes (honouring CUDA_VISIBLE_DEVICES); None when unknown."""
+    nodes = glob.glob("/dev/nvidia[0-9]*")
+    if not nodes:
+        return None
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is None:
+        return len(nodes)
+    return len([d for d in vis.split(",") if d.strip() and d.strip() != "-1"])
+
+
+def _check_host_capacity(cfg: MRLConfig, errors: list[str]) -> None:
+    """A local single-node run cannot place more ranks than this host has devices (Ray would wait
+    for the placement group until its timeout)."""
+    c = cfg.cluster
+    if c.cpus_per_node is not None and c.cpus_per_node < c.n_gpus_per_node:
+        errors.append(f"cluster.cpus_per_node={c.cpus_per_node} is less than the {c.n_gpus_per_node} ranks per node "
+                      "(each rank takes one CPU); fix: raise cluster.cpus_per_node or lower cluster.n_gpus_per_node")
+    if c.address is not None or c.nnodes != 1:
+        return  # other hosts' inventory is not visible from here
+    if c.device == "cuda":
+        gpus = _visible_gpus()
+        if gpus is not None and c.n_gpus_per_node > gpus:
+            errors.append(f"cluster.n_gpus_per_node={c.n_gpus_per_node} but this host exposes {gpus} GPU(s); "
+                          f"fix: cluster.n_gpus_per_node<={gpus} (or join a cluster with cluster.address)")
+    # CPU ranks beyond the core count share cores (slow, correct): the driver gives Ray enough CPUs.
+
+
 def load_shape(cfg: MRLConfig, errors: list[str], notes: list[str]) -> ModelShape | None:
     """Model shape from model.path/config.json, or None with a note (absent) or an error (unreadable)."""
     if not cfg.model.path:
@@ -398,6 +452,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     _check_dapo(cfg, errors)
     _check_files(cfg, errors, notes)
     _check_checkpoint_and_val_only(cfg, errors)
+    _check_reliability(cfg, errors, notes)
     if cfg.cluster.device == "cpu" and cfg.model.dtype != "float32":
         notes.append(f"cluster.device=cpu with model.dtype={cfg.model.dtype}: CPU runs are slow outside float32")
     return errors, notes

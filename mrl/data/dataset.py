@@ -30,6 +30,11 @@ T = TypeVar("T")
 _MISSING = object()
 
 
+class DataError(ValueError):
+    """A user error in a prompt file, naming ``file:row`` and the column; raised while the dataset
+    loads, before Ray or Megatron start (``mrl train`` exits 2 with it, like a config error)."""
+
+
 @dataclass
 class Prompt:
     """One prompt row: token ids (unpadded), the raw prompt, and reward inputs."""
@@ -56,25 +61,34 @@ def read_rows(path: str | Path) -> list[dict]:
     """Rows of a .jsonl (one JSON object per line) or .parquet file."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"prompt file {str(p)!r} does not exist; fix: data.train_files / data.val_files")
+        raise DataError(f"prompt file {str(p)!r} does not exist; fix: data.train_files / data.val_files")
     if p.suffix == ".jsonl":
         rows = []
-        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        for n, raw in enumerate(p.read_bytes().splitlines(), start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{p}:{n}: byte 0x{raw[e.start]:02x} at column {e.start + 1} is not UTF-8; "
+                                "fix: save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{n}: invalid JSON ({e.msg}); fix: one JSON object per line") from None
+                raise DataError(f"{p}:{n}: invalid JSON ({e.msg}); fix: one JSON object per line") from None
             if not isinstance(row, dict):
-                raise TypeError(f"{p}:{n}: expected a JSON object, got {type(row).__name__}")
+                raise DataError(f"{p}:{n}: expected a JSON object, got {type(row).__name__}; fix: one JSON object per line")
             rows.append(row)
         return rows
     if p.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(p).to_pylist()
-    raise ValueError(f"prompt file {str(p)!r} is neither .jsonl nor .parquet; fix: convert it to one of them")
+        try:
+            return pq.read_table(p).to_pylist()
+        except (pa.ArrowException, UnicodeDecodeError) as e:
+            raise DataError(f"{p}: cannot read the parquet file ({e}); fix: re-write it (e.g. with pandas.to_parquet)") from None
+    raise DataError(f"prompt file {str(p)!r} is neither .jsonl nor .parquet; fix: convert it to one of them")
 
 
 def get_dotted(row: dict, key: str, default: Any = _MISSING) -> Any:
@@ -100,9 +114,10 @@ class PromptDataset:
 
     def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, prompt_key: str = "prompt",
                  ground_truth_key: str = "reward_model.ground_truth", max_prompt_length: int = 512,
-                 filter_overlong_prompts: bool = True, config_key: str = "data.train_files") -> None:
+                 filter_overlong_prompts: bool = True, config_key: str = "data.train_files",
+                 scalar_ground_truth: bool = False) -> None:
         if not files:
-            raise ValueError(f"{config_key} is empty; fix: {config_key}=[path/to/prompts.jsonl]")
+            raise DataError(f"{config_key} is empty; fix: {config_key}=[path/to/prompts.jsonl]")
         self.tokenizer, self.max_prompt_length = tokenizer, max_prompt_length
         self.pad_token_id = pad_token_id_of(tokenizer)
         self.prompts: list[Prompt] = []
@@ -111,19 +126,21 @@ class PromptDataset:
             for i, row in enumerate(read_rows(f)):
                 where = f"{f}:{i + 1}"
                 prompt = self._column(row, prompt_key, where, "data.prompt_key")
+                _check_prompt(prompt, f"{where}: column {prompt_key!r} (data.prompt_key)")
+                gt = self._column(row, ground_truth_key, where, "data.ground_truth_key")
+                _check_ground_truth(gt, f"{where}: column {ground_truth_key!r} (data.ground_truth_key)", scalar_ground_truth)
                 try:
                     ids = encode_prompt(tokenizer, prompt)
                 except ValueError as e:
-                    raise ValueError(f"{where}: column {prompt_key!r}: {e}") from None
+                    raise DataError(f"{where}: column {prompt_key!r}: {e}") from None
                 if len(ids) > max_prompt_length:
                     if filter_overlong_prompts:
                         self.num_filtered += 1
                         continue
-                    raise ValueError(
+                    raise DataError(
                         f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}; fix: raise "
                         "data.max_prompt_length, shorten the prompt, or set data.filter_overlong_prompts=true"
                     )
-                gt = self._column(row, ground_truth_key, where, "data.ground_truth_key")
                 extra = row.get("extra_info")
                 self.prompts.append(Prompt(ids, prompt, gt, row.get("data_source"),
                                            extra if isinstance(extra, dict) else None, where))
@@ -131,7 +148,7 @@ class PromptDataset:
             log.warning("dropped %d of %d prompts longer than data.max_prompt_length=%d tokens (%s)",
                         self.num_filtered, self.num_filtered + len(self.prompts), max_prompt_length, ", ".join(map(str, files)))
         if not self.prompts:
-            raise ValueError(f"no prompts left in {', '.join(map(str, files))} (filtered {self.num_filtered} overlong); "
+            raise DataError(f"no prompts left in {', '.join(map(str, files))} (filtered {self.num_filtered} overlong); "
                              "fix: raise data.max_prompt_length or check the files")
 
     @staticmethod
@@ -139,19 +156,22 @@ class PromptDataset:
         try:
             return get_dotted(row, key)
         except KeyError:
-            raise KeyError(
+            raise DataError(
                 f"{where}: no column {key!r} ({config_key}); columns: {', '.join(sorted(row))}; "
                 f"fix: {config_key}=<one of them> (dotted for nested, e.g. reward_model.ground_truth)"
             ) from None
 
     @classmethod
-    def from_config(cls, cfg: Any, tokenizer: Any, split: str = "train") -> PromptDataset:
-        """From ``mrl.config.data.DataConfig``; ``split`` train | val picks train_files / val_files."""
+    def from_config(cls, cfg: Any, tokenizer: Any, split: str = "train", *,
+                    scalar_ground_truth: bool = False) -> PromptDataset:
+        """From ``mrl.config.data.DataConfig``; ``split`` train | val picks train_files / val_files.
+        ``scalar_ground_truth``: every ground truth must be a string or number (the built-in scorers)."""
         if split not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         return cls(cfg.train_files if split == "train" else cfg.val_files, tokenizer, prompt_key=cfg.prompt_key,
                    ground_truth_key=cfg.ground_truth_key, max_prompt_length=cfg.max_prompt_length,
-                   filter_overlong_prompts=cfg.filter_overlong_prompts, config_key=f"data.{split}_files")
+                   filter_overlong_prompts=cfg.filter_overlong_prompts, config_key=f"data.{split}_files",
+                   scalar_ground_truth=scalar_ground_truth)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -164,6 +184,42 @@ class PromptDataset:
         chosen = [self.prompts[i] for i in indices]
         ids, mask = left_pad([p.prompt_ids for p in chosen], self.pad_token_id, self.max_prompt_length)
         return PromptBatch(ids, mask, position_ids_from_mask(mask), chosen)
+
+
+def _check_prompt(prompt: Any, where: str) -> None:
+    """A prompt is a non-empty string or a list of chat messages ``{"role": str, "content": str}``."""
+    if isinstance(prompt, str):
+        if prompt.strip():
+            return
+        raise DataError(f"{where}: the prompt is empty; fix: remove the row or give it a prompt")
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
+        return
+    raise DataError(f"{where}: the prompt is a {type(prompt).__name__} ({_short(prompt)}); fix: a string or a list of "
+                    'chat messages [{"role": "user", "content": "..."}]')
+
+
+def _check_ground_truth(gt: Any, where: str, scalar: bool) -> None:
+    """No null ground truth; with the built-in scorers (``scalar``) a string or a number (not a bool)."""
+    if gt is None:
+        raise DataError(f"{where}: the ground truth is null; fix: give every row a reference answer or drop the row")
+    if scalar and (isinstance(gt, bool) or not isinstance(gt, str | int | float)):
+        raise DataError(f"{where}: the ground truth is a {type(gt).__name__} ({_short(gt)}); the built-in scorers compare "
+                        "it as text: fix: a string or number (or score with your own reward.function)")
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def check_batch_fits(num_prompts: int, batch_size: int, files: Sequence[str | Path], num_filtered: int) -> None:
+    """Refuse a step batch larger than the (filtered) dataset before anything starts."""
+    if batch_size > num_prompts:
+        filt = f" after dropping {num_filtered} overlong prompts" if num_filtered else ""
+        raise DataError(f"data.train_batch_size={batch_size} prompts exceeds the {num_prompts} prompts of "
+                        f"{', '.join(map(str, files))}{filt}; fix: lower data.train_batch_size (or data.gen_batch_size) "
+                        "or add prompts")
 
 
 def repeat_interleave(items: Sequence[T], n: int, uids: Sequence[str] | None = None) -> tuple[list[T], list[str]]:

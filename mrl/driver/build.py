@@ -51,6 +51,23 @@ def _critic_problems(cfg: MRLConfig) -> list[str]:
     return out
 
 
+def _check_resume_dir(cfg: MRLConfig) -> Path | None:
+    """The checkpoint a resume will load, checked in the driver before Ray starts: it exists, its
+    shard files are all there, and its tensor index is torch DCP metadata (never unpickled as
+    arbitrary objects: mrl.megatron.safe_metadata) — rather than failing (or worse) in every rank."""
+    from mrl.driver.state import find_resume_dir
+    from mrl.megatron.checkpoint import CheckpointError, verify_checkpoint
+
+    try:
+        d = find_resume_dir(cfg.trainer.checkpoint_dir, cfg.trainer.resume_mode)
+        if d is not None:
+            for role in ("actor", *(("critic",) if cfg.critic_enabled and (d / "critic").is_dir() else ())):
+                verify_checkpoint(d / role)
+    except (FileNotFoundError, CheckpointError) as e:
+        raise UnsupportedConfigError(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: {e}") from None
+    return d
+
+
 def resolve_device(cfg: MRLConfig) -> str:
     """``cluster.device=auto`` -> ``cuda`` when the Ray cluster has GPUs (the driver's own node may
     have none), else ``cpu``; written back into ``cfg`` so the ranks, engines and trainer agree."""
@@ -97,9 +114,10 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
 
     from mrl.cluster import WorkerGroup, init_ray
     from mrl.config.layout import compute_layout
-    from mrl.data.dataset import PromptDataset
+    from mrl.data.dataset import PromptDataset, check_batch_fits
     from mrl.data.tokenize import pad_token_id_of
     from mrl.driver.engines import EngineSet
+    from mrl.driver.state import read_trainer_state
     from mrl.observability.tracking import Tracking
     from mrl.rewards import RewardManager
     from mrl.rollout import (
@@ -114,8 +132,16 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
     _trap_sigterm()
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     log_dir = Path(cfg.trainer.checkpoint_dir or "outputs") / "logs"
-    s = Services(tok, pad_token_id_of(tok), PromptDataset.from_config(cfg.data, tok, "train"),
-                 PromptDataset.from_config(cfg.data, tok, "val") if cfg.data.val_files else None,
+    # Every row is checked here, before Ray starts (DataError: file:row:column, `mrl train` exits 2);
+    # the built-in scorers compare the ground truth as text, so it must be a string or number.
+    scalar_gt = ":" not in cfg.reward.function
+    train_ds = PromptDataset.from_config(cfg.data, tok, "train", scalar_ground_truth=scalar_gt)
+    d = cfg.data
+    check_batch_fits(len(train_ds), (d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable
+                     else d.train_batch_size, d.train_files, train_ds.num_filtered)
+    resumed_from = _check_resume_dir(cfg)
+    s = Services(tok, pad_token_id_of(tok), train_ds,
+                 PromptDataset.from_config(d, tok, "val", scalar_ground_truth=scalar_gt) if d.val_files else None,
                  RewardManager.from_config(cfg.reward), None, log_dir)
     status = "FAILED"
     try:
@@ -157,7 +183,8 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
         s.client = RolloutClient(make_router(gen_pool, r.router, max_retries=r.max_retries,
                                              request_timeout_s=r.request_timeout_s))
         s.workers.execute_all("init_weight_sync", s.engines.urls, token=token, routable=s.engines.remote_nodes)
-        s.tracking = Tracking.from_config(cfg)
+        s.tracking = Tracking.from_config(
+            cfg, resume_run_id=read_trainer_state(resumed_from).get("mlflow_run_id") if resumed_from else None)
         yield s
         status = "FINISHED"
     finally:

@@ -73,8 +73,15 @@ def plan_engines(cfg: MRLConfig, infos: list[dict[str, Any]], n_engines: int) ->
 
 
 def run_token(cfg: MRLConfig) -> str | None:
-    """A fresh control token when engines bind off loopback (their control endpoints then need it)."""
-    return None if _loopback(cfg.rollout.host) else secrets.token_urlsafe(32)
+    """A fresh per-run control token for every engine, loopback included: any local process (another
+    user's, a notebook) could otherwise pause the engines or load weights from disk into them. The
+    embedded engine guards only its control endpoints (/generate and /health stay open, as SGLang's
+    admin endpoints); SGLang's ``--api-key`` also guards /generate, which the pool sends it on, but
+    the sglang_router cannot forward it, so loopback SGLang engines behind that router get none."""
+    r = cfg.rollout
+    if _loopback(r.host) and r.engine == "sglang" and r.router == "sglang_router":
+        return None
+    return secrets.token_urlsafe(32)
 
 
 def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple[list[str], dict[str, str]]:

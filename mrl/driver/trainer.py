@@ -31,6 +31,7 @@ from mrl.driver.batch import (
 )
 from mrl.driver.dumps import GenerationRows, dump_generations
 from mrl.driver.dynamic_sampling import kept_prompts, merge_rounds
+from mrl.driver.seeds import group_seeds
 from mrl.driver.shaping import (
     build_gold_batch,
     check_gold_answers,
@@ -91,7 +92,7 @@ class RLTrainer:
             check_gold_answers(services.train_ds.prompts, cfg.data.ground_truth_key)
         # DAPO dynamic sampling draws data.gen_batch_size prompts per generation round
         gen_bs = (cfg.data.gen_batch_size or cfg.data.train_batch_size) if a.filter_groups.enable else cfg.data.train_batch_size
-        self.sampler = ResumableSampler(len(services.train_ds), gen_bs, seed=cfg.trainer.seed)
+        self.sampler = ResumableSampler(len(services.train_ds), gen_bs, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
         self.global_step = 0
         self.weight_version = 0  # engines start from model.path = version 0 of the actor
         r = cfg.rollout  # verl's free_cache_engine: colocated engines give the device to the trainer
@@ -161,7 +162,8 @@ class RLTrainer:
         r = self.cfg.rollout
         req = RolloutRequest([p.prompt_ids for p in pb.prompts], n=r.n, sampling_params={
             "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_response_length,
-        }, timeout_s=r.request_timeout_s)
+        }, timeout_s=r.request_timeout_s,  # per-sample seeds: reproducible and resume-exact draws (mrl/driver/seeds.py)
+            sampling_seeds=group_seeds(self.cfg.trainer.seed, "train", self.global_step, self.sampler.epoch, idx, r.n))
         res = self.s.client.generate(req)
         if res.failed:
             raise RuntimeError(f"{len(res.failed)} of {len(res.samples)} rollout samples failed, first: "
@@ -185,6 +187,7 @@ class RLTrainer:
                             data_sources=[p.data_source for p in d.prompts],
                             extra_infos=[p.extra_info for p in d.prompts])
         d.scores, d.valid, d.reward_extra_info = out.scores, out.valid, out.extra
+        m.update(out.fault_metrics())  # reward/errors, reward/timeouts, reward/zeroed_samples
         seq = out.scores
         ob = self.cfg.reward.overlong_buffer
         if ob.enable:
@@ -374,7 +377,8 @@ class RLTrainer:
         dump_dir = self.cfg.trainer.validation_data_dir
         res = run_validation(client=self.s.client, tokenizer=self.s.tokenizer, dataset=self.s.val_ds,
                              reward=self.s.reward, rollout=self.cfg.rollout, val_batch_size=self.cfg.data.val_batch_size,
-                             log_generations=self.cfg.trainer.log_val_generations, keep_samples=bool(dump_dir))
+                             log_generations=self.cfg.trainer.log_val_generations, keep_samples=bool(dump_dir),
+                             seed=(self.cfg.trainer.seed, self.global_step))
         if res.generations and self.s.tracking is not None:
             self.s.tracking.log_generations(res.generations, self.global_step)
         if dump_dir:
@@ -390,7 +394,9 @@ class RLTrainer:
             self.s.workers.execute_all("save_critic", str(d / "critic"))
         write_trainer_state(root, self.global_step, {"sampler": self.sampler.state_dict(),
                                                      "kl_ctrl": self.kl_ctrl.state_dict(),
-                                                     "weight_version": self.weight_version})
+                                                     "weight_version": self.weight_version,
+                                                     "total_training_steps": self.total_steps(),
+                                                     "mlflow_run_id": getattr(self.s.tracking, "mlflow_run_id", None)})
         for gone in prune_checkpoints(root, self.cfg.trainer.max_ckpt_to_keep):
             log.info("max_ckpt_to_keep=%s: removed %s", self.cfg.trainer.max_ckpt_to_keep, gone)
 
@@ -413,6 +419,11 @@ class RLTrainer:
         self.s.workers.execute_all("sync_weights", self.weight_version)
         self.s.pool.weight_version = str(self.weight_version)
         log.info("resumed from %s at step %d", d, self.global_step)
+        saved_total = st.get("total_training_steps")
+        if saved_total is not None and saved_total != self.total_steps():
+            log.warning("the checkpoint was written by a run of %d steps, this one has %d "
+                        "(trainer.total_training_steps): the LR schedule is rebuilt for %d steps from step %d",
+                        saved_total, self.total_steps(), self.total_steps(), self.global_step)
 
     def total_steps(self) -> int:
         t = self.cfg.trainer

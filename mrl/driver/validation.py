@@ -23,6 +23,7 @@ import numpy as np
 
 from mrl.driver.batch import decode_responses, repeat_prompts
 from mrl.driver.dumps import GenerationRows
+from mrl.driver.seeds import group_seeds
 from mrl.observability.val_metrics import (
     process_validation_metrics,
     validation_metric_dict,
@@ -73,13 +74,14 @@ def pick_generations(inputs: Sequence[str], outputs: Sequence[str], scores: Sequ
 
 def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, rollout: Any,
                    val_batch_size: int | None = None, log_generations: int = 0,
-                   keep_samples: bool = False) -> ValidationResult:
+                   keep_samples: bool = False, seed: tuple[int, int] | None = None) -> ValidationResult:
     """Answer, score and summarise every prompt of ``dataset`` (a ``PromptDataset``).
 
     ``client``: RolloutClient; ``reward``: RewardManager; ``rollout``: RolloutConfig (its
     ``val_kwargs``, ``max_response_length``, ``request_timeout_s``). Samples are ordered prompt-major,
     ``n`` answers per prompt in a row; the uid of an answer is its prompt's dataset row.
     ``keep_samples``: also return every sample's input, output, ground truth, score and scorer keys.
+    ``seed``: (trainer.seed, step) of sampled answers' per-sample ``sampling_seed`` (mrl/driver/seeds.py).
     """
     vk = rollout.val_kwargs
     params = val_sampling_params(vk, rollout.max_response_length)
@@ -91,8 +93,10 @@ def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, ro
     parts: list[RewardResult] = []
     for rows in prompt_chunks(len(dataset), val_batch_size):
         prompts = [dataset[i] for i in rows]
+        seeds = group_seeds(seed[0], "val", seed[1], 0, list(rows), vk.n) if seed and vk.do_sample else None
         res = client.generate(RolloutRequest([p.prompt_ids for p in prompts], n=vk.n, sampling_params=params,
-                                             return_logprob=False, timeout_s=rollout.request_timeout_s))
+                                             return_logprob=False, timeout_s=rollout.request_timeout_s,
+                                             sampling_seeds=seeds))
         if res.failed:
             raise RuntimeError(f"{len(res.failed)} of {len(res.samples)} validation samples failed, first: "
                                f"{res.failed[0].error}; see the engine logs (or raise rollout.request_timeout_s)")

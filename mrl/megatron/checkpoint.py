@@ -232,15 +232,23 @@ def verify_checkpoint(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
     Returns ``{"metadata": ..., "tensors": {key: global_shape}}``. Raises :class:`CheckpointError`
     naming the missing/truncated file and the tensors stored in it.
     """
-    from torch.distributed.checkpoint import FileSystemReader
+    from mrl.megatron import safe_metadata
 
+    # Every later DCP read in this process (Megatron's loader, mrl-ckpt) goes through the
+    # restricted unpickler too: `.metadata` is user-writable data, never arbitrary pickle.
+    safe_metadata.install()
     path = Path(ckpt_dir)
     meta = read_checkpoint_metadata(path)
     for name in ("metadata.json", "common.pt", ".metadata"):
         if not (path / name).exists():
             raise CheckpointError(f"{path / name} is missing: the checkpoint is incomplete; re-save it")
     try:
-        dcp_meta = FileSystemReader(str(path)).read_metadata()
+        dcp_meta = safe_metadata.load_dcp_metadata(path)
+    except safe_metadata.UnsafeCheckpointMetadata as e:
+        raise CheckpointError(
+            f"refusing the tensor index {path / '.metadata'}: it {e}; it was not written by torch "
+            "distributed checkpointing (possibly tampered with): do not load this directory"
+        ) from e
     except Exception as e:
         raise CheckpointError(f"cannot read the tensor index {path / '.metadata'}: {e}") from e
     needed: dict[str, int] = {}

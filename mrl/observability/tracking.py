@@ -9,6 +9,7 @@ an "active run".
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -21,6 +22,7 @@ import torch
 
 _MLFLOW_PARAM_MAX = 6000  # characters MLflow 3 stores per param value
 _MLFLOW_BATCH = 100  # params per log_batch call (MLflow's limit)
+log = logging.getLogger("mrl.observability")
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -73,7 +75,7 @@ class MlflowSink:
     """An MLflow run in ``tracking_uri``: experiment ``project_name``, run ``experiment_name``."""
 
     def __init__(self, tracking_uri: str, project_name: str, experiment_name: str,
-                 params: Mapping[str, Any] | None = None) -> None:
+                 params: Mapping[str, Any] | None = None, resume_run_id: str | None = None) -> None:
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
@@ -88,10 +90,31 @@ class MlflowSink:
         exp = self.client.get_experiment_by_name(project_name)
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(
             project_name, artifact_location=artifact_location)
+        if resume_run_id is not None and self._reopen(resume_run_id, exp_id):
+            return
         self.run_id = self.client.create_run(exp_id, run_name=experiment_name).info.run_id
         items = [Param(k, str(v)[:_MLFLOW_PARAM_MAX]) for k, v in sorted(flatten(params or {}).items())]
         for i in range(0, len(items), _MLFLOW_BATCH):
             self.client.log_batch(self.run_id, params=items[i:i + _MLFLOW_BATCH])
+
+    def _reopen(self, run_id: str, exp_id: str) -> bool:
+        """Continue the run a resumed checkpoint was written by (a killed run stays RUNNING in MLflow
+        otherwise, and its curve would be split over two runs). Params are not re-logged: MLflow
+        refuses changed values, and the run already holds the config it started with."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            run = None
+        if run is None or run.info.experiment_id != exp_id or run.info.lifecycle_stage != "active":
+            log.warning("the checkpoint's MLflow run %s is not in %s (experiment %s): logging to a new run",
+                        run_id, self.client.tracking_uri, exp_id)
+            return False
+        self.run_id = run_id
+        self.client.update_run(run_id, status="RUNNING")
+        log.info("resumed MLflow run %s", run_id)
+        return True
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -115,7 +138,7 @@ class Tracking:
 
     def __init__(self, project_name: str, experiment_name: str, backends: list[str] | tuple[str, ...] = ("console",),
                  config: Mapping[str, Any] | None = None, mlflow_tracking_uri: str = "sqlite:///mlruns/mlflow.db",
-                 stream: TextIO | None = None) -> None:
+                 stream: TextIO | None = None, resume_run_id: str | None = None) -> None:
         unknown = sorted(set(backends) - {"console", "mlflow"})
         if unknown:
             raise ValueError(f"trainer.logger has unknown sinks {unknown}; valid: console, mlflow")
@@ -123,14 +146,20 @@ class Tracking:
         if "console" in backends:
             self.sinks.append(ConsoleSink(stream))
         if "mlflow" in backends:
-            self.sinks.append(MlflowSink(mlflow_tracking_uri, project_name, experiment_name, config))
+            self.sinks.append(MlflowSink(mlflow_tracking_uri, project_name, experiment_name, config, resume_run_id))
 
     @classmethod
-    def from_config(cls, cfg: Any, stream: TextIO | None = None) -> Tracking:
-        """From an ``MRLConfig``: sinks ``trainer.logger``, params = the whole resolved config."""
+    def from_config(cls, cfg: Any, stream: TextIO | None = None, resume_run_id: str | None = None) -> Tracking:
+        """From an ``MRLConfig``: sinks ``trainer.logger``, params = the whole resolved config;
+        ``resume_run_id``: the MLflow run of the checkpoint being resumed (continued when present)."""
         t = cfg.trainer
         return cls(t.project_name, t.experiment_name, list(t.logger), config=cfg.model_dump(mode="json"),
-                   mlflow_tracking_uri=t.mlflow_tracking_uri, stream=stream)
+                   mlflow_tracking_uri=t.mlflow_tracking_uri, stream=stream, resume_run_id=resume_run_id)
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """The MLflow run written to (kept in trainer_state.json so that a resume continues it)."""
+        return next((s.run_id for s in self.sinks if isinstance(s, MlflowSink)), None)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log the scalar entries of ``metrics`` (numbers or 1-element tensors) at ``step``."""

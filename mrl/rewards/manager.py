@@ -16,6 +16,7 @@ ValueError): they are bugs in the scorer, which ``on_error`` must not turn into 
 """
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from mrl.rewards.pool import ScoringPool
 from mrl.rewards.registry import ScoreFn, get_reward_fn
 
 OnError = Literal["raise", "zero", "mask"]
+log = logging.getLogger("mrl.rewards")
 
 
 @dataclass
@@ -46,6 +48,22 @@ class RewardResult:
     token_level_scores: torch.Tensor | None  # [B, T] float32, score on the last response token
     errors: list[str | None]  # per sample, None when scored
     extra: dict[str, list[ExtraValue]] = field(default_factory=dict)  # key -> [B]
+
+    @property
+    def num_errors(self) -> int:
+        """Samples whose scoring failed (raised, timed out, bad value, worker died)."""
+        return sum(e is not None for e in self.errors)
+
+    @property
+    def num_timeouts(self) -> int:
+        return sum(e is not None and e.startswith("TimeoutError") for e in self.errors)
+
+    def fault_metrics(self) -> dict[str, float]:
+        """``reward/errors``, ``reward/timeouts`` and ``reward/zeroed_samples`` (failed and still in the
+        loss with score 0: on_error=zero; masked samples leave the loss instead)."""
+        zeroed = sum(e is not None and bool(v) for e, v in zip(self.errors, self.valid.tolist(), strict=True))
+        return {"reward/errors": float(self.num_errors), "reward/timeouts": float(self.num_timeouts),
+                "reward/zeroed_samples": float(zeroed)}
 
     @classmethod
     def cat(cls, parts: Sequence[RewardResult]) -> RewardResult:
@@ -207,6 +225,12 @@ class RewardManager:
                 )
             if self.on_error == "mask":
                 valid[i] = False
+        failed = [i for i, e in enumerate(errors) if e is not None]
+        if failed:  # never silent: count and the first error's text, under every policy
+            i = failed[0]
+            log.warning("%d of %d reward calls failed (reward.on_error=%s: %s); first: %s: %s", len(failed), B,
+                        self.on_error, "score 0" if self.on_error == "zero" else "masked out of the loss",
+                        self._where(i, calls[i]), errors[i][:300])
         extra = self._extra(calls, outcomes)
         tls = place_on_last_token(scores, response_mask) if response_mask is not None else None
         return RewardResult(scores=scores, valid=valid, token_level_scores=tls, errors=errors, extra=extra)

@@ -85,13 +85,36 @@ def parse_return(value: Any) -> tuple[float, dict[str, ExtraValue]]:
     return x, {}
 
 
+# |score| above this is a bug, not a reward: float32 group statistics overflow near 1e19 (the
+# variance squares it) and 1e38 already zeroes its group's advantages; 1e6 leaves every sane scale.
+MAX_ABS_SCORE = 1e6
+
+
+def _bad_value(value: Any) -> str | None:
+    """Why a plain return value is not a usable score of this sample (None when it is)."""
+    if isinstance(value, Mapping):
+        return None  # dict contract checked by parse_return
+    x = _number(value)
+    if x is None:
+        return f"returned {type(value).__name__} {value!r}"[:200] + " (not a number)"
+    if not math.isfinite(x):
+        return f"returned a non-finite score {x}"
+    if abs(x) > MAX_ABS_SCORE:
+        return f"returned the score {x:.3g}, beyond +-{MAX_ABS_SCORE:g} (absurd for a reward; would overflow the advantages)"
+    return None
+
+
 def score_one(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Outcome:
-    """Call ``fn(**kwargs)`` and check its return value. Exceptions raised by ``fn`` become ``error``
-    (``reward.on_error`` applies); a return outside the contract becomes ``broken``."""
+    """Call ``fn(**kwargs)`` and check its return value. Exceptions raised by ``fn`` and a per-sample bad
+    value (a non-number, NaN/inf, or beyond ``MAX_ABS_SCORE``) become ``error`` (``reward.on_error``
+    applies, counted); a dict outside the contract becomes ``broken``."""
     try:
         value = fn(**kwargs)
     except Exception as e:  # noqa: BLE001 - any scorer failure is data for on_error
         return Outcome(None, None, error=f"{type(e).__name__}: {e}")
+    bad = _bad_value(value if not isinstance(value, Mapping) else value.get("score", 0.0))
+    if bad is not None:
+        return Outcome(None, None, error=f"BadScore: {bad}")
     try:
         score, extra = parse_return(value)
     except ScoreContractError as e:

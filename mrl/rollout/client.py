@@ -8,7 +8,8 @@ over 2 embedded engines: per-sample requests cost each engine ~3.5 ms of CPU per
 than the decoding). A failed request fails (and is retried for) all n samples of its prompt.
 Responses are read as SGLang returns them: ``output_ids``, ``meta_info.finish_reason.type``,
 ``meta_info.output_token_logprobs`` = [[logprob, token_id, text|None], ...] and
-``meta_info.weight_version``. A sample whose request failed after the router's retries comes back
+``meta_info.weight_version``. With ``RolloutRequest.sampling_seeds`` every sample carries its own
+SGLang ``sampling_seed`` (``sampling_params`` becomes a list of n dicts). A sample whose request failed after the router's retries comes back
 with ``finish_reason="error"`` and its reason; nothing is dropped.
 """
 from __future__ import annotations
@@ -53,9 +54,13 @@ class RolloutClient:
 
         async def group(i: int) -> list[RolloutSample]:
             prompt = request.prompts[i]
+            params: dict[str, Any] | list[dict[str, Any]] = request.sampling_params
+            if request.sampling_seeds is not None:  # one sampling_params per sample of the batch (SGLang accepts a list)
+                seeded = [{**params, "sampling_seed": int(x)} for x in request.sampling_seeds[i]]
+                params = seeded if n > 1 else seeded[0]
             payload = {
                 "input_ids": [prompt] * n if n > 1 else prompt,
-                "sampling_params": request.sampling_params,
+                "sampling_params": params,
                 "return_logprob": request.return_logprob,
             }
             out: RouteOutcome = await self.router.generate(payload, None, request.timeout_s)

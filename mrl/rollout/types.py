@@ -27,6 +27,7 @@ class RolloutRequest:
     prompts: P token-id lists (ragged). n: samples per prompt. sampling_params: SGLang's
     ``sampling_params`` dict (temperature, top_p, top_k, max_new_tokens, stop, stop_token_ids,
     ignore_eos, ...), sent unchanged to every engine. timeout_s: per-request (per-sample) limit.
+    sampling_seeds: optional [P][n] SGLang ``sampling_seed`` per sample (reproducible draws).
     """
 
     prompts: list[list[int]]
@@ -34,6 +35,7 @@ class RolloutRequest:
     sampling_params: dict[str, Any] = field(default_factory=dict)
     return_logprob: bool = True
     timeout_s: float | None = None
+    sampling_seeds: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -41,6 +43,9 @@ class RolloutRequest:
         for i, p in enumerate(self.prompts):
             if len(p) == 0:
                 raise ValueError(f"RolloutRequest.prompts[{i}] is empty; every prompt needs >= 1 token id")
+        if self.sampling_seeds is not None and (len(self.sampling_seeds) != len(self.prompts)
+                                                or any(len(s) != self.n for s in self.sampling_seeds)):
+            raise ValueError(f"RolloutRequest.sampling_seeds must be {len(self.prompts)} lists of n={self.n} seeds")
 
 
 @dataclass

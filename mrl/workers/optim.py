@@ -82,6 +82,11 @@ def build_lr_scheduler(optimizer: Any, optim: OptimConfig, *, total_optimizer_st
         end_wd=optim.weight_decay,
         wd_incr_steps=total,
         wd_incr_style="constant",
+        # On resume the schedule follows THIS run's config (a longer trainer.total_training_steps
+        # re-stretches the decay from the restored step) instead of the checkpoint's old length,
+        # which would leave the LR stuck at its minimum; only the step counter is restored.
+        override_opt_param_scheduler=True,
+        use_checkpoint_opt_param_scheduler=False,
     )
 
 

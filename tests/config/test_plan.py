@@ -105,7 +105,8 @@ def test_separate_roles_are_laid_out_after_the_actor(tmp_path: Path, train_file:
     cfg = load_config("mrl_configs/qwen2.5-7b_grpo_2x8_tp2.yaml",
                       [f"model.path={model}", f"data.train_files=[{train_file}]", f"data.val_files=[{train_file}]",
                        "ref.placement=separate", "ref.num_devices=2", "ref.offload=false", "rollout.placement=separate", "rollout.num_engines=3",
-                       "data.train_batch_size=160", "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size_per_gpu=2"])
+                       "data.train_batch_size=160", "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size_per_gpu=2"],
+                      check=False)  # the layout only: check_config refuses ref.placement=separate (not wired yet)
     plan = build_plan(cfg)
     lay = plan.roles
     assert (lay["actor"].first, lay["actor"].count, lay["actor"].dp) == (0, 8, 4)

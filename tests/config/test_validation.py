@@ -126,6 +126,25 @@ BAD = [
     ("bad_literal", ["rollout.engine=vllm"], ["rollout.engine", "'torch' or 'sglang'"]),
     ("bad_range", ["rollout.mem_fraction_static=1.5"], ["rollout.mem_fraction_static", "less than 1"]),
     ("bad_schedule", ["algorithm.repr_align.ref_alignment.schedule=quadratic"], ["algorithm.repr_align.ref_alignment.schedule"]),
+    # found by an independent reliability round (issue 19): each was accepted before
+    ("temperature_nan", ["rollout.temperature=.nan"], ["rollout.temperature", "finite number"]),
+    ("temperature_inf", ["rollout.temperature=.inf"], ["rollout.temperature", "finite number"]),
+    ("lr_inf", ["actor.optim.lr=.inf"], ["actor.optim.lr", "finite number"]),
+    ("kl_loss_coef_inf", ["actor.kl_loss_coef=.inf"], ["actor.kl_loss_coef", "finite number"]),
+    ("betas_out_of_range", ["actor.optim.betas=[1.5,-2]"], ["actor.optim.betas", "[0, 1)"]),
+    ("seed_too_large", ["trainer.seed=1.0e+23"], ["trainer.seed", "maximum size"]),
+    ("seed_huge_int", ["trainer.seed=100000000000000000000000"], ["trainer.seed", "less than"]),
+    ("data_seed_negative", ["data.seed=-1"], ["data.seed", "greater than or equal to 0"]),
+    ("lr_bool", ["actor.optim.lr=true"], ["actor.optim.lr", "boolean", "expected a number"]),
+    ("ppo_epochs_bool", ["actor.ppo_epochs=true"], ["actor.ppo_epochs", "boolean", "expected a number"]),
+    ("host_not_an_address", ["rollout.host=not an address"], ["rollout.host", "neither an IP address nor a host name"]),
+    ("cosine_without_length", ["actor.optim.lr_schedule=cosine"],
+     ["actor.optim.lr_schedule=cosine", "trainer.total_training_steps"]),
+    ("warmup_ratio_without_length", ["actor.optim.lr_warmup_steps_ratio=0.1"],
+     ["actor.optim.lr_warmup_steps_ratio=0.1", "trainer.total_training_steps"]),
+    ("reward_function_unknown_name", ["reward.function=gsm8kk"], ["reward.function='gsm8kk'", "not a registered scorer", "gsm8k"]),
+    ("ref_separate_not_wired", ["ref.placement=separate", "ref.num_devices=1"], ["ref.placement=separate", "ref.placement=colocated"]),
+    ("cpus_fewer_than_ranks", ["cluster.cpus_per_node=2"], ["cluster.cpus_per_node=2", "4 ranks"]),
 ]
 
 
@@ -210,3 +229,21 @@ def test_repr_align_builds_the_reference(base_overrides: list[str]) -> None:
                                               "algorithm.repr_align.ref_alignment.enable=false"])
     assert on.ref_enabled and on.repr_align_enabled
     assert not off.ref_enabled and not off.repr_align_enabled
+
+
+def test_more_ranks_than_local_gpus_is_refused(base_overrides: list[str], monkeypatch) -> None:
+    # issue 19: accepted, then Ray waited for the placement group until its timeout
+    from mrl.config import validate
+
+    monkeypatch.setattr(validate.glob, "glob", lambda pat: ["/dev/nvidia0", "/dev/nvidia1"] if "nvidia" in pat else [])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cuda = ["cluster.device=cuda", "model.dtype=bfloat16"]
+    errors = _errors(base_overrides + cuda)  # 4 ranks per node, 2 GPUs here
+    assert any("cluster.n_gpus_per_node=4" in e and "exposes 2 GPU(s)" in e for e in errors), errors
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert any("exposes 1 GPU(s)" in e for e in _errors(base_overrides + cuda + ["cluster.n_gpus_per_node=2",
+                                                                                  "actor.ppo_micro_batch_size_per_gpu=1"]))
+    # a cluster (address set or several nodes) is not judged by this host's devices
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert not [e for e in check_config(load_config(None, base_overrides + cuda + ["cluster.address=auto"]))[0]
+                if "GPU(s)" in e]

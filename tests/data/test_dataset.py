@@ -9,7 +9,13 @@ import torch
 from transformers import AutoTokenizer
 
 from mrl.config.data import DataConfig
-from mrl.data.dataset import PromptDataset, read_rows, repeat_interleave
+from mrl.data.dataset import (
+    DataError,
+    PromptDataset,
+    check_batch_fits,
+    read_rows,
+    repeat_interleave,
+)
 from mrl.data.tokenize import left_pad, position_ids_from_mask
 from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
 
@@ -90,10 +96,10 @@ def test_overlong_prompts_filtered_with_a_count_or_an_error(tok, tmp_path, caplo
 
 def test_errors_name_file_row_key_and_columns(tok, tmp_path):
     f = _jsonl(tmp_path / "p.jsonl", [ROWS[0], {"question": "q", "reward_model": {"ground_truth": "1"}}])
-    with pytest.raises(KeyError, match=r"p.jsonl:2: no column 'prompt' \(data.prompt_key\); columns: question, reward_model"):
+    with pytest.raises(DataError, match=r"p.jsonl:2: no column 'prompt' \(data.prompt_key\); columns: question, reward_model"):
         PromptDataset([f], tok)
     g = _jsonl(tmp_path / "g.jsonl", [{"prompt": "a", "answer": "1"}])
-    with pytest.raises(KeyError, match=r"g.jsonl:1: no column 'reward_model.ground_truth'.*columns: answer, prompt"):
+    with pytest.raises(DataError, match=r"g.jsonl:1: no column 'reward_model.ground_truth'.*columns: answer, prompt"):
         PromptDataset([g], tok)
     assert PromptDataset([g], tok, ground_truth_key="answer")[0].ground_truth == "1"
     bad = tmp_path / "bad.jsonl"
@@ -102,7 +108,7 @@ def test_errors_name_file_row_key_and_columns(tok, tmp_path):
         read_rows(bad)
     with pytest.raises(ValueError, match=r"neither .jsonl nor .parquet"):
         read_rows(_jsonl(tmp_path / "p.csv", ROWS))
-    with pytest.raises(FileNotFoundError, match="data.train_files"):
+    with pytest.raises(DataError, match="data.train_files"):
         read_rows(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match=r"data.val_files is empty"):
         PromptDataset.from_config(DataConfig(train_files=[str(f)]), tok, split="val")
@@ -126,3 +132,40 @@ def test_repeat_interleave_groups_like_verl():
     r = torch.tensor([[1.0], [0.0], [1.0], [1.0]])
     adv, _ = compute_grpo_outcome_advantage(r, torch.ones(4, 1), index=repeat_interleave(["p", "q"], 2)[1])
     assert adv[2:].abs().max() == 0 and adv[0, 0] > 0 > adv[1, 0]
+
+
+BAD_ROWS = [  # (file content, scalar ground truth?, substrings of the error) — issue 19: none named file+row+key
+    (b'{"prompt": "a", "reward_model": {"ground_truth": "1"}}\n{"prompt": "\xff", "reward_model": {"ground_truth": "1"}}\n',
+     False, ["r.jsonl:2", "0xff", "not UTF-8"]),
+    (b'{"prompt": "a", "reward_model": {"ground_truth": "1"}}\n{"prompt": 42, "reward_model": {"ground_truth": "1"}}\n',
+     False, ["r.jsonl:2", "'prompt' (data.prompt_key)", "int (42)", "chat messages"]),
+    (b'{"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "1"}}\n',
+     False, ["r.jsonl:1", "'prompt'", "list"]),
+    (b'{"prompt": "  ", "reward_model": {"ground_truth": "1"}}\n', False, ["r.jsonl:1", "prompt is empty"]),
+    (b'{"prompt": "a", "reward_model": {"ground_truth": null}}\n', False,
+     ["r.jsonl:1", "'reward_model.ground_truth' (data.ground_truth_key)", "null"]),
+    (b'{"prompt": "a", "reward_model": {"ground_truth": "1"}}\n{"prompt": "b", "reward_model": {"ground_truth": {"x": 1}}}\n',
+     True, ["r.jsonl:2", "'reward_model.ground_truth'", "dict", "string or number"]),
+    (b'{"prompt": "a", "reward_model": {"ground_truth": true}}\n', True, ["r.jsonl:1", "bool"]),
+    (b'[1, 2]\n', False, ["r.jsonl:1", "expected a JSON object"]),
+]
+
+
+@pytest.mark.parametrize("content, scalar, must", BAD_ROWS)
+def test_row_schema_is_checked_when_the_dataset_loads(tok, tmp_path, content, scalar, must):
+    f = tmp_path / "r.jsonl"
+    f.write_bytes(content)
+    with pytest.raises(DataError) as ei:
+        PromptDataset([f], tok, scalar_ground_truth=scalar)
+    assert all(s in str(ei.value) for s in must), str(ei.value)
+
+
+def test_custom_scorers_may_take_structured_ground_truth(tok, tmp_path):
+    f = _jsonl(tmp_path / "s.jsonl", [{"prompt": "a", "reward_model": {"ground_truth": {"x": [1, 2]}}}])
+    assert PromptDataset([f], tok)[0].ground_truth == {"x": [1, 2]}
+
+
+def test_batch_larger_than_filtered_dataset_is_refused():
+    with pytest.raises(DataError, match=r"data.train_batch_size=8 prompts exceeds the 5 prompts of a.jsonl after dropping 3 overlong"):
+        check_batch_fits(5, 8, ["a.jsonl"], 3)
+    check_batch_fits(5, 5, ["a.jsonl"], 0)

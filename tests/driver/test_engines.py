@@ -81,3 +81,33 @@ def test_embedded_engine_command_on_cpu_and_cuda(tmp_path) -> None:
     cmd, env = engine_command(gpu_cfg, plan_engines(gpu_cfg, _gpu_infos(), 8)[5], token=None)
     assert env["CUDA_VISIBLE_DEVICES"] == "5" and cmd[cmd.index("--device") + 1] == "cuda"
     assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and TOKEN_ENV not in env
+
+
+def test_loopback_engines_get_the_run_token_too(tmp_path) -> None:
+    # issue 19: loopback engines accepted pause / update_weights_from_disk / release_memory from any local process
+    (tmp_path / "m").mkdir()
+    cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tmp_path}/m"])
+    assert cfg.rollout.host == "127.0.0.1"
+    token = run_token(cfg)
+    assert token and len(token) >= 32 and run_token(cfg) != token
+    slot = plan_engines(cfg, [_node("a", "10.1.1.1", []), _node("a", "10.1.1.1", [])], 2)[0]
+    cmd, env = engine_command(cfg, slot, token)
+    assert env[TOKEN_ENV] == token and cmd[cmd.index("--token-env") + 1] == TOKEN_ENV and token not in cmd
+    gpu = load_config(GPU_RECIPE, [])
+    assert run_token(gpu)  # SGLang engines behind the built-in router: --api-key, sent by the pool
+    assert run_token(load_config(GPU_RECIPE, ["rollout.router=sglang_router"])) is None  # cannot forward it
+
+
+def test_embedded_engine_with_token_guards_control_only(tmp_path) -> None:
+    from fastapi.testclient import TestClient
+
+    from mrl.rollout.server import Engine, build_app
+    from tests.helpers.tiny_models import make_tiny_hf
+
+    engine = Engine(str(make_tiny_hf(tmp_path / "hf", "qwen2")))
+    with TestClient(build_app(engine, token="s3cret")) as c:
+        assert c.get("/health").status_code == 200
+        assert c.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+        for path in ("/pause_generation", "/update_weights_from_disk", "/release_memory_occupation"):
+            assert c.post(path, json={}).status_code == 401, path
+        assert c.post("/pause_generation", json={}, headers={"Authorization": "Bearer s3cret"}).status_code == 200

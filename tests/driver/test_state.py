@@ -41,3 +41,41 @@ def test_prune_keeps_the_newest_complete_checkpoints(tmp_path) -> None:
     assert find_resume_dir(str(tmp_path), "auto") == step_dir(tmp_path, 8)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("6")  # latest is never removed
     assert prune_checkpoints(tmp_path, 1) == []
+
+
+def test_unreadable_latest_falls_back_to_newest_complete_checkpoint(tmp_path, caplog) -> None:
+    # issue 19: an empty latest_checkpointed_iteration.txt blocked every resume (int('') ValueError)
+    write_trainer_state(tmp_path, 2, {})
+    write_trainer_state(tmp_path, 4, {})
+    (tmp_path / "global_step_6" / "actor").mkdir(parents=True)  # half-written: ranks were still saving
+    latest = tmp_path / "latest_checkpointed_iteration.txt"
+    for content in ("", "garbage", "6", "9"):
+        latest.write_text(content)
+        with caplog.at_level("WARNING", logger="mrl.driver"):
+            caplog.clear()
+            assert find_resume_dir(str(tmp_path), "auto") == step_dir(tmp_path, 4), content
+        assert "newest complete checkpoint" in caplog.text and "global_step_4" in caplog.text
+    latest.unlink()
+    assert find_resume_dir(str(tmp_path), "auto") == step_dir(tmp_path, 4)
+    assert prune_checkpoints(tmp_path, 1) == [step_dir(tmp_path, 2)]  # the half-written 6 is never "complete"
+
+
+def test_state_files_are_written_atomically(tmp_path, monkeypatch) -> None:
+    write_trainer_state(tmp_path, 2, {"a": 1})
+    import mrl.driver.state as st
+
+    def crash(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(st.os, "replace", crash)
+    with pytest.raises(OSError):
+        write_trainer_state(tmp_path, 4, {"a": 2})
+    # the crash left the previous latest intact (an in-place write would have truncated it)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert find_resume_dir(str(tmp_path), "auto") == step_dir(tmp_path, 2)
+
+
+def test_no_checkpoint_and_no_latest_is_a_fresh_start(tmp_path) -> None:
+    (tmp_path / "global_step_3").mkdir()  # crashed before anything completed
+    assert find_resume_dir(str(tmp_path), "auto") is None
+    assert find_resume_dir(str(tmp_path / "missing"), "auto") is None

@@ -93,11 +93,20 @@ def setup(tmp_path_factory):
         eng.stop()
 
 
-def _validate(setup, log_generations: int, val_batch_size: int | None = None, **val_kwargs):
+def _validate(setup, log_generations: int, val_batch_size: int | None = None, seed=None, **val_kwargs):
     client, tok, ds, reward = setup
     rollout = RolloutConfig(max_response_length=12, val_kwargs=val_kwargs)
     return run_validation(client=client, tokenizer=tok, dataset=ds, reward=reward, rollout=rollout,
-                          val_batch_size=val_batch_size, log_generations=log_generations)
+                          val_batch_size=val_batch_size, log_generations=log_generations, seed=seed)
+
+
+@pytest.mark.slow
+def test_sampled_validation_is_reproducible_with_a_seed(setup):
+    kw = {"do_sample": True, "n": 2, "temperature": 1.0}
+    a = _validate(setup, 20, 4, seed=(7, 3), **kw)
+    assert a.generations == _validate(setup, 20, 10, seed=(7, 3), **kw).generations  # chunking does not matter
+    assert a.metrics == _validate(setup, 20, 4, seed=(7, 3), **kw).metrics
+    assert a.generations != _validate(setup, 20, 4, seed=(7, 4), **kw).generations  # the step enters the seed
 
 
 @pytest.mark.slow

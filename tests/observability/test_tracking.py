@@ -58,3 +58,28 @@ def test_mlflow_sqlite_run_read_back(tmp_path, monkeypatch):
     # A second run of the same project lands in the same experiment.
     Tracking("proj", "run2", ["mlflow"], mlflow_tracking_uri=uri).finish("FAILED")
     assert sorted(r.info.run_name for r in client.search_runs([exp.experiment_id])) == ["run1", "run2"]
+
+
+def test_resumed_run_continues_the_killed_mlflow_run(tmp_path, monkeypatch, caplog):
+    # issue 19: a killed run stayed RUNNING forever and the resumed one started a second run
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    killed = Tracking("proj", "r", ["mlflow"], config={"a": 1}, mlflow_tracking_uri=uri)
+    killed.log({"x": 1.0}, step=1)  # ... then the process dies: no finish()
+    run_id = killed.mlflow_run_id
+    resumed = Tracking("proj", "r", ["mlflow"], config={"a": 2}, mlflow_tracking_uri=uri, resume_run_id=run_id)
+    assert resumed.mlflow_run_id == run_id
+    resumed.log({"x": 2.0}, step=2)
+    resumed.finish()
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+    assert run.info.run_id == run_id and run.info.status == "FINISHED" and run.data.params == {"a": "1"}
+    assert [(h.step, h.value) for h in client.get_metric_history(run_id, "x")] == [(1, 1.0), (2, 2.0)]
+    # a run id from another store: a new run, with a warning
+    with caplog.at_level("WARNING", logger="mrl.observability"):
+        other = Tracking("proj", "r", ["mlflow"], mlflow_tracking_uri=f"sqlite:///{tmp_path}/other.db",
+                         resume_run_id=run_id)
+    assert other.mlflow_run_id != run_id and "logging to a new run" in caplog.text
+    other.finish()

@@ -67,8 +67,10 @@ def test_contract_errors_name_function_row_and_fix_whatever_on_error(workers):
                 r"reward function 'tests.rewards._scorers:dict_score' on sample 1 \(data_source='toy', "
                 r"extra_info.index=11\) returned a dict without 'score'.*fix:")):
             m([" 1", "nokey"], ["1", "1"], data_sources=["toy", "toy"], extra_infos=infos)
-        with pytest.raises(ScoreContractError, match=r"on sample 0 \(data_source=None\) returned 'score'=float nan"):
-            m(["nan", " 1"], ["1", "1"])
+        # a NaN score is a failure of that sample (issue 19), counted and zeroed under on_error=zero
+        r = m(["nan", " 1"], ["1", "1"])
+        assert r.errors[0].startswith("BadScore: returned a non-finite score nan") and r.scores[0] == 0
+        assert r.fault_metrics() == {"reward/errors": 1.0, "reward/timeouts": 0.0, "reward/zeroed_samples": 1.0}
         with pytest.raises(ScoreContractError, match=r"on sample 0 .* 'length'=list \[1, 2\]"):
             m(["list"], ["1"])
         # key sets must agree between the samples of a call (verl needs one value per sample per key)

@@ -82,6 +82,26 @@ def test_batch_shapes_affinity_and_balance(pool):
     assert pool.loop.run(pool.check_health()) == {e.url: True for e in pool.engines}
 
 
+def test_sampling_seeds_make_draws_reproducible_across_engines_and_batches(pool):
+    # issue 19: every sample carries its own sampling_seed, so its draws do not depend on which
+    # engine serves it or what else is in the request
+    client = RolloutClient(Router(pool))
+    sp = {"max_new_tokens": 8, "temperature": 1.0}
+    seeds = [[1000 * i + j for j in range(4)] for i in range(len(PROMPTS))]
+
+    def tokens(prompts, seeds_):
+        res = client.generate(RolloutRequest(prompts, n=4, sampling_params=sp, sampling_seeds=seeds_))
+        assert not res.failed, res.failed[:1]
+        return [[s.response_ids for s in res.samples[4 * i:4 * i + 4]] for i in range(len(prompts))]
+
+    a = tokens(PROMPTS, seeds)
+    assert a == tokens(PROMPTS, seeds)
+    assert a[::-1] == tokens(PROMPTS[::-1], seeds[::-1])  # other engines, other batch neighbours
+    assert a[3] == tokens([PROMPTS[3]], [seeds[3]])[0]
+    assert a != tokens(PROMPTS, [[x + 1 for x in row] for row in seeds])
+    assert len({tuple(r) for g in a for r in g}) > len(PROMPTS)  # samples of a group really differ
+
+
 def test_rejected_request_is_reported_not_retried(pool):
     client = RolloutClient(Router(pool, max_retries=3))
     res = client.generate(RolloutRequest(PROMPTS[:2], n=2, sampling_params={"max_new_tokens": 4, "no_such_param": 1}))

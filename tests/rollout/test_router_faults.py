@@ -106,7 +106,15 @@ def test_batch_answer_of_the_wrong_length_fails_every_sample_of_the_prompt(engin
 def test_health_probe_errors_count_towards_max_failures_before_a_restart(engines):
     sick = engines("sick")
     restarts = []
-    pool = EnginePool([EngineEndpoint(sick.url, restart=lambda: restarts.append(1))], health_interval_s=0,
+    # The restart runs in the background as soon as the engine is taken out; it waits for this gate,
+    # so the engine cannot be back in service before the assertions below (on a loaded host it was).
+    gate = threading.Event()
+
+    def restart() -> None:
+        assert gate.wait(30), "test never opened the restart gate"
+        restarts.append(1)
+
+    pool = EnginePool([EngineEndpoint(sick.url, restart=restart)], health_interval_s=0,
                       max_failures=3, restart_timeout_s=5)
     try:
         e = pool.engines[0]
@@ -117,8 +125,10 @@ def test_health_probe_errors_count_towards_max_failures_before_a_restart(engines
         assert pool.loop.run(pool.check_health()) == {} and e.failures == 2
         e.outstanding = 0
         assert pool.loop.run(pool.check_health()) == {sick.url: False}
-        assert not e.healthy and "3 consecutive failures" in e.last_error
+        assert not e.healthy and "3 consecutive failures" in e.last_error and not restarts
+        gate.set()
         pool.wait_recovered(30)
-        assert restarts == [1]
+        assert restarts == [1] and e.healthy and e.failures == 0
     finally:
+        gate.set()
         pool.close()

@@ -34,3 +34,20 @@ def test_constant_linear_warmup_and_cosine_decay():
 def test_decay_without_run_length_is_a_clear_error():
     with pytest.raises(ValueError, match="total_training_steps"):
         _lrs(OptimConfig(lr=1e-3, lr_schedule="cosine"), None, 1)
+
+
+def test_resume_with_a_longer_run_rebuilds_the_schedule():
+    # issue 19: the checkpoint's decay length won, so a run resumed with more steps sat at min_lr
+    optim = OptimConfig(lr=1e-3, lr_schedule="cosine", min_lr_ratio=0.1)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=optim.lr)
+    old = build_lr_scheduler(opt, optim, total_optimizer_steps=4)
+    for _ in range(4):
+        old.step(increment=1)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-4)  # the end of the short schedule
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=optim.lr)
+    new = build_lr_scheduler(opt2, optim, total_optimizer_steps=8)
+    new.load_state_dict(old.state_dict())
+    assert new.num_steps == 4
+    assert opt2.param_groups[0]["lr"] == pytest.approx(_lrs(optim, 8, 4)[4])  # step 4 of the 8-step schedule
+    new.step(increment=1)
+    assert opt2.param_groups[0]["lr"] == pytest.approx(_lrs(optim, 8, 5)[5])
