@@ -74,13 +74,9 @@ def plan_engines(cfg: MRLConfig, infos: list[dict[str, Any]], n_engines: int) ->
 
 def run_token(cfg: MRLConfig) -> str | None:
     """A fresh per-run control token for every engine, loopback included: any local process (another
-    user's, a notebook) could otherwise pause the engines or load weights from disk into them. The
-    embedded engine guards only its control endpoints (/generate and /health stay open, as SGLang's
-    admin endpoints); SGLang's ``--api-key`` also guards /generate, which the pool sends it on, but
-    the sglang_router cannot forward it, so loopback SGLang engines behind that router get none."""
-    r = cfg.rollout
-    if _loopback(r.host) and r.engine == "sglang" and r.router == "sglang_router":
-        return None
+    user's, a notebook) could otherwise pause the engines or load weights from disk into them. Both
+    engines guard only their control endpoints with it (the embedded engine's token; SGLang's
+    ``--admin-api-key``), so /generate and /health stay open and a router needs no key."""
     return secrets.token_urlsafe(32)
 
 
@@ -98,12 +94,12 @@ def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple
         if not cuda:
             raise UnsupportedConfigError(f"rollout.engine=sglang: engine {slot.index} was placed without GPUs; "
                                          "fix: cluster.device=cuda")
-        # SGLang's --api-key is an argv flag (visible in ps to users of the node); it has no env form.
+        # SGLang's --admin-api-key is an argv flag (visible in ps to users of the node); it has no env form.
         return build_sglang_command(SGLangLaunchSpec(
             model_path=cfg.model.path, port=slot.port, host=r.host, tp_size=r.engine_tp_size,
             mem_fraction_static=r.mem_fraction_static, colocated=r.placement == "colocated",
             base_gpu_id=slot.gpu_ids[0], dtype=cfg.model.dtype, random_seed=cfg.trainer.seed + slot.index,
-            api_key=token)), {}
+            admin_api_key=token)), {}
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     if token:
         env[TOKEN_ENV] = token

@@ -59,7 +59,9 @@ class SGLangLaunchSpec:
     tp_size: ``--tp-size``, GPUs per engine. mem_fraction_static: ``--mem-fraction-static``,
     share of GPU memory for weights + KV cache. colocated: engine shares GPUs with the trainer,
     so ``--enable-memory-saver`` lets ``/release_memory_occupation`` free the KV cache and weights.
-    api_key: ``--api-key`` (per-run token) needed when host is not loopback.
+    admin_api_key: ``--admin-api-key``, the per-run token: SGLang then requires it on its admin endpoints
+    (pause, weight updates, memory release, ...) and leaves /generate and /health open — the embedded
+    engine's model, so a router (sglang_router) can forward generations without the key.
     """
 
     model_path: str
@@ -72,7 +74,7 @@ class SGLangLaunchSpec:
     base_gpu_id: int | None = None
     dtype: str | None = None
     random_seed: int | None = None
-    api_key: str | None = None
+    admin_api_key: str | None = None
     extra_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -106,8 +108,8 @@ def build_sglang_command(spec: SGLangLaunchSpec, python: str = sys.executable) -
         cmd += ["--dtype", spec.dtype]
     if spec.random_seed is not None:
         cmd += ["--random-seed", str(spec.random_seed)]
-    if spec.api_key:
-        cmd += ["--api-key", spec.api_key]
+    if spec.admin_api_key:
+        cmd += ["--admin-api-key", spec.admin_api_key]
     return cmd + list(spec.extra_args)
 
 

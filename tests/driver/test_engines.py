@@ -33,7 +33,7 @@ def test_sglang_engines_tp2_colocated_on_one_node() -> None:
     assert flags["--model-path"] == "Qwen/Qwen2.5-0.5B-Instruct" and flags["--tp-size"] == "2"
     assert flags["--base-gpu-id"] == "2" and flags["--port"] == "30001" and flags["--dtype"] == "bfloat16"
     assert flags["--mem-fraction-static"] == str(cfg.rollout.mem_fraction_static)
-    assert "--enable-memory-saver" in cmd and "--skip-server-warmup" in cmd and "--api-key" not in cmd
+    assert "--enable-memory-saver" in cmd and "--skip-server-warmup" in cmd and "--admin-api-key" not in cmd
 
 
 def test_two_nodes_need_a_routable_host_and_get_the_token() -> None:
@@ -49,7 +49,8 @@ def test_two_nodes_need_a_routable_host_and_get_the_token() -> None:
     token = run_token(cfg)
     assert token and len(token) >= 32 and run_token(cfg) != token  # fresh per run
     cmd, _ = engine_command(cfg, slots[9], token)
-    assert cmd[cmd.index("--api-key") + 1] == token and cmd[cmd.index("--host") + 1] == "0.0.0.0"
+    assert cmd[cmd.index("--admin-api-key") + 1] == token and cmd[cmd.index("--host") + 1] == "0.0.0.0"
+    assert "--api-key" not in cmd  # it would guard /generate too
 
 
 def test_an_engine_spanning_nodes_is_refused() -> None:
@@ -94,8 +95,8 @@ def test_loopback_engines_get_the_run_token_too(tmp_path) -> None:
     cmd, env = engine_command(cfg, slot, token)
     assert env[TOKEN_ENV] == token and cmd[cmd.index("--token-env") + 1] == TOKEN_ENV and token not in cmd
     gpu = load_config(GPU_RECIPE, [])
-    assert run_token(gpu)  # SGLang engines behind the built-in router: --api-key, sent by the pool
-    assert run_token(load_config(GPU_RECIPE, ["rollout.router=sglang_router"])) is None  # cannot forward it
+    assert run_token(gpu)  # SGLang engines: --admin-api-key (control endpoints only), sent by the pool
+    assert run_token(load_config(GPU_RECIPE, ["rollout.router=sglang_router"]))  # /generate stays open for the router
 
 
 def test_embedded_engine_with_token_guards_control_only(tmp_path) -> None:

@@ -22,16 +22,16 @@ def _flag(cmd: list[str], name: str) -> str:
 
 def test_sglang_command_from_config():
     spec = SGLangLaunchSpec(model_path="/m/qwen", port=30001, tp_size=2, mem_fraction_static=0.55,
-                            colocated=True, base_gpu_id=2, random_seed=3, api_key="tok")
+                            colocated=True, base_gpu_id=2, random_seed=3, admin_api_key="tok")
     cmd = build_sglang_command(spec, python="py")
     assert cmd[:3] == ["py", "-m", "sglang.launch_server"]
     assert _flag(cmd, "--model-path") == "/m/qwen" and _flag(cmd, "--port") == "30001"
     assert _flag(cmd, "--host") == "127.0.0.1" and _flag(cmd, "--tp-size") == "2"
     assert _flag(cmd, "--mem-fraction-static") == "0.55" and _flag(cmd, "--base-gpu-id") == "2"
-    assert _flag(cmd, "--api-key") == "tok" and _flag(cmd, "--random-seed") == "3"
+    assert _flag(cmd, "--admin-api-key") == "tok" and _flag(cmd, "--random-seed") == "3"
     assert "--skip-server-warmup" in cmd and "--enable-memory-saver" in cmd
     plain = build_sglang_command(SGLangLaunchSpec(model_path="/m", port=1, skip_server_warmup=False))
-    assert "--enable-memory-saver" not in plain and "--skip-server-warmup" not in plain and "--api-key" not in plain
+    assert "--enable-memory-saver" not in plain and "--skip-server-warmup" not in plain and "--admin-api-key" not in plain
     assert build_embedded_command("/m", 5, host="10.0.0.2", token_env="MRL_TOKEN", python="py") == [
         "py", "-m", "mrl.rollout.server", "--model", "/m", "--host", "10.0.0.2", "--port", "5",
         "--token-env", "MRL_TOKEN"]

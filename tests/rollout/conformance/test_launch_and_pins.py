@@ -42,7 +42,7 @@ def test_launch_command_parses_with_sglang_server_args():
     from sglang.srt.server_args import ServerArgs
 
     spec = SGLangLaunchSpec(model_path="/models/m", port=30001, host="127.0.0.1", tp_size=2, mem_fraction_static=0.6,
-                            colocated=True, base_gpu_id=4, dtype="bfloat16", random_seed=7, api_key="tok")
+                            colocated=True, base_gpu_id=4, dtype="bfloat16", random_seed=7, admin_api_key="tok")
     cmd = build_sglang_command(spec, python="python")
     assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
     parser = argparse.ArgumentParser()
@@ -50,7 +50,28 @@ def test_launch_command_parses_with_sglang_server_args():
     args = parser.parse_args(cmd[3:])  # exits (SystemExit) on a flag SGLang does not know
     assert (args.model_path, args.port, args.tp_size, args.base_gpu_id) == ("/models/m", 30001, 2, 4)
     assert args.mem_fraction_static == 0.6 and args.enable_memory_saver and args.random_seed == 7
-    assert args.dtype == "bfloat16" and args.api_key == "tok" and args.skip_server_warmup
+    assert args.dtype == "bfloat16" and args.admin_api_key == "tok" and args.api_key is None and args.skip_server_warmup
+
+
+def test_the_run_token_guards_sglangs_control_routes_and_leaves_generate_open():
+    """SGLang's own auth rule over its own routes' auth levels, with the key our launch sets: what
+    the pool and the weight syncer send (Bearer token) opens the control routes; /generate needs none
+    (so sglang_router can forward generations)."""
+    require()
+    from sglang.srt.entrypoints import http_server as hs
+    from sglang.srt.utils.auth import decide_request_auth
+
+    levels = {r.path: getattr(r.endpoint, "_auth_level", None) for r in hs.app.routes if hasattr(r, "endpoint")}
+
+    def allowed(path, header):
+        return decide_request_auth(method="POST", path=path, authorization_header=header, api_key=None,
+                                   admin_api_key="tok", auth_level=levels[path]).allowed
+
+    for path in ("/generate", "/v1/completions", "/health_generate"):
+        assert allowed(path, None), path
+    for path in ("/pause_generation", "/update_weights_from_distributed", "/begin_weight_update",
+                 "/init_weights_update_group", "/release_memory_occupation", "/flush_cache"):
+        assert not allowed(path, None) and not allowed(path, "Bearer nope") and allowed(path, "Bearer tok"), path
 
 
 def test_engine_process_refuses_an_sglang_launch_without_the_supported_release(tmp_path, monkeypatch):

@@ -23,31 +23,38 @@ class RecordingRouter:
         return RouteOutcome(None, None, 1, "recorded, not sent")
 
 
-def sent_generate_bodies(sampling_params: dict, n: int) -> list[dict]:
+def sent_generate_bodies(sampling_params: dict, n: int, seeded: bool) -> list[dict]:
     router = RecordingRouter()
     client = RolloutClient(router)  # type: ignore[arg-type]
-    asyncio.run(client.agenerate(RolloutRequest([[5, 6, 7], [8, 9]], n=n, sampling_params=sampling_params)))
+    seeds = [[1000 * i + j for j in range(n)] for i in range(2)] if seeded else None
+    asyncio.run(client.agenerate(RolloutRequest([[5, 6, 7], [8, 9]], n=n, sampling_params=sampling_params,
+                                                sampling_seeds=seeds)))
     return router.payloads
 
 
+@pytest.mark.parametrize("seeded", [False, True])  # the trainer sends one sampling_seed per sample
 @pytest.mark.parametrize("n", [1, 4])
 @pytest.mark.parametrize("sampling_params", [
     {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 16},  # the trainer's rollout
     {"temperature": 0.0, "max_new_tokens": 16},  # validation (greedy) and ReMax baselines
     {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 8, "sampling_seed": 123},
 ])
-def test_generate_bodies_are_valid_sglang_requests(sampling_params, n):
+def test_generate_bodies_are_valid_sglang_requests(sampling_params, n, seeded):
     require()
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    for body in sent_generate_bodies(sampling_params, n):
+    for body in sent_generate_bodies(sampling_params, n, seeded):
         req = GenerateReqInput(**body)  # unknown keys raise TypeError here
         req.normalize_batch_and_arguments()
-        assert req.batch_size == (max(1, n)) and req.is_single == (n == 1)
-        sp = SamplingParams(**body["sampling_params"])  # what SGLang's tokenizer manager builds
-        sp.verify(VOCAB)
-        assert sp.max_new_tokens == sampling_params["max_new_tokens"]
+        assert req.batch_size == n and req.is_single == (n == 1)
+        per_sample = [req.sampling_params] if n == 1 else [req[i].sampling_params for i in range(n)]
+        for sp_dict in per_sample:  # what SGLang's tokenizer manager builds for each sample
+            sp = SamplingParams(**sp_dict)
+            sp.verify(VOCAB)
+            assert sp.max_new_tokens == sampling_params["max_new_tokens"]
+        if seeded:
+            assert len({sp["sampling_seed"] for sp in per_sample}) == n  # one seed per sample reaches SGLang
 
 
 CONTROL = {
