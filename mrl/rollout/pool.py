@@ -137,7 +137,7 @@ class PoolLoop:
 
 class EnginePool:
     """Engines + their health. ``token`` goes into ``Authorization: Bearer`` for control calls
-    (the engines require it when bound off loopback, like SGLang's ``--api-key``)."""
+    (every engine mrl starts requires it on its control routes, as SGLang does with ``--admin-api-key``)."""
 
     def __init__(
         self,
