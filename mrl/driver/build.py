@@ -180,8 +180,10 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
             # a connection error on /generate finds a dead router (no /health) and restarts it.
             gen_pool = s.route_pool = EnginePool([EngineEndpoint(s.router.url, restart=s.router.restart)],
                                                  health_interval_s=0, token=token)
+        # sglang-router's /generate takes one sampling_params map: seeded samples then go one per request.
         s.client = RolloutClient(make_router(gen_pool, r.router, max_retries=r.max_retries,
-                                             request_timeout_s=r.request_timeout_s))
+                                             request_timeout_s=r.request_timeout_s),
+                                 params_list_in_batch=r.router != "sglang_router")
         s.workers.execute_all("init_weight_sync", s.engines.urls, token=token, routable=s.engines.remote_nodes)
         s.tracking = Tracking.from_config(
             cfg, resume_run_id=read_trainer_state(resumed_from).get("mlflow_run_id") if resumed_from else None)

@@ -39,8 +39,12 @@ def parse_generate_response(body: dict[str, Any]) -> tuple[list[int], list[float
 class RolloutClient:
     """Sync facade over ``Router`` for the driver (network work runs on the pool's loop)."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, params_list_in_batch: bool = True) -> None:
+        """params_list_in_batch: the route accepts one ``sampling_params`` per sample of a batch
+        request (SGLang and the embedded engine do; sglang-router's /generate schema takes one map),
+        else seeded samples of a prompt go as n single requests."""
         self.router = router
+        self.params_list_in_batch = params_list_in_batch
 
     def generate(self, request: RolloutRequest) -> RolloutResult:
         return self.router.pool.loop.run(self.agenerate(request))
@@ -52,14 +56,15 @@ class RolloutClient:
         t0 = time.perf_counter()
         n = request.n
 
-        async def group(i: int) -> list[RolloutSample]:
-            prompt = request.prompts[i]
+        async def send(i: int, js: list[int]) -> list[RolloutSample]:
+            """Samples ``js`` of prompt ``i`` in one /generate (a batch when more than one)."""
+            prompt, k = request.prompts[i], len(js)
             params: dict[str, Any] | list[dict[str, Any]] = request.sampling_params
             if request.sampling_seeds is not None:  # one sampling_params per sample of the batch (SGLang accepts a list)
-                seeded = [{**params, "sampling_seed": int(x)} for x in request.sampling_seeds[i]]
-                params = seeded if n > 1 else seeded[0]
+                seeded = [{**params, "sampling_seed": int(request.sampling_seeds[i][j])} for j in js]
+                params = seeded if k > 1 else seeded[0]
             payload = {
-                "input_ids": [prompt] * n if n > 1 else prompt,
+                "input_ids": [prompt] * k if k > 1 else prompt,
                 "sampling_params": params,
                 "return_logprob": request.return_logprob,
             }
@@ -67,14 +72,19 @@ class RolloutClient:
 
             def failed(error: str | None) -> list[RolloutSample]:
                 return [RolloutSample(i, j, prompt, [], [], FINISH_ERROR, engine_url=out.engine_url, error=error,
-                                      attempts=out.attempts) for j in range(n)]
+                                      attempts=out.attempts) for j in js]
             if out.body is None:
                 return failed(out.error)
-            answers = out.body if n > 1 else [out.body]
-            if not isinstance(answers, list) or len(answers) != n:
+            answers = out.body if k > 1 else [out.body]
+            if not isinstance(answers, list) or len(answers) != k:
                 got = f"a list of {len(answers)}" if isinstance(answers, list) else type(answers).__name__
-                return failed(f"/generate with a batch of {n} answered {got}, not a list of {n}")
-            return [_sample(i, j, prompt, a, out, request.return_logprob) for j, a in enumerate(answers)]
+                return failed(f"/generate with a batch of {k} answered {got}, not a list of {k}")
+            return [_sample(i, j, prompt, a, out, request.return_logprob) for j, a in zip(js, answers)]
+
+        async def group(i: int) -> list[RolloutSample]:
+            if request.sampling_seeds is None or self.params_list_in_batch or n == 1:
+                return await send(i, list(range(n)))
+            return [s for part in await asyncio.gather(*(send(i, [j]) for j in range(n))) for s in part]
 
         groups = await asyncio.gather(*(group(i) for i in range(len(request.prompts))))
         return RolloutResult([s for g in groups for s in g], n, time.perf_counter() - t0)

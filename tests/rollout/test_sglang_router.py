@@ -96,3 +96,22 @@ def test_restarted_engine_leaves_the_router_until_it_is_back(setup):
     finally:
         route.close()
     assert not res.failed
+
+
+def test_seeded_samples_through_sglang_router_equal_direct_ones(setup):
+    """sglang-router's /generate takes one sampling_params map, so seeded samples travel one per
+    request there (params_list_in_batch=False); the draws equal those of one seeded batch sent to an
+    engine directly (the trainer's per-sample seeds, reproducible whatever the route)."""
+    engines, router = setup
+    seeds = [[7000 + 10 * i + j for j in range(3)] for i in range(len(PROMPTS))]
+    req = RolloutRequest(PROMPTS, n=3, sampling_params={"max_new_tokens": 6, "temperature": 1.0}, sampling_seeds=seeds)
+    out = {}
+    for name, url, batch in (("router", router.url, False), ("engine", engines[0].url, True)):
+        pool = EnginePool([EngineEndpoint(url)], health_interval_s=0)
+        try:
+            out[name] = RolloutClient(Router(pool), params_list_in_batch=batch).generate(req)
+        finally:
+            pool.close()
+        assert not out[name].failed, [s.error for s in out[name].failed][:2]
+    assert [s.response_ids for s in out["router"].samples] == [s.response_ids for s in out["engine"].samples]
+    assert len({tuple(s.response_ids) for s in out["engine"].samples}) > len(PROMPTS)  # seeds differ per sample
