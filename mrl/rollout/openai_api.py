@@ -267,28 +267,27 @@ async def _serve(engine, http: HTTPRequest, obj: str, req: _Common, prompts: lis
             for k in range(len(jobs)):
                 yield S.sse({**chunk, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                                    "logprobs": None, "finish_reason": None}]})
-        async with contextlib.aclosing(S.watch(engine, http, jobs)) as progress:  # closed -> aborts
-            async for moved in progress:
-                for k in moved:
-                    if (err := S.failure(jobs[k])) is not None:
-                        yield S.sse(err)
-                        continue
-                    r = jobs[k].req
-                    final = r.future.done()
-                    text = S.output_text(engine, r, list(r.output_ids[: _visible(r, False)]), final)
-                    delta = text[len(sent_text[k]):] if text.startswith(sent_text[k]) else ""
-                    n = _visible(r, final)
-                    logprobs = None
-                    if lp and n > sent_tok[k]:
-                        logprobs = (_chat_lp(engine, r, sent_tok[k], n) if chat
-                                    else _completion_lp(engine, r, sent_tok[k], n, len(sent_text[k])))
-                    if not delta and logprobs is None and not final:
-                        continue
-                    sent_text[k], sent_tok[k] = sent_text[k] + delta, max(n, sent_tok[k])
-                    kind, matched = _finish(r) if final else (None, None)
-                    body = {"delta": {"content": delta} if delta or not final else {}} if chat else {"text": delta}
-                    yield S.sse({**chunk, "choices": [{"index": k, **body, "logprobs": logprobs, "finish_reason": kind,
-                                                       **({"matched_stop": matched} if final else {})}]})
+        async with contextlib.aclosing(S.progress(engine, http, jobs)) as progress:  # closed -> aborts
+            async for k, err in progress:
+                if err is not None:
+                    yield err
+                    continue
+                r = jobs[k].req
+                final = r.future.done()
+                text = S.output_text(engine, r, list(r.output_ids[: _visible(r, False)]), final)
+                delta = text[len(sent_text[k]):] if text.startswith(sent_text[k]) else ""
+                n = _visible(r, final)
+                logprobs = None
+                if lp and n > sent_tok[k]:
+                    logprobs = (_chat_lp(engine, r, sent_tok[k], n) if chat
+                                else _completion_lp(engine, r, sent_tok[k], n, len(sent_text[k])))
+                if not delta and logprobs is None and not final:
+                    continue
+                sent_text[k], sent_tok[k] = sent_text[k] + delta, max(n, sent_tok[k])
+                kind, matched = _finish(r) if final else (None, None)
+                body = {"delta": {"content": delta} if delta or not final else {}} if chat else {"text": delta}
+                yield S.sse({**chunk, "choices": [{"index": k, **body, "logprobs": logprobs, "finish_reason": kind,
+                                                   **({"matched_stop": matched} if final else {})}]})
         if req.stream_options is not None and req.stream_options.include_usage:
             yield S.sse({**chunk, "choices": [], "usage": _usage(jobs, prompt_of)})
         yield "data: [DONE]\n\n"

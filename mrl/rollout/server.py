@@ -113,15 +113,14 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
         listed = body.is_batch or len(jobs) > 1  # n > 1 answers a list, as SGLang does
         if body.stream:
             async def events():
-                async with contextlib.aclosing(S.watch(engine, http, jobs)) as progress:  # closed -> aborts
-                    async for moved in progress:
-                        for k in moved:
-                            if (err := S.failure(jobs[k])) is not None:
-                                yield S.sse(err)
-                                continue
-                            out = S.native_output(engine, jobs[k], t0, body.return_text_in_logprobs,
-                                                  jobs[k].req.future.done())
-                            yield S.sse({**out, "index": k} if listed else out)
+                async with contextlib.aclosing(S.progress(engine, http, jobs)) as progress:  # closed -> aborts
+                    async for k, err in progress:
+                        if err is not None:
+                            yield err
+                            continue
+                        out = S.native_output(engine, jobs[k], t0, body.return_text_in_logprobs,
+                                              jobs[k].req.future.done())
+                        yield S.sse({**out, "index": k} if listed else out)
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")

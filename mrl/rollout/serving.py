@@ -21,6 +21,7 @@ so the streamed text only ever grows.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -165,6 +166,16 @@ async def watch(engine, http: HTTPRequest | None, jobs: list[Job]) -> AsyncItera
     finally:
         if not all(done):
             abort_soon(engine, jobs)
+
+
+async def progress(engine, http: HTTPRequest | None, jobs: list[Job]) -> AsyncIterator[tuple[int, str | None]]:
+    """(k, None) for each job that progressed, (k, an SSE error event) for one whose engine step
+    failed; closing this generator (or a client disconnect) aborts the unfinished jobs (``watch``)."""
+    async with contextlib.aclosing(watch(engine, http, jobs)) as moved_lists:
+        async for moved in moved_lists:
+            for k in moved:
+                err = failure(jobs[k])
+                yield k, (sse(err) if err is not None else None)
 
 
 def output_text(engine, r: Request, ids: list[int], final: bool) -> str:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from tests.helpers.dist import free_port
+from tests.helpers.serving import wait_http_ok
 from tests.helpers.tiny_models import make_tiny_hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,16 +30,7 @@ def test_served_by_subprocess(tmp_path):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, f"engine exited: {proc.stdout.read()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "engine did not become healthy in 120 s"
-            time.sleep(0.5)
+        wait_http_ok(url, proc)
         r = httpx.post(f"{url}/generate", timeout=60, json={
             "text": "hello", "return_logprob": True,
             "sampling_params": {"temperature": 0.7, "max_new_tokens": 6, "ignore_eos": True}})

@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
-import httpx
 import openai
 import pytest
 
 from tests.helpers.dist import free_port
+from tests.helpers.serving import wait_http_ok
 from tests.helpers.sglang_real import require
 from tests.helpers.tiny_models import make_tiny_hf
 from tests.helpers.tiny_tokenizer import add_chat_template
@@ -31,16 +30,7 @@ def test_openai_and_sglang_programs_against_mrl_engine(tmp_path):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, f"engine exited: {proc.stdout.read()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "engine did not become healthy in 120 s"
-            time.sleep(0.3)
+        wait_http_ok(url, proc)
 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         chat = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4,

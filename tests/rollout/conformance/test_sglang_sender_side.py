@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +15,7 @@ from safetensors.torch import load_file
 
 from mrl.rollout.engine.checksum import tensor_checksum
 from tests.helpers.dist import free_port
+from tests.helpers.serving import wait_http_ok
 from tests.helpers.sglang_real import require
 from tests.helpers.tiny_models import make_tiny_hf
 
@@ -36,16 +36,7 @@ def test_sglang_helpers_push_into_the_embedded_engine(tmp_path):
                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, "engine exited"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "engine did not start in 120 s"
-            time.sleep(0.5)
+        wait_http_ok(url, proc)
         new = {n: t + 0.01 for n, t in load_file(str(d / "model.safetensors")).items()}
         mport, box = free_port(), {}
         join = threading.Thread(target=lambda: box.update(init=httpx.post(url + "/init_weights_update_group", timeout=120, json={

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +22,7 @@ from mrl.rollout.weight_sync import WeightSyncer
 from mrl.rollout.weight_sync.buckets import iter_buckets
 from mrl.rollout.weight_sync.http import EngineCallError, EngineHttp
 from tests.helpers.dist import free_port
+from tests.helpers.serving import wait_http_ok
 from tests.helpers.sglang_real import require
 
 REPO = Path(__file__).resolve().parents[3]
@@ -74,17 +74,8 @@ def engines(tmp_path_factory, sglang):
                                        str(port), "--weights", str(d / "model.safetensors")], cwd=REPO, env=env))
         urls.append(f"http://127.0.0.1:{port}")
     try:
-        deadline = time.monotonic() + 180
         for u, p in zip(urls, procs):
-            while True:
-                assert p.poll() is None, f"SGLang harness at {u} exited with {p.returncode}"
-                try:
-                    if httpx.get(u + "/harness/checksums", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, "SGLang harness did not start within 180 s"
-                time.sleep(0.5)
+            wait_http_ok(u, p, "/harness/checksums", timeout_s=180)
         yield urls
     finally:
         for p in procs:
