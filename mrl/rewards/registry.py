@@ -22,6 +22,7 @@ from typing import Any
 ScoreFn = Callable[..., float | dict[str, Any]]
 
 _REGISTRY: dict[str, ScoreFn] = {}
+_BUILTIN_MODULES = ("mrl.rewards.scorers", "mrl.rewards.math_verify_scorer", "mrl.rewards.countdown")
 _FIX = "fix: reward.function=<registry name> | pkg.module:fn | path/to/file.py:fn"
 
 
@@ -53,7 +54,8 @@ def reward_names() -> list[str]:
 def _load_builtins() -> None:
     # Imported lazily: scorers register themselves on import, and registry must not import them at
     # module level (they import this module).
-    importlib.import_module("mrl.rewards.scorers")
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
 
 
 def _load_file(path: Path, spec: str):
