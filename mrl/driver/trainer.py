@@ -52,6 +52,7 @@ from mrl.observability.data_metrics import (
     compute_throughput_metrics,
 )
 from mrl.observability.timer import timer
+from mrl.plugins import accepted_keywords
 from mrl.rewards.manager import place_on_last_token
 from mrl.rollout.types import RolloutRequest, RolloutResult
 from mrl.workers.batch import TrainBatch
@@ -316,9 +317,14 @@ class RLTrainer:
         a = self.cfg.algorithm
         # returns: GAE's value targets A + V (the critic regresses on them); the outcome estimators
         # return their advantages there, as verl (logged as critic/returns/* either way).
+        # Non-tensor fields (verl's non_tensor_batch) go to an estimator that names them (plugins).
+        offered = {"extra_info": lambda: [p.extra_info for p in d.prompts],
+                   "data_source": lambda: [p.data_source for p in d.prompts],
+                   "reward_extra_info": lambda: dict(d.reward_extra_info or {})}
+        extra = {k: offered[k]() for k in accepted_keywords(self.adv_fn, offered)}
         adv, ret = self.adv_fn(d.token_level_rewards, d.batch.response_mask.float(), index=d.batch.uid,
                                values=d.batch.values, reward_baselines=d.reward_baselines, gamma=a.gamma, lam=a.lam,
-                               norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
+                               norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo, **extra)
         d.batch = d.batch.replace(advantages=adv, returns=ret)
 
     def actor_update_due(self) -> bool:
