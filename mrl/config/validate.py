@@ -16,6 +16,7 @@ from mrl.config.extensions import check_extension_points
 from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_devices
 from mrl.config.parallel import ParallelConfig
+from mrl.config.reward_model import check_reward_model
 from mrl.config.root import MRLConfig
 
 _GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus_baseline"}
@@ -358,6 +359,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     _check_files(cfg, errors, notes)
     _check_checkpoint_and_val_only(cfg, errors)
     check_extension_points(cfg, errors)
+    check_reward_model(cfg, errors, notes)
     if cfg.cluster.device == "cpu" and cfg.model.dtype != "float32":
         notes.append(f"cluster.device=cpu with model.dtype={cfg.model.dtype}: CPU runs are slow outside float32")
     return errors, notes

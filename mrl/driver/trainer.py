@@ -78,6 +78,7 @@ class StepData:
     result: RolloutResult | None = None  # the engines' answers (dynamic sampling re-assembles from them)
     scores: torch.Tensor | None = None  # [B] the scorer's scores (before the overlong penalty)
     valid: torch.Tensor | None = None  # [B] False where reward.on_error=mask dropped the sample
+    rm_scores: torch.Tensor | None = None  # [B] the reward model's scores (reward_model.enable)
 
 
 class RLTrainer:
@@ -182,11 +183,22 @@ class RLTrainer:
         """Scores on the last response token (seed 002 stage 5): token_level_scores [B, R], plus
         DAPO's overlong penalty when reward.overlong_buffer.enable; samples whose scoring failed
         under reward.on_error=mask leave the loss and their group's baseline."""
-        out = self.s.reward(d.texts, [p.ground_truth for p in d.prompts], d.batch.response_mask,
-                            data_sources=[p.data_source for p in d.prompts],
-                            extra_infos=[p.extra_info for p in d.prompts])
-        d.scores, d.valid, d.reward_extra_info = out.scores, out.valid, out.extra
-        seq = out.scores
+        rm = self.cfg.reward_model
+        if rm.enable:  # verl: rm_scores reach the reward manager, which returns them (combine=rm)
+            with timer("rm_score", m):
+                d.rm_scores = self.s.workers.execute_all("compute_rm_score", d.batch)[0].float()
+            for stat in ("mean", "max", "min"):
+                m[f"critic/rm_score/{stat}"] = float(getattr(d.rm_scores, stat)())
+        if rm.enable and rm.combine == "rm":
+            d.scores, d.valid, d.reward_extra_info = d.rm_scores, torch.ones_like(d.rm_scores, dtype=torch.bool), {}
+        else:
+            out = self.s.reward(d.texts, [p.ground_truth for p in d.prompts], d.batch.response_mask,
+                                data_sources=[p.data_source for p in d.prompts],
+                                extra_infos=[p.extra_info for p in d.prompts])
+            d.scores, d.valid, d.reward_extra_info = out.scores, out.valid, out.extra
+            if rm.enable:  # combine=rule+rm
+                d.scores = d.scores + d.rm_scores
+        seq = d.scores
         ob = self.cfg.reward.overlong_buffer
         if ob.enable:
             seq = seq + overlong_penalty(d.batch.response_mask.sum(-1), self.cfg.rollout.max_response_length,
