@@ -1,7 +1,7 @@
 """User code from config: the ``pkg.module:fn`` / ``path/to/file.py:fn`` form of an extension point.
 
-Three config keys name a function: ``algorithm.adv_estimator``, ``actor.policy_loss`` and
-``reward.function``. Each takes a registry name (``grpo``) or a
+Four config keys name a function or class: ``algorithm.adv_estimator``, ``actor.policy_loss``,
+``data.sampler.class_path`` and ``reward.function``. Each takes a registry name (``grpo``) or a
 spec ``target:attr``:
 
 * ``target`` ending in ``.py`` is a file, imported under a private module name (once per process);

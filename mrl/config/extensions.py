@@ -1,6 +1,7 @@
 """Extension points from config: the field type of a function-naming key and its ``mrl plan`` check.
 
-``algorithm.adv_estimator``, ``actor.policy_loss`` and ``reward.function`` take a registry name or a
+``algorithm.adv_estimator``, ``actor.policy_loss``, ``data.sampler.class_path`` and ``reward.function``
+take a registry name or a
 plugin spec (``pkg.module:fn`` / ``path/to/file.py:fn``, see ``mrl.plugins`` and docs/plugins.md).
 The registries are the only list of names: a bare name is checked against the names the built-in
 modules register (read from their source, so this stays free of torch), a plugin is imported and
@@ -43,6 +44,7 @@ _LOSS_KW = ("loss_agg_mode", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c"
 POINTS = {
     "algorithm.adv_estimator": ("algorithms/advantages.py", "register_adv_est", 2, _ADV_KW),
     "actor.policy_loss": ("algorithms/policy_loss.py", "register_policy_loss", 4, _LOSS_KW),
+    "data.sampler.class_path": ("data/sampler.py", "register_sampler", 2, ("shuffle", "seed", "dataset")),
 }
 
 
@@ -56,13 +58,17 @@ def _resolve(key: str, spec: str):
     if key == "algorithm.adv_estimator":
         from mrl.algorithms.advantages import get_adv_estimator
         return get_adv_estimator(spec)
+    if key == "data.sampler.class_path":
+        from mrl.data.sampler import get_sampler_cls
+        return get_sampler_cls(spec)
     from mrl.algorithms.policy_loss import get_policy_loss_fn
     return get_policy_loss_fn(spec)
 
 
 def check_extension_points(cfg: MRLConfig, errors: list[str]) -> None:
     """Unknown names, plugins that do not import or lack the function, wrong signatures."""
-    values = {"algorithm.adv_estimator": cfg.algorithm.adv_estimator, "actor.policy_loss": cfg.actor.policy_loss}
+    values = {"algorithm.adv_estimator": cfg.algorithm.adv_estimator, "actor.policy_loss": cfg.actor.policy_loss,
+              "data.sampler.class_path": cfg.data.sampler.class_path}
     for key, spec in values.items():
         _, _, n_pos, keywords = POINTS[key]
         if not is_spec(spec):

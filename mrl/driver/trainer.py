@@ -22,7 +22,7 @@ from mrl.algorithms import (
     overlong_penalty,
 )
 from mrl.config import MRLConfig
-from mrl.data.sampler import ResumableSampler
+from mrl.data.sampler import get_sampler_cls
 from mrl.driver.batch import (
     assemble_train_batch,
     decode_responses,
@@ -93,7 +93,8 @@ class RLTrainer:
             check_gold_answers(services.train_ds.prompts, cfg.data.ground_truth_key)
         # DAPO dynamic sampling draws data.gen_batch_size prompts per generation round
         gen_bs = (cfg.data.gen_batch_size or cfg.data.train_batch_size) if a.filter_groups.enable else cfg.data.train_batch_size
-        self.sampler = ResumableSampler(len(services.train_ds), gen_bs, seed=cfg.trainer.seed)
+        self.sampler = get_sampler_cls(cfg.data.sampler.class_path)(
+            len(services.train_ds), gen_bs, shuffle=cfg.data.shuffle, seed=cfg.trainer.seed, dataset=services.train_ds)
         self.global_step = 0
         self.weight_version = 0  # engines start from model.path = version 0 of the actor
         r = cfg.rollout  # verl's free_cache_engine: colocated engines give the device to the trainer

@@ -2,6 +2,7 @@
 
     algorithm.adv_estimator: tests/plugins/difficulty_plugin.py:grpo_difficulty
     actor.policy_loss: tests/plugins/difficulty_plugin.py:clipped_adv
+    data.sampler.class_path: tests/plugins/difficulty_plugin.py:easy_first
 
 It imports only mrl's public decorators and helpers, never edits mrl. When ``MRL_PLUGIN_LOG`` is set
 each call appends one JSON line there, so that a test can see the plugin ran (in the driver and in
@@ -18,6 +19,7 @@ from mrl.algorithms import (
     register_adv_estimator,
     register_policy_loss,
 )
+from mrl.data.sampler import ResumableSampler, register_sampler
 
 
 def _log(**record) -> None:
@@ -53,6 +55,27 @@ def clipped_advantage_loss(old_log_prob, log_prob, advantages, response_mask, *,
     _log(fn="clipped_adv")
     return compute_policy_loss_vanilla(old_log_prob, log_prob, advantages.clamp(-adv_clip, adv_clip),
                                        response_mask, **kwargs)
+
+
+@register_sampler("easy_first")
+class EasyFirstSampler(ResumableSampler):
+    """Curriculum: every epoch visits the prompts whose ``extra_info["difficulty"]`` is ``easy``
+    first (in the seeded shuffled order), then the others; resumable like the built-in sampler."""
+
+    def __init__(self, num_items, batch_size, *, shuffle=True, seed=1, dataset=None):
+        if dataset is None:
+            raise ValueError("easy_first needs the dataset (the driver passes it)")
+        self.hard = torch.tensor([(p.extra_info or {}).get("difficulty") != "easy" for p in dataset.prompts])
+        super().__init__(num_items, batch_size, shuffle=shuffle, seed=seed)
+
+    def _permutation(self, epoch):
+        perm = super()._permutation(epoch)
+        return perm[torch.argsort(self.hard[perm].long(), stable=True)]
+
+    def next_batch(self):
+        out = super().next_batch()
+        _log(fn="easy_first", hard=int(self.hard[out].sum()), size=len(out))
+        return out
 
 
 def too_few_arguments(token_level_rewards):

@@ -1,5 +1,5 @@
-"""A plugin file (tests/plugins/difficulty_plugin.py) supplies an advantage estimator and a policy
-loss without editing mrl: resolved from its path like a built-in name, checked against the built-ins
+"""A plugin file (tests/plugins/difficulty_plugin.py) supplies an advantage estimator, a policy
+loss and a prompt sampler without editing mrl: resolved from its path like a built-in name, checked against the built-ins
 it reuses, and used from YAML in a 1-step end-to-end run."""
 from __future__ import annotations
 
@@ -40,6 +40,26 @@ def test_estimator_from_a_file_groups_by_difficulty() -> None:
     assert accepted_keywords(get_adv_estimator("grpo"), ["extra_info", "data_source"]) == set()
 
 
+def test_sampler_class_from_a_file_is_resumable() -> None:
+    from types import SimpleNamespace
+
+    from mrl.data.sampler import get_sampler_cls
+
+    cls = get_sampler_cls(f"{PLUGIN}:easy_first")
+    ds = SimpleNamespace(prompts=[SimpleNamespace(extra_info={"difficulty": "easy" if i % 3 else "hard"})
+                                  for i in range(12)])
+    s = cls(12, 4, shuffle=True, seed=3, dataset=ds)
+    first = s.next_batch() + s.next_batch()
+    assert all(i % 3 for i in first)  # the 8 easy prompts come first
+    t = cls(12, 4, shuffle=True, seed=3, dataset=ds)
+    t.load_state_dict(s.state_dict())
+    assert t.next_batch() == s.next_batch()
+    with pytest.raises(ValueError, match="did you mean 'resumable'"):
+        get_sampler_cls("resumabel")
+    with pytest.raises(ValueError, match="lacks next_batch, state_dict, load_state_dict, batches_per_epoch"):
+        get_sampler_cls(f"{PLUGIN}:too_few_arguments")
+
+
 def test_policy_loss_registered_name_from_a_file() -> None:
     loss = get_policy_loss_fn(f"{PLUGIN}:clipped_adv")  # the decorator's name, not the function's
     g = torch.Generator().manual_seed(1)
@@ -64,6 +84,7 @@ def test_plugins_from_yaml_train_one_step(tmp_path: Path, monkeypatch: pytest.Mo
     cfg = yaml.safe_load((ROOT / "mrl_configs" / "quickstart.yaml").read_text())
     cfg["algorithm"] = {**cfg.get("algorithm", {}), "adv_estimator": f"{PLUGIN}:grpo_difficulty"}
     cfg["actor"]["policy_loss"] = f"{PLUGIN}:clipped_adv"
+    cfg["data"] = {**cfg.get("data", {}), "sampler": {"class_path": f"{PLUGIN}:easy_first"}}
     config = tmp_path / "plugins.yaml"
     config.write_text(yaml.safe_dump(cfg))
     log = tmp_path / "plugin_calls.jsonl"
@@ -79,3 +100,5 @@ def test_plugins_from_yaml_train_one_step(tmp_path: Path, monkeypatch: pytest.Mo
     # the loss ran inside the Ray rank actors (other processes than the driver's estimator)
     assert {c["pid"] for c in calls if c["fn"] == "clipped_adv"} - {est[0]["pid"]}
     assert sorted(metrics(tmp_path / "mlflow.db", "actor/pg_loss")) == [1]
+    # the curriculum sampler drew the step's 8 prompts from the easy ones
+    assert [(c["hard"], c["size"]) for c in calls if c["fn"] == "easy_first"] == [(0, 8)]
