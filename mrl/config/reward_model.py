@@ -63,6 +63,10 @@ def check_reward_model(cfg: MRLConfig, errors: list[str], notes: list[str]) -> N
         errors.append("reward_model.enable=true with algorithm.adv_estimator=remax: the greedy baseline is scored "
                       "by reward.function only, so baseline and samples would use different rewards; "
                       "fix: another estimator, or reward_model.enable=false")
+    par = cfg.actor.megatron
+    notes.append(f"reward_model: colocated with the actor (its ranks, TP={par.tensor_model_parallel_size} "
+                 f"PP={par.pipeline_model_parallel_size}, micro-batches of {rm.micro_batch_size_per_gpu} samples); "
+                 "its weights are not in the memory estimate")
     if rm.combine == "rm":
         notes.append(f"reward_model.combine=rm: the reward model's score is the reward; reward.function="
                      f"{cfg.reward.function!r} scores validation only")

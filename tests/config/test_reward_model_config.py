@@ -15,6 +15,8 @@ def test_causal_lm_refused_classifier_accepted(base_overrides, tiny_model, tmp_p
     cfg = load_config(None, base_overrides + ["reward_model.enable=true", f"reward_model.model.path={rm}"])
     errors, notes = check_config(cfg)
     assert errors == [] and any("reward_model.combine=rm" in n for n in notes)
+    assert any("reward_model: colocated with the actor" in n for n in notes)
     cfg = load_config(None, base_overrides + ["reward_model.enable=true", f"reward_model.model.path={rm}",
                                               "reward_model.combine=rule+rm"])
-    assert check_config(cfg) == ([], [])
+    errors, notes = check_config(cfg)
+    assert errors == [] and not any("combine" in n for n in notes)
