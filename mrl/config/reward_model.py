@@ -4,7 +4,8 @@ checkpoint scores every (prompt, response) on the trainer's ranks, in phase ``rm
 The RM is colocated with the actor: the same ranks and Megatron layout (``actor.megatron``), the
 same tokenizer (the batch's token ids are scored as they are). Its score ``rm_score`` [B] becomes
 the reward (``combine: rm``, verl's default: its reward manager returns ``rm_scores`` when the
-batch has them) or is added to the rule score (``combine: rule+rm``).
+batch has them), is added to the rule score (``combine: rule+rm``), or is left to the reward
+function, which receives it as ``extra_info["rm_score"]`` (``combine: function``).
 """
 from __future__ import annotations
 
@@ -32,9 +33,10 @@ class RewardModelConfig(Section):
     enable: bool = Field(False, description="Score every sample with the reward model (phase rm_score).")
     model: RewardModelPathConfig = Field(default_factory=RewardModelPathConfig, description="Reward model checkpoint.")
     micro_batch_size_per_gpu: int = Field(8, ge=1, description="SAMPLES per reward-model forward on one DP rank.")
-    combine: Literal["rm", "rule+rm"] = Field(
+    combine: Literal["rm", "rule+rm", "function"] = Field(
         "rm", description="rm: the RM score is the reward (reward.function is not called; verl's default); "
-        "rule+rm: reward.function's score + the RM score.")
+        "rule+rm: reward.function's score + the RM score; function: reward.function's score alone, which "
+        "sees the RM score as extra_info['rm_score'] (as in the other modes that call it).")
 
 
 def check_reward_model(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
@@ -67,6 +69,10 @@ def check_reward_model(cfg: MRLConfig, errors: list[str], notes: list[str]) -> N
     notes.append(f"reward_model: colocated with the actor (its ranks, TP={par.tensor_model_parallel_size} "
                  f"PP={par.pipeline_model_parallel_size}, micro-batches of {rm.micro_batch_size_per_gpu} samples); "
                  "its weights are not in the memory estimate")
+    if rm.combine == "function" and ":" not in cfg.reward.function:
+        errors.append(f"reward_model.combine=function but reward.function={cfg.reward.function!r} is a built-in scorer, "
+                      "which ignores extra_info['rm_score'] (the RM would not count); fix: reward.function="
+                      "path/to/file.py:fn reading extra_info['rm_score'], or reward_model.combine=rm | rule+rm")
     if rm.combine == "rm":
         notes.append(f"reward_model.combine=rm: the reward model's score is the reward; reward.function="
                      f"{cfg.reward.function!r} scores validation only")

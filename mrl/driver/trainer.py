@@ -193,11 +193,13 @@ class RLTrainer:
         if rm.enable and rm.combine == "rm":
             d.scores, d.valid, d.reward_extra_info = d.rm_scores, torch.ones_like(d.rm_scores, dtype=torch.bool), {}
         else:
+            extra = [p.extra_info for p in d.prompts]
+            if rm.enable:  # the scorer sees the sample's RM score as extra_info["rm_score"]
+                extra = [{**(e or {}), "rm_score": float(s)} for e, s in zip(extra, d.rm_scores, strict=True)]
             out = self.s.reward(d.texts, [p.ground_truth for p in d.prompts], d.batch.response_mask,
-                                data_sources=[p.data_source for p in d.prompts],
-                                extra_infos=[p.extra_info for p in d.prompts])
+                                data_sources=[p.data_source for p in d.prompts], extra_infos=extra)
             d.scores, d.valid, d.reward_extra_info = out.scores, out.valid, out.extra
-            if rm.enable:  # combine=rule+rm
+            if rm.enable and rm.combine == "rule+rm":
                 d.scores = d.scores + d.rm_scores
         seq = d.scores
         ob = self.cfg.reward.overlong_buffer

@@ -125,6 +125,8 @@ BAD = [
     ("reward_model_without_path", ["reward_model.enable=true"], ["reward_model.model.path", "ForSequenceClassification"]),
     ("reward_model_with_remax", ["reward_model.enable=true", "reward_model.model.path=/nonexistent/rm",
                                  "algorithm.adv_estimator=remax"], ["reward_model.enable=true", "remax"]),
+    ("reward_model_function_builtin", ["reward_model.enable=true", "reward_model.model.path=/nonexistent/rm",
+                                       "reward_model.combine=function"], ["reward_model.combine=function", "rm_score"]),
     ("unknown_key_suggests", ["actor.optim.lrr=1e-6"], ["unknown key 'actor.optim.lrr'", "section 'actor.optim'", "'actor.optim.lr'"]),
     ("unknown_section", ["actor_rollout_ref.actor.optim.lr=1e-6"], ["unknown key 'actor_rollout_ref'", "'actor'", "'rollout'"]),
     ("unknown_nested_key", ["algorithm.ref_reward_blend.max_wieght=0.5"],

@@ -24,9 +24,12 @@ def make_rm_from(lm_path: Path, out: Path, seed: int = 0) -> Path:
     return out
 
 
-@pytest.mark.parametrize("combine", ["rm", "rule+rm"])
+@pytest.mark.parametrize("combine", ["rm", "rule+rm", "function"])
 def test_reward_model_rewards_two_steps(tmp_path: Path, combine: str) -> None:
     assets = write_assets(tmp_path)
+    fn = tmp_path / "uses_rm.py"  # combine=function: a custom scorer reads the RM score from extra_info
+    fn.write_text("def compute_score(solution_str, ground_truth, data_source=None, extra_info=None):\n"
+                  "    return 2.0 * extra_info['rm_score']\n")
     rm = make_rm_from(assets / "tiny-qwen2", tmp_path / "rm")
     p = run_train("mrl_configs/quickstart.yaml", tmp_path, assets, free_port_pair(),
                   f"data.val_files=[{assets}/data/val.jsonl]", "trainer.total_training_steps=2",
@@ -34,7 +37,7 @@ def test_reward_model_rewards_two_steps(tmp_path: Path, combine: str) -> None:
                   "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
                   "actor.ppo_micro_batch_size_per_gpu=4",
                   "reward_model.enable=true", f"reward_model.model.path={rm}", "reward_model.micro_batch_size_per_gpu=4",
-                  f"reward_model.combine={combine}")
+                  f"reward_model.combine={combine}", *([f"reward.function={fn}:compute_score"] if combine == "function" else []))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     db = tmp_path / "mlflow.db"
     mean, lo, hi = (metrics(db, f"critic/rm_score/{s}") for s in ("mean", "min", "max"))
@@ -43,6 +46,8 @@ def test_reward_model_rewards_two_steps(tmp_path: Path, combine: str) -> None:
     score = metrics(db, "critic/score/mean")
     if combine == "rm":  # the training reward is the RM score (verl's reward manager returns rm_scores)
         assert all(abs(score[s] - mean[s]) < 1e-5 for s in (1, 2)), (score, mean)
+    elif combine == "function":  # the custom scorer's 2 * extra_info["rm_score"]
+        assert all(abs(score[s] - 2 * mean[s]) < 1e-4 for s in (1, 2)), (score, mean)
     else:  # plus the arith rule's 0/1 score: its batch mean lies in [0, 1]
         assert all(-1e-5 <= score[s] - mean[s] <= 1 + 1e-5 for s in (1, 2)), (score, mean)
     assert all(v > 0 for v in metrics(db, "timing_s/rm_score").values())
