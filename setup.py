@@ -27,6 +27,7 @@ setup(
         "numpy>=1.26",
         # megatron-core's dist_checkpointing writer needs it but does not declare it.
         "psutil>=5.9",
+        "math-verify>=0.7",  # reward.function=math: LaTeX answer equivalence (the library verl and TRL use)
     ],
     extras_require={
         # THE supported SGLang release (one pin everywhere: docker/Dockerfile, requirements-sglang-cpu.txt,

@@ -18,6 +18,7 @@ from .advantages import (
     group_ids,
     group_mean_std,
     register_adv_est,
+    register_adv_estimator,
 )
 from .agg_loss import LOSS_AGG_MODES, agg_loss, count_tokens_and_seqs
 from .dapo import informative_groups, overlong_penalty
@@ -94,6 +95,7 @@ __all__ = [
     "overlong_penalty",
     "policy_loss_names",
     "register_adv_est",
+    "register_adv_estimator",
     "register_policy_loss",
     "repr_align_bonus",
     "schedule_weight",

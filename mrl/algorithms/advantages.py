@@ -9,7 +9,10 @@ Every estimator has the same signature so the driver can call any of them::
 ``[B, T]`` (B samples = prompts x n, T response tokens); ``index`` ``[B]`` is the prompt uid of each
 sample (numpy array of str/int, list, or integer tensor); ``reward_baselines`` ``[B]`` is ReMax's
 greedy-sample reward. Arguments an estimator does not use are ignored; a missing required one is an
-error naming it. Outputs are 0 outside ``response_mask`` and are computed without gradient.
+error naming it. The driver also passes the batch's non-tensor fields ``extra_info`` (list of
+the prompts' ``extra_info`` dicts), ``data_source`` (list of str) and ``reward_extra_info`` (dict
+of the scorer's extra keys -> [B] values) by keyword, to an estimator whose signature names them
+(or takes ``**kwargs``): a plugin estimator reads per-sample inputs such as a difficulty there. Outputs are 0 outside ``response_mask`` and are computed without gradient.
 Masks are binary (0/1), as verl's response masks are.
 
 Everything is vectorised over samples: groups are formed with ``numpy.unique``/``torch.unique`` and
@@ -61,6 +64,9 @@ _ADV: Registry[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = Registry(
 def register_adv_est(name: str) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
     """Decorator registering an advantage estimator under ``name``; duplicates are refused."""
     return _ADV.register(name)
+
+
+register_adv_estimator = register_adv_est  # verl's spelling of the decorator
 
 
 def get_adv_estimator(name: str) -> AdvEstimatorFn:

@@ -2,12 +2,15 @@
 
 Used for policy losses (``get_policy_loss_fn`` / ``register_policy_loss``) and advantage
 estimators (``get_adv_estimator`` / ``register_adv_est``), the two extension points verl users
-look for (seed 004, section 8).
+look for (seed 004, section 8). ``get`` also resolves a plugin spec (``pkg.module:fn`` /
+``path/to/file.py:fn``), whose file may register with the same decorators.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Generic, TypeVar
+
+from mrl.plugins import FORMS, closest, is_spec, load_callable
 
 F = TypeVar("F", bound=Callable)
 
@@ -42,13 +45,16 @@ class Registry(Generic[F]):
         return deco
 
     def get(self, name: str) -> F:
-        """Return the function registered as ``name``; an unknown name lists the valid ones."""
+        """The function registered as ``name``, or the plugin a ``pkg.module:fn`` / ``file.py:fn``
+        spec names (``mrl.plugins``); an unknown name lists the closest valid ones."""
+        if is_spec(name):
+            return load_callable(name, self.config_key, registered=self._table)
         try:
             return self._table[name]
         except KeyError:
             raise ValueError(
-                f"unknown {self.kind} {name!r} (config key `{self.config_key}`); "
-                f"valid names: {', '.join(sorted(self._table))}"
+                f"unknown {self.kind} {name!r} (config key `{self.config_key}`); {closest(name, self._table)}; "
+                f"or a plugin: {FORMS}"
             ) from None
 
     def names(self) -> list[str]:

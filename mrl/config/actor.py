@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field
 
 from mrl.config.base import Section
+from mrl.config.extensions import PluginSpec
 from mrl.config.lora import LoraConfig
 from mrl.config.optim import OptimConfig
 from mrl.config.parallel import ParallelConfig
@@ -74,7 +75,7 @@ class ActorConfig(Section):
     kl_loss_coef: float = Field(0.001, ge=0, description="Weight of the KL loss term.")
     kl_loss_type: KLType = Field("low_var_kl", description="KL estimator: kl(k1)|abs|mse(k2)|low_var_kl(k3), '+' suffix = straight-through k2 gradient; 'full' is not supported.")
     loss_agg_mode: LossAggMode = Field("token-mean", description="How [B, T] token losses are reduced to a scalar.")
-    policy_loss: Literal["vanilla", "gspo", "reinforce"] = Field("vanilla", description="Policy-loss registry name: vanilla (PPO clip), gspo (sequence ratio), reinforce (no clip).")
+    policy_loss: PluginSpec = Field("vanilla", description="Policy-loss registry name (vanilla = PPO clip, gspo = sequence ratio, reinforce = no clip) or a plugin 'pkg.module:fn' / 'path/to/file.py:fn' (docs/plugins.md).")
     tis_imp_ratio_cap: float | None = Field(
         None, gt=0, description="Truncated importance sampling vs rollout log-probs, weight min(ratio, cap); null disables."
     )

@@ -16,6 +16,7 @@ from pydantic import Field
 
 from mrl.config.actor import KLType
 from mrl.config.base import Section
+from mrl.config.extensions import PluginSpec
 
 Schedule = Literal["linear", "sigmoid", "cosine", "exp", "step"]
 
@@ -73,8 +74,9 @@ class FilterGroupsConfig(Section):
 class AlgorithmConfig(Section):
     """Advantage estimation and reward-side KL (verl ``algorithm``)."""
 
-    adv_estimator: Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"] = Field(
-        "grpo", description="Advantage estimator registry name."
+    adv_estimator: PluginSpec = Field(
+        "grpo", description="Advantage estimator registry name (grpo, gae, rloo, reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline, remax) or a plugin 'pkg.module:fn' / 'path/to/file.py:fn' (docs/plugins.md)."
     )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor (GAE, REINFORCE++).")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")

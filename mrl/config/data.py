@@ -7,6 +7,15 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from mrl.config.base import Section
+from mrl.config.extensions import PluginSpec
+
+
+class SamplerConfig(Section):
+    """Which prompts each step draws (verl ``data.sampler``)."""
+
+    class_path: PluginSpec = Field(
+        "resumable", description="Sampler registry name (resumable = seeded per-epoch shuffle, checkpointed) or a "
+        "plugin class 'pkg.module:Cls' / 'path/to/file.py:Cls' (docs/plugins.md).")
 
 
 class DataConfig(Section):
@@ -20,6 +29,7 @@ class DataConfig(Section):
     filter_overlong_prompts: bool = Field(True, description="Drop prompts longer than max_prompt_length instead of failing.")
     shuffle: bool = Field(True, description="Shuffle training prompts every epoch.")
     seed: int = Field(1, ge=0, lt=2**63, description="Seed of the prompt sampler (state is checkpointed).")
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="Prompt sampler.")
     train_batch_size: int = Field(256, ge=1, description="PROMPTS per training step (global, all DP ranks).")
     val_batch_size: int | None = Field(None, ge=1, description="PROMPTS per validation batch; null = whole validation set.")
     gen_batch_size: int | None = Field(

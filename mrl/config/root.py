@@ -12,6 +12,7 @@ from mrl.config.data import DataConfig
 from mrl.config.model import ModelConfig
 from mrl.config.ref import RefConfig
 from mrl.config.reward import RewardConfig
+from mrl.config.reward_model import RewardModelConfig
 from mrl.config.rollout import RolloutConfig
 from mrl.config.trainer import TrainerConfig
 
@@ -27,6 +28,7 @@ class MRLConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation engines and sampling.")
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages, KL control, reward shaping.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="Model-based reward (phase rm_score).")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt datasets and batch size.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Run length, checkpoints, logging.")
 

@@ -13,9 +13,11 @@ import os
 import shutil
 from pathlib import Path
 
+from mrl.config.extensions import check_extension_points
 from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_devices
 from mrl.config.parallel import ParallelConfig
+from mrl.config.reward_model import check_reward_model
 from mrl.config.root import MRLConfig
 
 _GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus_baseline"}
@@ -342,9 +344,6 @@ def _check_files(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
         errors.append(f"trainer.save_freq={t.save_freq} but trainer.default_local_dir is empty; fix: set trainer.default_local_dir=checkpoints/<run>")
     if t.resume_mode not in ("auto", "disable") and not Path(t.resume_mode).exists():
         errors.append(f"trainer.resume_mode={t.resume_mode!r} is neither auto, disable nor an existing checkpoint path; fix: one of those")
-    fn = cfg.reward.function
-    if ".py:" in fn and not Path(fn.split(":", 1)[0]).is_file():
-        errors.append(f"reward.function={fn!r}: file '{fn.split(':', 1)[0]}' does not exist; fix: give a path relative to the working directory")
 
 
 def _check_checkpoint_and_val_only(cfg: MRLConfig, errors: list[str]) -> None:
@@ -453,6 +452,8 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     _check_files(cfg, errors, notes)
     _check_checkpoint_and_val_only(cfg, errors)
     _check_reliability(cfg, errors, notes)
+    check_extension_points(cfg, errors)
+    check_reward_model(cfg, errors, notes)
     if cfg.cluster.device == "cpu" and cfg.model.dtype != "float32":
         notes.append(f"cluster.device=cpu with model.dtype={cfg.model.dtype}: CPU runs are slow outside float32")
     return errors, notes

@@ -7,15 +7,54 @@ process continue with exactly the batch k+1 of an uninterrupted run.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from mrl.plugins import FORMS, closest, is_spec, load_callable
 
+# data.sampler.class_path: name -> sampler class. A sampler is built as
+# cls(num_items, batch_size, *, shuffle, seed, dataset) and provides next_batch() -> list[int],
+# batches_per_epoch, state_dict() (JSON-serialisable) and load_state_dict(state) (docs/plugins.md).
+_SAMPLERS: dict[str, type] = {}
+SAMPLER_METHODS = ("next_batch", "state_dict", "load_state_dict", "batches_per_epoch")
+
+
+def register_sampler(name: str) -> Callable[[type], type]:
+    """Class decorator ``@register_sampler("name")``; a different class under a taken name is an error."""
+    def deco(cls: type) -> type:
+        old = _SAMPLERS.get(name)
+        if old is not None and old is not cls:
+            raise ValueError(f"sampler {name!r} is already registered by {old.__module__}.{old.__qualname__}")
+        _SAMPLERS[name] = cls
+        return cls
+
+    return deco
+
+
+def get_sampler_cls(spec: str) -> type:
+    """The sampler class ``data.sampler.class_path`` names: a registry name or a plugin spec."""
+    if is_spec(spec):
+        cls = load_callable(spec, "data.sampler.class_path", registered=_SAMPLERS)
+    elif spec in _SAMPLERS:
+        cls = _SAMPLERS[spec]
+    else:
+        raise ValueError(f"unknown sampler {spec!r} (config key `data.sampler.class_path`); "
+                         f"{closest(spec, _SAMPLERS)}; or a plugin: {FORMS}")
+    missing = [m for m in SAMPLER_METHODS if not hasattr(cls, m)]
+    if missing:
+        raise ValueError(f"data.sampler.class_path={spec!r}: {getattr(cls, '__qualname__', cls)} lacks "
+                         f"{', '.join(missing)}; fix: implement the sampler interface (docs/plugins.md)")
+    return cls
+
+
+@register_sampler("resumable")
 class ResumableSampler:
     """Batches of prompt indices over ``num_items`` prompts, reshuffled deterministically per epoch."""
 
-    def __init__(self, num_items: int, batch_size: int, *, shuffle: bool = True, seed: int = 1) -> None:
+    def __init__(self, num_items: int, batch_size: int, *, shuffle: bool = True, seed: int = 1,
+                 dataset: Any = None) -> None:  # dataset: the order depends on indices only
         if batch_size > num_items:
             raise ValueError(
                 f"data.train_batch_size={batch_size} prompts exceeds the {num_items} prompts of the dataset; "

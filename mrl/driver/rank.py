@@ -35,6 +35,13 @@ class TrainRank:
         # Snapshot of the start weights, before any update (verl's ref = initial policy).
         self.ref = ColocatedReference(self.actor) if cfg.ref_enabled else None
         self.critic = _build_critic(cfg, self.actor.engine.device.type) if cfg.critic_enabled else None
+        self.rm = None
+        if cfg.reward_model.enable:  # colocated: the actor's ranks and Megatron groups
+            from mrl.workers.reward_model import RewardModelWorker
+
+            self.rm = RewardModelWorker(cfg.reward_model.model.path, cfg.actor.megatron, init_parallel=False,
+                                        micro_batch_size=cfg.reward_model.micro_batch_size_per_gpu,
+                                        device=self.actor.engine.device.type, seed=cfg.trainer.seed)
         self.syncer = None
 
     def init_weight_sync(self, engine_urls: list[str], token: str | None = None, routable: bool = False) -> None:
@@ -77,6 +84,12 @@ class TrainRank:
         if self.ref is None:
             raise RuntimeError("compute_repr_similarity called but no reference model was built (ref_enabled is false)")
         return self.ref.compute_repr_similarity(batch, gold)
+
+    def compute_rm_score(self, batch: TrainBatch) -> torch.Tensor:
+        """[B] reward-model scores (reward_model.enable)."""
+        if self.rm is None:
+            raise RuntimeError("compute_rm_score called but no reward model was built (reward_model.enable is false)")
+        return self.rm.compute_rm_score(batch)
 
     def update_policy(self, batch: TrainBatch) -> dict[str, float]:
         return self.actor.update_policy(batch)

@@ -22,7 +22,7 @@ from mrl.algorithms import (
     overlong_penalty,
 )
 from mrl.config import MRLConfig
-from mrl.data.sampler import ResumableSampler
+from mrl.data.sampler import get_sampler_cls
 from mrl.driver.batch import (
     assemble_train_batch,
     decode_responses,
@@ -53,6 +53,7 @@ from mrl.observability.data_metrics import (
     compute_throughput_metrics,
 )
 from mrl.observability.timer import timer
+from mrl.plugins import accepted_keywords
 from mrl.rewards.manager import place_on_last_token
 from mrl.rollout.types import RolloutRequest, RolloutResult
 from mrl.workers.batch import TrainBatch
@@ -78,6 +79,7 @@ class StepData:
     result: RolloutResult | None = None  # the engines' answers (dynamic sampling re-assembles from them)
     scores: torch.Tensor | None = None  # [B] the scorer's scores (before the overlong penalty)
     valid: torch.Tensor | None = None  # [B] False where reward.on_error=mask dropped the sample
+    rm_scores: torch.Tensor | None = None  # [B] the reward model's scores (reward_model.enable)
 
 
 class RLTrainer:
@@ -92,7 +94,8 @@ class RLTrainer:
             check_gold_answers(services.train_ds.prompts, cfg.data.ground_truth_key)
         # DAPO dynamic sampling draws data.gen_batch_size prompts per generation round
         gen_bs = (cfg.data.gen_batch_size or cfg.data.train_batch_size) if a.filter_groups.enable else cfg.data.train_batch_size
-        self.sampler = ResumableSampler(len(services.train_ds), gen_bs, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+        self.sampler = get_sampler_cls(cfg.data.sampler.class_path)(
+            len(services.train_ds), gen_bs, shuffle=cfg.data.shuffle, seed=cfg.data.seed, dataset=services.train_ds)
         self.global_step = 0
         self.weight_version = 0  # engines start from model.path = version 0 of the actor
         r = cfg.rollout  # verl's free_cache_engine: colocated engines give the device to the trainer
@@ -183,12 +186,25 @@ class RLTrainer:
         """Scores on the last response token (seed 002 stage 5): token_level_scores [B, R], plus
         DAPO's overlong penalty when reward.overlong_buffer.enable; samples whose scoring failed
         under reward.on_error=mask leave the loss and their group's baseline."""
-        out = self.s.reward(d.texts, [p.ground_truth for p in d.prompts], d.batch.response_mask,
-                            data_sources=[p.data_source for p in d.prompts],
-                            extra_infos=[p.extra_info for p in d.prompts])
-        d.scores, d.valid, d.reward_extra_info = out.scores, out.valid, out.extra
-        m.update(out.fault_metrics())  # reward/errors, reward/timeouts, reward/zeroed_samples
-        seq = out.scores
+        rm = self.cfg.reward_model
+        if rm.enable:  # verl: rm_scores reach the reward manager, which returns them (combine=rm)
+            with timer("rm_score", m):
+                d.rm_scores = self.s.workers.execute_all("compute_rm_score", d.batch)[0].float()
+            for stat in ("mean", "max", "min"):
+                m[f"critic/rm_score/{stat}"] = float(getattr(d.rm_scores, stat)())
+        if rm.enable and rm.combine == "rm":
+            d.scores, d.valid, d.reward_extra_info = d.rm_scores, torch.ones_like(d.rm_scores, dtype=torch.bool), {}
+        else:
+            extra = [p.extra_info for p in d.prompts]
+            if rm.enable:  # the scorer sees the sample's RM score as extra_info["rm_score"]
+                extra = [{**(e or {}), "rm_score": float(s)} for e, s in zip(extra, d.rm_scores, strict=True)]
+            out = self.s.reward(d.texts, [p.ground_truth for p in d.prompts], d.batch.response_mask,
+                                data_sources=[p.data_source for p in d.prompts], extra_infos=extra)
+            d.scores, d.valid, d.reward_extra_info = out.scores, out.valid, out.extra
+            m.update(out.fault_metrics())  # reward/errors, reward/timeouts, reward/zeroed_samples
+            if rm.enable and rm.combine == "rule+rm":
+                d.scores = d.scores + d.rm_scores
+        seq = d.scores
         ob = self.cfg.reward.overlong_buffer
         if ob.enable:
             seq = seq + overlong_penalty(d.batch.response_mask.sum(-1), self.cfg.rollout.max_response_length,
@@ -319,9 +335,14 @@ class RLTrainer:
         a = self.cfg.algorithm
         # returns: GAE's value targets A + V (the critic regresses on them); the outcome estimators
         # return their advantages there, as verl (logged as critic/returns/* either way).
+        # Non-tensor fields (verl's non_tensor_batch) go to an estimator that names them (plugins).
+        offered = {"extra_info": lambda: [p.extra_info for p in d.prompts],
+                   "data_source": lambda: [p.data_source for p in d.prompts],
+                   "reward_extra_info": lambda: dict(d.reward_extra_info or {})}
+        extra = {k: offered[k]() for k in accepted_keywords(self.adv_fn, offered)}
         adv, ret = self.adv_fn(d.token_level_rewards, d.batch.response_mask.float(), index=d.batch.uid,
                                values=d.batch.values, reward_baselines=d.reward_baselines, gamma=a.gamma, lam=a.lam,
-                               norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo)
+                               norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo, **extra)
         d.batch = d.batch.replace(advantages=adv, returns=ret)
 
     def actor_update_due(self) -> bool:

@@ -13,15 +13,15 @@ reward functions, so a verl scorer module loads unchanged with ``reward.function
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+from mrl.plugins import FORMS, closest, load_callable
 
 ScoreFn = Callable[..., float | dict[str, Any]]
 
 _REGISTRY: dict[str, ScoreFn] = {}
+_BUILTIN_MODULES = ("mrl.rewards.scorers", "mrl.rewards.math_verify_scorer", "mrl.rewards.countdown")
 _FIX = "fix: reward.function=<registry name> | pkg.module:fn | path/to/file.py:fn"
 
 
@@ -53,26 +53,8 @@ def reward_names() -> list[str]:
 def _load_builtins() -> None:
     # Imported lazily: scorers register themselves on import, and registry must not import them at
     # module level (they import this module).
-    importlib.import_module("mrl.rewards.scorers")
-
-
-def _load_file(path: Path, spec: str):
-    if not path.is_file():
-        raise ValueError(f"reward.function={spec!r}: file {str(path)!r} does not exist; {_FIX}")
-    mod_name = f"mrl_custom_reward_{abs(hash(str(path.resolve())))}"
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    file_spec = importlib.util.spec_from_file_location(mod_name, path)
-    if file_spec is None or file_spec.loader is None:
-        raise ValueError(f"reward.function={spec!r}: cannot load {str(path)!r} as a Python module; {_FIX}")
-    module = importlib.util.module_from_spec(file_spec)
-    sys.modules[mod_name] = module
-    try:
-        file_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[mod_name]
-        raise ValueError(f"reward.function={spec!r}: importing {str(path)!r} failed: {e!r}") from e
-    return module
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
 
 
 def get_reward_fn(spec: str | ScoreFn) -> ScoreFn:
@@ -84,23 +66,7 @@ def get_reward_fn(spec: str | ScoreFn) -> ScoreFn:
     if ":" not in spec:
         _load_builtins()
         if spec not in _REGISTRY:
-            raise ValueError(
-                f"unknown reward {spec!r} (config key `reward.function`); valid names: {', '.join(sorted(_REGISTRY))}; "
-                "or give 'pkg.module:fn' / 'path/to/file.py:fn'"
-            )
+            raise ValueError(f"unknown reward {spec!r} (config key `reward.function`); {closest(spec, _REGISTRY)}; "
+                             f"or a plugin: {FORMS}")
         return _REGISTRY[spec]
-    target, _, attr = spec.rpartition(":")
-    if target.endswith(".py"):
-        module = _load_file(Path(target), spec)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as e:
-            raise ValueError(f"reward.function={spec!r}: cannot import module {target!r} ({e}); {_FIX}") from e
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
-        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise ValueError(
-            f"reward.function={spec!r}: {target!r} has no callable {attr!r}; callables there: {', '.join(public) or 'none'}"
-        )
-    return fn
+    return load_callable(spec, "reward.function", registered=_REGISTRY)

@@ -74,6 +74,8 @@ class MegatronEngine:
         ddp_config: Megatron ``DistributedDataParallelConfig`` (train only).
         use_distributed_optimizer: build DDP's param buffers for Megatron's DistributedOptimizer.
         value_head: replace the LM head with a scalar head (critic), see :meth:`_add_value_head`.
+        score_head: ``hf_path`` is a ``*ForSequenceClassification`` reward model: the scalar head
+            is its ``score.weight`` (see :mod:`mrl.workers.reward_model`); implies ``value_head``.
         init_parallel: call :func:`mrl.megatron.parallel.init_parallel` for ``parallel``.
         lora: ``actor.lora``; with ``rank > 0`` the base weights are frozen and adapters added
             (:mod:`mrl.megatron.lora`) before DDP, on Megatron's local layer spec.
@@ -94,6 +96,7 @@ class MegatronEngine:
         init_parallel: bool = True,
         timeout_s: int = 300,
         lora: Any = None,
+        score_head: bool = False,
     ) -> None:
         from megatron.core import parallel_state as ps
 
@@ -116,6 +119,11 @@ class MegatronEngine:
         self.dtype = dtype
         self.hf_path = str(hf_path)
         self.hf_config = load_hf_config(hf_path)
+        value_head = value_head or score_head
+        if score_head:
+            from mrl.workers.reward_model import as_causal_lm_config
+
+            self.hf_config = as_causal_lm_config(self.hf_config, hf_path)
         self.parallel = parallel
         self.value_head = value_head
         overrides = {"sequence_parallel": parallel.sequence_parallel}
@@ -125,13 +133,18 @@ class MegatronEngine:
             share_embeddings_and_output_weights=False if value_head else None,
             use_te=False if self.lora else None,
         )
-        self.load_hf(hf_path, chunks)
+        if score_head:
+            from mrl.workers.reward_model import load_reward_model
+
+            load_reward_model(self, chunks, hf_tensor_getter(hf_path))
+        else:
+            self.load_hf(hf_path, chunks)
         if self.lora:
             from mrl.megatron.lora import apply_lora
 
             apply_lora(chunks, self.hf_config, targets=self.lora.targets, rank=self.lora.rank,
                        alpha=self.lora.alpha, dropout=self.lora.dropout, seed=seed)
-        if value_head:
+        if value_head and not score_head:
             for c in chunks:
                 self._add_value_head(c, seed)
         if train:

@@ -11,6 +11,8 @@ import pytest
 
 from mrl.config import ConfigError, check_config, load_config
 
+_PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "difficulty_plugin.py"
+
 # (case id, overrides added to the valid base, substrings that ONE error line must all contain)
 BAD = [
     ("filter_groups_without_metric", ["algorithm.filter_groups.enable=true", "rollout.n=4"],
@@ -105,6 +107,28 @@ BAD = [
     ("data_file_suffix", ["data.train_files=[prompts.csv]"], ["data.train_files[0]", "parquet"]),
     ("reward_function_syntax", ["reward.function=not valid!"], ["reward.function"]),
     ("reward_file_missing", ["reward.function=missing_rewards.py:score"], ["reward.function", "missing_rewards.py"]),
+    ("adv_estimator_unknown", ["algorithm.adv_estimator=grpoo"],
+     ["algorithm.adv_estimator='grpoo'", "did you mean 'grpo'", "remax", "file.py:fn"]),
+    ("policy_loss_unknown", ["actor.policy_loss=gpso"], ["actor.policy_loss='gpso'", "did you mean 'gspo'"]),
+    ("reward_unknown", ["reward.function=gsm9k"], ["reward.function='gsm9k'", "did you mean 'gsm8k'"]),
+    ("plugin_file_missing", ["algorithm.adv_estimator=missing_plugin.py:grpo_difficulty"],
+     ["algorithm.adv_estimator", "missing_plugin.py", "does not exist"]),
+    ("plugin_module_missing", ["actor.policy_loss=no_such_pkg.losses:fn"],
+     ["actor.policy_loss", "cannot import module 'no_such_pkg.losses'"]),
+    ("plugin_no_such_function", [f"actor.policy_loss={_PLUGIN}:clipped_ad"],
+     ["actor.policy_loss", "no callable 'clipped_ad'", "did you mean 'clipped_adv'", "grpo_difficulty"]),
+    ("plugin_wrong_signature", [f"algorithm.adv_estimator={_PLUGIN}:too_few_arguments"],
+     ["algorithm.adv_estimator", "too_few_arguments(token_level_rewards)", "cannot be called as mrl calls it"]),
+    ("sampler_unknown", ["data.sampler.class_path=resumabel"], ["data.sampler.class_path='resumabel'", "did you mean 'resumable'"]),
+    ("sampler_not_a_sampler", [f"data.sampler.class_path={_PLUGIN}:too_few_arguments"],
+     ["data.sampler.class_path", "lacks next_batch"]),
+    ("reward_plugin_wrong_signature", [f"reward.function={_PLUGIN}:too_few_arguments"],
+     ["reward.function", "too_few_arguments", "solution_str"]),
+    ("reward_model_without_path", ["reward_model.enable=true"], ["reward_model.model.path", "ForSequenceClassification"]),
+    ("reward_model_with_remax", ["reward_model.enable=true", "reward_model.model.path=/nonexistent/rm",
+                                 "algorithm.adv_estimator=remax"], ["reward_model.enable=true", "remax"]),
+    ("reward_model_function_builtin", ["reward_model.enable=true", "reward_model.model.path=/nonexistent/rm",
+                                       "reward_model.combine=function"], ["reward_model.combine=function", "rm_score"]),
     ("unknown_key_suggests", ["actor.optim.lrr=1e-6"], ["unknown key 'actor.optim.lrr'", "section 'actor.optim'", "'actor.optim.lr'"]),
     ("unknown_section", ["actor_rollout_ref.actor.optim.lr=1e-6"], ["unknown key 'actor_rollout_ref'", "'actor'", "'rollout'"]),
     ("unknown_nested_key", ["algorithm.ref_reward_blend.max_wieght=0.5"],

@@ -84,12 +84,12 @@ def _check_dumps_and_hf_export(tmp: Path, assets: Path, hf_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     for step in (1, 2):  # 8 prompts x rollout.n=4 samples per step
-        rows = [json.loads(x) for x in (tmp / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        rows = [json.loads(x) for x in (tmp / "rollouts" / f"{step}.jsonl").read_text().rstrip("\n").split("\n")]
         assert len(rows) == 32 and all(r["step"] == step and 0.0 <= r["score"] <= 1.0 for r in rows)
         assert list(rows[0])[:5] == ["input", "output", "gts", "score", "step"]
     n_val = len((assets / "data" / "val.jsonl").read_text().splitlines())
     assert sorted(f.name for f in (tmp / "val_dumps").iterdir()) == ["2.jsonl"]  # test_freq=2, no val before train
-    val = [json.loads(x) for x in (tmp / "val_dumps" / "2.jsonl").read_text().splitlines()]
+    val = [json.loads(x) for x in (tmp / "val_dumps" / "2.jsonl").read_text().rstrip("\n").split("\n")]
     assert len(val) == 2 * n_val and all(r["reward"] == r["score"] for r in val)  # val_kwargs.n=2
     trained = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).state_dict()
     start = AutoModelForCausalLM.from_pretrained(str(assets / "tiny-qwen2"), dtype=torch.float32).state_dict()

@@ -34,7 +34,7 @@ def test_errors_name_the_spec_and_the_fix(tmp_path):
         get_reward_fn("no_such_pkg_xyz.mod:f")
     f = tmp_path / "r.py"
     f.write_text("def score(**kw):\n    return 1.0\n")
-    with pytest.raises(ValueError, match=r"has no callable 'scor'; callables there: score"):
+    with pytest.raises(ValueError, match=r"has no callable 'scor'; did you mean 'score'\? callables there: score"):
         get_reward_fn(f"{f}:scor")
     g = tmp_path / "broken.py"
     g.write_text("raise RuntimeError('oops')\n")

@@ -1,0 +1,107 @@
+"""Model-based reward (verl's ``compute_rm_score``): a frozen Megatron reward model on this rank.
+
+The checkpoint is a Hugging Face ``*ForSequenceClassification`` model with one label (Llama,
+Qwen2, Qwen3, Mistral families): its ``model.*`` body maps to ``GPTModel`` exactly like a causal
+LM, and ``score.weight`` [1, H] becomes a scalar head in place of the LM head — the critic's
+head (:class:`mrl.workers.engine._ValueHead`), loaded instead of initialised. TP/PP as the actor.
+
+    rm_score_i = score.weight · h_i[last]     h = final-norm hidden states, [B]
+
+where ``last`` is the sample's last attended token (prompt + response, whatever the padding:
+the micro-batch inputs are compacted, so it is column ``num_tokens - 1``) — the token
+``transformers``' sequence classifier reads (the last non-pad token).
+"""
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mrl.config.parallel import ParallelConfig
+from mrl.workers.batch import TrainBatch
+from mrl.workers.engine import MegatronEngine, _ValueHead, unwrap
+from mrl.workers.minibatch import restore_order, split_fixed
+
+_SEQ_CLS = "ForSequenceClassification"
+
+
+def as_causal_lm_config(hf_config: Any, path: str | os.PathLike) -> Any:
+    """A copy of an RM's config naming the causal-LM architecture of the same body (for the
+    model builder's family table); anything but a one-label sequence classifier is refused."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if len(archs) != 1 or not archs[0].endswith(_SEQ_CLS):
+        raise ValueError(
+            f"reward model {str(path)!r} has architectures {archs}, not a *{_SEQ_CLS} checkpoint; fix: point "
+            f"the reward model path at e.g. a Qwen2{_SEQ_CLS} / Llama{_SEQ_CLS} checkpoint with num_labels=1")
+    if getattr(hf_config, "num_labels", 1) != 1:
+        raise ValueError(f"reward model {str(path)!r} has num_labels={hf_config.num_labels}; a reward model "
+                         "outputs one scalar (num_labels=1)")
+    out = copy.deepcopy(hf_config)
+    out.architectures = [archs[0][: -len(_SEQ_CLS)] + "ForCausalLM"]
+    return out
+
+
+def load_reward_model(engine: MegatronEngine, chunks: list, get: Callable[[str], torch.Tensor]) -> None:
+    """Body weights from ``model.*``, then ``score.weight`` as the last stage's scalar head."""
+    from mrl.megatron.mapping import load_hf_weights
+
+    def body(name: str) -> torch.Tensor:
+        # The builder makes an LM head (untied: value heads never share the embedding) that the
+        # score head replaces below; the RM has none, so the embedding fills it meanwhile.
+        return get("model.embed_tokens.weight" if name == "lm_head.weight" else name)
+
+    load_hf_weights(chunks, engine.hf_config, body)
+    score = get("score.weight")
+    hidden = engine.hf_config.hidden_size
+    if tuple(score.shape) != (1, hidden):
+        raise ValueError(f"reward model score.weight has shape {tuple(score.shape)}, expected (1, {hidden})")
+    for c in chunks:
+        model = unwrap(c)
+        if model.post_process:
+            head = _ValueHead(hidden, engine.dtype)
+            with torch.no_grad():
+                head.weight.copy_(score)
+            model.output_layer = head.to(engine.device)
+
+
+class RewardModelWorker:
+    """Frozen reward model on this rank; ``compute_rm_score`` gives [B] scores on every rank.
+
+    Args:
+        model_path: HF ``*ForSequenceClassification`` checkpoint directory.
+        parallel: its TP/PP layout (DP = world / (TP·PP)).
+        micro_batch_size: samples per forward on one DP rank.
+    """
+
+    def __init__(self, model_path: str | os.PathLike, parallel: ParallelConfig, *, micro_batch_size: int,
+                 device: str = "cpu", dtype: torch.dtype | None = None, seed: int = 1234,
+                 init_parallel: bool = True) -> None:
+        if micro_batch_size < 1:
+            raise ValueError(f"reward model micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.micro_batch_size = micro_batch_size
+        self.engine = MegatronEngine(model_path, parallel, device=device,
+                                     dtype=dtype or (torch.float32 if device == "cpu" else torch.bfloat16),
+                                     seed=seed, train=False, score_head=True, init_parallel=init_parallel)
+
+    def compute_rm_score(self, batch: TrainBatch) -> torch.Tensor:
+        """[B] float32 score of each full sequence (prompt + response), identical on every rank."""
+        e = self.engine
+        local = e.dp_shard(batch)
+        parts = split_fixed(local.batch_size, self.micro_batch_size)
+        mbs = e.make_micro_batches(local, parts)
+
+        def fn(mb, out):  # out [b, L, 1] on the last stage
+            last = (mb.inputs.num_tokens - 1).to(out.device).long()
+            return torch.zeros((), device=out.device), {"s": out.squeeze(-1).float().gather(1, last[:, None])[:, 0]}
+
+        e.set_train(False)
+        with torch.no_grad():
+            out = e.run(mbs, fn, forward_only=True)
+        if e.is_last_stage:
+            s = restore_order([o["s"] for o in out], parts).to(e.device)
+        else:
+            s = torch.zeros(local.batch_size, device=e.device)
+        return e.all_gather_dp(e.broadcast_from_last_stage(s)).cpu()

@@ -1,0 +1,54 @@
+"""`mrl train` with a model-based reward: the quickstart for 2 steps scored by a reward model only
+(reward_model.combine=rm) and by rule + RM, the RM colocated on the actor's ranks (phase rm_score)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.e2e import free_port_pair, metrics, run_train, write_assets
+
+pytestmark = pytest.mark.slow
+
+
+def make_rm_from(lm_path: Path, out: Path, seed: int = 0) -> Path:
+    """A Qwen2ForSequenceClassification with the quickstart model's body and a random score head."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    rm = tf.AutoModelForSequenceClassification.from_pretrained(lm_path, num_labels=1, dtype=torch.float32)
+    with torch.no_grad():
+        rm.score.weight.normal_(0.0, 1.0)
+    rm.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@pytest.mark.parametrize("combine", ["rm", "rule+rm", "function"])
+def test_reward_model_rewards_two_steps(tmp_path: Path, combine: str) -> None:
+    assets = write_assets(tmp_path)
+    fn = tmp_path / "uses_rm.py"  # combine=function: a custom scorer reads the RM score from extra_info
+    fn.write_text("def compute_score(solution_str, ground_truth, data_source=None, extra_info=None):\n"
+                  "    return 2.0 * extra_info['rm_score']\n")
+    rm = make_rm_from(assets / "tiny-qwen2", tmp_path / "rm")
+    p = run_train("mrl_configs/quickstart.yaml", tmp_path, assets, free_port_pair(),
+                  f"data.val_files=[{assets}/data/val.jsonl]", "trainer.total_training_steps=2",
+                  "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
+                  "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+                  "actor.ppo_micro_batch_size_per_gpu=4",
+                  "reward_model.enable=true", f"reward_model.model.path={rm}", "reward_model.micro_batch_size_per_gpu=4",
+                  f"reward_model.combine={combine}", *([f"reward.function={fn}:compute_score"] if combine == "function" else []))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    db = tmp_path / "mlflow.db"
+    mean, lo, hi = (metrics(db, f"critic/rm_score/{s}") for s in ("mean", "min", "max"))
+    assert sorted(mean) == sorted(lo) == sorted(hi) == [1, 2]
+    assert all(lo[s] <= mean[s] <= hi[s] and lo[s] < hi[s] for s in (1, 2))  # a real, varying score
+    score = metrics(db, "critic/score/mean")
+    if combine == "rm":  # the training reward is the RM score (verl's reward manager returns rm_scores)
+        assert all(abs(score[s] - mean[s]) < 1e-5 for s in (1, 2)), (score, mean)
+    elif combine == "function":  # the custom scorer's 2 * extra_info["rm_score"]
+        assert all(abs(score[s] - 2 * mean[s]) < 1e-4 for s in (1, 2)), (score, mean)
+    else:  # plus the arith rule's 0/1 score: its batch mean lies in [0, 1]
+        assert all(-1e-5 <= score[s] - mean[s] <= 1 + 1e-5 for s in (1, 2)), (score, mean)
+    assert all(v > 0 for v in metrics(db, "timing_s/rm_score").values())
+    assert sorted(metrics(db, "actor/pg_loss")) == [1, 2]
