@@ -15,7 +15,7 @@ $(VENV)/.installed: setup.py requirements-sglang-cpu.txt
 	$(PY) -m pip install -q --upgrade pip
 	@if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
 	$(PY) -m pip install -q -e ".[dev]"
-	# SGLang's own code for the conformance tests, off the venv's import path (see the file's header)
+	@# SGLang's own code for the conformance tests, off the venv's import path (see the file's header)
 	rm -rf $(VENV)/sglang-cpu
 	$(PY) -m pip install -q --no-deps --target $(VENV)/sglang-cpu -r requirements-sglang-cpu.txt
 	@touch $@

@@ -165,6 +165,10 @@ def test_kill_engine_mid_batch_then_restart_and_resync(pool, engines, tmp_path):
 
     client = RolloutClient(Router(pool, max_retries=3))
     out = {}
+    # The victim holds its requests (paused in place) so they are certainly in flight when it dies,
+    # however fast the other engine is (no timing decides the outcome).
+    httpx.post(engines[0].url + "/pause_generation", json={"mode": "in_place"}, headers=AUTH, timeout=30,
+               trust_env=False).raise_for_status()
     t = threading.Thread(target=lambda: out.setdefault("res", client.generate(
         RolloutRequest(PROMPTS, n=4, sampling_params={"max_new_tokens": 40, "ignore_eos": True}))))
     t.start()
@@ -172,7 +176,6 @@ def test_kill_engine_mid_batch_then_restart_and_resync(pool, engines, tmp_path):
     deadline = time.monotonic() + 60
     while victim.outstanding == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.5)
     assert victim.outstanding > 0
     engines[0].kill()
     t.join(timeout=240)
