@@ -164,8 +164,10 @@ def test_results_do_not_depend_on_the_thread_count(monkeypatch, holes):
             ran_on.clear()
             got[nt] = _all_outputs(r, v, m)
             assert torch.get_num_threads() == nt
-            workers = {name for name, _ in ran_on if name.startswith("mrl-scan")}
-            assert len(ran_on) == 3 * 15 and (workers == set() if nt == 1 else len(workers) >= 2)
+            on_pool = [name.startswith("mrl-scan") for name, _ in ran_on]
+            # nt > 1: every chunk runs on the pool's threads (which of them takes how many is up to
+            # the scheduler: a loaded host may give one thread all of them, so that is not asserted)
+            assert len(ran_on) == 3 * 15 and (not any(on_pool) if nt == 1 else all(on_pool))
             assert {k for _, k in ran_on} == {1}  # one intra-op thread inside every chunk
     finally:
         torch.set_num_threads(n0)
