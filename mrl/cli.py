@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "plan" or dry_run:
         return 0
     from mrl.data.dataset import DataError
-    from mrl.train import UnsupportedConfigError, run
+    from mrl.errors import UnsupportedConfigError
+    from mrl.train import run
 
     try:
         run(cfg)

@@ -2,13 +2,9 @@
 from __future__ import annotations
 
 from mrl.config import MRLConfig
+from mrl.errors import UnsupportedConfigError
 
-
-class UnsupportedConfigError(RuntimeError):
-    """A valid config that this build's driver cannot run yet (or whose inputs are missing).
-
-    Raised before any worker, engine or Ray process starts; the message names each key and the fix.
-    """
+__all__ = ["UnsupportedConfigError", "run"]
 
 
 def run(cfg: MRLConfig) -> None:

@@ -61,9 +61,9 @@ def _resolve(path: str) -> type:
 
 @ray.remote(max_concurrency=1)
 class _RankActor:
-    """Holds one rank's worker object. Synchronous: methods run on the actor's main thread, the
-    thread whose Megatron CPU redirect ``init_parallel`` installed; it is re-enabled per call
-    anyway because the redirect is per thread."""
+    """Holds one rank's worker object. Synchronous: methods run one at a time. The object may define
+    ``before_call()``, run before every method on the thread that runs it (the trainer rank re-enters
+    its per-thread device set-up there); this layer knows nothing of what the object holds."""
 
     def __init__(self, env: dict[str, str]) -> None:
         os.environ.update(env)
@@ -80,10 +80,9 @@ class _RankActor:
         return True
 
     def call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
-        if os.environ.get("MRL_DEVICE") == "cpu":
-            from mrl.megatron.cpu_support import enable_cpu_support
-
-            enable_cpu_support()
+        before = getattr(self.obj, "before_call", None)
+        if before is not None:
+            before()
         return getattr(self.obj, method)(*args, **kwargs)
 
 

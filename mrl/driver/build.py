@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mrl.config import MRLConfig
-from mrl.train import UnsupportedConfigError
+from mrl.errors import UnsupportedConfigError
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mrl.config import MRLConfig
-from mrl.train import UnsupportedConfigError
+from mrl.errors import UnsupportedConfigError
 
 TOKEN_ENV = "MRL_ENGINE_TOKEN"
 

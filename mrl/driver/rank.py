@@ -21,6 +21,14 @@ from mrl.workers.reference import ColocatedReference
 class TrainRank:
     """Actor + reference + critic (PPO) (+ weight sync) of this rank; see the driver for the call order."""
 
+    def before_call(self) -> None:
+        """Run by the rank actor before every method: Megatron's CPU redirect
+        (``mrl.megatron.cpu_support``) is per thread, so it is entered on the thread of this call."""
+        if os.environ.get("MRL_DEVICE") == "cpu":
+            from mrl.megatron.cpu_support import enable_cpu_support
+
+            enable_cpu_support()
+
     def __init__(self, cfg: MRLConfig, *, total_optimizer_steps: int | None) -> None:
         torch.set_num_threads(int(os.environ.get("MRL_TORCH_THREADS", "1")))
         self.cfg = cfg

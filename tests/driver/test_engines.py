@@ -8,7 +8,7 @@ import pytest
 
 from mrl.config import ConfigError, load_config
 from mrl.driver.engines import TOKEN_ENV, engine_command, plan_engines, run_token
-from mrl.train import UnsupportedConfigError
+from mrl.errors import UnsupportedConfigError
 
 GPU_RECIPE = "mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml"
 

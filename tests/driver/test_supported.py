@@ -5,7 +5,7 @@ import pytest
 
 from mrl.config import load_config
 from mrl.driver.build import check_supported
-from mrl.train import UnsupportedConfigError
+from mrl.errors import UnsupportedConfigError
 
 
 def _cfg(tmp_path, *overrides: str):

@@ -1,0 +1,88 @@
+"""The import rules of ARCHITECTURE.md, read from the source (every import statement, lazy ones in
+functions included): light packages stay free of the heavy stack, the generic cluster layer knows
+no Megatron, the rollout side knows no trainer internals, and mrl's packages form no cycle."""
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+MRL = Path(__file__).resolve().parents[1] / "mrl"
+HEAVY = ("ray", "megatron", "sglang", "fastapi", "uvicorn")
+FORBIDDEN = {
+    "algorithms": HEAVY, "config": HEAVY, "rewards": HEAVY, "data": HEAVY, "plugins": HEAVY, "errors": HEAVY,
+    "cluster": ("megatron", "mrl.megatron", "mrl.workers", "mrl.driver"),
+    "rollout": ("mrl.workers", "mrl.megatron", "mrl.driver", "mrl.cluster"),
+}
+
+
+def _imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module, node.lineno
+
+
+def _graph():
+    violations, edges = [], defaultdict(set)
+    for path in sorted(MRL.rglob("*.py")):
+        rel = path.relative_to(MRL).parts
+        pkg = rel[0] if len(rel) > 1 else path.stem
+        for mod, line in _imports(path):
+            for bad in FORBIDDEN.get(pkg, ()):
+                if mod == bad or mod.startswith(bad + "."):
+                    violations.append(f"mrl/{'/'.join(rel)}:{line} imports {mod} (mrl.{pkg} must not import {bad})")
+            if mod.startswith("mrl.") and mod.split(".")[1] != pkg:
+                edges[pkg].add(mod.split(".")[1])
+    return violations, edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one package (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_layers_import_only_what_they_may():
+    violations, _ = _graph()
+    assert not violations, "\n".join(violations)
+
+
+def test_packages_form_no_import_cycle():
+    _, edges = _graph()
+    assert _cycles(edges) == [], _cycles(edges)
+
+
+def test_the_checker_sees_a_violation_and_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    src = "def f():\n    import megatron.core\n"
+    tree_mods = [n.names[0].name for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Import)]
+    assert tree_mods == ["megatron.core"]  # lazy imports inside functions are read too
