@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mrl.config import MRLConfig
+from mrl.driver.ranks import TrainRanks
 from mrl.errors import UnsupportedConfigError
 
 log = logging.getLogger(__name__)
@@ -184,7 +185,7 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
         s.client = RolloutClient(make_router(gen_pool, r.router, max_retries=r.max_retries,
                                              request_timeout_s=r.request_timeout_s),
                                  params_list_in_batch=r.router != "sglang_router")
-        s.workers.execute_all("init_weight_sync", s.engines.urls, token=token, routable=s.engines.remote_nodes)
+        TrainRanks(s.workers).init_weight_sync(s.engines.urls, token=token, routable=s.engines.remote_nodes)
         s.tracking = Tracking.from_config(
             cfg, resume_run_id=read_trainer_state(resumed_from).get("mlflow_run_id") if resumed_from else None)
         yield s

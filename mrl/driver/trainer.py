@@ -31,6 +31,7 @@ from mrl.driver.batch import (
 )
 from mrl.driver.dumps import GenerationRows, dump_generations
 from mrl.driver.dynamic_sampling import kept_prompts, merge_rounds
+from mrl.driver.ranks import TrainRanks
 from mrl.driver.seeds import group_seeds
 from mrl.driver.shaping import (
     build_gold_batch,
@@ -87,6 +88,7 @@ class RLTrainer:
 
     def __init__(self, cfg: MRLConfig, services: Any) -> None:
         self.cfg, self.s = cfg, services
+        self.ranks = TrainRanks(services.workers)  # typed calls to every trainer rank
         a = cfg.algorithm
         self.kl_ctrl = get_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
         self.adv_fn = get_adv_estimator(a.adv_estimator)
@@ -138,10 +140,10 @@ class RLTrainer:
                 self.advantages(d)
             if self.cfg.critic_enabled:
                 with timer("update_critic", m):
-                    m |= self.s.workers.execute_all("update_critic", d.batch)[0]
+                    m |= self.ranks.update_critic(d.batch)
             if self.actor_update_due():
                 with timer("update_actor", m):
-                    m |= self.s.workers.execute_all("update_policy", d.batch)[0]
+                    m |= self.ranks.update_policy(d.batch)
                 with timer("sync_weights", m):
                     self.sync_weights(m)
         self.global_step += 1
@@ -189,7 +191,7 @@ class RLTrainer:
         rm = self.cfg.reward_model
         if rm.enable:  # verl: rm_scores reach the reward manager, which returns them (combine=rm)
             with timer("rm_score", m):
-                d.rm_scores = self.s.workers.execute_all("compute_rm_score", d.batch)[0].float()
+                d.rm_scores = self.ranks.compute_rm_score(d.batch).float()
             for stat in ("mean", "max", "min"):
                 m[f"critic/rm_score/{stat}"] = float(getattr(d.rm_scores, stat)())
         if rm.enable and rm.combine == "rm":
@@ -292,19 +294,19 @@ class RLTrainer:
     def old_log_prob(self, d: StepData, m: dict[str, float]) -> None:
         """log π_old [B, R] and entropy [B, R] with the rollout temperature (recomputed, not the engine's),
         and verl's check that the engines sampled from that distribution (training/rollout_probs_diff_*)."""
-        lp, ent = self.s.workers.execute_all("compute_log_prob", d.batch)[0]
+        lp, ent = self.ranks.compute_log_prob(d.batch)
         d.batch = d.batch.replace(old_log_probs=lp)
         d.entropys = ent
         if d.batch.rollout_log_probs is not None:  # engines that return log-probs (all mrl launches)
             m |= compute_rollout_mismatch_metrics(d.batch.rollout_log_probs, lp, d.batch.response_mask)
 
     def ref_log_prob(self, d: StepData) -> None:
-        d.batch = d.batch.replace(ref_log_prob=self.s.workers.execute_all("compute_ref_log_prob", d.batch)[0])
+        d.batch = d.batch.replace(ref_log_prob=self.ranks.compute_ref_log_prob(d.batch))
 
     def values(self, d: StepData) -> None:
         """V_old(s_t) [B, R] from the critic (0 outside the response mask): GAE's baseline and the
         clipping centre of the value loss."""
-        d.batch = d.batch.replace(values=self.s.workers.execute_all("compute_values", d.batch)[0])
+        d.batch = d.batch.replace(values=self.ranks.compute_values(d.batch))
 
     def kl_in_reward(self, d: StepData, m: dict[str, float]) -> None:
         """r = score − β·KL(π_old‖π_ref) per token when algorithm.use_kl_in_reward, else r = score."""
@@ -327,7 +329,7 @@ class RLTrainer:
                 gold = build_gold_batch(d.batch, encode_gold(
                     self.s.tokenizer, d.prompts, key=self.cfg.data.ground_truth_key,
                     max_length=self.cfg.rollout.max_response_length), pad_token_id=self.s.pad_token_id)
-                return self.s.workers.execute_all("compute_repr_similarity", d.batch, gold)[0]
+                return self.ranks.compute_repr_similarity(d.batch, gold)
             d.token_level_rewards = repr_align(a.repr_align.ref_alignment, d.token_level_rewards, d.batch.response_mask,
                                                d.entropys, step=step, total_steps=total, similarity=similarity, metrics=m)
 
@@ -367,11 +369,11 @@ class RLTrainer:
         pool.wait_recovered(self.cfg.rollout.engine_startup_timeout_s)
         rejoin = any(e.awaiting_sync for e in pool.engines)
         if rejoin:
-            self.s.workers.execute_all("rejoin_weight_sync")
+            self.ranks.rejoin_weight_sync()
         asleep = pool.asleep
         if asleep:
             pool.resume_memory(["weights"])
-        per_rank = [r or {} for r in self.s.workers.execute_all("sync_weights", self.weight_version)]
+        per_rank = self.ranks.sync_weights(self.weight_version)
         if asleep:
             pool.resume_memory(["kv_cache"])
         if rejoin:
@@ -410,9 +412,9 @@ class RLTrainer:
         root = self.cfg.trainer.checkpoint_dir
         d = step_dir(root, self.global_step)
         # actor.checkpoint.save_contents; hf_model adds a transformers directory at actor/huggingface
-        self.s.workers.execute_all("save", str(d / "actor"), list(self.cfg.actor.checkpoint.save_contents))
+        self.ranks.save(str(d / "actor"), list(self.cfg.actor.checkpoint.save_contents))
         if self.cfg.critic_enabled:
-            self.s.workers.execute_all("save_critic", str(d / "critic"))
+            self.ranks.save_critic(str(d / "critic"))
         write_trainer_state(root, self.global_step, {"sampler": self.sampler.state_dict(),
                                                      "kl_ctrl": self.kl_ctrl.state_dict(),
                                                      "weight_version": self.weight_version,
@@ -426,18 +428,18 @@ class RLTrainer:
         if d is None:
             return
         st = read_trainer_state(d)
-        self.s.workers.execute_all("load", str(d / "actor"), self.cfg.actor.checkpoint.load)
+        self.ranks.load(str(d / "actor"), self.cfg.actor.checkpoint.load)
         if self.cfg.critic_enabled:
             if not (d / "critic").is_dir():
                 raise FileNotFoundError(f"{d} has no critic/ checkpoint but the critic is enabled; fix: resume "
                                         "from a PPO checkpoint, or set trainer.resume_mode=disable to start fresh")
-            self.s.workers.execute_all("load_critic", str(d / "critic"))
+            self.ranks.load_critic(str(d / "critic"))
         self.sampler.load_state_dict(st["sampler"])
         self.kl_ctrl.load_state_dict(st["kl_ctrl"])
         self.global_step = int(st["global_step"])
         # The engines restarted from model.path: push the resumed weights as the saved version.
         self.weight_version = int(st.get("weight_version", self.global_step))
-        self.s.workers.execute_all("sync_weights", self.weight_version)
+        self.ranks.sync_weights(self.weight_version)
         self.s.pool.weight_version = str(self.weight_version)
         log.info("resumed from %s at step %d", d, self.global_step)
         saved_total = st.get("total_training_steps")

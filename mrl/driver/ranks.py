@@ -1,0 +1,76 @@
+"""Typed calls from the driver to every trainer rank.
+
+``ranks.update_policy(batch)`` runs ``TrainRank.update_policy(batch)`` (mrl/driver/rank.py) on every
+rank of the group — each rank gets the same full batch and, for the model phases, returns the same
+result — and gives back rank 0's answer; ``sync_weights`` returns every rank's (one sender per
+pipeline stage). Method names and parameters mirror ``TrainRank`` (tests/driver/test_ranks.py
+compares the signatures), so the driver reads as typed calls and a rename breaks a test, not a run.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from mrl.workers.batch import TrainBatch
+
+
+class RankGroup(Protocol):
+    """What the proxy needs of ``mrl.cluster.WorkerGroup``."""
+
+    def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
+
+
+class TrainRanks:
+    def __init__(self, group: RankGroup) -> None:
+        self.group = group
+
+    def _first(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.group.execute_all(method, *args, **kwargs)[0]
+
+    # ---- weight sync ---------------------------------------------------------------------------
+    def init_weight_sync(self, engine_urls: list[str], token: str | None = None, routable: bool = False) -> None:
+        self.group.execute_all("init_weight_sync", engine_urls, token=token, routable=routable)
+
+    def rejoin_weight_sync(self) -> None:
+        self.group.execute_all("rejoin_weight_sync")
+
+    def sync_weights(self, version: int) -> list[dict[str, float]]:
+        """Every rank's report (``{}`` on ranks that send nothing)."""
+        return [r or {} for r in self.group.execute_all("sync_weights", version)]
+
+    # ---- forward phases ------------------------------------------------------------------------
+    def compute_log_prob(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._first("compute_log_prob", batch)
+
+    def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
+        return self._first("compute_ref_log_prob", batch)
+
+    def compute_repr_similarity(self, batch: TrainBatch, gold: TrainBatch) -> torch.Tensor:
+        return self._first("compute_repr_similarity", batch, gold)
+
+    def compute_rm_score(self, batch: TrainBatch) -> torch.Tensor:
+        return self._first("compute_rm_score", batch)
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        return self._first("compute_values", batch)
+
+    # ---- updates -------------------------------------------------------------------------------
+    def update_policy(self, batch: TrainBatch) -> dict[str, float]:
+        return self._first("update_policy", batch)
+
+    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
+        return self._first("update_critic", batch)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def save(self, ckpt_dir: str, contents: list[str] | None = None) -> None:
+        self.group.execute_all("save", ckpt_dir, contents)
+
+    def load(self, ckpt_dir: str, contents: list[str] | None = None) -> None:
+        self.group.execute_all("load", ckpt_dir, contents)
+
+    def save_critic(self, ckpt_dir: str) -> None:
+        self.group.execute_all("save_critic", ckpt_dir)
+
+    def load_critic(self, ckpt_dir: str) -> None:
+        self.group.execute_all("load_critic", ckpt_dir)

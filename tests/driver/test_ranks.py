@@ -1,0 +1,43 @@
+"""The driver's typed proxy mirrors the rank class: same method names, same parameters."""
+from __future__ import annotations
+
+import inspect
+
+from mrl.driver.rank import TrainRank
+from mrl.driver.ranks import TrainRanks
+
+
+def _public(cls) -> dict[str, inspect.Signature]:
+    return {n: inspect.signature(f) for n, f in vars(cls).items()
+            if callable(f) and not n.startswith("_")}
+
+
+def test_every_proxy_method_is_a_rank_method_with_the_same_parameters():
+    rank, proxy = _public(TrainRank), _public(TrainRanks)
+    assert set(proxy) <= set(rank), f"proxy methods with no TrainRank method: {sorted(set(proxy) - set(rank))}"
+    for name, sig in proxy.items():
+        want = [(p.name, p.kind, p.default, str(p.annotation)) for p in rank[name].parameters.values()]
+        got = [(p.name, p.kind, p.default, str(p.annotation)) for p in sig.parameters.values()]
+        assert got == want, f"TrainRanks.{name}{sig} != TrainRank.{name}{rank[name]}"
+
+
+def test_the_driver_reaches_every_rank_phase_through_the_proxy():
+    """Everything the driver calls on ranks besides construction and teardown is typed."""
+    internal = {"before_call", "close"}
+    assert set(_public(TrainRank)) - internal == set(_public(TrainRanks))
+
+
+def test_calls_reach_the_group_by_the_rank_method_name():
+    calls = []
+
+    class Group:
+        def execute_all(self, method, *args, **kwargs):
+            calls.append((method, args, kwargs))
+            return [{"rank": 0}, {"rank": 1}]
+
+    ranks = TrainRanks(Group())
+    assert ranks.update_policy("batch") == {"rank": 0}  # rank 0's answer
+    assert ranks.sync_weights(3) == [{"rank": 0}, {"rank": 1}]  # every rank's report
+    ranks.init_weight_sync(["http://e"], token="t")
+    assert calls == [("update_policy", ("batch",), {}), ("sync_weights", (3,), {}),
+                     ("init_weight_sync", (["http://e"],), {"token": "t", "routable": False})]
