@@ -32,6 +32,7 @@ from mrl.driver.batch import (
 from mrl.driver.dumps import GenerationRows, dump_generations
 from mrl.driver.dynamic_sampling import kept_prompts, merge_rounds
 from mrl.driver.ranks import TrainRanks
+from mrl.driver.rollout_controller import RolloutController
 from mrl.driver.seeds import group_seeds
 from mrl.driver.shaping import (
     build_gold_batch,
@@ -89,6 +90,9 @@ class RLTrainer:
     def __init__(self, cfg: MRLConfig, services: Any) -> None:
         self.cfg, self.s = cfg, services
         self.ranks = TrainRanks(services.workers)  # typed calls to every trainer rank
+        self.rollout = RolloutController(services.pool, getattr(services, "client", None), self.ranks,
+                                         startup_timeout_s=cfg.rollout.engine_startup_timeout_s,
+                                         log_dir=getattr(services, "log_dir", None))
         a = cfg.algorithm
         self.kl_ctrl = get_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
         self.adv_fn = get_adv_estimator(a.adv_estimator)
@@ -123,7 +127,7 @@ class RLTrainer:
                     self.remax_baseline(d, m)
             if self.free_cache_engine:
                 with timer("engine_sleep", m):
-                    self.s.pool.release_memory()
+                    self.rollout.sleep()
             with timer("old_log_prob", m):
                 self.old_log_prob(d, m)
             if self.cfg.ref_enabled:
@@ -169,17 +173,8 @@ class RLTrainer:
             "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_response_length,
         }, timeout_s=r.request_timeout_s,  # per-sample seeds: reproducible and resume-exact draws (mrl/driver/seeds.py)
             sampling_seeds=group_seeds(self.cfg.trainer.seed, "train", self.global_step, self.sampler.epoch, idx, r.n))
-        res = self.s.client.generate(req)
-        if res.failed:
-            raise RuntimeError(f"{len(res.failed)} of {len(res.samples)} rollout samples failed, first: "
-                               f"{res.failed[0].error}; see the engine logs under {self.s.log_dir}")
-        expected = {str(self.weight_version)} | ({"default"} if self.weight_version == 0 else set())
-        if res.weight_versions - expected:
-            raise RuntimeError(f"engines answered with weight versions {res.weight_versions}, expected "
-                               f"{self.weight_version}: the weight sync did not reach every engine (or one restarted "
-                               "without a re-sync; set rollout.weight_sync.snapshot_dir to re-sync restarted engines)")
-        # What the engines themselves reported ("default" = the start weights, version 0).
-        self.engine_weight_version = max(0 if v in (None, "default") else int(v) for v in res.weight_versions)
+        # engine_weight_version: what the engines themselves reported for these samples
+        res, self.engine_weight_version = self.rollout.generate(req, self.weight_version)
         batch = assemble_train_batch(pb, res, pad_token_id=self.s.pad_token_id, uids=idx)
         return StepData(batch, repeat_prompts(pb.prompts, r.n), decode_responses(self.s.tokenizer, res),
                         torch.zeros(batch.response_mask.shape), rows=list(idx), result=res)
@@ -359,36 +354,14 @@ class RLTrainer:
         self.push_weights(m)
 
     def push_weights(self, m: dict[str, float]) -> None:
-        """The actor's weights -> every engine as ``weight_version``; bytes, tensors and buckets summed
-        over the sending ranks (one per PP stage), ``timing_s/weight_sync`` their max. Sleeping
-        engines get their weight memory back before and their KV cache after (verl's order: a lower
-        peak next to the trainer's memory)."""
-        pool = self.s.pool
-        # An engine restarted since the last sync (no snapshot to re-sync from) rejoins here: the
-        # distributed transport re-forms its group with it, the push reaches it, then it serves.
-        pool.wait_recovered(self.cfg.rollout.engine_startup_timeout_s)
-        rejoin = any(e.awaiting_sync for e in pool.engines)
-        if rejoin:
-            self.ranks.rejoin_weight_sync()
-        asleep = pool.asleep
-        if asleep:
-            pool.resume_memory(["weights"])
-        per_rank = self.ranks.sync_weights(self.weight_version)
-        if asleep:
-            pool.resume_memory(["kv_cache"])
-        if rejoin:
-            pool.readmit(str(self.weight_version))
-        for k in {k for r in per_rank for k in r}:
-            vals = [float(r.get(k, 0.0)) for r in per_rank]
-            m[k] = max(vals) if k.startswith("timing_s/") else sum(vals)
-        self.s.pool.weight_version = str(self.weight_version)  # what a restarted engine must be re-synced to
+        """The actor's weights -> every engine as ``weight_version`` (RolloutController.push)."""
+        self.rollout.push(self.weight_version, m)
 
     def wake_engines(self) -> None:
         """Wake engines released after the last generation when no update has synced them since
         (critic warmup, validation): released weights are not kept (SGLang's memory saver drops
         them), so the current version is pushed again. A no-op when the engines are awake."""
-        if self.s.pool.asleep:
-            self.push_weights({})
+        self.rollout.wake(self.weight_version)
 
     # ---- validation, checkpoints, loop -------------------------------------------------------
     def validate(self) -> dict[str, float]:
@@ -439,8 +412,7 @@ class RLTrainer:
         self.global_step = int(st["global_step"])
         # The engines restarted from model.path: push the resumed weights as the saved version.
         self.weight_version = int(st.get("weight_version", self.global_step))
-        self.ranks.sync_weights(self.weight_version)
-        self.s.pool.weight_version = str(self.weight_version)
+        self.rollout.resumed(self.weight_version)
         log.info("resumed from %s at step %d", d, self.global_step)
         saved_total = st.get("total_training_steps")
         if saved_total is not None and saved_total != self.total_steps():

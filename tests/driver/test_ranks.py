@@ -41,3 +41,26 @@ def test_calls_reach_the_group_by_the_rank_method_name():
     ranks.init_weight_sync(["http://e"], token="t")
     assert calls == [("update_policy", ("batch",), {}), ("sync_weights", (3,), {}),
                      ("init_weight_sync", (["http://e"],), {"token": "t", "routable": False})]
+
+
+def test_rollout_controller_refuses_stale_or_failed_samples():
+    """A sync that missed an engine must not let its samples train silently."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from mrl.driver.rollout_controller import RolloutController
+
+    def result(versions, failed=()):
+        return SimpleNamespace(failed=list(failed), samples=[None] * 4, weight_versions=set(versions))
+
+    answers = iter([result({"3"}), result({"3", "2"}), result({"default"}), result({"3"}, failed=[
+        SimpleNamespace(error="boom")])])
+    ctl = RolloutController(pool=None, client=SimpleNamespace(generate=lambda req: next(answers)), ranks=None,
+                            startup_timeout_s=1.0, log_dir="/logs")
+    assert ctl.generate(None, 3)[1] == 3
+    with pytest.raises(RuntimeError, match=r"weight versions .* expected 3"):
+        ctl.generate(None, 3)
+    assert ctl.generate(None, 0)[1] == 0  # the start weights report "default"
+    with pytest.raises(RuntimeError, match="1 of 4 rollout samples failed, first: boom; see the engine logs under /logs"):
+        ctl.generate(None, 3)

@@ -1,0 +1,86 @@
+"""The driver's one handle on the engines: generation, weight pushes, sleep/wake and recovery.
+
+The step calls it in one line per phase (``rollout.generate(req, version)``, ``rollout.push(version,
+m)``, ``rollout.sleep()``, ``rollout.wake(version)``); what it does with the pool (health, restarts,
+readmission, memory release) stays out of the algorithm's class. It is also the seam where a
+rollout producer running ahead of the trainer (bounded staleness) can grow: every answer carries
+the weight version that produced it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mrl.driver.ranks import TrainRanks
+from mrl.rollout.types import RolloutRequest, RolloutResult
+
+
+class RolloutController:
+    """pool: the engines (``mrl.rollout.pool.EnginePool``); client: the rollout client in front of
+    them (possibly through a router); ranks: the trainer ranks, which send the weights."""
+
+    def __init__(self, pool: Any, client: Any, ranks: TrainRanks, *, startup_timeout_s: float,
+                 log_dir: Path | str | None = None) -> None:
+        self.pool, self.client, self.ranks = pool, client, ranks
+        self.startup_timeout_s = startup_timeout_s
+        self.log_dir = log_dir
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self.pool.asleep)
+
+    def generate(self, request: RolloutRequest, version: int) -> tuple[RolloutResult, int]:
+        """All samples of ``request`` and the weight version the engines reported for them
+        (``"default"``, the start weights, is 0); refuses failed samples and any sample not made by
+        ``version`` — a sync that missed an engine must not train on stale samples silently."""
+        res = self.client.generate(request)
+        if res.failed:
+            raise RuntimeError(f"{len(res.failed)} of {len(res.samples)} rollout samples failed, first: "
+                               f"{res.failed[0].error}; see the engine logs under {self.log_dir}")
+        expected = {str(version)} | ({"default"} if version == 0 else set())
+        if res.weight_versions - expected:
+            raise RuntimeError(f"engines answered with weight versions {res.weight_versions}, expected "
+                               f"{version}: the weight sync did not reach every engine (or one restarted "
+                               "without a re-sync; set rollout.weight_sync.snapshot_dir to re-sync restarted engines)")
+        return res, max(0 if v in (None, "default") else int(v) for v in res.weight_versions)
+
+    def push(self, version: int, m: dict[str, float]) -> None:
+        """The actor's weights -> every engine as ``version``; bytes, tensors and buckets summed
+        over the sending ranks (one per PP stage) into ``m``, ``timing_s/weight_sync`` their max.
+        Sleeping engines get their weight memory back before and their KV cache after (verl's
+        order: a lower peak next to the trainer's memory). An engine restarted since the last push
+        (no snapshot to re-sync from) rejoins here: the distributed transport re-forms its group
+        with it, the push reaches it, then it serves again."""
+        pool = self.pool
+        pool.wait_recovered(self.startup_timeout_s)
+        rejoin = any(e.awaiting_sync for e in pool.engines)
+        if rejoin:
+            self.ranks.rejoin_weight_sync()
+        asleep = pool.asleep
+        if asleep:
+            pool.resume_memory(["weights"])
+        per_rank = self.ranks.sync_weights(version)
+        if asleep:
+            pool.resume_memory(["kv_cache"])
+        if rejoin:
+            pool.readmit(str(version))
+        for k in {k for r in per_rank for k in r}:
+            vals = [float(r.get(k, 0.0)) for r in per_rank]
+            m[k] = max(vals) if k.startswith("timing_s/") else sum(vals)
+        pool.weight_version = str(version)  # what a restarted engine must be re-synced to
+
+    def sleep(self) -> None:
+        """verl's free_cache_engine: colocated engines give the device memory to the trainer."""
+        self.pool.release_memory()
+
+    def wake(self, version: int) -> None:
+        """Engines released after the last generation and not synced since (critic warmup,
+        validation) get the current version pushed again: released weights are not kept (SGLang's
+        memory saver drops them). A no-op when the engines are awake."""
+        if self.pool.asleep:
+            self.push(version, {})
+
+    def resumed(self, version: int) -> None:
+        """The engines started from model.path: push the resumed weights as the saved version."""
+        self.ranks.sync_weights(version)
+        self.pool.weight_version = str(version)
