@@ -13,11 +13,12 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from mrl.net import free_port
 
 
 class RankError(RuntimeError):
@@ -43,12 +44,6 @@ def pick_device(requested: str, world_size: int) -> str:
             "use --device cpu or fewer ranks"
         )
     return "cuda" if gpus >= world_size else "cpu"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _set_rank_env(rank: int, world_size: int, port: int, device: str) -> None:
@@ -100,7 +95,7 @@ def run_local_ranks(
     """Run ``fn(rank, *args)`` on ``world_size`` ranks; results by rank, or :class:`RankError`."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_entry, args=(fn, r, world_size, port, device, tuple(args), queue))
         for r in range(world_size)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import time
 from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from mrl.net import free_port
 
 
 class WorkerGroupError(RuntimeError):
@@ -34,12 +35,6 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # On CUDA every process we place keeps all of its node's GPUs visible (Ray would narrow
@@ -72,7 +67,7 @@ class _RankActor:
     def node_info(self) -> dict[str, Any]:
         """Where this rank landed: Ray node id and IP, the node-local GPU ids Ray assigned it, and
         a free port on its node (rank 0's becomes MASTER_PORT)."""
-        return {**placement_info(), "free_port": _free_port()}
+        return {**placement_info(), "free_port": free_port()}
 
     def construct(self, cls_path: str, kwargs: dict[str, Any], env: dict[str, str]) -> bool:
         os.environ.update(env)

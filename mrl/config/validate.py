@@ -19,6 +19,7 @@ from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_
 from mrl.config.parallel import ParallelConfig
 from mrl.config.reward_model import check_reward_model
 from mrl.config.root import MRLConfig
+from mrl.net import is_loopback
 
 _GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus_baseline"}
 _DATA_SUFFIXES = (".parquet", ".jsonl")
@@ -272,7 +273,7 @@ def _check_rollout(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) 
     if r.router == "sglang_router" and importlib.util.find_spec("sglang_router") is None:
         errors.append("rollout.router=sglang_router needs the sglang_router package on the driver's host; "
                       "fix: pip install sglang-router, or rollout.router=builtin")
-    if cfg.cluster.nnodes > 1 and r.host in ("127.0.0.1", "localhost", "::1"):
+    if cfg.cluster.nnodes > 1 and is_loopback(r.host):
         errors.append(f"rollout.host={r.host} with cluster.nnodes={cfg.cluster.nnodes}: engines on other nodes would be "
                       "unreachable from the driver; fix: rollout.host=0.0.0.0 (mrl then gives every engine a per-run token)")
     seq = cfg.data.max_prompt_length + r.max_response_length

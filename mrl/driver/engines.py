@@ -16,6 +16,7 @@ from typing import Any
 
 from mrl.config import MRLConfig
 from mrl.errors import UnsupportedConfigError
+from mrl.net import is_loopback
 
 TOKEN_ENV = "MRL_ENGINE_TOKEN"
 
@@ -34,8 +35,6 @@ class EngineSlot:
 
 
 def _loopback(host: str) -> bool:
-    from mrl.rollout.server import is_loopback
-
     return is_loopback(host)
 
 

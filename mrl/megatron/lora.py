@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from mrl.megatron.provider import head_dim
+from mrl.megatron.unwrap import unwrap
 
 # Megatron linear (relative to a TransformerLayer) -> (parallel kind, HF projections it fuses).
 LINEARS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -192,12 +193,6 @@ class LoraAdapter(torch.nn.Module):
         return make_sharded_tensors_for_checkpoint(sd, prefix, axis, sharded_offsets)
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def _resolve(layer: torch.nn.Module, path: str) -> tuple[torch.nn.Module, str]:
     parent_path, _, name = path.rpartition(".")
     return layer.get_submodule(parent_path), name
@@ -217,7 +212,7 @@ def apply_lora(chunks: list[torch.nn.Module], hf_config: Any, *, targets: tuple[
     )
 
     adapters = []
-    for chunk in map(_unwrap, chunks):
+    for chunk in map(unwrap, chunks):
         chunk.requires_grad_(False)
         for layer in chunk.decoder.layers:
             for path, (kind, projs) in LINEARS.items():

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.megatron.provider import head_dim, model_family
+from mrl.megatron.unwrap import unwrap
 
 SPLITS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
 
@@ -85,12 +86,6 @@ TE_RENAMES = {
 }
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
-        chunk = chunk.module
-    return chunk
-
-
 def _param(module: torch.nn.Module, name: str) -> torch.Tensor | None:
     params = dict(module.named_parameters())
     if name in params:
@@ -108,7 +103,7 @@ def _tp() -> tuple[int, int, Any]:
 def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tuple[Rule, dict[str, str], torch.Tensor]]:
     """(rule, format args, local Megatron parameter) for every mapped tensor of this rank."""
     table = FAMILY_TABLES[model_family(hf_config)]
-    for chunk in map(_unwrap, chunks):
+    for chunk in map(unwrap, chunks):
         tied = chunk.share_embeddings_and_output_weights
         for rule in table:
             if rule.scope != "model":
@@ -136,7 +131,7 @@ def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tup
 def hf_names_for_stage(model_chunks: list[torch.nn.Module], hf_config: Any) -> list[str]:
     """HF tensor names this rank's pipeline stage exports / needs to load (global layer ids)."""
     names = [hf.format(**fmt) for rule, fmt, _ in _stage_params(model_chunks, hf_config) for hf in rule.hf]
-    for chunk in map(_unwrap, model_chunks):
+    for chunk in map(unwrap, model_chunks):
         # The last stage of a tied model keeps its own copy of the embedding as output_layer.
         if chunk.share_embeddings_and_output_weights and chunk.post_process and not chunk.pre_process:
             names.append(_EMBED.hf[0])
@@ -263,7 +258,7 @@ def load_hf_weights(
                     "config.json does not match the weights"
                 )
             p.copy_(local)
-        for chunk in map(_unwrap, model_chunks):
+        for chunk in map(unwrap, model_chunks):
             if chunk.share_embeddings_and_output_weights and chunk.post_process and not chunk.pre_process:
                 w = chunk.output_layer.weight
                 w.copy_(_to_local(_EMBED, [get_tensor(_EMBED.hf[0])], hf_config, w.shape))

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ from fastapi import Depends, FastAPI, HTTPException
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from mrl.net import is_loopback
 from mrl.rollout import protocol as P
 from mrl.rollout import server_info as I
 from mrl.rollout import serving as S
@@ -59,15 +59,6 @@ class Engine:
         else:
             s.weight_version = str(int(s.weight_version) + 1) if s.weight_version.isdigit() else "1"
         return s.weight_version
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def build_app(engine: Engine, token: str | None = None) -> FastAPI:

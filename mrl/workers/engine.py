@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mrl.config.parallel import ParallelConfig
+from mrl.megatron.unwrap import unwrap
 from mrl.workers.batch import TrainBatch
 from mrl.workers.minibatch import ModelInputs, build_model_inputs
 
@@ -44,13 +45,6 @@ def hf_tensor_getter(path: str | os.PathLike) -> Callable[[str], torch.Tensor]:
         return reader.get(name)
 
     return get
-
-
-def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 @dataclass

@@ -19,16 +19,11 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mrl.net import free_port  # re-exported: the tests import it from here
 
 
 def _entry(fn, rank, world_size, port, args, init_pg, pg_timeout_s, queue):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -17,15 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from mrl.net import free_port
 from mrl.rollout.weight_sync.buckets import Bucket
 from mrl.rollout.weight_sync.group import destroy_group, init_custom_process_group
 from mrl.rollout.weight_sync.http import EngineHttp, wait_all
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class DistributedTransport:
