@@ -131,7 +131,7 @@ def group_mean_std(scores: torch.Tensor, index, *, singleton_mean: float = 0.0, 
 def compute_grpo_outcome_advantage(token_level_rewards, response_mask, *, index=None, values=None,
                                    reward_baselines=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
                                    epsilon=1e-6):
-    """GRPO outcome advantage (Shao et al. 2024, arXiv 2402.03300; seed 004 §5.1).
+    """GRPO outcome advantage (Shao et al. 2024, arXiv 2402.03300; verl).
 
     ``s_i = sum_t r_it`` ``[B]``; within each uid group: ``A_i = (s_i - mean) / (std + eps)`` with
     the unbiased std (``norm_adv_by_std_in_grpo=True``), or ``A_i = s_i - mean`` (Dr.GRPO,
@@ -222,7 +222,7 @@ def compute_remax_outcome_advantage(token_level_rewards, response_mask, *, index
 def compute_gae_advantage_return(token_level_rewards, response_mask, *, index=None, values=None,
                                  reward_baselines=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
                                  epsilon=1e-6):
-    """GAE (Schulman et al. 2016, arXiv 1506.02438; seed 002 Stage 7), masked like verl.
+    """GAE (Schulman et al. 2016, arXiv 1506.02438; verl's ray_trainer step; docs/driver.md), masked like verl.
 
     Backwards over t, skipping tokens with ``m_t = 0`` (padding, observation tokens): with ``V'``
     the value of the next *valid* token (0 after the last),

@@ -1,4 +1,4 @@
-"""Aggregate a token-level loss matrix ``[B, T]`` into a scalar (verl's ``agg_loss``, seed 004 §5.3).
+"""Aggregate a token-level loss matrix ``[B, T]`` into a scalar (verl's ``agg_loss``).
 
 Micro-batch invariance. A mini-batch is split into micro-batches (gradient accumulation) and over
 DP ranks. If every call is given the same *global* denominators of the whole mini-batch,
@@ -64,7 +64,7 @@ def agg_loss(
     of the step) and with micro-batching, so the loss is then neither Dr.GRPO's nor invariant to
     the micro-batch split. The trainer always passes ``rollout.max_response_length``
     (:class:`mrl.workers.loss.ActorLossSpec`); the default is for one-off library use only.
-    Choice documented against the sources: seed 004 shows ``sum / mask.sum()`` for this mode, which
+    Choice documented against the sources: a widely copied description of verl shows ``sum / mask.sum()`` for this mode, which
     is just ``token-mean``; verl's code divides by ``T`` only (its 1/B lives in the
     gradient-accumulation scale); we follow the Dr.GRPO paper (arXiv 2503.20783): the mean over
     sequences of token sums divided by the constant, so the scale does not grow with batch size.

@@ -1,7 +1,7 @@
 """Categorical entropy of the policy from logits, ``H = -sum_v p_v log p_v``.
 
-Feeds the entropy bonus ``- entropy_coeff * H`` of the actor loss (seed 000) and the
-``actor/entropy`` metric (seed 004 §4.4). For a vocabulary-parallel (TP-sharded) vocabulary the
+Feeds the entropy bonus ``- entropy_coeff * H`` of the actor loss (verl's Megatron actor) and the
+``actor/entropy`` metric (verl). For a vocabulary-parallel (TP-sharded) vocabulary the
 Megatron layer computes the reductions across ranks; these functions take the full vocabulary.
 """
 from __future__ import annotations

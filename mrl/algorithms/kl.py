@@ -1,7 +1,7 @@
 """Per-token KL estimators between the policy and the reference policy (verl ``kl_penalty``).
 
-Used for the KL loss in the actor (``use_kl_loss``, seed 000) and the KL penalty in the reward
-(``use_kl_in_reward``, seed 002). Inputs are the log-probs of the *sampled* tokens, ``[B, T]``.
+Used for the KL loss in the actor (``use_kl_loss``, verl's Megatron actor) and the KL penalty in the reward
+(``use_kl_in_reward``, verl's ray_trainer step). Inputs are the log-probs of the *sampled* tokens, ``[B, T]``.
 Estimators from J. Schulman, "Approximating KL divergence" (2020), as verl defines them.
 """
 from __future__ import annotations
@@ -48,9 +48,9 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
       to [-10, 10] (unbiased and non-negative for KL(pi_theta || pi_ref)).
     * ``<name>+`` (e.g. ``k3+``): straight-through: the forward value of ``<name>`` and the gradient
       of ``k2``, i.e. ``k2 - sg(k2) + sg(<name>)``, whose gradient ``d * grad(logprob)`` is an
-      unbiased estimate of the gradient of KL(pi_theta || pi_ref) (seeds 000/004).
+      unbiased estimate of the gradient of KL(pi_theta || pi_ref) (verl's "+" variants).
 
-    Source deviations, documented: seed 004's snippet writes k1 as ``ref - logprob`` and k3 as
+    Source deviations, documented: a widely copied description of verl writes k1 as ``ref - logprob`` and k3 as
     ``where(kl < 0, kl, 0.5 kl^2)``; verl's code computes the definitions above, which we follow.
     ``full`` is refused with a clear message: it needs whole-vocabulary distributions that the
     sampled-token log-probs do not carry.

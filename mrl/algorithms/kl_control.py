@@ -1,4 +1,4 @@
-"""KL coefficient controllers and the KL penalty in the reward (``use_kl_in_reward``, seed 002 Stage 6)."""
+"""KL coefficient controllers and the KL penalty in the reward (``use_kl_in_reward``, verl's ray_trainer step; docs/driver.md)."""
 from __future__ import annotations
 
 import math
@@ -83,7 +83,7 @@ def apply_kl_penalty(
     kl_ctrl: KLController,
     kl_penalty: str = "kl",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """KL penalty in the reward (verl ``apply_kl_penalty``; seed 002 Stage 6). All tensors ``[B, T]``.
+    """KL penalty in the reward (verl ``apply_kl_penalty``; verl's ray_trainer step; docs/driver.md). All tensors ``[B, T]``.
 
     ``kld = kl_penalty(old_log_prob, ref_log_prob) * m``; ``beta = kl_ctrl.value`` (before update);
     ``token_level_rewards = token_level_scores - beta * kld``;

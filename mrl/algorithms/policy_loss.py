@@ -140,7 +140,7 @@ def compute_policy_loss_vanilla(
 
     ``r = exp(clamp(log_prob - old_log_prob, -20, 20))`` ``[B, T]``;
     ``L1 = -A r``, ``L2 = -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)``, ``L = max(L1, L2)``;
-    for ``A < 0`` and ``clip_ratio_c = c`` set, ``L = min(L, -A c)`` (dual clip; seed 000).
+    for ``A < 0`` and ``clip_ratio_c = c`` set, ``L = min(L, -A c)`` (dual clip, as verl).
     ``pg_clipfrac`` = token-mean of ``L2 > L1``; ``pg_clipfrac_lower`` = token-mean of
     ``(A < 0) & (max(L1, L2) > -A c)``. Seed 002 example: loss -0.0747.
     """

@@ -2,7 +2,7 @@
 
 Used for policy losses (``get_policy_loss_fn`` / ``register_policy_loss``) and advantage
 estimators (``get_adv_estimator`` / ``register_adv_est``), the two extension points verl users
-look for (seed 004, section 8). ``get`` also resolves a plugin spec (``pkg.module:fn`` /
+look for (verl's extension points; docs/plugins.md). ``get`` also resolves a plugin spec (``pkg.module:fn`` /
 ``path/to/file.py:fn``), whose file may register with the same decorators.
 """
 from __future__ import annotations

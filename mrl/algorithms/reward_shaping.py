@@ -1,6 +1,6 @@
-"""Reward shaping of seed 003: scheduled reference-reward blend and representation-alignment bonus.
+"""Reward shaping (docs/driver.md, "Reward shaping"): scheduled reference-reward blend and representation-alignment bonus.
 
-Order in the step (seed 003 §4): KL-in-reward first, then ``blend_ref_reward``, then
+Order in the step (docs/driver.md, "Reward shaping"): KL-in-reward first, then ``blend_ref_reward``, then
 ``repr_align_bonus`` is added, then advantages.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def schedule_weight(schedule: str, step: int, total_steps: int, max_weight: floa
                     warmup_ratio: float, steps: int = 3) -> float:
     """Scheduled weight ``w(step) = max_weight * f(p)``, ``p = min(step / (warmup_ratio * total_steps), 1)``.
 
-    ``f`` (seed 003 §3), all with ``f(0) = 0``, ``f(1) = 1``, non-decreasing:
+    ``f`` (docs/driver.md, "Reward shaping"), all with ``f(0) = 0``, ``f(1) = 1``, non-decreasing:
     ``linear`` p; ``sigmoid`` logistic ``1/(1+exp(-10 (p - 1/2)))`` rescaled to hit 0 and 1 exactly
     (slow, fast, slow); ``cosine`` ``(1 - cos(pi p)) / 2``; ``exp`` ``(exp(5p) - 1) / (exp(5) - 1)``
     (very slow, then fast); ``step`` ``floor(p * steps) / steps`` (``steps`` equal stairs: ``steps + 1``
@@ -61,7 +61,7 @@ def schedule_weight(schedule: str, step: int, total_steps: int, max_weight: floa
 @torch.no_grad()
 def blend_ref_reward(token_level_rewards: torch.Tensor, ref_log_prob: torch.Tensor,
                      response_mask: torch.Tensor, weight: float) -> torch.Tensor:
-    """``(1 - w) * rewards + w * minmax(ref_log_prob) * m`` for ``[B, T]`` inputs (seed 003 §1.2).
+    """``(1 - w) * rewards + w * minmax(ref_log_prob) * m`` for ``[B, T]`` inputs (docs/driver.md, "Reward shaping").
 
     ``minmax`` is per sequence over its valid response tokens:
     ``(x - min_i) / (max_i - min_i)`` in [0, 1]. A sequence whose valid ref log-probs are all equal
@@ -82,7 +82,7 @@ def blend_ref_reward(token_level_rewards: torch.Tensor, ref_log_prob: torch.Tens
 
 @torch.no_grad()
 def repr_align_bonus(similarity: torch.Tensor, response_mask: torch.Tensor, weight: float) -> torch.Tensor:
-    """Representation-alignment bonus ``w * sim_i * m_it / n_i`` ``[B, T]`` (seed 003 §1.3).
+    """Representation-alignment bonus ``w * sim_i * m_it / n_i`` ``[B, T]`` (docs/driver.md, "Reward shaping").
 
     ``similarity`` ``[B]`` is the cosine similarity of generated vs gold response embeddings;
     ``n_i`` the valid tokens of sequence i (a sequence with none gets 0). The bonus sums to

@@ -1,4 +1,4 @@
-"""Critic loss with value clipping and the explained-variance metric (PPO; seed 002 Stage 8)."""
+"""Critic loss with value clipping and the explained-variance metric (PPO; verl's ray_trainer step; docs/driver.md)."""
 from __future__ import annotations
 
 import torch

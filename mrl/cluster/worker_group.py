@@ -26,7 +26,7 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
     """Join ``address`` (cluster.address) or start a local Ray instance with ``num_cpus``.
 
     A local instance needs no auth token: ``RAY_AUTH_MODE=disabled`` keeps the first ``ray.init``
-    from writing one under ``~/.ray`` (design.md, measured facts); it binds to loopback.
+    from writing one under ``~/.ray`` (measured on these hosts); it binds to loopback.
     """
     if ray.is_initialized():
         return

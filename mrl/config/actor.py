@@ -4,7 +4,7 @@ Batch units (see docs/config.md): ``ppo_mini_batch_size`` counts PROMPTS as in v
 mini-batch holds ``ppo_mini_batch_size * rollout.n`` samples, split over the actor's DP ranks;
 ``ppo_micro_batch_size_per_gpu`` counts SAMPLES per DP rank per forward/backward.
 
-Loss (seed 000): ``L = PG(ratio, A; clip_ratio_low/high, clip_ratio_c) - entropy_coeff * H
+Loss (verl's Megatron actor): ``L = PG(ratio, A; clip_ratio_low/high, clip_ratio_c) - entropy_coeff * H
 + kl_loss_coef * KL(pi || pi_ref)``, aggregated over ``[B, T]`` by ``loss_agg_mode``.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from mrl.config.lora import LoraConfig
 from mrl.config.optim import OptimConfig
 from mrl.config.parallel import ParallelConfig
 
-# Names with a "+" are straight-through: forward value of the estimator, gradient of k2 (seeds 000/004).
+# Names with a "+" are straight-through: forward value of the estimator, gradient of k2 (verl's "+" estimators).
 KLType = Literal[
     "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
     "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+", "full",

@@ -1,11 +1,11 @@
-"""Algorithm section: advantage estimator, KL control and reward shaping (seeds 001-004).
+"""Algorithm section: advantage estimator, KL control and reward shaping (verl's estimators and KL, plus reward shaping: docs/driver.md).
 
-* GRPO (seed 001): ``A_i = (r_i - mean_g(r)) / (std_g(r) + eps)`` per uid group of ``rollout.n``
+* GRPO (verl's GRPO data flow): ``A_i = (r_i - mean_g(r)) / (std_g(r) + eps)`` per uid group of ``rollout.n``
   samples (no std when ``norm_adv_by_std_in_grpo=false``, Dr.GRPO).
 * GAE: ``delta_t = r_t + gamma V_{t+1} - V_t``, ``A_t = sum_l (gamma lam)^l delta_{t+l}`` over [B, T].
 * KL in reward: ``r_t <- r_t - beta * KL_t`` with beta from ``kl_ctrl``.
-* ref_reward_blend (seed 003): ``r <- (1 - w) r + w * minmax(ref_log_prob)`` with w scheduled to max_weight.
-* repr_align (seed 003): ``r_t += w * cos(emb_gen, emb_gold) * mask_t / |mask|`` when batch entropy is high.
+* ref_reward_blend (docs/driver.md, "Reward shaping"): ``r <- (1 - w) r + w * minmax(ref_log_prob)`` with w scheduled to max_weight.
+* repr_align (docs/driver.md, "Reward shaping"): ``r_t += w * cos(emb_gen, emb_gold) * mask_t / |mask|`` when batch entropy is high.
 * filter_groups (DAPO dynamic sampling): train only on groups whose metric has std > 0.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ class KLCtrlConfig(Section):
 
 
 class RefRewardBlendConfig(Section):
-    """Blend min-max normalised ref_log_prob into token rewards (seed 003)."""
+    """Blend min-max normalised ref_log_prob into token rewards (docs/driver.md, "Reward shaping")."""
 
     enable: bool = Field(False, description="Turn the blend on (needs a reference model).")
     max_weight: float = Field(0.6, ge=0, le=1, description="Weight w reached at the end of warmup.")
@@ -41,7 +41,7 @@ class RefRewardBlendConfig(Section):
 
 
 class RefAlignmentConfig(Section):
-    """Cosine similarity of generated vs gold (prompt + ground truth) representations as a bonus (seed 003)."""
+    """Cosine similarity of generated vs gold (prompt + ground truth) representations as a bonus (docs/driver.md, "Reward shaping")."""
 
     enable: bool = Field(True, description="Use the reference alignment bonus when repr_align is on.")
     max_weight: float = Field(0.2, ge=0, le=1, description="Bonus weight reached at the end of warmup.")
@@ -51,7 +51,7 @@ class RefAlignmentConfig(Section):
 
 
 class ReprAlignConfig(Section):
-    """Representation-alignment reward shaping (seed 003)."""
+    """Representation-alignment reward shaping (docs/driver.md, "Reward shaping")."""
 
     enable: bool = Field(False, description="Turn representation alignment on.")
     ref_alignment: RefAlignmentConfig = Field(default_factory=RefAlignmentConfig, description="Gold-representation alignment term.")

@@ -1,8 +1,8 @@
 """Reference-policy section: frozen copy of the initial actor for KL terms and ref_reward_blend.
 
 A reference is built when ``actor.use_kl_loss``, ``algorithm.use_kl_in_reward`` or
-``algorithm.ref_reward_blend.enable`` needs ``ref_log_prob`` [B, T] (seeds 000, 003), or
-``algorithm.repr_align`` needs its weights for the embeddings (seed 003).
+``algorithm.ref_reward_blend.enable`` needs ``ref_log_prob`` [B, T] (verl; docs/driver.md, "Reward shaping"), or
+``algorithm.repr_align`` needs its weights for the embeddings (docs/driver.md, "Reward shaping").
 """
 from __future__ import annotations
 

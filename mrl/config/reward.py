@@ -1,6 +1,6 @@
 """Reward section: the scorer that turns (prompt, response, ground truth) into a scalar.
 
-The score is placed on the last response token of ``token_level_scores`` [B, T] (seed 001).
+The score is placed on the last response token of ``token_level_scores`` [B, T] (verl's GRPO data flow).
 """
 from __future__ import annotations
 

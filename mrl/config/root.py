@@ -42,7 +42,7 @@ class MRLConfig(Section):
     @property
     def ref_enabled(self) -> bool:
         """A reference model is built when ref.enable, or when some term consumes ref_log_prob [B, T]
-        or the reference weights (repr_align embeds with the initial policy, seed 003)."""
+        or the reference weights (repr_align embeds with the initial policy, docs/driver.md, "Reward shaping")."""
         if self.ref.enable is not None:
             return self.ref.enable
         a = self.algorithm

@@ -3,7 +3,7 @@
 Two users, one algorithm:
 
 * the driver reorders a step's batch so that every DP rank receives a contiguous slice with a
-  similar number of tokens (verl ``RayPPOTrainer._balance_batch``, seed 002 stage 2);
+  similar number of tokens (verl ``RayPPOTrainer._balance_batch``, verl's ray_trainer step; docs/driver.md);
 * the workers split a mini-batch into micro-batches bounded by a token budget
   (verl ``rearrange_micro_batches``).
 

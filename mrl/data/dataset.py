@@ -225,7 +225,7 @@ def check_batch_fits(num_prompts: int, batch_size: int, files: Sequence[str | Pa
 def repeat_interleave(items: Sequence[T], n: int, uids: Sequence[str] | None = None) -> tuple[list[T], list[str]]:
     """B items → (B*n items, B*n uids), item i repeated n times in a row with one uid per item.
 
-    verl (seed 001): ``batch.non_tensor_batch['uid'] = uuid4 per prompt`` then
+    verl: ``batch.non_tensor_batch['uid'] = uuid4 per prompt`` then
     ``batch.repeat(n, interleave=True)``: [p0, p0, p1, p1] for n=2. Samples sharing a uid form the
     GRPO group. ``uids`` defaults to fresh uuid4 hex strings.
     """

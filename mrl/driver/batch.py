@@ -1,4 +1,4 @@
-"""Pure helpers of the RL step: prompts + rollout result -> TrainBatch (seed 002 layout).
+"""Pure helpers of the RL step: prompts + rollout result -> TrainBatch (verl's layout).
 
 No Ray, no Megatron: these are where padding/mask bugs hide, so they are unit-tested alone.
 """

@@ -1,6 +1,6 @@
-"""Driver side of seed 003's reward shaping: ``ref_reward_blend`` and ``repr_align.ref_alignment``.
+"""Driver side of the reward shaping (docs/driver.md, "Reward shaping"): ``ref_reward_blend`` and ``repr_align.ref_alignment``.
 
-Runs after KL-in-reward and before the advantages (design.md data flow, seed 003 §4.4)::
+Runs after KL-in-reward and before the advantages (docs/driver.md, "Reward shaping")::
 
     r  <- (1 - w_b) * r + w_b * minmax(ref_log_prob) * m          (ref_reward_blend)
     r  <- r + w_a * cos(e_gen, e_gold) * m / |m|   if H_batch >= threshold   (repr_align)

@@ -1,7 +1,7 @@
-"""The RL loop (design.md "Data flow of one step"; seeds 001/002): build once, then ``step()``
+"""The RL loop (ARCHITECTURE.md, "One step"; verl's GRPO/PPO data flow): build once, then ``step()``
 as named phases: generate -> reward (-> sample dump, trainer.rollout_data_dir) (-> greedy baseline for
 ReMax) (-> engines release their memory, rollout.free_cache_engine) -> old_log_prob -> ref_log_prob
--> values (PPO) -> KL in reward -> reward shaping (seed 003: ref_reward_blend, repr_align) -> advantages
+-> values (PPO) -> KL in reward -> reward shaping (docs/driver.md, "Reward shaping": ref_reward_blend, repr_align) -> advantages
 -> update_critic (PPO) -> update_actor (after trainer.critic_warmup) -> sync_weights -> validate / checkpoint / log.
 """
 from __future__ import annotations
@@ -180,7 +180,7 @@ class RLTrainer:
                         torch.zeros(batch.response_mask.shape), rows=list(idx), result=res)
 
     def reward(self, d: StepData, m: dict[str, float]) -> None:
-        """Scores on the last response token (seed 002 stage 5): token_level_scores [B, R], plus
+        """Scores on the last response token (verl's ray_trainer step; docs/driver.md): token_level_scores [B, R], plus
         DAPO's overlong penalty when reward.overlong_buffer.enable; samples whose scoring failed
         under reward.on_error=mask leave the loss and their group's baseline."""
         rm = self.cfg.reward_model

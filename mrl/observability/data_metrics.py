@@ -1,4 +1,4 @@
-"""Per-step data metrics on plain tensors (verl ``compute_data_metrics``, seed 001).
+"""Per-step data metrics on plain tensors (verl ``compute_data_metrics``).
 
 With response_mask m [B, T] and prompt mask [B, P]::
 

@@ -1,4 +1,4 @@
-"""Metric names, verl-compatible (seed 001/002), so dashboards and habits carry over.
+"""Metric names, verl-compatible, so dashboards and habits carry over.
 
 Data metrics (``compute_data_metrics``) are ``<group>/<stat>``; timings ``timing_s/<phase>`` in
 seconds; per-update actor/critic statistics ``actor/*`` and ``critic/*`` (averaged over micro-batches).
@@ -18,7 +18,7 @@ RESPONSE_LENGTH = "response_length"
 PROMPT_LENGTH = "prompt_length"
 CLIP_RATIO = "clip_ratio"  # fraction of sequences at the length limit (truncated)
 
-# Phases timed with ``timer`` (design.md "Data flow of one step").
+# Phases timed with ``timer`` (ARCHITECTURE.md, "One step").
 TIMING_PREFIX = "timing_s"
 PHASES = ("step", "gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
           "update_weights", "testing", "save_checkpoint")

@@ -1,6 +1,6 @@
 """Typed records at the rollout boundary: what the driver asks for and what comes back.
 
-Units (design note 3): a *prompt* is one row of the dataset; a *sample* is one generated
+Units (ARCHITECTURE.md; docs/config.md has the batch vocabulary): a *prompt* is one row of the dataset; a *sample* is one generated
 response; a request of P prompts with ``n`` samples each yields ``P * n`` samples, ordered
 prompt-major and interleaved like verl's ``repeat(n, interleave=True)``:
 ``samples[i * n + j]`` is sample ``j`` of prompt ``i``.

@@ -10,7 +10,7 @@ Units used throughout ``mrl.workers``:
   ``response_mask.sum()`` the tokens the loss sees.
 * **global** = summed over all DP ranks; **local** = this rank's share.
 
-Layout (verl's, seed 002): ``input_ids = [prompt (left-padded to P) | response (right-padded
+Layout (verl's): ``input_ids = [prompt (left-padded to P) | response (right-padded
 to R)]`` so S = P + R; ``responses = input_ids[:, P:]``. Per-token tensors that belong to the
 response (log-probs, advantages, …) are ``[B, R]`` and aligned with ``responses``.
 """

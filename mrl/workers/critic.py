@@ -1,7 +1,7 @@
 """Per-rank value model for GAE-based PPO: Megatron GPTModel with a scalar head.
 
 ``V(s_t)`` for response token a_t is read at the position of the token before it (the state
-the policy acted in), like verl's critic. Loss (seed 002 stage 8, verl ``compute_value_loss``):
+the policy acted in), like verl's critic. Loss (verl's ray_trainer step; docs/driver.md, verl ``compute_value_loss``):
 
     L_V = ½ · agg(max((V − R)², (clip(V, V_old − ε, V_old + ε) − R)²))      ε = cliprange_value
 

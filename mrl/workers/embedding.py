@@ -1,4 +1,4 @@
-"""Response embeddings for ``algorithm.repr_align`` (seed 003 §4.1): a worker-side forward.
+"""Response embeddings for ``algorithm.repr_align`` (docs/driver.md, "Reward shaping"): a worker-side forward.
 
 ``e_i = (1/|A_i|) Σ_{t∈A_i} h_t`` with ``h_t`` ∈ R^H the last layer's hidden state after the final
 norm at the answer tokens ``A_i`` (the response part of the batch, ``attention_mask[:, P:]``), so

@@ -1,6 +1,6 @@
 """The pipeline-schedule-aware actor / critic losses (run on the last pipeline stage only).
 
-Actor (seed 000, verl ``megatron_actor.py`` ``loss_func``), for one mini-batch M split into
+Actor (verl's Megatron actor ``megatron_actor.py`` ``loss_func``), for one mini-batch M split into
 micro-batches m over DP ranks r, with response tensors [b, R] and mask ``M_it``:
 
     L(M) = PG(M) − entropy_coeff · agg(H) + kl_loss_coef · agg(KL_{kl_loss_type}(log π, log π_ref))

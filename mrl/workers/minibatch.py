@@ -8,7 +8,7 @@ Hierarchy of one training step (units as in :mod:`mrl.workers.batch`)::
               └─ micro-batches: fixed (micro_batch_size samples) or dynamic
                  (token budget, balanced partition, same count on every DP rank)
 
-``make_minibatch_iterator`` follows verl's Megatron actor (seed 000, ``megatron_actor.py``
+``make_minibatch_iterator`` follows verl's Megatron actor (verl's ``megatron_actor.py``
 ``make_minibatch_iterator``): it selects only the keys the loss needs — ``ref_log_prob`` iff
 ``use_kl_loss``, ``rollout_log_probs`` iff importance-sampling correction is on.
 

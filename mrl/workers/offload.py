@@ -1,6 +1,6 @@
 """Move a trained role's parameters, gradients and optimizer state off the device and back.
 
-Colocated mode shares devices between the actor and the rollout engines (seed 004 hybrid
+Colocated mode shares devices between the actor and the rollout engines (verl's hybrid
 engine): while the engines generate, the actor's memory is handed back. The mechanism works on
 storages, not on tensors: every distinct storage behind a parameter, its ``main_grad`` (the DDP
 grad buffer) and the optimizer state is copied to host memory (pinned on CUDA) and then resized

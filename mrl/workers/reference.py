@@ -13,8 +13,8 @@ Two placements (``ref.placement``):
   actor's own model with its adapters switched off: no copy, no swap (verl's ``ref_in_actor``).
 
 The result feeds the KL loss (``actor.use_kl_loss``), the KL-in-reward penalty and
-``ref_reward_blend`` alike (seed 000: compute once, reuse). ``compute_repr_similarity`` runs the
-response-embedding forward under the same swapped-in weights for ``algorithm.repr_align`` (seed 003).
+``ref_reward_blend`` alike (verl: computed once, reused). ``compute_repr_similarity`` runs the
+response-embedding forward under the same swapped-in weights for ``algorithm.repr_align`` (docs/driver.md, "Reward shaping").
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ class ColocatedReference:
         """[B] ``cos(e(batch)_i, e(gold)_i)`` of reference response embeddings (``algorithm.repr_align``).
 
         ``e`` is :func:`mrl.workers.embedding.response_embedding` (mean final-norm hidden state over
-        the response tokens) under the reference weights, i.e. the initial policy (seed 003: the
+        the response tokens) under the reference weights, i.e. the initial policy (docs/driver.md, "Reward shaping": the
         same HF model); ``gold`` holds the same prompts with the gold answer as the response.
         Cosine in float64 (eps 1e-12), so identical sequences give 1 up to the forward's round-off.
         """

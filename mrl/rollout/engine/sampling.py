@@ -7,7 +7,7 @@ For row b with logits z_b [V], temperature T_b, the returned log-prob of the sam
 
 over the *full* vocabulary, i.e. before top-k/top-p truncation: the same quantity the trainer's
 ``compute_log_prob`` computes from the actor's logits divided by the rollout temperature
-(verl semantics, seed 001). Truncation only restricts which tokens can be drawn:
+(verl semantics). Truncation only restricts which tokens can be drawn:
 top-k keeps the k largest z_b, top-p keeps the smallest prefix of the sorted distribution whose
 mass reaches p (the token that crosses p is kept, as SGLang/HF do), min-p keeps the tokens whose
 probability is at least min_p times the largest one's.
