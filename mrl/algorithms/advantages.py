@@ -136,7 +136,7 @@ def compute_grpo_outcome_advantage(token_level_rewards, response_mask, *, index=
     ``s_i = sum_t r_it`` ``[B]``; within each uid group: ``A_i = (s_i - mean) / (std + eps)`` with
     the unbiased std (``norm_adv_by_std_in_grpo=True``), or ``A_i = s_i - mean`` (Dr.GRPO,
     arXiv 2503.20783, ``False``). A group of one has mean 0 and std 1. Broadcast over the response:
-    ``A_it = A_i m_it``; returns = advantages. Seed 004's worked example prints the population std
+    ``A_it = A_i m_it``; returns = advantages. A widely copied worked example uses the population std
     (0.471); verl's code uses ``torch.std`` (unbiased, 0.577), which we follow:
     rewards [1,0,1] -> [0.5774, -1.1547, 0.5774]. Equal rewards give 0 (not NaN).
     """

@@ -90,7 +90,7 @@ def apply_kl_penalty(
     ``current_kl = mean_i(masked_mean_t(kld))`` (per-sequence token-mean, then mean over sequences);
     then ``kl_ctrl.update(current_kl, n_steps=B)``.
     Returns ``(token_level_rewards, {"critic/kl": current_kl, "critic/kl_coeff": beta})``.
-    Seed 002 example: beta 0.1, d = [0.03, 0.02, 0.03, 0.02, 0.03, 0.01], scores [0,0,0,0,0,1]
+    Worked example (tests/algorithms/test_kl_control_shaping.py): beta 0.1, d = [0.03, 0.02, 0.03, 0.02, 0.03, 0.01], scores [0,0,0,0,0,1]
     -> rewards [-0.003, -0.002, -0.003, -0.002, -0.003, 0.999].
     """
     mask = response_mask.to(token_level_scores.dtype)

@@ -142,7 +142,7 @@ def compute_policy_loss_vanilla(
     ``L1 = -A r``, ``L2 = -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)``, ``L = max(L1, L2)``;
     for ``A < 0`` and ``clip_ratio_c = c`` set, ``L = min(L, -A c)`` (dual clip, as verl).
     ``pg_clipfrac`` = token-mean of ``L2 > L1``; ``pg_clipfrac_lower`` = token-mean of
-    ``(A < 0) & (max(L1, L2) > -A c)``. Seed 002 example: loss -0.0747.
+    ``(A < 0) & (max(L1, L2) > -A c)``. Worked example (tests/algorithms/test_policy_loss.py): loss -0.0747.
     """
     _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)

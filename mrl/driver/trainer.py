@@ -314,7 +314,7 @@ class RLTrainer:
             d.token_level_rewards = d.token_level_scores
 
     def shape_rewards(self, d: StepData, m: dict[str, float]) -> None:
-        """Seed 003, after KL-in-reward: ref_reward_blend, then repr_align (mrl/driver/shaping.py)."""
+        """After KL-in-reward: ref_reward_blend, then repr_align (mrl/driver/shaping.py; docs/driver.md, "Reward shaping")."""
         a, step, total = self.cfg.algorithm, self.global_step, self.total_steps()
         if a.ref_reward_blend.enable:
             d.token_level_rewards = ref_blend(a.ref_reward_blend, d.token_level_rewards, d.batch.ref_log_prob,

@@ -1,6 +1,6 @@
 """RewardManager: score a batch of responses and place each score on its last response token.
 
-Seed 001 (verl ``NaiveRewardManager``): the sequence-level score s_i of sample i goes to the last
+As verl's ``NaiveRewardManager`` (docs/rewards.md): the sequence-level score s_i of sample i goes to the last
 valid response token, all other positions 0::
 
     token_level_scores[i, t] = s_i  if t == last index with response_mask[i, t] == 1, else 0   # [B, T]

@@ -1,4 +1,4 @@
-"""Advantage estimators: seed 004 GRPO numbers, group edge cases, RLOO/RF++/ReMax, GAE vs a reference loop."""
+"""Advantage estimators: GRPO worked numbers, group edge cases, RLOO/RF++/ReMax, GAE vs a reference loop."""
 import numpy as np
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""KL controllers, KL penalty in the reward (seed 002), reward-shaping schedules, blend and bonus (seed 003)."""
+"""KL controllers, KL penalty in the reward (verl's apply_kl_penalty), reward-shaping schedules, blend and bonus (docs/driver.md)."""
 import itertools
 
 import pytest

@@ -1,4 +1,4 @@
-"""Policy losses: seed 002 numbers, dual clip, clip fractions, TIS, GSPO, REINFORCE, micro-batch metrics."""
+"""Policy losses: worked numbers, dual clip, clip fractions, TIS, GSPO, REINFORCE, micro-batch metrics."""
 import math
 
 import pytest

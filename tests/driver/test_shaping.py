@@ -1,4 +1,4 @@
-"""Driver-side seed 003 shaping with plain tensors: weights, blend, entropy gate, gold batch."""
+"""Driver-side reward shaping (docs/driver.md) with plain tensors: weights, blend, entropy gate, gold batch."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""The quickstart for 2 steps with seed 003's ref_reward_blend and repr_align both on (CPU, real stack),
+"""The quickstart for 2 steps with ref_reward_blend and repr_align both on (CPU, real stack),
 with the weights pushed over the ``distributed`` transport (gloo group of the source rank and both
 engines) and ``verify`` on (engine checksums compared with the actor's export after each sync).
 

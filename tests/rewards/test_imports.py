@@ -1,4 +1,4 @@
-"""mrl.rewards and mrl.data import no Ray, Megatron or SGLang (design.md import direction)."""
+"""mrl.rewards and mrl.data import no Ray, Megatron or SGLang (ARCHITECTURE.md, import rules)."""
 import ast
 from pathlib import Path
 
