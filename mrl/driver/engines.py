@@ -34,10 +34,6 @@ class EngineSlot:
     port: int
 
 
-def _loopback(host: str) -> bool:
-    return is_loopback(host)
-
-
 def plan_engines(cfg: MRLConfig, infos: list[dict[str, Any]], n_engines: int) -> list[EngineSlot]:
     """Slots for ``n_engines`` engines over ``infos`` (``_RankActor.node_info`` of the devices they
     use: the trainer ranks when colocated, the engines' own bundles when separate)."""
@@ -48,7 +44,7 @@ def plan_engines(cfg: MRLConfig, infos: list[dict[str, Any]], n_engines: int) ->
         raise UnsupportedConfigError(f"{n_engines} engines of rollout.engine_tp_size={tp} need "
                                      f"{n_engines * per_engine} device slots, the run has {len(infos)}")
     nodes = {i["node_id"] for i in infos}
-    if len(nodes) > 1 and _loopback(r.host):
+    if len(nodes) > 1 and is_loopback(r.host):
         raise UnsupportedConfigError(
             f"rollout.host={r.host} is loopback but the run spans {len(nodes)} nodes: the driver cannot reach "
             "engines on other nodes; fix: rollout.host=0.0.0.0 (engines then require the per-run token mrl generates)")

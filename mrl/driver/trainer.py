@@ -90,9 +90,9 @@ class RLTrainer:
     def __init__(self, cfg: MRLConfig, services: Any) -> None:
         self.cfg, self.s = cfg, services
         self.ranks = TrainRanks(services.workers)  # typed calls to every trainer rank
-        self.rollout = RolloutController(services.pool, getattr(services, "client", None), self.ranks,
+        self.rollout = RolloutController(services.pool, services.client, self.ranks,
                                          startup_timeout_s=cfg.rollout.engine_startup_timeout_s,
-                                         log_dir=getattr(services, "log_dir", None))
+                                         log_dir=services.log_dir)
         a = cfg.algorithm
         self.kl_ctrl = get_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
         self.adv_fn = get_adv_estimator(a.adv_estimator)

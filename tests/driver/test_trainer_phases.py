@@ -85,7 +85,7 @@ def _trainer(tmp_path, *overrides: str) -> tuple[RLTrainer, RecordingWorkers, to
     values = torch.linspace(-0.5, 0.5, batch.response_length).expand(batch.batch_size, -1) * batch.response_mask
     workers = RecordingWorkers(values)
     services = SimpleNamespace(train_ds=list(range(64)), workers=workers, pool=RecordingPool(workers.calls),
-                               tracking=None)  # no metric sinks (Services.tracking may be None)
+                               client=None, log_dir=tmp_path, tracking=None)  # no metric sinks (Services.tracking may be None)
     tr = RLTrainer(cfg, services)
     scores = _scores(batch)
 

@@ -13,7 +13,11 @@ import httpx
 
 
 class EngineCallError(RuntimeError):
-    pass
+    """A control call failed; ``status`` is the HTTP status (None: the engine said success=false)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineHttp:
@@ -27,7 +31,7 @@ class EngineHttp:
         """One call; non-2xx or ``success: false`` raises naming the engine and endpoint."""
         r = self._client.request(method, url + path, json=payload)
         if r.status_code >= 300:
-            raise EngineCallError(f"{method} {url}{path} -> HTTP {r.status_code}: {r.text[:800]}")
+            raise EngineCallError(f"{method} {url}{path} -> HTTP {r.status_code}: {r.text[:800]}", r.status_code)
         # SGLang answers some control calls with plain text (/flush_cache: "Cache flushed.").
         json_body = r.headers.get("content-type", "").startswith("application/json")
         body = r.json() if r.content and json_body else {}

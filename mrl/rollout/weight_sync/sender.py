@@ -218,7 +218,7 @@ class WeightSyncer:
                 try:
                     self.http.call(url, "/flush_cache")
                 except EngineCallError as e:
-                    if "HTTP 400" not in str(e) or time.monotonic() > deadline:
+                    if e.status != 400 or time.monotonic() > deadline:
                         raise EngineCallError(f"{e} (engine still busy after {self.timeout_s:.0f} s of waiting to flush its "
                                               "cache before a weight sync)") from e
                     still.append(url)
