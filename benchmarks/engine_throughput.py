@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> float:
     from fastapi.testclient import TestClient
     from transformers import AutoModelForCausalLM
 
-    from mrl.rollout.server import Engine, build_app
+    from mrl.rollout.engine.server import Engine, build_app
 
     rng = random.Random(0)
     prompts = [[rng.randrange(3, args.vocab) for _ in range(args.prompt_len)] for _ in range(n_req)]

@@ -23,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6 rollout.n=8")
         if name == "train":
             s.add_argument("--dry-run", action="store_true", help="stop after validation and the plan")
-    sub.add_parser("engine", help="run a rollout engine server (arguments go to mrl.rollout.server)", add_help=False)
+    sub.add_parser("engine", help="run a rollout engine server (arguments go to mrl.rollout.engine.server)", add_help=False)
     return p
 
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "engine":
         # Lazy: the engine server brings torch/transformers (and SGLang when chosen).
-        from mrl.rollout.server import cli_main
+        from mrl.rollout.engine.server import cli_main
 
         return int(cli_main(argv[1:]) or 0)
     dry_run = bool(argv) and argv[0] == "train" and "--dry-run" in argv

@@ -87,3 +87,19 @@ def test_the_checker_sees_a_violation_and_a_cycle():
     src = "def f():\n    import megatron.core\n"
     tree_mods = [n.names[0].name for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Import)]
     assert tree_mods == ["megatron.core"]  # lazy imports inside functions are read too
+
+
+def test_the_rollout_client_side_stays_off_the_embedded_engine():
+    """The pool, router, client, launcher and weight sender run in the driver and on trainer ranks:
+    no web server, and of the embedded engine only the checksum both ends of a weight update compute."""
+    rollout = MRL / "rollout"
+    bad = []
+    for path in sorted(rollout.rglob("*.py")):
+        if (rollout / "engine") in path.parents:
+            continue
+        for mod, line in _imports(path):
+            web = mod.split(".")[0] in ("fastapi", "uvicorn", "starlette")
+            engine = mod.startswith("mrl.rollout.engine") and mod != "mrl.rollout.engine.checksum"
+            if web or engine:
+                bad.append(f"{path.relative_to(MRL.parent)}:{line} imports {mod}")
+    assert not bad, "\n".join(bad)

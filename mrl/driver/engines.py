@@ -76,7 +76,7 @@ def run_token(cfg: MRLConfig) -> str | None:
 
 
 def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple[list[str], dict[str, str]]:
-    """(argv, extra env) of ``slot``'s server: ``mrl.rollout.server`` (torch) or SGLang's launch_server."""
+    """(argv, extra env) of ``slot``'s server: ``mrl.rollout.engine.server`` (torch) or SGLang's launch_server."""
     from mrl.rollout.sglang_launcher import (
         SGLangLaunchSpec,
         build_embedded_command,

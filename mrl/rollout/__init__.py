@@ -1,14 +1,14 @@
 """Rollout: SGLang-protocol engines (embedded torch engine or real SGLang), router/pool, client,
 and weight sync from the Megatron actor.
 
-The embedded engine lives in ``mrl.rollout.engine`` and is served by ``mrl.rollout.server``
+The embedded engine lives in ``mrl.rollout.engine`` and is served by ``mrl.rollout.engine.server``
 (``mrl engine --model HF_DIR --port P``); its JSON shapes are in ``mrl.rollout.protocol``.
 """
 from __future__ import annotations
 
 import importlib
 
-# Resolved lazily: `mrl engine` imports mrl.rollout.server and should not pay for the pool's
+# Resolved lazily: `mrl engine` imports mrl.rollout.engine.server and should not pay for the pool's
 # HTTP client or the weight-sync stack, and the driver should not pay for FastAPI.
 _EXPORTS = {
     "RolloutClient": "mrl.rollout.client",

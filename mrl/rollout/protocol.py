@@ -11,7 +11,7 @@ Responses of ``POST /generate`` (one dict per prompt; a list for batch requests)
         "length": int} | {"type": "abort", "message": str}, "prompt_tokens": int,
         "completion_tokens": int, "cached_tokens": 0, "weight_version": str, "e2e_latency": float,
         "output_token_logprobs": [[logprob, token_id, None], ...]   # only if return_logprob
-        ...}}   # prompt / top log-probs and streaming: see mrl/rollout/serving.py
+        ...}}   # prompt / top log-probs and streaming: see mrl/rollout/engine/serving.py
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Launch an engine HTTP server as a child process and wait until it is healthy.
 
 ``rollout.engine: sglang`` runs ``python -m sglang.launch_server`` (GPU hosts); the embedded
-engine (``python -m mrl.rollout.server``) goes through the same ``EngineProcess`` code path with a
+engine (``python -m mrl.rollout.engine.server``) goes through the same ``EngineProcess`` code path with a
 different command, which is how the launch/health/log-tail logic is tested on CPU.
 
 Health: GET ``{url}/health`` every ``poll_s`` until HTTP 200 or ``startup_timeout_s``; if the child
@@ -44,7 +44,7 @@ def check_sglang_version(installed: str | None = None) -> str:
     return installed
 
 
-# The embedded engine exits when the process named here (its launcher) is gone (mrl/rollout/server.py).
+# The embedded engine exits when the process named here (its launcher) is gone (mrl/rollout/engine/server.py).
 PARENT_PID_ENV = "MRL_ENGINE_PARENT_PID"
 
 
@@ -121,7 +121,7 @@ def build_embedded_command(
     token travels in the environment variable ``token_env`` (pass it in ``EngineProcess(env=)``),
     not in argv, which other users of the host can read. ``device``/``dtype``/``seed``: the
     server's defaults (cpu, float32, 0) when None."""
-    cmd = [python, "-m", "mrl.rollout.server", "--model", str(model_path), "--host", host, "--port", str(port)]
+    cmd = [python, "-m", "mrl.rollout.engine.server", "--model", str(model_path), "--host", host, "--port", str(port)]
     if token_env:
         cmd += ["--token-env", token_env]
     for flag, value in (("--device", device), ("--dtype", dtype), ("--seed", seed)):

@@ -74,7 +74,7 @@ def test_embedded_engine_command_on_cpu_and_cuda(tmp_path) -> None:
     slot = plan_engines(cfg, [_node("a", "10.1.1.1", []), _node("a", "10.1.1.1", [])], 2)[1]
     assert slot.url == "http://10.1.1.1:30001"
     cmd, env = engine_command(cfg, slot, token="secret")
-    assert cmd[1:3] == ["-m", "mrl.rollout.server"] and "secret" not in cmd  # argv is readable by other users
+    assert cmd[1:3] == ["-m", "mrl.rollout.engine.server"] and "secret" not in cmd  # argv is readable by other users
     assert env[TOKEN_ENV] == "secret" and cmd[cmd.index("--token-env") + 1] == TOKEN_ENV
     assert cmd[cmd.index("--device") + 1] == "cpu" and cmd[cmd.index("--dtype") + 1] == "float32"
     assert cmd[cmd.index("--seed") + 1] == str(cfg.trainer.seed + 1)
@@ -102,7 +102,7 @@ def test_loopback_engines_get_the_run_token_too(tmp_path) -> None:
 def test_embedded_engine_with_token_guards_control_only(tmp_path) -> None:
     from fastapi.testclient import TestClient
 
-    from mrl.rollout.server import Engine, build_app
+    from mrl.rollout.engine.server import Engine, build_app
     from tests.helpers.tiny_models import make_tiny_hf
 
     engine = Engine(str(make_tiny_hf(tmp_path / "hf", "qwen2")))

@@ -12,7 +12,7 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mrl.rollout.server import Engine, build_app
+from mrl.rollout.engine.server import Engine, build_app
 from tests.helpers.tiny_models import make_tiny_hf
 
 PROMPTS = [[5, 17, 33, 101, 7, 9, 250, 12, 44, 3, 99], [8, 9], [120, 121, 122, 123, 124], [42] * 20]

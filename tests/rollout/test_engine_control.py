@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from mrl.rollout.engine.scheduler import Request
 from mrl.rollout.protocol import SamplingParams
-from mrl.rollout.server import Engine, build_app
+from mrl.rollout.engine.server import Engine, build_app
 from tests.helpers.tiny_models import make_tiny_hf
 
 PROMPT = [5, 17, 33, 101, 7]

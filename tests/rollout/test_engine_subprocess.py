@@ -1,4 +1,4 @@
-"""The engine as users run it: a real ``python -m mrl.rollout.server`` process answering HTTP,
+"""The engine as users run it: a real ``python -m mrl.rollout.engine.server`` process answering HTTP,
 and its refusal to bind off loopback without a token."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_served_by_subprocess(tmp_path):
     d = make_tiny_hf(tmp_path / "m", "qwen2")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mrl.rollout.server", "--model", str(d), "--port", str(port), "--max-running", "8"],
+        [sys.executable, "-m", "mrl.rollout.engine.server", "--model", str(d), "--port", str(port), "--max-running", "8"],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -47,7 +47,7 @@ def test_served_by_subprocess(tmp_path):
 
 def test_refuses_off_loopback_without_token(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "mrl.rollout.server", "--model", str(tmp_path), "--port", "1", "--host", "0.0.0.0"],
+        [sys.executable, "-m", "mrl.rollout.engine.server", "--model", str(tmp_path), "--port", "1", "--host", "0.0.0.0"],
         env=_env(), capture_output=True, text=True, timeout=120, check=False,
     )
     assert proc.returncode != 0

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load_file
 
 from mrl.rollout.engine.checksum import tensor_checksum
-from mrl.rollout.server import Engine, build_app
+from mrl.rollout.engine.server import Engine, build_app
 from tests.helpers.dist import free_port, run_ranks
 from tests.helpers.tiny_models import make_tiny_hf
 

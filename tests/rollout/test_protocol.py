@@ -12,7 +12,7 @@ from mrl.rollout.protocol import (
     SamplingParams,
     UpdateWeightsFromDistributedReqInput,
 )
-from mrl.rollout.server import Engine, build_app
+from mrl.rollout.engine.server import Engine, build_app
 from tests.helpers.tiny_models import make_tiny_hf
 
 FINISH = {"type": str}

@@ -33,7 +33,7 @@ def test_sglang_command_from_config():
     plain = build_sglang_command(SGLangLaunchSpec(model_path="/m", port=1, skip_server_warmup=False))
     assert "--enable-memory-saver" not in plain and "--skip-server-warmup" not in plain and "--admin-api-key" not in plain
     assert build_embedded_command("/m", 5, host="10.0.0.2", token_env="MRL_TOKEN", python="py") == [
-        "py", "-m", "mrl.rollout.server", "--model", "/m", "--host", "10.0.0.2", "--port", "5",
+        "py", "-m", "mrl.rollout.engine.server", "--model", "/m", "--host", "10.0.0.2", "--port", "5",
         "--token-env", "MRL_TOKEN"]
     with pytest.raises(ValueError, match="mem-fraction-static"):
         SGLangLaunchSpec(model_path="/m", port=1, mem_fraction_static=1.5)

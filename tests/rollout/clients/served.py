@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from mrl.rollout.server import Engine, build_app
+from mrl.rollout.engine.server import Engine, build_app
 from tests.helpers.dist import free_port
 from tests.helpers.tiny_models import make_tiny_hf
 from tests.helpers.tiny_tokenizer import add_chat_template

@@ -1,5 +1,5 @@
 """The issue's acceptance check, literally: an ``openai`` program and an SGLang frontend program,
-unchanged, against ``mrl engine`` started as users start it (a ``python -m mrl.rollout.server``
+unchanged, against ``mrl engine`` started as users start it (a ``python -m mrl.rollout.engine.server``
 process)."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_openai_and_sglang_programs_against_mrl_engine(tmp_path):
     add_chat_template(d)
     port = free_port()
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "mrl.rollout.server", "--model", str(d), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "mrl.rollout.engine.server", "--model", str(d), "--port", str(port)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

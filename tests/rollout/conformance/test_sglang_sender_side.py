@@ -1,5 +1,5 @@
 """The other direction: a trainer that uses SGLang's own helpers (as verl and slime do) pushes weights
-into our embedded engine (``python -m mrl.rollout.server``): SGLang's ``init_custom_process_group``
+into our embedded engine (``python -m mrl.rollout.engine.server``): SGLang's ``init_custom_process_group``
 as rank 0 and SGLang's ``FlattenedTensorBucket`` packing, our engine as rank 1."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_sglang_helpers_push_into_the_embedded_engine(tmp_path):
     d = make_tiny_hf(tmp_path / "m", "llama")
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "mrl.rollout.server", "--model", str(d), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "mrl.rollout.engine.server", "--model", str(d), "--port", str(port)],
                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -26,9 +26,9 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mrl.rollout import serving as S
+from mrl.rollout.engine import serving as S
 from mrl.rollout.protocol import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
-from mrl.rollout.server_info import context_length
+from mrl.rollout.engine.server_info import context_length
 
 
 class StreamOptions(BaseModel):

@@ -2,7 +2,7 @@
 
     mrl engine --model HF_DIR --port P [--host 127.0.0.1] [--token-env VAR | --token T]
                [--max-running N] [--device cpu|cuda] [--dtype float32] [--seed S]
-    python -m mrl.rollout.server (same arguments)
+    python -m mrl.rollout.engine.server (same arguments)
 
 Security: binds 127.0.0.1 by default. When a token is configured, every control endpoint
 (everything except /generate, /health*, /model_info, /server_info and their /get_* aliases,
@@ -27,13 +27,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mrl.net import is_loopback
 from mrl.rollout import protocol as P
-from mrl.rollout import server_info as I
-from mrl.rollout import serving as S
+from mrl.rollout.engine import server_info as I
+from mrl.rollout.engine import serving as S
 from mrl.rollout.engine import weights as W
 from mrl.rollout.engine.checksum import tensor_checksum
 from mrl.rollout.engine.model_runner import ModelRunner
 from mrl.rollout.engine.scheduler import Request, Scheduler
-from mrl.rollout.openai_api import add_openai_routes
+from mrl.rollout.engine.openai_api import add_openai_routes
 from mrl.rollout.sglang_launcher import PARENT_PID_ENV
 
 
