@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from checkpoints_tools.convert import DTYPES
+from mrl.dtypes import DTYPES, SHORT_TO_NAME
 
 
 class UsageError(Exception):
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    p.add_argument("--dtype", choices=sorted(SHORT_TO_NAME), default=None,
                    help="parameter dtype (default: config.json torch_dtype, else fp32)")
     _common(p)
 
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take config.json/tokenizer files from here instead of the checkpoint")
     p.add_argument("--tp", type=int, default=1, help="ranks used for loading (any layout works)")
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="output dtype (default: as saved)")
+    p.add_argument("--dtype", choices=sorted(SHORT_TO_NAME), default=None, help="output dtype (default: as saved)")
     _common(p)
 
     p = sub.add_parser("mcore-to-peft", help="LoRA dist checkpoint -> peft adapter (adapter_config.json + "
@@ -116,7 +116,7 @@ def _check_sizes(args: argparse.Namespace) -> int:
 def _config_dtype(hf_dir: Path) -> str:
     cfg = json.loads((hf_dir / "config.json").read_text())
     name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, "fp32")
+    return DTYPES.get(name, DTYPES["float32"])[0]  # the short name; an unknown dtype converts in fp32
 
 
 def _hf_to_mcore(args: argparse.Namespace) -> None:

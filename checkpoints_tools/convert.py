@@ -15,15 +15,11 @@ from typing import Any
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
+from mrl.dtypes import torch_dtype
 
 def dtype_from_name(name: str) -> torch.dtype:
-    name = _DTYPE_NAMES.get(name, name)
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
-    return DTYPES[name]
+    """``fp32``/``bf16``/``fp16`` or their HF names (``mrl.dtypes``)."""
+    return torch_dtype(name)
 
 
 def _progress(iterable: Iterable, *, total: int | None, desc: str) -> Iterable:

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 from mrl.config import MRLConfig
-from mrl.errors import UnsupportedConfigError
 
-__all__ = ["UnsupportedConfigError", "run"]
+__all__ = ["run"]
 
 
 def run(cfg: MRLConfig) -> None:

@@ -42,15 +42,19 @@ def test_train_dry_run_stops_after_plan(argv: list[str], capsys: pytest.CaptureF
     assert "plan:" in capsys.readouterr().out
 
 
-def test_train_refuses_what_the_driver_cannot_run_before_starting_anything(
+def test_train_refuses_a_layout_the_critic_cannot_share_at_config_time(
         capsys: pytest.CaptureFixture[str]) -> None:
-    # A valid config that this build's driver does not run: exit 3 naming the key, before Ray or
-    # any engine starts (the model path does not even exist, and nothing tries to load it).
+    # Refused when the config loads, like every rule (exit 2), before Ray or any engine starts.
     argv = ["train", QUICK, "critic.enable=true", "critic.ppo_micro_batch_size_per_gpu=4",
             "critic.megatron.pipeline_model_parallel_size=2", "model.path=/nonexistent/model"]
-    assert main(argv) == EXIT_UNSUPPORTED == 3
+    assert main(argv) == EXIT_CONFIG == 2
     err = capsys.readouterr().err
-    assert "critic.megatron.pipeline_model_parallel_size=2" in err and "does not support yet" in err
+    assert "critic.megatron.pipeline_model_parallel_size=2" in err and "fix:" in err
+
+
+def test_train_refuses_missing_files_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", QUICK, "model.path=/nonexistent/model"]) == EXIT_UNSUPPORTED == 3
+    assert "model.path='/nonexistent/model' does not exist" in capsys.readouterr().err
 
 
 def test_engine_dispatches_to_rollout_server(capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,9 +28,10 @@ from mrl.config.hf import ModelShape
 from mrl.config.layout import RoleLayout, compute_layout
 from mrl.config.parallel import ParallelConfig
 from mrl.config.root import MRLConfig
+from mrl.config.run_plan import update_plan
+from mrl.dtypes import itemsize
 from mrl.config.validate import check_config, load_shape
 
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 GiB = 1024**3
 
 
@@ -87,7 +88,7 @@ def trained_memory(shape: ModelShape, par: ParallelConfig, dp: int, dtype: str, 
     """Weights + fp32 grads + optimizer state of a trained Megatron role per device (see module doc).
     ``trainable``: LoRA adapter params per device (the rest is frozen: no grads, no optimizer state)."""
     p = params_per_device(shape, par, divisible_by, value_head)
-    w = _DTYPE_BYTES[dtype]
+    w = itemsize(dtype)
     opt = 12 if w < 4 else 8
     shard = dp * par.context_parallel_size if distributed_optimizer else 1
     t = p if trainable is None else trainable
@@ -130,17 +131,17 @@ def build_plan(cfg: MRLConfig) -> Plan:
     a = cfg.actor
     actor = roles["actor"]
     dp = max(actor.dp, 1)
-    per_rank = a.ppo_mini_batch_size * cfg.rollout.n // dp
+    u = update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs)  # the arithmetic the trainer ranks use
+    per_rank = u.mini_batch_size_samples // dp
     if a.use_dynamic_bsz:
         seq = cfg.data.max_prompt_length + cfg.rollout.max_response_length
         micro, bound = math.ceil(per_rank * seq / a.ppo_max_token_len_per_gpu), True
     else:
         micro, bound = per_rank // (a.ppo_micro_batch_size_per_gpu or per_rank or 1), False
-    mini = cfg.data.train_batch_size // a.ppo_mini_batch_size
     plan = Plan(
         samples_per_step=cfg.samples_per_step,
-        mini_batches_per_step=mini,
-        optimizer_steps_per_step=mini * a.ppo_epochs,
+        mini_batches_per_step=u.mini_batches_per_step,
+        optimizer_steps_per_step=u.mini_batches_per_step * u.epochs,
         samples_per_dp_rank=per_rank,
         micro_batches_per_dp_rank=micro,
         micro_batches_is_bound=bound,
@@ -161,12 +162,12 @@ def build_plan(cfg: MRLConfig) -> Plan:
     if "ref" in roles:
         p = params_per_device(shape, cfg.ref.megatron, div)
         lora_ref = a.lora.enabled and cfg.ref.placement == "colocated"  # adapters off: no second copy
-        plan.memory["ref"] = RoleMemory(weights=0 if lora_ref else p * _DTYPE_BYTES[dt])
+        plan.memory["ref"] = RoleMemory(weights=0 if lora_ref else p * itemsize(dt))
     if "critic" in roles:
         c = cfg.critic
         plan.memory["critic"] = trained_memory(shape, c.megatron, max(roles["critic"].dp, 1), dt,
                                                c.use_distributed_optimizer, div, value_head=True)
-    plan.memory["rollout"] = RoleMemory(weights=int(plan.param_count * _DTYPE_BYTES[dt] / cfg.rollout.engine_tp_size))
+    plan.memory["rollout"] = RoleMemory(weights=int(plan.param_count * itemsize(dt) / cfg.rollout.engine_tp_size))
     return plan
 
 

@@ -430,6 +430,34 @@ def load_shape(cfg: MRLConfig, errors: list[str], notes: list[str]) -> ModelShap
     return shape
 
 
+_GROUP_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+               "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
+
+
+def _check_critic_shares_the_actor(cfg: MRLConfig, errors: list[str]) -> None:
+    """The critic runs on the actor's ranks and reuses its Megatron groups (there is one
+    ``parallel_state`` per process), so it is colocated and its group-defining sizes equal the actor's."""
+    c = cfg.critic
+    if c.placement != "colocated":
+        errors.append("critic.placement=separate is not supported (the critic runs on the actor's ranks); "
+                      "fix: critic.placement=colocated and unset critic.num_devices")
+    diff = [k for k in _GROUP_KEYS if getattr(c.megatron, k) != getattr(cfg.actor.megatron, k)]
+    if diff:
+        errors.append("critic.megatron layout differs from actor.megatron in " + ", ".join(
+            f"critic.megatron.{k}={getattr(c.megatron, k)} (actor {getattr(cfg.actor.megatron, k)})" for k in diff)
+            + ": the colocated critic shares the actor's parallel groups; fix: set critic.megatron.<key> equal to actor.megatron.<key>")
+
+
+def missing_inputs(cfg: MRLConfig) -> list[str]:
+    """The files a run reads that are not on this host (``mrl plan`` notes them: the plan may be made
+    before the model is downloaded; ``mrl train`` refuses to start without them)."""
+    critic = [("critic.model_path", cfg.critic.model_path)] if cfg.critic_enabled and cfg.critic.model_path else []
+    return [f"{key}={path!r} does not exist; for the quickstart run `python -m mrl.quickstart --out outputs/quickstart` "
+            "first (make train does)"
+            for key, path in (("model.path", cfg.model.path), *critic, *(("data.train_files", f) for f in cfg.data.train_files))
+            if path and not Path(path).exists()]
+
+
 def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     """All cross-field errors and plan notes of ``cfg``; nothing is started or imported beyond json."""
     errors: list[str] = []
@@ -446,6 +474,8 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
         c = cfg.critic
         _check_role_batches("critic", c.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu,
                             c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu, cfg, roles["critic"], errors)
+    if cfg.critic_enabled:
+        _check_critic_shares_the_actor(cfg, errors)
     _check_lora(cfg, shape, errors)
     _check_algorithm(cfg, errors, notes)
     _check_rollout(cfg, shape, errors)

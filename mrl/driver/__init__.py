@@ -9,11 +9,7 @@ def run(cfg: MRLConfig) -> None:
     from mrl.driver.build import build
     from mrl.driver.trainer import RLTrainer
 
-    # LR-schedule length in optimizer steps: steps x mini-batches per step x ppo_epochs
-    # (None = constant schedule when the run length is given in epochs).
-    steps = cfg.trainer.total_training_steps
-    mini = max(1, cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size) * cfg.actor.ppo_epochs
-    with build(cfg, total_optimizer_steps=steps * mini if steps else None) as services:
+    with build(cfg) as services:  # derived values: services.plan (mrl.config.run_plan)
         RLTrainer(cfg, services).fit()
 
 

@@ -13,43 +13,21 @@ from pathlib import Path
 from typing import Any
 
 from mrl.config import MRLConfig
+from mrl.config.run_plan import RunPlan, plan_run
 from mrl.driver.ranks import TrainRanks
 from mrl.errors import UnsupportedConfigError
 
 log = logging.getLogger(__name__)
 
 
-def check_supported(cfg: MRLConfig) -> None:
-    """Refuse what this driver does not run yet, naming the key (rather than training wrongly)."""
-    problems = []
-    if cfg.critic_enabled:
-        problems += _critic_problems(cfg)
-    if problems:
-        raise UnsupportedConfigError("the RL driver does not support yet:\n  - " + "\n  - ".join(problems))
-    critic_path = [("critic.model_path", cfg.critic.model_path)] if cfg.critic_enabled and cfg.critic.model_path else []
-    for key, path in (("model.path", cfg.model.path), *critic_path,
-                      *(("data.train_files", f) for f in cfg.data.train_files)):
-        if not Path(path).exists():
-            raise UnsupportedConfigError(f"{key}={path!r} does not exist; for the quickstart run "
-                                    "`python -m mrl.quickstart --out outputs/quickstart` first (make train does)")
+def check_inputs(cfg: MRLConfig) -> None:
+    """``mrl train``'s one check beyond config validation (done when the config loaded): the files
+    the run reads exist here. ``mrl plan`` shows the same list as notes."""
+    from mrl.config.validate import missing_inputs
 
-
-_GROUP_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-               "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
-
-
-def _critic_problems(cfg: MRLConfig) -> list[str]:
-    """The critic is colocated on the actor's ranks and reuses its Megatron groups (there is one
-    ``parallel_state`` per process), so its group-defining sizes must equal the actor's."""
-    c, out = cfg.critic, []
-    if c.placement != "colocated":
-        out.append("critic.placement=separate: set critic.placement=colocated (critic.num_devices unset)")
-    diff = [k for k in _GROUP_KEYS if getattr(c.megatron, k) != getattr(cfg.actor.megatron, k)]
-    if diff:
-        out.append("critic.megatron layout differs from actor.megatron in " + ", ".join(
-            f"critic.megatron.{k}={getattr(c.megatron, k)} (actor {getattr(cfg.actor.megatron, k)})" for k in diff)
-            + ": the colocated critic shares the actor's parallel groups; set critic.megatron.<key> equal to actor.megatron.<key>")
-    return out
+    missing = missing_inputs(cfg)
+    if missing:
+        raise UnsupportedConfigError("\n  ".join(missing))
 
 
 def _check_resume_dir(cfg: MRLConfig) -> Path | None:
@@ -69,15 +47,16 @@ def _check_resume_dir(cfg: MRLConfig) -> Path | None:
     return d
 
 
-def resolve_device(cfg: MRLConfig) -> str:
-    """``cluster.device=auto`` -> ``cuda`` when the Ray cluster has GPUs (the driver's own node may
-    have none), else ``cpu``; written back into ``cfg`` so the ranks, engines and trainer agree."""
+def resolve_device(device: str) -> str:
+    """``cluster.device``, with ``auto`` -> ``cuda`` when the Ray cluster has GPUs (the driver's own
+    node may have none), else ``cpu``. Resolved once, into the run plan (the config is not written)."""
     import ray
 
-    if cfg.cluster.device == "auto":
-        cfg.cluster.device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
-        log.info("cluster.device=auto resolved to %s", cfg.cluster.device)
-    return cfg.cluster.device
+    if device != "auto":
+        return device
+    resolved = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+    log.info("cluster.device=auto resolved to %s", resolved)
+    return resolved
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -106,15 +85,15 @@ class Services:
     route_pool: Any = None  # what /generate goes to when the router is sglang_router: the router alone
     client: Any = None
     workers: Any = None
+    plan: RunPlan | None = None  # set once Ray shows its devices
 
 
 @contextlib.contextmanager
-def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Services]:
+def build(cfg: MRLConfig) -> Iterator[Services]:
     """Yield the built ``Services``; everything started is stopped on exit, errors included."""
     from transformers import AutoTokenizer
 
     from mrl.cluster import WorkerGroup, init_ray
-    from mrl.config.layout import compute_layout
     from mrl.data.dataset import PromptDataset, check_batch_fits
     from mrl.data.tokenize import pad_token_id_of
     from mrl.driver.engines import EngineSet
@@ -129,10 +108,10 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
         make_router,
     )
 
-    check_supported(cfg)
+    check_inputs(cfg)
     _trap_sigterm()
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    log_dir = Path(cfg.trainer.checkpoint_dir or "outputs") / "logs"
+    log_dir = Path(cfg.trainer.checkpoint_dir or "outputs") / "logs"  # = RunPlan.log_dir
     # Every row is checked here, before Ray starts (DataError: file:row:column, `mrl train` exits 2);
     # the built-in scorers compare the ground truth as text, so it must be a string or number.
     scalar_gt = ":" not in cfg.reward.function
@@ -146,17 +125,18 @@ def build(cfg: MRLConfig, total_optimizer_steps: int | None) -> Iterator[Service
                  RewardManager.from_config(cfg.reward), None, log_dir)
     status = "FAILED"
     try:
-        r, layout = cfg.rollout, compute_layout(cfg)
-        world = layout["actor"].count  # trainer ranks; separate engines take the devices after them
+        r = cfg.rollout
+        world = plan_run(cfg, "cpu").trainer_ranks  # the layout does not depend on the device
         extra_cpus = r.num_engines if r.placement == "separate" and r.num_engines else 0
         init_ray(cfg.cluster.address, cfg.cluster.cpus_per_node or max(os.cpu_count() or 1, world) + extra_cpus)
         _trap_sigterm()  # again: ray.init installed its own handler, which aborts
-        device = resolve_device(cfg)
-        s.workers = WorkerGroup("mrl.driver.rank.TrainRank", {"cfg": cfg, "total_optimizer_steps": total_optimizer_steps},
-                                world_size=world, device=device, extra_env={"OMP_NUM_THREADS": "1"}, wait=False)
+        s.plan = plan = plan_run(cfg, resolve_device(cfg.cluster.device))
+        s.workers = WorkerGroup("mrl.driver.rank.TrainRank", {"cfg": cfg, "plan": plan},
+                                world_size=plan.trainer_ranks, device=plan.device,
+                                extra_env={"OMP_NUM_THREADS": "1"}, wait=False)
         # Engines start on the ranks' nodes (colocated: in their ranks' placement bundles) and load
         # while the ranks build their models.
-        s.engines = EngineSet(cfg, s.workers, log_dir)
+        s.engines = EngineSet(cfg, plan, s.workers)
         s.workers.wait_constructed()
         s.engines.wait_healthy()
         # A dead engine is restarted by the pool; it is brought back to the current weights from

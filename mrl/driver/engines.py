@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mrl.config import MRLConfig
+from mrl.config.run_plan import RunPlan
 from mrl.errors import UnsupportedConfigError
 from mrl.net import is_loopback
 
@@ -177,14 +178,8 @@ class RemoteEngine:
         return True
 
 
-def n_engines(cfg: MRLConfig) -> int:
-    """rollout.num_engines, or (colocated, null) one per engine_tp_size actor devices: the plan's count."""
-    from mrl.config.layout import compute_layout
-
-    return max(1, compute_layout(cfg)["rollout"].count // cfg.rollout.engine_tp_size)
-
-
-def _separate_placement(cfg: MRLConfig, n: int, timeout_s: float = 600.0) -> tuple[Any, list[dict[str, Any]]]:
+def _separate_placement(cfg: MRLConfig, cuda: bool, n: int, timeout_s: float = 600.0
+                        ) -> tuple[Any, list[dict[str, Any]]]:
     """A placement group of ``n`` engine bundles (``tp`` GPUs each on CUDA) and where they landed."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -192,7 +187,6 @@ def _separate_placement(cfg: MRLConfig, n: int, timeout_s: float = 600.0) -> tup
 
     from mrl.cluster.worker_group import ALL_GPUS_VISIBLE, placement_info
 
-    cuda = cfg.cluster.device == "cuda"
     tp = cfg.rollout.engine_tp_size
     bundle = {"CPU": 1, **({"GPU": tp} if cuda else {})}
     pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
@@ -213,17 +207,18 @@ def _separate_placement(cfg: MRLConfig, n: int, timeout_s: float = 600.0) -> tup
 class EngineSet:
     """The run's engines: started next to their devices, stopped (servers, actors, placement) on ``stop``."""
 
-    def __init__(self, cfg: MRLConfig, workers: Any, log_dir: Path) -> None:
+    def __init__(self, cfg: MRLConfig, plan: RunPlan, workers: Any) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         r = cfg.rollout
-        n = n_engines(cfg)
+        # rollout.num_engines, or (colocated, null) one per engine_tp_size actor devices
+        n = max(1, plan.layout["rollout"].count // r.engine_tp_size)
         self.token = run_token(cfg)
         self.own_pg = None
         if r.placement == "colocated":
             pg, infos = workers.pg, workers.infos
         else:
-            pg, infos = _separate_placement(cfg, n)
+            pg, infos = _separate_placement(cfg, plan.device == "cuda", n)
             self.own_pg = pg
         self.slots = plan_engines(cfg, infos, n)
         # The trainer's source ranks reach an engine on another node only through a routable address.
@@ -234,7 +229,7 @@ class EngineSet:
                 cmd, env = engine_command(cfg, slot, self.token)
                 strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=slot.bundle)
                 # absolute: the actor's working directory is Ray's choice, not the driver's
-                e = RemoteEngine(slot, cmd, env, log_dir.resolve() / f"engine_{slot.index}.log",
+                e = RemoteEngine(slot, cmd, env, plan.log_dir.resolve() / f"engine_{slot.index}.log",
                                  r.engine_startup_timeout_s, strategy, cuda=bool(slot.gpu_ids))
                 self.engines.append(e)
                 e.start()

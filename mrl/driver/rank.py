@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from mrl.config import MRLConfig
+from mrl.config.run_plan import RunPlan
 from mrl.workers.actor import ActorWorker
 from mrl.workers.batch import TrainBatch
 from mrl.workers.critic import CriticWorker
@@ -29,20 +30,19 @@ class TrainRank:
 
             enable_cpu_support()
 
-    def __init__(self, cfg: MRLConfig, *, total_optimizer_steps: int | None) -> None:
+    def __init__(self, cfg: MRLConfig, plan: RunPlan) -> None:
         torch.set_num_threads(int(os.environ.get("MRL_TORCH_THREADS", "1")))
         self.cfg = cfg
         self.actor = ActorWorker(
-            cfg.actor, model_path=cfg.model.path, device=cfg.cluster.device if cfg.cluster.device != "auto" else
-            ("cuda" if torch.cuda.is_available() else "cpu"),
-            mini_batch_size_samples=cfg.actor.ppo_mini_batch_size * cfg.rollout.n,
+            cfg.actor, model_path=cfg.model.path, device=plan.device,
+            mini_batch_size_samples=plan.actor.mini_batch_size_samples,
             temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_response_length,
-            total_optimizer_steps=total_optimizer_steps,
+            total_optimizer_steps=plan.actor.total_optimizer_steps,
             seed=cfg.trainer.seed,
         )
         # Snapshot of the start weights, before any update (verl's ref = initial policy).
         self.ref = ColocatedReference(self.actor) if cfg.ref_enabled else None
-        self.critic = _build_critic(cfg, self.actor.engine.device.type) if cfg.critic_enabled else None
+        self.critic = _build_critic(cfg, plan, self.actor.engine.device.type) if plan.critic else None
         self.rm = None
         if cfg.reward_model.enable:  # colocated: the actor's ranks and Megatron groups
             from mrl.workers.reward_model import RewardModelWorker
@@ -144,31 +144,27 @@ class TrainRank:
         self._synced_once = True
         return metrics
 
-    def save(self, ckpt_dir: str, contents: list[str] | None = None) -> None:
-        """``contents``: actor.checkpoint.save_contents (None: model, optimizer, extra)."""
-        self.actor.save_checkpoint(ckpt_dir, contents or ["model", "optimizer", "extra"])
+    def save(self, ckpt_dir: str, contents: list[str]) -> None:
+        """``contents``: actor.checkpoint.save_contents."""
+        self.actor.save_checkpoint(ckpt_dir, contents)
 
-    def load(self, ckpt_dir: str, contents: list[str] | None = None) -> None:
-        """``contents``: actor.checkpoint.load_contents with its default applied (None: model, optimizer, extra)."""
-        self.actor.load_checkpoint(ckpt_dir, contents or ["model", "optimizer", "extra"])
+    def load(self, ckpt_dir: str, contents: list[str]) -> None:
+        """``contents``: actor.checkpoint.load_contents with its default applied (``ActorCheckpointConfig.load``)."""
+        self.actor.load_checkpoint(ckpt_dir, contents)
 
     def close(self) -> None:
         if self.syncer is not None:
             self.syncer.close()
 
 
-def _build_critic(cfg: MRLConfig, device: str) -> CriticWorker:
+def _build_critic(cfg: MRLConfig, plan: RunPlan, device: str) -> CriticWorker:
     """The colocated critic: same ranks and Megatron groups as the actor (``init_parallel=False``;
-    ``check_supported`` refuses a critic.megatron layout that differs), started in host memory
-    when offloading is configured."""
-    c, a = cfg.critic, cfg.actor
-    mini = c.ppo_mini_batch_size or a.ppo_mini_batch_size
-    epochs = c.ppo_epochs or a.ppo_epochs
-    steps = cfg.trainer.total_training_steps
+    config validation refuses a critic.megatron layout that differs), started in host memory when
+    offloading is configured."""
+    c, u = cfg.critic, plan.critic
     critic = CriticWorker(
-        c, model_path=c.model_path or cfg.model.path, device=device, mini_batch_size_samples=mini * cfg.rollout.n, epochs=epochs,
-        # LR-schedule length as the actor's (mrl.driver.run): steps x mini-batches per step x epochs
-        total_optimizer_steps=steps * max(1, cfg.data.train_batch_size // mini) * epochs if steps else None,
+        c, model_path=c.model_path or cfg.model.path, device=device, mini_batch_size_samples=u.mini_batch_size_samples,
+        epochs=u.epochs, total_optimizer_steps=u.total_optimizer_steps,
         seed=cfg.trainer.seed, init_parallel=False, max_response_length=cfg.rollout.max_response_length,
     )
     if c.offload_param or c.offload_grad or c.offload_optimizer:

@@ -63,10 +63,10 @@ class TrainRanks:
         return self._first("update_critic", batch)
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def save(self, ckpt_dir: str, contents: list[str] | None = None) -> None:
+    def save(self, ckpt_dir: str, contents: list[str]) -> None:
         self.group.execute_all("save", ckpt_dir, contents)
 
-    def load(self, ckpt_dir: str, contents: list[str] | None = None) -> None:
+    def load(self, ckpt_dir: str, contents: list[str]) -> None:
         self.group.execute_all("load", ckpt_dir, contents)
 
     def save_critic(self, ckpt_dir: str) -> None:

@@ -98,15 +98,11 @@ class RLTrainer:
         self.adv_fn = get_adv_estimator(a.adv_estimator)
         if cfg.repr_align_enabled:  # fail now, not at the first step
             check_gold_answers(services.train_ds.prompts, cfg.data.ground_truth_key)
-        # DAPO dynamic sampling draws data.gen_batch_size prompts per generation round
-        gen_bs = (cfg.data.gen_batch_size or cfg.data.train_batch_size) if a.filter_groups.enable else cfg.data.train_batch_size
-        self.sampler = get_sampler_cls(cfg.data.sampler.class_path)(
-            len(services.train_ds), gen_bs, shuffle=cfg.data.shuffle, seed=cfg.data.seed, dataset=services.train_ds)
+        self.plan = services.plan
+        self.sampler = get_sampler_cls(cfg.data.sampler.class_path)(  # DAPO: data.gen_batch_size per round
+            len(services.train_ds), self.plan.gen_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed, dataset=services.train_ds)
         self.global_step = 0
         self.weight_version = 0  # engines start from model.path = version 0 of the actor
-        r = cfg.rollout  # verl's free_cache_engine: colocated engines give the device to the trainer
-        self.free_cache_engine = r.free_cache_engine if r.free_cache_engine is not None else (
-            r.placement == "colocated" and cfg.cluster.device == "cuda")
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -125,7 +121,7 @@ class RLTrainer:
             if self.cfg.algorithm.adv_estimator == "remax":
                 with timer("gen_max", m):  # verl's name for the greedy baseline rollout
                     self.remax_baseline(d, m)
-            if self.free_cache_engine:
+            if self.plan.free_cache_engine:
                 with timer("engine_sleep", m):
                     self.rollout.sleep()
             with timer("old_log_prob", m):

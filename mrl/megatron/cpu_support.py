@@ -25,8 +25,10 @@ Redirects (each has its own test in ``tests/megatron/test_cpu_support.py``):
 6. ``torch.cuda.Stream`` / ``stream`` / ``current_stream`` / ``default_stream`` become a no-op
    stream (CPU ops are synchronous), ``torch.cuda.synchronize`` a no-op.
 
-Scope: :func:`enable_cpu_support` is called only when ``device == "cpu"`` (by
-:func:`mrl.megatron.parallel.init_parallel`), so nothing here runs with ``device: cuda``. It does
+Scope: :func:`cpu_support` is a reversible context (the patches are undone when the last user
+leaves); :func:`enable_cpu_support` enters it for a thread's lifetime and is called only when
+``device == "cpu"`` (by :func:`mrl.megatron.parallel.init_parallel` and the trainer rank's
+per-call hook), so nothing here runs with ``device: cuda``. It does
 work on a host that has GPUs (CPU tests on a GPU host): the process then treats every CUDA
 request as CPU, which is what ``device: cpu`` asks for. The module-level patches are process-wide; the device mode is a
 ``torch`` function mode, which is thread-local: call :func:`enable_cpu_support` (idempotent) in
@@ -117,41 +119,100 @@ class _DropSameGeneratorWarning(logging.Filter):
         return record.getMessage() != "CPU RNG state changed within GPU RNG context"
 
 
+def _redirects() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, CPU stand-in) of every process-wide redirect (1, 5, 6 of the docstring)."""
+    import megatron.core.tensor_parallel.random as mrandom
+
+    return [
+        (torch.cuda, "current_device", lambda: 0),
+        (torch.cuda, "synchronize", lambda device=None: None),
+        (torch.cuda, "Stream", _NoOpStream),
+        (torch.cuda, "stream", lambda stream=None: contextlib.nullcontext()),
+        (torch.cuda, "current_stream", lambda device=None: _NoOpStream()),
+        (torch.cuda, "default_stream", lambda device=None: _NoOpStream()),
+        # The "CUDA" generator is the CPU one: fork/restore semantics of the tracker are preserved.
+        (torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
+        (torch.cuda, "set_rng_state", lambda new_state, device="cuda": torch.set_rng_state(new_state)),
+        (torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed)),
+        (mrandom, "_get_cuda_rng_state", lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()),
+        (mrandom, "_set_cuda_rng_state", lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)),
+    ]
+
+
+_SAVED: list[tuple[Any, str, Any]] = []  # originals while patched
+_USERS = 0  # open cpu_support() contexts and enable_cpu_support() threads, all threads together
+_FILTER = _DropSameGeneratorWarning()
+
+
 def _patch_process_wide() -> None:
     import megatron.core.tensor_parallel.random as mrandom
 
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.synchronize = lambda device=None: None
-    torch.cuda.Stream = _NoOpStream  # type: ignore[misc,assignment]
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
-    torch.cuda.current_stream = lambda device=None: _NoOpStream()  # type: ignore[assignment]
-    torch.cuda.default_stream = lambda device=None: _NoOpStream()  # type: ignore[assignment]
-    # The "CUDA" generator is the CPU one: fork/restore semantics of the tracker are preserved.
-    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
-    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
-    mrandom._get_cuda_rng_state = (
-        lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    )
-    mrandom._set_cuda_rng_state = (
-        lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
-    )
-    logging.getLogger(mrandom.__name__).addFilter(_DropSameGeneratorWarning())
+    for owner, name, stand_in in _redirects():
+        _SAVED.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, stand_in)
+    logging.getLogger(mrandom.__name__).addFilter(_FILTER)
+
+
+def _unpatch_process_wide() -> None:
+    import megatron.core.tensor_parallel.random as mrandom
+
+    while _SAVED:
+        owner, name, original = _SAVED.pop()
+        setattr(owner, name, original)
+    logging.getLogger(mrandom.__name__).removeFilter(_FILTER)
+
+
+def _acquire() -> None:
+    global _PATCHED, _USERS
+    with _LOCK:
+        if _USERS == 0:
+            _patch_process_wide()
+            _PATCHED = True
+        _USERS += 1
+
+
+def _release() -> None:
+    global _PATCHED, _USERS
+    with _LOCK:
+        _USERS -= 1
+        if _USERS == 0:
+            _unpatch_process_wide()
+            _PATCHED = False
+
+
+@contextlib.contextmanager
+def cpu_support():
+    """Every redirect of the module docstring while the block runs on this thread; on exit the
+    device mode leaves this thread and, when no other context or thread uses them, the process-wide
+    patches are undone (``torch.cuda`` and Megatron's RNG helpers are their originals again)."""
+    _acquire()
+    mode = CpuDeviceMode()
+    mode.__enter__()
+    depth = getattr(_STATE, "depth", 0)
+    _STATE.depth = depth + 1
+    try:
+        yield
+    finally:
+        _STATE.depth = depth
+        mode.__exit__(None, None, None)
+        _release()
 
 
 def enable_cpu_support() -> None:
-    """Activate every redirect listed in the module docstring (idempotent, per thread)."""
-    global _PATCHED
-    with _LOCK:
-        if not _PATCHED:
-            _patch_process_wide()
-            _PATCHED = True
-    if not getattr(_STATE, "mode", None):
-        mode = CpuDeviceMode()
-        mode.__enter__()  # stays on this thread's function-mode stack for the process lifetime
-        _STATE.mode = mode
+    """Enter :func:`cpu_support` for the rest of this thread's life (idempotent per thread).
+
+    What a trainer-rank process does (``init_parallel`` on ``device="cpu"``, the rank's
+    ``before_call`` on each thread Ray runs its methods on): Megatron's models, optimizer and RNG
+    tracker are built under the redirects and used under them until the process exits."""
+    if getattr(_STATE, "mode", None):
+        return
+    _acquire()
+    mode = CpuDeviceMode()
+    mode.__enter__()  # stays on this thread's function-mode stack: the rank process lives under it
+    _STATE.mode = mode
 
 
 def cpu_support_active() -> bool:
-    """True when :func:`enable_cpu_support` ran in this process and this thread."""
-    return _PATCHED and getattr(_STATE, "mode", None) is not None
+    """True when the redirects are on for this thread (a :func:`cpu_support` block or
+    :func:`enable_cpu_support`)."""
+    return _PATCHED and (getattr(_STATE, "mode", None) is not None or getattr(_STATE, "depth", 0) > 0)

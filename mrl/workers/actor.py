@@ -75,7 +75,7 @@ class ActorWorker(TrainableState):
         temperature: float = 1.0,
         max_response_length: int | None = None,
         total_optimizer_steps: int | None = None,
-        seed: int = 1234,
+        seed: int,
         dtype: torch.dtype | None = None,
         init_parallel: bool = True,
     ) -> None:

@@ -46,7 +46,7 @@ class CriticWorker(TrainableState):
     def __init__(
         self, cfg: CriticConfig, *, model_path: str | os.PathLike, device: str = "cpu",
         mini_batch_size_samples: int, epochs: int = 1, total_optimizer_steps: int | None = None,
-        seed: int = 1234, dtype: torch.dtype | None = None, init_parallel: bool = True,
+        seed: int, dtype: torch.dtype | None = None, init_parallel: bool = True,
         max_response_length: int | None = None,
     ) -> None:
         check_norm_constant(cfg.loss_agg_mode, max_response_length, "critic")

@@ -34,7 +34,7 @@ class ReferenceWorker:
 
     def __init__(
         self, cfg: RefConfig, *, model_path: str | os.PathLike, device: str = "cpu",
-        temperature: float = 1.0, micro_batch_size: int | None = None, seed: int = 1234,
+        temperature: float = 1.0, micro_batch_size: int | None = None, seed: int,
         dtype: torch.dtype | None = None, init_parallel: bool = True,
         logits_chunk_size: int | None = None,
     ) -> None:

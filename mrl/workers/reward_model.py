@@ -77,7 +77,7 @@ class RewardModelWorker:
     """
 
     def __init__(self, model_path: str | os.PathLike, parallel: ParallelConfig, *, micro_batch_size: int,
-                 device: str = "cpu", dtype: torch.dtype | None = None, seed: int = 1234,
+                 device: str = "cpu", dtype: torch.dtype | None = None, seed: int,
                  init_parallel: bool = True) -> None:
         if micro_batch_size < 1:
             raise ValueError(f"reward model micro_batch_size must be >= 1, got {micro_batch_size}")

@@ -15,6 +15,13 @@ _PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "difficulty_plugin.p
 
 # (case id, overrides added to the valid base, substrings that ONE error line must all contain)
 BAD = [
+    # the critic shares the actor's ranks and Megatron groups (was refused only when the driver built)
+    ("critic_layout_differs", ["critic.enable=true", "critic.ppo_micro_batch_size_per_gpu=4",
+                               "critic.megatron.pipeline_model_parallel_size=2"],
+     ["critic.megatron.pipeline_model_parallel_size=2 (actor 1)", "set critic.megatron.<key> equal to actor.megatron.<key>"]),
+    ("critic_separate", ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=4", "critic.placement=separate",
+                         "critic.num_devices=2", "cluster.n_gpus_per_node=4"],
+     ["critic.placement=separate", "fix: critic.placement=colocated"]),
     ("filter_groups_without_metric", ["algorithm.filter_groups.enable=true", "rollout.n=4"],
      ["algorithm.filter_groups.metric", "fix: acc"]),
     ("filter_groups_without_groups", ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "rollout.n=1"],

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from mrl.config import load_config
+from mrl.config.run_plan import plan_run
 from mrl.data.dataset import PromptDataset
 from mrl.driver.batch import assemble_train_batch, repeat_prompts
 from mrl.driver.dynamic_sampling import merge_rounds, unique_uids
@@ -85,7 +86,7 @@ def _trainer(ds, tmp_path, rounds: list[tuple[list[int], list[str]]], *overrides
         "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2", "algorithm.filter_groups.enable=true",
         "data.gen_batch_size=3", "rollout.max_response_length=8", *overrides])
     services = SimpleNamespace(train_ds=ds, pad_token_id=ds.pad_token_id, reward=RewardManager(scored_with_acc),
-                               workers=None, pool=SimpleNamespace(asleep=False), client=None, log_dir=tmp_path)
+                               workers=None, pool=SimpleNamespace(asleep=False), client=None, log_dir=tmp_path, plan=plan_run(cfg, "cpu"))
     tr = RLTrainer(cfg, services)
     queue = list(rounds)
 

@@ -14,6 +14,7 @@ import torch
 
 from mrl.algorithms import get_adv_estimator
 from mrl.config import load_config
+from mrl.config.run_plan import plan_run
 from mrl.driver.trainer import RLTrainer, StepData
 from tests.workers.batches import ragged_batch
 
@@ -85,7 +86,7 @@ def _trainer(tmp_path, *overrides: str) -> tuple[RLTrainer, RecordingWorkers, to
     values = torch.linspace(-0.5, 0.5, batch.response_length).expand(batch.batch_size, -1) * batch.response_mask
     workers = RecordingWorkers(values)
     services = SimpleNamespace(train_ds=list(range(64)), workers=workers, pool=RecordingPool(workers.calls),
-                               client=None, log_dir=tmp_path, tracking=None)  # no metric sinks (Services.tracking may be None)
+                               client=None, log_dir=tmp_path, plan=plan_run(cfg, "cpu"), tracking=None)  # no metric sinks (Services.tracking may be None)
     tr = RLTrainer(cfg, services)
     scores = _scores(batch)
 
@@ -232,7 +233,7 @@ def test_free_cache_engine_sleeps_engines_while_training_and_pushes_weights_on_w
 def test_free_cache_engine_defaults_off_on_cpu(tmp_path) -> None:
     tr, w, _ = _trainer(tmp_path)
     tr.step()
-    assert "release_memory" not in w.names() and not tr.free_cache_engine
+    assert "release_memory" not in w.names() and not tr.plan.free_cache_engine
 
 
 def test_a_restarted_engine_rejoins_at_the_next_sync(tmp_path) -> None:
@@ -332,3 +333,10 @@ def test_val_before_train_validates_even_without_test_freq(tmp_path) -> None:
     tr.fit()
     assert [step for step, m in logged if any(k.startswith("val-core/") for k in m)] == [0]  # before step 1 only
     assert tr.global_step == 1 and "update_policy" in w.names()
+
+
+def test_free_cache_engine_defaults_on_for_colocated_cuda_engines(tmp_path) -> None:
+    """The run plan decides once, from the resolved device (cluster.device=auto is resolved by Ray)."""
+    cfg = _trainer(tmp_path)[0].cfg
+    assert plan_run(cfg, "cuda").free_cache_engine and not plan_run(cfg, "cpu").free_cache_engine
+    assert cfg.cluster.device == load_config("mrl_configs/quickstart.yaml").cluster.device  # nothing written back

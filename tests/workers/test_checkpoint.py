@@ -37,7 +37,7 @@ def _rank(rank, world, path, ckpt, hf_out):
 
     a_batch, b_batch = ragged_batch(seed=1), ragged_batch(seed=2)
     out = {}
-    actor = ActorWorker(_cfg(2, 2), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4)
+    actor = ActorWorker(_cfg(2, 2), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4, seed=1234)
     actor.update_policy(a_batch)
     out["lp1"] = actor.compute_log_prob(b_batch)[0]
     actor.save(ckpt)
@@ -46,7 +46,7 @@ def _rank(rank, world, path, ckpt, hf_out):
     del actor
 
     # resharded over TP, PP and DP: TP1×PP2 (DP2) resumes the optimizer exactly
-    resumed = ActorWorker(_cfg(1, 2), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4)
+    resumed = ActorWorker(_cfg(1, 2), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4, seed=1234)
     resumed.load(ckpt)
     out["lp1_loaded_pp2"] = resumed.compute_log_prob(b_batch)[0]
     out["step_loaded"] = resumed.global_step
@@ -55,7 +55,7 @@ def _rank(rank, world, path, ckpt, hf_out):
     del resumed
 
     # TP1×PP1 (DP4)
-    flat = ActorWorker(_cfg(1, 1), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4)
+    flat = ActorWorker(_cfg(1, 1), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4, seed=1234)
     flat.load(ckpt)
     out["lp1_loaded_flat"] = flat.compute_log_prob(b_batch)[0]
     out["m2_flat"] = flat.update_policy(b_batch)

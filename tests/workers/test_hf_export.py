@@ -23,7 +23,7 @@ def _rank(rank, world, path, ckpt_dir):
 
     cfg = ActorConfig(megatron={"tensor_model_parallel_size": 2}, ppo_micro_batch_size_per_gpu=4,
                       optim={"lr": 1e-2})
-    actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8)
+    actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8, seed=1234)
     out = {"lp0": actor.compute_log_prob(ragged_batch(seed=2))[0]}
     actor.update_policy(ragged_batch(seed=1))  # the export must carry trained weights, not model.path's
     out["lp1"] = actor.compute_log_prob(ragged_batch(seed=2))[0]

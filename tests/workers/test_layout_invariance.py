@@ -90,7 +90,7 @@ def _rank(rank, world, path):
             use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.05, loss_agg_mode="token-mean",
         )
         actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8, temperature=TEMPERATURE,
-                            max_response_length=MAX_RESPONSE_LENGTH)
+                            max_response_length=MAX_RESPONSE_LENGTH, seed=1234)
         e = actor.engine
         keep = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
         lp, ent = actor.compute_log_prob(batch)

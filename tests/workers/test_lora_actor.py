@@ -34,10 +34,10 @@ def _rank(rank, world, path, ckpt, peft_dir, hf_out):
 
     a_batch, b_batch = ragged_batch(seed=1), ragged_batch(seed=2)
     out = {}
-    base = ActorWorker(_cfg(2, 2, lora={}), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4)
+    base = ActorWorker(_cfg(2, 2, lora={}), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4, seed=1234)
     out["lp_base"] = base.compute_log_prob(b_batch)[0]
     del base
-    actor = ActorWorker(_cfg(2, 2), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4)
+    actor = ActorWorker(_cfg(2, 2), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4, seed=1234)
     ref = ColocatedReference(actor)
     out["ref_host_copy"] = ref.host is not None
     out["lp0"] = actor.compute_log_prob(b_batch)[0]  # B = 0: the policy starts as the base model
@@ -67,7 +67,7 @@ def _rank(rank, world, path, ckpt, peft_dir, hf_out):
     actor.export_hf(hf_out)
     del actor, ref
 
-    resumed = ActorWorker(_cfg(2, 2), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4)
+    resumed = ActorWorker(_cfg(2, 2), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4, seed=1234)
     resumed.load_checkpoint(ckpt, ["model", "optimizer", "extra"])
     out["lp1_loaded"] = resumed.compute_log_prob(b_batch)[0]
     out["m2_resumed"] = resumed.update_policy(b_batch)
@@ -75,7 +75,7 @@ def _rank(rank, world, path, ckpt, peft_dir, hf_out):
     del resumed
 
     # resharded: TP1×PP1 (DP4) loads the TP2×PP2 adapters and their Adam state
-    flat = ActorWorker(_cfg(1, 1), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4)
+    flat = ActorWorker(_cfg(1, 1), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4, seed=1234)
     flat.load_checkpoint(ckpt, ["model", "optimizer", "extra"])
     out["lp1_flat"] = flat.compute_log_prob(b_batch)[0]
     out["m2_flat"] = flat.update_policy(b_batch)

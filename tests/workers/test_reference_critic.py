@@ -41,7 +41,7 @@ def _rank(rank, world, path):
     batch = ragged_batch()
     cfg = ActorConfig(megatron={"pipeline_model_parallel_size": 2}, ppo_micro_batch_size_per_gpu=4,
                       optim={"lr": 1e-2, "clip_grad": 1.0}, use_kl_loss=False)
-    actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=4)
+    actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=4, seed=1234)
     colo = ColocatedReference(actor)
     out["embedding"] = actor.compute_response_embedding(batch)  # initial weights: compare with HF
     # use_kl_loss=False: a NaN ref_log_prob must not reach the loss
@@ -71,13 +71,13 @@ def _rank(rank, world, path):
     del actor, colo
 
     ref = ReferenceWorker(RefConfig(placement="separate", megatron={"tensor_model_parallel_size": 2}),
-                          model_path=path, micro_batch_size=3)
+                          model_path=path, micro_batch_size=3, seed=1234)
     out["ref_sep"] = ref.compute_ref_log_prob(batch)
     del ref
 
     ccfg = CriticConfig(megatron={"tensor_model_parallel_size": 2}, ppo_micro_batch_size_per_gpu=4,
                         optim={"lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.0}, cliprange_value=0.05)
-    critic = CriticWorker(ccfg, model_path=path, mini_batch_size_samples=8)
+    critic = CriticWorker(ccfg, model_path=path, mini_batch_size_samples=8, seed=1234)
     v0 = critic.compute_values(batch)
     target = torch.linspace(-1, 1, batch.response_length).expand_as(v0) * batch.response_mask
     losses, clip = [], []

@@ -34,7 +34,7 @@ def _rank(rank, world, path):
     # another sample's answer after this prompt (row 0 answers with row 1's, ...)
     other = build_gold_batch(batch, _gold_ids(batch, [(i + 1) % B for i in range(B)]), pad_token_id=0)
     actor = ActorWorker(ActorConfig(ppo_micro_batch_size_per_gpu=3, optim={"lr": 1e-2, "clip_grad": 1.0},
-                                    use_kl_loss=False), model_path=path, mini_batch_size_samples=8)
+                                    use_kl_loss=False), model_path=path, mini_batch_size_samples=8, seed=1234)
     ref = ColocatedReference(actor)
     out = {"self": ref.compute_repr_similarity(batch, same), "other": ref.compute_repr_similarity(batch, other)}
     actor.update_policy(batch)

@@ -19,17 +19,18 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from mrl.dtypes import DTYPES, torch_dtype
 from mrl.rollout.engine.decode import LlamaFamilyDecoder, fast_path_refusal, hf_decode
 from mrl.rollout.engine.kv_cache import PrefilledRows, RunningBatch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    """A dtype as SGLang's protocol names it (``bfloat16``, ``torch.bfloat16``); not the short forms."""
     key = str(name).removeprefix("torch.")
-    if key not in _DTYPES:
-        raise ValueError(f"dtype {name!r} is not supported; use one of {sorted(_DTYPES)}")
-    return _DTYPES[key]
+    if key not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; use one of {sorted(DTYPES)}")
+    return torch_dtype(key)  # one dtype table for the whole project (mrl.dtypes)
 
 
 class ModelRunner:

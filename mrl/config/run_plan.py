@@ -1,0 +1,78 @@
+"""The frozen run plan: every value derived from the config, computed once.
+
+The config says what the user asked for; the plan says what the run does with it. The driver makes
+the plan once Ray shows its devices (``cluster.device=auto`` resolved there) and hands it to the
+components that need a derived value — the trainer ranks, the engines, the step — so no two places
+compute the LR-schedule length or the device, and nothing writes back into the config. ``mrl plan``
+prints the same arithmetic (:mod:`mrl.config.plan`) from the same functions.
+
+    mini-batches / step      = data.train_batch_size // <role>.ppo_mini_batch_size
+    optimizer steps / step   = mini-batches * <role>.ppo_epochs
+    LR-schedule length       = trainer.total_training_steps * optimizer steps / step
+                               (None = constant schedule: the run length is given in epochs)
+    samples / mini-batch     = <role>.ppo_mini_batch_size * rollout.n
+
+The critic's ``ppo_mini_batch_size`` / ``ppo_epochs`` fall back to the actor's when unset (verl).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mrl.config.layout import RoleLayout, compute_layout
+from mrl.config.root import MRLConfig
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """How one trained role (actor or critic) steps its optimizer in one RL step."""
+
+    mini_batch_size_samples: int  # samples per mini-batch (prompts x rollout.n)
+    mini_batches_per_step: int
+    epochs: int
+    total_optimizer_steps: int | None  # LR-schedule length; None = constant schedule
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run does, derived from its config once (see the module docstring)."""
+
+    device: str  # cluster.device with ``auto`` resolved: "cuda" or "cpu"
+    layout: dict[str, RoleLayout]  # role -> devices (mrl.config.layout)
+    trainer_ranks: int  # Ray rank actors of the actor (and its colocated ref/critic/RM)
+    gen_batch_size: int  # prompts per generation round (DAPO's data.gen_batch_size when filtering)
+    actor: UpdatePlan
+    critic: UpdatePlan | None  # None without a critic
+    free_cache_engine: bool  # engines release device memory while the trainer runs
+    log_dir: Path  # engine / router logs
+
+
+def update_plan(cfg: MRLConfig, mini_batch_prompts: int, epochs: int) -> UpdatePlan:
+    mini = max(1, cfg.data.train_batch_size // mini_batch_prompts)
+    steps = cfg.trainer.total_training_steps
+    return UpdatePlan(mini_batch_size_samples=mini_batch_prompts * cfg.rollout.n, mini_batches_per_step=mini,
+                      epochs=epochs, total_optimizer_steps=steps * mini * epochs if steps else None)
+
+
+def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
+    """The plan of ``cfg`` on ``device`` (``cluster.device``, or what ``auto`` resolved to)."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"plan_run needs a resolved device ('cuda' or 'cpu'), got {device!r}")
+    a, c, r, d = cfg.actor, cfg.critic, cfg.rollout, cfg.data
+    layout = compute_layout(cfg)
+    critic = None
+    if cfg.critic_enabled:
+        critic = update_plan(cfg, c.ppo_mini_batch_size or a.ppo_mini_batch_size, c.ppo_epochs or a.ppo_epochs)
+    return RunPlan(
+        device=device,
+        layout=layout,
+        trainer_ranks=layout["actor"].count,
+        gen_batch_size=(d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable
+        else d.train_batch_size,
+        actor=update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs),
+        critic=critic,
+        # verl's free_cache_engine: colocated CUDA engines give the device to the trainer by default
+        free_cache_engine=r.free_cache_engine if r.free_cache_engine is not None
+        else (r.placement == "colocated" and device == "cuda"),
+        log_dir=Path(cfg.trainer.checkpoint_dir or "outputs") / "logs",
+    )

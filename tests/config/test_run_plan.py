@@ -1,0 +1,55 @@
+"""The frozen run plan: derived values computed once, from the config alone (plus the resolved device)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mrl.config import load_config
+from mrl.config.run_plan import plan_run
+
+RECIPE = "mrl_configs/quickstart.yaml"
+
+
+def _cfg(tmp_path, *overrides: str):
+    (tmp_path / "m").mkdir(exist_ok=True)
+    (tmp_path / "t.jsonl").write_text("")
+    return load_config(RECIPE, [f"model.path={tmp_path}/m", f"data.train_files=[{tmp_path}/t.jsonl]", *overrides])
+
+
+def test_lr_schedule_length_is_steps_times_mini_batches_times_epochs(tmp_path) -> None:
+    cfg = _cfg(tmp_path, "trainer.total_training_steps=10", "data.train_batch_size=8", "actor.ppo_mini_batch_size=2",
+               "actor.ppo_micro_batch_size_per_gpu=2", "actor.ppo_epochs=3", "rollout.n=4")
+    a = plan_run(cfg, "cpu").actor
+    assert (a.mini_batches_per_step, a.epochs, a.total_optimizer_steps, a.mini_batch_size_samples) == (4, 3, 120, 8)
+
+
+def test_epoch_runs_get_a_constant_schedule(tmp_path) -> None:
+    cfg = _cfg(tmp_path, "trainer.total_training_steps=null", "trainer.total_epochs=2")
+    assert plan_run(cfg, "cpu").actor.total_optimizer_steps is None
+
+
+def test_the_critic_falls_back_to_the_actors_mini_batch_and_epochs(tmp_path) -> None:
+    cfg = _cfg(tmp_path, "algorithm.adv_estimator=gae", "critic.enable=true", "trainer.total_training_steps=5",
+               "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=2",
+               "actor.ppo_epochs=2", "critic.ppo_epochs=1", "critic.ppo_micro_batch_size_per_gpu=2")
+    p = plan_run(cfg, "cpu")
+    assert p.critic is not None and (p.critic.mini_batches_per_step, p.critic.epochs) == (2, 1)
+    assert p.critic.total_optimizer_steps == 5 * 2 * 1 and p.actor.total_optimizer_steps == 5 * 2 * 2
+    assert plan_run(_cfg(tmp_path), "cpu").critic is None
+
+
+def test_dynamic_sampling_draws_gen_batch_size_prompts(tmp_path) -> None:
+    base = dict(tb="data.train_batch_size=4", mb="actor.ppo_mini_batch_size=4", mc="actor.ppo_micro_batch_size_per_gpu=4")
+    assert plan_run(_cfg(tmp_path, *base.values()), "cpu").gen_batch_size == 4  # filter off: train_batch_size
+    on = _cfg(tmp_path, *base.values(), "data.gen_batch_size=6", "algorithm.filter_groups.enable=true",
+               "algorithm.filter_groups.metric=score")
+    assert plan_run(on, "cpu").gen_batch_size == 6
+
+
+def test_the_plan_is_frozen_and_needs_a_resolved_device(tmp_path) -> None:
+    p = plan_run(_cfg(tmp_path), "cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.device = "cuda"  # type: ignore[misc]
+    with pytest.raises(ValueError, match="resolved device"):
+        plan_run(_cfg(tmp_path), "auto")
