@@ -10,12 +10,23 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mrl.config import MRLConfig
 from mrl.config.run_plan import RunPlan, plan_run
 from mrl.driver.ranks import TrainRanks
 from mrl.errors import UnsupportedConfigError
+
+if TYPE_CHECKING:  # the driver imports these lazily inside build(); the annotations name them
+    from transformers import PreTrainedTokenizerBase
+
+    from mrl.cluster import WorkerGroup
+    from mrl.data.dataset import PromptDataset
+    from mrl.driver.engines import EngineSet
+    from mrl.observability.tracking import Tracking
+    from mrl.rewards import RewardManager
+    from mrl.rollout import EnginePool, RolloutClient
+    from mrl.rollout.sglang_router import SGLangRouter
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +83,21 @@ def _trap_sigterm() -> None:
 
 @dataclass
 class Services:
-    tokenizer: Any
+    """What ``build`` started, for the step (``RLTrainer``) and for teardown."""
+
+    tokenizer: PreTrainedTokenizerBase
     pad_token_id: int
-    train_ds: Any
-    val_ds: Any
-    reward: Any
-    tracking: Any
+    train_ds: PromptDataset
+    val_ds: PromptDataset | None
+    reward: RewardManager
+    tracking: Tracking | None
     log_dir: Path
-    engines: Any = None
-    pool: Any = None  # the engines: health, restarts, control calls, weight sync
-    router: Any = None  # sglang_router process (rollout.router=sglang_router)
-    route_pool: Any = None  # what /generate goes to when the router is sglang_router: the router alone
-    client: Any = None
-    workers: Any = None
+    engines: EngineSet | None = None
+    pool: EnginePool | None = None  # the engines: health, restarts, control calls, weight sync
+    router: SGLangRouter | None = None  # sglang_router process (rollout.router=sglang_router)
+    route_pool: EnginePool | None = None  # what /generate goes to when the router is sglang_router: the router alone
+    client: RolloutClient | None = None
+    workers: WorkerGroup | None = None
     plan: RunPlan | None = None  # set once Ray shows its devices
 
 
