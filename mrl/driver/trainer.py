@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -60,6 +60,9 @@ from mrl.rewards.manager import place_on_last_token
 from mrl.rollout.types import RolloutRequest, RolloutResult
 from mrl.workers.batch import TrainBatch
 
+if TYPE_CHECKING:
+    from mrl.driver.build import Services
+
 log = logging.getLogger(__name__)
 
 
@@ -87,7 +90,7 @@ class StepData:
 class RLTrainer:
     """Holds the built components; ``fit()`` runs the loop. ``services`` is ``mrl.driver.build``'s result."""
 
-    def __init__(self, cfg: MRLConfig, services: Any) -> None:
+    def __init__(self, cfg: MRLConfig, services: Services) -> None:
         self.cfg, self.s = cfg, services
         self.ranks = TrainRanks(services.workers)  # typed calls to every trainer rank
         self.rollout = RolloutController(services.pool, services.client, self.ranks,
