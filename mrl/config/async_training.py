@@ -30,8 +30,8 @@ class AsyncTrainingConfig(Section):
         "producer to reach a point where the push is safe, before failing the step.")
 
 
-def check_async(cfg: MRLConfig, errors: list[str]) -> None:
-    """Where bounded staleness cannot run (each error names the key and the fix)."""
+def check_async(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
+    """Where bounded staleness cannot run (each error names the key and the fix), and what the plan should say."""
     k, r = cfg.trainer.async_training.max_staleness, cfg.rollout
     if r.partial_rollout and k == 0:
         errors.append("rollout.partial_rollout=true interrupts generations at a weight push while the trainer runs, "
@@ -56,3 +56,7 @@ def check_async(cfg: MRLConfig, errors: list[str]) -> None:
                       "weights than the samples it baselines; fix: max_staleness=0 or another estimator")
     if cfg.trainer.val_only:
         errors.append(f"{what} with trainer.val_only=true trains nothing; fix: max_staleness=0")
+    if cfg.actor.tis_imp_ratio_cap is None:
+        notes.append(f"{what} without actor.tis_imp_ratio_cap: samples of older weights are trained on without an "
+                     "importance-sampling correction (on the quickstart, max_staleness=1 then stopped learning while "
+                     "tis_imp_ratio_cap=2 learned like max_staleness=0; docs/async.md)")

@@ -451,7 +451,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     _check_algorithm(cfg, errors, notes)
     _check_rollout(cfg, shape, errors)
     _check_dapo(cfg, errors)
-    check_async(cfg, errors)
+    check_async(cfg, errors, notes)
     _check_files(cfg, errors, notes)
     _check_checkpoint_and_val_only(cfg, errors)
     _check_reliability(cfg, errors, notes)

@@ -290,6 +290,9 @@ def test_async_settings_are_valid(base_overrides: list[str]) -> None:
     """Separate engines, or colocated ones that keep their memory, may run ahead of the trainer."""
     sep = ["rollout.placement=separate", "rollout.num_engines=2", "cluster.n_gpus_per_node=6",
            "rollout.weight_sync.transport=distributed"]
-    for extra in (["trainer.async_training.max_staleness=2", "rollout.partial_rollout=true", "rollout.max_num_seqs=8"],
-                  ["trainer.async_training.max_staleness=1"] + sep):
-        assert check_config(load_config(None, base_overrides + extra))[0] == [], extra
+    for extra in (["trainer.async_training.max_staleness=2", "rollout.partial_rollout=true", "rollout.max_num_seqs=8",
+                   "actor.tis_imp_ratio_cap=2"], ["trainer.async_training.max_staleness=1"] + sep):
+        errors, notes = check_config(load_config(None, base_overrides + extra))
+        assert errors == [], extra
+        # off-policy samples without an importance-sampling correction: said in the plan
+        assert any("actor.tis_imp_ratio_cap" in n for n in notes) == ("actor.tis_imp_ratio_cap=2" not in extra)
