@@ -88,6 +88,13 @@ class RolloutConfig(Section):
         None, description="Release engine memory (KV cache + weights, /release_memory_occupation) after each generation "
         "and restore it around the weight sync (verl free_cache_engine); null = on for colocated engines on CUDA, off otherwise.",
     )
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="Sequences an engine decodes together at most (verl max_num_seqs; SGLang "
+        "--max-running-requests, the embedded engine's --max-running); null = the engine's default (embedded: 64).")
+    partial_rollout: bool = Field(
+        False, description="With trainer.async_training.max_staleness > 0: a weight push interrupts the generations in "
+        "flight (SGLang pause_generation abort), keeps their tokens with the version that made them and continues them "
+        "with the new weights (docs/async.md); false: the push waits for the producer's batch to finish.")
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="Actor -> engine weight transfer.")
     val_kwargs: ValKwargsConfig = Field(
         default_factory=ValKwargsConfig, description="Sampling of validation answers (verl val_kwargs; greedy by default)."

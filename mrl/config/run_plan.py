@@ -47,6 +47,12 @@ class RunPlan:
     log_dir: Path  # engine / router logs
 
 
+def free_cache_engine(cfg: MRLConfig, device: str) -> bool:
+    """verl's free_cache_engine: colocated CUDA engines give the device to the trainer by default."""
+    r = cfg.rollout
+    return r.free_cache_engine if r.free_cache_engine is not None else (r.placement == "colocated" and device == "cuda")
+
+
 def update_plan(cfg: MRLConfig, mini_batch_prompts: int, epochs: int) -> UpdatePlan:
     mini = max(1, cfg.data.train_batch_size // mini_batch_prompts)
     steps = cfg.trainer.total_training_steps
@@ -58,7 +64,7 @@ def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
     """The plan of ``cfg`` on ``device`` (``cluster.device``, or what ``auto`` resolved to)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"plan_run needs a resolved device ('cuda' or 'cpu'), got {device!r}")
-    a, c, r, d = cfg.actor, cfg.critic, cfg.rollout, cfg.data
+    a, c, d = cfg.actor, cfg.critic, cfg.data
     layout = compute_layout(cfg)
     critic = None
     if cfg.critic_enabled:
@@ -71,8 +77,6 @@ def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
         else d.train_batch_size,
         actor=update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs),
         critic=critic,
-        # verl's free_cache_engine: colocated CUDA engines give the device to the trainer by default
-        free_cache_engine=r.free_cache_engine if r.free_cache_engine is not None
-        else (r.placement == "colocated" and device == "cuda"),
+        free_cache_engine=free_cache_engine(cfg, device),
         log_dir=Path(cfg.trainer.checkpoint_dir or "outputs") / "logs",
     )

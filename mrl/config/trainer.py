@@ -5,6 +5,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from mrl.config.async_training import AsyncTrainingConfig
 from mrl.config.base import Section
 
 
@@ -43,6 +44,8 @@ class TrainerConfig(Section):
     project_name: str = Field("mrl", description="Project (MLflow experiment) name.")
     experiment_name: str = Field("default", description="Run name (MLflow run, checkpoint sub-directory).")
     seed: int = Field(42, ge=0, lt=2**63, description="Global seed of model init, dropout and sampling.")
+    async_training: AsyncTrainingConfig = Field(
+        default_factory=AsyncTrainingConfig, description="Off-policy schedule: bounded staleness between the rollout producer and the trainer (docs/async.md).")
 
     @property
     def checkpoint_dir(self) -> str | None:

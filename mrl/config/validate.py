@@ -13,6 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
+from mrl.config.async_training import check_async
 from mrl.config.extensions import check_extension_points
 from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_devices
@@ -480,6 +481,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     _check_algorithm(cfg, errors, notes)
     _check_rollout(cfg, shape, errors)
     _check_dapo(cfg, errors)
+    check_async(cfg, errors, notes)
     _check_files(cfg, errors, notes)
     _check_checkpoint_and_val_only(cfg, errors)
     _check_reliability(cfg, errors, notes)

@@ -95,7 +95,8 @@ def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple
             model_path=cfg.model.path, port=slot.port, host=r.host, tp_size=r.engine_tp_size,
             mem_fraction_static=r.mem_fraction_static, colocated=r.placement == "colocated",
             base_gpu_id=slot.gpu_ids[0], dtype=cfg.model.dtype, random_seed=cfg.trainer.seed + slot.index,
-            admin_api_key=token)), {}
+            admin_api_key=token, extra_args=[] if r.max_num_seqs is None else
+            ["--max-running-requests", str(r.max_num_seqs)])), {}
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     if token:
         env[TOKEN_ENV] = token
@@ -104,6 +105,8 @@ def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple
     cmd = build_embedded_command(cfg.model.path, slot.port, host=r.host, token_env=TOKEN_ENV if token else None,
                                  device="cuda" if cuda else "cpu", dtype=cfg.model.dtype if cuda else "float32",
                                  seed=cfg.trainer.seed + slot.index)
+    if r.max_num_seqs is not None:
+        cmd += ["--max-running", str(r.max_num_seqs)]
     return cmd, env
 
 

@@ -23,6 +23,7 @@ from mrl.algorithms import (
 )
 from mrl.config import MRLConfig
 from mrl.data.sampler import get_sampler_cls
+from mrl.driver.async_rollout import AsyncRollout, ProducedBatch
 from mrl.driver.batch import (
     assemble_train_batch,
     decode_responses,
@@ -57,6 +58,7 @@ from mrl.observability.data_metrics import (
 from mrl.observability.timer import timer
 from mrl.plugins import accepted_keywords
 from mrl.rewards.manager import place_on_last_token
+from mrl.rollout.partial import version_number
 from mrl.rollout.types import RolloutRequest, RolloutResult
 from mrl.workers.batch import TrainBatch
 
@@ -106,6 +108,10 @@ class RLTrainer:
             len(services.train_ds), self.plan.gen_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed, dataset=services.train_ds)
         self.global_step = 0
         self.weight_version = 0  # engines start from model.path = version 0 of the actor
+        at = cfg.trainer.async_training  # off-policy: a rollout producer runs ahead (docs/async.md)
+        self.producer = AsyncRollout(self.rollout, self.sampler, self.rollout_request, max_staleness=at.max_staleness,
+                                     partial=cfg.rollout.partial_rollout, timeout_s=at.batch_timeout_s) if at.max_staleness else None
+        self.produced: ProducedBatch | None = None
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -129,6 +135,8 @@ class RLTrainer:
                     self.rollout.sleep()
             with timer("old_log_prob", m):
                 self.old_log_prob(d, m)
+            if self.producer is not None:  # refuse samples older than max_staleness; staleness metrics
+                self.producer.admit(d, self.weight_version, self.produced, m)
             if self.cfg.ref_enabled:
                 with timer("ref", m):
                     self.ref_log_prob(d)
@@ -150,6 +158,8 @@ class RLTrainer:
                 with timer("sync_weights", m):
                     self.sync_weights(m)
         self.global_step += 1
+        if self.producer is not None:
+            self.producer.step_done(self.global_step)
         m |= compute_data_metrics(response_mask=d.batch.response_mask, token_level_scores=d.token_level_scores,
                                   token_level_rewards=d.token_level_rewards, advantages=d.batch.advantages,
                                   returns=d.batch.returns, values=d.batch.values,
@@ -163,20 +173,33 @@ class RLTrainer:
 
     # ---- phases -------------------------------------------------------------------------------
     def generate(self) -> StepData:
-        """P prompts -> P·n samples from the engine pool (uid = dataset row, shared by the group)."""
-        self.wake_engines()
-        idx = self.sampler.next_batch()
+        """P prompts -> P·n samples from the engine pool (uid = dataset row, shared by the group); off-policy
+        (trainer.async_training.max_staleness > 0): the rollout producer's batch for this step."""
+        if self.producer is not None:
+            if not self.producer.started:  # after a resume: from the restored sampler and weights
+                self.producer.start(self.global_step, self.weight_version)
+            b = self.produced = self.producer.take(self.global_step)
+            pb, idx, res = b.prompts, b.rows, b.result
+            self.engine_weight_version = min((version_number(v) for s in res.samples for v in s.token_versions()),
+                                             default=b.start_version)  # the oldest token trained on
+        else:
+            self.wake_engines()
+            idx = self.sampler.next_batch()
+            pb, req = self.rollout_request(idx, self.global_step, self.sampler.epoch)
+            # engine_weight_version: what the engines themselves reported for these samples
+            res, self.engine_weight_version = self.rollout.generate(req, self.weight_version)
+        batch = assemble_train_batch(pb, res, pad_token_id=self.s.pad_token_id, uids=idx)
+        return StepData(batch, repeat_prompts(pb.prompts, self.cfg.rollout.n), decode_responses(self.s.tokenizer, res),
+                        torch.zeros(batch.response_mask.shape), rows=list(idx), result=res)
+
+    def rollout_request(self, idx: list[int], step: int, epoch: int) -> tuple[Any, RolloutRequest]:
+        """The collated prompts of dataset rows ``idx`` and their request for step ``step``."""
         pb = self.s.train_ds.collate(idx)
         r = self.cfg.rollout
-        req = RolloutRequest([p.prompt_ids for p in pb.prompts], n=r.n, sampling_params={
+        return pb, RolloutRequest([p.prompt_ids for p in pb.prompts], n=r.n, sampling_params={
             "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_response_length,
         }, timeout_s=r.request_timeout_s,  # per-sample seeds: reproducible and resume-exact draws (mrl/driver/seeds.py)
-            sampling_seeds=group_seeds(self.cfg.trainer.seed, "train", self.global_step, self.sampler.epoch, idx, r.n))
-        # engine_weight_version: what the engines themselves reported for these samples
-        res, self.engine_weight_version = self.rollout.generate(req, self.weight_version)
-        batch = assemble_train_batch(pb, res, pad_token_id=self.s.pad_token_id, uids=idx)
-        return StepData(batch, repeat_prompts(pb.prompts, r.n), decode_responses(self.s.tokenizer, res),
-                        torch.zeros(batch.response_mask.shape), rows=list(idx), result=res)
+            sampling_seeds=group_seeds(self.cfg.trainer.seed, "train", step, epoch, idx, r.n))
 
     def reward(self, d: StepData, m: dict[str, float]) -> None:
         """Scores on the last response token (verl's ray_trainer step; docs/driver.md): token_level_scores [B, R], plus
@@ -353,8 +376,12 @@ class RLTrainer:
         self.push_weights(m)
 
     def push_weights(self, m: dict[str, float]) -> None:
-        """The actor's weights -> every engine as ``weight_version`` (RolloutController.push)."""
-        self.rollout.push(self.weight_version, m)
+        """The actor's weights -> every engine as ``weight_version`` (RolloutController.push; with a running
+        rollout producer, made safe against its generations: AsyncRollout.push)."""
+        if self.producer is not None and self.producer.started:
+            self.producer.push(self.weight_version, m)
+        else:
+            self.rollout.push(self.weight_version, m)
 
     def wake_engines(self) -> None:
         """Wake engines released after the last generation when no update has synced them since
@@ -387,7 +414,8 @@ class RLTrainer:
         self.ranks.save(str(d / "actor"), list(self.cfg.actor.checkpoint.save_contents))
         if self.cfg.critic_enabled:
             self.ranks.save_critic(str(d / "critic"))
-        write_trainer_state(root, self.global_step, {"sampler": self.sampler.state_dict(),
+        sampler = self.producer.sampler_state() if self.producer is not None else self.sampler.state_dict()
+        write_trainer_state(root, self.global_step, {"sampler": sampler,
                                                      "kl_ctrl": self.kl_ctrl.state_dict(),
                                                      "weight_version": self.weight_version,
                                                      "total_training_steps": self.total_steps(),
@@ -447,4 +475,6 @@ class RLTrainer:
             self.s.tracking.log(m, self.global_step)
             bar.update(1)
         bar.close()
+        if self.producer is not None:
+            self.producer.stop()
 

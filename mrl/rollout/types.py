@@ -64,6 +64,9 @@ class RolloutSample:
     engine_url: str | None = None
     error: str | None = None
     attempts: int = 1
+    #: per response token, the weight version that sampled it; set when a partial rollout continued the
+    #: sample across weight pushes (mrl/rollout/partial.py), None = every token is ``weight_version``'s
+    token_weight_versions: list[str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -72,6 +75,12 @@ class RolloutSample:
     @property
     def response_length(self) -> int:
         return len(self.response_ids)
+
+    def token_versions(self) -> list[str | None]:
+        """The weight version of every response token."""
+        if self.token_weight_versions is not None:
+            return list(self.token_weight_versions)
+        return [self.weight_version] * len(self.response_ids)
 
 
 @dataclass

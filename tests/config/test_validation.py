@@ -176,6 +176,19 @@ BAD = [
     ("reward_function_unknown_name", ["reward.function=gsm8kk"], ["reward.function='gsm8kk'", "not a registered scorer", "gsm8k"]),
     ("ref_separate_not_wired", ["ref.placement=separate", "ref.num_devices=1"], ["ref.placement=separate", "ref.placement=colocated"]),
     ("cpus_fewer_than_ranks", ["cluster.cpus_per_node=2"], ["cluster.cpus_per_node=2", "4 ranks"]),
+    # off-policy schedule (mrl/config/async_training.py, docs/async.md)
+    ("partial_rollout_without_async", ["rollout.partial_rollout=true"],
+     ["rollout.partial_rollout=true", "trainer.async_training.max_staleness=1"]),
+    ("async_with_engine_memory_release", ["trainer.async_training.max_staleness=1", "rollout.free_cache_engine=true"],
+     ["trainer.async_training.max_staleness=1", "rollout.free_cache_engine", "rollout.placement=separate"]),
+    ("async_colocated_cuda_releases_memory", ["trainer.async_training.max_staleness=2", "cluster.device=cuda"],
+     ["max_staleness=2", "on by default for colocated engines on CUDA"]),
+    ("async_with_dynamic_sampling", ["trainer.async_training.max_staleness=1", "algorithm.filter_groups.enable=true",
+                                     "algorithm.filter_groups.metric=acc"],
+     ["max_staleness=1", "algorithm.filter_groups.enable=true"]),
+    ("async_with_remax", ["trainer.async_training.max_staleness=1", "algorithm.adv_estimator=remax"],
+     ["max_staleness=1", "algorithm.adv_estimator=remax"]),
+    ("async_negative_staleness", ["trainer.async_training.max_staleness=-1"], ["trainer.async_training.max_staleness"]),
 ]
 
 
@@ -278,3 +291,15 @@ def test_more_ranks_than_local_gpus_is_refused(base_overrides: list[str], monkey
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert not [e for e in check_config(load_config(None, base_overrides + cuda + ["cluster.address=auto"]))[0]
                 if "GPU(s)" in e]
+
+
+def test_async_settings_are_valid(base_overrides: list[str]) -> None:
+    """Separate engines, or colocated ones that keep their memory, may run ahead of the trainer."""
+    sep = ["rollout.placement=separate", "rollout.num_engines=2", "cluster.n_gpus_per_node=6",
+           "rollout.weight_sync.transport=distributed"]
+    for extra in (["trainer.async_training.max_staleness=2", "rollout.partial_rollout=true", "rollout.max_num_seqs=8",
+                   "actor.tis_imp_ratio_cap=2"], ["trainer.async_training.max_staleness=1"] + sep):
+        errors, notes = check_config(load_config(None, base_overrides + extra))
+        assert errors == [], extra
+        # off-policy samples without an importance-sampling correction: said in the plan
+        assert any("actor.tis_imp_ratio_cap" in n for n in notes) == ("actor.tis_imp_ratio_cap=2" not in extra)

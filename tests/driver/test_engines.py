@@ -112,3 +112,16 @@ def test_embedded_engine_with_token_guards_control_only(tmp_path) -> None:
         for path in ("/pause_generation", "/update_weights_from_disk", "/release_memory_occupation"):
             assert c.post(path, json={}).status_code == 401, path
         assert c.post("/pause_generation", json={}, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_max_num_seqs_reaches_both_engines(tmp_path) -> None:
+    """rollout.max_num_seqs: SGLang's --max-running-requests (a flag its ServerArgs parses), the embedded --max-running."""
+    (tmp_path / "m").mkdir()
+    cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tmp_path}/m", "rollout.max_num_seqs=3"])
+    cmd, _ = engine_command(cfg, plan_engines(cfg, [_node("a", "10.1.1.1", [])] * 2, 2)[0], token=None)
+    assert cmd[cmd.index("--max-running") + 1] == "3"
+    gpu_cfg = load_config(GPU_RECIPE, ["rollout.max_num_seqs=256"])
+    cmd, _ = engine_command(gpu_cfg, plan_engines(gpu_cfg, _gpu_infos(), 8)[0], token=None)
+    assert cmd[cmd.index("--max-running-requests") + 1] == "256"
+    default, _ = engine_command(load_config(GPU_RECIPE), plan_engines(gpu_cfg, _gpu_infos(), 8)[0], token=None)
+    assert "--max-running-requests" not in default

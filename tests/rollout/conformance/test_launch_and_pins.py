@@ -42,7 +42,8 @@ def test_launch_command_parses_with_sglang_server_args():
     from sglang.srt.server_args import ServerArgs
 
     spec = SGLangLaunchSpec(model_path="/models/m", port=30001, host="127.0.0.1", tp_size=2, mem_fraction_static=0.6,
-                            colocated=True, base_gpu_id=4, dtype="bfloat16", random_seed=7, admin_api_key="tok")
+                            colocated=True, base_gpu_id=4, dtype="bfloat16", random_seed=7, admin_api_key="tok",
+                            extra_args=["--max-running-requests", "256"])  # rollout.max_num_seqs
     cmd = build_sglang_command(spec, python="python")
     assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
     parser = argparse.ArgumentParser()
@@ -51,6 +52,7 @@ def test_launch_command_parses_with_sglang_server_args():
     assert (args.model_path, args.port, args.tp_size, args.base_gpu_id) == ("/models/m", 30001, 2, 4)
     assert args.mem_fraction_static == 0.6 and args.enable_memory_saver and args.random_seed == 7
     assert args.dtype == "bfloat16" and args.admin_api_key == "tok" and args.api_key is None and args.skip_server_warmup
+    assert args.max_running_requests == 256
 
 
 def test_the_run_token_guards_sglangs_control_routes_and_leaves_generate_open():
