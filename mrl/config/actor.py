@@ -24,7 +24,7 @@ KLType = Literal[
     "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
     "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+", "full",
 ]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 # verl's checkpoint contents: model = Megatron weights, optimizer = Adam state + LR schedule,
 # extra = the worker's update counter (mini-batch shuffle seed), hf_model = a transformers directory.
 CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
