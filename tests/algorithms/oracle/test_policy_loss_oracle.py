@@ -101,7 +101,7 @@ def test_agg_loss_matches_verl(verl, mode):
 
 def test_tis_cap_equals_verl_token_rollout_is(verl):
     """mrl's ``actor.tis_imp_ratio_cap`` is verl's token-level TIS (rollout_is=token, threshold=cap)."""
-    core, corr = verl
+    _, corr = verl
     old, new, adv, mask, _ = _inputs(21, False)
     roll = old + 0.3 * randn(22, B, T)
     w, _ = corr.compute_rollout_correction_weights(old - roll, mask, rollout_is="token", rollout_is_threshold=1.5)
