@@ -13,7 +13,7 @@ def parse_is_threshold(spec: str | float, key: str = "algorithm.rollout_correcti
                        ) -> tuple[float, float | None]:
     """``U`` or ``"L_U"`` -> ``(U, L or None)``; an error naming ``key`` when malformed."""
     if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
-        raise TypeError(f"{key} must be a number U (TIS) or a string 'L_U' (IcePop), got {spec!r}")
+        raise TypeError(f"{key} must be a number U (TIS) or a string 'L_U' (IcePop), got {spec!r}; fix: e.g. 2.0 or '0.5_5.0'")
     lower = None
     try:
         if isinstance(spec, str) and "_" in spec:
@@ -22,9 +22,9 @@ def parse_is_threshold(spec: str | float, key: str = "algorithm.rollout_correcti
         else:
             upper = float(spec)
     except ValueError:
-        raise ValueError(f"{key}={spec!r} is not a number U or 'L_U' (e.g. 2.0 or '0.5_5.0')") from None
+        raise ValueError(f"{key}={spec!r} is not a number U or 'L_U'; fix: e.g. 2.0 (TIS) or '0.5_5.0' (IcePop)") from None
     if not upper > 0 or (lower is not None and not 0 < lower <= upper):
-        raise ValueError(f"{key}={spec!r}: need U > 0 and, for 'L_U', 0 < L <= U")
+        raise ValueError(f"{key}={spec!r}: need U > 0 and, for 'L_U', 0 < L <= U; fix: e.g. 2.0 or '0.5_5.0'")
     return upper, lower
 
 
@@ -34,15 +34,15 @@ def parse_rs(options: str, spec: str | float | None,
     one threshold shared by all options or one per option; ``k1`` options ``L_U`` or ``U`` = ``[1/U, U]``)."""
     opts = list(dict.fromkeys(o.strip() for o in options.split(",") if o.strip()))
     if not opts:
-        raise ValueError(f"{key}.rollout_rs={options!r} names no option; valid: {', '.join(RS_OPTIONS)}")
+        raise ValueError(f"{key}.rollout_rs={options!r} names no option; fix: one or more of {', '.join(RS_OPTIONS)}")
     bad = [o for o in opts if o not in RS_OPTIONS]
     if bad:
-        raise ValueError(f"{key}.rollout_rs: unknown option(s) {', '.join(bad)}; valid: {', '.join(RS_OPTIONS)}")
+        raise ValueError(f"{key}.rollout_rs: unknown option(s) {', '.join(bad)}; fix: use {', '.join(RS_OPTIONS)}")
     if spec is None or isinstance(spec, bool):
-        raise ValueError(f"{key}.rollout_rs={options!r} needs {key}.rollout_rs_threshold (e.g. 2.0, or '0.5_2.0' for k1)")
+        raise ValueError(f"{key}.rollout_rs={options!r} needs {key}.rollout_rs_threshold; fix: set it (e.g. 2.0, or '0.5_2.0' for k1)")
     raw = [str(spec)] if isinstance(spec, (int, float)) else [p.strip() for p in spec.split(",") if p.strip()]
     if len(raw) not in (1, len(opts)):
-        raise ValueError(f"{key}.rollout_rs_threshold={spec!r}: give one threshold or {len(opts)} (one per option)")
+        raise ValueError(f"{key}.rollout_rs_threshold={spec!r}: fix: give one threshold or {len(opts)} (one per option)")
     raw = raw * len(opts) if len(raw) == 1 else raw
     out: dict[str, tuple[float | None, float]] = {}
     for opt, s in zip(opts, raw):
@@ -60,5 +60,5 @@ def parse_rs(options: str, spec: str | float | None,
                 out[opt] = (None, upper)
         except (ValueError, ZeroDivisionError):
             form = "'L_U' with 0 < L <= U or U > 0" if opt.endswith("k1") else "one upper bound > 0"
-            raise ValueError(f"{key}.rollout_rs_threshold: {s!r} for option {opt} must be {form}") from None
+            raise ValueError(f"{key}.rollout_rs_threshold: {s!r} for option {opt}; fix: {form}") from None
     return out
