@@ -124,7 +124,7 @@ def main() -> None:
         rows = [("sync colocated", f"{n}/{n}", base), ("sync separate", f"{e_sep}/{n - e_sep}", sep)]
         for k in (1, 2):
             for partial in (False, True):
-                st, e = best_split(n, lambda e, d: simulate(G / e, T / d, S, xs, a.floor, k, partial))
+                st, e = best_split(n, lambda e, d, k=k, partial=partial: simulate(G / e, T / d, S, xs, a.floor, k, partial))
                 rows.append((f"async k={k}{' + partial' if partial else ''}", f"{e}/{n - e}", st))
         for name, split, st in rows:
             print(f"| {n} | {name} | {split} | {st:.4f} | {base / st:.2f}x | {sep / st:.2f}x |")

@@ -17,6 +17,7 @@ import torch
 
 from mrl.dtypes import torch_dtype
 
+
 def dtype_from_name(name: str) -> torch.dtype:
     """``fp32``/``bf16``/``fp16`` or their HF names (``mrl.dtypes``)."""
     return torch_dtype(name)

@@ -40,7 +40,8 @@ def check_async(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
     if k == 0:
         return
     what = f"trainer.async_training.max_staleness={k}"
-    from mrl.config.run_plan import free_cache_engine  # run_plan imports the root config, which imports this
+    # imported here: run_plan imports the root config, which imports this module
+    from mrl.config.run_plan import free_cache_engine
 
     # cluster.device=auto may resolve to CUDA (where the default releases memory): refused up front too
     if free_cache_engine(cfg, "cpu" if cfg.cluster.device == "cpu" else "cuda"):

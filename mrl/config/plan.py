@@ -29,8 +29,8 @@ from mrl.config.layout import RoleLayout, compute_layout
 from mrl.config.parallel import ParallelConfig
 from mrl.config.root import MRLConfig
 from mrl.config.run_plan import update_plan
-from mrl.dtypes import itemsize
 from mrl.config.validate import check_config, load_shape
+from mrl.dtypes import itemsize
 
 GiB = 1024**3
 

@@ -72,12 +72,14 @@ class AsyncRollout:
         self._generating = False
         self._push_pending = False
         self.steps_done = 0
+        self.end = 0  # first step not to produce for (start)
         self.version = 0  # the version the engines hold (last push)
 
     # ---- lifecycle -----------------------------------------------------------------------
-    def start(self, step: int, version: int) -> None:
-        """Produce batches from ``step`` on; the engines hold ``version`` (after a resume too)."""
-        self.steps_done, self.version, self._next = step, version, step
+    def start(self, step: int, version: int, end: int) -> None:
+        """Produce batches ``step .. end - 1`` (``end``: the run's step count; nothing is generated
+        for steps that will not run); the engines hold ``version`` (after a resume too)."""
+        self.steps_done, self.version, self._next, self.end = step, version, step, end
         self._thread = threading.Thread(target=self._run, name="mrl-rollout-producer", daemon=True)
         self._thread.start()
 
@@ -99,8 +101,9 @@ class AsyncRollout:
             while True:
                 with self._cv:
                     i = self._next
-                    # batch i waits for step i - k to end (bounded staleness) and for a pending push
-                    while not self._stop and (self.steps_done < i - self.k or self._push_pending):
+                    # batch i waits for step i - k to end (bounded staleness) and for a pending push;
+                    # past the last step it waits for stop()
+                    while not self._stop and (self.steps_done < i - self.k or self._push_pending or i >= self.end):
                         self._cv.wait(0.5)
                     if self._stop:
                         return

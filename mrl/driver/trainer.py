@@ -178,7 +178,7 @@ class RLTrainer:
         (trainer.async_training.max_staleness > 0): the rollout producer's batch for this step."""
         if self.producer is not None:
             if not self.producer.started:  # after a resume: from the restored sampler and weights
-                self.producer.start(self.global_step, self.weight_version)
+                self.producer.start(self.global_step, self.weight_version, end=self.total_steps())
             b = self.produced = self.producer.take(self.global_step)
             pb, idx, res = b.prompts, b.rows, b.result
             self.engine_weight_version = min((version_number(v) for s in res.samples for v in s.token_versions()),

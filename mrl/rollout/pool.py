@@ -9,27 +9,20 @@ engine reports the current ``weight_version`` before routing to it again.
 All network work runs on one asyncio loop in a background thread (``PoolLoop``), so periodic
 ``/health_generate`` checks go on between batches and the sync API is usable from the driver.
 
-HTTP is aiohttp (:class:`PoolHTTP`), not httpx: httpx's
-connection pool scans every queued request against every connection on each request start and
-end, which made the client, not the engines, the bottleneck of a rollout (measured with 2 embedded
-engines, 256 concurrent /generate calls of 8 tokens: 4.2-5.1 s of client CPU with httpx; 512 calls:
-8.5-11.3 s; aiohttp: 0.08-0.1 s for 128 calls, 0.34-0.55 s for 512).
+HTTP (one aiohttp session) and the loop live in :mod:`mrl.rollout.http`.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-import aiohttp
+from mrl.rollout.http import PoolHTTP, PoolLoop, RequestTimeout, TransportError
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -49,90 +42,6 @@ class EngineEndpoint:
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
-
-
-class TransportError(RuntimeError):
-    """No HTTP answer: connection refused/reset, or the server closed the connection mid-request."""
-
-
-class RequestTimeout(TransportError):
-    """No answer within the request's timeout."""
-
-
-@dataclass
-class Answer:
-    """An HTTP answer, read whole."""
-
-    status_code: int
-    content: bytes
-    content_type: str
-
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", errors="replace")
-
-    def json(self) -> Any:
-        return json.loads(self.content)
-
-
-class PoolHTTP:
-    """The pool's aiohttp session (created on first use, on the pool's loop)."""
-
-    # Idle connections expire after 2 s, below the server's 5 s keep-alive (uvicorn's default, SGLang's
-    # too): with equal timers a connection idle ~5 s between steps can be reused just as the server
-    # closes it, a connection error that would take a healthy engine out.
-    KEEPALIVE_S = 2.0
-    MAX_CONNECTIONS = 1024  # requests beyond this wait in the client (file descriptors are finite)
-
-    def __init__(self, headers: dict[str, str]) -> None:
-        self.headers = headers
-        self._session: aiohttp.ClientSession | None = None
-
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            conn = aiohttp.TCPConnector(limit=self.MAX_CONNECTIONS, keepalive_timeout=self.KEEPALIVE_S)
-            # trust_env=False: engines are addressed directly, never through an HTTP proxy.
-            self._session = aiohttp.ClientSession(connector=conn, headers=self.headers, trust_env=False)
-        return self._session
-
-    async def request(self, method: str, url: str, *, json: Any = None, timeout: float | None = None) -> Answer:
-        """One call; raises :class:`RequestTimeout` or :class:`TransportError` when no answer came."""
-        try:
-            async with self.session().request(method, url, json=json,
-                                              timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                return Answer(r.status, await r.read(), r.headers.get("content-type", ""))
-        except TimeoutError as ex:
-            raise RequestTimeout(f"no answer within {timeout}s") from ex
-        except aiohttp.ClientError as ex:
-            raise TransportError(f"{type(ex).__name__}: {ex}") from ex
-
-    async def get(self, url: str, *, timeout: float | None = None) -> Answer:
-        return await self.request("GET", url, timeout=timeout)
-
-    async def post(self, url: str, *, json: Any = None, timeout: float | None = None) -> Answer:
-        return await self.request("POST", url, json=json, timeout=timeout)
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-
-class PoolLoop:
-    """An asyncio loop in a daemon thread; ``run(coro)`` blocks the caller until it finishes."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="mrl-rollout-pool", daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Awaitable[T], timeout_s: float | None = None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def close(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=10)
 
 
 class EnginePool:
@@ -285,6 +194,9 @@ class EnginePool:
             self._recoveries.pop(e.url, None)
 
     async def _wait_health(self, e: EngineEndpoint) -> None:
+        # The restart callback's own wait (EngineProcess.wait_healthy) runs where the process runs,
+        # possibly another node; this poll is the pool's view over its own session, which is the
+        # one that routes requests.
         deadline = time.monotonic() + self.restart_timeout_s
         while True:
             try:

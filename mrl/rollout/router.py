@@ -26,7 +26,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mrl.rollout.pool import EngineEndpoint, EnginePool, RequestTimeout, TransportError
+from mrl.rollout.http import RequestTimeout, TransportError
+from mrl.rollout.pool import EngineEndpoint, EnginePool
 
 
 class NoHealthyEngineError(RuntimeError):

@@ -40,7 +40,7 @@ def test_the_critic_falls_back_to_the_actors_mini_batch_and_epochs(tmp_path) -> 
 
 
 def test_dynamic_sampling_draws_gen_batch_size_prompts(tmp_path) -> None:
-    base = dict(tb="data.train_batch_size=4", mb="actor.ppo_mini_batch_size=4", mc="actor.ppo_micro_batch_size_per_gpu=4")
+    base = {"tb": "data.train_batch_size=4", "mb": "actor.ppo_mini_batch_size=4", "mc": "actor.ppo_micro_batch_size_per_gpu=4"}
     assert plan_run(_cfg(tmp_path, *base.values()), "cpu").gen_batch_size == 4  # filter off: train_batch_size
     on = _cfg(tmp_path, *base.values(), "data.gen_batch_size=6", "algorithm.filter_groups.enable=true",
                "algorithm.filter_groups.metric=score")

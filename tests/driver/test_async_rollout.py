@@ -41,9 +41,9 @@ def test_producer_runs_k_ahead_in_order_and_checkpoints_the_untrained_batches(tm
             ctl = RolloutController(pool, RolloutClient(Router(pool)), None, startup_timeout_s=30, log_dir=tmp_path)
             sampler = ResumableSampler(20, 2, shuffle=True, seed=3)
             expected = ResumableSampler(20, 2, shuffle=True, seed=3)
-            want = [expected.next_batch() for _ in range(5)]
+            want = [expected.next_batch() for _ in range(5)]  # the run's 5 steps
             prod = AsyncRollout(ctl, sampler, _request, max_staleness=2, partial=False, timeout_s=60)
-            prod.start(step=0, version=0)
+            prod.start(step=0, version=0, end=5)
             _wait(lambda: len(prod._ready) == 3, "the producer did not fill its 3 batches")
             time.sleep(0.5)
             assert len(prod._ready) == 3  # batch 3 waits for step 1 to end (staleness <= 2)
@@ -56,6 +56,11 @@ def test_producer_runs_k_ahead_in_order_and_checkpoints_the_untrained_batches(tm
             prod.step_done(1)
             _wait(lambda: len(prod._ready) == 3, "batch 3 did not start after step 1 ended")
             assert [prod.take(s).rows for s in (1, 2, 3)] == want[1:4]
+            prod.step_done(4)  # step 4 is the run's last: batch 4 comes, nothing after it
+            assert prod.take(4).rows == want[4]
+            prod.step_done(5)
+            time.sleep(0.5)
+            assert not prod._ready and not prod._generating and sampler.state_dict() == expected.state_dict()
             prod.stop()
         finally:
             pool.close()

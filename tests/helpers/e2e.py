@@ -37,7 +37,7 @@ def write_assets(tmp: Path) -> Path:
     pipeline, not learning, and a random model exercises it as well."""
     assets = tmp / "assets"
     subprocess.run([sys.executable, "-m", "mrl.quickstart", "--out", str(assets), "--warm-start-steps", "0"],
-                   cwd=ROOT, check=True, capture_output=True, timeout=120)
+                   cwd=ROOT, check=True, capture_output=True, timeout=900)
     return assets
 
 
@@ -48,7 +48,7 @@ def run_train(config: str, tmp: Path, assets: Path, port: int, *overrides: str) 
            f"rollout.port_base={port}", *overrides]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled"}
     # ~60-140 s idle; headroom for a loaded CI host
-    return subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    return subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
 
 
 def metrics(db: Path, key: str) -> dict[int, float]:

@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from mrl.rollout.engine.scheduler import Request
-from mrl.rollout.protocol import SamplingParams
 from mrl.rollout.engine.server import Engine, build_app
+from mrl.rollout.protocol import SamplingParams
 from tests.helpers.tiny_models import make_tiny_hf
 
 PROMPT = [5, 17, 33, 101, 7]

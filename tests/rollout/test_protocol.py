@@ -7,12 +7,12 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+from mrl.rollout.engine.server import Engine, build_app
 from mrl.rollout.protocol import (
     GenerateReqInput,
     SamplingParams,
     UpdateWeightsFromDistributedReqInput,
 )
-from mrl.rollout.engine.server import Engine, build_app
 from tests.helpers.tiny_models import make_tiny_hf
 
 FINISH = {"type": str}

@@ -24,7 +24,6 @@ from mrl.rollout.engine.decode import LlamaFamilyDecoder, fast_path_refusal, hf_
 from mrl.rollout.engine.kv_cache import PrefilledRows, RunningBatch
 
 
-
 def parse_dtype(name: str) -> torch.dtype:
     """A dtype as SGLang's protocol names it (``bfloat16``, ``torch.bfloat16``); not the short forms."""
     key = str(name).removeprefix("torch.")

@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mrl.rollout.engine import serving as S
-from mrl.rollout.protocol import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from mrl.rollout.engine.server_info import context_length
+from mrl.rollout.protocol import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 
 
 class StreamOptions(BaseModel):

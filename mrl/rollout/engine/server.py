@@ -32,8 +32,8 @@ from mrl.rollout.engine import serving as S
 from mrl.rollout.engine import weights as W
 from mrl.rollout.engine.checksum import tensor_checksum
 from mrl.rollout.engine.model_runner import ModelRunner
-from mrl.rollout.engine.scheduler import Request, Scheduler
 from mrl.rollout.engine.openai_api import add_openai_routes
+from mrl.rollout.engine.scheduler import Request, Scheduler
 from mrl.rollout.sglang_launcher import PARENT_PID_ENV
 
 
