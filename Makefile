@@ -10,7 +10,7 @@ IMAGE  ?= mrl:latest
 
 .PHONY: install train test plan lint docker clean-venv quickstart-assets
 
-$(VENV)/.installed: setup.py requirements-sglang-cpu.txt
+$(VENV)/.installed: setup.py requirements-sglang-cpu.txt requirements-oracles.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
@@ -18,6 +18,9 @@ $(VENV)/.installed: setup.py requirements-sglang-cpu.txt
 	@# SGLang's own code for the conformance tests, off the venv's import path (see the file's header)
 	rm -rf $(VENV)/sglang-cpu
 	$(PY) -m pip install -q --no-deps --target $(VENV)/sglang-cpu -r requirements-sglang-cpu.txt
+	@# verl's code, the oracle of tests/algorithms/oracle/, likewise off the import path (tests/helpers/verl_oracle.py)
+	rm -rf $(VENV)/oracles
+	$(PY) -m pip install -q --no-deps --target $(VENV)/oracles -r requirements-oracles.txt
 	@touch $@
 
 install: $(VENV)/.installed

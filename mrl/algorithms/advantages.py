@@ -233,3 +233,75 @@ def compute_gae_advantage_return(token_level_rewards, response_mask, *, index=No
     v = _require(values, "values", "gae")
     adv, returns, moments = gae_scan(token_level_rewards, v.to(token_level_rewards.dtype), response_mask, gamma, lam)
     return whiten_with_moments(adv, response_mask, moments, out=adv), returns
+
+
+@register_adv_est("grpo_passk")
+@torch.no_grad()
+def compute_grpo_passk_outcome_advantage(token_level_rewards, response_mask, *, index=None, values=None,
+                                         reward_baselines=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
+                                         epsilon=1e-6):
+    """Pass@k GRPO (Chen et al. 2025, "Pass@k training", arXiv 2503.19595; verl ``grpo_passk``).
+
+    Within each uid group only the best sample gets a non-zero advantage: ``A = s_max - s_second``,
+    divided by ``std_g + eps`` (unbiased group std) when ``norm_adv_by_std_in_grpo``; every other
+    sample 0. Ties at the top give 0 whichever sample is "best", so the tie-break cannot matter.
+    Groups need at least 2 samples (error otherwise, as verl). ``A_it = A_i m_it``; returns = advantages.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    idx = _require(index, "index", "grpo_passk")
+    gid, g = group_ids(idx, scores.device)
+    count = torch.bincount(gid, minlength=g)
+    if bool((count < 2).any()):
+        raise ValueError("advantage estimator 'grpo_passk' needs at least 2 samples per uid group "
+                         f"(rollout.n >= 2); smallest group has {int(count.min())}")
+    _, std, _ = group_mean_std(scores, idx)
+    by_score = torch.argsort(scores, descending=True, stable=True)
+    order = by_score[torch.argsort(gid[by_score], stable=True)]  # groups in id order, best first
+    starts = torch.cumsum(count, 0) - count
+    best, second = order[starts], order[starts + 1]
+    top = scores[best] - scores[second]
+    if norm_adv_by_std_in_grpo:
+        top = top / (std[best] + epsilon)
+    adv = torch.zeros_like(scores).index_put_((best,), top)
+    adv = _row_times_mask(adv, response_mask)
+    return adv, adv
+
+
+@register_adv_est("opo")
+@torch.no_grad()
+def compute_opo_outcome_advantage(token_level_rewards, response_mask, *, index=None, values=None,
+                                  reward_baselines=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
+                                  epsilon=1e-6):
+    """OPO: on-policy RL with the optimal baseline (Hao et al. 2025, arXiv 2505.23585; verl ``opo``).
+
+    Length-weighted group baseline ``b_g = sum_j n_j s_j / sum_j n_j`` (``n_j`` = response tokens),
+    ``A_i = s_i - b_g``; a group of one has ``b = 0``. No std normalisation. A group whose responses
+    are all empty gets ``b = 0`` (verl divides 0 by 0). ``A_it = A_i m_it``; returns = advantages.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    gid, g = group_ids(_require(index, "index", "opo"), scores.device)
+    n = response_mask.sum(-1).to(scores.dtype)
+    count = torch.zeros(g, dtype=scores.dtype, device=scores.device).index_add_(0, gid, torch.ones_like(scores))
+    wsum = torch.zeros_like(count).index_add_(0, gid, n * scores)
+    nsum = torch.zeros_like(count).index_add_(0, gid, n)
+    base = torch.where((count > 1) & (nsum > 0), wsum / nsum.clamp(min=torch.finfo(scores.dtype).tiny),
+                       torch.zeros_like(wsum))
+    adv = _row_times_mask(scores - base[gid], response_mask)
+    return adv, adv
+
+
+@register_adv_est("gpg")
+@torch.no_grad()
+def compute_gpg_outcome_advantage(token_level_rewards, response_mask, *, index=None, values=None,
+                                  reward_baselines=None, gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
+                                  epsilon=1e-6):
+    """GPG advantage (Chu et al. 2025, arXiv 2504.02546; verl ``gpg``): ``A_i = alpha (s_i - mean_g)``
+    with ``alpha = B / max(1, #{i : s_i != 0})`` over the whole batch (GPG's correction for groups
+    without signal) and the group mean (0 for a group of one); no std (verl's ``f_norm`` = 1).
+    ``A_it = A_i m_it``; returns = advantages. Pair with the ``gpg`` policy loss.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    mean, _, _ = group_mean_std(scores, _require(index, "index", "gpg"))
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1).to(scores.dtype)
+    adv = _row_times_mask(alpha * (scores - mean), response_mask)
+    return adv, adv

@@ -24,6 +24,7 @@ from .masked import masked_sum
 
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
@@ -54,6 +55,8 @@ def agg_loss(
     ``sum m``), ``S`` = ``global_seqs`` (default: sequences with ``n_i > 0``):
 
     * ``token-mean``:              ``sum_it l m / N``                      (DAPO; verl default)
+    * ``token-sum``:               ``sum_it l m``                          (no normaliser; verl ``token-sum``:
+      the loss scale grows with the number of tokens, so the learning rate must absorb it)
     * ``seq-mean-token-sum``:      ``sum_i (sum_t l m) / S``
     * ``seq-mean-token-mean``:     ``sum_i (sum_t l m / n_i) / S``          (original GRPO)
     * ``seq-mean-token-sum-norm``: ``sum_i (sum_t l m) / (S * C)``          (Dr.GRPO)
@@ -77,6 +80,8 @@ def agg_loss(
     if loss_agg_mode == "token-mean":
         denom = mask.sum().clamp(min=1) if global_tokens is None else global_tokens
         return masked_sum(loss_mat, mask) / denom
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, mask)
 
     n_per_seq = mask.sum(dim=-1)
     seqs = (n_per_seq > 0).sum().clamp(min=1) if global_seqs is None else global_seqs

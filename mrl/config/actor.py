@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from mrl.config.base import Section
 from mrl.config.extensions import PluginSpec
@@ -24,7 +24,7 @@ KLType = Literal[
     "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
     "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+", "full",
 ]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 # verl's checkpoint contents: model = Megatron weights, optimizer = Adam state + LR schedule,
 # extra = the worker's update counter (mini-batch shuffle seed), hf_model = a transformers directory.
 CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
@@ -47,6 +47,23 @@ class CheckpointConfig(Section):
     def load(self) -> list[str]:
         """load_contents with its default (save_contents) applied."""
         return list(self.save_contents if self.load_contents is None else self.load_contents)
+
+
+class PolicyLossParamsConfig(Section):
+    """Hyper-parameters of the Clip-Cov / KL-Cov losses (verl ``actor.policy_loss.<key>``, same names and defaults)."""
+
+    clip_cov_ratio: float = Field(0.0002, gt=0, le=1, description="clip_cov: fraction of valid tokens whose gradient is dropped.")
+    clip_cov_lb: float = Field(1.0, description="clip_cov: lower bound of the covariance of the candidate tokens.")
+    clip_cov_ub: float = Field(5.0, description="clip_cov: upper bound of the covariance of the candidate tokens.")
+    kl_cov_ratio: float = Field(0.0002, gt=0, le=1, description="kl_cov: fraction of valid tokens (largest covariance) given the KL penalty.")
+    ppo_kl_coef: float = Field(0.1, ge=0, description="kl_cov: weight of the |log ratio| penalty on those tokens.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PolicyLossParamsConfig:
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"actor.policy_loss_params.clip_cov_lb={self.clip_cov_lb} must be < clip_cov_ub="
+                             f"{self.clip_cov_ub}; fix: e.g. clip_cov_lb=1.0, clip_cov_ub=5.0")
+        return self
 
 
 class ActorConfig(Section):
@@ -75,7 +92,11 @@ class ActorConfig(Section):
     kl_loss_coef: float = Field(0.001, ge=0, description="Weight of the KL loss term.")
     kl_loss_type: KLType = Field("low_var_kl", description="KL estimator: kl(k1)|abs|mse(k2)|low_var_kl(k3), '+' suffix = straight-through k2 gradient; 'full' is not supported.")
     loss_agg_mode: LossAggMode = Field("token-mean", description="How [B, T] token losses are reduced to a scalar.")
-    policy_loss: PluginSpec = Field("vanilla", description="Policy-loss registry name (vanilla = PPO clip, gspo = sequence ratio, reinforce = no clip) or a plugin 'pkg.module:fn' / 'path/to/file.py:fn' (docs/plugins.md).")
+    policy_loss: PluginSpec = Field("vanilla", description="Policy-loss registry name (verl's names: vanilla = PPO clip, gspo, cispo, sapo, geo_mean = GMPO, clip_cov, kl_cov, dppo_tv, dppo_kl, gpg; reinforce = no clip; docs/algorithms.md) or a plugin 'pkg.module:fn' / 'path/to/file.py:fn' (docs/plugins.md).")
+    policy_loss_params: PolicyLossParamsConfig = Field(
+        default_factory=PolicyLossParamsConfig, description="clip_cov / kl_cov hyper-parameters (verl actor.policy_loss.<key>).")
+    tau_pos: float = Field(1.0, gt=0, description="SAPO gate temperature for tokens with A > 0 (verl actor.tau_pos).")
+    tau_neg: float = Field(1.05, gt=0, description="SAPO gate temperature for tokens with A <= 0 (verl actor.tau_neg).")
     tis_imp_ratio_cap: float | None = Field(
         None, gt=0, description="Truncated importance sampling vs rollout log-probs, weight min(ratio, cap); null disables."
     )

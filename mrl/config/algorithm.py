@@ -7,16 +7,19 @@
 * ref_reward_blend (docs/driver.md, "Reward shaping"): ``r <- (1 - w) r + w * minmax(ref_log_prob)`` with w scheduled to max_weight.
 * repr_align (docs/driver.md, "Reward shaping"): ``r_t += w * cos(emb_gen, emb_gold) * mask_t / |mask|`` when batch entropy is high.
 * filter_groups (DAPO dynamic sampling): train only on groups whose metric has std > 0.
+* rollout_correction (verl's ``rollout_corr``): IS weights / rejection masks from ``pi_old / pi_rollout``
+  (decoupled PPO; mrl/algorithms/rollout_corr.py, docs/algorithms.md "Rollout correction").
 """
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from mrl.config.actor import KLType
 from mrl.config.base import Section
 from mrl.config.extensions import PluginSpec
+from mrl.rollout_corr_spec import RS_OPTIONS, parse_is_threshold, parse_rs
 
 Schedule = Literal["linear", "sigmoid", "cosine", "exp", "step"]
 
@@ -71,12 +74,66 @@ class FilterGroupsConfig(Section):
         0, ge=0, description="Generation rounds per step at most (data.gen_batch_size prompts each); 0 = no limit.")
 
 
+class RolloutCorrectionConfig(Section):
+    """Correction of the engine/trainer policy mismatch (verl ``algorithm.rollout_correction``, same keys):
+    importance weights ``rho = pi_old / pi_rollout`` on the policy loss and/or rejection of tokens and
+    sequences whose ratio leaves a trust region. Decoupled PPO: pi_old is recomputed by the trainer,
+    pi_rollout is what the engine reported. Off unless rollout_is or rollout_rs is set. docs/algorithms.md."""
+
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None, description="IS weight level: token (w_t = rho_t, truncated: biased, low variance), sequence "
+        "(w = prod_t rho_t per sequence: unbiased, high variance); null = no weights (rejection/metrics only).")
+    rollout_is_threshold: float | str = Field(
+        2.0, description="U (TIS: w <- min(w, U)) or the string 'L_U' (IcePop: w <- 0 outside [L, U]), e.g. 2.0 or "
+        "'0.5_5.0'.")
+    rollout_is_batch_normalize: bool = Field(
+        False, description="Divide the weights by their batch mean (tokens, or sequences for rollout_is=sequence).")
+    rollout_rs: str | None = Field(
+        None, description="Rejection (masked IS): comma-separated options, all must pass: token_k1|token_k2|token_k3|"
+        "seq_sum_k1..k3|seq_mean_k1..k3|seq_max_k2|seq_max_k3 on k1 = -log rho, k2 = (log rho)^2/2, "
+        "k3 = rho - 1 - log rho; seq_mean_k1 = geometric-mean sequence ratio. Rejected tokens leave the loss.")
+    rollout_rs_threshold: float | str | None = Field(
+        None, description="One threshold for all rollout_rs options or one per option (comma-separated): k1 options "
+        "'L_U' ratio bounds (a single U means [1/U, U]), the others an upper bound > 0.")
+    bypass_mode: bool = Field(
+        False, description="verl's bypass mode (pi_old := pi_rollout, no recomputation): not supported, mrl always "
+        "recomputes pi_old (decoupled mode); must be false.")
+    loss_type: Literal["ppo_clip", "reinforce"] = Field(
+        "ppo_clip", description="verl's bypass-mode loss; only used with bypass_mode, so it must stay ppo_clip.")
+
+    @property
+    def enabled(self) -> bool:
+        """Weights or rejection are on (the trainer then needs the engines' log-probs)."""
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutCorrectionConfig:
+        k = "algorithm.rollout_correction"
+        if self.bypass_mode:
+            raise ValueError(f"{k}.bypass_mode=true is not supported: mrl recomputes pi_old with the trainer "
+                             f"(decoupled mode); fix: {k}.bypass_mode=false")
+        if self.loss_type != "ppo_clip":
+            raise ValueError(f"{k}.loss_type={self.loss_type} only applies with bypass_mode=true, which mrl does not "
+                             f"support; fix: remove {k}.loss_type (the loss is actor.policy_loss)")
+        if self.rollout_is is not None:
+            parse_is_threshold(self.rollout_is_threshold, f"{k}.rollout_is_threshold")
+        elif self.rollout_is_batch_normalize:
+            raise ValueError(f"{k}.rollout_is_batch_normalize=true needs {k}.rollout_is (token or sequence); "
+                             f"fix: set {k}.rollout_is or remove rollout_is_batch_normalize")
+        if self.rollout_rs is not None:
+            parse_rs(self.rollout_rs, self.rollout_rs_threshold, k)
+        elif self.rollout_rs_threshold is not None:
+            raise ValueError(f"{k}.rollout_rs_threshold is set but {k}.rollout_rs is null, so it would be ignored; "
+                             f"fix: set {k}.rollout_rs (one of {', '.join(RS_OPTIONS)}) or remove the threshold")
+        return self
+
+
 class AlgorithmConfig(Section):
     """Advantage estimation and reward-side KL (verl ``algorithm``)."""
 
     adv_estimator: PluginSpec = Field(
         "grpo", description="Advantage estimator registry name (grpo, gae, rloo, reinforce_plus_plus, "
-        "reinforce_plus_plus_baseline, remax) or a plugin 'pkg.module:fn' / 'path/to/file.py:fn' (docs/plugins.md)."
+        "reinforce_plus_plus_baseline, remax, grpo_passk, opo, gpg) or a plugin 'pkg.module:fn' / 'path/to/file.py:fn' (docs/plugins.md)."
     )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor (GAE, REINFORCE++).")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
@@ -88,3 +145,5 @@ class AlgorithmConfig(Section):
     ref_reward_blend: RefRewardBlendConfig = Field(default_factory=RefRewardBlendConfig, description="Reference log-prob reward blend.")
     repr_align: ReprAlignConfig = Field(default_factory=ReprAlignConfig, description="Representation alignment shaping.")
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig, description="DAPO dynamic sampling.")
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig, description="Engine/trainer mismatch correction (verl rollout_corr).")

@@ -58,7 +58,8 @@ def check_async(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
                       "weights than the samples it baselines; fix: max_staleness=0 or another estimator")
     if cfg.trainer.val_only:
         errors.append(f"{what} with trainer.val_only=true trains nothing; fix: max_staleness=0")
-    if cfg.actor.tis_imp_ratio_cap is None:
-        notes.append(f"{what} without actor.tis_imp_ratio_cap: samples of older weights are trained on without an "
+    if cfg.actor.tis_imp_ratio_cap is None and cfg.algorithm.rollout_correction.rollout_is is None:
+        notes.append(f"{what} without actor.tis_imp_ratio_cap (or algorithm.rollout_correction.rollout_is): samples "
+                     "of older weights are trained on without an "
                      "importance-sampling correction (on the quickstart, max_staleness=1 then stopped learning while "
                      "tis_imp_ratio_cap=2 learned like max_staleness=0; docs/async.md)")

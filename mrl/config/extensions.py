@@ -40,7 +40,7 @@ PluginSpec = Annotated[str, AfterValidator(_syntax)]
 # key -> (registry's built-in module, its decorator, positional args, keywords mrl passes)
 _ADV_KW = ("index", "values", "reward_baselines", "gamma", "lam", "norm_adv_by_std_in_grpo")
 _LOSS_KW = ("loss_agg_mode", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "rollout_log_probs",
-            "tis_imp_ratio_cap", "global_tokens", "global_seqs", "norm_constant")
+            "tis_imp_ratio_cap", "global_tokens", "global_seqs", "norm_constant", "rollout_is_weights", "loss_params")
 POINTS = {
     "algorithm.adv_estimator": ("algorithms/advantages.py", "register_adv_est", 2, _ADV_KW),
     "actor.policy_loss": ("algorithms/policy_loss.py", "register_policy_loss", 4, _LOSS_KW),

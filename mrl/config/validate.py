@@ -22,7 +22,7 @@ from mrl.config.reward_model import check_reward_model
 from mrl.config.root import MRLConfig
 from mrl.net import is_loopback
 
-_GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus_baseline"}
+_GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk"}
 _DATA_SUFFIXES = (".parquet", ".jsonl")
 
 
@@ -213,6 +213,22 @@ def _check_lora(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) -> 
                           f"low-rank); fix: choose actor.lora.rank <= {shape.hidden_size}, typically 8-64")
 
 
+# verl aggregates these per sequence whatever loss_agg_mode says; mrl refuses the other modes instead.
+_SEQ_MEAN_LOSSES = {"sapo": "SAPO's gate is averaged per sequence", "geo_mean": "GMPO is a per-sequence objective"}
+
+
+def _check_losses(cfg: MRLConfig, errors: list[str]) -> None:
+    a, rc = cfg.actor, cfg.algorithm.rollout_correction
+    why = _SEQ_MEAN_LOSSES.get(a.policy_loss)
+    if why and a.loss_agg_mode != "seq-mean-token-mean":
+        errors.append(f"actor.policy_loss={a.policy_loss} with actor.loss_agg_mode={a.loss_agg_mode}: {why} (verl "
+                      "always uses seq-mean-token-mean for it); fix: actor.loss_agg_mode=seq-mean-token-mean")
+    if a.tis_imp_ratio_cap is not None and rc.rollout_is is not None:
+        errors.append(f"actor.tis_imp_ratio_cap and algorithm.rollout_correction.rollout_is are both set: the weights "
+                      f"would be applied twice; fix: keep one (tis_imp_ratio_cap={a.tis_imp_ratio_cap} is "
+                      f"rollout_is=token, rollout_is_threshold={a.tis_imp_ratio_cap})")
+
+
 def _check_algorithm(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
     a, al = cfg.actor, cfg.algorithm
     for key, val in (("actor.kl_loss_type", a.kl_loss_type), ("algorithm.kl_penalty", al.kl_penalty)):
@@ -237,6 +253,7 @@ def _check_algorithm(cfg: MRLConfig, errors: list[str], notes: list[str]) -> Non
             f"algorithm.adv_estimator={al.adv_estimator} compares responses within a prompt group but rollout.n="
             f"{cfg.rollout.n}; fix: set rollout.n >= 2 (e.g. 8)"
         )
+    _check_losses(cfg, errors)
     if al.adv_estimator == "gae" and not cfg.critic_enabled:
         errors.append("algorithm.adv_estimator=gae needs values but critic.enable=false; fix: set critic.enable=true (or null)")
     if cfg.critic_enabled and al.adv_estimator != "gae":

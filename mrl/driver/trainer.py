@@ -34,6 +34,7 @@ from mrl.driver.dumps import GenerationRows, dump_generations
 from mrl.driver.dynamic_sampling import kept_prompts, merge_rounds
 from mrl.driver.ranks import TrainRanks
 from mrl.driver.rollout_controller import RolloutController
+from mrl.driver.rollout_correction import apply_rollout_correction
 from mrl.driver.seeds import group_seeds
 from mrl.driver.shaping import (
     build_gold_batch,
@@ -316,6 +317,9 @@ class RLTrainer:
         d.entropys = ent
         if d.batch.rollout_log_probs is not None:  # engines that return log-probs (all mrl launches)
             m |= compute_rollout_mismatch_metrics(d.batch.rollout_log_probs, lp, d.batch.response_mask)
+        if self.cfg.algorithm.rollout_correction.enabled:  # verl's rollout_corr: IS weights + rejection mask
+            d.batch, corr = apply_rollout_correction(d.batch, self.cfg.algorithm.rollout_correction)
+            m |= corr
 
     def ref_log_prob(self, d: StepData) -> None:
         d.batch = d.batch.replace(ref_log_prob=self.ranks.compute_ref_log_prob(d.batch))

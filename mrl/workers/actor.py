@@ -153,7 +153,8 @@ class ActorWorker(TrainableState):
         e = self.engine
         local = e.dp_shard(batch)
         keys = loss_keys(use_kl_loss=self.cfg.use_kl_loss,
-                         use_rollout_log_probs=self.cfg.tis_imp_ratio_cap is not None)
+                         use_rollout_log_probs=self.cfg.tis_imp_ratio_cap is not None,
+                         use_rollout_is_weights=batch.rollout_is_weights is not None)
         acc: dict[str, float] = {}
         steps = 0
         for mb in make_minibatch_iterator(

@@ -28,7 +28,7 @@ Tensor = torch.Tensor
 REQUIRED_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 #: Optional per-token response fields, each [B, R].
 RESPONSE_KEYS = (
-    "old_log_probs", "advantages", "ref_log_prob", "rollout_log_probs", "values", "returns",
+    "old_log_probs", "advantages", "ref_log_prob", "rollout_log_probs", "values", "returns", "rollout_is_weights",
 )
 
 
@@ -51,6 +51,8 @@ class TrainBatch:
         rollout_log_probs: [B, R] log-probs reported by the inference engine; needed iff
             truncated importance sampling (``tis_imp_ratio_cap > 0``) is on.
         values: [B, R] V_old(s_t) from the critic (PPO).
+        rollout_is_weights: [B, R] detached rollout-correction weights (``algorithm.rollout_correction.rollout_is``),
+            multiplying the policy loss; 0 on padding.
         returns: [B, R] value targets (PPO).
         uid: [B] int64 group id (samples of one prompt share it); travels with the sample.
     """
@@ -66,6 +68,7 @@ class TrainBatch:
     rollout_log_probs: Tensor | None = None
     values: Tensor | None = None
     returns: Tensor | None = None
+    rollout_is_weights: Tensor | None = None
     uid: Tensor | None = None
 
     def __post_init__(self) -> None:

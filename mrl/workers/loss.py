@@ -5,6 +5,9 @@ micro-batches m over DP ranks r, with response tensors [b, R] and mask ``M_it``:
 
     L(M) = PG(M) − entropy_coeff · agg(H) + kl_loss_coef · agg(KL_{kl_loss_type}(log π, log π_ref))
 
+PG's token losses are multiplied by the batch's ``rollout_is_weights`` when rollout correction is on
+(computed on the whole step batch by the trainer; its rejections are already out of ``response_mask``).
+
 Every ``agg`` is the algorithms library's :func:`~mrl.algorithms.agg_loss.agg_loss` with the
 mini-batch's global denominators ``N = Σ_{r,m,i,t} M_it`` (tokens) and ``S = #{i : Σ_t M_it > 0}``
 (sequences) — counted once per mini-batch over all micro-batches and DP ranks
@@ -24,7 +27,7 @@ import torch
 
 from mrl.algorithms.agg_loss import agg_loss
 from mrl.algorithms.kl import kl_penalty
-from mrl.algorithms.policy_loss import get_policy_loss_fn
+from mrl.algorithms.policy_loss import PolicyLossParams, get_policy_loss_fn
 from mrl.algorithms.value import compute_value_loss
 from mrl.megatron.vocab_parallel import vocab_parallel_log_probs
 from mrl.workers.engine import MicroBatch
@@ -62,39 +65,48 @@ def check_norm_constant(loss_agg_mode: str, norm_constant: float | None, role: s
 
 @dataclass
 class ActorLossSpec:
-    """Loss knobs of one update (from :class:`mrl.config.actor.ActorConfig`).
+    """Loss knobs of one update, built from :class:`mrl.config.actor.ActorConfig` by :meth:`from_config`
+    (the config is the single source of the defaults: no field has one here).
 
     ``norm_constant`` is Dr.GRPO's ``C`` for ``seq-mean-token-sum-norm`` (required there, unused
-    by the other modes): ``rollout.max_response_length``, the generation budget.
+    by the other modes): ``rollout.max_response_length``, the generation budget. ``loss_params``:
+    the hyper-parameters of SAPO / Clip-Cov / KL-Cov.
     """
 
-    policy_loss: str = "vanilla"
-    loss_agg_mode: str = "token-mean"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float | None = 3.0
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
-    tis_imp_ratio_cap: float | None = None
-    temperature: float = 1.0
-    norm_constant: float | None = None
+    policy_loss: str
+    loss_agg_mode: str
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float | None
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    tis_imp_ratio_cap: float | None
+    temperature: float
+    norm_constant: float | None
+    loss_params: PolicyLossParams
 
     def __post_init__(self) -> None:
         check_norm_constant(self.loss_agg_mode, self.norm_constant, "actor")
 
     @classmethod
-    def from_config(cls, cfg, temperature: float, *, max_response_length: int | None) -> ActorLossSpec:
-        """``cfg``: the ``actor`` section; ``max_response_length``: ``rollout.max_response_length``."""
-        return cls(
-            policy_loss=cfg.policy_loss, loss_agg_mode=cfg.loss_agg_mode,
-            clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c, entropy_coeff=cfg.entropy_coeff,
-            use_kl_loss=cfg.use_kl_loss, kl_loss_coef=cfg.kl_loss_coef,
-            kl_loss_type=cfg.kl_loss_type, tis_imp_ratio_cap=cfg.tis_imp_ratio_cap,
-            temperature=temperature, norm_constant=max_response_length,
-        )
+    def from_config(cls, cfg, temperature: float, *, max_response_length: int | None, **overrides) -> ActorLossSpec:
+        """``cfg``: the ``actor`` section; ``max_response_length``: ``rollout.max_response_length``;
+        ``overrides``: fields to replace (tests)."""
+        p = cfg.policy_loss_params
+        kw = {
+            "policy_loss": cfg.policy_loss, "loss_agg_mode": cfg.loss_agg_mode,
+            "clip_ratio_low": cfg.clip_ratio_low, "clip_ratio_high": cfg.clip_ratio_high,
+            "clip_ratio_c": cfg.clip_ratio_c, "entropy_coeff": cfg.entropy_coeff,
+            "use_kl_loss": cfg.use_kl_loss, "kl_loss_coef": cfg.kl_loss_coef,
+            "kl_loss_type": cfg.kl_loss_type, "tis_imp_ratio_cap": cfg.tis_imp_ratio_cap,
+            "temperature": temperature, "norm_constant": max_response_length,
+            "loss_params": PolicyLossParams(
+                tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg, clip_cov_ratio=p.clip_cov_ratio, clip_cov_lb=p.clip_cov_lb,
+                clip_cov_ub=p.clip_cov_ub, kl_cov_ratio=p.kl_cov_ratio, ppo_kl_coef=p.ppo_kl_coef),
+        }
+        return cls(**(kw | overrides))
 
 
 def response_log_probs(mb: MicroBatch, logits: Tensor, *, tp_group, temperature: float,
@@ -137,7 +149,9 @@ def actor_loss_func(
         loss_agg_mode=spec.loss_agg_mode, clip_ratio_low=spec.clip_ratio_low,
         clip_ratio_high=spec.clip_ratio_high, clip_ratio_c=spec.clip_ratio_c,
         rollout_log_probs=None if d.rollout_log_probs is None else d.rollout_log_probs.to(dev, log_prob.dtype),
-        tis_imp_ratio_cap=spec.tis_imp_ratio_cap, **g,
+        tis_imp_ratio_cap=spec.tis_imp_ratio_cap,
+        rollout_is_weights=None if d.rollout_is_weights is None else d.rollout_is_weights.to(dev, log_prob.dtype),
+        loss_params=spec.loss_params, **g,
     )
     loss = out.pg_loss
     ent_loss = agg_loss(entropy, mask, spec.loss_agg_mode, **g)

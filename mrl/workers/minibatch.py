@@ -10,7 +10,8 @@ Hierarchy of one training step (units as in :mod:`mrl.workers.batch`)::
 
 ``make_minibatch_iterator`` follows verl's Megatron actor (verl's ``megatron_actor.py``
 ``make_minibatch_iterator``): it selects only the keys the loss needs — ``ref_log_prob`` iff
-``use_kl_loss``, ``rollout_log_probs`` iff importance-sampling correction is on.
+``use_kl_loss``, ``rollout_log_probs`` iff TIS (``tis_imp_ratio_cap``) is on, ``rollout_is_weights`` iff the
+trainer's rollout correction computed them.
 
 Model inputs are the *compact* BSHD layout: each sample's valid tokens (prompt then response,
 padding removed) start at column 0 and are right-padded, so the causal mask alone is correct and
@@ -33,9 +34,11 @@ from mrl.workers.batch import TrainBatch
 Tensor = torch.Tensor
 
 
-def loss_keys(*, use_kl_loss: bool, use_rollout_log_probs: bool) -> list[str]:
+def loss_keys(*, use_kl_loss: bool, use_rollout_log_probs: bool, use_rollout_is_weights: bool = False) -> list[str]:
     """Optional TrainBatch fields the actor loss reads (verl ``select_keys``)."""
     keys = ["old_log_probs", "advantages"]
+    if use_rollout_is_weights:
+        keys.append("rollout_is_weights")
     if use_kl_loss:
         keys.append("ref_log_prob")
     if use_rollout_log_probs:

@@ -28,6 +28,8 @@ def test_algorithms_import_only_torch_numpy_stdlib():
     bad = {str(f.relative_to(PKG)): sorted(_imported_roots(f) - ALLOWED) for f in files}
     # registry.py resolves plugin specs with mrl.plugins, itself stdlib-only (checked here)
     assert bad.pop("registry.py") == ["mrl"] and _imported_roots(PKG.parent / "plugins.py") <= ALLOWED
+    # rollout_corr.py shares the threshold parsing with the (torch-free) config: mrl.rollout_corr_spec, stdlib-only
+    assert bad.pop("rollout_corr.py") == ["mrl"] and _imported_roots(PKG.parent / "rollout_corr_spec.py") <= ALLOWED
     assert {k: v for k, v in bad.items() if v} == {}
 
 
@@ -57,9 +59,9 @@ def test_registries_refuse_duplicates_and_list_valid_names():
         A.register_policy_loss("vanilla")(lambda *a, **k: None)
     with pytest.raises(ValueError, match="already registered"):
         A.register_adv_est("grpo")(lambda *a, **k: None)
-    with pytest.raises(ValueError, match=r"valid names: .*gspo, reinforce, vanilla"):
+    with pytest.raises(ValueError, match=r"valid names: .*gspo, kl_cov, reinforce, sapo, vanilla"):
         A.get_policy_loss_fn("ppo2")
-    with pytest.raises(ValueError, match=r"algorithm.adv_estimator.*gae, grpo"):
+    with pytest.raises(ValueError, match=r"algorithm.adv_estimator.*gae, gpg, grpo,.* grpo_passk, opo"):
         A.get_adv_estimator("grpoo")
     assert {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"} <= set(
         A.adv_estimator_names())

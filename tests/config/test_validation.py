@@ -189,6 +189,35 @@ BAD = [
     ("async_with_remax", ["trainer.async_training.max_staleness=1", "algorithm.adv_estimator=remax"],
      ["max_staleness=1", "algorithm.adv_estimator=remax"]),
     ("async_negative_staleness", ["trainer.async_training.max_staleness=-1"], ["trainer.async_training.max_staleness"]),
+    # rollout correction (verl's algorithm.rollout_correction keys) and the losses with their own rules
+    ("rollout_is_unknown_level", ["algorithm.rollout_correction.rollout_is=tokens"], ["algorithm.rollout_correction.rollout_is"]),
+    ("rollout_is_threshold_not_a_number", ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=abc"],
+     ["algorithm.rollout_correction.rollout_is_threshold='abc'", "0.5_5.0"]),
+    ("rollout_is_threshold_lower_above_upper", ["algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.rollout_is_threshold='5.0_0.5'"],
+     ["algorithm.rollout_correction.rollout_is_threshold='5.0_0.5'", "0 < L <= U"]),
+    ("rollout_is_threshold_not_positive", ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=-1"],
+     ["algorithm.rollout_correction.rollout_is_threshold=-1", "U > 0"]),
+    ("rollout_rs_unknown_option", ["algorithm.rollout_correction.rollout_rs=token_k4", "algorithm.rollout_correction.rollout_rs_threshold=2"], ["algorithm.rollout_correction.rollout_rs", "token_k4"]),
+    ("rollout_rs_without_threshold", ["algorithm.rollout_correction.rollout_rs=seq_mean_k1"], ["algorithm.rollout_correction.rollout_rs='seq_mean_k1'", "rollout_rs_threshold"]),
+    ("rollout_rs_k2_with_ratio_bounds", ["algorithm.rollout_correction.rollout_rs=token_k2", "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0'"],
+     ["algorithm.rollout_correction.rollout_rs_threshold", "token_k2", "one upper bound"]),
+    ("rollout_rs_threshold_count", ["algorithm.rollout_correction.rollout_rs='token_k1,seq_max_k3,token_k2'", "algorithm.rollout_correction.rollout_rs_threshold='2,0.1'"],
+     ["algorithm.rollout_correction.rollout_rs_threshold", "3 (one per option)"]),
+    ("rollout_rs_threshold_without_rs", ["algorithm.rollout_correction.rollout_rs_threshold=2"], ["algorithm.rollout_correction.rollout_rs_threshold", "ignored"]),
+    ("rollout_batch_normalize_without_is", ["algorithm.rollout_correction.rollout_is_batch_normalize=true"], ["algorithm.rollout_correction.rollout_is_batch_normalize"]),
+    ("rollout_bypass_mode", ["algorithm.rollout_correction.bypass_mode=true"], ["algorithm.rollout_correction.bypass_mode=true", "decoupled"]),
+    ("rollout_loss_type_without_bypass", ["algorithm.rollout_correction.loss_type=reinforce"], ["algorithm.rollout_correction.loss_type=reinforce"]),
+    ("tis_cap_and_rollout_is", ["actor.tis_imp_ratio_cap=2", "algorithm.rollout_correction.rollout_is=token"],
+     ["actor.tis_imp_ratio_cap", "algorithm.rollout_correction.rollout_is", "applied twice"]),
+    ("sapo_with_token_mean", ["actor.policy_loss=sapo"], ["actor.policy_loss=sapo", "actor.loss_agg_mode=seq-mean-token-mean"]),
+    ("geo_mean_with_token_mean", ["actor.policy_loss=geo_mean", "actor.loss_agg_mode=token-sum"],
+     ["actor.policy_loss=geo_mean", "actor.loss_agg_mode=token-sum"]),
+    ("passk_with_n1", ["algorithm.adv_estimator=grpo_passk", "rollout.n=1", "actor.ppo_micro_batch_size_per_gpu=1"],
+     ["algorithm.adv_estimator=grpo_passk", "rollout.n >= 2"]),
+    ("clip_cov_bounds_reversed", ["actor.policy_loss_params.clip_cov_lb=6"], ["actor.policy_loss_params.clip_cov_lb=6.0"]),
+    ("clip_cov_ratio_zero", ["actor.policy_loss_params.clip_cov_ratio=0"], ["actor.policy_loss_params.clip_cov_ratio"]),
+    ("sapo_tau_zero", ["actor.tau_pos=0"], ["actor.tau_pos"]),
+    ("loss_agg_mode_unknown", ["actor.loss_agg_mode=token_sum"], ["actor.loss_agg_mode"]),
 ]
 
 
@@ -216,6 +245,20 @@ def test_dapo_settings_are_valid(base_overrides: list[str]) -> None:
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "rollout.n=4",
         "algorithm.filter_groups.max_num_gen_batches=3", "data.gen_batch_size=16", "actor.clip_ratio_high=0.28",
         "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=8"])
+    assert check_config(cfg)[0] == []
+
+
+@pytest.mark.parametrize("extra", [
+    ["algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.rollout_is_threshold='0.5_5.0'",
+     "algorithm.rollout_correction.rollout_rs='token_k1,seq_max_k3'",
+     "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0,0.1'", "actor.policy_loss=cispo"],
+    ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+     "actor.policy_loss=sapo", "actor.loss_agg_mode=seq-mean-token-mean", "actor.tau_neg=1.2"],
+    ["actor.policy_loss=clip_cov", "actor.policy_loss_params.clip_cov_ratio=0.01", "actor.loss_agg_mode=token-sum",
+     "algorithm.adv_estimator=grpo_passk"],
+], ids=["corr+cispo", "token-is+sapo", "clip_cov+passk"])
+def test_new_losses_and_rollout_correction_are_valid(base_overrides: list[str], extra: list[str]) -> None:
+    cfg = load_config(None, base_overrides + extra)
     assert check_config(cfg)[0] == []
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from mrl.workers.batch import TrainBatch
+from mrl.workers.batch import RESPONSE_KEYS, TrainBatch
 
 
 def ragged_batch(
@@ -80,8 +80,7 @@ def with_response_width(batch: TrainBatch, width: int) -> TrainBatch:
     out = {}
     for name in ("input_ids", "attention_mask", "position_ids"):
         out[name] = fix(getattr(batch, name), P)
-    for name in ("responses", "response_mask", "old_log_probs", "advantages", "ref_log_prob",
-                 "rollout_log_probs", "values", "returns"):
+    for name in ("responses", "response_mask", *RESPONSE_KEYS):
         t = getattr(batch, name)
         out[name] = None if t is None else fix(t, 0)
     return TrainBatch(**out, uid=batch.uid)

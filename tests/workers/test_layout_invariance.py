@@ -38,12 +38,13 @@ WIDE_KEY = ("seq-mean-token-sum-norm", "pg+ent+kl")
 
 
 def _specs():
+    from mrl.config.actor import ActorConfig
     from mrl.workers.loss import ActorLossSpec
 
     out = {}
     for mode in MODES:
-        base = ActorLossSpec(loss_agg_mode=mode, temperature=TEMPERATURE, clip_ratio_c=3.0,
-                             norm_constant=MAX_RESPONSE_LENGTH)
+        base = ActorLossSpec.from_config(ActorConfig(loss_agg_mode=mode, clip_ratio_c=3.0), TEMPERATURE,
+                                         max_response_length=MAX_RESPONSE_LENGTH)
         out[(mode, "pg")] = base
         out[(mode, "pg+ent+kl")] = dataclasses.replace(
             base, entropy_coeff=0.05, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")

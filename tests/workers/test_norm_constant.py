@@ -99,7 +99,9 @@ def _assert_same(got, want, rtol=RTOL):
 @pytest.mark.parametrize("terms", ["pg", "pg+ent+kl"])
 def test_actor_loss_dynamic_micro_batches_of_different_widths_equal_one_micro_batch(model, terms):
     batch = ragged_batch()
-    spec = ActorLossSpec(loss_agg_mode=MODE, temperature=TEMPERATURE, norm_constant=MAX_RESPONSE_LENGTH)
+    from mrl.config.actor import ActorConfig
+
+    spec = ActorLossSpec.from_config(ActorConfig(loss_agg_mode=MODE), TEMPERATURE, max_response_length=MAX_RESPONSE_LENGTH)
     if terms == "pg+ent+kl":
         spec = dataclasses.replace(spec, entropy_coeff=0.05, use_kl_loss=True, kl_loss_coef=0.1)
     vocab = int(model.config.vocab_size)
@@ -137,11 +139,11 @@ def test_critic_loss_dynamic_micro_batches_of_different_widths_equal_one_micro_b
 def test_sum_norm_without_max_response_length_is_refused_not_defaulted_to_the_width():
     from mrl.config.actor import ActorConfig
 
-    with pytest.raises(ValueError, match="rollout.max_response_length"):
-        ActorLossSpec(loss_agg_mode=MODE)
-    with pytest.raises(ValueError, match="must be > 0"):
-        ActorLossSpec(loss_agg_mode=MODE, norm_constant=0)
     cfg = ActorConfig(loss_agg_mode=MODE)
+    with pytest.raises(ValueError, match="rollout.max_response_length"):
+        ActorLossSpec.from_config(cfg, 1.0, max_response_length=None)
+    with pytest.raises(ValueError, match="must be > 0"):
+        ActorLossSpec.from_config(cfg, 1.0, max_response_length=0)
     assert ActorLossSpec.from_config(cfg, 1.0, max_response_length=512).norm_constant == 512
     with pytest.raises(ValueError, match="actor.loss_agg_mode=seq-mean-token-sum-norm"):
         ActorLossSpec.from_config(cfg, 1.0, max_response_length=None)
