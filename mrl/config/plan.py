@@ -15,6 +15,7 @@ Memory per device (Megatron mixed precision, nothing offloaded, activations and 
     actor/critic  = params * (w + 4 [fp32 main grads] + (12 if w < 4 else 8) [fp32 master + Adam m, v] / (DP*CP
                     when use_distributed_optimizer)), w = bytes of model.dtype
     reference     = params * w;  engine = unpadded params / engine_tp_size * w
+    reward model  = its params (scalar head, the actor's TP/PP) * (4 on CPU, else 2: bf16), on the actor's devices
     LoRA actor    = params * w + a * (w + 4 + opt / shard): only the a adapter params/device get grads and
                     Adam state; a = Σ_layers Σ_targets r·in + r·out/TP (column) or r·in/TP + r·out (row).
                     The colocated reference is the same model with adapters off: 0 bytes.
@@ -168,7 +169,29 @@ def build_plan(cfg: MRLConfig) -> Plan:
         plan.memory["critic"] = trained_memory(shape, c.megatron, max(roles["critic"].dp, 1), dt,
                                                c.use_distributed_optimizer, div, value_head=True)
     plan.memory["rollout"] = RoleMemory(weights=int(plan.param_count * itemsize(dt) / cfg.rollout.engine_tp_size))
+    _reward_model(cfg, plan)
     return plan
+
+
+def _reward_model(cfg: MRLConfig, plan: Plan) -> None:
+    """The RM on the actor's devices with its TP/PP layout: frozen weights (+ a [1, H] head) in the
+    worker's dtype (fp32 on CPU, bf16 on accelerators); no estimate when its config.json is absent."""
+    from mrl.config.hf import read_model_shape
+
+    rm = cfg.reward_model
+    if not rm.enable or not rm.model.path:
+        return
+    actor = plan.roles["actor"]
+    plan.roles["reward_model"] = RoleLayout("reward_model", actor.first, actor.count, True, cfg.actor.megatron)
+    try:
+        shape = read_model_shape(rm.model.path)
+    except ValueError:
+        shape = None  # check_config reported it
+    if shape is None:
+        return
+    w = 4 if cfg.cluster.device == "cpu" else 2
+    plan.memory["reward_model"] = RoleMemory(
+        weights=params_per_device(shape, cfg.actor.megatron, cfg.model.make_vocab_size_divisible_by, value_head=True) * w)
 
 
 def _gib(b: int) -> str:
@@ -203,7 +226,7 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
             desc = (f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
                     f"CP={p.context_parallel_size} DP={lay.dp}")
         share = "colocated with actor" if lay.colocated else "owns these devices"
-        lines.append(f"    {name:8s} {lay.count:4d} {kind} [{where}] {desc}; {share}")
+        lines.append(f"    {name:12s} {lay.count:4d} {kind} [{where}] {desc}; {share}")
     if plan.memory:
         lines.append(f"  memory per device (model {plan.param_count / 1e6:.1f}M params, {cfg.model.dtype}; "
                      "activations and KV cache not included):")
@@ -211,7 +234,7 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
             parts = f"weights {_gib(m.weights)}"
             if m.grads:
                 parts += f" + grads {_gib(m.grads)} + optimizer {_gib(m.optimizer)}"
-            lines.append(f"    {name:8s} {parts} = {_gib(m.total)}")
+            lines.append(f"    {name:12s} {parts} = {_gib(m.total)}")
         for group, total in plan.device_total().items():
             lines.append(f"    total per {group} device if nothing is offloaded: {_gib(total)}")
         full, lo = plan.full_finetune_actor, plan.memory["actor"]
