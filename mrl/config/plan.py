@@ -25,13 +25,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mrl.config.hf import ModelShape
+from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout, compute_layout
 from mrl.config.parallel import ParallelConfig
 from mrl.config.root import MRLConfig
 from mrl.config.run_plan import update_plan
-from mrl.dtypes import itemsize
 from mrl.config.validate import check_config, load_shape
+from mrl.dtypes import itemsize
 
 GiB = 1024**3
 
@@ -176,8 +176,6 @@ def build_plan(cfg: MRLConfig) -> Plan:
 def _reward_model(cfg: MRLConfig, plan: Plan) -> None:
     """The RM on the actor's devices with its TP/PP layout: frozen weights (+ a [1, H] head) in the
     worker's dtype (fp32 on CPU, bf16 on accelerators); no estimate when its config.json is absent."""
-    from mrl.config.hf import read_model_shape
-
     rm = cfg.reward_model
     if not rm.enable or not rm.model.path:
         return

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from mrl.driver.rm_reward import RewardModelInputs, combine_rm, rm_input_batch, rm_texts
-from tests.helpers.tiny_tokenizer import CHATML_TEMPLATE, add_chat_template, save_other_tokenizer, save_tiny_tokenizer
+from tests.helpers.tiny_tokenizer import (
+    CHATML_TEMPLATE,
+    add_chat_template,
+    save_other_tokenizer,
+    save_tiny_tokenizer,
+)
 from tests.workers.test_reward_model import actor_batch
 
 

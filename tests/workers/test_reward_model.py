@@ -129,7 +129,11 @@ def test_rm_with_its_own_tokenizer_matches_transformers(tmp_path: Path, family: 
     import transformers as tf
 
     from mrl.driver.rm_reward import rm_input_batch
-    from tests.helpers.tiny_tokenizer import CHATML_TEMPLATE, add_chat_template, save_other_tokenizer
+    from tests.helpers.tiny_tokenizer import (
+        CHATML_TEMPLATE,
+        add_chat_template,
+        save_other_tokenizer,
+    )
 
     actor_dir = tmp_path / "actor"
     save_tiny_tokenizer(actor_dir)
