@@ -97,8 +97,8 @@ def check_reward_model(cfg: MRLConfig, errors: list[str], notes: list[str]) -> N
                       "which ignores extra_info['rm_score'] (the RM would not count); fix: reward.function="
                       "path/to/file.py:fn reading extra_info['rm_score'], or reward_model.combine=rm | rule+rm")
     if rm.combine == "rm":
-        notes.append(f"reward_model.combine=rm: the reward model's score is the reward; reward.function="
-                     f"{cfg.reward.function!r} scores validation only")
+        notes.append(f"reward_model.combine=rm: the reward model's score is the reward, in training and validation; "
+                     f"reward.function={cfg.reward.function!r} is not called")
 
 
 def _tokenizer_dir_has_template(path: Path) -> bool | None:
