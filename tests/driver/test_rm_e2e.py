@@ -58,7 +58,7 @@ def test_reward_model_rewards_two_steps(tmp_path: Path, combine: str) -> None:
     if combine == "rm":  # the training reward is the RM score (verl's reward manager returns rm_scores)
         assert all(abs(score[s] - mean[s]) < 1e-5 for s in (1, 2)), (score, mean)
         if not extra[0].startswith("reward_model.model.input_tokenizer"):  # validation: the RM score is the reward
-            val, val_rm = metrics(db, "val-core/arith/reward/mean@1"), metrics(db, "val-aux/arith/rm_score/mean@1")
+            val, val_rm = metrics(db, "val-core/arith/reward/mean_at_1"), metrics(db, "val-aux/arith/rm_score/mean_at_1")
             assert list(val) == list(val_rm) == [0] and abs(val[0] - val_rm[0]) < 1e-6, (val, val_rm)
     elif combine == "function":  # the custom scorer's 2 * extra_info["rm_score"]
         assert all(abs(score[s] - 2 * mean[s]) < 1e-4 for s in (1, 2)), (score, mean)
