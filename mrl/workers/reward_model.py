@@ -86,11 +86,12 @@ class RewardModelWorker:
                                      dtype=dtype or (torch.float32 if device == "cpu" else torch.bfloat16),
                                      seed=seed, train=False, score_head=True, init_parallel=init_parallel)
 
-    def offload(self) -> None:
-        """Weights to host memory until :meth:`onload` (reward_model.offload; a no-op on CPU)."""
+    def offload(self, *, force: bool = False) -> None:
+        """Weights to host memory until :meth:`onload` (reward_model.offload; a no-op on CPU unless
+        ``force``, which tests use to exercise the round trip)."""
         from mrl.workers.offload import offload_state
 
-        self._offloaded = offload_state(self.engine)
+        self._offloaded = offload_state(self.engine, force=force)
 
     def onload(self) -> None:
         from mrl.workers.offload import onload_state

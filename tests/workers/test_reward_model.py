@@ -171,3 +171,23 @@ def _rank_on(rank, world, path, tp, pp, batch):
     w = RewardModelWorker(path, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
                           micro_batch_size=3, seed=1234)
     return w.compute_rm_score(batch)
+
+
+def _offload_rank(rank, world, path):
+    from mrl.config.parallel import ParallelConfig
+    from mrl.workers.reward_model import RewardModelWorker
+    from tests.workers.batches import ragged_batch
+
+    w = RewardModelWorker(path, ParallelConfig(), micro_batch_size=4, seed=1234)
+    before = w.compute_rm_score(ragged_batch())
+    w.offload(force=True)  # CPU: forced, so the storages really are freed and restored
+    freed = all(p.untyped_storage().nbytes() == 0 for c in w.engine.chunks for p in c.parameters())
+    w.onload()
+    return before, freed, w.compute_rm_score(ragged_batch())
+
+
+def test_offload_round_trip_keeps_the_scores(tmp_path: Path) -> None:
+    path = make_tiny_rm(tmp_path / "rm", "qwen2")
+    before, freed, after = run_ranks(_offload_rank, world_size=1, args=(str(path),), timeout_s=300)[0]
+    assert freed
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
