@@ -29,8 +29,10 @@ def test_rm_is_a_trained_sequence_classifier_sharing_the_actor_tokenizer(assets:
     rm_dir = assets / qrm.RM_DIR
     rm = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
     assert rm.config.architectures == ["Qwen2ForSequenceClassification"] and rm.config.num_labels == 1
-    assert (rm_dir / "tokenizer.json").read_bytes() == (assets / qs.MODEL_DIR / "tokenizer.json").read_bytes()
-    tok = AutoTokenizer.from_pretrained(rm_dir)
+    tok, actor = AutoTokenizer.from_pretrained(rm_dir), AutoTokenizer.from_pretrained(assets / qs.MODEL_DIR)
+    assert tok.get_vocab() == actor.get_vocab()  # the actor's tokenizer: same ids for every prompt and answer
+    texts = [t for p, a in qs.problems() for t in (p, f" {a}", f" {int(a) + 1}")]
+    assert [tok(t)["input_ids"] for t in texts] == [actor(t)["input_ids"] for t in texts]
     pairwise, top1 = qrm.rm_accuracy(rm, tok)
     assert pairwise >= qrm.RM_TARGET and top1 >= 0.5  # prefers right sums (top-1 measured 0.72)
     # an untrained head (the training's start) prefers nothing: the accuracy is the training's work
