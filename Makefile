@@ -34,7 +34,15 @@ $(QUICKSTART_ASSETS): $(VENV)/.installed mrl/quickstart.py
 
 quickstart-assets: $(QUICKSTART_ASSETS)
 
-train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(QUICKSTART_ASSETS))
+# The quickstart's reward model (mrl_configs/quickstart_rm.yaml): trained on the actor's body, so
+# rewritten whenever the quickstart's assets are.
+QUICKSTART_RM := outputs/quickstart/.rm-written
+$(QUICKSTART_RM): $(QUICKSTART_ASSETS) mrl/quickstart_rm.py
+	$(PY) -m mrl.quickstart_rm --out outputs/quickstart --force
+	@touch $@
+
+train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(QUICKSTART_ASSETS)) \
+		$(if $(findstring quickstart_rm,$(CONFIG)),$(QUICKSTART_RM))
 	$(VENV)/bin/mrl train $(CONFIG) $(ARGS)
 
 plan: $(VENV)/.installed

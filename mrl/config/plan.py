@@ -15,6 +15,7 @@ Memory per device (Megatron mixed precision, nothing offloaded, activations and 
     actor/critic  = params * (w + 4 [fp32 main grads] + (12 if w < 4 else 8) [fp32 master + Adam m, v] / (DP*CP
                     when use_distributed_optimizer)), w = bytes of model.dtype
     reference     = params * w;  engine = unpadded params / engine_tp_size * w
+    reward model  = its params (scalar head, the actor's TP/PP) * (4 on CPU, else 2: bf16), on the actor's devices
     LoRA actor    = params * w + a * (w + 4 + opt / shard): only the a adapter params/device get grads and
                     Adam state; a = Σ_layers Σ_targets r·in + r·out/TP (column) or r·in/TP + r·out (row).
                     The colocated reference is the same model with adapters off: 0 bytes.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mrl.config.hf import ModelShape
+from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout, compute_layout
 from mrl.config.parallel import ParallelConfig
 from mrl.config.root import MRLConfig
@@ -168,7 +169,27 @@ def build_plan(cfg: MRLConfig) -> Plan:
         plan.memory["critic"] = trained_memory(shape, c.megatron, max(roles["critic"].dp, 1), dt,
                                                c.use_distributed_optimizer, div, value_head=True)
     plan.memory["rollout"] = RoleMemory(weights=int(plan.param_count * itemsize(dt) / cfg.rollout.engine_tp_size))
+    _reward_model(cfg, plan)
     return plan
+
+
+def _reward_model(cfg: MRLConfig, plan: Plan) -> None:
+    """The RM on the actor's devices with its TP/PP layout: frozen weights (+ a [1, H] head) in the
+    worker's dtype (fp32 on CPU, bf16 on accelerators); no estimate when its config.json is absent."""
+    rm = cfg.reward_model
+    if not rm.enable or not rm.model.path:
+        return
+    actor = plan.roles["actor"]
+    plan.roles["reward_model"] = RoleLayout("reward_model", actor.first, actor.count, True, cfg.actor.megatron)
+    try:
+        shape = read_model_shape(rm.model.path)
+    except ValueError:
+        shape = None  # check_config reported it
+    if shape is None:
+        return
+    w = 4 if cfg.cluster.device == "cpu" else 2
+    plan.memory["reward_model"] = RoleMemory(
+        weights=params_per_device(shape, cfg.actor.megatron, cfg.model.make_vocab_size_divisible_by, value_head=True) * w)
 
 
 def _gib(b: int) -> str:

@@ -1,8 +1,10 @@
 """Reward-model section (verl ``reward_model``): a Hugging Face ``*ForSequenceClassification``
 checkpoint scores every (prompt, response) on the trainer's ranks, in phase ``rm_score``.
 
-The RM is colocated with the actor: the same ranks and Megatron layout (``actor.megatron``), the
-same tokenizer (the batch's token ids are scored as they are). Its score ``rm_score`` [B] becomes
+The RM is colocated with the actor: the same ranks and Megatron layout (``actor.megatron``). With
+the actor's tokenizer it scores the batch's token ids as they are; with another tokenizer or chat
+template (``model.input_tokenizer`` set, verl's ``_switch_chat_template``) each response is decoded
+and the conversation re-rendered with the RM's chat template first. Its score ``rm_score`` [B] becomes
 the reward (``combine: rm``, verl's default: its reward manager returns ``rm_scores`` when the
 batch has them), is added to the rule score (``combine: rule+rm``), or is left to the reward
 function, which receives it as ``extra_info["rm_score"]`` (``combine: function``).
@@ -24,7 +26,13 @@ if TYPE_CHECKING:
 class RewardModelPathConfig(Section):
     """Where the reward model's weights are (verl ``reward_model.model``)."""
 
-    path: str | None = Field(None, description="HF *ForSequenceClassification checkpoint directory (num_labels=1).")
+    path: str | None = Field(None, description="HF *ForSequenceClassification checkpoint directory (num_labels=1); "
+                             "its tokenizer is the RM's when input_tokenizer is set.")
+    input_tokenizer: str | None = Field(
+        None, description="verl's input_tokenizer: the ACTOR's tokenizer directory (model.tokenizer_path or model.path) "
+        "when the RM's tokenizer or chat template differs from the actor's: responses are decoded with it and "
+        "prompt + response re-rendered with the RM's chat template, then tokenized by the RM's tokenizer. "
+        "null = the RM shares the actor's tokenizer and scores the batch's token ids as they are.")
 
 
 class RewardModelConfig(Section):
@@ -33,6 +41,15 @@ class RewardModelConfig(Section):
     enable: bool = Field(False, description="Score every sample with the reward model (phase rm_score).")
     model: RewardModelPathConfig = Field(default_factory=RewardModelPathConfig, description="Reward model checkpoint.")
     micro_batch_size_per_gpu: int = Field(8, ge=1, description="SAMPLES per reward-model forward on one DP rank.")
+    max_length: int | None = Field(
+        None, ge=1, description="Tokens of a re-rendered RM input (model.input_tokenizer set), longer ones cut on the "
+        "right (verl's truncation; the RM then reads the cut's last token); null = not cut (verl cuts at the actor "
+        "batch's padded length, which loses the end of conversations the RM's tokenizer spells in more tokens).")
+    placement: Literal["colocated", "separate"] = Field(
+        "colocated", description="colocated: on the actor's ranks with its TP/PP layout (the only placement "
+        "implemented; separate is refused at plan time).")
+    offload: bool = Field(False, description="Keep the RM's weights in host memory outside phase rm_score "
+                          "(moved to the device for its forward; a no-op on CPU).")
     combine: Literal["rm", "rule+rm", "function"] = Field(
         "rm", description="rm: the RM score is the reward (reward.function is not called; verl's default); "
         "rule+rm: reward.function's score + the RM score; function: reward.function's score alone, which "
@@ -65,14 +82,75 @@ def check_reward_model(cfg: MRLConfig, errors: list[str], notes: list[str]) -> N
         errors.append("reward_model.enable=true with algorithm.adv_estimator=remax: the greedy baseline is scored "
                       "by reward.function only, so baseline and samples would use different rewards; "
                       "fix: another estimator, or reward_model.enable=false")
+    if rm.placement == "separate":
+        errors.append("reward_model.placement=separate is not implemented: the RM runs on the actor's ranks with "
+                      "its TP/PP layout; fix: reward_model.placement=colocated (and reward_model.offload=true to free "
+                      "its device memory outside phase rm_score)")
+    _check_tokenizers(cfg, errors, notes)
     par = cfg.actor.megatron
     notes.append(f"reward_model: colocated with the actor (its ranks, TP={par.tensor_model_parallel_size} "
                  f"PP={par.pipeline_model_parallel_size}, micro-batches of {rm.micro_batch_size_per_gpu} samples); "
-                 "its weights are not in the memory estimate")
+                 + ("its weights are offloaded to host memory outside phase rm_score" if rm.offload
+                  else "its weights stay on the device (reward_model.offload=true frees them between phases)"))
     if rm.combine == "function" and ":" not in cfg.reward.function:
         errors.append(f"reward_model.combine=function but reward.function={cfg.reward.function!r} is a built-in scorer, "
                       "which ignores extra_info['rm_score'] (the RM would not count); fix: reward.function="
                       "path/to/file.py:fn reading extra_info['rm_score'], or reward_model.combine=rm | rule+rm")
     if rm.combine == "rm":
-        notes.append(f"reward_model.combine=rm: the reward model's score is the reward; reward.function="
-                     f"{cfg.reward.function!r} scores validation only")
+        notes.append(f"reward_model.combine=rm: the reward model's score is the reward, in training and validation; "
+                     f"reward.function={cfg.reward.function!r} is not called")
+
+
+def _tokenizer_dir_has_template(path: Path) -> bool | None:
+    """Whether the tokenizer in ``path`` has a chat template; None when it has no tokenizer files."""
+    conf = path / "tokenizer_config.json"
+    if not conf.is_file():
+        return None
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads(conf.read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return None
+
+
+def _vocab_size(path: Path) -> int | None:
+    try:
+        return int(json.loads((path / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _check_tokenizers(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
+    """input_tokenizer must be the actor's tokenizer (the batch's ids are decoded with it) and the RM's
+    checkpoint must carry a tokenizer with a chat template; without it, the vocabularies must agree."""
+    rm = cfg.reward_model
+    actor_tok = cfg.model.tokenizer_path or cfg.model.path
+    path = Path(str(rm.model.path))
+    if rm.model.input_tokenizer is None:
+        if rm.max_length is not None:
+            errors.append(f"reward_model.max_length={rm.max_length} is set but only bounds re-rendered inputs "
+                          "(reward_model.model.input_tokenizer set); fix: remove reward_model.max_length, or set "
+                          f"reward_model.model.input_tokenizer={actor_tok}")
+        ours, theirs = _vocab_size(Path(str(cfg.model.path))), _vocab_size(path)
+        if ours is not None and theirs is not None and ours != theirs:
+            errors.append(f"reward_model.model.path={rm.model.path!r} has vocab_size {theirs}, the actor's model "
+                          f"{ours}: it cannot read the actor's token ids; fix: reward_model.model.input_tokenizer="
+                          f"{actor_tok} (responses are re-rendered with the RM's own tokenizer and chat template)")
+        return
+    if actor_tok and Path(rm.model.input_tokenizer).resolve() != Path(actor_tok).resolve():
+        errors.append(f"reward_model.model.input_tokenizer={rm.model.input_tokenizer!r} is not the actor's tokenizer "
+                      f"({actor_tok!r}, model.tokenizer_path or model.path), which made the batch's token ids; "
+                      f"fix: reward_model.model.input_tokenizer={actor_tok}")
+    if (path / "config.json").is_file():
+        has = _tokenizer_dir_has_template(path)
+        if has is None:
+            errors.append(f"reward_model.model.input_tokenizer is set but reward_model.model.path={rm.model.path!r} "
+                          "has no tokenizer (tokenizer_config.json); fix: save the RM's tokenizer next to its weights")
+        elif not has:
+            errors.append(f"reward_model.model.input_tokenizer is set but the tokenizer in reward_model.model.path="
+                          f"{rm.model.path!r} has no chat template to re-render the conversation with; fix: add its "
+                          "chat_template, or reward_model.model.input_tokenizer=null if it shares the actor's tokenizer")
+    notes.append("reward_model.model.input_tokenizer: responses are decoded with the actor's tokenizer and re-rendered "
+                 "with the RM's chat template before scoring" + (f" (at most {rm.max_length} tokens, cut on the right)"
+                                                                if rm.max_length else ""))

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the driver imports these lazily inside build(); the annotat
     from mrl.cluster import WorkerGroup
     from mrl.data.dataset import PromptDataset
     from mrl.driver.engines import EngineSet
+    from mrl.driver.rm_reward import RewardModelInputs
     from mrl.observability.tracking import Tracking
     from mrl.rewards import RewardManager
     from mrl.rollout import EnginePool, RolloutClient
@@ -99,6 +100,7 @@ class Services:
     client: RolloutClient | None = None
     workers: WorkerGroup | None = None
     plan: RunPlan | None = None  # set once Ray shows its devices
+    rm_inputs: RewardModelInputs | None = None  # reward_model.enable: the batch the RM scores (driver/rm_reward.py)
 
 
 @contextlib.contextmanager
@@ -110,6 +112,7 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
     from mrl.data.dataset import PromptDataset, check_batch_fits
     from mrl.data.tokenize import pad_token_id_of
     from mrl.driver.engines import EngineSet
+    from mrl.driver.rm_reward import RewardModelInputs
     from mrl.driver.state import read_trainer_state
     from mrl.observability.tracking import Tracking
     from mrl.rewards import RewardManager
@@ -136,6 +139,8 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
     s = Services(tok, pad_token_id_of(tok), train_ds,
                  PromptDataset.from_config(d, tok, "val", scalar_ground_truth=scalar_gt) if d.val_files else None,
                  RewardManager.from_config(cfg.reward), None, log_dir)
+    if cfg.reward_model.enable:
+        s.rm_inputs = RewardModelInputs.from_config(cfg, tok)
     status = "FAILED"
     try:
         r = cfg.rollout

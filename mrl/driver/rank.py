@@ -50,6 +50,8 @@ class TrainRank:
             self.rm = RewardModelWorker(cfg.reward_model.model.path, cfg.actor.megatron, init_parallel=False,
                                         micro_batch_size=cfg.reward_model.micro_batch_size_per_gpu,
                                         device=self.actor.engine.device.type, seed=cfg.trainer.seed)
+            if cfg.reward_model.offload:  # on the device only during phase rm_score
+                self.rm.offload()
         self.syncer = None
 
     def init_weight_sync(self, engine_urls: list[str], token: str | None = None, routable: bool = False) -> None:
@@ -97,7 +99,13 @@ class TrainRank:
         """[B] reward-model scores (reward_model.enable)."""
         if self.rm is None:
             raise RuntimeError("compute_rm_score called but no reward model was built (reward_model.enable is false)")
-        return self.rm.compute_rm_score(batch)
+        if not self.cfg.reward_model.offload:
+            return self.rm.compute_rm_score(batch)
+        self.rm.onload()
+        try:
+            return self.rm.compute_rm_score(batch)
+        finally:
+            self.rm.offload()
 
     def update_policy(self, batch: TrainBatch) -> dict[str, float]:
         return self.actor.update_policy(batch)

@@ -33,6 +33,7 @@ from mrl.driver.batch import (
 from mrl.driver.dumps import GenerationRows, dump_generations
 from mrl.driver.dynamic_sampling import kept_prompts, merge_rounds
 from mrl.driver.ranks import TrainRanks
+from mrl.driver.rm_reward import combine_rm
 from mrl.driver.rollout_controller import RolloutController
 from mrl.driver.rollout_correction import apply_rollout_correction
 from mrl.driver.seeds import group_seeds
@@ -209,21 +210,19 @@ class RLTrainer:
         rm = self.cfg.reward_model
         if rm.enable:  # verl: rm_scores reach the reward manager, which returns them (combine=rm)
             with timer("rm_score", m):
-                d.rm_scores = self.ranks.compute_rm_score(d.batch).float()
+                d.rm_scores = self.ranks.compute_rm_score(self.s.rm_inputs(d.batch, d.prompts)).float()
             for stat in ("mean", "max", "min"):
                 m[f"critic/rm_score/{stat}"] = float(getattr(d.rm_scores, stat)())
-        if rm.enable and rm.combine == "rm":
-            d.scores, d.valid, d.reward_extra_info = d.rm_scores, torch.ones_like(d.rm_scores, dtype=torch.bool), {}
-        else:
-            extra = [p.extra_info for p in d.prompts]
-            if rm.enable:  # the scorer sees the sample's RM score as extra_info["rm_score"]
-                extra = [{**(e or {}), "rm_score": float(s)} for e, s in zip(extra, d.rm_scores, strict=True)]
-            out = self.s.reward(d.texts, [p.ground_truth for p in d.prompts], d.batch.response_mask,
-                                data_sources=[p.data_source for p in d.prompts], extra_infos=extra)
-            d.scores, d.valid, d.reward_extra_info = out.scores, out.valid, out.extra
+
+        def rule(extra: list) -> Any:
+            return self.s.reward(d.texts, [p.ground_truth for p in d.prompts], d.batch.response_mask,
+                                 data_sources=[p.data_source for p in d.prompts], extra_infos=extra)
+
+        extra = [p.extra_info for p in d.prompts]  # combine_rm: reward_model.combine, RM score in extra_info
+        out = combine_rm(rm.combine, d.rm_scores, rule, extra) if rm.enable else rule(extra)
+        d.scores, d.valid, d.reward_extra_info = out.scores, out.valid, out.extra
+        if not (rm.enable and rm.combine == "rm"):  # reward.function was called
             m.update(out.fault_metrics())  # reward/errors, reward/timeouts, reward/zeroed_samples
-            if rm.enable and rm.combine == "rule+rm":
-                d.scores = d.scores + d.rm_scores
         seq = d.scores
         ob = self.cfg.reward.overlong_buffer
         if ob.enable:
@@ -404,12 +403,19 @@ class RLTrainer:
         res = run_validation(client=self.s.client, tokenizer=self.s.tokenizer, dataset=self.s.val_ds,
                              reward=self.s.reward, rollout=self.cfg.rollout, val_batch_size=self.cfg.data.val_batch_size,
                              log_generations=self.cfg.trainer.log_val_generations, keep_samples=bool(dump_dir),
-                             seed=(self.cfg.trainer.seed, self.global_step))
+                             seed=(self.cfg.trainer.seed, self.global_step), rm=self.val_rm(),
+                             rm_combine=self.cfg.reward_model.combine)
         if res.generations and self.s.tracking is not None:
             self.s.tracking.log_generations(res.generations, self.global_step)
         if dump_dir:
             dump_generations(dump_dir, self.global_step, res.samples)
         return res.metrics
+
+    def val_rm(self) -> Any:
+        """Validation's RM scores (reward_model.enable), scored and combined as in training."""
+        if not self.cfg.reward_model.enable:
+            return None
+        return lambda batch, prompts: self.ranks.compute_rm_score(self.s.rm_inputs(batch, prompts))
 
     def save(self) -> None:
         root = self.cfg.trainer.checkpoint_dir

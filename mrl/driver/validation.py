@@ -6,6 +6,10 @@
     scorer's dict keys (verl's reward_extra_info: ``acc``, ``pred``, ...) -> process_validation_metrics
     (uid = dataset row) -> val-core/… and val-aux/… metrics
 
+With a reward model (``rm``, reward_model.enable) the answers are also scored by it and combined
+with ``reward.function`` exactly as in training (``reward_model.combine``, driver/rm_reward.py);
+its raw score is one more variable, ``rm_score`` (val-aux/<data_source>/rm_score/mean@N).
+
 A dict-returning scorer adds one metric variable per numeric key (``score`` included, as in verl),
 ``acc`` becomes the val-core variable, and ``pred`` is the vote of ``maj@k``.
 
@@ -15,14 +19,15 @@ phase runs against any rollout client, e.g. one engine in a test.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from mrl.driver.batch import decode_responses, repeat_prompts
+from mrl.driver.batch import assemble_train_batch, decode_responses, repeat_prompts
 from mrl.driver.dumps import GenerationRows
+from mrl.driver.rm_reward import combine_rm
 from mrl.driver.seeds import group_seeds
 from mrl.observability.val_metrics import (
     process_validation_metrics,
@@ -74,7 +79,8 @@ def pick_generations(inputs: Sequence[str], outputs: Sequence[str], scores: Sequ
 
 def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, rollout: Any,
                    val_batch_size: int | None = None, log_generations: int = 0,
-                   keep_samples: bool = False, seed: tuple[int, int] | None = None) -> ValidationResult:
+                   keep_samples: bool = False, seed: tuple[int, int] | None = None,
+                   rm: Callable[[Any, list[Any]], Any] | None = None, rm_combine: str = "rm") -> ValidationResult:
     """Answer, score and summarise every prompt of ``dataset`` (a ``PromptDataset``).
 
     ``client``: RolloutClient; ``reward``: RewardManager; ``rollout``: RolloutConfig (its
@@ -82,6 +88,7 @@ def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, ro
     ``n`` answers per prompt in a row; the uid of an answer is its prompt's dataset row.
     ``keep_samples``: also return every sample's input, output, ground truth, score and scorer keys.
     ``seed``: (trainer.seed, step) of sampled answers' per-sample ``sampling_seed`` (mrl/driver/seeds.py).
+    ``rm``: (TrainBatch, prompts) -> [B] reward-model scores, combined per ``rm_combine`` (reward_model.combine).
     """
     vk = rollout.val_kwargs
     params = val_sampling_params(vk, rollout.max_response_length)
@@ -91,6 +98,7 @@ def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, ro
     outputs: list[str] = []
     gts: list[Any] = []
     parts: list[RewardResult] = []
+    rm_parts: list[Any] = []
     for rows in prompt_chunks(len(dataset), val_batch_size):
         prompts = [dataset[i] for i in rows]
         seeds = group_seeds(seed[0], "val", seed[1], 0, list(rows), vk.n) if seed and vk.do_sample else None
@@ -102,8 +110,20 @@ def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, ro
                                f"{res.failed[0].error}; see the engine logs (or raise rollout.request_timeout_s)")
         rep = repeat_prompts(prompts, vk.n)  # sample i*n + j answers prompt i
         texts = decode_responses(tokenizer, res)
-        out = reward(texts, [p.ground_truth for p in rep], data_sources=[p.data_source for p in rep],
-                     extra_infos=[p.extra_info for p in rep])
+
+        def rule(extra: list, texts: list[str] = texts, rep: list = rep) -> RewardResult:
+            return reward(texts, [p.ground_truth for p in rep], data_sources=[p.data_source for p in rep],
+                          extra_infos=extra)
+
+        extra = [p.extra_info for p in rep]
+        if rm is None:
+            out = rule(extra)
+        else:
+            batch = assemble_train_batch(dataset.collate(list(rows)), res, pad_token_id=dataset.pad_token_id,
+                                         uids=list(rows))
+            rm_scores = rm(batch, rep).float()
+            out = combine_rm(rm_combine, rm_scores, rule, extra)
+            rm_parts.append(rm_scores)
         sources += [p.data_source for p in rep]
         uids += [r for r in rows for _ in range(vk.n)]
         outputs += texts
@@ -114,6 +134,8 @@ def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, ro
     scored = RewardResult.cat(parts) if parts else None
     scores: list[float] = scored.scores.tolist() if scored is not None else []
     infos = {"reward": scores, **(scored.extra if scored is not None else {})}  # verl: "reward" first
+    if rm_parts and "rm_score" not in infos:
+        infos["rm_score"] = [float(v) for part in rm_parts for v in part]
     metrics = validation_metric_dict(process_validation_metrics(sources, uids, infos))
     gens = pick_generations(inputs, outputs, scores, log_generations) if log_generations else []
     samples = GenerationRows(inputs, outputs, gts, scores, infos) if keep_samples else None

@@ -36,7 +36,8 @@ def _tensors(engine, optimizer) -> Iterable[torch.Tensor]:
                 yield g
             if p.grad is not None:
                 yield p.grad
-        for buf in getattr(c, "buffers", []) or []:  # DDP contiguous param/grad buffers
+        bufs = getattr(c, "buffers", None)  # DDP's contiguous param/grad buffers; on a bare module
+        for buf in bufs if isinstance(bufs, (list, tuple)) else []:  # (frozen RM) it is the buffers() method
             for name in ("param_data", "grad_data"):
                 t = getattr(buf, name, None)
                 if isinstance(t, torch.Tensor):

@@ -86,9 +86,29 @@ class RewardModelWorker:
                                      dtype=dtype or (torch.float32 if device == "cpu" else torch.bfloat16),
                                      seed=seed, train=False, score_head=True, init_parallel=init_parallel)
 
+    def offload(self, *, force: bool = False) -> None:
+        """Weights to host memory until :meth:`onload` (reward_model.offload; a no-op on CPU unless
+        ``force``, which tests use to exercise the round trip)."""
+        from mrl.workers.offload import offload_state
+
+        self._offloaded = offload_state(self.engine, force=force)
+
+    def onload(self) -> None:
+        from mrl.workers.offload import onload_state
+
+        onload_state(getattr(self, "_offloaded", None))
+        self._offloaded = None
+
     def compute_rm_score(self, batch: TrainBatch) -> torch.Tensor:
-        """[B] float32 score of each full sequence (prompt + response), identical on every rank."""
+        """[B] float32 score of each full sequence (prompt + response), identical on every rank.
+
+        A batch that does not divide by the DP size (validation chunks) is padded with copies of its
+        last sample, whose scores are dropped."""
         e = self.engine
+        B = batch.batch_size
+        extra = -B % e.dp_size
+        if extra:
+            batch = batch.index(list(range(B)) + [B - 1] * extra)
         local = e.dp_shard(batch)
         parts = split_fixed(local.batch_size, self.micro_batch_size)
         mbs = e.make_micro_batches(local, parts)
@@ -104,4 +124,4 @@ class RewardModelWorker:
             s = restore_order([o["s"] for o in out], parts).to(e.device)
         else:
             s = torch.zeros(local.batch_size, device=e.device)
-        return e.all_gather_dp(e.broadcast_from_last_stage(s)).cpu()
+        return e.all_gather_dp(e.broadcast_from_last_stage(s)).cpu()[:B]

@@ -1,5 +1,7 @@
 """`mrl train` with a model-based reward: the quickstart for 2 steps scored by a reward model only
-(reward_model.combine=rm) and by rule + RM, the RM colocated on the actor's ranks (phase rm_score)."""
+(reward_model.combine=rm, validated before step 1 with the RM too), by rule + RM, by a function reading
+the RM score, and by an RM with its own tokenizer and chat template (reward_model.model.input_tokenizer:
+responses re-rendered), the RM colocated on the actor's ranks (phase rm_score)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,20 +26,29 @@ def make_rm_from(lm_path: Path, out: Path, seed: int = 0) -> Path:
     return out
 
 
-@pytest.mark.parametrize("combine", ["rm", "rule+rm", "function"])
+@pytest.mark.parametrize("combine", ["rm", "rule+rm", "function", "rm-own-tokenizer"])
 def test_reward_model_rewards_two_steps(tmp_path: Path, combine: str) -> None:
     assets = write_assets(tmp_path)
     fn = tmp_path / "uses_rm.py"  # combine=function: a custom scorer reads the RM score from extra_info
     fn.write_text("def compute_score(solution_str, ground_truth, data_source=None, extra_info=None):\n"
                   "    return 2.0 * extra_info['rm_score']\n")
     rm = make_rm_from(assets / "tiny-qwen2", tmp_path / "rm")
+    extra = []
+    if combine == "rm-own-tokenizer":  # another tokenizer (bytes only, ChatML template) over the same body
+        from tests.helpers.tiny_tokenizer import save_other_tokenizer
+
+        save_other_tokenizer(rm)
+        combine, extra = "rm", [f"reward_model.model.input_tokenizer={assets}/tiny-qwen2"]
+    elif combine == "rm":  # validation scores with the RM too
+        extra = ["trainer.val_before_train=true"]
     p = run_train("mrl_configs/quickstart.yaml", tmp_path, assets, free_port_pair(),
                   f"data.val_files=[{assets}/data/val.jsonl]", "trainer.total_training_steps=2",
                   "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
                   "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
                   "actor.ppo_micro_batch_size_per_gpu=4",
                   "reward_model.enable=true", f"reward_model.model.path={rm}", "reward_model.micro_batch_size_per_gpu=4",
-                  f"reward_model.combine={combine}", *([f"reward.function={fn}:compute_score"] if combine == "function" else []))
+                  f"reward_model.combine={combine}", *([f"reward.function={fn}:compute_score"] if combine == "function" else []),
+                  *extra)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     db = tmp_path / "mlflow.db"
     mean, lo, hi = (metrics(db, f"critic/rm_score/{s}") for s in ("mean", "min", "max"))
@@ -46,6 +57,9 @@ def test_reward_model_rewards_two_steps(tmp_path: Path, combine: str) -> None:
     score = metrics(db, "critic/score/mean")
     if combine == "rm":  # the training reward is the RM score (verl's reward manager returns rm_scores)
         assert all(abs(score[s] - mean[s]) < 1e-5 for s in (1, 2)), (score, mean)
+        if not extra[0].startswith("reward_model.model.input_tokenizer"):  # validation: the RM score is the reward
+            val, val_rm = metrics(db, "val-core/arith/reward/mean_at_1"), metrics(db, "val-aux/arith/rm_score/mean_at_1")
+            assert list(val) == list(val_rm) == [0] and abs(val[0] - val_rm[0]) < 1e-6, (val, val_rm)
     elif combine == "function":  # the custom scorer's 2 * extra_info["rm_score"]
         assert all(abs(score[s] - 2 * mean[s]) < 1e-4 for s in (1, 2)), (score, mean)
     else:  # plus the arith rule's 0/1 score: its batch mean lies in [0, 1]

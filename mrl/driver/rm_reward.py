@@ -1,0 +1,112 @@
+"""The driver's side of phase ``rm_score`` (docs/reward_model.md), shared by training and validation.
+
+* :func:`rm_input_batch` — verl's ``_switch_chat_template``: when the reward model has its own
+  tokenizer or chat template (``reward_model.model.input_tokenizer``), each sample's response is
+  decoded with the actor's tokenizer (EOS text removed), appended to the prompt's chat as the
+  assistant turn, rendered with the RM's chat template (no generation prompt), tokenized by the RM's
+  tokenizer without added special tokens, cut on the right at ``max_length`` (if set) and
+  right-padded:
+
+      input_ids [B, L]  t_0 ... t_{n_i-1} pad ... pad      (L = longest n_i <= max_length)
+
+  The RM reads the last attended token of each row, as for the actor's own layout.
+* :class:`RewardModelInputs` — the batch the ranks score: the actor's batch as it is (shared
+  tokenizer) or the re-rendered one.
+* :func:`combine_rm` — the sample rewards from the RM scores and ``reward.function`` per
+  ``reward_model.combine`` (rm: the RM score; rule+rm: the sum; function: the function's score,
+  which sees ``extra_info["rm_score"]`` whenever it is called).
+
+No Ray, no Megatron: the ranks' call is passed in.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mrl.data.dataset import Prompt
+from mrl.data.tokenize import pad_token_id_of, position_ids_from_mask
+from mrl.rewards.manager import RewardResult
+from mrl.workers.batch import TrainBatch
+
+
+def chat_of(raw_prompt: str | Sequence[dict]) -> list[dict]:
+    """The prompt as chat messages (a plain-text prompt is one user message)."""
+    if isinstance(raw_prompt, str):
+        return [{"role": "user", "content": raw_prompt}]
+    return [dict(m) for m in raw_prompt]
+
+
+def rm_texts(batch: TrainBatch, prompts: Sequence[Prompt], src_tokenizer: Any, rm_tokenizer: Any) -> list[str]:
+    """Each sample's conversation rendered with the RM's chat template (verl's ``_switch_chat_template``)."""
+    if len(prompts) != batch.batch_size:
+        raise ValueError(f"{len(prompts)} prompts for a batch of {batch.batch_size} samples")
+    R = batch.responses.shape[1]
+    valid = batch.attention_mask[:, batch.input_ids.shape[1] - R:].bool()
+    eos = getattr(src_tokenizer, "eos_token", None)
+    out = []
+    for i, p in enumerate(prompts):
+        text = src_tokenizer.decode(batch.responses[i][valid[i]].tolist())
+        if eos:
+            text = text.replace(eos, "")
+        chat = chat_of(p.raw_prompt) + [{"role": "assistant", "content": text}]
+        out.append(rm_tokenizer.apply_chat_template(chat, add_generation_prompt=False, tokenize=False))
+    return out
+
+
+def rm_input_batch(batch: TrainBatch, prompts: Sequence[Prompt], src_tokenizer: Any, rm_tokenizer: Any,
+                   max_length: int | None = None) -> TrainBatch:
+    """The re-rendered, right-padded RM batch (module doc); ``max_length`` None = not cut. (verl cuts at
+    the actor batch's width by default, which loses the end of any conversation the RM's tokenizer
+    spells in more tokens than the actor's — the very token the RM reads.)"""
+    seqs = [list(rm_tokenizer(t, add_special_tokens=False)["input_ids"])[:max_length]
+            for t in rm_texts(batch, prompts, src_tokenizer, rm_tokenizer)]
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_token_id_of(rm_tokenizer), dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    # No response columns: the RM reads one whole sequence (its last attended token).
+    return TrainBatch(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                      responses=ids[:, :0], response_mask=mask[:, :0])
+
+
+@dataclass
+class RewardModelInputs:
+    """What the ranks' RM scores: ``rm_tokenizer`` None = the actor's batch as it is."""
+
+    src_tokenizer: Any
+    rm_tokenizer: Any = None
+    max_length: int | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any, src_tokenizer: Any) -> RewardModelInputs:
+        rm = cfg.reward_model
+        if rm.model.input_tokenizer is None:
+            return cls(src_tokenizer)
+        from transformers import AutoTokenizer
+
+        return cls(src_tokenizer, AutoTokenizer.from_pretrained(rm.model.path), rm.max_length)
+
+    def __call__(self, batch: TrainBatch, prompts: Sequence[Prompt]) -> TrainBatch:
+        if self.rm_tokenizer is None:
+            return batch
+        return rm_input_batch(batch, prompts, self.src_tokenizer, self.rm_tokenizer, self.max_length)
+
+
+def combine_rm(combine: str, rm_scores: torch.Tensor, rule: Callable[[list[dict | None]], RewardResult],
+               extra_infos: Sequence[dict | None]) -> RewardResult:
+    """The samples' rewards per ``reward_model.combine`` (module doc). ``rule(extra_infos)`` calls
+    ``reward.function``; it is not called for combine=rm (verl: the reward manager returns rm_scores)."""
+    if combine == "rm":
+        B = rm_scores.shape[0]
+        return RewardResult(rm_scores, torch.ones(B, dtype=torch.bool), None, [None] * B, {})
+    extra = [{**(e or {}), "rm_score": float(s)} for e, s in zip(extra_infos, rm_scores, strict=True)]
+    out = rule(extra)
+    if combine == "rule+rm":  # the rule's token_level_scores no longer hold the reward: dropped
+        out = dataclasses.replace(out, scores=out.scores + rm_scores, token_level_scores=None)
+    return out
