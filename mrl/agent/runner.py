@@ -20,6 +20,7 @@ from typing import Any
 
 #: ``ToolOutcome.status`` values (metrics: agent/tool_errors counts error + timeout, agent/tool_timeouts timeout)
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
+STARTUP_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -72,6 +73,15 @@ class ToolRunner:
             limit=1 << 24)
         w = _Worker(proc, cwd)
         self._all.add(w)
+        assert proc.stdout is not None
+        try:  # generous: a loaded host starts an interpreter slowly, and the call's timeout starts after
+            ready = await asyncio.wait_for(proc.stdout.readline(), STARTUP_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            ready = b""
+        if not ready.startswith(b'{"ready"'):
+            self._all.discard(w)
+            await w.kill()
+            raise RuntimeError(f"a tool worker did not start within {STARTUP_TIMEOUT_S:.0f} s (exit code {proc.returncode})")
         return w
 
     async def call(self, spec: str, arguments: dict[str, Any], timeout_s: float | None = None) -> ToolOutcome:
@@ -80,7 +90,10 @@ class ToolRunner:
             self._sem = asyncio.Semaphore(self.workers)
         limit = self.timeout_s if timeout_s is None else timeout_s
         async with self._sem:
-            w = self._idle.pop() if self._idle else await self._spawn()
+            try:
+                w = self._idle.pop() if self._idle else await self._spawn()
+            except (OSError, RuntimeError) as e:
+                return ToolOutcome(ERROR, f"error: could not start a tool process: {e}")
             keep = False
             try:
                 assert w.proc.stdin is not None and w.proc.stdout is not None

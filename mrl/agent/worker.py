@@ -59,6 +59,7 @@ def main() -> int:
     import mrl.agent.tools  # noqa: F401 - imported before the limit: the limit is for the tool's own memory
     _limit_memory(args.memory_mb)
     cache: dict[str, Any] = {}
+    proto.write('{"ready": true}\n')  # the runner times calls from here, not from the interpreter's start
     for line in sys.stdin:
         try:
             req = json.loads(line)
