@@ -168,7 +168,12 @@ def warm_start(model, tok, seed: int, steps: int) -> float:
 
 def write_model(path: Path, seed: int, steps: int) -> float | None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+    )
 
     path.mkdir(parents=True, exist_ok=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(seed), pad_token="<pad>", bos_token="<s>",

@@ -59,7 +59,7 @@ def network_isolation_available() -> bool:
     if shutil.which(UNSHARE[0]) is None:
         return False
     try:
-        return subprocess.run([*UNSHARE, "true"], capture_output=True, timeout=10).returncode == 0
+        return subprocess.run([*UNSHARE, "true"], capture_output=True, timeout=10, check=False).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -89,7 +89,7 @@ def python(code: str, timeout_s: float = 5.0) -> str:
         try:
             r = subprocess.run([*UNSHARE, sys.executable, "-I", "-c", code], cwd=cwd, env={"PATH": os.defpath},
                                capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
-                               preexec_fn=limit_cpu)
+                               preexec_fn=limit_cpu, check=False)
         except subprocess.TimeoutExpired:
             return f"error: the program ran longer than {timeout_s} s and was killed"
     out = r.stdout + (("\n" if r.stdout else "") + r.stderr if r.stderr else "")

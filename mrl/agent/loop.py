@@ -31,7 +31,14 @@ from mrl.agent.template import tool_segment_ids
 from mrl.agent.tools import ToolSpec
 from mrl.plugins import is_spec
 from mrl.rollout.client import RolloutClient, parse_generate_response
-from mrl.rollout.types import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RolloutRequest, RolloutResult, RolloutSample
+from mrl.rollout.types import (
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    RolloutRequest,
+    RolloutResult,
+    RolloutSample,
+)
 
 _TURN_SEED_STRIDE = 1_000_003  # turn t of a sample seeded s samples with (s + t * stride) mod 2**31
 _VERL_KWARGS = {"create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs"}

@@ -76,7 +76,7 @@ class ToolRunner:
         assert proc.stdout is not None
         try:  # generous: a loaded host starts an interpreter slowly, and the call's timeout starts after
             ready = await asyncio.wait_for(proc.stdout.readline(), STARTUP_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             ready = b""
         if not ready.startswith(b'{"ready"'):
             self._all.discard(w)
@@ -109,7 +109,7 @@ class ToolRunner:
                 if "ok" in ans:
                     return ToolOutcome(OK, str(ans["ok"]))
                 return ToolOutcome(ERROR, f"error: {ans.get('error', ans)}")
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return ToolOutcome(TIMEOUT, f"error: the tool call did not finish within {limit:g} s and was stopped")
             except (OSError, ValueError) as e:  # broken pipe, a line that is not JSON
                 keep = False

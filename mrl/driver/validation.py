@@ -21,7 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from mrl.driver.batch import decode_responses, repeat_prompts, tools_kwargs_of, with_agent_info
+from mrl.driver.batch import (
+    decode_responses,
+    repeat_prompts,
+    tools_kwargs_of,
+    with_agent_info,
+)
 from mrl.driver.dumps import GenerationRows
 from mrl.driver.seeds import group_seeds
 from mrl.observability.val_metrics import (

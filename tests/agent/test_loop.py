@@ -41,7 +41,13 @@ def setup(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mrl.agent.loop import AgentClient
-    from mrl.quickstart_agent import MODEL_DIR, messages, problems, tools_schemas, write_assets
+    from mrl.quickstart_agent import (
+        MODEL_DIR,
+        messages,
+        problems,
+        tools_schemas,
+        write_assets,
+    )
     from mrl.rollout.client import RolloutClient
     from mrl.rollout.pool import EngineEndpoint, EnginePool
     from mrl.rollout.router import Router
@@ -127,7 +133,7 @@ def test_trajectories_are_token_exact_across_turns(setup):
 
 
 def test_budget_and_max_turns_end_trajectories(setup):
-    make, _, tok, prompts, _ = setup
+    make, _, _, prompts, _ = setup
     one = make(max_turns=1)
     try:
         res = one.generate(_request(prompts[:2], n=4))

@@ -6,7 +6,12 @@ from mrl.agent.loop import agent_metrics, row_tool_kwargs
 from mrl.algorithms import get_adv_estimator
 from mrl.data.dataset import Prompt, PromptBatch
 from mrl.data.tokenize import left_pad, position_ids_from_mask
-from mrl.driver.batch import assemble_train_batch, repeat_prompts, tools_kwargs_of, with_agent_info
+from mrl.driver.batch import (
+    assemble_train_batch,
+    repeat_prompts,
+    tools_kwargs_of,
+    with_agent_info,
+)
 from mrl.observability.data_metrics import compute_data_metrics
 from mrl.rewards.manager import place_on_last_token
 from mrl.rollout.types import RolloutResult, RolloutSample
