@@ -31,7 +31,12 @@ $(QUICKSTART_ASSETS): $(VENV)/.installed mrl/quickstart.py
 
 quickstart-assets: $(QUICKSTART_ASSETS)
 
-train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(QUICKSTART_ASSETS))
+AGENT_ASSETS := outputs/quickstart_agent/.assets-written
+$(AGENT_ASSETS): $(VENV)/.installed mrl/quickstart_agent.py
+	$(PY) -m mrl.quickstart_agent --out outputs/quickstart_agent --force
+	@touch $@
+
+train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(QUICKSTART_ASSETS)) $(if $(findstring quickstart_agent,$(CONFIG)),$(AGENT_ASSETS))
 	$(VENV)/bin/mrl train $(CONFIG) $(ARGS)
 
 plan: $(VENV)/.installed
