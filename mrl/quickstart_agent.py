@@ -201,13 +201,20 @@ def write_data(data_dir: Path, seed: int) -> None:
 
 def final_answer_score(solution_str: str, ground_truth: str, data_source: str | None = None,
                        extra_info: dict | None = None) -> dict[str, float]:
-    """The demo's reward: 1 when the first integer of the model's FINAL turn (extra_info["agent"],
-    not the tool's text in the trajectory) is the product; ``tool_calls``: whether it called a tool."""
+    """The demo's reward, from the agent record (extra_info["agent"]), never from the tool's text:
+
+        score = 0.5 * tool_ok + 0.5 * acc
+        tool_ok = a calculator call of the trajectory returned the product (the right expression, well formed)
+        acc     = the first integer of the model's FINAL turn is the product (it read the result back)
+
+    The half credit for a successful call is what a tiny model needs to find the tool: answers right
+    by guessing are ~0, so without it GRPO sees almost no signal."""
     agent = (extra_info or {}).get("agent") or {}
-    final = agent.get("final_response", solution_str)
-    m = re.search(r"-?\d+", final) if agent.get("stop") == "answer" else None
-    ok = m is not None and m.group(0) == str(ground_truth).strip()
-    return {"score": float(ok), "acc": float(ok), "tool_calls": float(len(agent.get("tool_calls", [])))}
+    gt = str(ground_truth).strip()
+    tool_ok = any(c.get("status") == "ok" and c.get("result", "").strip() == gt for c in agent.get("tool_calls", []))
+    m = re.search(r"-?\d+", agent.get("final_response", "")) if agent.get("stop") == "answer" else None
+    acc = m is not None and m.group(0) == gt
+    return {"score": 0.5 * float(tool_ok) + 0.5 * float(acc), "acc": float(acc), "tool_ok": float(tool_ok)}
 
 
 def write_assets(out: str | Path, *, seed: int = 0, force: bool = False,

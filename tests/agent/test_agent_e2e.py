@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers.e2e import ROOT, free_port_pair, metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the warm start is CPU-bound: slow on a loaded host
 
 
 def test_agent_quickstart_trains_two_steps(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from mrl.data.tokenize import encode_prompt, left_pad, position_ids_from_mask
 from mrl.driver.batch import assemble_train_batch
 from mrl.rollout.types import RolloutRequest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the warm start is CPU-bound: slow on a loaded host
 WARM_START_STEPS = 120  # enough for the call format (some calls malformed: their error is a tool message too)
 
 
