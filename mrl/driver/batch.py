@@ -62,10 +62,11 @@ def with_agent_info(prompts: Sequence[Prompt], result: RolloutResult) -> list[Pr
     """The B per-sample prompts with a multi-turn sample's agent record (turns, tool calls, final
     answer: mrl/agent/loop.py) as ``extra_info["agent"]``, which the reward function reads; prompts of
     single-turn samples are returned as they are."""
-    if all(s.agent is None for s in result.samples):
+    records = [getattr(s, "agent", None) for s in result.samples]  # records of single-turn clients lack it
+    if all(r is None for r in records):
         return list(prompts)
-    return [p if s.agent is None else dataclasses.replace(p, extra_info={**(p.extra_info or {}), "agent": s.agent})
-            for p, s in zip(prompts, result.samples, strict=True)]
+    return [p if r is None else dataclasses.replace(p, extra_info={**(p.extra_info or {}), "agent": r})
+            for p, r in zip(prompts, records, strict=True)]
 
 
 def tools_kwargs_of(prompts: Sequence[Prompt]) -> list[dict | None] | None:
