@@ -163,7 +163,7 @@ def warm_start(model, tok, seed: int, steps: int) -> float:
         model.eval()
     finally:
         torch.set_num_threads(threads)
-    return float(loss)
+    return float(loss.detach())
 
 
 def write_model(path: Path, seed: int, steps: int) -> float | None:

@@ -25,7 +25,7 @@ def test_agent_quickstart_trains_two_steps(tmp_path: Path) -> None:
            f"data.train_files=[{a}/data/train.jsonl]", f"data.val_files=[{a}/data/val.jsonl]",
            f"trainer.mlflow_tracking_uri=sqlite:///{tmp_path}/mlflow.db", f"rollout.port_base={port}",
            "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.val_before_train=false",
-           "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+           "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4",
            f"trainer.rollout_data_dir={tmp_path}/rollouts"]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled"}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
