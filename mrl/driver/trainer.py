@@ -309,9 +309,10 @@ class RLTrainer:
         prompts = d.prompts[::n]  # d.prompts is each prompt n times in a row
         res = self.s.client.generate(RolloutRequest([p.prompt_ids for p in prompts], n=1, sampling_params={
             "temperature": 0.0, "max_new_tokens": self.cfg.rollout.max_response_length}, return_logprob=False,
-            timeout_s=self.cfg.rollout.request_timeout_s))
+            timeout_s=self.cfg.rollout.request_timeout_s, tools_kwargs=tools_kwargs_of(prompts)))
         if res.failed:
             raise RuntimeError(f"{len(res.failed)} ReMax baseline rollouts failed, first: {res.failed[0].error}")
+        prompts = with_agent_info(prompts, res)  # agent rollouts: the greedy trajectory's record for the scorer
         out = self.s.reward(decode_responses(self.s.tokenizer, res), [p.ground_truth for p in prompts],
                             data_sources=[p.data_source for p in prompts], extra_infos=[p.extra_info for p in prompts])
         d.reward_baselines = out.scores.float().repeat_interleave(n)
