@@ -60,3 +60,37 @@ def test_agent_record_reaches_the_reward_and_metrics():
     assert m["agent/turns/mean"] == 1.5 and m["agent/tool_calls/mean"] == 0.5
     assert m["agent/tool_errors"] == 1.0 and m["agent/tool_timeouts"] == 1.0
     assert agent_metrics(RolloutResult([RolloutSample(0, 0, [1], [2], [-1.0], "stop")], 1)) == {}
+
+
+def test_every_estimator_treats_tool_tokens_as_absent():
+    """A trajectory with tool tokens inside (mask 0) gets, on its model tokens, the advantages and
+    returns of the same trajectory with the tool tokens removed, and 0 on them, for every estimator."""
+    torch.manual_seed(0)
+    B, T = 4, 9
+    mask = torch.ones(B, T)
+    mask[0, 3:5] = 0  # a tool segment inside sample 0
+    mask[1, 2:6] = 0
+    mask[2, 7:] = 0   # right padding
+    lengths = mask.sum(-1).long()
+    # the same samples with the masked tokens removed (left-aligned, right-padded)
+    compact_mask = torch.zeros(B, T)
+    for i in range(B):
+        compact_mask[i, :lengths[i]] = 1
+    scores = torch.tensor([1.0, 0.0, 0.5, 1.0])
+    rewards = place_on_last_token(scores, mask)
+    compact_rewards = place_on_last_token(scores, compact_mask)
+    values = torch.randn(B, T)
+    compact_values = torch.zeros(B, T)
+    for i in range(B):
+        compact_values[i, :lengths[i]] = values[i][mask[i].bool()]
+    kw = {"index": torch.tensor([0, 0, 1, 1]), "reward_baselines": torch.tensor([0.5, 0.5, 0.2, 0.2]),
+          "gamma": 0.9, "lam": 0.8}
+    for name in ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gae"):
+        fn = get_adv_estimator(name)
+        adv, ret = fn(rewards, mask, values=values, **kw)
+        cadv, cret = fn(compact_rewards, compact_mask, values=compact_values, **kw)
+        for i in range(B):
+            got, want = adv[i][mask[i].bool()], cadv[i][:lengths[i]]
+            assert torch.allclose(got, want, atol=1e-6), (name, i, got, want)
+            assert torch.allclose(ret[i][mask[i].bool()], cret[i][:lengths[i]], atol=1e-6), name
+        assert (adv[mask == 0] == 0).all(), name
