@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import types
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -73,7 +74,15 @@ def _json_type(annotation: Any) -> dict[str, Any]:
     if isinstance(annotation, str):  # postponed annotations: the common names
         annotation = {"str": str, "int": int, "float": float, "bool": bool, "list": list, "dict": dict}.get(
             annotation.split("[")[0].strip(), annotation)
+    if isinstance(annotation, str) and "|" in annotation:  # postponed "X | None"
+        parts = [a.strip() for a in annotation.split("|") if a.strip() != "None"]
+        if len(parts) == 1:
+            return _json_type(parts[0])
     origin = typing.get_origin(annotation) or annotation
+    if origin in (typing.Union, types.UnionType):  # Optional[X] / X | None: the model sends X (or omits it)
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return _json_type(args[0])
     if origin in _JSON_TYPES:
         return {"type": _JSON_TYPES[origin]}
     if origin is typing.Literal:
