@@ -41,8 +41,14 @@ $(QUICKSTART_RM): $(QUICKSTART_ASSETS) mrl/quickstart_rm.py
 	$(PY) -m mrl.quickstart_rm --out outputs/quickstart --force
 	@touch $@
 
+AGENT_ASSETS := outputs/quickstart_agent/.assets-written
+$(AGENT_ASSETS): $(VENV)/.installed mrl/quickstart_agent.py
+	$(PY) -m mrl.quickstart_agent --out outputs/quickstart_agent --force
+	@touch $@
+
 train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(QUICKSTART_ASSETS)) \
-		$(if $(findstring quickstart_rm,$(CONFIG)),$(QUICKSTART_RM))
+		$(if $(findstring quickstart_rm,$(CONFIG)),$(QUICKSTART_RM)) \
+		$(if $(findstring quickstart_agent,$(CONFIG)),$(AGENT_ASSETS))
 	$(VENV)/bin/mrl train $(CONFIG) $(ARGS)
 
 plan: $(VENV)/.installed

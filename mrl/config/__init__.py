@@ -7,6 +7,7 @@ Importing this package pulls in pydantic and PyYAML only (no torch, Ray, Megatro
     cfg = load_config("mrl_configs/quickstart.yaml", ["actor.optim.lr=1e-5"])
 """
 from mrl.config.actor import ActorConfig
+from mrl.config.agent import AgentConfig
 from mrl.config.algorithm import (
     AlgorithmConfig,
     KLCtrlConfig,
@@ -30,6 +31,7 @@ from mrl.config.validate import check_config
 
 __all__ = [
     "ActorConfig",
+    "AgentConfig",
     "AlgorithmConfig",
     "ClusterConfig",
     "ConfigError",

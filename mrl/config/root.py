@@ -4,6 +4,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from mrl.config.actor import ActorConfig
+from mrl.config.agent import AgentConfig
 from mrl.config.algorithm import AlgorithmConfig
 from mrl.config.base import Section
 from mrl.config.cluster import ClusterConfig
@@ -31,6 +32,7 @@ class MRLConfig(Section):
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="Model-based reward (phase rm_score).")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt datasets and batch size.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Run length, checkpoints, logging.")
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="Multi-turn, tool-calling rollouts (docs/agent.md).")
 
     @property
     def critic_enabled(self) -> bool:

@@ -476,6 +476,24 @@ def missing_inputs(cfg: MRLConfig) -> list[str]:
             if path and not Path(path).exists()]
 
 
+def _check_agent(cfg: MRLConfig, errors: list[str]) -> None:
+    """agent.enable: every tool loads with a schema (plugins imported here, as the other extension
+    points); the rollout modes the agent loop does not drive are refused (docs/agent.md)."""
+    a = cfg.agent
+    if not a.enable:
+        return
+    from mrl.agent.tools import load_tools
+
+    try:
+        load_tools(a.tools)
+    except ValueError as e:
+        errors.append(str(e))
+    if cfg.trainer.async_training.max_staleness > 0 or cfg.rollout.partial_rollout:
+        errors.append("agent.enable with trainer.async_training.max_staleness > 0 / rollout.partial_rollout: the agent "
+                      "loop runs on-policy only (its multi-turn trajectories are not continued across weight pushes); "
+                      "fix: set max_staleness=0 and rollout.partial_rollout=false, or agent.enable=false")
+
+
 def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     """All cross-field errors and plan notes of ``cfg``; nothing is started or imported beyond json."""
     errors: list[str] = []
@@ -504,6 +522,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     _check_reliability(cfg, errors, notes)
     check_extension_points(cfg, errors)
     check_reward_model(cfg, errors, notes)
+    _check_agent(cfg, errors)
     if cfg.cluster.device == "cpu" and cfg.model.dtype != "float32":
         notes.append(f"cluster.device=cpu with model.dtype={cfg.model.dtype}: CPU runs are slow outside float32")
     return errors, notes

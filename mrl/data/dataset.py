@@ -110,12 +110,14 @@ class PromptDataset:
 
     Prompts over ``max_prompt_length`` tokens are dropped when ``filter_overlong_prompts`` (the count
     is logged and kept in ``num_filtered``), else they raise an error naming the file and row.
+    ``tools`` (agent rollouts): OpenAI function schemas rendered into every prompt by the chat template's
+    ``tools=`` argument (verl's multi-turn rows: ``prompt`` as chat messages, ``extra_info.tools_kwargs``).
     """
 
     def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, prompt_key: str = "prompt",
                  ground_truth_key: str = "reward_model.ground_truth", max_prompt_length: int = 512,
                  filter_overlong_prompts: bool = True, config_key: str = "data.train_files",
-                 scalar_ground_truth: bool = False) -> None:
+                 scalar_ground_truth: bool = False, tools: Sequence[dict] | None = None) -> None:
         if not files:
             raise DataError(f"{config_key} is empty; fix: {config_key}=[path/to/prompts.jsonl]")
         self.tokenizer, self.max_prompt_length = tokenizer, max_prompt_length
@@ -129,8 +131,10 @@ class PromptDataset:
                 _check_prompt(prompt, f"{where}: column {prompt_key!r} (data.prompt_key)")
                 gt = self._column(row, ground_truth_key, where, "data.ground_truth_key")
                 _check_ground_truth(gt, f"{where}: column {ground_truth_key!r} (data.ground_truth_key)", scalar_ground_truth)
+                if tools is not None:
+                    _check_agent_row(row, prompt, tools, where, prompt_key)
                 try:
-                    ids = encode_prompt(tokenizer, prompt)
+                    ids = encode_prompt(tokenizer, prompt, tools)
                 except ValueError as e:
                     raise DataError(f"{where}: column {prompt_key!r}: {e}") from None
                 if len(ids) > max_prompt_length:
@@ -163,7 +167,7 @@ class PromptDataset:
 
     @classmethod
     def from_config(cls, cfg: Any, tokenizer: Any, split: str = "train", *,
-                    scalar_ground_truth: bool = False) -> PromptDataset:
+                    scalar_ground_truth: bool = False, tools: Sequence[dict] | None = None) -> PromptDataset:
         """From ``mrl.config.data.DataConfig``; ``split`` train | val picks train_files / val_files.
         ``scalar_ground_truth``: every ground truth must be a string or number (the built-in scorers)."""
         if split not in ("train", "val"):
@@ -171,7 +175,7 @@ class PromptDataset:
         return cls(cfg.train_files if split == "train" else cfg.val_files, tokenizer, prompt_key=cfg.prompt_key,
                    ground_truth_key=cfg.ground_truth_key, max_prompt_length=cfg.max_prompt_length,
                    filter_overlong_prompts=cfg.filter_overlong_prompts, config_key=f"data.{split}_files",
-                   scalar_ground_truth=scalar_ground_truth)
+                   scalar_ground_truth=scalar_ground_truth, tools=tools)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -197,6 +201,25 @@ def _check_prompt(prompt: Any, where: str) -> None:
         return
     raise DataError(f"{where}: the prompt is a {type(prompt).__name__} ({_short(prompt)}); fix: a string or a list of "
                     'chat messages [{"role": "user", "content": "..."}]')
+
+
+def _check_agent_row(row: dict, prompt: Any, tools: Sequence[dict], where: str, prompt_key: str) -> None:
+    """Agent rows (verl's multi-turn schema): chat-message prompts; ``extra_info.tools_kwargs`` maps
+    configured tool names to dicts of keyword arguments."""
+    if isinstance(prompt, str):
+        raise DataError(f"{where}: column {prompt_key!r} is a string, but agent.enable renders prompts with the chat "
+                        'template and the tools; fix: chat messages [{"role": "user", "content": "..."}]')
+    extra = row.get("extra_info")
+    kw = extra.get("tools_kwargs") if isinstance(extra, dict) else None
+    if kw is None:
+        return
+    names = {t["function"]["name"] for t in tools}
+    if not isinstance(kw, dict) or not all(isinstance(v, dict) for v in kw.values()):
+        raise DataError(f"{where}: extra_info.tools_kwargs must map tool names to dicts of keyword arguments, got {_short(kw)}")
+    unknown = sorted(set(kw) - names)
+    if unknown:
+        raise DataError(f"{where}: extra_info.tools_kwargs names tools {unknown} that agent.tools does not configure "
+                        f"({', '.join(sorted(names))}); fix: add them to agent.tools or drop them from the row")
 
 
 def _check_ground_truth(gt: Any, where: str, scalar: bool) -> None:

@@ -20,23 +20,26 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_prompt(tokenizer: Any, prompt: str | Sequence[dict]) -> tuple[str, bool]:
+def render_prompt(tokenizer: Any, prompt: str | Sequence[dict], tools: Sequence[dict] | None = None) -> tuple[str, bool]:
     """(text, templated). Chat messages go through the chat template (with the generation prompt)
-    when the tokenizer has one, else their contents are joined by newlines; a string stays as is."""
+    when the tokenizer has one, else their contents are joined by newlines; a string stays as is.
+    ``tools``: OpenAI function schemas the template renders (its ``tools=`` argument; agent rollouts)."""
     if isinstance(prompt, str):
         return prompt, False
     messages = list(prompt)
     if not all(isinstance(m, dict) and "content" in m for m in messages):
         raise ValueError("chat prompt must be a list of {'role': ..., 'content': ...} messages")
     if has_chat_template(tokenizer):
+        if tools:
+            return tokenizer.apply_chat_template(messages, tools=list(tools), add_generation_prompt=True, tokenize=False), True
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), True
     return "\n".join(str(m["content"]) for m in messages), False
 
 
-def encode_prompt(tokenizer: Any, prompt: str | Sequence[dict]) -> list[int]:
+def encode_prompt(tokenizer: Any, prompt: str | Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
     """Token ids of a rendered prompt. A chat template already writes its special tokens, so only a
     plain-text prompt gets the tokenizer's own (e.g. BOS)."""
-    text, templated = render_prompt(tokenizer, prompt)
+    text, templated = render_prompt(tokenizer, prompt, tools)
     return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
 
 

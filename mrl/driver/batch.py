@@ -4,6 +4,7 @@ No Ray, no Megatron: these are where padding/mask bugs hide, so they are unit-te
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -19,9 +20,10 @@ def assemble_train_batch(prompts: PromptBatch, result: RolloutResult, *, pad_tok
 
     ``prompts``: P prompts, left-padded ``input_ids``/``attention_mask``/``position_ids`` [P, Lp].
     Output: ``input_ids = [prompt (left-padded, Lp) | response (right-padded, R)]`` [B, Lp+R],
-    ``attention_mask`` = prompt mask ‖ response mask, ``position_ids`` = the prompt's positions then
+    ``attention_mask`` = prompt mask ‖ response tokens, ``position_ids`` = the prompt's positions then
     ``last_prompt_pos + 1 + t`` for response column t (padding columns too, as verl), ``responses``
-    [B, R], ``response_mask`` [B, R] (1 on generated tokens; a failed sample is all 0),
+    [B, R], ``response_mask`` [B, R] (1 on engine-sampled tokens, 0 on a multi-turn sample's tool/template
+    tokens, which the model reads but the loss skips; a failed sample is all 0),
     ``rollout_log_probs`` [B, R] (0 on padding), ``uid`` [B] (``uids`` per prompt, repeated n times).
     """
     n = result.n
@@ -42,7 +44,7 @@ def assemble_train_batch(prompts: PromptBatch, result: RolloutResult, *, pad_tok
     r_pos = last + 1 + torch.arange(R).unsqueeze(0)
     return TrainBatch(
         input_ids=torch.cat([p_ids, responses], dim=1),
-        attention_mask=torch.cat([p_mask, resp_mask], dim=1),
+        attention_mask=torch.cat([p_mask, padded["response_attention"]], dim=1),
         position_ids=torch.cat([p_pos, r_pos], dim=1),
         responses=responses,
         response_mask=resp_mask,
@@ -54,6 +56,24 @@ def assemble_train_batch(prompts: PromptBatch, result: RolloutResult, *, pad_tok
 def repeat_prompts(prompts: Sequence[Prompt], n: int) -> list[Prompt]:
     """[p0, p0, ..., p1, ...]: each prompt n times in a row (the sample order of the rollout)."""
     return [p for p in prompts for _ in range(n)]
+
+
+def with_agent_info(prompts: Sequence[Prompt], result: RolloutResult) -> list[Prompt]:
+    """The B per-sample prompts with a multi-turn sample's agent record (turns, tool calls, final
+    answer: mrl/agent/loop.py) as ``extra_info["agent"]``, which the reward function reads; prompts of
+    single-turn samples are returned as they are."""
+    records = [getattr(s, "agent", None) for s in result.samples]  # records of single-turn clients lack it
+    if all(r is None for r in records):
+        return list(prompts)
+    return [p if r is None else dataclasses.replace(p, extra_info={**(p.extra_info or {}), "agent": r})
+            for p, r in zip(prompts, records, strict=True)]
+
+
+def tools_kwargs_of(prompts: Sequence[Prompt]) -> list[dict | None] | None:
+    """Per prompt, its row's ``extra_info.tools_kwargs`` (verl's multi-turn rows; the agent loop binds
+    them to that row's tool calls); None when no prompt has any."""
+    kw = [(p.extra_info or {}).get("tools_kwargs") for p in prompts]
+    return kw if any(k is not None for k in kw) else None
 
 
 def decode_responses(tokenizer, result: RolloutResult) -> list[str]:

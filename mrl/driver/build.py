@@ -131,13 +131,14 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
     # Every row is checked here, before Ray starts (DataError: file:row:column, `mrl train` exits 2);
     # the built-in scorers compare the ground truth as text, so it must be a string or number.
     scalar_gt = ":" not in cfg.reward.function
-    train_ds = PromptDataset.from_config(cfg.data, tok, "train", scalar_ground_truth=scalar_gt)
+    agent_tools, schemas = _agent_tools(cfg, tok)
+    train_ds = PromptDataset.from_config(cfg.data, tok, "train", scalar_ground_truth=scalar_gt, tools=schemas)
     d = cfg.data
     check_batch_fits(len(train_ds), (d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable
                      else d.train_batch_size, d.train_files, train_ds.num_filtered)
     resumed_from = _check_resume_dir(cfg)
     s = Services(tok, pad_token_id_of(tok), train_ds,
-                 PromptDataset.from_config(d, tok, "val", scalar_ground_truth=scalar_gt) if d.val_files else None,
+                 PromptDataset.from_config(d, tok, "val", scalar_ground_truth=scalar_gt, tools=schemas) if d.val_files else None,
                  RewardManager.from_config(cfg.reward), None, log_dir)
     if cfg.reward_model.enable:
         s.rm_inputs = RewardModelInputs.from_config(cfg, tok)
@@ -183,6 +184,10 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
         s.client = RolloutClient(make_router(gen_pool, r.router, max_retries=r.max_retries,
                                              request_timeout_s=r.request_timeout_s),
                                  params_list_in_batch=r.router != "sglang_router")
+        if agent_tools is not None:  # multi-turn, tool-calling rollouts everywhere the client is used
+            from mrl.agent.loop import AgentClient
+
+            s.client = AgentClient(s.client, tok, agent_tools, cfg.agent)
         TrainRanks(s.workers).init_weight_sync(s.engines.urls, token=token, routable=s.engines.remote_nodes)
         s.tracking = Tracking.from_config(
             cfg, resume_run_id=read_trainer_state(resumed_from).get("mlflow_run_id") if resumed_from else None)
@@ -192,6 +197,23 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
         _teardown(s, status)
 
 
+def _agent_tools(cfg: MRLConfig, tok) -> tuple[dict | None, list[dict] | None]:
+    """agent.enable: the configured tools and their schemas, after checking that model.path's chat
+    template renders them and tool messages (docs/agent.md); (None, None) otherwise."""
+    if not cfg.agent.enable:
+        return None, None
+    from mrl.agent.template import TemplateError, check_tools_template
+    from mrl.agent.tools import load_tools
+
+    tools = load_tools(cfg.agent.tools)
+    schemas = [t.schema for t in tools.values()]
+    try:
+        check_tools_template(tok, schemas)
+    except TemplateError as e:
+        raise UnsupportedConfigError(f"agent.enable with model.path={cfg.model.path}: {e}") from None
+    return tools, schemas
+
+
 def _teardown(s: Services, status: str) -> None:
     import ray
 
@@ -199,6 +221,7 @@ def _teardown(s: Services, status: str) -> None:
     # which the rank teardown removes (killing them), and the servers run in sessions of their own.
     for step in (
         lambda: s.tracking and s.tracking.finish(status),
+        lambda: getattr(s.client, "runner", None) and s.client.close(),  # the agent loop's tool workers
         lambda: s.route_pool and s.route_pool.close(),
         lambda: s.router and s.router.stop(),
         lambda: s.pool and s.pool.close(),

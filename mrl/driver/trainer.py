@@ -29,6 +29,8 @@ from mrl.driver.batch import (
     decode_responses,
     mask_out_samples,
     repeat_prompts,
+    tools_kwargs_of,
+    with_agent_info,
 )
 from mrl.driver.dumps import GenerationRows, dump_generations
 from mrl.driver.dynamic_sampling import kept_prompts, merge_rounds
@@ -121,6 +123,10 @@ class RLTrainer:
         with timer("step", m):
             with timer("gen", m):
                 d = self.generate()
+            if self.cfg.agent.enable:  # turns, tool calls, tool errors/timeouts (docs/agent.md)
+                from mrl.agent.loop import agent_metrics
+
+                m |= agent_metrics(d.result)
             with timer("reward", m):
                 self.reward(d, m)
             if self.cfg.algorithm.filter_groups.enable:
@@ -191,7 +197,9 @@ class RLTrainer:
             # engine_weight_version: what the engines themselves reported for these samples
             res, self.engine_weight_version = self.rollout.generate(req, self.weight_version)
         batch = assemble_train_batch(pb, res, pad_token_id=self.s.pad_token_id, uids=idx)
-        return StepData(batch, repeat_prompts(pb.prompts, self.cfg.rollout.n), decode_responses(self.s.tokenizer, res),
+        # agent rollouts: each sample's prompt carries its turns and tool calls as extra_info["agent"]
+        return StepData(batch, with_agent_info(repeat_prompts(pb.prompts, self.cfg.rollout.n), res),
+                        decode_responses(self.s.tokenizer, res),
                         torch.zeros(batch.response_mask.shape), rows=list(idx), result=res)
 
     def rollout_request(self, idx: list[int], step: int, epoch: int) -> tuple[Any, RolloutRequest]:
@@ -201,7 +209,8 @@ class RLTrainer:
         return pb, RolloutRequest([p.prompt_ids for p in pb.prompts], n=r.n, sampling_params={
             "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_response_length,
         }, timeout_s=r.request_timeout_s,  # per-sample seeds: reproducible and resume-exact draws (mrl/driver/seeds.py)
-            sampling_seeds=group_seeds(self.cfg.trainer.seed, "train", step, epoch, idx, r.n))
+            sampling_seeds=group_seeds(self.cfg.trainer.seed, "train", step, epoch, idx, r.n),
+            tools_kwargs=tools_kwargs_of(pb.prompts))
 
     def reward(self, d: StepData, m: dict[str, float]) -> None:
         """Scores on the last response token (verl's ray_trainer step; docs/driver.md): token_level_scores [B, R], plus
@@ -300,9 +309,10 @@ class RLTrainer:
         prompts = d.prompts[::n]  # d.prompts is each prompt n times in a row
         res = self.s.client.generate(RolloutRequest([p.prompt_ids for p in prompts], n=1, sampling_params={
             "temperature": 0.0, "max_new_tokens": self.cfg.rollout.max_response_length}, return_logprob=False,
-            timeout_s=self.cfg.rollout.request_timeout_s))
+            timeout_s=self.cfg.rollout.request_timeout_s, tools_kwargs=tools_kwargs_of(prompts)))
         if res.failed:
             raise RuntimeError(f"{len(res.failed)} ReMax baseline rollouts failed, first: {res.failed[0].error}")
+        prompts = with_agent_info(prompts, res)  # agent rollouts: the greedy trajectory's record for the scorer
         out = self.s.reward(decode_responses(self.s.tokenizer, res), [p.ground_truth for p in prompts],
                             data_sources=[p.data_source for p in prompts], extra_infos=[p.extra_info for p in prompts])
         d.reward_baselines = out.scores.float().repeat_interleave(n)

@@ -25,7 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from mrl.driver.batch import assemble_train_batch, decode_responses, repeat_prompts
+from mrl.driver.batch import (
+    assemble_train_batch,
+    decode_responses,
+    repeat_prompts,
+    tools_kwargs_of,
+    with_agent_info,
+)
 from mrl.driver.dumps import GenerationRows
 from mrl.driver.rm_reward import combine_rm
 from mrl.driver.seeds import group_seeds
@@ -104,11 +110,11 @@ def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, ro
         seeds = group_seeds(seed[0], "val", seed[1], 0, list(rows), vk.n) if seed and vk.do_sample else None
         res = client.generate(RolloutRequest([p.prompt_ids for p in prompts], n=vk.n, sampling_params=params,
                                              return_logprob=False, timeout_s=rollout.request_timeout_s,
-                                             sampling_seeds=seeds))
+                                             sampling_seeds=seeds, tools_kwargs=tools_kwargs_of(prompts)))
         if res.failed:
             raise RuntimeError(f"{len(res.failed)} of {len(res.samples)} validation samples failed, first: "
                                f"{res.failed[0].error}; see the engine logs (or raise rollout.request_timeout_s)")
-        rep = repeat_prompts(prompts, vk.n)  # sample i*n + j answers prompt i
+        rep = with_agent_info(repeat_prompts(prompts, vk.n), res)  # sample i*n + j answers prompt i
         texts = decode_responses(tokenizer, res)
 
         def rule(extra: list, texts: list[str] = texts, rep: list = rep) -> RewardResult:

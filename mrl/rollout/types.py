@@ -36,6 +36,9 @@ class RolloutRequest:
     return_logprob: bool = True
     timeout_s: float | None = None
     sampling_seeds: list[list[int]] | None = None
+    #: per prompt, ``extra_info.tools_kwargs`` of its row (agent rollouts: keyword arguments bound to
+    #: that row's tool calls, mrl/agent/loop.py); None = no row has any
+    tools_kwargs: list[dict[str, Any] | None] | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -67,6 +70,13 @@ class RolloutSample:
     #: per response token, the weight version that sampled it; set when a partial rollout continued the
     #: sample across weight pushes (mrl/rollout/partial.py), None = every token is ``weight_version``'s
     token_weight_versions: list[str] | None = None
+    #: multi-turn (agent) samples: per response token, 1 where the engine sampled it (it enters the
+    #: loss, with its engine log-prob) and 0 on tool-result / chat-template tokens the driver appended
+    #: (their log-prob slot is 0); None = every response token was sampled
+    loss_mask: list[int] | None = None
+    #: multi-turn (agent) samples: turns, tool-call history and final answer (mrl/agent/loop.py), which
+    #: the reward function sees as ``extra_info["agent"]``
+    agent: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -110,22 +120,32 @@ class RolloutResult:
     def to_padded(self, pad_token_id: int = 0) -> dict[str, torch.Tensor]:
         """Right-padded tensors for the trainer, B = P * n samples, R = longest response:
         responses [B, R] (long), rollout_log_probs [B, R] (float32, 0 on padding),
-        response_mask [B, R] (1 on real tokens), response_lengths [B]."""
+        response_attention [B, R] (1 on real tokens), response_mask [B, R] (1 on real tokens the
+        engine sampled: multi-turn tool/template tokens are 0), response_lengths [B]."""
         b = len(self.samples)
         r = max([s.response_length for s in self.samples] + [1])
         resp = torch.full((b, r), pad_token_id, dtype=torch.long)
         logp = torch.zeros((b, r), dtype=torch.float32)
         mask = torch.zeros((b, r), dtype=torch.long)
+        attn = torch.zeros((b, r), dtype=torch.long)
         for i, s in enumerate(self.samples):
             k = s.response_length
             if k:
                 resp[i, :k] = torch.tensor(s.response_ids, dtype=torch.long)
-                mask[i, :k] = 1
+                attn[i, :k] = 1
+                if s.loss_mask is not None:
+                    if len(s.loss_mask) != k:
+                        raise ValueError(f"sample ({s.prompt_index}, {s.sample_index}): loss_mask has "
+                                         f"{len(s.loss_mask)} entries for {k} response tokens")
+                    mask[i, :k] = torch.tensor(s.loss_mask, dtype=torch.long)
+                else:
+                    mask[i, :k] = 1
                 if s.rollout_log_probs:
                     logp[i, :k] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
         return {
             "responses": resp,
             "rollout_log_probs": logp,
             "response_mask": mask,
+            "response_attention": attn,
             "response_lengths": torch.tensor(self.response_lengths, dtype=torch.long),
         }

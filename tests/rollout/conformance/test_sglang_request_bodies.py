@@ -108,3 +108,64 @@ def test_control_bodies_are_valid_sglang_requests(monkeypatch, tmp_path):
         pydantic.TypeAdapter(cls).validate_python(body or {})
         assert set(body or {}) <= {f.name for f in msgspec.structs.fields(cls)}, f"{path}: SGLang ignores a key of {body}"
     assert ("/pause_generation", {"mode": "retract"}) in sent  # samples in flight survive a pool pause
+
+
+def test_agent_loop_bodies_are_valid_sglang_requests():
+    """The agent loop's turns (docs/agent.md): each a single /generate with input_ids = prompt + the
+    trajectory so far (the tool segment appended as ids), its own sampling_seed, read by SGLang."""
+    require()
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from transformers import PreTrainedTokenizerFast
+
+    from mrl.agent.loop import AgentClient
+    from mrl.agent.template import tool_segment_ids
+    from mrl.agent.tools import load_tools
+    from mrl.config.agent import AgentConfig
+    from mrl.quickstart_agent import CHAT_TEMPLATE
+    from tests.helpers.tiny_tokenizer import build_tokenizer
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), pad_token="<pad>", bos_token="<s>",
+                                  eos_token="</s>", unk_token="<unk>")
+    tok.chat_template = CHAT_TEMPLATE
+    call = tok('<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 3"}}</tool_call>',
+               add_special_tokens=False)["input_ids"] + [2]
+    answer = tok(" 36", add_special_tokens=False)["input_ids"] + [2]
+
+    class ScriptedRouter(RecordingRouter):  # answers turn 1 with a call and turn 2 with an answer, as SGLang shapes them
+        pool = None
+
+        async def generate(self, payload, rid, timeout_s):
+            self.payloads.append(payload)
+            ids = call if len(self.payloads) == 1 else answer
+            return RouteOutcome({"output_ids": ids, "meta_info": {
+                "finish_reason": {"type": "stop", "matched": 2}, "weight_version": "default",
+                "output_token_logprobs": [[-0.5, i, None] for i in ids]}}, "http://engine", 1, None)
+
+    router = ScriptedRouter()
+    agent = AgentClient(RolloutClient(router), tok, load_tools(["calculator"]), AgentConfig(enable=True))  # type: ignore[arg-type]
+    prompt = [5, 6, 7]
+
+    async def run():
+        try:
+            return await agent.agenerate(RolloutRequest([prompt], n=1, sampling_params={
+                "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 128}, sampling_seeds=[[7]]))
+        finally:
+            await agent.runner.aclose()
+    res = asyncio.run(run())
+    (s,) = res.samples
+    assert s.agent['tool_calls'] and s.agent['tool_calls'][0]['result'] == '36', (s.agent, s.error)
+    seg = tool_segment_ids(tok, ["36"], 2)
+    assert s.response_ids == call + seg + answer and s.loss_mask == [1] * len(call) + [0] * len(seg) + [1] * len(answer)
+    first, second = router.payloads
+    assert first["input_ids"] == prompt and second["input_ids"] == prompt + call + seg
+    seeds = []
+    for body, budget in ((first, 128), (second, 128 - len(call) - len(seg))):
+        req = GenerateReqInput(**body)  # unknown keys raise TypeError here
+        req.normalize_batch_and_arguments()
+        assert req.is_single and req.batch_size == 1
+        sp = SamplingParams(**req.sampling_params)
+        sp.verify(VOCAB)
+        assert sp.max_new_tokens == budget
+        seeds.append(req.sampling_params["sampling_seed"])
+    assert len(set(seeds)) == 2
