@@ -102,6 +102,10 @@ class TrainRank:
     def update_policy(self, batch: TrainBatch) -> dict[str, float]:
         return self.actor.update_policy(batch)
 
+    def update_policy_on_policy(self, batch: TrainBatch) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        """actor.on_policy_shortcut: the update without an old-log-prob pass; (metrics, log-probs, entropies)."""
+        return self.actor.update_policy_on_policy(batch)
+
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         with self._critic_on() as critic:
             return critic.compute_values(batch)

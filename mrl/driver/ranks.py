@@ -59,6 +59,9 @@ class TrainRanks:
     def update_policy(self, batch: TrainBatch) -> dict[str, float]:
         return self._first("update_policy", batch)
 
+    def update_policy_on_policy(self, batch: TrainBatch) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        return self._first("update_policy_on_policy", batch)
+
     def update_critic(self, batch: TrainBatch) -> dict[str, float]:
         return self._first("update_critic", batch)
 

@@ -133,8 +133,11 @@ class RLTrainer:
             if self.plan.free_cache_engine:
                 with timer("engine_sleep", m):
                     self.rollout.sleep()
-            with timer("old_log_prob", m):
-                self.old_log_prob(d, m)
+            # actor.on_policy_shortcut: update_actor's own forward gives log π_old (docs/driver.md)
+            shortcut = self.plan.on_policy_shortcut and self.actor_update_due()
+            if not shortcut:
+                with timer("old_log_prob", m):
+                    self.old_log_prob(d, m)
             if self.producer is not None:  # refuse samples older than max_staleness; staleness metrics
                 self.producer.admit(d, self.weight_version, self.produced, m)
             if self.cfg.ref_enabled:
@@ -154,7 +157,10 @@ class RLTrainer:
                     m |= self.ranks.update_critic(d.batch)
             if self.actor_update_due():
                 with timer("update_actor", m):
-                    m |= self.ranks.update_policy(d.batch)
+                    if shortcut:
+                        self.update_on_policy(d, m)
+                    else:
+                        m |= self.ranks.update_policy(d.batch)
                 with timer("sync_weights", m):
                     self.sync_weights(m)
         self.global_step += 1
@@ -315,6 +321,16 @@ class RLTrainer:
         d.batch = d.batch.replace(old_log_probs=lp)
         d.entropys = ent
         if d.batch.rollout_log_probs is not None:  # engines that return log-probs (all mrl launches)
+            m |= compute_rollout_mismatch_metrics(d.batch.rollout_log_probs, lp, d.batch.response_mask)
+
+    def update_on_policy(self, d: StepData, m: dict[str, float]) -> None:
+        """update_actor with the on-policy shortcut: log π_old and the entropies come from the update's own
+        forward (π_old = π_θ before its only optimizer step), then the same checks as old_log_prob."""
+        metrics, lp, ent = self.ranks.update_policy_on_policy(d.batch)
+        m |= metrics
+        d.batch = d.batch.replace(old_log_probs=lp)
+        d.entropys = ent
+        if d.batch.rollout_log_probs is not None:
             m |= compute_rollout_mismatch_metrics(d.batch.rollout_log_probs, lp, d.batch.response_mask)
 
     def ref_log_prob(self, d: StepData) -> None:

@@ -80,6 +80,9 @@ class ActorLossSpec:
     tis_imp_ratio_cap: float | None = None
     temperature: float = 1.0
     norm_constant: float | None = None
+    # actor.on_policy_shortcut: log π_old is this forward's own detached log π_θ (the update is the first
+    # and only step from π_old), and the micro-batch's log-probs/entropies come back for the driver
+    on_policy: bool = False
 
     def __post_init__(self) -> None:
         check_norm_constant(self.loss_agg_mode, self.norm_constant, "actor")
@@ -131,7 +134,7 @@ def actor_loss_func(
     mask = d.response_mask.to(dev, log_prob.dtype)
     g = {"global_tokens": n_tok.to(dev, log_prob.dtype), "global_seqs": n_seq.to(dev, log_prob.dtype),
          "norm_constant": spec.norm_constant}
-    old = d.old_log_probs.to(dev, log_prob.dtype)
+    old = log_prob.detach() if spec.on_policy else d.old_log_probs.to(dev, log_prob.dtype)
     out = get_policy_loss_fn(spec.policy_loss)(
         old, log_prob, d.advantages.to(dev, log_prob.dtype), mask,
         loss_agg_mode=spec.loss_agg_mode, clip_ratio_low=spec.clip_ratio_low,
@@ -155,6 +158,8 @@ def actor_loss_func(
         loss = loss + spec.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
     metrics["loss"] = loss.detach()
+    if spec.on_policy:
+        metrics["log_probs"], metrics["entropys"] = log_prob.detach(), entropy.detach()
     return loss * scale, metrics
 
 
