@@ -42,7 +42,7 @@ def _rank(rank, world, path):
                       tis_imp_ratio_cap=2.0, optim={"lr": 1e-2, "clip_grad": 1.0})
     out = {}
     actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8, seed=1234)
-    lp, ent = actor.compute_log_prob(batch)
+    lp, _ = actor.compute_log_prob(batch)
     local = actor.engine.dp_shard(batch.replace(old_log_probs=lp))
     out["m_recomputed"] = actor.forward_backward(local)
     out["g_recomputed"] = _grads(actor)
