@@ -65,6 +65,10 @@ class TrainRanks:
     def update_critic(self, batch: TrainBatch) -> dict[str, float]:
         return self._first("update_critic", batch)
 
+    def fallbacks(self) -> list[list[str]]:
+        """Every rank's Megatron/torch fallbacks (printed once by the driver)."""
+        return self.group.execute_all("fallbacks")
+
     # ---- checkpoints ---------------------------------------------------------------------------
     def save(self, ckpt_dir: str, contents: list[str]) -> None:
         self.group.execute_all("save", ckpt_dir, contents)

@@ -7,12 +7,10 @@ ReMax) (-> engines release their memory, rollout.free_cache_engine) -> old_log_p
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tqdm import tqdm
 
 from mrl.algorithms import (
     apply_kl_penalty,
@@ -55,6 +53,8 @@ from mrl.observability.data_metrics import (
     compute_rollout_mismatch_metrics,
     compute_throughput_metrics,
 )
+from mrl.observability.fallbacks import summary_line
+from mrl.observability.progress import Curves, Progress
 from mrl.observability.timer import timer
 from mrl.plugins import accepted_keywords
 from mrl.rewards.manager import place_on_last_token
@@ -463,6 +463,14 @@ class RLTrainer:
                         "(trainer.total_training_steps): the LR schedule is rebuilt for %d steps from step %d",
                         saved_total, self.total_steps(), self.total_steps(), self.global_step)
 
+    def plot_curves(self, curves: Curves) -> None:
+        """score / val / entropy against the step -> <run dir>/learning_curve.png, and into the MLflow run."""
+        path = curves.plot(self.s.log_dir.parent / "learning_curve.png",
+                           title=f"{self.cfg.trainer.project_name}/{self.cfg.trainer.experiment_name}")
+        if path is not None:
+            log.info("learning curve: %s (verl's metric lines: %s)", path, path.parent / "metrics.log")
+            self.s.tracking.log_artifact(path)
+
     def total_steps(self) -> int:
         t = self.cfg.trainer
         return t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
@@ -472,12 +480,18 @@ class RLTrainer:
         self.maybe_resume()
         total = self.total_steps()
         # verl: val_before_train validates whatever test_freq says; val_only then stops (nothing trained)
+        fallbacks = summary_line(self.ranks.fallbacks())
+        if fallbacks:
+            log.info("%s", fallbacks)
+        progress, curves = Progress(total, start_step=self.global_step), Curves()
         if t.val_only or t.val_before_train:
-            self.s.tracking.log(self.validate(), self.global_step)
+            val = self.validate()
+            self.s.tracking.log(val, self.global_step)
+            curves.add(self.global_step, val)
+            progress.update(self.global_step, val)
             if t.val_only:
                 log.info("trainer.val_only: validated at step %d, not training", self.global_step)
                 return
-        bar = tqdm(total=total, initial=self.global_step, desc="mrl train", disable=not os.isatty(2))
         while self.global_step < total:
             m = self.step()
             last = self.global_step == total
@@ -489,8 +503,9 @@ class RLTrainer:
                 with timer("save_checkpoint", m):
                     self.save()
             self.s.tracking.log(m, self.global_step)
-            bar.update(1)
-        bar.close()
+            curves.add(self.global_step, m)
+            progress.update(self.global_step, m)
+        self.plot_curves(curves)
         if self.producer is not None:
             self.producer.stop()
 
