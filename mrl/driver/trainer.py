@@ -465,11 +465,12 @@ class RLTrainer:
 
     def plot_curves(self, curves: Curves) -> None:
         """score / val / entropy against the step -> <run dir>/learning_curve.png, and into the MLflow run."""
-        path = curves.plot(self.s.log_dir.parent / "learning_curve.png",
+        path = curves.plot(self.plan.log_dir.parent / "learning_curve.png",  # log_dir = <checkpoint dir>/logs
                            title=f"{self.cfg.trainer.project_name}/{self.cfg.trainer.experiment_name}")
         if path is not None:
             log.info("learning curve: %s (verl's metric lines: %s)", path, path.parent / "metrics.log")
-            self.s.tracking.log_artifact(path)
+            if self.s.tracking is not None:
+                self.s.tracking.log_artifact(path)
 
     def total_steps(self) -> int:
         t = self.cfg.trainer
