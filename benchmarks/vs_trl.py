@@ -104,7 +104,7 @@ def run_mrl(work: Path, model_dir: Path, size: str, seed: int, steps: int, port:
             f"actor.ppo_mini_batch_size={PROMPTS}", f"rollout.n={N}", f"rollout.max_response_length={new_tokens}",
             "actor.use_kl_loss=false", "actor.entropy_coeff=0", "actor.loss_agg_mode=token-mean",
             f"actor.optim.lr={LR}", "actor.optim.weight_decay=0", "actor.optim.clip_grad=1.0",
-            "actor.ppo_micro_batch_size_per_gpu=64", "rollout.temperature=1.0",
+            f"actor.ppo_micro_batch_size_per_gpu={PROMPTS * N // 2}", "rollout.temperature=1.0",  # the whole local batch, as TRL
             "algorithm.norm_adv_by_std_in_grpo=true", "trainer.val_before_train=false", "trainer.test_freq=-1",
             f"trainer.total_training_steps={steps}", "trainer.logger=[mlflow]",
             f"trainer.mlflow_tracking_uri=sqlite:///{db}", f"trainer.default_local_dir={work}/mrl_ckpt",
@@ -178,11 +178,12 @@ def trl_worker(spec_path: str) -> None:
     cfg = GRPOConfig(
         output_dir=str(work / "trl_out"), per_device_train_batch_size=PROMPTS * N, gradient_accumulation_steps=1,
         num_generations=N, steps_per_generation=1, num_iterations=1, max_completion_length=new_tokens,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, beta=0.0, epsilon=0.2, loss_type="dapo",
         scale_rewards="group", temperature=1.0, top_p=1.0, top_k=0, max_steps=a["steps"], logging_steps=1,
         report_to="none", save_strategy="no", seed=a["seed"], shuffle_dataset=False, use_cpu=True, bf16=False,
         disable_tqdm=True, log_completions=False, dataloader_num_workers=0,
+        gradient_checkpointing=False,  # TRL's default recomputes activations; mrl does not (actor.recompute_granularity)
     )
     clock = Clock()
     GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
