@@ -8,7 +8,8 @@ Identical settings on both sides: 32 prompts × 8 samples per step, one optimize
 no weight decay, grad-norm clip 1.0, no KL (TRL ``beta=0``; mrl: no reference), no entropy bonus,
 token-mean loss (TRL ``loss_type=dapo``), group-std advantages, ε = 0.2, temperature 1, no top-k/p,
 the same data order (no shuffling). mrl runs ``mrl train mrl_configs/quickstart.yaml`` with overrides
-(2 CPU ranks, 2 embedded engines); TRL runs in a subprocess on all cores (``torch`` threads = cores).
+(2 CPU ranks, 2 embedded engines); TRL runs in a subprocess on all cores (``torch`` threads = cores,
+``--trl-threads``).
 
 Sizes (``--sizes``): ``tiny`` = hidden 128 × 4 layers, 4 new tokens (overhead-bound);
 ``compute`` = hidden 512 × 8 layers, 64 new tokens (compute-bound). Per size and seed it reports
@@ -128,9 +129,10 @@ def run_mrl(work: Path, model_dir: Path, size: str, seed: int, steps: int, port:
 
 
 # ---- TRL (a subprocess: `vs_trl.py --trl-worker ARGS.json`) -----------------------------------
-def run_trl(work: Path, model_dir: Path, size: str, seed: int, steps: int) -> dict:
+def run_trl(work: Path, model_dir: Path, size: str, seed: int, steps: int, threads: int) -> dict:
     spec = work / "trl_args.json"
-    spec.write_text(json.dumps({"work": str(work), "model": str(model_dir), "size": size, "seed": seed, "steps": steps}))
+    spec.write_text(json.dumps({"work": str(work), "model": str(model_dir), "size": size, "seed": seed, "steps": steps,
+                                "threads": threads}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH_DEPS), str(REPO)])}
     t0 = time.time()
     with (work / "trl.log").open("w") as log:
@@ -153,7 +155,7 @@ def trl_worker(spec_path: str) -> None:
 
     a = json.loads(Path(spec_path).read_text())
     work, new_tokens = Path(a["work"]), SIZES[a["size"]][2]
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(a["threads"])
     tok = AutoTokenizer.from_pretrained(a["model"])
     model = AutoModelForCausalLM.from_pretrained(a["model"], dtype=torch.float32)
     data = load_dataset("json", data_files=str(work / "train_trl.jsonl"), split="train")
@@ -248,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=31700, help="mrl's rollout.port_base")
     p.add_argument("--only", choices=["mrl", "trl"], help="run one side only")
     p.add_argument("--mrl-args", nargs="*", default=[], help="extra mrl overrides, e.g. actor.on_policy_shortcut=false")
+    p.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1,
+                   help="torch threads of the TRL process (default: all cores, as a TRL user runs it)")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.trl_worker:
@@ -277,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.only and side != args.only:
                     continue
                 r = (run_mrl(work, model_dir, size, seed, steps, args.port, args.mrl_args) if side == "mrl"
-                     else run_trl(work, model_dir, size, seed, steps))
+                     else run_trl(work, model_dir, size, seed, steps, args.trl_threads))
                 r["median_step_s"] = median_from(r["step_s"])
                 r["tokens_per_s"] = median_from([t / s for t, s in zip(r["tokens"], r["step_s"], strict=False)])
                 run[side] = r
