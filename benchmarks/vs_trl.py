@@ -280,8 +280,12 @@ def main(argv: list[str] | None = None) -> int:
             for side in ("mrl", "trl"):
                 if args.only and side != args.only:
                     continue
-                r = (run_mrl(work, model_dir, size, seed, steps, args.port, args.mrl_args) if side == "mrl"
-                     else run_trl(work, model_dir, size, seed, steps, args.trl_threads))
+                try:
+                    r = (run_mrl(work, model_dir, size, seed, steps, args.port, args.mrl_args) if side == "mrl"
+                         else run_trl(work, model_dir, size, seed, steps, args.trl_threads))
+                except RuntimeError as e:  # e.g. the host ran out of memory: report it, go on with the next run
+                    print(f"{size} seed {seed} {side}: FAILED: {e}", flush=True)
+                    continue
                 r["median_step_s"] = median_from(r["step_s"])
                 r["tokens_per_s"] = median_from([t / s for t, s in zip(r["tokens"], r["step_s"], strict=False)])
                 run[side] = r
