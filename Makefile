@@ -8,7 +8,7 @@ ARGS   ?=
 TORCH_SPEC ?= torch==2.13.0
 IMAGE  ?= mrl:latest
 
-.PHONY: install train test plan lint docker clean-venv quickstart-assets
+.PHONY: install train test plan lint docker clean-venv quickstart-assets bench-deps
 
 $(VENV)/.installed: setup.py requirements-sglang-cpu.txt requirements-oracles.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ $(VENV)/.installed: setup.py requirements-sglang-cpu.txt requirements-oracles.tx
 	@touch $@
 
 install: $(VENV)/.installed
+
+# benchmarks/vs_trl.py's TRL side, off the venv's import path (the script adds it): setup.py's `bench`
+# extra pinned, --no-deps (accelerate, pyarrow, pandas, transformers come with mrl's own install)
+bench-deps: $(VENV)/.installed requirements-bench.txt
+	rm -rf $(VENV)/bench-trl
+	$(PY) -m pip install -q --no-deps --target $(VENV)/bench-trl -r requirements-bench.txt
 
 # The quickstart's tiny model and toy dataset are generated locally (no downloads), once, and again
 # (--force) when mrl/quickstart.py changes: stale assets would not match the config.

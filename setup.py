@@ -24,6 +24,7 @@ setup(
         "httpx>=0.27",  # synchronous control calls (weight sync, launcher health polls)
         "aiohttp>=3.9",  # the rollout pool's concurrent /generate calls (mrl/rollout/pool.py says why)
         "tqdm>=4.66",
+        "matplotlib>=3.8",  # the run's learning-curve PNG (mrl/observability/progress.py)
         "numpy>=1.26",
         # megatron-core's dist_checkpointing writer needs it but does not declare it.
         "psutil>=5.9",
@@ -33,6 +34,9 @@ setup(
         # THE supported SGLang release (one pin everywhere: docker/Dockerfile, requirements-sglang-cpu.txt,
         # mrl.rollout.sglang_launcher.SGLANG_VERSION; tests/rollout/conformance/test_version_pins.py checks)
         "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23"],
+        # benchmarks/vs_trl.py's other side (TRL's GRPOTrainer); `make bench-deps` installs the same pins
+        # --no-deps into .venv/bench-trl where accelerate/pyarrow/pandas are already there
+        "bench": ["trl==1.16.0", "datasets==5.2.0"],
         # sglang-router (SGLang's Rust router) runs without a GPU: CI tests rollout.router=sglang_router with it
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.5", "sglang-router>=0.3", "peft>=0.13",
                 # real clients of `mrl engine` (tests/rollout/clients/) and the pure-Python modules SGLang's

@@ -41,6 +41,19 @@ def _load(config: str, overrides: list[str]):
     return cfg, plan_text(cfg)
 
 
+def _console_logging() -> None:
+    """mrl's INFO messages (progress, fallbacks in use, where the curves went) on stderr; MRL_LOG_LEVEL=DEBUG
+    adds verl's full metric line per step (also in <run dir>/metrics.log)."""
+    import logging
+    import os
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[mrl] %(message)s"))
+    root = logging.getLogger("mrl")
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("MRL_LOG_LEVEL", "INFO").upper())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry (``mrl=mrl.cli:main``); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -65,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from mrl.errors import UnsupportedConfigError
     from mrl.train import run
 
+    _console_logging()
     try:
         run(cfg)
     except UnsupportedConfigError as e:

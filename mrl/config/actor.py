@@ -100,6 +100,12 @@ class ActorConfig(Section):
     tis_imp_ratio_cap: float | None = Field(
         None, gt=0, description="Truncated importance sampling vs rollout log-probs, weight min(ratio, cap); null disables."
     )
+    on_policy_shortcut: bool | None = Field(
+        None, description="Skip the old-log-prob forward when the update is on-policy (one optimizer step on the whole "
+        "batch: ppo_epochs=1, one mini-batch, nothing reads log pi_old before the update): pi_old = pi_theta, so the "
+        "update's own detached log-probs are used (exact; docs/driver.md). null = on where that holds, true = required "
+        "(mrl plan says why not), false = always recompute.",
+    )
     log_prob_micro_batch_size_per_gpu: int | None = Field(
         None, ge=1, description="SAMPLES per forward when recomputing old log-probs; null = ppo_micro_batch_size_per_gpu."
     )

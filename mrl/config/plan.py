@@ -29,7 +29,7 @@ from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout, compute_layout
 from mrl.config.parallel import ParallelConfig
 from mrl.config.root import MRLConfig
-from mrl.config.run_plan import update_plan
+from mrl.config.run_plan import on_policy_shortcut, update_plan
 from mrl.config.validate import check_config, load_shape
 from mrl.dtypes import itemsize
 
@@ -210,6 +210,8 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
         (f"  mini-batches per step: {plan.mini_batches_per_step} (actor.ppo_mini_batch_size={a.ppo_mini_batch_size} prompts"
          f" = {a.ppo_mini_batch_size * r.n} samples each)"),
         f"  optimizer steps per step: {plan.optimizer_steps_per_step} (x actor.ppo_epochs={a.ppo_epochs})",
+        "  old-log-prob forward: " + ("skipped, the update's own log-probs stand in (actor.on_policy_shortcut)"
+                                      if on_policy_shortcut(cfg) else "recomputed before the update"),
         f"  samples per actor DP rank per mini-batch: {plan.samples_per_dp_rank}",
         (f"  micro-batches per actor DP rank per mini-batch: {'<= ' if plan.micro_batches_is_bound else ''}"
          f"{plan.micro_batches_per_dp_rank}" + (" (dynamic bsz, token budget)" if plan.micro_batches_is_bound else "")),

@@ -45,6 +45,39 @@ class RunPlan:
     critic: UpdatePlan | None  # None without a critic
     free_cache_engine: bool  # engines release device memory while the trainer runs
     log_dir: Path  # engine / router logs
+    on_policy_shortcut: bool = False  # the update's own log-probs stand in for the old-log-prob forward
+
+
+def on_policy_blockers(cfg: MRLConfig) -> list[str]:
+    """Why the on-policy shortcut (actor.on_policy_shortcut) cannot apply: [] when it can.
+
+    It is exact only when log π_old is read by nothing but the one optimizer step that starts from
+    π_old: then π_old = π_θ at that step, and ``exp(log π_θ − sg(log π_θ))`` has the value 1 and the
+    gradient of the recomputed ratio (docs/driver.md, "On-policy shortcut")."""
+    a, al = cfg.actor, cfg.algorithm
+    mini = max(1, cfg.data.train_batch_size // a.ppo_mini_batch_size)
+    out = []
+    if a.ppo_epochs > 1:
+        out.append(f"actor.ppo_epochs={a.ppo_epochs} (later epochs step from an updated policy)")
+    if mini > 1:
+        out.append(f"data.train_batch_size={cfg.data.train_batch_size} / actor.ppo_mini_batch_size="
+                   f"{a.ppo_mini_batch_size} = {mini} mini-batches (later ones step from an updated policy)")
+    if al.use_kl_in_reward:
+        out.append("algorithm.use_kl_in_reward=true (reads log pi_old before the update)")
+    if cfg.repr_align_enabled:
+        out.append("algorithm.repr_align (its gate reads the old policy's entropy before the update)")
+    if al.rollout_correction.enabled:
+        out.append("algorithm.rollout_correction (its weights and rejection mask read log pi_old before the update)")
+    if cfg.trainer.async_training.max_staleness:
+        out.append(f"trainer.async_training.max_staleness={cfg.trainer.async_training.max_staleness} "
+                   "(samples of older policies: pi_old is not pi_theta)")
+    return out
+
+
+def on_policy_shortcut(cfg: MRLConfig) -> bool:
+    """actor.on_policy_shortcut resolved: null = on where nothing blocks it (check_config refuses true then)."""
+    want = cfg.actor.on_policy_shortcut
+    return want is not False and not on_policy_blockers(cfg)
 
 
 def free_cache_engine(cfg: MRLConfig, device: str) -> bool:
@@ -79,4 +112,5 @@ def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
         critic=critic,
         free_cache_engine=free_cache_engine(cfg, device),
         log_dir=Path(cfg.trainer.checkpoint_dir or "outputs") / "logs",
+        on_policy_shortcut=on_policy_shortcut(cfg),
     )

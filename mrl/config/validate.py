@@ -20,6 +20,7 @@ from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_
 from mrl.config.parallel import ParallelConfig
 from mrl.config.reward_model import check_reward_model
 from mrl.config.root import MRLConfig
+from mrl.config.run_plan import on_policy_blockers
 from mrl.net import is_loopback
 
 _GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk"}
@@ -262,6 +263,9 @@ def _check_algorithm(cfg: MRLConfig, errors: list[str], notes: list[str]) -> Non
         errors.append("trainer.critic_warmup > 0 but no critic is built; fix: set trainer.critic_warmup=0 or enable the critic")
     if al.kl_ctrl.type == "adaptive" and not al.use_kl_in_reward:
         notes.append("algorithm.kl_ctrl.type=adaptive has no effect unless algorithm.use_kl_in_reward=true")
+    if a.on_policy_shortcut and (blockers := on_policy_blockers(cfg)):
+        errors.append(f"actor.on_policy_shortcut=true but the update is not on-policy: {'; '.join(blockers)}; fix: "
+                      "set actor.on_policy_shortcut=null (recompute log pi_old where needed) or change those settings")
     for role, o in (("actor", a.optim), ("critic", cfg.critic.optim)):
         if o.lr_warmup_steps and o.lr_warmup_steps_ratio:
             errors.append(

@@ -189,8 +189,9 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
 
             s.client = AgentClient(s.client, tok, agent_tools, cfg.agent)
         TrainRanks(s.workers).init_weight_sync(s.engines.urls, token=token, routable=s.engines.remote_nodes)
-        s.tracking = Tracking.from_config(
-            cfg, resume_run_id=read_trainer_state(resumed_from).get("mlflow_run_id") if resumed_from else None)
+        s.tracking = Tracking.from_config(  # verl's metric line -> <run dir>/metrics.log; the console shows progress
+            cfg, resume_run_id=read_trainer_state(resumed_from).get("mlflow_run_id") if resumed_from else None,
+            metrics_path=s.log_dir.parent / "metrics.log")  # log_dir = <checkpoint_dir or outputs>/logs
         yield s
         status = "FINISHED"
     finally:

@@ -8,15 +8,21 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from mrl.config import MRLConfig
 from mrl.config.run_plan import RunPlan
-from mrl.workers.actor import ActorWorker
+from mrl.observability.fallbacks import collect_fallbacks, fallbacks_in_use
 from mrl.workers.batch import TrainBatch
-from mrl.workers.critic import CriticWorker
-from mrl.workers.reference import ColocatedReference
+
+if TYPE_CHECKING:
+    from mrl.workers.critic import CriticWorker
+
+# Before Megatron is imported (by the workers below, lazily): its fallback warnings are collected
+# and the driver prints them once (fallbacks()), not ~15 lines per rank.
+collect_fallbacks()
 
 
 class TrainRank:
@@ -31,6 +37,9 @@ class TrainRank:
             enable_cpu_support()
 
     def __init__(self, cfg: MRLConfig, plan: RunPlan) -> None:
+        from mrl.workers.actor import ActorWorker
+        from mrl.workers.reference import ColocatedReference
+
         torch.set_num_threads(int(os.environ.get("MRL_TORCH_THREADS", "1")))
         self.cfg = cfg
         self.actor = ActorWorker(
@@ -110,6 +119,10 @@ class TrainRank:
     def update_policy(self, batch: TrainBatch) -> dict[str, float]:
         return self.actor.update_policy(batch)
 
+    def update_policy_on_policy(self, batch: TrainBatch) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        """actor.on_policy_shortcut: the update without an old-log-prob pass; (metrics, log-probs, entropies)."""
+        return self.actor.update_policy_on_policy(batch)
+
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         with self._critic_on() as critic:
             return critic.compute_values(batch)
@@ -160,6 +173,10 @@ class TrainRank:
         """``contents``: actor.checkpoint.load_contents with its default applied (``ActorCheckpointConfig.load``)."""
         self.actor.load_checkpoint(ckpt_dir, contents)
 
+    def fallbacks(self) -> list[str]:
+        """The Megatron/torch fallbacks this rank's process hit (mrl/observability/fallbacks.py)."""
+        return fallbacks_in_use()
+
     def close(self) -> None:
         if self.syncer is not None:
             self.syncer.close()
@@ -169,6 +186,8 @@ def _build_critic(cfg: MRLConfig, plan: RunPlan, device: str) -> CriticWorker:
     """The colocated critic: same ranks and Megatron groups as the actor (``init_parallel=False``;
     config validation refuses a critic.megatron layout that differs), started in host memory when
     offloading is configured."""
+    from mrl.workers.critic import CriticWorker
+
     c, u = cfg.critic, plan.critic
     critic = CriticWorker(
         c, model_path=c.model_path or cfg.model.path, device=device, mini_batch_size_samples=u.mini_batch_size_samples,

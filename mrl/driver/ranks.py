@@ -59,8 +59,15 @@ class TrainRanks:
     def update_policy(self, batch: TrainBatch) -> dict[str, float]:
         return self._first("update_policy", batch)
 
+    def update_policy_on_policy(self, batch: TrainBatch) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        return self._first("update_policy_on_policy", batch)
+
     def update_critic(self, batch: TrainBatch) -> dict[str, float]:
         return self._first("update_critic", batch)
+
+    def fallbacks(self) -> list[list[str]]:
+        """Every rank's Megatron/torch fallbacks (printed once by the driver)."""
+        return self.group.execute_all("fallbacks")
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save(self, ckpt_dir: str, contents: list[str]) -> None:

@@ -7,12 +7,10 @@ ReMax) (-> engines release their memory, rollout.free_cache_engine) -> old_log_p
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tqdm import tqdm
 
 from mrl.algorithms import (
     apply_kl_penalty,
@@ -59,6 +57,8 @@ from mrl.observability.data_metrics import (
     compute_rollout_mismatch_metrics,
     compute_throughput_metrics,
 )
+from mrl.observability.fallbacks import summary_line
+from mrl.observability.progress import Curves, Progress
 from mrl.observability.timer import timer
 from mrl.plugins import accepted_keywords
 from mrl.rewards.manager import place_on_last_token
@@ -141,8 +141,11 @@ class RLTrainer:
             if self.plan.free_cache_engine:
                 with timer("engine_sleep", m):
                     self.rollout.sleep()
-            with timer("old_log_prob", m):
-                self.old_log_prob(d, m)
+            # actor.on_policy_shortcut: update_actor's own forward gives log π_old (docs/driver.md)
+            shortcut = self.plan.on_policy_shortcut and self.actor_update_due()
+            if not shortcut:
+                with timer("old_log_prob", m):
+                    self.old_log_prob(d, m)
             if self.producer is not None:  # refuse samples older than max_staleness; staleness metrics
                 self.producer.admit(d, self.weight_version, self.produced, m)
             if self.cfg.ref_enabled:
@@ -162,7 +165,10 @@ class RLTrainer:
                     m |= self.ranks.update_critic(d.batch)
             if self.actor_update_due():
                 with timer("update_actor", m):
-                    m |= self.ranks.update_policy(d.batch)
+                    if shortcut:
+                        self.update_on_policy(d, m)
+                    else:
+                        m |= self.ranks.update_policy(d.batch)
                 with timer("sync_weights", m):
                     self.sync_weights(m)
         self.global_step += 1
@@ -330,6 +336,16 @@ class RLTrainer:
             d.batch, corr = apply_rollout_correction(d.batch, self.cfg.algorithm.rollout_correction)
             m |= corr
 
+    def update_on_policy(self, d: StepData, m: dict[str, float]) -> None:
+        """update_actor with the on-policy shortcut: log π_old and the entropies come from the update's own
+        forward (π_old = π_θ before its only optimizer step), then the same checks as old_log_prob."""
+        metrics, lp, ent = self.ranks.update_policy_on_policy(d.batch)
+        m |= metrics
+        d.batch = d.batch.replace(old_log_probs=lp)
+        d.entropys = ent
+        if d.batch.rollout_log_probs is not None:
+            m |= compute_rollout_mismatch_metrics(d.batch.rollout_log_probs, lp, d.batch.response_mask)
+
     def ref_log_prob(self, d: StepData) -> None:
         d.batch = d.batch.replace(ref_log_prob=self.ranks.compute_ref_log_prob(d.batch))
 
@@ -467,6 +483,15 @@ class RLTrainer:
                         "(trainer.total_training_steps): the LR schedule is rebuilt for %d steps from step %d",
                         saved_total, self.total_steps(), self.total_steps(), self.global_step)
 
+    def plot_curves(self, curves: Curves) -> None:
+        """score / val / entropy against the step -> <run dir>/learning_curve.png, and into the MLflow run."""
+        path = curves.plot(self.plan.log_dir.parent / "learning_curve.png",  # log_dir = <checkpoint dir>/logs
+                           title=f"{self.cfg.trainer.project_name}/{self.cfg.trainer.experiment_name}")
+        if path is not None:
+            log.info("learning curve: %s (verl's metric lines: %s)", path, path.parent / "metrics.log")
+            if self.s.tracking is not None:
+                self.s.tracking.log_artifact(path)
+
     def total_steps(self) -> int:
         t = self.cfg.trainer
         return t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
@@ -476,12 +501,18 @@ class RLTrainer:
         self.maybe_resume()
         total = self.total_steps()
         # verl: val_before_train validates whatever test_freq says; val_only then stops (nothing trained)
+        fallbacks = summary_line(self.ranks.fallbacks())
+        if fallbacks:
+            log.info("%s", fallbacks)
+        progress, curves = Progress(total, start_step=self.global_step), Curves()
         if t.val_only or t.val_before_train:
-            self.s.tracking.log(self.validate(), self.global_step)
+            val = self.validate()
+            self.s.tracking.log(val, self.global_step)
+            curves.add(self.global_step, val)
+            progress.update(self.global_step, val)
             if t.val_only:
                 log.info("trainer.val_only: validated at step %d, not training", self.global_step)
                 return
-        bar = tqdm(total=total, initial=self.global_step, desc="mrl train", disable=not os.isatty(2))
         while self.global_step < total:
             m = self.step()
             last = self.global_step == total
@@ -493,8 +524,9 @@ class RLTrainer:
                 with timer("save_checkpoint", m):
                     self.save()
             self.s.tracking.log(m, self.global_step)
-            bar.update(1)
-        bar.close()
+            curves.add(self.global_step, m)
+            progress.update(self.global_step, m)
+        self.plot_curves(curves)
         if self.producer is not None:
             self.producer.stop()
 

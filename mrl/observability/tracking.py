@@ -23,6 +23,7 @@ import torch
 _MLFLOW_PARAM_MAX = 6000  # characters MLflow 3 stores per param value
 _MLFLOW_BATCH = 100  # params per log_batch call (MLflow's limit)
 log = logging.getLogger("mrl.observability")
+metrics_log = logging.getLogger("mrl.metrics")
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -46,14 +47,24 @@ def _scalar(v: Any) -> float | None:
 
 
 class ConsoleSink:
-    """One line per step, ``step:N - key:value - ...`` (verl's console format), keys sorted."""
+    """One line per step, ``step:N - key:value - ...`` (verl's console format), keys sorted; also
+    logged at DEBUG level to ``mrl.metrics`` (a training run writes these lines to
+    ``<run dir>/metrics.log`` and shows a short progress line instead: mrl/observability/progress.py)."""
 
-    def __init__(self, stream: TextIO | None = None) -> None:
-        self.stream = stream
+    def __init__(self, stream: TextIO | None = None, path: str | Path | None = None) -> None:
+        self.stream, self.path = stream, Path(path) if path is not None else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         parts = [f"{k}:{v:.4g}" for k, v in sorted(metrics.items())]
-        print(" - ".join([f"step:{step}", *parts]), file=self.stream or sys.stdout, flush=True)
+        line = " - ".join([f"step:{step}", *parts])
+        if self.path is not None:  # a training run: the file, not the console
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        else:
+            print(line, file=self.stream or sys.stdout, flush=True)
+        metrics_log.debug(line)
 
     def log_generations(self, rows: list[dict[str, Any]], step: int) -> None:
         out = self.stream or sys.stdout
@@ -129,6 +140,9 @@ class MlflowSink:
         # verl's MLflow validation logger writes the same artifact: val_step<N>.json, [{input, output, score}]
         self.client.log_text(self.run_id, json.dumps(rows, ensure_ascii=False), f"val_step{step}.json")
 
+    def log_artifact(self, path: str | Path) -> None:
+        self.client.log_artifact(self.run_id, str(path))
+
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
 
@@ -138,23 +152,27 @@ class Tracking:
 
     def __init__(self, project_name: str, experiment_name: str, backends: list[str] | tuple[str, ...] = ("console",),
                  config: Mapping[str, Any] | None = None, mlflow_tracking_uri: str = "sqlite:///mlruns/mlflow.db",
-                 stream: TextIO | None = None, resume_run_id: str | None = None) -> None:
+                 stream: TextIO | None = None, resume_run_id: str | None = None,
+                 metrics_path: str | Path | None = None) -> None:
         unknown = sorted(set(backends) - {"console", "mlflow"})
         if unknown:
             raise ValueError(f"trainer.logger has unknown sinks {unknown}; valid: console, mlflow")
         self.sinks: list[ConsoleSink | MlflowSink] = []
         if "console" in backends:
-            self.sinks.append(ConsoleSink(stream))
+            self.sinks.append(ConsoleSink(stream, metrics_path))
         if "mlflow" in backends:
             self.sinks.append(MlflowSink(mlflow_tracking_uri, project_name, experiment_name, config, resume_run_id))
 
     @classmethod
-    def from_config(cls, cfg: Any, stream: TextIO | None = None, resume_run_id: str | None = None) -> Tracking:
+    def from_config(cls, cfg: Any, stream: TextIO | None = None, resume_run_id: str | None = None,
+                    metrics_path: str | Path | None = None) -> Tracking:
         """From an ``MRLConfig``: sinks ``trainer.logger``, params = the whole resolved config;
-        ``resume_run_id``: the MLflow run of the checkpoint being resumed (continued when present)."""
+        ``resume_run_id``: the MLflow run of the checkpoint being resumed (continued when present);
+        ``metrics_path``: the console sink's lines go to this file instead of the console."""
         t = cfg.trainer
         return cls(t.project_name, t.experiment_name, list(t.logger), config=cfg.model_dump(mode="json"),
-                   mlflow_tracking_uri=t.mlflow_tracking_uri, stream=stream, resume_run_id=resume_run_id)
+                   mlflow_tracking_uri=t.mlflow_tracking_uri, stream=stream, resume_run_id=resume_run_id,
+                   metrics_path=metrics_path)
 
     @property
     def mlflow_run_id(self) -> str | None:
@@ -172,6 +190,12 @@ class Tracking:
         printed by the console sink, an artifact ``val_step<step>.json`` of the MLflow run."""
         for sink in self.sinks:
             sink.log_generations(rows, step)
+
+    def log_artifact(self, path: str | Path) -> None:
+        """A file (e.g. the learning-curve PNG) as an artifact of the MLflow run; nothing without MLflow."""
+        for sink in self.sinks:
+            if isinstance(sink, MlflowSink):
+                sink.log_artifact(path)
 
     def finish(self, status: str = "FINISHED") -> None:
         """Close the MLflow run (``FINISHED`` or ``FAILED``)."""

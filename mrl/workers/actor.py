@@ -7,6 +7,7 @@ sample order. Units: see :mod:`mrl.workers.batch`.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from functools import partial
 
@@ -123,6 +124,11 @@ class ActorWorker(TrainableState):
         One ``get_forward_backward_func()`` call over its micro-batches; returns the mini-batch
         loss terms summed over micro-batches and DP ranks (identical on every rank).
         """
+        return self._forward_backward(mini_batch, self.loss_spec)[0]
+
+    def _forward_backward(self, mini_batch: TrainBatch, spec: ActorLossSpec
+                          ) -> tuple[dict[str, float], list[dict], list[list[int]]]:
+        """forward_backward's work; also the micro-batches' raw outputs (last stage) and their split."""
         e = self.engine
         parts = micro_batch_parts(
             mini_batch, micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu,
@@ -132,7 +138,7 @@ class ActorWorker(TrainableState):
         mbs = e.make_micro_batches(mini_batch, parts)
         n_tok, n_seq = global_denominators(mbs, e)
         loss = partial(
-            actor_loss_func, spec=self.loss_spec, n_tok=n_tok, n_seq=n_seq,
+            actor_loss_func, spec=spec, n_tok=n_tok, n_seq=n_seq,
             scale=float(len(mbs) * e.dp_size), tp_group=e.tp_group, vocab_size=self.vocab_size,
             chunk_size=self.cfg.logits_chunk_size,
         )
@@ -141,7 +147,7 @@ class ActorWorker(TrainableState):
         self.optimizer.zero_grad()
         e.set_train(True)
         out = e.run(mbs, loss, forward_only=False)
-        return sum_metrics(out, _METRIC_KEYS, e)
+        return sum_metrics(out, _METRIC_KEYS, e), out, parts
 
     def update_policy(self, batch: TrainBatch) -> dict[str, float]:
         """PPO/GRPO update on the full step batch: ``ppo_epochs`` × mini-batches optimizer steps.
@@ -163,6 +169,35 @@ class ActorWorker(TrainableState):
         ):
             self.optimizer_step(self.forward_backward(mb), acc)
             steps += 1
+        return self._finish_update(acc, steps)
+
+    def update_policy_on_policy(self, batch: TrainBatch) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
+        """``update_policy`` when the update is on-policy (actor.on_policy_shortcut; the run plan checks
+        it): one optimizer step on the whole batch, with log π_old = sg(log π_θ) of this very forward —
+        π_old *is* π_θ before the first step — so no separate ``compute_log_prob`` pass is needed.
+        The ratio is ``exp(log π_θ − sg(log π_θ))``: value 1, gradient ∇log π_θ, the same loss and
+        gradient as with the recomputed log π_old (tests/workers/test_on_policy_shortcut.py).
+
+        Returns (metrics, log π_θ [B, R], entropy [B, R]): the detached log-probs/entropies of the
+        full batch as ``compute_log_prob`` would give them (the driver's old_log_probs / entropys).
+        ``shuffle`` is moot: one mini-batch holds every local sample."""
+        e = self.engine
+        local = e.dp_shard(batch)
+        if self.cfg.ppo_epochs != 1 or local.batch_size * e.dp_size != self.mini_batch_size_samples:
+            raise ValueError(
+                f"the on-policy shortcut needs one optimizer step per batch, got actor.ppo_epochs={self.cfg.ppo_epochs} "
+                f"and {batch.batch_size} samples for mini-batches of {self.mini_batch_size_samples}; fix: "
+                "actor.on_policy_shortcut=null")
+        keys = loss_keys(use_kl_loss=self.cfg.use_kl_loss, use_rollout_log_probs=self.cfg.tis_imp_ratio_cap is not None)
+        spec = dataclasses.replace(self.loss_spec, on_policy=True)
+        metrics, out, parts = self._forward_backward(local.select([k for k in keys if k != "old_log_probs"]), spec)
+        acc: dict[str, float] = {}
+        self.optimizer_step(metrics, acc)
+        return (self._finish_update(acc, 1),
+                *gather_log_probs(e, out, parts, local.batch_size, local.response_length))
+
+    def _finish_update(self, acc: dict[str, float], steps: int) -> dict[str, float]:
+        """verl's actor/* metrics of one update_policy call (means over its optimizer steps)."""
         self.global_step += 1
         out = {f"actor/{k}": v / steps for k, v in acc.items() if k != "loss"}
         if not self.cfg.use_kl_loss:
@@ -236,7 +271,13 @@ def forward_log_probs(
     engine.set_train(False)
     with torch.no_grad():
         out = engine.run(mbs, fn, forward_only=True)
-    B, R = local.batch_size, local.response_length
+    return gather_log_probs(engine, out, parts, local.batch_size, local.response_length)
+
+
+def gather_log_probs(engine: MegatronEngine, out: list[dict], parts: list[list[int]], B: int, R: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batches' ``log_probs``/``entropys`` (last stage) -> the full batch's ([B_all, R], [B_all, R])
+    in the caller's order, on every rank (pipeline broadcast, DP all-gather)."""
     if engine.is_last_stage:
         lp = restore_order([o["log_probs"].float() for o in out], parts)
         ent = restore_order([o["entropys"].float() for o in out], parts)

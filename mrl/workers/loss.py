@@ -66,7 +66,7 @@ def check_norm_constant(loss_agg_mode: str, norm_constant: float | None, role: s
 @dataclass
 class ActorLossSpec:
     """Loss knobs of one update, built from :class:`mrl.config.actor.ActorConfig` by :meth:`from_config`
-    (the config is the single source of the defaults: no field has one here).
+    (the config is the single source of the defaults: no config knob has one here).
 
     ``norm_constant`` is Dr.GRPO's ``C`` for ``seq-mean-token-sum-norm`` (required there, unused
     by the other modes): ``rollout.max_response_length``, the generation budget. ``loss_params``:
@@ -86,6 +86,10 @@ class ActorLossSpec:
     temperature: float
     norm_constant: float | None
     loss_params: PolicyLossParams
+    # actor.on_policy_shortcut: log π_old is this forward's own detached log π_θ (the update is the first
+    # and only step from π_old), and the micro-batch's log-probs/entropies come back for the driver. The
+    # update's mode, not a config knob: set by ActorWorker.update_policy_on_policy.
+    on_policy: bool = False
 
     def __post_init__(self) -> None:
         check_norm_constant(self.loss_agg_mode, self.norm_constant, "actor")
@@ -143,7 +147,7 @@ def actor_loss_func(
     mask = d.response_mask.to(dev, log_prob.dtype)
     g = {"global_tokens": n_tok.to(dev, log_prob.dtype), "global_seqs": n_seq.to(dev, log_prob.dtype),
          "norm_constant": spec.norm_constant}
-    old = d.old_log_probs.to(dev, log_prob.dtype)
+    old = log_prob.detach() if spec.on_policy else d.old_log_probs.to(dev, log_prob.dtype)
     out = get_policy_loss_fn(spec.policy_loss)(
         old, log_prob, d.advantages.to(dev, log_prob.dtype), mask,
         loss_agg_mode=spec.loss_agg_mode, clip_ratio_low=spec.clip_ratio_low,
@@ -169,6 +173,8 @@ def actor_loss_func(
         loss = loss + spec.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
     metrics["loss"] = loss.detach()
+    if spec.on_policy:
+        metrics["log_probs"], metrics["entropys"] = log_prob.detach(), entropy.detach()
     return loss * scale, metrics
 
 

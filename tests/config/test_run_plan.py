@@ -53,3 +53,26 @@ def test_the_plan_is_frozen_and_needs_a_resolved_device(tmp_path) -> None:
         p.device = "cuda"  # type: ignore[misc]
     with pytest.raises(ValueError, match="resolved device"):
         plan_run(_cfg(tmp_path), "auto")
+
+
+@pytest.mark.parametrize(("overrides", "blocker"), [
+    (["actor.ppo_epochs=2"], "actor.ppo_epochs=2"),
+    (["actor.ppo_mini_batch_size=16"], "= 2 mini-batches"),
+    (["algorithm.use_kl_in_reward=true", "algorithm.allow_double_kl=true"], "algorithm.use_kl_in_reward"),
+    (["algorithm.repr_align.enable=true", "algorithm.repr_align.ref_alignment.enable=true"], "algorithm.repr_align"),
+    (["trainer.async_training.max_staleness=1", "rollout.placement=separate", "rollout.num_engines=1",
+      "rollout.weight_sync.transport=distributed"], "max_staleness=1"),
+    (["algorithm.rollout_correction.rollout_is=token"], "algorithm.rollout_correction"),
+])
+def test_the_on_policy_shortcut_applies_only_to_one_step_from_pi_old(tmp_path, overrides, blocker) -> None:
+    from mrl.config.loader import ConfigError
+    from mrl.config.run_plan import on_policy_blockers
+
+    assert plan_run(_cfg(tmp_path), "cpu").on_policy_shortcut  # the quickstart: one step per batch, null = auto
+    assert not plan_run(_cfg(tmp_path, "actor.on_policy_shortcut=false"), "cpu").on_policy_shortcut
+    cfg = _cfg(tmp_path, *overrides)
+    assert any(blocker in b for b in on_policy_blockers(cfg)), on_policy_blockers(cfg)
+    assert not plan_run(cfg, "cpu").on_policy_shortcut  # null: silently the recomputing path, the plan says so
+    with pytest.raises(ConfigError) as e:  # true: refused at load / `mrl plan` time, naming why
+        _cfg(tmp_path, *overrides, "actor.on_policy_shortcut=true")
+    assert "actor.on_policy_shortcut=true" in str(e.value) and blocker in str(e.value) and "fix:" in str(e.value)

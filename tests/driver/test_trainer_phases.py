@@ -35,11 +35,16 @@ class RecordingWorkers:
             "compute_values": lambda: self.values,
             "update_critic": lambda: {"critic/vf_loss": 0.25, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.1},
             "update_policy": lambda: {"actor/pg_loss": 0.5},
+            # the on-policy shortcut: the update's own (here: made-up) log-probs and entropies come back
+            "update_policy_on_policy": lambda: ({"actor/pg_loss": 0.5}, -0.5 * b.response_mask.float(),
+                                                torch.full(b.response_mask.shape, 2.0)),
+            "fallbacks": list,
         }.get(method, lambda: None)()
         return [out]
 
     def names(self) -> list[str]:
-        return [c[0] for c in self.calls]
+        """The phases' calls (not ``fallbacks``, the console's one query per run)."""
+        return [c[0] for c in self.calls if c[0] != "fallbacks"]
 
 
 class RecordingPool:
@@ -77,11 +82,13 @@ def _scores(batch) -> torch.Tensor:
 
 
 def _trainer(tmp_path, *overrides: str) -> tuple[RLTrainer, RecordingWorkers, torch.Tensor]:
+    """The quickstart's trainer on recording ranks; with the old-log-prob phase (actor.on_policy_shortcut=false)
+    unless ``overrides`` say otherwise (test_on_policy_shortcut_* below)."""
     (tmp_path / "m").mkdir(exist_ok=True)
     (tmp_path / "t.jsonl").write_text("")
     cfg = load_config("mrl_configs/quickstart.yaml", [
         f"model.path={tmp_path}/m", f"data.train_files=[{tmp_path}/t.jsonl]", f"trainer.default_local_dir={tmp_path}/ck",
-        *overrides])
+        "actor.on_policy_shortcut=false", *overrides])
     batch = ragged_batch().replace(advantages=None)
     values = torch.linspace(-0.5, 0.5, batch.response_length).expand(batch.batch_size, -1) * batch.response_mask
     workers = RecordingWorkers(values)
@@ -294,7 +301,8 @@ def _with_validation(tr, logged: list) -> None:
 
     tr.s.val_ds, tr.s.client, tr.s.reward = prompts, SimpleNamespace(generate=generate), score
     tr.s.tokenizer = SimpleNamespace(decode=_decode)
-    tr.s.tracking = SimpleNamespace(log=lambda metrics, step: logged.append((step, metrics)))
+    tr.s.tracking = SimpleNamespace(log=lambda metrics, step: logged.append((step, metrics)),
+                                    log_artifact=lambda path: logged.append(("artifact", path)))
 
 
 def test_val_only_validates_the_start_weights_once_and_trains_nothing(tmp_path) -> None:
@@ -331,8 +339,10 @@ def test_val_before_train_validates_even_without_test_freq(tmp_path) -> None:
     logged: list = []
     _with_validation(tr, logged)
     tr.fit()
-    assert [step for step, m in logged if any(k.startswith("val-core/") for k in m)] == [0]  # before step 1 only
+    assert [step for step, m in logged if step != "artifact" and any(k.startswith("val-core/") for k in m)] == [0]
     assert tr.global_step == 1 and "update_policy" in w.names()
+    png = tmp_path / "ck" / "learning_curve.png"  # the run directory: trainer.default_local_dir
+    assert logged[-1] == ("artifact", png) and png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_free_cache_engine_defaults_on_for_colocated_cuda_engines(tmp_path) -> None:
@@ -340,3 +350,36 @@ def test_free_cache_engine_defaults_on_for_colocated_cuda_engines(tmp_path) -> N
     cfg = _trainer(tmp_path)[0].cfg
     assert plan_run(cfg, "cuda").free_cache_engine and not plan_run(cfg, "cpu").free_cache_engine
     assert cfg.cluster.device == load_config("mrl_configs/quickstart.yaml").cluster.device  # nothing written back
+
+
+def test_on_policy_shortcut_takes_log_pi_old_from_the_update(tmp_path) -> None:
+    """No compute_log_prob call: the update's log-probs become old_log_probs (for the metrics after the
+    update) and its entropies entropy_old; the engine-vs-trainer check is computed from them."""
+    tr, w, _ = _trainer(tmp_path, "actor.on_policy_shortcut=null")
+    assert tr.plan.on_policy_shortcut
+    rollout_lp = -0.5 * ragged_batch().response_mask.float()
+    base_generate = tr.generate
+
+    def generate() -> StepData:  # an engine that returns its log-probs
+        d = base_generate()
+        d.batch = d.batch.replace(rollout_log_probs=rollout_lp)
+        return d
+
+    tr.generate = generate
+    m = tr.step()
+    assert w.names() == ["compute_ref_log_prob", "update_policy_on_policy", "sync_weights"]
+    sent = w.calls[1][1][0]
+    assert sent.old_log_probs is not None  # ragged_batch's; the ranks' shortcut ignores it (test_on_policy_shortcut.py)
+    assert "timing_s/old_log_prob" not in m and m["actor/pg_loss"] == 0.5
+    assert m["actor/entropy_old"] == 2.0
+    assert m["training/rollout_probs_diff_max"] == 0.0  # the update's log-probs = the engine's here
+
+
+def test_on_policy_shortcut_keeps_the_old_log_prob_phase_while_the_critic_warms_up(tmp_path) -> None:
+    tr, w, _ = _trainer(tmp_path, *PPO, "trainer.critic_warmup=1", "actor.on_policy_shortcut=null")
+    tr.step()
+    assert w.names() == ["compute_log_prob", "compute_ref_log_prob", "compute_values", "update_critic"]
+    w.calls.clear()
+    tr.step()
+    assert w.names() == ["compute_ref_log_prob", "compute_values", "update_critic", "update_policy_on_policy",
+                         "sync_weights"]
