@@ -11,6 +11,7 @@ skips, when the install is missing, so a broken install cannot turn the oracle s
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -23,9 +24,34 @@ ORACLE_DIR = Path(sys.prefix) / "oracles"
 TOP_LEVEL = ("verl", "omegaconf", "antlr4", "tensordict", "pyvers", "codetiming")
 
 
+#: Served names the venv also has, at another version: antlr4 (omegaconf's parser needs 4.9.3, the
+#: venv's latex2sympy2_extended — math-verify's parser — needs 4.13). The oracle's copy is private to
+#: verl's import: taken out of ``sys.modules`` afterwards (omegaconf keeps its references) and the
+#: finder no longer serves it, so a later ``import antlr4`` anywhere gets the venv's.
+SHADOWED = ("antlr4",)
+_served = set(TOP_LEVEL)
+
+
+@contextlib.contextmanager
+def _private(names: tuple[str, ...]):
+    def owned(mod: str) -> bool:
+        return any(mod == n or mod.startswith(n + ".") for n in names)
+
+    before = {k: v for k, v in sys.modules.items() if owned(k)}
+    for k in before:
+        del sys.modules[k]
+    try:
+        yield
+    finally:
+        for k in [k for k in sys.modules if owned(k)]:
+            del sys.modules[k]
+        sys.modules.update(before)
+        _served.difference_update(names)
+
+
 class _OracleFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
-        if "." in fullname or fullname not in TOP_LEVEL:
+        if "." in fullname or fullname not in _served:
             return None
         return importlib.machinery.PathFinder.find_spec(fullname, [str(ORACLE_DIR)])
 
@@ -37,8 +63,10 @@ def require() -> tuple[ModuleType, ModuleType]:
                            "(it installs requirements-oracles.txt with --no-deps there)")
     if not any(isinstance(f, _OracleFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _OracleFinder())
-    core = importlib.import_module("verl.trainer.ppo.core_algos")
-    corr = importlib.import_module("verl.trainer.ppo.rollout_corr_helper")
+    with _private(SHADOWED):
+        core = importlib.import_module("verl.trainer.ppo.core_algos")
+        corr = importlib.import_module("verl.trainer.ppo.rollout_corr_helper")
+        importlib.import_module("verl.workers.config.actor")  # actor_config's import, while the copies are served
     if not str(core.__file__).startswith(str(ORACLE_DIR)):
         raise RuntimeError(f"imported verl from {core.__file__}, expected the pinned copy in {ORACLE_DIR}")
     return core, corr
