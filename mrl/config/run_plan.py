@@ -45,7 +45,7 @@ class RunPlan:
     critic: UpdatePlan | None  # None without a critic
     free_cache_engine: bool  # engines release device memory while the trainer runs
     log_dir: Path  # engine / router logs
-    on_policy_shortcut: bool = False  # the update's own log-probs stand in for the old-log-prob forward
+    on_policy_shortcut: bool  # the update's own log-probs stand in for the old-log-prob forward
 
 
 def on_policy_blockers(cfg: MRLConfig) -> list[str]:
@@ -55,7 +55,7 @@ def on_policy_blockers(cfg: MRLConfig) -> list[str]:
     π_old: then π_old = π_θ at that step, and ``exp(log π_θ − sg(log π_θ))`` has the value 1 and the
     gradient of the recomputed ratio (docs/driver.md, "On-policy shortcut")."""
     a, al = cfg.actor, cfg.algorithm
-    mini = max(1, cfg.data.train_batch_size // a.ppo_mini_batch_size)
+    mini = update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs).mini_batches_per_step
     out = []
     if a.ppo_epochs > 1:
         out.append(f"actor.ppo_epochs={a.ppo_epochs} (later epochs step from an updated policy)")
