@@ -17,7 +17,7 @@ the median s/step over steps ≥ 3 (the first steps include warm-up), generated 
 (Σ response tokens / step time), their ratio (TRL time / mrl time), the reward per step (the
 learning curves, mean over seeds, printed every 10 steps and drawn into ``--out``/vs_trl.png) and
 mrl's step time as a multiple of the FLOP floor (2·N·tokens generated + 6·N·tokens trained at the
-host's measured fp32 matmul rate).
+host's measured matmul rate in the run's dtype).
 
 TRL is not a dependency of mrl: ``pip install -e .[bench]`` (setup.py's ``bench`` extra), or
 ``make bench-deps`` (``--no-deps`` into ``.venv/bench-trl``, which this script puts on the path).
@@ -97,7 +97,8 @@ def write_assets(out: Path, size: str, seed: int, steps: int) -> tuple[Path, Pat
 
 
 # ---- mrl -------------------------------------------------------------------------------------
-def run_mrl(work: Path, model_dir: Path, size: str, seed: int, steps: int, port: int, extra: list[str]) -> dict:
+def run_mrl(work: Path, model_dir: Path, size: str, seed: int, steps: int, port: int, extra: list[str],
+            dtype: str = "float32") -> dict:
     new_tokens = SIZES[size][2]
     db = work / "mrl_mlflow.db"
     args = [f"model.path={model_dir}", f"data.train_files=[{work}/train.jsonl]", "data.val_files=[]",
@@ -109,7 +110,7 @@ def run_mrl(work: Path, model_dir: Path, size: str, seed: int, steps: int, port:
             "algorithm.norm_adv_by_std_in_grpo=true", "trainer.val_before_train=false", "trainer.test_freq=-1",
             f"trainer.total_training_steps={steps}", "trainer.logger=[mlflow]",
             f"trainer.mlflow_tracking_uri=sqlite:///{db}", f"trainer.default_local_dir={work}/mrl_ckpt",
-            f"trainer.seed={seed}", f"rollout.port_base={port}", *extra]
+            f"trainer.seed={seed}", f"rollout.port_base={port}", f"model.dtype={dtype}", *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO), "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled"}
     t0 = time.time()
     with (work / "mrl.log").open("w") as log:
@@ -129,10 +130,11 @@ def run_mrl(work: Path, model_dir: Path, size: str, seed: int, steps: int, port:
 
 
 # ---- TRL (a subprocess: `vs_trl.py --trl-worker ARGS.json`) -----------------------------------
-def run_trl(work: Path, model_dir: Path, size: str, seed: int, steps: int, threads: int) -> dict:
+def run_trl(work: Path, model_dir: Path, size: str, seed: int, steps: int, threads: int,
+            dtype: str = "float32") -> dict:
     spec = work / "trl_args.json"
     spec.write_text(json.dumps({"work": str(work), "model": str(model_dir), "size": size, "seed": seed, "steps": steps,
-                                "threads": threads}))
+                                "threads": threads, "dtype": dtype}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH_DEPS), str(REPO)])}
     t0 = time.time()
     with (work / "trl.log").open("w") as log:
@@ -183,7 +185,8 @@ def trl_worker(spec_path: str) -> None:
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, beta=0.0, epsilon=0.2, loss_type="dapo",
         scale_rewards="group", temperature=1.0, top_p=1.0, top_k=0, max_steps=a["steps"], logging_steps=1,
-        report_to="none", save_strategy="no", seed=a["seed"], shuffle_dataset=False, use_cpu=True, bf16=False,
+        report_to="none", save_strategy="no", seed=a["seed"], shuffle_dataset=False, use_cpu=True,
+        bf16=a.get("dtype") == "bfloat16",  # HF Trainer's autocast: fp32 weights, bf16 matmuls (mrl: fp32 main weights too)
         disable_tqdm=True, log_completions=False, dataloader_num_workers=0,
         gradient_checkpointing=False,  # TRL's default recomputes activations; mrl does not (actor.recompute_granularity)
     )
@@ -197,12 +200,13 @@ def trl_worker(spec_path: str) -> None:
 
 
 # ---- report ----------------------------------------------------------------------------------
-def matmul_gflops(seconds: float = 1.0) -> float:
-    """fp32 GFLOP/s of a 1024² matmul on all cores: the floor's compute rate."""
+def matmul_gflops(seconds: float = 1.0, dtype: str = "float32") -> float:
+    """GFLOP/s of a 1024² matmul in ``dtype`` on all cores: the floor's compute rate."""
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(1024, 1024, dtype=dt), torch.randn(1024, 1024, dtype=dt)
     a @ b
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -252,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mrl-args", nargs="*", default=[], help="extra mrl overrides, e.g. actor.on_policy_shortcut=false")
     p.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the TRL process (default: all cores, as a TRL user runs it)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="compute dtype of both sides: mrl model.dtype, TRL bf16 (autocast); bfloat16 pays off on CPUs "
+                        "with AMX / AVX512-BF16")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.trl_worker:
@@ -265,11 +272,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error("TRL is not installed: pip install -e .[bench] (or make bench-deps), or pass --only mrl")
     out = Path(args.out).resolve()
     load = os.getloadavg()
-    gflops = matmul_gflops()
-    print(f"host: {os.uname().nodename}, {os.cpu_count()} cores, load {load[0]:.1f}, fp32 matmul {gflops:.1f} GFLOP/s",
+    gflops = matmul_gflops(dtype=args.dtype)
+    print(f"host: {os.uname().nodename}, {os.cpu_count()} cores, load {load[0]:.1f}, {args.dtype} matmul {gflops:.1f} GFLOP/s",
           flush=True)
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": load[0],
-                     "gflops": gflops, "runs": {}}
+                     "gflops": gflops, "dtype": args.dtype, "runs": {}}
     curves: dict = {}
     for size in args.sizes:
         steps = args.steps or (200 if size == "tiny" else 6)
@@ -281,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                 if args.only and side != args.only:
                     continue
                 try:
-                    r = (run_mrl(work, model_dir, size, seed, steps, args.port, args.mrl_args) if side == "mrl"
-                         else run_trl(work, model_dir, size, seed, steps, args.trl_threads))
+                    r = (run_mrl(work, model_dir, size, seed, steps, args.port, args.mrl_args, args.dtype) if side == "mrl"
+                         else run_trl(work, model_dir, size, seed, steps, args.trl_threads, args.dtype))
                 except RuntimeError as e:  # e.g. the host ran out of memory: report it, go on with the next run
                     print(f"{size} seed {seed} {side}: FAILED: {e}", flush=True)
                     continue

@@ -15,7 +15,7 @@ Memory per device (Megatron mixed precision, nothing offloaded, activations and 
     actor/critic  = params * (w + 4 [fp32 main grads] + (12 if w < 4 else 8) [fp32 master + Adam m, v] / (DP*CP
                     when use_distributed_optimizer)), w = bytes of model.dtype
     reference     = params * w;  engine = unpadded params / engine_tp_size * w
-    reward model  = its params (scalar head, the actor's TP/PP) * (4 on CPU, else 2: bf16), on the actor's devices
+    reward model  = its params (scalar head, the actor's TP/PP) * bytes of model.dtype, on the actor's devices
     LoRA actor    = params * w + a * (w + 4 + opt / shard): only the a adapter params/device get grads and
                     Adam state; a = Σ_layers Σ_targets r·in + r·out/TP (column) or r·in/TP + r·out (row).
                     The colocated reference is the same model with adapters off: 0 bytes.
@@ -153,7 +153,7 @@ def build_plan(cfg: MRLConfig) -> Plan:
     if shape is None:
         return plan
     plan.param_count = shape.param_count()
-    div, dt = cfg.model.make_vocab_size_divisible_by, cfg.model.dtype
+    div, dt = cfg.model.make_vocab_size_divisible_by, plan_dtype(cfg)
     plan.memory["actor"] = trained_memory(shape, a.megatron, dp, dt, a.use_distributed_optimizer, div)
     if a.lora.enabled:
         plan.full_finetune_actor = plan.memory["actor"]
@@ -187,9 +187,14 @@ def _reward_model(cfg: MRLConfig, plan: Plan) -> None:
         shape = None  # check_config reported it
     if shape is None:
         return
-    w = 4 if cfg.cluster.device == "cpu" else 2
+    w = itemsize(plan_dtype(cfg))
     plan.memory["reward_model"] = RoleMemory(
         weights=params_per_device(shape, cfg.actor.megatron, cfg.model.make_vocab_size_divisible_by, value_head=True) * w)
+
+
+def plan_dtype(cfg: MRLConfig) -> str:
+    """model.dtype, or its default for cluster.device (``auto`` planned as cuda, where it matters)."""
+    return cfg.model.compute_dtype("cpu" if cfg.cluster.device == "cpu" else "cuda")
 
 
 def _gib(b: int) -> str:
@@ -228,7 +233,7 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
         share = "colocated with actor" if lay.colocated else "owns these devices"
         lines.append(f"    {name:8s} {lay.count:4d} {kind} [{where}] {desc}; {share}")
     if plan.memory:
-        lines.append(f"  memory per device (model {plan.param_count / 1e6:.1f}M params, {cfg.model.dtype}; "
+        lines.append(f"  memory per device (model {plan.param_count / 1e6:.1f}M params, {plan_dtype(cfg)}; "
                      "activations and KV cache not included):")
         for name, m in plan.memory.items():
             parts = f"weights {_gib(m.weights)}"

@@ -90,7 +90,7 @@ class RolloutConfig(Section):
     )
     max_num_seqs: int | None = Field(
         None, ge=1, description="Sequences an engine decodes together at most (verl max_num_seqs; SGLang "
-        "--max-running-requests, the embedded engine's --max-running); null = the engine's default (embedded: 64).")
+        "--max-running-requests, the embedded engine's --max-running); null = the engine's default (embedded: 256).")
     partial_rollout: bool = Field(
         False, description="With trainer.async_training.max_staleness > 0: a weight push interrupts the generations in "
         "flight (SGLang pause_generation abort), keeps their tokens with the version that made them and continues them "

@@ -38,6 +38,7 @@ class RunPlan:
     """What a run does, derived from its config once (see the module docstring)."""
 
     device: str  # cluster.device with ``auto`` resolved: "cuda" or "cpu"
+    dtype: str  # model.dtype with null resolved for the device (bfloat16 on cuda, float32 on cpu)
     layout: dict[str, RoleLayout]  # role -> devices (mrl.config.layout)
     trainer_ranks: int  # Ray rank actors of the actor (and its colocated ref/critic/RM)
     gen_batch_size: int  # prompts per generation round (DAPO's data.gen_batch_size when filtering)
@@ -104,6 +105,7 @@ def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
         critic = update_plan(cfg, c.ppo_mini_batch_size or a.ppo_mini_batch_size, c.ppo_epochs or a.ppo_epochs)
     return RunPlan(
         device=device,
+        dtype=cfg.model.compute_dtype(device),
         layout=layout,
         trainer_ranks=layout["actor"].count,
         gen_batch_size=(d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable

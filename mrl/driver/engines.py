@@ -94,7 +94,7 @@ def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple
         return build_sglang_command(SGLangLaunchSpec(
             model_path=cfg.model.path, port=slot.port, host=r.host, tp_size=r.engine_tp_size,
             mem_fraction_static=r.mem_fraction_static, colocated=r.placement == "colocated",
-            base_gpu_id=slot.gpu_ids[0], dtype=cfg.model.dtype, random_seed=cfg.trainer.seed + slot.index,
+            base_gpu_id=slot.gpu_ids[0], dtype=cfg.model.compute_dtype("cuda"), random_seed=cfg.trainer.seed + slot.index,
             admin_api_key=token, extra_args=[] if r.max_num_seqs is None else
             ["--max-running-requests", str(r.max_num_seqs)])), {}
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -103,7 +103,7 @@ def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple
     if cuda:  # the embedded engine is single-device: it sees only its GPU, as cuda:0
         env["CUDA_VISIBLE_DEVICES"] = str(slot.gpu_ids[0])
     cmd = build_embedded_command(cfg.model.path, slot.port, host=r.host, token_env=TOKEN_ENV if token else None,
-                                 device="cuda" if cuda else "cpu", dtype=cfg.model.dtype if cuda else "float32",
+                                 device="cuda" if cuda else "cpu", dtype=cfg.model.compute_dtype("cuda" if cuda else "cpu"),
                                  seed=cfg.trainer.seed + slot.index)
     if r.max_num_seqs is not None:
         cmd += ["--max-running", str(r.max_num_seqs)]

@@ -14,6 +14,7 @@ import torch
 
 from mrl.config import MRLConfig
 from mrl.config.run_plan import RunPlan
+from mrl.dtypes import torch_dtype
 from mrl.observability.fallbacks import collect_fallbacks, fallbacks_in_use
 from mrl.workers.batch import TrainBatch
 
@@ -47,7 +48,7 @@ class TrainRank:
             mini_batch_size_samples=plan.actor.mini_batch_size_samples,
             temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_response_length,
             total_optimizer_steps=plan.actor.total_optimizer_steps,
-            seed=cfg.trainer.seed,
+            seed=cfg.trainer.seed, dtype=torch_dtype(plan.dtype),
         )
         # Snapshot of the start weights, before any update (verl's ref = initial policy).
         self.ref = ColocatedReference(self.actor) if cfg.ref_enabled else None
@@ -58,7 +59,8 @@ class TrainRank:
 
             self.rm = RewardModelWorker(cfg.reward_model.model.path, cfg.actor.megatron, init_parallel=False,
                                         micro_batch_size=cfg.reward_model.micro_batch_size_per_gpu,
-                                        device=self.actor.engine.device.type, seed=cfg.trainer.seed)
+                                        device=self.actor.engine.device.type, seed=cfg.trainer.seed,
+                                        dtype=torch_dtype(plan.dtype))
             if cfg.reward_model.offload:  # on the device only during phase rm_score
                 self.rm.offload()
         self.syncer = None
@@ -73,11 +75,14 @@ class TrainRank:
         from mrl.rollout.weight_sync import WeightSyncer
 
         ws = self.cfg.rollout.weight_sync
+        first_replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
         self.syncer = WeightSyncer(
             ws.transport, engine_urls, bucket_mb=ws.bucket_mb, verify=ws.verify,
             stage=ps.get_pipeline_model_parallel_rank(),
             is_source=ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0,
             is_coordinator=torch.distributed.get_rank() == 0,
+            # the export gathers over TP (and EP, which spans DP replicas): other replicas need not iterate it
+            drives_export=first_replica or ps.get_expert_model_parallel_world_size() > 1,
             engine_world_sizes=[self.cfg.rollout.engine_tp_size] * len(engine_urls),
             disk_dir=ws.disk_dir, snapshot_dir=ws.snapshot_dir, token=token,
             master_address=ray.util.get_node_ip_address() if routable else "127.0.0.1",
@@ -193,6 +198,7 @@ def _build_critic(cfg: MRLConfig, plan: RunPlan, device: str) -> CriticWorker:
         c, model_path=c.model_path or cfg.model.path, device=device, mini_batch_size_samples=u.mini_batch_size_samples,
         epochs=u.epochs, total_optimizer_steps=u.total_optimizer_steps,
         seed=cfg.trainer.seed, init_parallel=False, max_response_length=cfg.rollout.max_response_length,
+        dtype=torch_dtype(plan.dtype),
     )
     if c.offload_param or c.offload_grad or c.offload_optimizer:
         critic.offload()

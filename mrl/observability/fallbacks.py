@@ -20,6 +20,10 @@ KNOWN: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p), what) for
     (r"Falling back to local implementations of multi_tensor", "Megatron's local multi_tensor_* ops (no TE/Apex)"),
     (r"full scope is deprecated\. Use empty cuda_graph_scope", "Megatron's default cuda_graph_scope (deprecation notice)"),
     (r"`torch\.distributed\.(\w+)` is deprecated", r"torch.distributed.\1 as Megatron calls it (deprecated name)"),
+    # DistributedOptimizer.zero_grad touches .grad of its fp32 shard views (Megatron's own comment there:
+    # "throws grad-access warning"); printed by each rank at its first update, harmless.
+    (r"\.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+     "Megatron's DistributedOptimizer.zero_grad on its shard views (torch's non-leaf .grad notice)"),
 ))
 
 _seen: dict[str, None] = {}  # insertion-ordered set

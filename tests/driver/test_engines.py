@@ -125,3 +125,19 @@ def test_max_num_seqs_reaches_both_engines(tmp_path) -> None:
     assert cmd[cmd.index("--max-running-requests") + 1] == "256"
     default, _ = engine_command(load_config(GPU_RECIPE), plan_engines(gpu_cfg, _gpu_infos(), 8)[0], token=None)
     assert "--max-running-requests" not in default
+
+
+@pytest.mark.parametrize(("dtype", "cpu", "gpu"), [(None, "float32", "bfloat16"), ("bfloat16", "bfloat16", "bfloat16"),
+                                                   ("float32", "float32", "float32")])
+def test_model_dtype_reaches_every_engine(tmp_path, dtype, cpu, gpu) -> None:
+    """model.dtype is the engines' dtype on CPU too (it was forced to float32 there); null = each device's default."""
+    from mrl.config.run_plan import plan_run
+
+    (tmp_path / "m").mkdir()
+    over = [] if dtype is None else [f"model.dtype={dtype}"]
+    cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tmp_path}/m", "model.dtype=null", *over])
+    cmd, _ = engine_command(cfg, plan_engines(cfg, [_node("a", "10.1.1.1", [])] * 2, 2)[0], token=None)
+    assert cmd[cmd.index("--dtype") + 1] == cpu and plan_run(cfg, "cpu").dtype == cpu  # the ranks' dtype
+    gpu_cfg = load_config(GPU_RECIPE, ["model.dtype=null", *over])
+    cmd, _ = engine_command(gpu_cfg, plan_engines(gpu_cfg, _gpu_infos(), 8)[0], token=None)
+    assert dict(itertools.pairwise(cmd))["--dtype"] == gpu and plan_run(gpu_cfg, "cuda").dtype == gpu

@@ -287,3 +287,11 @@ def test_logprobs_exact_when_rows_join_and_leave(model_dir):
         ref = _ref_logprobs(model_dir, prompt, out["output_ids"], 0.7)
         got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
         assert torch.allclose(got, ref, atol=1e-5, rtol=0), (got - ref).abs().max()
+
+
+def test_request_ids_are_unique_32_hex_digits():
+    from mrl.rollout.engine.scheduler import Request, new_rid
+    from mrl.rollout.protocol import SamplingParams
+
+    ids = {new_rid() for _ in range(1000)} | {Request([1], SamplingParams()).rid for _ in range(10)}
+    assert len(ids) == 1010 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)

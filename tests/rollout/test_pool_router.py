@@ -61,8 +61,10 @@ def _checksums(url: str) -> dict[str, str]:
 
 def test_batch_shapes_affinity_and_balance(pool):
     client = RolloutClient(Router(pool))
+    served = [e.served for e in pool.engines]
     res = client.generate(RolloutRequest(PROMPTS, n=4, sampling_params={"max_new_tokens": 8, "temperature": 1.0}))
     assert len(res.samples) == 32 and not res.failed
+    assert [e.served - s for e, s in zip(pool.engines, served)] == [1, 1]  # one batch request per engine
     assert [(s.prompt_index, s.sample_index) for s in res.samples] == [(i, j) for i in range(8) for j in range(4)]
     for s in res.samples:
         assert s.prompt_ids == PROMPTS[s.prompt_index]

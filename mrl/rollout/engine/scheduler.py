@@ -25,9 +25,9 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import itertools
+import os
 import re
 import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,13 +40,23 @@ from mrl.rollout.protocol import GREEDY_BELOW, SamplingParams
 
 REGEX_TAIL_TOKENS = 64  # output tokens decoded for a stop_regex search (at least)
 
+# Request ids: 32 hex digits like SGLang's uuid4().hex, unique per server: a random per-process prefix
+# and a counter. uuid4 reads the OS's random source per call — 5 % of the engine's CPU on a
+# 256-sample quickstart step (measured, py-spy), for ids nobody needs to be unguessable.
+_RID_PREFIX = os.urandom(8).hex()
+_RID_COUNTER = itertools.count()
+
+
+def new_rid() -> str:
+    return f"{_RID_PREFIX}{next(_RID_COUNTER):016x}"
+
 
 @dataclass
 class Request:
     prompt_ids: list[int]
     params: SamplingParams
     return_logprob: bool = False
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    rid: str = field(default_factory=new_rid)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None

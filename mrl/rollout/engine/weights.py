@@ -1,14 +1,17 @@
 """Weight updates by HF name: from a safetensors directory, from POSIX shared memory, and from
 broadcasts of a torch.distributed group whose rank 0 is the trainer.
 
-Every path first *receives* into fresh tensors without touching the model (so generation goes
-on while a broadcast is in flight), then validates names/shapes against the model and copies
-under the scheduler's ``model_lock`` (between two decode steps). A name the model does not have,
+Every path first *receives* without touching the model (fresh tensors for disk and broadcasts, so
+generation goes on while a broadcast is in flight; views of the sender's segment for shared
+memory, which the sender leaves unchanged until the update is answered), then validates
+names/shapes against the model and copies under the scheduler's ``model_lock`` (between two
+decode steps). A name the model does not have,
 or a shape that differs, fails the whole update before anything is copied.
 """
 from __future__ import annotations
 
 import datetime
+import mmap
 import os
 from collections.abc import Iterable
 
@@ -63,37 +66,42 @@ def read_disk(runner: ModelRunner, model_path: str) -> list[tuple[str, torch.Ten
 
 # ---- shared memory ---------------------------------------------------------------------------
 def read_shm(runner: ModelRunner, specs: list[ShmTensor]) -> list[tuple[str, torch.Tensor]]:
-    """Copy each tensor out of ``/dev/shm/<shm_name>`` at ``offset``. The segments belong to the
-    sender (it unlinks them); we only open them read-only, so no resource tracker is involved."""
+    """Each tensor as a view of ``/dev/shm/<shm_name>`` at ``offset``, copied into the model by the
+    caller. The segments belong to the sender, which leaves them unchanged until this update has been
+    answered; we map them privately (copy-on-write), so nothing we do reaches the sender and no
+    resource tracker is involved. A view, not a read into a fresh buffer: fresh buffers of a few MB
+    cost a page fault per 4 KiB on the hosts we measured (a 4 MB update: 19-124 ms to allocate and
+    fill, ~1 ms to copy from the mapping)."""
+    maps: dict[str, tuple[mmap.mmap | None, int]] = {}
     named = []
     for s in specs:
         dtype = parse_dtype(s.dtype)
         numel = 1
         for d in s.shape:
             numel *= int(d)
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        path = os.path.join(SHM_DIR, s.shm_name)
-        try:
-            size = os.path.getsize(path)
-        except OSError as e:
-            raise FileNotFoundError(f"shm_tensors[{s.name!r}]: shared-memory segment {s.shm_name!r} not found ({e})") from e
-        if s.offset + nbytes > size:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * itemsize
+        if s.shm_name not in maps:
+            path = os.path.join(SHM_DIR, s.shm_name)
+            try:
+                with open(path, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    maps[s.shm_name] = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None, size)
+            except OSError as e:
+                raise FileNotFoundError(f"shm_tensors[{s.name!r}]: shared-memory segment {s.shm_name!r} not found ({e})") from e
+        mm, size = maps[s.shm_name]
+        if s.offset < 0 or s.offset + nbytes > size:
             raise ValueError(
                 f"shm_tensors[{s.name!r}]: needs bytes [{s.offset}, {s.offset + nbytes}) but segment "
                 f"{s.shm_name!r} has {size}"
             )
-        buf = bytearray(nbytes)
-        with open(path, "rb", buffering=0) as f:
-            f.seek(s.offset)
-            view = memoryview(buf)
-            got = 0
-            while got < nbytes:
-                n = f.readinto(view[got:])
-                if not n:
-                    raise ValueError(f"shm_tensors[{s.name!r}]: short read from {s.shm_name!r}")
-                got += n
-        t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(s.shape) if nbytes else torch.empty(s.shape, dtype=dtype)
-        named.append((s.name, t))
+        if not nbytes:
+            named.append((s.name, torch.empty(s.shape, dtype=dtype)))
+            continue
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=s.offset)
+        if s.offset % itemsize:
+            raw = raw.clone()  # a dtype view needs an aligned start (our sender aligns; another may not)
+        named.append((s.name, raw.view(dtype).reshape(s.shape)))
     return check_named(runner, named)
 
 

@@ -77,6 +77,9 @@ class WeightSyncer:
 
     engine_urls: every engine of the pool. engine_world_sizes: ranks per engine (its tp size).
     stage: this rank's pipeline stage. is_source / is_coordinator: see module docstring.
+    drives_export: a non-source rank iterates ``named_tensors`` (and discards them) because the
+    export's gathers are collectives its group shares with a source (the source's TP peers; with
+    expert parallelism, every rank); False for the other DP replicas, which would only spend CPU.
     barrier: trainer-wide barrier (default: the default process group's). disk_dir: required
     for ``disk`` (a directory the engines can read); snapshot_dir: with another transport, also
     write each pushed version there (safetensors shards + version file) so that a restarted
@@ -94,6 +97,7 @@ class WeightSyncer:
         stage: int = 0,
         is_source: bool = True,
         is_coordinator: bool = True,
+        drives_export: bool = True,
         barrier: Callable[[], None] | None = None,
         engine_world_sizes: Sequence[int] | None = None,
         master_address: str = "127.0.0.1",
@@ -119,6 +123,7 @@ class WeightSyncer:
         self.stage = stage
         self.is_source = is_source
         self.is_coordinator = is_coordinator
+        self.drives_export = drives_export
         self.barrier = barrier or _default_barrier
         ws = list(engine_world_sizes or [1] * len(engine_urls))
         if len(ws) != len(engine_urls):
@@ -181,7 +186,7 @@ class WeightSyncer:
             self.transport.finish(version)
             if self.snapshot is not None:
                 self.snapshot.finish(version)
-        else:
+        elif self.drives_export:
             for _ in named_tensors:  # TP gathers inside the export are collective: drive them
                 pass
         self.barrier()
