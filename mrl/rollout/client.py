@@ -1,6 +1,7 @@
 """The driver's rollout client: token-id prompts and n in, typed samples out.
 
-A request's prompts are cut into one SGLang batch ``POST /generate`` per healthy engine (``input_ids``
+A request's prompts are cut into one SGLang batch ``POST /generate`` per healthy engine, or into
+requests of at most ``PROMPTS_PER_REQUEST`` prompts when there are more (``input_ids``
 = each prompt of the chunk n times, ``sampling_params`` one map or one per sample, ``return_logprob``),
 answered by a list of results in the same order; the router's least-outstanding pick sends the
 chunks one per engine. Whole prompts stay in one chunk, so the n samples of a prompt land on one
@@ -20,12 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from mrl.rollout.router import RouteOutcome, Router
 from mrl.rollout.types import FINISH_ERROR, RolloutRequest, RolloutResult, RolloutSample
+
+# Prompts per /generate at most: answers of finished requests are parsed while the rest still generate
+# (a single answer per engine for a large batch would be one multi-hundred-MB JSON parsed at the end).
+PROMPTS_PER_REQUEST = 32
 
 
 def parse_generate_response(body: dict[str, Any]) -> tuple[list[int], list[float], str, str | None]:
@@ -94,9 +100,11 @@ class RolloutClient:
             # one sampling_params per request: the seeded samples go one by one
             parts = [[(i, [j])] for i in range(P) for j in range(n)]
         else:
-            # One request per engine, each with whole prompts (their n samples share the engine and its
-            # prefix work); the router's least-outstanding pick spreads them one per engine.
-            chunks = min(P, max(1, sum(e.healthy for e in self.router.pool.engines)))
+            # One request per engine (more when an engine would get over PROMPTS_PER_REQUEST prompts), each
+            # with whole prompts (their n samples share the engine and its prefix work); the router's
+            # least-outstanding pick spreads them over the engines.
+            engines = max(1, sum(e.healthy for e in self.router.pool.engines))
+            chunks = min(P, max(engines, math.ceil(P / PROMPTS_PER_REQUEST)))
             bounds = [P * c // chunks for c in range(chunks + 1)]
             parts = [[(i, list(range(n))) for i in range(a, b)] for a, b in itertools.pairwise(bounds) if b > a]
         outs = await asyncio.gather(*(send(part) for part in parts))

@@ -84,6 +84,19 @@ def test_batch_shapes_affinity_and_balance(pool):
     assert pool.loop.run(pool.check_health()) == {e.url: True for e in pool.engines}
 
 
+def test_large_requests_are_cut_into_bounded_chunks(pool):
+    """More than PROMPTS_PER_REQUEST prompts per engine go as several requests (answers parsed as they come)."""
+    from mrl.rollout.client import PROMPTS_PER_REQUEST
+
+    P = 2 * PROMPTS_PER_REQUEST + 6  # over 2 engines: ceil(70 / 32) = 3 requests, not 2
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(P)]
+    served = sum(e.served for e in pool.engines)
+    res = RolloutClient(Router(pool)).generate(RolloutRequest(prompts, n=1, sampling_params={"max_new_tokens": 2}))
+    assert not res.failed and [s.prompt_index for s in res.samples] == list(range(P))
+    assert all(s.prompt_ids == prompts[s.prompt_index] for s in res.samples)
+    assert sum(e.served for e in pool.engines) - served == 3
+
+
 def test_sampling_seeds_make_draws_reproducible_across_engines_and_batches(pool):
     # issue 19: every sample carries its own sampling_seed, so its draws do not depend on which
     # engine serves it or what else is in the request
