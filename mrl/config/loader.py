@@ -118,8 +118,10 @@ def find_unknown_keys(data: dict[str, Any], model: type[BaseModel], prefix: str 
             del data[key]
             continue
         sub = _section_class(fields[key].annotation)
-        if sub is not None and data[key] is None:
-            data[key] = {}  # an empty YAML section (`actor:` with nothing under it) means its defaults
+        if sub is not None and data[key] is None and fields[key].default is not None:
+            # an empty YAML section (`actor:` with nothing under it) means its defaults; a section whose
+            # default is null (reward_model.megatron: the actor's layout) stays null
+            data[key] = {}
         if sub is not None and isinstance(data[key], dict):
             errors.extend(find_unknown_keys(data[key], sub, f"{full}."))
     return errors
