@@ -58,7 +58,8 @@ class RewardModelConfig(Section):
                                     "placement=separate, refused with colocated.")
     megatron: ParallelConfig | None = Field(
         None, description="Megatron layout of a separate reward model (DP = num_devices / (TP*PP)); null = "
-        "actor.megatron's sizes. A colocated RM runs in the actor's groups: null or equal to actor.megatron.")
+        "actor.megatron's sizes (once set, its unset keys take the defaults below, not the actor's). A colocated RM "
+        "runs in the actor's groups: null or equal to actor.megatron.")
     offload: bool = Field(False, description="Colocated only: keep the RM's weights in host memory outside phase "
                           "rm_score (moved to the device for its forward; a no-op on CPU).")
     combine: Literal["rm", "rule+rm", "function"] = Field(

@@ -57,7 +57,6 @@ def test_separate_rm_group_matches_transformers_next_to_the_actor(tmp_path: Path
             rm = rms[family]
             cfg = _config(tmp_path, actor, rm, tp, pp)
             group = start_reward_model_group(cfg, plan_run(cfg, "cpu"))
-            group.timeout_s = 600
             group.wait_constructed()
             groups.append(group)
             one, _ = _hf_scores(rm)
