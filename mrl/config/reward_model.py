@@ -1,5 +1,5 @@
 """Reward-model section (verl ``reward_model``): a Hugging Face ``*ForSequenceClassification``
-checkpoint scores every (prompt, response) on the trainer's ranks, in phase ``rm_score``.
+checkpoint scores every (prompt, response) in phase ``rm_score``.
 
 ``placement: colocated`` (default) runs the RM on the actor's ranks with the actor's Megatron layout
 (``actor.megatron``) and groups; ``placement: separate`` gives it ``num_devices`` devices of its own
