@@ -2,15 +2,20 @@
 
 Devices are numbered globally ``0 .. nnodes * n_gpus_per_node - 1`` (node = index // n_gpus_per_node).
 The actor takes every device not claimed by a ``separate`` role; colocated roles (reference,
-critic, engines) share the actor's devices and run in turn (verl hybrid engine). Separate roles
-are laid out after the actor in the order reference, critic, rollout. For a Megatron role
-``DP = devices / (TP * PP * CP)``.
+critic, engines, reward model) share the actor's devices and run in turn (verl hybrid engine).
+Separate roles are laid out after the actor in the order reference, critic, rollout, reward model:
+
+    devices = nnodes * n_gpus_per_node = actor + Σ separate roles
+    e.g. 4 = actor 2 [0-1] + reward_model.num_devices 2 [2-3]
+
+For a Megatron role ``DP = devices / (TP * PP * CP)``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from mrl.config.parallel import ParallelConfig
+from mrl.config.reward_model import reward_model_parallel
 from mrl.config.root import MRLConfig
 
 
@@ -55,6 +60,8 @@ def separate_devices(cfg: MRLConfig) -> dict[str, int]:
         out["critic"] = cfg.critic.num_devices or 0
     if cfg.rollout.placement == "separate":
         out["rollout"] = (cfg.rollout.num_engines or 0) * cfg.rollout.engine_tp_size
+    if cfg.reward_model.enable and cfg.reward_model.placement == "separate":
+        out["reward_model"] = cfg.reward_model.num_devices or 0
     return out
 
 
@@ -68,14 +75,16 @@ def num_engines(cfg: MRLConfig, actor_devices: int) -> int:
 
 
 def compute_layout(cfg: MRLConfig) -> dict[str, RoleLayout]:
-    """Role -> RoleLayout for actor, ref (if enabled), critic (if enabled) and rollout."""
+    """Role -> RoleLayout for actor, ref (if enabled), critic (if enabled), rollout and reward_model (if enabled)."""
     world = cfg.cluster.world_size
     sep = separate_devices(cfg)
     actor_n = max(world - sum(sep.values()), 0)
     roles = {"actor": RoleLayout("actor", 0, actor_n, False, cfg.actor.megatron)}
     nxt = actor_n
-    for name, par in (("ref", cfg.ref.megatron), ("critic", cfg.critic.megatron), ("rollout", None)):
-        enabled = {"ref": cfg.ref_enabled, "critic": cfg.critic_enabled, "rollout": True}[name]
+    for name, par in (("ref", cfg.ref.megatron), ("critic", cfg.critic.megatron), ("rollout", None),
+                      ("reward_model", reward_model_parallel(cfg))):
+        enabled = {"ref": cfg.ref_enabled, "critic": cfg.critic_enabled, "rollout": True,
+                   "reward_model": cfg.reward_model.enable}[name]
         if not enabled:
             continue
         if name in sep:

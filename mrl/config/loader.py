@@ -27,6 +27,9 @@ _VERL_HINTS = {
     "critic_model": "use the top-level 'critic' section",
     "reward_model": "use the top-level 'reward' section",
     "custom_reward_function": "use reward.function (registry name, 'pkg.module:fn' or 'file.py:fn')",
+    **dict.fromkeys(("reward_model.enable_resource_pool", "reward_model.n_gpus_per_node", "reward_model.nnodes"),
+                    "verl's reward_pool is reward_model.placement=separate with reward_model.num_devices="
+                    "<its n_gpus_per_node * nnodes> (as ref and critic)"),
 }
 
 
@@ -107,7 +110,7 @@ def find_unknown_keys(data: dict[str, Any], model: type[BaseModel], prefix: str 
         full = f"{prefix}{key}"
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-            hint = _VERL_HINTS.get(str(key)) if not prefix else None
+            hint = _VERL_HINTS.get(str(full))
             if hint:
                 fix = f"fix: {hint}"
             elif close:
@@ -118,8 +121,10 @@ def find_unknown_keys(data: dict[str, Any], model: type[BaseModel], prefix: str 
             del data[key]
             continue
         sub = _section_class(fields[key].annotation)
-        if sub is not None and data[key] is None:
-            data[key] = {}  # an empty YAML section (`actor:` with nothing under it) means its defaults
+        if sub is not None and data[key] is None and fields[key].default is not None:
+            # an empty YAML section (`actor:` with nothing under it) means its defaults; a section whose
+            # default is null (reward_model.megatron: the actor's layout) stays null
+            data[key] = {}
         if sub is not None and isinstance(data[key], dict):
             errors.extend(find_unknown_keys(data[key], sub, f"{full}."))
     return errors

@@ -15,7 +15,8 @@ Memory per device (Megatron mixed precision, nothing offloaded, activations and 
     actor/critic  = params * (w + 4 [fp32 main grads] + (12 if w < 4 else 8) [fp32 master + Adam m, v] / (DP*CP
                     when use_distributed_optimizer)), w = bytes of model.dtype
     reference     = params * w;  engine = unpadded params / engine_tp_size * w
-    reward model  = its params (scalar head, the actor's TP/PP) * bytes of model.dtype, on the actor's devices
+    reward model  = its params (scalar head; colocated: the actor's TP/PP on the actor's devices; separate:
+                    reward_model.megatron on reward_model.num_devices of its own) * bytes of model.dtype
     LoRA actor    = params * w + a * (w + 4 + opt / shard): only the a adapter params/device get grads and
                     Adam state; a = Σ_layers Σ_targets r·in + r·out/TP (column) or r·in/TP + r·out (row).
                     The colocated reference is the same model with adapters off: 0 bytes.
@@ -174,13 +175,13 @@ def build_plan(cfg: MRLConfig) -> Plan:
 
 
 def _reward_model(cfg: MRLConfig, plan: Plan) -> None:
-    """The RM on the actor's devices with its TP/PP layout: frozen weights (+ a [1, H] head) in the
-    worker's dtype (fp32 on CPU, bf16 on accelerators); no estimate when its config.json is absent."""
+    """The RM's frozen weights (+ a [1, H] head) per device at its layout (the actor's when colocated, on the
+    actor's devices; reward_model.megatron on its own when separate) in model.dtype (null: fp32 on CPU, bf16
+    on accelerators); no estimate when its config.json is absent."""
     rm = cfg.reward_model
-    if not rm.enable or not rm.model.path:
+    lay = plan.roles.get("reward_model")
+    if lay is None or not rm.model.path:
         return
-    actor = plan.roles["actor"]
-    plan.roles["reward_model"] = RoleLayout("reward_model", actor.first, actor.count, True, cfg.actor.megatron)
     try:
         shape = read_model_shape(rm.model.path)
     except ValueError:
@@ -189,7 +190,7 @@ def _reward_model(cfg: MRLConfig, plan: Plan) -> None:
         return
     w = itemsize(plan_dtype(cfg))
     plan.memory["reward_model"] = RoleMemory(
-        weights=params_per_device(shape, cfg.actor.megatron, cfg.model.make_vocab_size_divisible_by, value_head=True) * w)
+        weights=params_per_device(shape, lay.parallel, cfg.model.make_vocab_size_divisible_by, value_head=True) * w)
 
 
 def plan_dtype(cfg: MRLConfig) -> str:

@@ -19,13 +19,15 @@ END = "<!-- END GENERATED -->"
 def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     rows: list[str] = []
     for name, field in model.model_fields.items():
+        desc = (field.description or "").replace("|", "\\|")  # a bare | would split the table cell
         sub = _section_class(field.annotation)
         if sub is not None:
+            if field.default is None:  # an optional section: null has a meaning of its own, say it
+                rows.append(f"| `{prefix}{name}` | `null` | {desc} |")
             rows.extend(_rows(sub, f"{prefix}{name}."))
             continue
         default = field.get_default(call_default_factory=True)
         shown = json.dumps(default if not isinstance(default, tuple) else list(default))
-        desc = (field.description or "").replace("|", "\\|")  # a bare | would split the table cell
         rows.append(f"| `{prefix}{name}` | `{shown}` | {desc} |")
     return rows
 

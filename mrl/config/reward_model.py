@@ -1,7 +1,10 @@
 """Reward-model section (verl ``reward_model``): a Hugging Face ``*ForSequenceClassification``
-checkpoint scores every (prompt, response) on the trainer's ranks, in phase ``rm_score``.
+checkpoint scores every (prompt, response) in phase ``rm_score``.
 
-The RM is colocated with the actor: the same ranks and Megatron layout (``actor.megatron``). With
+``placement: colocated`` (default) runs the RM on the actor's ranks with the actor's Megatron layout
+(``actor.megatron``) and groups; ``placement: separate`` gives it ``num_devices`` devices of its own
+(after the actor's, verl's ``reward_model`` resource pool): its own Ray worker group,
+torch.distributed world and Megatron layout (``megatron``; null = the actor's sizes). With
 the actor's tokenizer it scores the batch's token ids as they are; with another tokenizer or chat
 template (``model.input_tokenizer`` set, verl's ``_switch_chat_template``) each response is decoded
 and the conversation re-rendered with the RM's chat template first. Its score ``rm_score`` [B] becomes
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from mrl.config.base import Section
+from mrl.config.parallel import ParallelConfig
 
 if TYPE_CHECKING:
     from mrl.config.root import MRLConfig
@@ -36,7 +40,7 @@ class RewardModelPathConfig(Section):
 
 
 class RewardModelConfig(Section):
-    """Model-based reward on the trainer ranks (colocated with the actor, its TP/PP layout)."""
+    """Model-based reward: on the actor's ranks (colocated) or on devices of its own (separate)."""
 
     enable: bool = Field(False, description="Score every sample with the reward model (phase rm_score).")
     model: RewardModelPathConfig = Field(default_factory=RewardModelPathConfig, description="Reward model checkpoint.")
@@ -46,10 +50,18 @@ class RewardModelConfig(Section):
         "right (verl's truncation; the RM then reads the cut's last token); null = not cut (verl cuts at the actor "
         "batch's padded length, which loses the end of conversations the RM's tokenizer spells in more tokens).")
     placement: Literal["colocated", "separate"] = Field(
-        "colocated", description="colocated: on the actor's ranks with its TP/PP layout (the only placement "
-        "implemented; separate is refused at plan time).")
-    offload: bool = Field(False, description="Keep the RM's weights in host memory outside phase rm_score "
-                          "(moved to the device for its forward; a no-op on CPU).")
+        "colocated", description="colocated: on the actor's ranks with its Megatron layout and groups (its devices "
+        "shared, phase by phase); separate: on reward_model.num_devices devices of its own after the actor's (verl's "
+        "reward_model resource pool): its own Ray worker group, torch.distributed world and reward_model.megatron layout.")
+    num_devices: int | None = Field(None, ge=1, description="Devices of a separate reward model (taken from "
+                                    "cluster.nnodes*n_gpus_per_node, the actor gets the rest); required with "
+                                    "placement=separate, refused with colocated.")
+    megatron: ParallelConfig | None = Field(
+        None, description="Megatron layout of a separate reward model (DP = num_devices / (TP*PP)); null = "
+        "actor.megatron's sizes (once set, its unset keys take the defaults below, not the actor's). A colocated RM "
+        "runs in the actor's groups: null or equal to actor.megatron.")
+    offload: bool = Field(False, description="Colocated only: keep the RM's weights in host memory outside phase "
+                          "rm_score (moved to the device for its forward; a no-op on CPU).")
     combine: Literal["rm", "rule+rm", "function"] = Field(
         "rm", description="rm: the RM score is the reward (reward.function is not called; verl's default); "
         "rule+rm: reward.function's score + the RM score; function: reward.function's score alone, which "
@@ -82,16 +94,8 @@ def check_reward_model(cfg: MRLConfig, errors: list[str], notes: list[str]) -> N
         errors.append("reward_model.enable=true with algorithm.adv_estimator=remax: the greedy baseline is scored "
                       "by reward.function only, so baseline and samples would use different rewards; "
                       "fix: another estimator, or reward_model.enable=false")
-    if rm.placement == "separate":
-        errors.append("reward_model.placement=separate is not implemented: the RM runs on the actor's ranks with "
-                      "its TP/PP layout; fix: reward_model.placement=colocated (and reward_model.offload=true to free "
-                      "its device memory outside phase rm_score)")
+    _check_rm_placement(cfg, errors, notes)
     _check_tokenizers(cfg, errors, notes)
-    par = cfg.actor.megatron
-    notes.append(f"reward_model: colocated with the actor (its ranks, TP={par.tensor_model_parallel_size} "
-                 f"PP={par.pipeline_model_parallel_size}, micro-batches of {rm.micro_batch_size_per_gpu} samples); "
-                 + ("its weights are offloaded to host memory outside phase rm_score" if rm.offload
-                  else "its weights stay on the device (reward_model.offload=true frees them between phases)"))
     if rm.combine == "function" and ":" not in cfg.reward.function:
         errors.append(f"reward_model.combine=function but reward.function={cfg.reward.function!r} is a built-in scorer, "
                       "which ignores extra_info['rm_score'] (the RM would not count); fix: reward.function="
@@ -99,6 +103,51 @@ def check_reward_model(cfg: MRLConfig, errors: list[str], notes: list[str]) -> N
     if rm.combine == "rm":
         notes.append(f"reward_model.combine=rm: the reward model's score is the reward, in training and validation; "
                      f"reward.function={cfg.reward.function!r} is not called")
+
+
+def reward_model_parallel(cfg: MRLConfig) -> ParallelConfig:
+    """The RM's Megatron layout: a colocated RM runs in the actor's groups (actor.megatron); a separate one
+    in its own (reward_model.megatron, null = the actor's sizes)."""
+    rm = cfg.reward_model
+    if rm.placement == "separate" and rm.megatron is not None:
+        return rm.megatron
+    return cfg.actor.megatron
+
+
+def _check_rm_placement(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
+    """Rules only the RM has (the device arithmetic and TP/PP against its own config.json are
+    validate.py's, shared with the other roles)."""
+    rm, actor = cfg.reward_model, cfg.actor.megatron
+    if rm.placement == "colocated":
+        if rm.megatron is not None and rm.megatron != actor:
+            diff = [f"reward_model.megatron.{k}={getattr(rm.megatron, k)} (actor {getattr(actor, k)})"
+                    for k in ParallelConfig.model_fields if getattr(rm.megatron, k) != getattr(actor, k)]
+            errors.append("reward_model.megatron differs from actor.megatron in " + ", ".join(diff) + ": a colocated "
+                          "reward model runs on the actor's ranks in its Megatron groups; fix: remove "
+                          "reward_model.megatron (colocated uses actor.megatron), or reward_model.placement=separate "
+                          "with reward_model.num_devices=<devices> for a layout of its own")
+        notes.append(f"reward_model: colocated with the actor (its ranks, TP={actor.tensor_model_parallel_size} "
+                     f"PP={actor.pipeline_model_parallel_size}, micro-batches of {rm.micro_batch_size_per_gpu} samples); "
+                     + ("its weights are offloaded to host memory outside phase rm_score" if rm.offload
+                        else "its weights stay on the device (reward_model.offload=true frees them between phases)"))
+        return
+    if rm.offload:
+        # Nothing else runs on a separate RM's devices: freeing them between phases gains nothing,
+        # and a flag that silently does nothing is worse than an error.
+        errors.append("reward_model.offload=true is not supported with reward_model.placement=separate (the RM owns "
+                      "its devices, nothing else uses them between phases); fix: reward_model.offload=false, or "
+                      "reward_model.placement=colocated to share the actor's devices and offload between phases")
+    par = reward_model_parallel(cfg)
+    if par.context_parallel_size > 1:
+        errors.append(f"reward_model.megatron.context_parallel_size={par.context_parallel_size}"
+                      + ("" if rm.megatron is not None else " (actor.megatron's: reward_model.megatron is null)")
+                      + ": the reward model does not split sequences over ranks (context parallelism needs THD "
+                      "packing with Transformer Engine, not implemented); fix: reward_model.megatron."
+                      "context_parallel_size=1")
+    notes.append(f"reward_model: separate, {rm.num_devices} device(s) of its own after the actor's, "
+                 f"TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size}"
+                 + ("" if rm.megatron is not None else " (actor.megatron's sizes: reward_model.megatron is null)")
+                 + f", micro-batches of {rm.micro_batch_size_per_gpu} samples")
 
 
 def _tokenizer_dir_has_template(path: Path) -> bool | None:

@@ -41,6 +41,7 @@ class RunPlan:
     dtype: str  # model.dtype with null resolved for the device (bfloat16 on cuda, float32 on cpu)
     layout: dict[str, RoleLayout]  # role -> devices (mrl.config.layout)
     trainer_ranks: int  # Ray rank actors of the actor (and its colocated ref/critic/RM)
+    reward_model_ranks: int  # Ray rank actors of a separate reward model (its own group); 0 = none or colocated
     gen_batch_size: int  # prompts per generation round (DAPO's data.gen_batch_size when filtering)
     actor: UpdatePlan
     critic: UpdatePlan | None  # None without a critic
@@ -100,6 +101,7 @@ def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
         raise ValueError(f"plan_run needs a resolved device ('cuda' or 'cpu'), got {device!r}")
     a, c, d = cfg.actor, cfg.critic, cfg.data
     layout = compute_layout(cfg)
+    rm = layout.get("reward_model")
     critic = None
     if cfg.critic_enabled:
         critic = update_plan(cfg, c.ppo_mini_batch_size or a.ppo_mini_batch_size, c.ppo_epochs or a.ppo_epochs)
@@ -108,6 +110,7 @@ def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
         dtype=cfg.model.compute_dtype(device),
         layout=layout,
         trainer_ranks=layout["actor"].count,
+        reward_model_ranks=rm.count if rm is not None and not rm.colocated else 0,
         gen_batch_size=(d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable
         else d.train_batch_size,
         actor=update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs),

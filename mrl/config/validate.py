@@ -99,22 +99,28 @@ def _check_parallel(role: str, par: ParallelConfig, lay: RoleLayout, cfg: MRLCon
             f"{key}.tensor_model_parallel_size={tp} spans nodes (cluster.n_gpus_per_node={cfg.cluster.n_gpus_per_node}); "
             "fix: keep TP within a node and use pipeline_model_parallel_size across nodes"
         )
-    if shape is None:
-        return
+    if shape is not None:
+        _check_model_fits(key, par, shape, f"{cfg.model.path}/config.json", errors)
+
+
+def _check_model_fits(key: str, par: ParallelConfig, shape: ModelShape, source: str, errors: list[str]) -> None:
+    """``par`` (the layout at ``key``) shards the model of ``source`` (its config.json): heads by TP, layers by PP."""
+    tp, pp, vpp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
     if shape.num_heads % tp:
         errors.append(
             f"{key}.tensor_model_parallel_size={tp} does not divide the model's {shape.num_heads} attention heads "
-            f"({cfg.model.path}/config.json num_attention_heads); fix: choose a TP that divides {shape.num_heads}"
+            f"({source} num_attention_heads); fix: choose a TP that divides {shape.num_heads}"
         )
     if shape.num_kv_heads % tp:
         errors.append(
             f"{key}.tensor_model_parallel_size={tp} does not divide the model's {shape.num_kv_heads} KV heads "
-            f"(num_key_value_heads); fix: choose a TP that divides {shape.num_kv_heads}"
+            f"({source} num_key_value_heads); fix: choose a TP that divides {shape.num_kv_heads}"
         )
     stages = pp * (vpp or 1)
     if shape.num_layers % stages:
         errors.append(
-            f"{key}: {shape.num_layers} layers are not divisible by pipeline_model_parallel_size*virtual_pipeline_model_parallel_size "
+            f"{key}: the {shape.num_layers} layers ({source} num_hidden_layers) are not divisible by "
+            "pipeline_model_parallel_size*virtual_pipeline_model_parallel_size "
             f"= {stages}; fix: choose PP (x VPP) dividing {shape.num_layers}"
         )
     ep = par.expert_model_parallel_size
@@ -129,7 +135,7 @@ def _check_parallel(role: str, par: ParallelConfig, lay: RoleLayout, cfg: MRLCon
 def _check_placement(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelShape | None, errors: list[str]) -> None:
     world = cfg.cluster.world_size
     sep = separate_devices(cfg)
-    for role, section in (("ref", cfg.ref), ("critic", cfg.critic)):
+    for role, section in (("ref", cfg.ref), ("critic", cfg.critic), ("reward_model", cfg.reward_model)):
         if role in roles and section.placement == "separate" and not section.num_devices:
             errors.append(f"{role}.placement=separate needs {role}.num_devices; fix: set {role}.num_devices=<devices for the {role}>")
         if section.placement == "colocated" and section.num_devices is not None:
@@ -470,6 +476,35 @@ def _check_critic_shares_the_actor(cfg: MRLConfig, errors: list[str]) -> None:
             + ": the colocated critic shares the actor's parallel groups; fix: set critic.megatron.<key> equal to actor.megatron.<key>")
 
 
+def _check_reward_model_layout(cfg: MRLConfig, roles: dict[str, RoleLayout], actor_shape: ModelShape | None,
+                               errors: list[str]) -> None:
+    """A separate RM's layout (reward_model.megatron, or the actor's sizes when null) on its own devices; either
+    placement's TP/PP against the RM's own config.json (its heads and layers, not the actor's)."""
+    lay = roles.get("reward_model")
+    rm = cfg.reward_model
+    if lay is None or not rm.model.path:
+        return
+    separate = rm.placement == "separate"
+    key = "reward_model.megatron" if separate else "actor.megatron"
+    if separate and lay.count > 0:
+        if rm.megatron is None:  # null = the actor's sizes; _check_parallel's flag checks ran for the actor
+            mp = lay.parallel.model_parallel_size
+            if lay.count % mp:
+                errors.append(f"reward_model.megatron is null, so the separate reward model takes actor.megatron's "
+                              f"TP*PP*CP = {mp}, which does not divide reward_model.num_devices={lay.count}; fix: set "
+                              "reward_model.megatron.tensor_model_parallel_size/pipeline_model_parallel_size (their "
+                              f"product dividing {lay.count}), or reward_model.num_devices to a multiple of {mp}")
+        else:
+            _check_parallel("reward_model", lay.parallel, lay, cfg, None, errors)
+    try:
+        shape = read_model_shape(rm.model.path)
+    except ValueError:
+        return  # check_reward_model names the unreadable config.json
+    if shape is not None and (separate or shape != actor_shape):  # an equal shape: the actor's check said it
+        # a colocated RM runs at the actor's layout: the key to change is actor.megatron's (or go separate)
+        _check_model_fits(key, lay.parallel, shape, f"the reward model's {rm.model.path}/config.json", errors)
+
+
 def missing_inputs(cfg: MRLConfig) -> list[str]:
     """The files a run reads that are not on this host (``mrl plan`` notes them: the plan may be made
     before the model is downloaded; ``mrl train`` refuses to start without them)."""
@@ -508,6 +543,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     for role in ("actor", "ref", "critic"):
         if role in roles and roles[role].count > 0:
             _check_parallel(role, roles[role].parallel, roles[role], cfg, shape, errors)
+    _check_reward_model_layout(cfg, roles, shape, errors)
     if roles["actor"].count > 0:
         _check_batches(cfg, roles["actor"], errors)
     if "critic" in roles and roles["critic"].count > 0:

@@ -54,7 +54,8 @@ class TrainRank:
         self.ref = ColocatedReference(self.actor) if cfg.ref_enabled else None
         self.critic = _build_critic(cfg, plan, self.actor.engine.device.type) if plan.critic else None
         self.rm = None
-        if cfg.reward_model.enable:  # colocated: the actor's ranks and Megatron groups
+        if cfg.reward_model.enable and cfg.reward_model.placement == "colocated":  # the actor's ranks and
+            # Megatron groups; a separate RM has ranks of its own (mrl/driver/rm_rank.py)
             from mrl.workers.reward_model import RewardModelWorker
 
             self.rm = RewardModelWorker(cfg.reward_model.model.path, cfg.actor.megatron, init_parallel=False,
@@ -110,9 +111,10 @@ class TrainRank:
         return self.ref.compute_repr_similarity(batch, gold)
 
     def compute_rm_score(self, batch: TrainBatch) -> torch.Tensor:
-        """[B] reward-model scores (reward_model.enable)."""
+        """[B] reward-model scores (reward_model.enable with placement=colocated)."""
         if self.rm is None:
-            raise RuntimeError("compute_rm_score called but no reward model was built (reward_model.enable is false)")
+            raise RuntimeError("compute_rm_score called but no reward model was built on the trainer ranks "
+                               "(reward_model.enable is false, or placement=separate: its own group scores)")
         if not self.cfg.reward_model.offload:
             return self.rm.compute_rm_score(batch)
         self.rm.onload()

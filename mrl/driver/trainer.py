@@ -33,6 +33,7 @@ from mrl.driver.batch import (
 from mrl.driver.dumps import GenerationRows, dump_generations
 from mrl.driver.dynamic_sampling import kept_prompts, merge_rounds
 from mrl.driver.ranks import TrainRanks
+from mrl.driver.rm_ranks import RewardModelRanks, reward_scorer
 from mrl.driver.rm_reward import combine_rm
 from mrl.driver.rollout_controller import RolloutController
 from mrl.driver.rollout_correction import apply_rollout_correction
@@ -99,6 +100,7 @@ class RLTrainer:
     def __init__(self, cfg: MRLConfig, services: Services) -> None:
         self.cfg, self.s = cfg, services
         self.ranks = TrainRanks(services.workers)  # typed calls to every trainer rank
+        self.rm = reward_scorer(services.rm_workers, self.ranks)  # phase rm_score: trainer ranks or the RM's own
         self.rollout = RolloutController(services.pool, services.client, self.ranks,
                                          startup_timeout_s=cfg.rollout.engine_startup_timeout_s,
                                          log_dir=services.log_dir)
@@ -225,7 +227,7 @@ class RLTrainer:
         rm = self.cfg.reward_model
         if rm.enable:  # verl: rm_scores reach the reward manager, which returns them (combine=rm)
             with timer("rm_score", m):
-                d.rm_scores = self.ranks.compute_rm_score(self.s.rm_inputs(d.batch, d.prompts)).float()
+                d.rm_scores = self.rm.compute_rm_score(self.s.rm_inputs(d.batch, d.prompts)).float()
             for stat in ("mean", "max", "min"):
                 m[f"critic/rm_score/{stat}"] = float(getattr(d.rm_scores, stat)())
 
@@ -441,7 +443,7 @@ class RLTrainer:
         """Validation's RM scores (reward_model.enable), scored and combined as in training."""
         if not self.cfg.reward_model.enable:
             return None
-        return lambda batch, prompts: self.ranks.compute_rm_score(self.s.rm_inputs(batch, prompts))
+        return lambda batch, prompts: self.rm.compute_rm_score(self.s.rm_inputs(batch, prompts))
 
     def save(self) -> None:
         root = self.cfg.trainer.checkpoint_dir
@@ -501,7 +503,8 @@ class RLTrainer:
         self.maybe_resume()
         total = self.total_steps()
         # verl: val_before_train validates whatever test_freq says; val_only then stops (nothing trained)
-        fallbacks = summary_line(self.ranks.fallbacks())
+        fallbacks = summary_line(self.ranks.fallbacks()
+                                 + (self.rm.fallbacks() if isinstance(self.rm, RewardModelRanks) else []))
         if fallbacks:
             log.info("%s", fallbacks)
         progress, curves = Progress(total, start_step=self.global_step), Curves()

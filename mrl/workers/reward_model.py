@@ -3,7 +3,8 @@
 The checkpoint is a Hugging Face ``*ForSequenceClassification`` model with one label (Llama,
 Qwen2, Qwen3, Mistral families): its ``model.*`` body maps to ``GPTModel`` exactly like a causal
 LM, and ``score.weight`` [1, H] becomes a scalar head in place of the LM head — the critic's
-head (:class:`mrl.workers.engine._ValueHead`), loaded instead of initialised. TP/PP as the actor.
+head (:class:`mrl.workers.engine._ValueHead`), loaded instead of initialised. TP/PP: the actor's on its
+ranks (colocated, ``init_parallel=False``), or the RM's own group and layout (separate, mrl/driver/rm_rank.py).
 
     rm_score_i = score.weight · h_i[last]     h = final-norm hidden states, [B]
 

@@ -117,6 +117,30 @@ def test_separate_roles_are_laid_out_after_the_actor(tmp_path: Path, train_file:
     assert set(totals) == {"actor", "ref", "rollout"}
 
 
+def test_a_separate_reward_model_is_laid_out_after_the_other_roles(tmp_path: Path, train_file: Path) -> None:
+    model = write_hf_config(tmp_path / "q7", QWEN25_7B)
+    rm = write_hf_config(tmp_path / "rm", {**QWEN25_05B, "architectures": ["Qwen2ForSequenceClassification"]})
+    cfg = load_config("mrl_configs/qwen2.5-7b_grpo_2x8_tp2.yaml",
+                      [f"model.path={model}", f"data.train_files=[{train_file}]", f"data.val_files=[{train_file}]",
+                       "ref.placement=separate", "ref.num_devices=2", "ref.offload=false", "rollout.placement=separate",
+                       "rollout.num_engines=3", "reward_model.enable=true", f"reward_model.model.path={rm}",
+                       "reward_model.placement=separate", "reward_model.num_devices=2",
+                       "reward_model.megatron.pipeline_model_parallel_size=2"],
+                      check=False)  # the layout only (ref.placement=separate is refused: not wired yet)
+    plan = build_plan(cfg)
+    lay = plan.roles
+    assert (lay["actor"].first, lay["actor"].count, lay["actor"].dp) == (0, 6, 3)
+    assert (lay["ref"].first, lay["rollout"].first, lay["rollout"].count) == (6, 8, 6)
+    r = lay["reward_model"]
+    assert (r.first, r.count, r.dp, r.colocated, r.nodes(8)) == (14, 2, 1, False, "node1:6-7")
+    assert (r.parallel.tensor_model_parallel_size, r.parallel.pipeline_model_parallel_size) == (1, 2)
+    # bf16 on GPUs; PP2 over 24 layers: the last stage (12 layers + norm + [1, H] head) vs the first (embedding + 12)
+    h, layer = 896, _qwen2_layer(896, 14, 2, 4864)
+    assert plan.memory["reward_model"].weights == int(max(151936 * h + 12 * layer, 12 * layer + 2 * h)) * 2
+    assert set(plan.device_total()) == {"actor", "ref", "rollout", "reward_model"}
+    assert "reward_model    2 devices [node1:6-7] TP=1 PP=2 CP=1 DP=1; owns these devices" in format_plan(cfg, plan)
+
+
 def test_dynamic_bsz_reports_an_upper_bound(tiny_model: Path, train_file: Path) -> None:
     cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tiny_model}", f"data.train_files=[{train_file}]",
                                                       "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=200"])

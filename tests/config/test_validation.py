@@ -13,6 +13,9 @@ from mrl.config import ConfigError, check_config, load_config
 
 _PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "difficulty_plugin.py"
 
+_RM = ["reward_model.enable=true", "reward_model.model.path=/nonexistent/rm"]  # no config.json: layout rules only
+_RM_SEP = [*_RM, "reward_model.placement=separate"]
+
 # (case id, overrides added to the valid base, substrings that ONE error line must all contain)
 BAD = [
     # the critic shares the actor's ranks and Megatron groups (was refused only when the driver built)
@@ -136,6 +139,33 @@ BAD = [
                                  "algorithm.adv_estimator=remax"], ["reward_model.enable=true", "remax"]),
     ("reward_model_function_builtin", ["reward_model.enable=true", "reward_model.model.path=/nonexistent/rm",
                                        "reward_model.combine=function"], ["reward_model.combine=function", "rm_score"]),
+    # reward_model.placement=separate: its own devices after the actor's, its own layout (docs/reward_model.md)
+    ("rm_separate_without_devices", [*_RM, "reward_model.placement=separate"],
+     ["reward_model.placement=separate needs reward_model.num_devices", "fix: set reward_model.num_devices"]),
+    ("rm_devices_while_colocated", [*_RM, "reward_model.num_devices=2"],
+     ["reward_model.num_devices is only used with reward_model.placement=separate", "fix"]),
+    ("rm_colocated_layout_differs", [*_RM, "reward_model.megatron.tensor_model_parallel_size=2"],
+     ["reward_model.megatron.tensor_model_parallel_size=2 (actor 1)", "fix: remove reward_model.megatron",
+      "reward_model.placement=separate"]),
+    ("rm_separate_tp_does_not_divide_devices", [*_RM_SEP, "reward_model.num_devices=3",
+                                                "reward_model.megatron.tensor_model_parallel_size=2"],
+     ["reward_model.megatron: TP*PP*CP = 2*1*1 = 2 does not divide the 3 devices of the reward_model",
+      "fix: change reward_model.megatron.tensor_model_parallel_size"]),
+    ("rm_separate_null_layout_does_not_fit", ["cluster.n_gpus_per_node=5", "actor.megatron.tensor_model_parallel_size=2",
+                                              *_RM_SEP, "reward_model.num_devices=1"],
+     ["reward_model.megatron is null", "actor.megatron's TP*PP*CP = 2", "reward_model.num_devices=1",
+      "fix: set reward_model.megatron.tensor_model_parallel_size"]),
+    ("rm_separate_sequence_parallel_tp1", [*_RM_SEP, "reward_model.num_devices=2", "reward_model.megatron.sequence_parallel=true"],
+     ["reward_model.megatron.sequence_parallel=true", "fix"]),
+    ("rm_separate_context_parallel", [*_RM_SEP, "reward_model.num_devices=2", "reward_model.megatron.context_parallel_size=2"],
+     ["reward_model.megatron.context_parallel_size=2", "fix: reward_model.megatron.context_parallel_size=1"]),
+    ("rm_verl_resource_pool_keys", ["reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=2"],
+     ["unknown key 'reward_model.enable_resource_pool'", "fix: verl's reward_pool is reward_model.placement=separate",
+      "reward_model.num_devices"]),
+    ("rm_separate_takes_every_device", [*_RM_SEP, "reward_model.num_devices=4"],
+     ["reward_model=4", "leaving none for the actor", "fix"]),
+    ("rm_separate_offload", [*_RM_SEP, "reward_model.num_devices=2", "reward_model.offload=true"],
+     ["reward_model.offload=true is not supported with reward_model.placement=separate", "fix: reward_model.offload=false"]),
     ("unknown_key_suggests", ["actor.optim.lrr=1e-6"], ["unknown key 'actor.optim.lrr'", "section 'actor.optim'", "'actor.optim.lr'"]),
     ("unknown_section", ["actor_rollout_ref.actor.optim.lr=1e-6"], ["unknown key 'actor_rollout_ref'", "'actor'", "'rollout'"]),
     ("unknown_nested_key", ["algorithm.ref_reward_blend.max_wieght=0.5"],

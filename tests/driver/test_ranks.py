@@ -1,10 +1,13 @@
-"""The driver's typed proxy mirrors the rank class: same method names, same parameters."""
+"""The driver's typed proxies mirror their rank classes (the trainer's and a separate reward model's):
+same method names, same parameters."""
 from __future__ import annotations
 
 import inspect
 
 from mrl.driver.rank import TrainRank
 from mrl.driver.ranks import TrainRanks
+from mrl.driver.rm_rank import RewardModelRank
+from mrl.driver.rm_ranks import RewardModelRanks, reward_scorer
 
 
 def _public(cls) -> dict[str, inspect.Signature]:
@@ -25,6 +28,33 @@ def test_the_driver_reaches_every_rank_phase_through_the_proxy():
     """Everything the driver calls on ranks besides construction and teardown is typed."""
     internal = {"before_call", "close"}
     assert set(_public(TrainRank)) - internal == set(_public(TrainRanks))
+
+
+def test_the_reward_model_proxy_mirrors_its_rank():
+    rank, proxy = _public(RewardModelRank), _public(RewardModelRanks)
+    assert set(rank) - {"before_call", "close"} == set(proxy)
+    for name, sig in proxy.items():
+        want = [(p.name, p.kind, p.default, str(p.annotation)) for p in rank[name].parameters.values()]
+        got = [(p.name, p.kind, p.default, str(p.annotation)) for p in sig.parameters.values()]
+        assert got == want, f"RewardModelRanks.{name}{sig} != RewardModelRank.{name}{rank[name]}"
+    # phase rm_score makes the same call on either placement
+    assert str(inspect.signature(TrainRanks.compute_rm_score)) == str(inspect.signature(RewardModelRanks.compute_rm_score))
+
+
+def test_rm_score_goes_to_the_separate_group_when_there_is_one():
+    class Group:
+        def __init__(self, tag):
+            self.tag, self.calls = tag, []
+
+        def execute_all(self, method, *args, **kwargs):
+            self.calls.append(method)
+            return [self.tag, "other rank"]
+
+    trainer, rm = Group("trainer"), Group("rm")
+    ranks = TrainRanks(trainer)
+    assert reward_scorer(None, ranks) is ranks  # colocated: the trainer ranks hold the RM
+    assert reward_scorer(rm, ranks).compute_rm_score("batch") == "rm"
+    assert rm.calls == ["compute_rm_score"] and trainer.calls == []
 
 
 def test_calls_reach_the_group_by_the_rank_method_name():

@@ -81,7 +81,7 @@ def _scores(batch) -> torch.Tensor:
     return scores
 
 
-def _trainer(tmp_path, *overrides: str) -> tuple[RLTrainer, RecordingWorkers, torch.Tensor]:
+def _trainer(tmp_path, *overrides: str, rm_workers=None) -> tuple[RLTrainer, RecordingWorkers, torch.Tensor]:
     """The quickstart's trainer on recording ranks; with the old-log-prob phase (actor.on_policy_shortcut=false)
     unless ``overrides`` say otherwise (test_on_policy_shortcut_* below)."""
     (tmp_path / "m").mkdir(exist_ok=True)
@@ -92,7 +92,7 @@ def _trainer(tmp_path, *overrides: str) -> tuple[RLTrainer, RecordingWorkers, to
     batch = ragged_batch().replace(advantages=None)
     values = torch.linspace(-0.5, 0.5, batch.response_length).expand(batch.batch_size, -1) * batch.response_mask
     workers = RecordingWorkers(values)
-    services = SimpleNamespace(train_ds=list(range(64)), workers=workers, pool=RecordingPool(workers.calls),
+    services = SimpleNamespace(train_ds=list(range(64)), workers=workers, rm_workers=rm_workers, pool=RecordingPool(workers.calls),
                                client=None, log_dir=tmp_path, plan=plan_run(cfg, "cpu"), tracking=None)  # no metric sinks (Services.tracking may be None)
     tr = RLTrainer(cfg, services)
     scores = _scores(batch)
@@ -383,3 +383,40 @@ def test_on_policy_shortcut_keeps_the_old_log_prob_phase_while_the_critic_warms_
     tr.step()
     assert w.names() == ["compute_ref_log_prob", "compute_values", "update_critic", "update_policy_on_policy",
                          "sync_weights"]
+
+
+def test_a_separate_reward_model_scores_on_its_own_group(tmp_path) -> None:
+    """reward_model.placement=separate: phase rm_score (and validation's RM) calls the RM's group, never the
+    trainer ranks; the metrics and the reward (combine=rm) are the colocated path's."""
+    from mrl.driver.rm_reward import RewardModelInputs
+    from tests.workers.batches import ragged_batch
+
+    batch = ragged_batch()
+    rm_scores = torch.linspace(-1.0, 2.0, batch.batch_size)
+
+    class RMGroup:
+        def __init__(self) -> None:
+            self.calls = []
+
+        def execute_all(self, method, *args):
+            self.calls.append((method, args))
+            return [rm_scores.clone(), rm_scores.clone()]  # every rank answers the same
+
+    group = RMGroup()
+    tr, w, _ = _trainer(tmp_path, "cluster.n_gpus_per_node=3", "reward_model.enable=true",
+                        f"reward_model.model.path={tmp_path}/rm", "reward_model.placement=separate",
+                        "reward_model.num_devices=1", rm_workers=group)
+    tr.s.rm_inputs = RewardModelInputs(None)  # the RM shares the actor's tokenizer: the batch as it is
+    prompts = [SimpleNamespace(ground_truth="1", data_source="toy", extra_info={}) for _ in range(batch.batch_size)]
+    d = StepData(batch, prompts, ["x"] * batch.batch_size, torch.zeros(batch.response_mask.shape))
+    m: dict[str, float] = {}
+    RLTrainer.reward(tr, d, m)  # the real phase (_trainer stubs it for the other tests)
+    assert [c[0] for c in group.calls] == ["compute_rm_score"] and group.calls[0][1][0] is batch
+    assert "compute_rm_score" not in w.names()
+    assert m["critic/rm_score/mean"] == pytest.approx(float(rm_scores.mean()))
+    assert (m["critic/rm_score/min"], m["critic/rm_score/max"]) == (-1.0, 2.0) and "timing_s/rm_score" in m
+    # combine=rm: the RM score is the reward, on one (the last response) token
+    torch.testing.assert_close(d.token_level_scores.sum(-1), rm_scores)
+    assert bool(((d.token_level_scores != 0).sum(-1) <= 1).all())
+    torch.testing.assert_close(tr.val_rm()(batch, prompts), rm_scores)
+    assert len(group.calls) == 2
