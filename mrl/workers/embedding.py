@@ -26,7 +26,7 @@ def response_embedding(engine, batch: TrainBatch, *, micro_batch_size: int) -> t
         h = captured.pop(id(mb))  # [b, L, H]
         # answer token j sits at compact column resp_index + 1
         cols = (mb.inputs.resp_index + 1) * mb.inputs.resp_valid
-        w = mb.inputs.resp_valid.to(h.dtype)
+        w = mb.inputs.resp_valid.to(h.device, h.dtype)  # inputs are built on the host
         g = h.gather(1, cols[..., None].expand(-1, -1, H).to(h.device))  # [b, R, H]
         emb = (g * w[..., None]).sum(1) / w.sum(1, keepdim=True).clamp(min=1)
         return torch.zeros((), device=h.device), {"emb": emb}

@@ -127,6 +127,11 @@ class MegatronEngine:
             share_embeddings_and_output_weights=False if value_head else None,
             use_te=False if self.lora else None,
         )
+        if self.device.type == "cuda":
+            # As Megatron-LM's get_model: modules Megatron does not place itself (torch norms without
+            # Apex/TE) are built on the host. DDP's buffers moved them for trained roles; a frozen one
+            # (the reward model) kept CPU norm weights — found by the first run on a GPU.
+            chunks = [c.cuda(self.device) for c in chunks]
         if score_head:
             from mrl.workers.reward_model import load_reward_model
 

@@ -147,8 +147,10 @@ class ModelInputs:
 
     def gather_response(self, per_pos: Tensor) -> Tensor:
         """[b, L] per-position values (e.g. log-probs of ``labels``) → [b, R], 0 where invalid."""
-        out = per_pos.gather(1, self.resp_index)
-        return out * self.resp_valid.to(out.dtype)
+        # The inputs are built on the host; the model's outputs live on its device (CUDA: found by the first
+        # run on a GPU — the CPU suite cannot see a device mismatch).
+        out = per_pos.gather(1, self.resp_index.to(per_pos.device))
+        return out * self.resp_valid.to(out.device, out.dtype)
 
 
 def build_model_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1) -> ModelInputs:
