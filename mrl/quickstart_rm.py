@@ -4,23 +4,33 @@
 trained here in a few CPU-seconds to prefer correct sums. It starts from the quickstart actor's
 warm-started body (``<out>/tiny-qwen2``, written first by ``mrl.quickstart`` when missing) with a
 zero score head, and shares its tokenizer, so the RM reads the actor's token ids as they are. Training
-is the Bradley–Terry pairwise loss of RLHF reward models (Ouyang et al. 2022, "Training language
-models to follow instructions with human feedback", eq. 1) on the 100 addition problems::
+has two phases on the 100 addition problems, with ``y = " <n></s>"`` as the actor answers and ``x`` the
+prompt's ids exactly as the dataset encodes them:
 
-    L = -mean log σ(r(x, y_correct) - r(x, y_wrong))
+1. the Bradley–Terry pairwise loss of RLHF reward models (Ouyang et al. 2022, "Training language
+   models to follow instructions with human feedback", eq. 1)::
 
-with ``y = " <n></s>"`` as the actor answers, ``x`` the prompt's ids exactly as the dataset encodes
-them; each pair draws a problem and a wrong ``n`` in [0, 2·MAX_OPERAND) uniformly (seeded). AdamW
-(lr ``RM_LR``) on batches of ``RM_BATCH`` pairs until the pairwise accuracy over ALL 100 × 18
-(correct, wrong) pairs reaches ``RM_TARGET`` (checked every ``RM_CHECK`` steps) or ``RM_MAX_STEPS``.
-One thread: the bytes depend only on ``--seed`` (and the torch build). Measured (seed 0): 225 steps,
-pairwise accuracy 0.984 but top-1 only 0.72 — for 28% of the problems some wrong sum outscores the
-right one (a 0.2M-parameter body that itself answers about half the problems); training on all 19
-wrong answers per problem for 1000 steps (4 CPU-min) did not raise top-1 (0.71), so the RM stays the
-cheap one, and the recipe's curve shows what that imperfection does (docs/reward_model.md).
+       L = -mean log σ(r(x, y_correct) - r(x, y_wrong))
+
+   each pair drawing a problem and a wrong ``n`` in [0, 2·MAX_OPERAND) uniformly (seeded); AdamW (lr
+   ``RM_LR``) on batches of ``RM_BATCH`` pairs until the pairwise accuracy over ALL 100 × 19
+   (correct, wrong) pairs reaches ``RM_TARGET`` (checked every ``RM_CHECK`` steps) or ``RM_MAX_STEPS``;
+2. a verifier (``train_rm_verifier``, ``LIST_STEPS`` steps): per problem, softmax cross-entropy over
+   all candidate answers (the 2·MAX_OPERAND sums plus ``LIST_EXTRA`` out-of-range wrong ones,
+   ``_extra_wrong``) with the right sum as the target, plus a binary cross-entropy on each candidate,
+   so that σ(r) is the probability that the answer is right (Cobbe et al. 2021, "Training Verifiers
+   to Solve Math Word Problems").
+
+One thread: the bytes depend only on ``--seed`` (and the torch build). Measured (seed 0): 275
+Bradley–Terry steps (pairwise 0.987, but top-1 only 0.79: for 21% of the problems a wrong sum
+outscored the right one), then 150 verifier steps: **pairwise 0.999, top-1 0.99**, ~90 CPU-s in all.
+The val set is the train set, so memorising the 100 problems is legitimate here. The Bradley–Terry RM
+alone, or the verifier without the out-of-range answers, did not teach the policy the task (it
+collapsed onto a few favourite sums, or found answers like " 1111" the RM liked); docs/reward_model.md
+has the measurements.
 
 The RM never sees the rule: the recipe's reward is its score alone (``reward_model.combine=function``
-with :func:`score_with_acc`, which returns the RM score as the reward and the ``arith`` rule's
+with :func:`score_with_acc`, which returns σ(RM score) as the reward and the ``arith`` rule's
 verdict as the extra key ``acc``: validation reports it as ``val-core/arith/acc/mean@1``, so one
 sees the policy learn the task from the RM).
 """
@@ -35,17 +45,29 @@ from mrl.quickstart import MAX_OPERAND, MODEL_DIR, QWEN2_SHAPE, problems, write_
 
 RM_DIR = "tiny-rm"
 RM_LR, RM_BATCH, RM_MAX_STEPS, RM_TARGET, RM_CHECK = 1e-3, 64, 600, 0.97, 25
+# Phase 2, a verifier: per problem, softmax cross-entropy over all 2·MAX_OPERAND candidate sums (listwise)
+# plus a binary cross-entropy on each candidate (sigmoid(r) = P(correct)), LIST_BATCH problems a step,
+# lr LIST_LR decayed linearly to 0 over LIST_STEPS. Trials (softmax only): at a constant lr 1e-3 after
+# phase 1 top-1 swung between 0.31 and 0.86; without phase 1 it was 0.43 after 400 steps.
+LIST_LR, LIST_BATCH, LIST_STEPS = 5e-4, 16, 150
+# ... and LIST_EXTRA out-of-range wrong answers per problem (``_extra_wrong``): without them the policy
+# found answers the RM had never seen and liked (" 111", " 1111": greedy acc 0.30 -> 0.11 at step 20).
+LIST_EXTRA = 12
 
 
 def score_with_acc(solution_str: str, ground_truth: str, data_source: str | None = None,
                    extra_info: dict | None = None) -> dict:
-    """reward.function of quickstart_rm.yaml: the RM's score is the reward; ``acc`` = the arith rule
-    (reported, never trained on)."""
+    """reward.function of quickstart_rm.yaml: the reward is the RM's probability that the answer is right,
+    ``sigmoid(rm_score)`` (the verifier head, module doc); ``acc`` = the arith rule (reported, never trained on)."""
+    import math
+
     from mrl.rewards.scorers import arith
 
     if not extra_info or "rm_score" not in extra_info:
         raise ValueError("score_with_acc needs extra_info['rm_score']: enable reward_model (quickstart_rm.yaml)")
-    return {"score": float(extra_info["rm_score"]), "acc": float(arith(solution_str, ground_truth))}
+    r = float(extra_info["rm_score"])
+    prob = 1.0 / (1.0 + math.exp(-r)) if r >= 0 else math.exp(r) / (1.0 + math.exp(r))  # no overflow
+    return {"score": prob, "acc": float(arith(solution_str, ground_truth))}
 
 
 def _encoded(tokenizer) -> list[tuple[list[int], int, list[list[int]]]]:
@@ -55,6 +77,19 @@ def _encoded(tokenizer) -> list[tuple[list[int], int, list[list[int]]]]:
     eos = QWEN2_SHAPE["eos_token_id"]
     answers = [tokenizer(f" {n}", add_special_tokens=False)["input_ids"] + [eos] for n in range(2 * MAX_OPERAND)]
     return [(encode_prompt(tokenizer, p), int(a), answers) for p, a in problems()]
+
+
+def _extra_wrong(tokenizer, a: int, rng: random.Random) -> list[list[int]]:
+    """Wrong answers outside the 2·MAX_OPERAND candidates: the empty answer, the right sum with more
+    digits after it (" 71" for 7: 1-5 more), repeated digits (" 1111") and other numbers of 3-7 digits."""
+    eos = QWEN2_SHAPE["eos_token_id"]
+    texts = [" "]
+    while len(texts) < LIST_EXTRA:
+        k, kind = rng.randint(1, 5), len(texts) % 3
+        digits = "".join(rng.choice("0123456789") for _ in range(k))
+        texts.append(f" {a}{digits}" if kind == 0 else f" {str(rng.randint(1, 9)) * (k + 2)}" if kind == 1
+                     else f" {rng.randint(1, 9)}{digits}{rng.randint(0, 9)}")
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] + [eos] for t in texts]
 
 
 def _scores(model, seqs: list[list[int]]):
@@ -113,8 +148,36 @@ def train_rm(model, tokenizer, seed: int, max_steps: int = RM_MAX_STEPS) -> tupl
     return step, acc
 
 
+def train_rm_verifier(model, tokenizer, seed: int, steps: int = LIST_STEPS) -> None:
+    """Phase 2 in place (module doc): listwise + pointwise loss over all candidates of a problem."""
+    import torch
+    import torch.nn.functional as F
+
+    rng, data = random.Random(seed + 1), _encoded(tokenizer)
+    opt = torch.optim.AdamW(model.parameters(), lr=LIST_LR, weight_decay=0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model.train()
+    try:
+        for step in range(steps):
+            batch = [rng.choice(data) for _ in range(LIST_BATCH)]
+            s = _scores(model, [p + ans for p, a, answers in batch
+                                for ans in answers + _extra_wrong(tokenizer, a, rng)]).view(LIST_BATCH, -1)
+            target = torch.tensor([a for _, a, _ in batch])
+            loss = F.cross_entropy(s, target) + F.binary_cross_entropy_with_logits(
+                s, F.one_hot(target, s.shape[1]).float())
+            for group in opt.param_groups:
+                group["lr"] = LIST_LR * (1 - step / steps)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    finally:
+        model.eval()
+        torch.set_num_threads(threads)
+
+
 def write_rm(out: str | Path, *, seed: int = 0, force: bool = False,
-             max_steps: int = RM_MAX_STEPS) -> dict[str, str]:
+             max_steps: int = RM_MAX_STEPS, list_steps: int = LIST_STEPS) -> dict[str, str]:
     """Write ``<out>/tiny-rm`` (and the quickstart's assets it starts from, when missing); returns
     {asset: 'written (...)' | 'kept'}."""
     import torch
@@ -134,11 +197,12 @@ def write_rm(out: str | Path, *, seed: int = 0, force: bool = False,
         rm.score.weight.zero_()  # no preference before training: every score 0
     rm.config.pad_token_id = QWEN2_SHAPE["pad_token_id"]
     steps, _ = train_rm(rm, tok, seed, max_steps)
+    train_rm_verifier(rm, tok, seed, list_steps)
     pairwise, top1 = rm_accuracy(rm, tok)
     rm.save_pretrained(str(rm_dir), safe_serialization=True)
     tok.save_pretrained(str(rm_dir))
-    status[str(rm_dir)] = (f"written (Bradley-Terry: {steps} steps, pairwise accuracy {pairwise:.3f}, "
-                           f"top-1 {top1:.2f})")
+    status[str(rm_dir)] = (f"written (Bradley-Terry: {steps} steps, verifier: {list_steps} steps; "
+                           f"pairwise accuracy {pairwise:.3f}, top-1 {top1:.2f})")
     return status
 
 
@@ -148,11 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the RM's training (and of missing quickstart assets)")
     p.add_argument("--max-steps", type=int, default=RM_MAX_STEPS,
                    help=f"most training steps; it stops once the pairwise accuracy reaches {RM_TARGET}")
+    p.add_argument("--verifier-steps", type=int, default=LIST_STEPS,
+                   help=f"steps of phase 2, the listwise + pointwise verifier loss (default {LIST_STEPS}; 0: none)")
     p.add_argument("--force", action="store_true", help="rewrite the RM when present")
     args = p.parse_args(argv)
     if args.max_steps < 1:
         p.error("--max-steps must be >= 1")
-    for asset, what in write_rm(args.out, seed=args.seed, force=args.force, max_steps=args.max_steps).items():
+    if args.verifier_steps < 0:
+        p.error("--verifier-steps must be >= 0")
+    for asset, what in write_rm(args.out, seed=args.seed, force=args.force, max_steps=args.max_steps,
+                                list_steps=args.verifier_steps).items():
         print(f"{what}: {asset}" + ("  (present; --force rewrites it)" if what == "kept" else ""))
     return 0
 

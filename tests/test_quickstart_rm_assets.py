@@ -1,7 +1,8 @@
 """``python -m mrl.quickstart_rm`` writes a one-label Qwen2 sequence classifier on the actor's
-warm-started body and tokenizer that prefers correct sums (its pairwise accuracy, re-measured here
-on the reloaded checkpoint), keeps it when present, and ``mrl plan mrl_configs/quickstart_rm.yaml``
+warm-started body and tokenizer that prefers correct sums (its pairwise and top-1 accuracy, and its
+verifier probabilities, re-measured here on the reloaded checkpoint), keeps it when present, and ``mrl plan mrl_configs/quickstart_rm.yaml``
 accepts the written assets and shows the RM's devices and memory."""
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,13 @@ def test_rm_is_a_trained_sequence_classifier_sharing_the_actor_tokenizer(assets:
     texts = [t for p, a in qs.problems() for t in (p, f" {a}", f" {int(a) + 1}")]
     assert [tok(t)["input_ids"] for t in texts] == [actor(t)["input_ids"] for t in texts]
     pairwise, top1 = qrm.rm_accuracy(rm, tok)
-    assert pairwise >= qrm.RM_TARGET and top1 >= 0.5  # prefers right sums (top-1 measured 0.72)
+    assert pairwise >= qrm.RM_TARGET and top1 >= 0.9  # the right sum is its favourite (measured 0.999 / 0.99)
+    # a verifier: sigmoid(score) is high on the right sum and low on every wrong one, on most problems
+    with torch.no_grad():
+        probs = [(torch.sigmoid(qrm._scores(rm, [p + ans for ans in answers])), a) for p, a, answers in qrm._encoded(tok)]
+    right = torch.stack([pr[a] for pr, a in probs])
+    wrong = torch.cat([torch.cat([pr[:a], pr[a + 1:]]) for pr, a in probs])
+    assert right.mean() > 0.8 and wrong.mean() < 0.05
     # an untrained head (the training's start) prefers nothing: the accuracy is the training's work
     with torch.no_grad():
         rm.score.weight.zero_()
@@ -47,8 +54,12 @@ def test_rewrite_is_skipped_when_present(assets: Path) -> None:
 
 
 def test_score_with_acc_reports_the_rule_and_rewards_the_rm() -> None:
-    assert qrm.score_with_acc(" 7</s>", "7", "arith", {"rm_score": -0.25}) == {"score": -0.25, "acc": 1.0}
-    assert qrm.score_with_acc(" 8", "7", "arith", {"rm_score": 1.5}) == {"score": 1.5, "acc": 0.0}
+    # the reward is the verifier's probability sigmoid(rm_score); acc is the rule's verdict, not the RM's
+    assert qrm.score_with_acc(" 7</s>", "7", "arith", {"rm_score": 0.0}) == {"score": 0.5, "acc": 1.0}
+    out = qrm.score_with_acc(" 8", "7", "arith", {"rm_score": 2.0})
+    assert out["acc"] == 0.0 and out["score"] == pytest.approx(1 / (1 + math.exp(-2.0)))
+    assert qrm.score_with_acc(" 8", "7", "arith", {"rm_score": -1e4})["score"] == 0.0  # no overflow
+    assert qrm.score_with_acc(" 7", "7", "arith", {"rm_score": 1e4})["score"] == 1.0
     with pytest.raises(ValueError, match="needs extra_info\\['rm_score'\\]"):
         qrm.score_with_acc(" 7", "7", "arith", {})
 
