@@ -189,7 +189,8 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
         # sglang-router's /generate takes one sampling_params map: seeded samples then go one per request.
         s.client = RolloutClient(make_router(gen_pool, r.router, max_retries=r.max_retries,
                                              request_timeout_s=r.request_timeout_s),
-                                 params_list_in_batch=r.router != "sglang_router")
+                                 params_list_in_batch=r.router != "sglang_router",
+                                 prompts_per_request=1 if r.router == "sglang_router" else None)
         if agent_tools is not None:  # multi-turn, tool-calling rollouts everywhere the client is used
             from mrl.agent.loop import AgentClient
 

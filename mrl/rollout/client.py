@@ -1,7 +1,8 @@
 """The driver's rollout client: token-id prompts and n in, typed samples out.
 
 A request's prompts are cut into one SGLang batch ``POST /generate`` per healthy engine, or into
-requests of at most ``PROMPTS_PER_REQUEST`` prompts when there are more (``input_ids``
+requests of at most ``PROMPTS_PER_REQUEST`` prompts when there are more (behind SGLang's router, whose
+pool is the router alone, one request per prompt, which the router balances) (``input_ids``
 = each prompt of the chunk n times, ``sampling_params`` one map or one per sample, ``return_logprob``),
 answered by a list of results in the same order; the router's least-outstanding pick sends the
 chunks one per engine. Whole prompts stay in one chunk, so the n samples of a prompt land on one
@@ -50,12 +51,15 @@ def parse_generate_response(body: dict[str, Any]) -> tuple[list[int], list[float
 class RolloutClient:
     """Sync facade over ``Router`` for the driver (network work runs on the pool's loop)."""
 
-    def __init__(self, router: Router, params_list_in_batch: bool = True) -> None:
+    def __init__(self, router: Router, params_list_in_batch: bool = True, prompts_per_request: int | None = None) -> None:
         """params_list_in_batch: the route accepts one ``sampling_params`` per sample of a batch
         request (SGLang and the embedded engine do; sglang-router's /generate schema takes one map),
-        else seeded samples of a prompt go as n single requests."""
+        else seeded samples of a prompt go as n single requests. prompts_per_request: None = one
+        request per healthy engine of the pool (at most PROMPTS_PER_REQUEST prompts each); 1 behind
+        SGLang's router, whose pool is the router alone: it balances requests, so they must be many."""
         self.router = router
         self.params_list_in_batch = params_list_in_batch
+        self.prompts_per_request = prompts_per_request
 
     def generate(self, request: RolloutRequest) -> RolloutResult:
         return self.router.pool.loop.run(self.agenerate(request))
@@ -103,8 +107,12 @@ class RolloutClient:
             # One request per engine (more when an engine would get over PROMPTS_PER_REQUEST prompts), each
             # with whole prompts (their n samples share the engine and its prefix work); the router's
             # least-outstanding pick spreads them over the engines.
-            engines = max(1, sum(e.healthy for e in self.router.pool.engines))
-            chunks = min(P, max(engines, math.ceil(P / PROMPTS_PER_REQUEST)))
+            if self.prompts_per_request is not None:
+                chunks = math.ceil(P / self.prompts_per_request)
+            else:
+                engines = max(1, sum(e.healthy for e in self.router.pool.engines))
+                chunks = max(engines, math.ceil(P / PROMPTS_PER_REQUEST))
+            chunks = min(P, chunks)
             bounds = [P * c // chunks for c in range(chunks + 1)]
             parts = [[(i, list(range(n))) for i in range(a, b)] for a, b in itertools.pairwise(bounds) if b > a]
         outs = await asyncio.gather(*(send(part) for part in parts))

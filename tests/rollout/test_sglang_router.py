@@ -57,7 +57,7 @@ def test_batches_go_through_sglang_router_to_both_engines(setup):
     before = [_submitted(e.url) for e in engines]
     pool = EnginePool([EngineEndpoint(router.url, restart=router.restart)], health_interval_s=0)
     try:
-        res = RolloutClient(Router(pool)).generate(
+        res = RolloutClient(Router(pool), prompts_per_request=1).generate(  # as the driver builds it
             RolloutRequest(PROMPTS, n=4, sampling_params={"max_new_tokens": 6, "temperature": 1.0}))
     finally:
         pool.close()

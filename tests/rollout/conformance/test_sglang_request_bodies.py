@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,16 +16,17 @@ VOCAB = 300
 
 
 class RecordingRouter:
-    def __init__(self) -> None:
+    def __init__(self, engines: int = 1) -> None:
         self.payloads: list[dict] = []
+        self.pool = SimpleNamespace(engines=[SimpleNamespace(healthy=True)] * engines)  # the client cuts per engine
 
     async def generate(self, payload, rid, timeout_s):
         self.payloads.append(payload)
         return RouteOutcome(None, None, 1, "recorded, not sent")
 
 
-def sent_generate_bodies(sampling_params: dict, n: int, seeded: bool) -> list[dict]:
-    router = RecordingRouter()
+def sent_generate_bodies(sampling_params: dict, n: int, seeded: bool, engines: int) -> list[dict]:
+    router = RecordingRouter(engines)
     client = RolloutClient(router)  # type: ignore[arg-type]
     seeds = [[1000 * i + j for j in range(n)] for i in range(2)] if seeded else None
     asyncio.run(client.agenerate(RolloutRequest([[5, 6, 7], [8, 9]], n=n, sampling_params=sampling_params,
@@ -39,22 +41,26 @@ def sent_generate_bodies(sampling_params: dict, n: int, seeded: bool) -> list[di
     {"temperature": 0.0, "max_new_tokens": 16},  # validation (greedy) and ReMax baselines
     {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 8, "sampling_seed": 123},
 ])
-def test_generate_bodies_are_valid_sglang_requests(sampling_params, n, seeded):
+@pytest.mark.parametrize("engines", [1, 2])  # 2 prompts: one body of both, or one body per prompt
+def test_generate_bodies_are_valid_sglang_requests(sampling_params, n, seeded, engines):
     require()
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    for body in sent_generate_bodies(sampling_params, n, seeded):
+    bodies = sent_generate_bodies(sampling_params, n, seeded, engines)
+    assert len(bodies) == engines
+    for body in bodies:
+        k = n * (2 // engines)  # samples in this body
         req = GenerateReqInput(**body)  # unknown keys raise TypeError here
         req.normalize_batch_and_arguments()
-        assert req.batch_size == n and req.is_single == (n == 1)
-        per_sample = [req.sampling_params] if n == 1 else [req[i].sampling_params for i in range(n)]
+        assert req.batch_size == k and req.is_single == (k == 1)
+        per_sample = [req.sampling_params] if k == 1 else [req[i].sampling_params for i in range(k)]
         for sp_dict in per_sample:  # what SGLang's tokenizer manager builds for each sample
             sp = SamplingParams(**sp_dict)
             sp.verify(VOCAB)
             assert sp.max_new_tokens == sampling_params["max_new_tokens"]
         if seeded:
-            assert len({sp["sampling_seed"] for sp in per_sample}) == n  # one seed per sample reaches SGLang
+            assert len({sp["sampling_seed"] for sp in per_sample}) == k  # one seed per sample reaches SGLang
 
 
 CONTROL = {
