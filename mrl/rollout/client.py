@@ -100,7 +100,9 @@ class RolloutClient:
                     for (i, j), a in zip(flat, answers)]
 
         P = len(request.prompts)
-        if request.sampling_seeds is not None and not self.params_list_in_batch and n > 1:
+        if P == 0:
+            parts = []
+        elif request.sampling_seeds is not None and not self.params_list_in_batch:
             # one sampling_params per request: the seeded samples go one by one
             parts = [[(i, [j])] for i in range(P) for j in range(n)]
         else:
