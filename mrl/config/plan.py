@@ -232,7 +232,7 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
             desc = (f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
                     f"CP={p.context_parallel_size} DP={lay.dp}")
         share = "colocated with actor" if lay.colocated else "owns these devices"
-        lines.append(f"    {name:8s} {lay.count:4d} {kind} [{where}] {desc}; {share}")
+        lines.append(f"    {name:12s} {lay.count:4d} {kind} [{where}] {desc}; {share}")
     if plan.memory:
         lines.append(f"  memory per device (model {plan.param_count / 1e6:.1f}M params, {plan_dtype(cfg)}; "
                      "activations and KV cache not included):")
@@ -240,7 +240,7 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
             parts = f"weights {_gib(m.weights)}"
             if m.grads:
                 parts += f" + grads {_gib(m.grads)} + optimizer {_gib(m.optimizer)}"
-            lines.append(f"    {name:8s} {parts} = {_gib(m.total)}")
+            lines.append(f"    {name:12s} {parts} = {_gib(m.total)}")
         for group, total in plan.device_total().items():
             lines.append(f"    total per {group} device if nothing is offloaded: {_gib(total)}")
         full, lo = plan.full_finetune_actor, plan.memory["actor"]

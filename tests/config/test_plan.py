@@ -97,7 +97,7 @@ def test_plan_two_node_tp2_pp2_layout(tmp_path: Path, train_file: Path) -> None:
     assert plan.memory["ref"].weights == int((v * h * 2 + 28 * layer) / 2 + h) * 2  # TP2, PP1, untied
     assert plan.memory["rollout"].weights == 7_615_616_512 * 2 // 2
     text = format_plan(cfg, plan)
-    assert "actor      16 devices [node0:0-7, node1:0-7] TP=2 PP=2 CP=1 DP=4" in text
+    assert "actor          16 devices [node0:0-7, node1:0-7] TP=2 PP=2 CP=1 DP=4" in text
 
 
 def test_separate_roles_are_laid_out_after_the_actor(tmp_path: Path, train_file: Path) -> None:
