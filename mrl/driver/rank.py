@@ -161,14 +161,15 @@ class TrainRank:
             if offload:
                 self.critic.offload()
 
-    def sync_weights(self, version: int) -> dict[str, float]:
+    def sync_weights(self, version: int, pause: bool = True) -> dict[str, float]:
+        """``pause``: WeightSyncer.sync's (False: the driver generates nothing until the sync returns)."""
         if self.syncer is None:
             raise RuntimeError("sync_weights before init_weight_sync")
         # LoRA: only the adapted (merged) weights change once the engines hold the base; the disk
         # transport has the engines reload a whole checkpoint directory, so it always sends all.
         only_lora = (self.cfg.actor.lora.enabled and getattr(self, "_synced_once", False)
                      and self.cfg.rollout.weight_sync.transport != "disk")
-        metrics = self.syncer.sync(self.actor.export_hf_weights(only_lora=only_lora), version).metrics()
+        metrics = self.syncer.sync(self.actor.export_hf_weights(only_lora=only_lora), version, pause=pause).metrics()
         self._synced_once = True
         return metrics
 

@@ -35,9 +35,9 @@ class TrainRanks:
     def rejoin_weight_sync(self) -> None:
         self.group.execute_all("rejoin_weight_sync")
 
-    def sync_weights(self, version: int) -> list[dict[str, float]]:
-        """Every rank's report (``{}`` on ranks that send nothing)."""
-        return [r or {} for r in self.group.execute_all("sync_weights", version)]
+    def sync_weights(self, version: int, pause: bool = True) -> list[dict[str, float]]:
+        """Every rank's report (``{}`` on ranks that send nothing); ``pause``: see WeightSyncer.sync."""
+        return [r or {} for r in self.group.execute_all("sync_weights", version, pause=pause)]
 
     # ---- forward phases ------------------------------------------------------------------------
     def compute_log_prob(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:

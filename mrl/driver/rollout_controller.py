@@ -44,13 +44,14 @@ class RolloutController:
                                "without a re-sync; set rollout.weight_sync.snapshot_dir to re-sync restarted engines)")
         return res, max(0 if v in (None, "default") else int(v) for v in res.weight_versions)
 
-    def push(self, version: int, m: dict[str, float]) -> None:
+    def push(self, version: int, m: dict[str, float], *, pause: bool = True) -> None:
         """The actor's weights -> every engine as ``version``; bytes, tensors and buckets summed
         over the sending ranks (one per PP stage) into ``m``, ``timing_s/weight_sync`` their max.
         Sleeping engines get their weight memory back before and their KV cache after (verl's
         order: a lower peak next to the trainer's memory). An engine restarted since the last push
         (no snapshot to re-sync from) rejoins here: the distributed transport re-forms its group
-        with it, the push reaches it, then it serves again."""
+        with it, the push reaches it, then it serves again. ``pause=False``: nothing generates now (the
+        synchronous step), so the engines are not paused and resumed around the load (WeightSyncer.sync)."""
         pool = self.pool
         pool.wait_recovered(self.startup_timeout_s)
         rejoin = any(e.awaiting_sync for e in pool.engines)
@@ -59,7 +60,7 @@ class RolloutController:
         asleep = pool.asleep
         if asleep:
             pool.resume_memory(["weights"])
-        per_rank = self.ranks.sync_weights(version)
+        per_rank = self.ranks.sync_weights(version, pause=pause)
         if asleep:
             pool.resume_memory(["kv_cache"])
         if rejoin:

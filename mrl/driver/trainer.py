@@ -411,8 +411,8 @@ class RLTrainer:
         rollout producer, made safe against its generations: AsyncRollout.push)."""
         if self.producer is not None and self.producer.started:
             self.producer.push(self.weight_version, m)
-        else:
-            self.rollout.push(self.weight_version, m)
+        else:  # synchronous: this step's rollout has returned and the next starts after the push
+            self.rollout.push(self.weight_version, m, pause=False)
 
     def wake_engines(self) -> None:
         """Wake engines released after the last generation when no update has synced them since

@@ -28,8 +28,8 @@ from mrl.workers.minibatch import (
     loss_keys,
     make_minibatch_iterator,
     restore_order,
+    split_by_length,
     split_dynamic,
-    split_fixed,
 )
 from mrl.workers.optim import build_lr_scheduler, build_optimizer, current_lr
 from mrl.workers.trainable import TrainableState
@@ -46,7 +46,7 @@ def micro_batch_parts(data: TrainBatch, *, micro_batch_size: int | None, use_dyn
         raise ValueError(
             "actor.ppo_micro_batch_size_per_gpu is null and use_dynamic_bsz is false: set one of them"
         )
-    return split_fixed(data.batch_size, micro_batch_size)
+    return split_by_length(data.seq_lengths().tolist(), micro_batch_size)
 
 
 class ActorWorker(TrainableState):

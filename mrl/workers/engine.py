@@ -232,8 +232,9 @@ class MegatronEngine:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         seq_len = max(int(mb.inputs.tokens.shape[1]) for mb in micro_batches)
-        for mb in micro_batches:  # one length per call: pipeline stages exchange [L, b, H]
-            _pad_inputs(mb.inputs, seq_len)
+        if dist.get_world_size(self.pp_group) > 1:  # one length per call: pipeline stages exchange [L, b, H]
+            for mb in micro_batches:
+                _pad_inputs(mb.inputs, seq_len)
         handles = []
         current: list[MicroBatch] = []
         if hidden_hook is not None:

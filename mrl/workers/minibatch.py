@@ -91,6 +91,15 @@ def split_fixed(n: int, micro_batch_size: int) -> list[list[int]]:
     return [list(range(s, min(s + micro_batch_size, n))) for s in range(0, n, micro_batch_size)]
 
 
+def split_by_length(seq_lengths: list[int], micro_batch_size: int) -> list[list[int]]:
+    """Micro-batches of ``micro_batch_size`` samples of similar length: samples sorted by token count
+    (stable), then cut. A micro-batch is padded to its longest sample (BSHD), so grouping similar
+    lengths removes most of that padding; the loss and gradients do not depend on which samples
+    share a micro-batch (global denominators; tests/workers/test_layout_invariance.py)."""
+    order = sorted(range(len(seq_lengths)), key=seq_lengths.__getitem__)
+    return [[order[i] for i in p] for p in split_fixed(len(order), micro_batch_size)]
+
+
 def split_dynamic(
     seq_lengths: list[int], max_tokens: int, *, dp_group=None
 ) -> list[list[int]]:

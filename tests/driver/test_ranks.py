@@ -69,7 +69,7 @@ def test_calls_reach_the_group_by_the_rank_method_name():
     assert ranks.update_policy("batch") == {"rank": 0}  # rank 0's answer
     assert ranks.sync_weights(3) == [{"rank": 0}, {"rank": 1}]  # every rank's report
     ranks.init_weight_sync(["http://e"], token="t")
-    assert calls == [("update_policy", ("batch",), {}), ("sync_weights", (3,), {}),
+    assert calls == [("update_policy", ("batch",), {}), ("sync_weights", (3,), {"pause": True}),
                      ("init_weight_sync", (["http://e"],), {"token": "t", "routable": False})]
 
 

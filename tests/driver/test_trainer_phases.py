@@ -20,14 +20,17 @@ from tests.workers.batches import ragged_batch
 
 
 class RecordingWorkers:
-    """``execute_all(method, *args)`` -> ``[result]`` (rank 0's), with every call recorded."""
+    """``execute_all(method, *args, **kwargs)`` -> ``[result]`` (rank 0's), with every call recorded
+    (keyword arguments of the last call per method in ``kwargs``)."""
 
     def __init__(self, values: torch.Tensor) -> None:
         self.calls: list[tuple[str, tuple]] = []
+        self.kwargs: dict[str, dict] = {}
         self.values = values
 
-    def execute_all(self, method: str, *args):
+    def execute_all(self, method: str, *args, **kwargs):
         self.calls.append((method, args))
+        self.kwargs[method] = kwargs
         b = args[0] if args else None
         out = {
             "compute_log_prob": lambda: (b.old_log_probs, torch.ones(b.response_mask.shape)),
@@ -123,6 +126,7 @@ def test_ppo_phase_order_warmup_and_critic_metrics(tmp_path) -> None:
     m2 = tr.step()
     assert w.names() == ["compute_log_prob", "compute_ref_log_prob", "compute_values", "update_critic",
                          "update_policy", "sync_weights"]
+    assert w.kwargs["sync_weights"] == {"pause": False}  # synchronous step: nothing generates during the push
     assert m2["actor/pg_loss"] == 0.5 and tr.weight_version == 2
     # both updates saw the critic's values and GAE's returns = A_raw + V, not the advantages
     critic_batch = w.calls[3][1][0]
@@ -230,6 +234,7 @@ def test_free_cache_engine_sleeps_engines_while_training_and_pushes_weights_on_w
     w.calls.clear()
     tr.wake_engines()  # validation after a warmup step: the released weights are gone, push version 0 again
     assert w.calls == [("resume_memory", ("weights",)), ("sync_weights", (0,)), ("resume_memory", ("kv_cache",))]
+    assert w.kwargs["sync_weights"] == {"pause": True}  # outside a step the engines are paused around the load
     w.calls.clear()
     tr.step()
     assert w.names()[0] == "release_memory" and w.calls[-3:] == [

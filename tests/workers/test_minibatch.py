@@ -8,6 +8,7 @@ from mrl.workers.minibatch import (
     loss_keys,
     make_minibatch_iterator,
     restore_order,
+    split_by_length,
     split_dynamic,
     split_fixed,
 )
@@ -57,6 +58,17 @@ def test_fixed_and_dynamic_splits_restore_order():
     assert split_fixed(5, 2) == [[0, 1], [2, 3], [4]]
     with pytest.raises(ValueError, match="ppo_max_token_len_per_gpu"):
         split_dynamic(lens, max_tokens=10)
+
+
+def test_length_sorted_split_groups_similar_lengths_and_restores_order():
+    lens = [13, 4, 9, 2, 11, 7, 5, 3, 9]
+    parts = split_by_length(lens, 3)
+    assert parts == [[3, 7, 1], [6, 5, 2], [8, 4, 0]]  # stable: the two 9s keep their order
+    # each micro-batch is padded to its longest sample: 3*(4 + 9 + 13) = 78 columns, 3*(13 + 11 + 9) = 99 in order
+    assert sum(len(p) * max(lens[i] for i in p) for p in parts) == 78
+    x = torch.arange(9.0)[:, None] * torch.ones(1, 2)
+    assert torch.equal(restore_order([x[p] for p in parts], parts), x)
+    assert split_by_length([5, 1], 4) == [[1, 0]]
 
 
 def test_compact_inputs_align_labels_with_responses():

@@ -145,6 +145,16 @@ def test_distributed_sync_into_sglang_engines(engines, monkeypatch):
         w = weights(3)
         syncer.sync(iter(w.items()), "3")
         assert state(engines[1])["checksums"] == {n: tensor_checksum(t) for n, t in w.items()}
+        # The synchronous step's push (pause=False): no pause/continue round trips, the flush and window stay.
+        httpx.post(engines[0] + "/harness/requests", json={"running": 0}, timeout=10)  # the step's rollout has ended
+        before = len(state(engines[0])["calls"])
+        w = weights(4)
+        syncer.sync(iter(w.items()), "4", pause=False)
+        calls = state(engines[0])["calls"][before:]
+        assert calls[:3] == ["flush", "BeginWeightUpdateReqInput", "UpdateWeightsFromDistributedReqInput"], calls
+        assert "EndWeightUpdateReqInput" in calls and not {"pause:retract", "continue"} & set(calls), calls
+        for u in engines:
+            assert state(u)["checksums"] == {n: tensor_checksum(t) for n, t in w.items()} and state(u)["weight_version"] == "4"
     finally:
         syncer.close()
     assert state(engines[0])["groups"] == []
