@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 
 from mrl.workers.batch import TrainBatch
-from mrl.workers.minibatch import restore_order, split_fixed
+from mrl.workers.minibatch import restore_order, split_by_length
 
 
 def response_embedding(engine, batch: TrainBatch, *, micro_batch_size: int) -> torch.Tensor:
     local = engine.dp_shard(batch)
-    parts = split_fixed(local.batch_size, micro_batch_size)
+    parts = split_by_length(local.seq_lengths().tolist(), micro_batch_size)  # similar lengths together
     mbs = engine.make_micro_batches(local, parts)
     H = engine.hf_config.hidden_size
     captured: dict[int, torch.Tensor] = {}

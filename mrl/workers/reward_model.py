@@ -24,7 +24,7 @@ import torch
 from mrl.config.parallel import ParallelConfig
 from mrl.workers.batch import TrainBatch
 from mrl.workers.engine import MegatronEngine, _ValueHead, unwrap
-from mrl.workers.minibatch import restore_order, split_fixed
+from mrl.workers.minibatch import restore_order, split_by_length
 
 _SEQ_CLS = "ForSequenceClassification"
 
@@ -111,7 +111,7 @@ class RewardModelWorker:
         if extra:
             batch = batch.index(list(range(B)) + [B - 1] * extra)
         local = e.dp_shard(batch)
-        parts = split_fixed(local.batch_size, self.micro_batch_size)
+        parts = split_by_length(local.seq_lengths().tolist(), self.micro_batch_size)  # similar lengths together
         mbs = e.make_micro_batches(local, parts)
 
         def fn(mb, out):  # out [b, L, 1] on the last stage
