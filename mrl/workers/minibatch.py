@@ -5,7 +5,7 @@ Hierarchy of one training step (units as in :mod:`mrl.workers.batch`)::
     step batch (B samples, every rank holds all of it, DP-balanced by the driver)
       └─ DP shard r: samples [r*B/D, (r+1)*B/D)                       (contiguous, verl dispatch)
           └─ mini-batch k: local samples [k*b, (k+1)*b), b = mini_batch_size_samples / D
-              └─ micro-batches: fixed (micro_batch_size samples) or dynamic
+              └─ micro-batches: fixed (micro_batch_size samples, sorted by length) or dynamic
                  (token budget, balanced partition, same count on every DP rank)
 
 ``make_minibatch_iterator`` follows verl's Megatron actor (verl's ``megatron_actor.py``
