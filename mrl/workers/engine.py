@@ -6,9 +6,10 @@ and runs ``get_forward_backward_func()`` over a list of micro-batches; what happ
 output on the last pipeline stage is the caller's ``loss_func``.
 
 Attention layout: compact BSHD with a causal mask (:func:`mrl.workers.minibatch.build_model_inputs`),
-which every attention backend runs (CPU local spec included). All micro-batches of one schedule
-call are padded to the same length; their sample counts may differ (dynamic micro-batching), so
-``variable_seq_lengths`` is on whenever pipeline stages exchange activations. Megatron's RoPE
+which every attention backend runs (CPU local spec included). With PP > 1 all micro-batches of one
+schedule call are padded to the same length (stages exchange one activation shape); with PP = 1 each
+keeps its own (the fixed split groups samples of similar length). Their sample counts may differ
+(dynamic micro-batching), so ``variable_seq_lengths`` is on whenever pipeline stages exchange activations. Megatron's RoPE
 uses positions ``0..L-1`` of the compact row (it ignores ``position_ids``), which is what left-
 aligned samples need; batches with custom position ids (e.g. multimodal RoPE) are not supported.
 """
