@@ -106,6 +106,12 @@ class ActorConfig(Section):
         "update's own detached log-probs are used (exact; docs/driver.md). null = on where that holds, true = required "
         "(mrl plan says why not), false = always recompute.",
     )
+    shared_prefix: bool = Field(
+        False, description="Compute each prompt once for its rollout.n samples in the actor's forwards (update, "
+        "old and colocated-reference log-probs): one row per prompt, each sample's response in its own masked "
+        "segment at its own positions (docs/performance.md). Same log-probs up to float rounding; fewer tokens "
+        "when prompts are long relative to responses. Needs Megatron's local attention (not Transformer Engine).",
+    )
     log_prob_micro_batch_size_per_gpu: int | None = Field(
         None, ge=1, description="SAMPLES per forward when recomputing old log-probs; null = ppo_micro_batch_size_per_gpu."
     )

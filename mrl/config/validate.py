@@ -236,6 +236,20 @@ def _check_losses(cfg: MRLConfig, errors: list[str]) -> None:
                       f"rollout_is=token, rollout_is_threshold={a.tis_imp_ratio_cap})")
 
 
+def _check_shared_prefix(cfg: MRLConfig, errors: list[str]) -> None:
+    """The shared-prefix layout masks each sample's segment off the others: attention must apply the
+    mask. Megatron's local attention does; Transformer Engine's fused causal kernels (what the actor
+    builds on CUDA when TE is installed) take the causal mask only."""
+    if not cfg.actor.shared_prefix:
+        return
+    c = cfg.cluster
+    cuda = c.device == "cuda" or (c.device == "auto" and _gpu_visible())
+    if cuda and not cfg.actor.lora.enabled and importlib.util.find_spec("transformer_engine") is not None:
+        errors.append("actor.shared_prefix=true needs Megatron's local attention, but on CUDA with Transformer "
+                      "Engine installed the actor runs TE's causal attention, which ignores the per-sample mask; "
+                      "fix: actor.shared_prefix=false")
+
+
 def _check_algorithm(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
     a, al = cfg.actor, cfg.algorithm
     for key, val in (("actor.kl_loss_type", a.kl_loss_type), ("algorithm.kl_penalty", al.kl_penalty)):
@@ -553,6 +567,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     if cfg.critic_enabled:
         _check_critic_shares_the_actor(cfg, errors)
     _check_lora(cfg, shape, errors)
+    _check_shared_prefix(cfg, errors)
     _check_algorithm(cfg, errors, notes)
     _check_rollout(cfg, shape, errors)
     _check_dapo(cfg, errors)

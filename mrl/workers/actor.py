@@ -29,6 +29,7 @@ from mrl.workers.minibatch import (
     make_minibatch_iterator,
     restore_order,
     split_by_length,
+    split_by_prompt,
     split_dynamic,
 )
 from mrl.workers.optim import build_lr_scheduler, build_optimizer, current_lr
@@ -38,14 +39,17 @@ _METRIC_KEYS = ["loss", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl",
 
 
 def micro_batch_parts(data: TrainBatch, *, micro_batch_size: int | None, use_dynamic_bsz: bool,
-                      max_tokens: int, dp_group) -> list[list[int]]:
-    """Fixed split by samples, or balanced token-budget split (same count on all DP ranks)."""
+                      max_tokens: int, dp_group, shared_prefix: bool = False) -> list[list[int]]:
+    """Fixed split by samples (sorted by length; with ``shared_prefix`` a prompt's samples kept
+    together), or balanced token-budget split (same count on all DP ranks)."""
     if use_dynamic_bsz:
         return split_dynamic(data.seq_lengths().tolist(), max_tokens, dp_group=dp_group)
     if micro_batch_size is None:
         raise ValueError(
             "actor.ppo_micro_batch_size_per_gpu is null and use_dynamic_bsz is false: set one of them"
         )
+    if shared_prefix:
+        return split_by_prompt(data, micro_batch_size)
     return split_by_length(data.seq_lengths().tolist(), micro_batch_size)
 
 
@@ -114,7 +118,7 @@ class ActorWorker(TrainableState):
             self.engine, batch, temperature=self.temperature if temperature is None else temperature,
             micro_batch_size=mbs, use_dynamic_bsz=self.cfg.use_dynamic_bsz,
             max_tokens=self.cfg.ppo_max_token_len_per_gpu, vocab_size=self.vocab_size,
-            chunk_size=self.cfg.logits_chunk_size,
+            chunk_size=self.cfg.logits_chunk_size, shared_prefix=self.cfg.shared_prefix,
         )
 
     # ---- update ------------------------------------------------------------------------
@@ -133,9 +137,9 @@ class ActorWorker(TrainableState):
         parts = micro_batch_parts(
             mini_batch, micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu,
             use_dynamic_bsz=self.cfg.use_dynamic_bsz, max_tokens=self.cfg.ppo_max_token_len_per_gpu,
-            dp_group=e.dp_group,
+            dp_group=e.dp_group, shared_prefix=self.cfg.shared_prefix,
         )
-        mbs = e.make_micro_batches(mini_batch, parts)
+        mbs = e.make_micro_batches(mini_batch, parts, shared_prefix=self.cfg.shared_prefix)
         n_tok, n_seq = global_denominators(mbs, e)
         loss = partial(
             actor_loss_func, spec=spec, n_tok=n_tok, n_seq=n_seq,
@@ -258,14 +262,14 @@ class ActorWorker(TrainableState):
 
 def forward_log_probs(
     engine: MegatronEngine, batch: TrainBatch, *, temperature: float, micro_batch_size: int | None,
-    use_dynamic_bsz: bool, max_tokens: int, vocab_size: int, chunk_size: int | None,
+    use_dynamic_bsz: bool, max_tokens: int, vocab_size: int, chunk_size: int | None, shared_prefix: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward-only log-probs/entropies of the full batch (shared by actor and reference)."""
     local = engine.dp_shard(batch)
     parts = micro_batch_parts(local, micro_batch_size=micro_batch_size or local.batch_size,
                               use_dynamic_bsz=use_dynamic_bsz, max_tokens=max_tokens,
-                              dp_group=engine.dp_group)
-    mbs = engine.make_micro_batches(local, parts)
+                              dp_group=engine.dp_group, shared_prefix=shared_prefix)
+    mbs = engine.make_micro_batches(local, parts, shared_prefix=shared_prefix)
     fn = partial(log_prob_func, temperature=temperature, tp_group=engine.tp_group,
                  vocab_size=vocab_size, chunk_size=chunk_size)
     engine.set_train(False)

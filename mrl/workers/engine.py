@@ -27,7 +27,7 @@ import torch.distributed as dist
 from mrl.config.parallel import ParallelConfig
 from mrl.megatron.unwrap import unwrap
 from mrl.workers.batch import TrainBatch
-from mrl.workers.minibatch import ModelInputs, build_model_inputs
+from mrl.workers.minibatch import ModelInputs, build_model_inputs, build_shared_prefix_inputs
 
 
 def hf_tensor_getter(path: str | os.PathLike) -> Callable[[str], torch.Tensor]:
@@ -165,6 +165,10 @@ class MegatronEngine:
                 c.requires_grad_(False)
         self.chunks: list[torch.nn.Module] = chunks
         self.config = unwrap(chunks[0]).config
+        from mrl.megatron.rope_positions import enable_rope_positions
+
+        for c in chunks:  # the shared-prefix layout rotates by position_ids (off until a batch sets them)
+            enable_rope_positions(unwrap(c))
         # Set after construction: the config validator refuses it with the (unused, dense) MoE
         # allgather dispatcher, but the p2p shape exchange it enables is all we need.
         self.config.variable_seq_lengths = True
@@ -232,6 +236,8 @@ class MegatronEngine:
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from mrl.megatron.rope_positions import set_rope_positions
+
         seq_len = max(int(mb.inputs.tokens.shape[1]) for mb in micro_batches)
         if dist.get_world_size(self.pp_group) > 1:  # one length per call: pipeline stages exchange [L, b, H]
             for mb in micro_batches:
@@ -249,9 +255,12 @@ class MegatronEngine:
             mb = next(data_iterator)
             current.append(mb)
             inp = mb.inputs
+            pos = inp.position_ids.to(self.device)
+            shared = inp.attention_mask is not None  # shared-prefix rows: RoPE at position_ids, block mask
+            set_rope_positions(unwrap(model), pos if shared else None)
             out = model(
-                input_ids=inp.tokens.to(self.device), position_ids=inp.position_ids.to(self.device),
-                attention_mask=None,
+                input_ids=inp.tokens.to(self.device), position_ids=pos,
+                attention_mask=inp.attention_mask.to(self.device) if shared else None,
             )
             return out, partial(loss_func, mb)
 
@@ -308,12 +317,29 @@ class MegatronEngine:
         per = B // self.dp_size
         return batch.slice(self.dp_rank * per, (self.dp_rank + 1) * per)
 
-    def make_micro_batches(self, data: TrainBatch, parts: list[list[int]]) -> list[MicroBatch]:
+    def make_micro_batches(self, data: TrainBatch, parts: list[list[int]], *, shared_prefix: bool = False
+                           ) -> list[MicroBatch]:
+        """The micro-batches of ``parts``: compact rows, or with ``shared_prefix`` one row per prompt
+        (:func:`~mrl.workers.minibatch.build_shared_prefix_inputs`; outputs per position, read through
+        ``gather_response``)."""
+        if shared_prefix:
+            self.check_shared_prefix()
+        build = build_shared_prefix_inputs if shared_prefix else build_model_inputs
         out = []
         for p in parts:
             sub = data.index(p)
-            out.append(MicroBatch(build_model_inputs(sub, pad_to_multiple=self.pad_to_multiple), sub))
+            out.append(MicroBatch(build(sub, pad_to_multiple=self.pad_to_multiple), sub))
         return out
+
+    def check_shared_prefix(self) -> None:
+        """The shared-prefix layout needs attention that applies an arbitrary mask: Megatron's local
+        ``DotProductAttention`` (unfused softmax); Transformer Engine's causal kernels ignore the mask."""
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        core = unwrap(self.chunks[0]).decoder.layers[0].self_attention.core_attention
+        if not isinstance(core, DotProductAttention) or self.config.masked_softmax_fusion:
+            raise ValueError(f"actor.shared_prefix needs Megatron's local attention, this model runs "
+                             f"{type(core).__name__}; fix: actor.shared_prefix=false")
 
 
 class _ValueHead(torch.nn.Module):
@@ -332,3 +358,8 @@ def _pad_inputs(inp: ModelInputs, length: int) -> None:
     if extra > 0:
         pad = lambda t: torch.nn.functional.pad(t, (0, extra))
         inp.tokens, inp.position_ids, inp.labels = pad(inp.tokens), pad(inp.position_ids), pad(inp.labels)
+        if inp.attention_mask is not None:  # new columns: attended by nothing, attending to themselves only
+            m = torch.nn.functional.pad(inp.attention_mask, (0, extra, 0, extra), value=True)
+            idx = torch.arange(length - extra, length)
+            m[:, :, idx, idx] = False
+            inp.attention_mask = m

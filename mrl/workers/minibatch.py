@@ -153,11 +153,16 @@ class ModelInputs:
     resp_index: Tensor
     resp_valid: Tensor
     num_tokens: Tensor
+    # Shared-prefix layout only (:func:`build_shared_prefix_inputs`); None in the compact layout.
+    attention_mask: Tensor | None = None  # [rows, 1, L, L] bool, True = not attended (Megatron's convention)
+    resp_row: Tensor | None = None  # [b] int64, the row holding sample i
 
     def gather_response(self, per_pos: Tensor) -> Tensor:
-        """[b, L] per-position values (e.g. log-probs of ``labels``) → [b, R], 0 where invalid."""
+        """[rows, L] per-position values (e.g. log-probs of ``labels``) → [b, R], 0 where invalid."""
         # The inputs are built on the host; the model's outputs live on its device (CUDA: found by the first
         # run on a GPU — the CPU suite cannot see a device mismatch).
+        if self.resp_row is not None:
+            per_pos = per_pos.index_select(0, self.resp_row.to(per_pos.device))
         out = per_pos.gather(1, self.resp_index.to(per_pos.device))
         return out * self.resp_valid.to(out.device, out.dtype)
 
@@ -195,3 +200,95 @@ def build_model_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1) -> ModelInpu
     comp_col = prompt_len[:, None] + resp_valid.long().cumsum(-1) - 1
     resp_index = torch.where(resp_valid, comp_col - 1, 0)
     return ModelInputs(tokens, pos, labels, resp_index, resp_valid, n_tok)
+
+
+def prompt_group_ids(mb: TrainBatch) -> Tensor:
+    """[B] int64: samples with the same prompt (valid prompt tokens and their positions) share an id."""
+    pam = mb.attention_mask[:, : mb.prompt_length].bool()
+    P = mb.prompt_length
+    key = torch.cat([mb.input_ids[:, :P] * pam, mb.position_ids[:, :P] * pam, pam.long()], 1)
+    return torch.unique(key, dim=0, return_inverse=True)[1]
+
+
+def split_by_prompt(mb: TrainBatch, micro_batch_size: int) -> list[list[int]]:
+    """:func:`split_by_length` for the shared-prefix layout: the samples of one prompt stay adjacent
+    (groups ordered by their longest sample, members by length), so a fixed cut splits as few
+    groups as possible and each micro-batch computes each of its prompts once."""
+    lengths = mb.seq_lengths()
+    grp = prompt_group_ids(mb)
+    longest = torch.zeros(int(grp.max()) + 1, dtype=lengths.dtype).scatter_reduce(0, grp, lengths, "amax")
+    # sort key: (group's longest sample, group id, own length, index) — stable and deterministic
+    B = len(lengths)
+    key = ((longest[grp] * (int(grp.max()) + 1) + grp) * (int(lengths.max()) + 1) + lengths) * B + torch.arange(B)
+    order = torch.argsort(key).tolist()
+    return [[order[i] for i in p] for p in split_fixed(B, micro_batch_size)]
+
+
+def build_shared_prefix_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1) -> ModelInputs:
+    """Inputs that compute each prompt once for all of its samples (GRPO's n samples per prompt).
+
+    One row per prompt group: the prompt's tokens but its last, then one *segment* per sample —
+    the prompt's last token followed by the sample's response::
+
+        [p_0 … p_{P-2} | p_{P-1} r^1_0 … r^1_{m1} | p_{P-1} r^2_0 … r^2_{m2} | … | pad]
+
+    A segment attends to the shared tokens and causally to itself only (``attention_mask``), and its
+    tokens keep the positions they have in the sample's own sequence (``position_ids``: the prompt's
+    last token is at P−1 in every segment), so every response token sees exactly the context and
+    positions it has in the compact layout — the same log-probs up to the float order of the matmuls.
+    Repeating the last prompt token gives every column one next token: its logits predict the
+    segment's first response token, so ``labels`` stay per column. Tokens per group of n samples:
+    P − 1 + Σ(1 + r_i) instead of n·P + Σ r_i.
+
+    Needs the model to apply RoPE at ``position_ids`` and the attention to take ``attention_mask``
+    (:meth:`mrl.workers.engine.MegatronEngine.run` does both); Megatron's local attention spec, not
+    Transformer Engine's fused causal kernels.
+    """
+    am = mb.attention_mask.bool()
+    B = am.shape[0]
+    P = mb.prompt_length
+    pam, rv = am[:, :P], am[:, P:]
+    p_len, r_len = pam.sum(-1), rv.sum(-1)
+    if bool((p_len == 0).any()):
+        bad = torch.nonzero(p_len == 0).flatten().tolist()
+        raise ValueError(f"samples {bad} have an empty prompt (attention_mask[:, :P] all 0)")
+    grp = prompt_group_ids(mb)
+    G = int(grp.max()) + 1
+    # Segment starts: the group's shared length p − 1, then the segments of the group's earlier samples.
+    seg_len = 1 + r_len
+    order = torch.argsort(grp * B + torch.arange(B))  # by group, then sample index
+    excl = torch.cumsum(seg_len[order], 0) - seg_len[order]
+    first = torch.zeros(G, dtype=torch.long).scatter_reduce(0, grp[order], excl, "amin", include_self=False)
+    seg_start = torch.empty(B, dtype=torch.long)
+    seg_start[order] = p_len[order] - 1 + excl - first[grp[order]]
+    row_len = torch.zeros(G, dtype=torch.long).scatter_reduce(0, grp, seg_start + seg_len, "amax", include_self=False)
+    L = int(row_len.max())
+    L = ((L + pad_to_multiple - 1) // pad_to_multiple) * pad_to_multiple
+    tokens = torch.zeros(G, L, dtype=torch.long)
+    pos = torch.zeros(G, L, dtype=torch.long)
+    seg = torch.full((G, L), -1, dtype=torch.long)  # -1: padding, 0: shared, i + 1: sample i's segment
+    rows = grp[:, None].expand(B, P)
+    # shared part: the prompt's valid tokens but its last (every member writes the same values)
+    pcol = torch.arange(P)[None, :] - (P - p_len)[:, None]
+    shared = pam & (pcol < (p_len - 1)[:, None])
+    # segment: the last prompt token at seg_start, then the valid response tokens
+    rcol = seg_start[:, None] + rv.long().cumsum(-1)
+    ids, ps_ = mb.input_ids, mb.position_ids
+    sample_seg = (torch.arange(B) + 1)[:, None]
+    for sel, r, c, t, p, s_ in (
+        (shared, rows, pcol, ids[:, :P], ps_[:, :P], torch.zeros(B, P, dtype=torch.long)),
+        (torch.ones(B, 1, dtype=torch.bool), grp[:, None], seg_start[:, None], ids[:, P - 1:P], ps_[:, P - 1:P], sample_seg),
+        (rv, grp[:, None].expand_as(rv), rcol, ids[:, P:], ps_[:, P:], sample_seg.expand_as(rv)),
+    ):
+        tokens[r[sel], c[sel]] = t[sel]
+        pos[r[sel], c[sel]] = p[sel]
+        seg[r[sel], c[sel]] = s_[sel]
+    labels = torch.zeros_like(tokens)
+    labels[:, :-1] = tokens[:, 1:]
+    labels[:, :-1][seg[:, 1:] != seg[:, :-1]] = 0  # the next column belongs to another segment: nothing to predict
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    attend = causal[None] & ((seg[:, :, None] == seg[:, None, :]) | (seg[:, None, :] == 0))  # [G, q, k]
+    # response token j (the k-th valid one) sits at seg_start + 1 + k: its logits one column to the left
+    resp_index = torch.where(rv, rcol - 1, 0)
+    return ModelInputs(tokens, pos, labels, resp_index, rv, row_len,
+                       attention_mask=~attend[:, None], resp_row=grp)

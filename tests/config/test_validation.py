@@ -376,3 +376,16 @@ def test_async_settings_are_valid(base_overrides: list[str]) -> None:
         assert errors == [], extra
         # off-policy samples without an importance-sampling correction: said in the plan
         assert any("actor.tis_imp_ratio_cap" in n for n in notes) == ("actor.tis_imp_ratio_cap=2" not in extra)
+
+
+def test_shared_prefix_refused_with_transformer_engine_attention(base_overrides: list[str], monkeypatch) -> None:
+    import importlib.util
+
+    from mrl.config import validate
+    real = importlib.util.find_spec
+    te = object()
+    monkeypatch.setattr(validate.importlib.util, "find_spec", lambda name, *a: te if name == "transformer_engine" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"actor.shared_prefix=true .*Transformer Engine.*fix: actor.shared_prefix=false"):
+        load_config(None, base_overrides + ["cluster.device=cuda", "actor.shared_prefix=true"])
+    cpu = load_config(None, base_overrides + ["cluster.device=cpu", "actor.shared_prefix=true"])
+    assert not [e for e in check_config(cpu)[0] if "shared_prefix" in e]

@@ -34,6 +34,31 @@ def ragged_batch(
     )
 
 
+def grouped_batch(groups: int = 4, n: int = 4, P: int = 6, R: int = 7, vocab: int = 300, seed: int = 0
+                  ) -> TrainBatch:
+    """GRPO-shaped ragged batch: ``groups`` prompts (left-padded, 2..P tokens) × ``n`` samples each,
+    adjacent, with ragged responses (1..R tokens; one masked response token)."""
+    g = torch.Generator().manual_seed(seed)
+    B = groups * n
+    p_len = torch.randint(2, P + 1, (groups,), generator=g).repeat_interleave(n)
+    r_len = torch.randint(1, R + 1, (B,), generator=g)
+    p_len[:n], r_len[0] = P, R  # full widths somewhere
+    prompts = torch.randint(3, vocab, (groups, P), generator=g).repeat_interleave(n, 0)
+    ids = torch.cat([prompts, torch.randint(3, vocab, (B, R), generator=g)], 1)
+    cols = torch.arange(P + R)
+    am = ((cols[None, :] >= (P - p_len)[:, None]) & (cols[None, :] < (P + r_len)[:, None])).long()
+    ids = ids * am
+    pos = (am.cumsum(-1) - 1).clamp(min=0) * am
+    resp_mask = am[:, P:].clone()
+    resp_mask[1, 0] = 0  # a masked response token (e.g. tool output): attended, not trained
+    lp = lambda: -torch.rand(B, R, generator=g) * 3 * resp_mask
+    return TrainBatch(
+        input_ids=ids, attention_mask=am, position_ids=pos, responses=ids[:, P:].clone(), response_mask=resp_mask,
+        old_log_probs=lp(), advantages=torch.randn(B, R, generator=g) * resp_mask, ref_log_prob=lp(),
+        uid=torch.arange(B) // n,
+    )
+
+
 def portable(obj):
     """Tensors → numpy, recursively, for values returned from ``run_ranks``.
 

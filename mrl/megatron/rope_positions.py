@@ -1,0 +1,48 @@
+"""RoPE at given position ids for Megatron's ``GPTModel``.
+
+``GPTModel`` rotates column ``t`` of a row by position ``t`` and ignores ``position_ids``, which is
+right for compact left-aligned rows. The shared-prefix layout (:func:`mrl.workers.minibatch.build_shared_prefix_inputs`)
+puts several samples' continuations in one row, each at the positions it has in its own sequence,
+so the rotation must follow ``position_ids``. :func:`enable_rope_positions` wraps the model's
+``rotary_pos_emb`` once; :func:`set_rope_positions` sets the positions of the next forward (``None``:
+Megatron's own behaviour). Megatron's unfused RoPE broadcasts a per-sample ``[L, b, 1, d]`` table
+exactly as its ``[L, 1, 1, d]`` one (``apply_rope_fusion`` is off in mrl's configs).
+"""
+from __future__ import annotations
+
+import torch
+
+_ATTR = "_mrl_rope_positions"
+
+
+def enable_rope_positions(model: torch.nn.Module) -> None:
+    """Let ``model.rotary_pos_emb`` (Megatron ``RotaryEmbedding``) follow :func:`set_rope_positions`."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is None or hasattr(rope, _ATTR):
+        return
+    inner = rope.forward
+    setattr(rope, _ATTR, None)
+
+    def forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        pos = getattr(rope, _ATTR)
+        if pos is None:
+            return inner(max_seq_len, offset, packed_seq, cp_group)
+        if offset or packed_seq or int(pos.shape[1]) != max_seq_len:
+            raise ValueError(f"RoPE at positions: {tuple(pos.shape)} position ids for a sequence of {max_seq_len} "
+                             f"(offset {offset}, packed {packed_seq}) — only unpacked BSHD rows are supported")
+        table = inner(int(pos.max()) + 1)  # [S, 1, 1, d]: angle of position s
+        return table[:, 0][pos.t()]  # [L, b, 1, d]
+
+    rope.forward = forward
+
+
+def set_rope_positions(model: torch.nn.Module, position_ids: torch.Tensor | None) -> None:
+    """Position ids [b, L] of the next forward of ``model`` (enabled by :func:`enable_rope_positions`)."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is None:
+        return
+    if not hasattr(rope, _ATTR):
+        if position_ids is None:
+            return
+        raise RuntimeError("RoPE positions were not enabled on this model (enable_rope_positions)")
+    setattr(rope, _ATTR, position_ids)
