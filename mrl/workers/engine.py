@@ -27,7 +27,11 @@ import torch.distributed as dist
 from mrl.config.parallel import ParallelConfig
 from mrl.megatron.unwrap import unwrap
 from mrl.workers.batch import TrainBatch
-from mrl.workers.minibatch import ModelInputs, build_model_inputs, build_shared_prefix_inputs
+from mrl.workers.minibatch import (
+    ModelInputs,
+    build_model_inputs,
+    build_shared_prefix_inputs,
+)
 
 
 def hf_tensor_getter(path: str | os.PathLike) -> Callable[[str], torch.Tensor]:

@@ -27,7 +27,11 @@ TEMPERATURE = 0.7
 
 
 def test_layout_computes_each_prompt_once_and_keeps_each_sample_context():
-    from mrl.workers.minibatch import build_model_inputs, build_shared_prefix_inputs, split_by_prompt
+    from mrl.workers.minibatch import (
+        build_model_inputs,
+        build_shared_prefix_inputs,
+        split_by_prompt,
+    )
     from tests.workers.batches import grouped_batch
 
     b = grouped_batch(groups=4, n=4)
