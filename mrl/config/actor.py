@@ -109,7 +109,7 @@ class ActorConfig(Section):
     shared_prefix: bool = Field(
         False, description="Compute each prompt once for its rollout.n samples in the actor's forwards (update, "
         "old and colocated-reference log-probs): one row per prompt, each sample's response in its own masked "
-        "segment at its own positions (docs/performance.md). Same log-probs up to float rounding; fewer tokens "
+        "segment at its own positions (docs/driver.md, 'Shared prompts'). Same log-probs up to float rounding; fewer tokens "
         "when prompts are long relative to responses. Needs Megatron's local attention (not Transformer Engine).",
     )
     log_prob_micro_batch_size_per_gpu: int | None = Field(
