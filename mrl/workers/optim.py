@@ -48,7 +48,16 @@ def build_optimizer(
         params_dtype=dtype,
         use_distributed_optimizer=use_distributed_optimizer,
     )
-    return get_megatron_optimizer(cfg, list(model_chunks))
+    opt = get_megatron_optimizer(cfg, list(model_chunks))
+    for inner in getattr(opt, "chained_optimizers", [opt]):
+        torch_opt = getattr(inner, "optimizer", None)
+        for group in getattr(torch_opt, "param_groups", []):
+            # torch picks the multi-tensor (foreach) Adam only for CUDA params by default; on CPU it is the
+            # same arithmetic in fewer kernel calls: tiny-model DP2 step 14.4-15.7 -> 12.0-12.8 ms, weights
+            # bitwise equal after 20 steps (measured on the project's 2-core VM).
+            if group.get("foreach") is None and all(p.device.type == "cpu" for p in group["params"]):
+                group["foreach"] = True
+    return opt
 
 
 def build_lr_scheduler(optimizer: Any, optim: OptimConfig, *, total_optimizer_steps: int | None) -> Any:

@@ -51,3 +51,39 @@ def test_resume_with_a_longer_run_rebuilds_the_schedule():
     assert opt2.param_groups[0]["lr"] == pytest.approx(_lrs(optim, 8, 4)[4])  # step 4 of the 8-step schedule
     new.step(increment=1)
     assert opt2.param_groups[0]["lr"] == pytest.approx(_lrs(optim, 8, 5)[5])
+
+
+def _foreach_rank(rank, world, path):
+    from mrl.config.actor import ActorConfig
+    from mrl.workers.actor import ActorWorker
+    from tests.workers.batches import grouped_batch
+
+    out = {}
+    for foreach in (True, False):
+        a = ActorWorker(ActorConfig(ppo_micro_batch_size_per_gpu=16, optim={"lr": 1e-2}), model_path=path,
+                        mini_batch_size_samples=16, seed=1)
+        groups = [g for o in getattr(a.optimizer, "chained_optimizers", [a.optimizer]) for g in o.optimizer.param_groups]
+        out[f"default_{foreach}"] = [g["foreach"] for g in groups]
+        for g in groups:
+            g["foreach"] = foreach
+        out["start"] = torch.cat([p.detach().flatten() for c in a.engine.chunks for p in c.parameters()]).numpy().copy()
+        for _ in range(3):
+            a.update_policy(grouped_batch())
+        out[foreach] = torch.cat([p.detach().flatten() for c in a.engine.chunks for p in c.parameters()]).numpy()
+        del a
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_cpu_adam_is_multi_tensor_and_bitwise_equal_to_the_single_tensor_loop(tmp_path):
+    import numpy as np
+
+    from tests.helpers.dist import run_ranks
+    from tests.helpers.tiny_models import make_tiny_hf
+
+    out = run_ranks(_foreach_rank, 1, args=(str(make_tiny_hf(tmp_path / "m", "qwen2")),), timeout_s=240)[0]
+    assert set(out["default_True"]) == {True}  # build_optimizer chose foreach for CPU params
+    assert np.abs(out[True] - out["start"]).max() > 1e-4  # the steps moved the weights
+    assert np.array_equal(out[True], out[False])
