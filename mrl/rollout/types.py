@@ -122,26 +122,27 @@ class RolloutResult:
         responses [B, R] (long), rollout_log_probs [B, R] (float32, 0 on padding),
         response_attention [B, R] (1 on real tokens), response_mask [B, R] (1 on real tokens the
         engine sampled: multi-turn tool/template tokens are 0), response_lengths [B]."""
-        b = len(self.samples)
         r = max([s.response_length for s in self.samples] + [1])
-        resp = torch.full((b, r), pad_token_id, dtype=torch.long)
-        logp = torch.zeros((b, r), dtype=torch.float32)
-        mask = torch.zeros((b, r), dtype=torch.long)
-        attn = torch.zeros((b, r), dtype=torch.long)
-        for i, s in enumerate(self.samples):
-            k = s.response_length
-            if k:
-                resp[i, :k] = torch.tensor(s.response_ids, dtype=torch.long)
-                attn[i, :k] = 1
-                if s.loss_mask is not None:
-                    if len(s.loss_mask) != k:
-                        raise ValueError(f"sample ({s.prompt_index}, {s.sample_index}): loss_mask has "
-                                         f"{len(s.loss_mask)} entries for {k} response tokens")
-                    mask[i, :k] = torch.tensor(s.loss_mask, dtype=torch.long)
-                else:
-                    mask[i, :k] = 1
-                if s.rollout_log_probs:
-                    logp[i, :k] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+        # Rows as padded Python lists, one tensor per field: a slice assignment per sample cost ~6 ms per
+        # 256-sample step in the driver (py-spy), this ~0.5 ms.
+        resp_rows, logp_rows, mask_rows, attn_rows = [], [], [], []
+        for s in self.samples:
+            k, pad = s.response_length, r - s.response_length
+            if s.loss_mask is not None and len(s.loss_mask) != k:
+                raise ValueError(f"sample ({s.prompt_index}, {s.sample_index}): loss_mask has "
+                                 f"{len(s.loss_mask)} entries for {k} response tokens")
+            if s.rollout_log_probs and len(s.rollout_log_probs) != k:
+                raise ValueError(f"sample ({s.prompt_index}, {s.sample_index}): {len(s.rollout_log_probs)} "
+                                 f"rollout log-probs for {k} response tokens")
+            resp_rows.append(list(s.response_ids) + [pad_token_id] * pad)
+            attn_rows.append([1] * k + [0] * pad)
+            mask_rows.append((list(s.loss_mask) if s.loss_mask is not None else [1] * k) + [0] * pad)
+            logp_rows.append((list(s.rollout_log_probs) if s.rollout_log_probs else [0.0] * k) + [0.0] * pad)
+        b = len(self.samples)
+        resp = torch.tensor(resp_rows, dtype=torch.long).reshape(b, r)
+        logp = torch.tensor(logp_rows, dtype=torch.float32).reshape(b, r)
+        mask = torch.tensor(mask_rows, dtype=torch.long).reshape(b, r)
+        attn = torch.tensor(attn_rows, dtype=torch.long).reshape(b, r)
         return {
             "responses": resp,
             "rollout_log_probs": logp,
