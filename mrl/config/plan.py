@@ -226,7 +226,8 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
     for name, lay in plan.roles.items():
         where = lay.nodes(per_node) if lay.count else "none"
         if name == "rollout":
-            desc = f"{plan.num_engines} x {r.engine} engine(s), tp={r.engine_tp_size}"
+            desc = f"{plan.num_engines} x {r.engine} engine(s), tp={r.engine_tp_size}" + (
+                " inside the trainer ranks (weight_sync.transport=inprocess)" if r.weight_sync.transport == "inprocess" else "")
         else:
             p = lay.parallel
             desc = (f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "

@@ -20,8 +20,10 @@ _HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9
 class WeightSyncConfig(Section):
     """How updated actor weights reach the engines after each step."""
 
-    transport: Literal["distributed", "tensor", "disk"] = Field(
-        "distributed", description="distributed: NCCL/gloo broadcast; tensor: in-process tensors (colocated); disk: safetensors files."
+    transport: Literal["distributed", "tensor", "disk", "inprocess"] = Field(
+        "distributed", description="distributed: NCCL/gloo broadcast; tensor: in-process tensors (colocated); disk: "
+        "safetensors files; inprocess: the built-in engine runs inside each trainer rank and the rank copies its weights "
+        "into it (CPU, colocated, actor TP = PP = 1; docs/weight_sync.md)."
     )
     bucket_mb: int = Field(512, ge=1, description="MB of flattened parameters sent per bucket.")
     verify: bool = Field(False, description="After a sync, compare a checksum of engine weights with the actor's (slow; debugging).")

@@ -327,6 +327,38 @@ def _check_rollout(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) 
         )
 
 
+def _check_inprocess_engines(cfg: MRLConfig, errors: list[str]) -> None:
+    """transport=inprocess: each trainer rank hosts engine r (mrl/rollout/engine/in_process.py), which needs a
+    CPU run, the built-in engine, colocated one-rank engines and ranks that each hold the whole model."""
+    r, c, m = cfg.rollout, cfg.cluster, cfg.actor.megatron
+    if r.weight_sync.transport != "inprocess":
+        return
+    why = []
+    if c.device == "cuda" or (c.device == "auto" and cfg.cluster.address is None and _gpu_visible()):
+        why.append(f"cluster.device={c.device} (CPU only: on GPUs the engine wants its own memory and SGLang)")
+    if r.engine != "torch":
+        why.append(f"rollout.engine={r.engine} (the built-in engine only)")
+    if r.placement != "colocated":
+        why.append(f"rollout.placement={r.placement} (colocated only)")
+    if r.engine_tp_size != 1:
+        why.append(f"rollout.engine_tp_size={r.engine_tp_size} (1 only)")
+    if m.tensor_model_parallel_size != 1 or m.pipeline_model_parallel_size != 1:
+        why.append(f"actor TP={m.tensor_model_parallel_size}, PP={m.pipeline_model_parallel_size} (every rank must hold "
+                   "the whole model: TP = PP = 1)")
+    if r.num_engines is not None and r.num_engines != compute_layout(cfg)["actor"].count:
+        why.append(f"rollout.num_engines={r.num_engines} (one per trainer rank: null)")
+    if r.weight_sync.snapshot_dir:
+        why.append("rollout.weight_sync.snapshot_dir is set (an in-process engine is never restarted on its own)")
+    if r.router != "builtin":
+        why.append(f"rollout.router={r.router} (builtin only)")
+    if cfg.trainer.async_training.max_staleness > 0:
+        why.append(f"trainer.async_training.max_staleness={cfg.trainer.async_training.max_staleness} (the engine "
+                   "would generate on the rank's cores while it trains: synchronous steps only)")
+    if why:
+        errors.append("rollout.weight_sync.transport=inprocess does not fit " + "; ".join(why)
+                      + "; fix: rollout.weight_sync.transport=tensor")
+
+
 def _check_val_kwargs(cfg: MRLConfig, errors: list[str]) -> None:
     v = cfg.rollout.val_kwargs
     if v.do_sample:
@@ -570,6 +602,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     _check_shared_prefix(cfg, errors)
     _check_algorithm(cfg, errors, notes)
     _check_rollout(cfg, shape, errors)
+    _check_inprocess_engines(cfg, errors)
     _check_dapo(cfg, errors)
     check_async(cfg, errors, notes)
     _check_files(cfg, errors, notes)

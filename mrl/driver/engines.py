@@ -110,6 +110,23 @@ def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple
     return cmd, env
 
 
+class InRankEngine:
+    """Driver-side handle of an engine served from a trainer rank's process (``transport=inprocess``,
+    ``TrainRank.start_engine``): up when that call returned, stopped by the rank's ``close``, never
+    restarted on its own (it lives and dies with its rank)."""
+
+    restart = None  # the pool takes it out of service if it stops answering; the rank's failure ends the run
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def wait_healthy(self) -> float:
+        return 0.0
+
+    def stop(self) -> None:
+        pass
+
+
 class RemoteEngine:
     """Driver-side handle of one engine server whose process a Ray actor (``EngineProcess``) owns on
     the slot's node. Every call waits with a timeout; ``stop`` ends the server, then the actor."""
@@ -226,7 +243,12 @@ class EngineSet:
         self.slots = plan_engines(cfg, infos, n)
         # The trainer's source ranks reach an engine on another node only through a routable address.
         self.remote_nodes = len({s.node_id for s in self.slots} | {i["node_id"] for i in workers.infos}) > 1
-        self.engines: list[RemoteEngine] = []
+        self.engines: list[RemoteEngine | InRankEngine] = []
+        if r.weight_sync.transport == "inprocess":  # engine r runs inside trainer rank r (config-checked layout)
+            workers.wait_constructed()
+            workers.execute_all("start_engine", [s.url for s in self.slots], self.token)
+            self.engines = [InRankEngine(s.url) for s in self.slots]
+            return
         try:
             for slot in self.slots:
                 cmd, env = engine_command(cfg, slot, self.token)

@@ -65,6 +65,22 @@ class TrainRank:
             if cfg.reward_model.offload:  # on the device only during phase rm_score
                 self.rm.offload()
         self.syncer = None
+        self.local_engine = None  # rollout.weight_sync.transport=inprocess: this rank's engine (start_engine)
+
+    def start_engine(self, urls: list[str], token: str | None) -> None:
+        """transport=inprocess: serve engine ``r`` of the pool (``urls[r]``, r = this rank) from threads of
+        this process (mrl/rollout/engine/in_process.py); returns once it answers."""
+        from urllib.parse import urlsplit
+
+        from mrl.rollout.engine.in_process import InProcessEngine
+
+        r = self.cfg.rollout
+        index = torch.distributed.get_rank()
+        u = urlsplit(urls[index])
+        self.local_engine = InProcessEngine(
+            self.cfg.model.path, host=r.host, port=int(u.port), token=token,
+            dtype=self.cfg.model.compute_dtype("cpu"), seed=self.cfg.trainer.seed + index,
+            max_running=r.max_num_seqs, startup_timeout_s=r.engine_startup_timeout_s)
 
     def init_weight_sync(self, engine_urls: list[str], token: str | None = None, routable: bool = False) -> None:
         """Build the sender: the first DP replica's TP-rank 0 of each PP stage sends; rank 0 steers.
@@ -76,6 +92,13 @@ class TrainRank:
         from mrl.rollout.weight_sync import WeightSyncer
 
         ws = self.cfg.rollout.weight_sync
+        if ws.transport == "inprocess":  # each rank loads the engine it hosts: no HTTP, no barrier
+            from mrl.rollout.weight_sync.in_process import InProcessSyncer
+
+            if self.local_engine is None:
+                raise RuntimeError("transport=inprocess: init_weight_sync before start_engine")
+            self.syncer = InProcessSyncer(self.local_engine, verify=ws.verify)
+            return
         first_replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
         self.syncer = WeightSyncer(
             ws.transport, engine_urls, bucket_mb=ws.bucket_mb, verify=ws.verify,
@@ -188,6 +211,9 @@ class TrainRank:
     def close(self) -> None:
         if self.syncer is not None:
             self.syncer.close()
+        if self.local_engine is not None:
+            self.local_engine.stop()
+            self.local_engine = None
 
 
 def _build_critic(cfg: MRLConfig, plan: RunPlan, device: str) -> CriticWorker:

@@ -248,6 +248,20 @@ BAD = [
     ("clip_cov_ratio_zero", ["actor.policy_loss_params.clip_cov_ratio=0"], ["actor.policy_loss_params.clip_cov_ratio"]),
     ("sapo_tau_zero", ["actor.tau_pos=0"], ["actor.tau_pos"]),
     ("loss_agg_mode_unknown", ["actor.loss_agg_mode=token_sum"], ["actor.loss_agg_mode"]),
+    # the in-process engine: CPU, built-in engine, colocated one-rank engines, ranks holding the whole model
+    ("inprocess_on_cuda", ["rollout.weight_sync.transport=inprocess", "cluster.device=cuda"],
+     ["transport=inprocess", "cluster.device=cuda", "fix: rollout.weight_sync.transport=tensor"]),
+    ("inprocess_tp2", ["rollout.weight_sync.transport=inprocess", "actor.megatron.tensor_model_parallel_size=2"],
+     ["transport=inprocess", "actor TP=2", "TP = PP = 1"]),
+    ("inprocess_separate", ["rollout.weight_sync.transport=inprocess", "rollout.placement=separate",
+                            "rollout.num_engines=1", "cluster.n_gpus_per_node=5"],
+     ["transport=inprocess", "rollout.placement=separate"]),
+    ("inprocess_fewer_engines", ["rollout.weight_sync.transport=inprocess", "rollout.num_engines=2"],
+     ["transport=inprocess", "rollout.num_engines=2", "one per trainer rank"]),
+    ("inprocess_snapshot", ["rollout.weight_sync.transport=inprocess", "rollout.weight_sync.snapshot_dir=/tmp/x"],
+     ["transport=inprocess", "snapshot_dir", "never restarted"]),
+    ("inprocess_async", ["rollout.weight_sync.transport=inprocess", "trainer.async_training.max_staleness=1"],
+     ["transport=inprocess", "max_staleness=1", "synchronous steps only"]),
 ]
 
 
@@ -389,3 +403,8 @@ def test_shared_prefix_refused_with_transformer_engine_attention(base_overrides:
         load_config(None, base_overrides + ["cluster.device=cuda", "actor.shared_prefix=true"])
     cpu = load_config(None, base_overrides + ["cluster.device=cpu", "actor.shared_prefix=true"])
     assert not [e for e in check_config(cpu)[0] if "shared_prefix" in e]
+
+
+def test_inprocess_engines_fit_a_cpu_colocated_run(base_overrides: list[str]) -> None:
+    cfg = load_config(None, base_overrides + ["rollout.weight_sync.transport=inprocess"])
+    assert cfg.rollout.weight_sync.transport == "inprocess" and not check_config(cfg)[0]
