@@ -246,7 +246,9 @@ class EngineSet:
         self.engines: list[RemoteEngine | InRankEngine] = []
         if r.weight_sync.transport == "inprocess":  # engine r runs inside trainer rank r (config-checked layout)
             workers.wait_constructed()
-            workers.execute_all("start_engine", [s.url for s in self.slots], self.token)
+            from mrl.driver.ranks import TrainRanks
+
+            TrainRanks(workers).start_engine([s.url for s in self.slots], self.token)
             self.engines = [InRankEngine(s.url) for s in self.slots]
             return
         try:

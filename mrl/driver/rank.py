@@ -93,7 +93,7 @@ class TrainRank:
 
         ws = self.cfg.rollout.weight_sync
         if ws.transport == "inprocess":  # each rank loads the engine it hosts: no HTTP, no barrier
-            from mrl.rollout.weight_sync.in_process import InProcessSyncer
+            from mrl.rollout.engine.in_process import InProcessSyncer
 
             if self.local_engine is None:
                 raise RuntimeError("transport=inprocess: init_weight_sync before start_engine")

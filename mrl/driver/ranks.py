@@ -28,6 +28,10 @@ class TrainRanks:
     def _first(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self.group.execute_all(method, *args, **kwargs)[0]
 
+    # ---- engines inside the ranks (rollout.weight_sync.transport=inprocess) ---------------------
+    def start_engine(self, urls: list[str], token: str | None) -> None:
+        self.group.execute_all("start_engine", urls, token)
+
     # ---- weight sync ---------------------------------------------------------------------------
     def init_weight_sync(self, engine_urls: list[str], token: str | None = None, routable: bool = False) -> None:
         self.group.execute_all("init_weight_sync", engine_urls, token=token, routable=routable)

@@ -24,6 +24,7 @@ import torch
 from mrl.rollout.engine import weights as W
 from mrl.rollout.engine.checksum import tensor_checksum
 from mrl.rollout.engine.server import Engine, build_app
+from mrl.rollout.weight_sync.sender import WeightSyncReport
 
 
 class InProcessEngine:
@@ -79,3 +80,31 @@ class InProcessEngine:
     def stop(self, timeout_s: float = 30.0) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=timeout_s)
+
+
+class InProcessSyncer:
+    """The trainer rank's sender for ``transport=inprocess``, with the ``WeightSyncer`` interface the rank
+    uses (``init``/``sync``/``rejoin``/``close``). It lives with the engine, not in ``mrl.rollout.weight_sync``:
+    it holds the engine object itself, which the sender side never imports (tests/test_import_contract.py).
+    No HTTP, no barrier: at TP = PP = 1 every DP replica holds the whole model, and rank r hosts engine r."""
+
+    def __init__(self, engine: InProcessEngine, *, verify: bool, timeout_s: float = 300.0) -> None:
+        self.engine, self.verify, self.timeout_s = engine, verify, timeout_s
+
+    def init(self) -> None:
+        pass  # nothing to connect: the engine is an object of this process
+
+    def rejoin(self) -> None:
+        pass  # an in-process engine is never restarted on its own (it dies with its rank)
+
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | str, *,
+             pause: bool = True) -> WeightSyncReport:
+        """Load one full set of weights. ``pause`` is moot: the copy waits until the engine is idle and
+        runs between two scheduler steps under the model lock, so nothing generates on half-new weights."""
+        t0 = time.perf_counter()
+        nbytes, ntensors = self.engine.load_weights(named_tensors, str(version), verify=self.verify,
+                                                    timeout_s=self.timeout_s)
+        return WeightSyncReport(str(version), "inprocess", time.perf_counter() - t0, nbytes, ntensors, 1, self.verify)
+
+    def close(self) -> None:
+        pass  # the rank stops its engine (TrainRank.close)
