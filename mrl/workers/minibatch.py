@@ -214,14 +214,12 @@ def split_by_prompt(mb: TrainBatch, micro_batch_size: int) -> list[list[int]]:
     """:func:`split_by_length` for the shared-prefix layout: the samples of one prompt stay adjacent
     (groups ordered by their longest sample, members by length), so a fixed cut splits as few
     groups as possible and each micro-batch computes each of its prompts once."""
-    lengths = mb.seq_lengths()
-    grp = prompt_group_ids(mb)
-    longest = torch.zeros(int(grp.max()) + 1, dtype=lengths.dtype).scatter_reduce(0, grp, lengths, "amax")
-    # sort key: (group's longest sample, group id, own length, index) — stable and deterministic
-    B = len(lengths)
-    key = ((longest[grp] * (int(grp.max()) + 1) + grp) * (int(lengths.max()) + 1) + lengths) * B + torch.arange(B)
-    order = torch.argsort(key).tolist()
-    return [[order[i] for i in p] for p in split_fixed(B, micro_batch_size)]
+    lengths, grp = mb.seq_lengths().tolist(), prompt_group_ids(mb).tolist()
+    longest: dict[int, int] = {}
+    for g, n in zip(grp, lengths):
+        longest[g] = max(longest.get(g, 0), n)
+    order = sorted(range(len(grp)), key=lambda i: (longest[grp[i]], grp[i], lengths[i], i))
+    return [[order[i] for i in p] for p in split_fixed(len(order), micro_batch_size)]
 
 
 def build_shared_prefix_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1) -> ModelInputs:
