@@ -110,6 +110,7 @@ class TrainRank:
             engine_world_sizes=[self.cfg.rollout.engine_tp_size] * len(engine_urls),
             disk_dir=ws.disk_dir, snapshot_dir=ws.snapshot_dir, token=token,
             master_address=ray.util.get_node_ip_address() if routable else "127.0.0.1",
+            cuda_ipc=False if self.cfg.rollout.engine == "torch" else None,  # the built-in engine reads shared memory
         )
         self.syncer.init()
 

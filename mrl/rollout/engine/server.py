@@ -21,6 +21,7 @@ import os
 import sys
 import time
 
+import torch
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -307,6 +308,8 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
             with sched.model_lock:
                 weights = runner.release() if body.released("weights") and not runner.released else 0
                 kv = sched.free_idle_cache() if body.released("kv_cache") else 0
+                if runner.device.type == "cuda":  # else torch's cache keeps it: the colocated trainer is another process
+                    torch.cuda.empty_cache()
                 return f"released {weights} bytes of weights and {kv} bytes of KV cache"
 
         return {"success": True, "message": await asyncio.to_thread(_rel)}

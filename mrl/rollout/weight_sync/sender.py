@@ -85,6 +85,8 @@ class WeightSyncer:
     for ``disk`` (a directory the engines can read); snapshot_dir: with another transport, also
     write each pushed version there (safetensors shards + version file) so that a restarted
     engine can be re-synced with ``disk_resync(snapshot_dir)``; costs one disk write per sync.
+    cuda_ipc: ``tensor`` sends CUDA IPC handles (SGLang) or shared memory (the built-in engine, which
+    refuses pickled tensors); None = IPC when CUDA is available.
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class WeightSyncer:
         snapshot_dir: str | None = None,
         timeout_s: float = 600.0,
         pause_mode: str = "retract",
+        cuda_ipc: bool | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"rollout.weight_sync.transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -134,7 +137,7 @@ class WeightSyncer:
             self.transport: Any = DistributedTransport(self.http, stage, ws, master_address=master_address,
                                                        backend=backend, timeout_s=timeout_s)
         elif transport == "tensor":
-            self.transport = TensorTransport(self.http, ws)
+            self.transport = TensorTransport(self.http, ws, use_cuda_ipc=cuda_ipc)
         else:
             self.transport = DiskTransport(self.http, disk_dir, stage)  # type: ignore[arg-type]
         # A copy of each pushed version on disk, for re-syncing a restarted engine (disk_resync);
