@@ -15,6 +15,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from mrl.cluster.wire import register_tensor_wire
 from mrl.net import free_port
 
 
@@ -26,15 +27,16 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
     """Join ``address`` (cluster.address) or start a local Ray instance with ``num_cpus``.
 
     A local instance needs no auth token: ``RAY_AUTH_MODE=disabled`` keeps the first ``ray.init``
-    from writing one under ``~/.ray`` (measured on these hosts); it binds to loopback.
+    from writing one under ``~/.ray`` (measured on these hosts); it binds to loopback. Tensors the
+    driver sends go as raw bytes (mrl/cluster/wire.py).
     """
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        if address:
+            ray.init(address=address, log_to_driver=True)
+        else:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    register_tensor_wire()
 
 
 # On CUDA every process we place keeps all of its node's GPUs visible (Ray would narrow
@@ -62,6 +64,7 @@ class _RankActor:
 
     def __init__(self, env: dict[str, str]) -> None:
         os.environ.update(env)
+        register_tensor_wire()  # results (log-probs, values, ...) go back as raw bytes too
         self.obj: Any = None
 
     def node_info(self) -> dict[str, Any]:

@@ -32,6 +32,21 @@ class EnvProbe:
     def ping(self) -> str:
         return "pong"
 
+    def echo_tensors(self, ts: dict) -> tuple[dict, dict]:
+        """The tensors back with a mark each (received tensors are writable and the rank's own), and
+        how they arrived."""
+        import torch
+
+        seen = {k: (v.dtype, tuple(v.shape), v.is_contiguous(), v.requires_grad) for k, v in ts.items()}
+        out = {}
+        for k, v in ts.items():
+            if v.requires_grad:
+                out[k] = v
+                continue
+            v.view(-1)[:1] = torch.ones(1, dtype=v.dtype) if v.numel() else v.view(-1)[:1]  # in-place write
+            out[k] = v
+        return out, seen
+
     def fail_on_rank1_while_rank0_waits(self) -> None:
         """Rank 0 blocks as if in a collective its failed peer never joins."""
         if self.seen["RANK"] == "1":
@@ -83,3 +98,29 @@ def test_one_failed_rank_fails_the_call_at_once(group) -> None:
     with pytest.raises(WorkerGroupError, match="within 1s"):
         group.close("ping", timeout_s=1.0)
     assert time.monotonic() - t0 < 8.0 and group.actors == []
+
+
+def test_tensors_cross_ray_exactly_both_ways(group) -> None:
+    """mrl/cluster/wire.py: every dtype bit for bit, shapes and strides, writable on arrival; tensors
+    that need torch's own pickling (requires_grad) keep it."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 5, generator=g)
+    ts = {"f32": base, "bf16": base.to(torch.bfloat16), "f16": base.half(), "f64": base.double(),
+          "i64": torch.randint(-9, 9, (4, 3), generator=g), "i32": torch.arange(7, dtype=torch.int32),
+          "u8": torch.arange(9, dtype=torch.uint8), "bool": base > 0, "c64": torch.complex(base, -base),
+          "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4), "strided": base.t()[1:, ::2],
+          "nan": torch.tensor([float("nan"), float("inf"), -0.0]), "grad": torch.ones(2, requires_grad=True)}
+    out = group.execute_all("echo_tensors", ts)
+    for back, seen in out:
+        assert seen["strided"][2] is True and seen["grad"][3] is True  # contiguous copy; the flag kept
+        for k, v in ts.items():
+            assert seen[k][:2] == (v.dtype, tuple(v.shape)), k
+            got, want = back[k], v.detach().clone()
+            if want.numel() and not v.requires_grad:
+                want.view(-1)[:1] = 1  # the rank's in-place mark came back
+            assert got.dtype == want.dtype and got.shape == want.shape, k
+            assert torch.equal(got.view(-1).view(torch.uint8) if got.numel() else got,
+                               want.contiguous().view(-1).view(torch.uint8) if want.numel() else want), k
+    assert ts["f32"][0, 0] != 1  # the sender's tensor is untouched
