@@ -21,7 +21,8 @@ class WeightSyncConfig(Section):
     """How updated actor weights reach the engines after each step."""
 
     transport: Literal["distributed", "tensor", "disk", "inprocess"] = Field(
-        "distributed", description="distributed: NCCL/gloo broadcast; tensor: in-process tensors (colocated); disk: "
+        "distributed", description="distributed: NCCL/gloo broadcast (on CUDA: separate engines only); tensor: shared "
+        "memory / CUDA IPC (colocated; on CUDA one node); disk: "
         "safetensors files; inprocess: the built-in engine runs inside each trainer rank and the rank copies its weights "
         "into it (CPU, colocated, actor TP = PP = 1; docs/weight_sync.md)."
     )

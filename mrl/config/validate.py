@@ -169,6 +169,24 @@ def _check_placement(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelS
             )
         if r.weight_sync.transport == "disk":
             pass  # valid everywhere, only slower
+        c = cfg.cluster
+        cuda = c.device == "cuda" or (c.device == "auto" and _gpu_visible())
+        if cuda and r.weight_sync.transport == "distributed":
+            # Seen on an H100 (docs/cuda_check.md): a second NCCL rank on a GPU already in the group fails
+            # with "Duplicate GPU detected"; colocated engines sit on the trainer ranks' GPUs.
+            errors.append(
+                "rollout.weight_sync.transport=distributed with rollout.placement=colocated on CUDA puts each engine into "
+                "one NCCL group with the trainer rank on its own GPU, which NCCL refuses (two ranks of one communicator "
+                "on one device); fix: " + ("rollout.weight_sync.transport=tensor (CUDA IPC, the colocated path verl and "
+                                          "slime use)" if c.nnodes == 1 else
+                                          "rollout.placement=separate with rollout.num_engines (engines on GPUs of their own)")
+            )
+        if cuda and r.weight_sync.transport == "tensor" and c.nnodes > 1:
+            errors.append(
+                f"rollout.weight_sync.transport=tensor sends CUDA IPC handles from one rank per pipeline stage, which "
+                f"engines on other nodes cannot open (cluster.nnodes={c.nnodes}); fix: rollout.placement=separate with "
+                "rollout.num_engines and transport=distributed, or transport=disk on a shared filesystem"
+            )
     elif r.weight_sync.transport == "tensor":
         errors.append(
             "rollout.weight_sync.transport=tensor passes in-process tensors and needs rollout.placement=colocated; "

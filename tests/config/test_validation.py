@@ -249,6 +249,15 @@ BAD = [
     ("sapo_tau_zero", ["actor.tau_pos=0"], ["actor.tau_pos"]),
     ("loss_agg_mode_unknown", ["actor.loss_agg_mode=token_sum"], ["actor.loss_agg_mode"]),
     # the in-process engine: CPU, built-in engine, colocated one-rank engines, ranks holding the whole model
+    # colocated engines share the trainer ranks' GPUs: NCCL refuses them in one group with those ranks, and
+    # CUDA IPC handles do not cross nodes (docs/cuda_check.md, docs/weight_sync.md)
+    ("distributed_colocated_cuda", ["cluster.device=cuda"],
+     ["transport=distributed", "placement=colocated on CUDA", "fix: rollout.weight_sync.transport=tensor"]),
+    ("distributed_colocated_cuda_two_nodes", ["cluster.device=cuda", "cluster.nnodes=2", "cluster.n_gpus_per_node=2"],
+     ["transport=distributed", "NCCL refuses", "fix: rollout.placement=separate"]),
+    ("tensor_colocated_cuda_two_nodes", ["cluster.device=cuda", "cluster.nnodes=2", "cluster.n_gpus_per_node=2",
+                                         "rollout.weight_sync.transport=tensor"],
+     ["transport=tensor", "cluster.nnodes=2", "fix: rollout.placement=separate"]),
     ("inprocess_on_cuda", ["rollout.weight_sync.transport=inprocess", "cluster.device=cuda"],
      ["transport=inprocess", "cluster.device=cuda", "fix: rollout.weight_sync.transport=tensor"]),
     ("inprocess_tp2", ["rollout.weight_sync.transport=inprocess", "actor.megatron.tensor_model_parallel_size=2"],
@@ -344,7 +353,8 @@ def test_sglang_router_needs_its_package(base_overrides: list[str], monkeypatch)
 
 
 def test_sglang_on_cuda_host_config_is_valid(base_overrides: list[str]) -> None:
-    cfg = load_config(None, base_overrides + ["cluster.device=cuda", "rollout.engine=sglang", "rollout.router=sglang_router"])
+    cfg = load_config(None, base_overrides + ["cluster.device=cuda", "rollout.engine=sglang", "rollout.router=sglang_router",
+                                              "rollout.weight_sync.transport=tensor"])
     assert cfg.rollout.engine == "sglang"
 
 
@@ -368,7 +378,7 @@ def test_more_ranks_than_local_gpus_is_refused(base_overrides: list[str], monkey
 
     monkeypatch.setattr(validate.glob, "glob", lambda pat: ["/dev/nvidia0", "/dev/nvidia1"] if "nvidia" in pat else [])
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    cuda = ["cluster.device=cuda", "model.dtype=bfloat16"]
+    cuda = ["cluster.device=cuda", "model.dtype=bfloat16", "rollout.weight_sync.transport=tensor"]
     errors = _errors(base_overrides + cuda)  # 4 ranks per node, 2 GPUs here
     assert any("cluster.n_gpus_per_node=4" in e and "exposes 2 GPU(s)" in e for e in errors), errors
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")

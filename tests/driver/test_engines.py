@@ -43,7 +43,8 @@ def test_two_nodes_need_a_routable_host_and_get_the_token() -> None:
     cfg = load_config(GPU_RECIPE, ["cluster.n_gpus_per_node=16"])
     with pytest.raises(UnsupportedConfigError, match="rollout.host=127.0.0.1 is loopback.*rollout.host=0.0.0.0"):
         plan_engines(cfg, _gpu_infos(nodes=2), 16)
-    cfg = load_config(GPU_RECIPE, ["cluster.nnodes=2", "rollout.host=0.0.0.0"])
+    # two colocated nodes: CUDA IPC does not cross nodes, the disk transport does (config validation)
+    cfg = load_config(GPU_RECIPE, ["cluster.nnodes=2", "rollout.host=0.0.0.0", "rollout.weight_sync.transport=disk"])
     slots = plan_engines(cfg, _gpu_infos(nodes=2), 16)
     assert slots[9].url == "http://10.0.0.2:30009" and slots[9].gpu_ids == (1,)
     token = run_token(cfg)
@@ -55,6 +56,7 @@ def test_two_nodes_need_a_routable_host_and_get_the_token() -> None:
 
 def test_an_engine_spanning_nodes_is_refused() -> None:
     cfg = load_config(GPU_RECIPE, ["cluster.nnodes=2", "cluster.n_gpus_per_node=3", "rollout.host=0.0.0.0",
+                                   "rollout.weight_sync.transport=disk",
                                    "rollout.engine_tp_size=2", "actor.ppo_mini_batch_size=60",
                                    "data.train_batch_size=240"])
     with pytest.raises(UnsupportedConfigError, match="engine 1 would span nodes"):

@@ -22,7 +22,7 @@ def _base(tmp_path) -> list[str]:
     ("mrl_configs/quickstart_ppo.yaml", []),
     ("mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml", []),
     ("mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml", ["rollout.placement=separate", "rollout.num_engines=2",
-                                                "cluster.n_gpus_per_node=10"]),
+                                                "cluster.n_gpus_per_node=10", "rollout.weight_sync.transport=distributed"]),
     ("mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml", ["rollout.router=sglang_router"]),
 ])
 def test_valid_recipes_with_their_files_start(tmp_path, recipe: str, extra: list[str]) -> None:
