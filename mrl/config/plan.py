@@ -227,7 +227,10 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
         where = lay.nodes(per_node) if lay.count else "none"
         if name == "rollout":
             desc = f"{plan.num_engines} x {r.engine} engine(s), tp={r.engine_tp_size}" + (
-                " inside the trainer ranks (weight_sync.transport=inprocess)" if r.weight_sync.transport == "inprocess" else "")
+                " inside the trainer ranks (weight_sync.transport=inprocess" + (
+                    "; each update call also loads the new weights)"
+                    if on_policy_shortcut(cfg) and not r.free_cache_engine else ")")
+                if r.weight_sync.transport == "inprocess" else "")
         else:
             p = lay.parallel
             desc = (f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "

@@ -48,6 +48,9 @@ class RunPlan:
     free_cache_engine: bool  # engines release device memory while the trainer runs
     log_dir: Path  # engine / router logs
     on_policy_shortcut: bool  # the update's own log-probs stand in for the old-log-prob forward
+    # transport=inprocess with the shortcut: the update call also loads each rank's weights into its own
+    # engine, one Ray round trip per step instead of two (the sync needs nothing from the driver)
+    push_with_update: bool = False
 
 
 def on_policy_blockers(cfg: MRLConfig) -> list[str]:
@@ -118,4 +121,6 @@ def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
         free_cache_engine=free_cache_engine(cfg, device),
         log_dir=Path(cfg.trainer.checkpoint_dir or "outputs") / "logs",
         on_policy_shortcut=on_policy_shortcut(cfg),
+        push_with_update=(on_policy_shortcut(cfg) and cfg.rollout.weight_sync.transport == "inprocess"
+                          and not free_cache_engine(cfg, device)),
     )

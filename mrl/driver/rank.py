@@ -154,6 +154,14 @@ class TrainRank:
         """actor.on_policy_shortcut: the update without an old-log-prob pass; (metrics, log-probs, entropies)."""
         return self.actor.update_policy_on_policy(batch)
 
+    def update_policy_on_policy_and_sync(self, batch: TrainBatch, version: int
+                                         ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor, dict[str, float]]:
+        """``update_policy_on_policy`` then ``sync_weights(version)`` in one call (RunPlan.push_with_update:
+        transport=inprocess, where the sync is this rank's own copy into its engine); the last element is
+        the sync's report."""
+        metrics, lp, ent = self.actor.update_policy_on_policy(batch)
+        return metrics, lp, ent, self.sync_weights(version, pause=False)
+
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         with self._critic_on() as critic:
             return critic.compute_values(batch)

@@ -66,6 +66,12 @@ class TrainRanks:
     def update_policy_on_policy(self, batch: TrainBatch) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
         return self._first("update_policy_on_policy", batch)
 
+    def update_policy_on_policy_and_sync(self, batch: TrainBatch, version: int
+                                         ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor, list[dict[str, float]]]:
+        """Rank 0's update results and every rank's sync report (as ``sync_weights`` gives them)."""
+        out = self.group.execute_all("update_policy_on_policy_and_sync", batch, version)
+        return out[0][0], out[0][1], out[0][2], [r[3] or {} for r in out]
+
     def update_critic(self, batch: TrainBatch) -> dict[str, float]:
         return self._first("update_critic", batch)
 

@@ -65,10 +65,14 @@ class RolloutController:
             pool.resume_memory(["kv_cache"])
         if rejoin:
             pool.readmit(str(version))
+        self.pushed(version, per_rank, m)
+
+    def pushed(self, version: int, per_rank: list[dict[str, float]], m: dict[str, float]) -> None:
+        """Record a push the ranks made (``push``, or the update call itself: RunPlan.push_with_update)."""
         for k in {k for r in per_rank for k in r}:
             vals = [float(r.get(k, 0.0)) for r in per_rank]
             m[k] = max(vals) if k.startswith("timing_s/") else sum(vals)
-        pool.weight_version = str(version)  # what a restarted engine must be re-synced to
+        self.pool.weight_version = str(version)  # what a restarted engine must be re-synced to
 
     def sleep(self) -> None:
         """verl's free_cache_engine: colocated engines give the device memory to the trainer."""

@@ -92,6 +92,7 @@ class StepData:
     scores: torch.Tensor | None = None  # [B] the scorer's scores (before the overlong penalty)
     valid: torch.Tensor | None = None  # [B] False where reward.on_error=mask dropped the sample
     rm_scores: torch.Tensor | None = None  # [B] the reward model's scores (reward_model.enable)
+    pushed: list[dict[str, float]] | None = None  # per-rank sync reports when the update call synced too
 
 
 class RLTrainer:
@@ -168,11 +169,11 @@ class RLTrainer:
             if self.actor_update_due():
                 with timer("update_actor", m):
                     if shortcut:
-                        self.update_on_policy(d, m)
+                        self.update_on_policy(d, m, push=self.plan.push_with_update)
                     else:
                         m |= self.ranks.update_policy(d.batch)
                 with timer("sync_weights", m):
-                    self.sync_weights(m)
+                    self.sync_weights(m, d.pushed)
         self.global_step += 1
         if self.producer is not None:
             self.producer.step_done(self.global_step)
@@ -338,10 +339,15 @@ class RLTrainer:
             d.batch, corr = apply_rollout_correction(d.batch, self.cfg.algorithm.rollout_correction)
             m |= corr
 
-    def update_on_policy(self, d: StepData, m: dict[str, float]) -> None:
+    def update_on_policy(self, d: StepData, m: dict[str, float], *, push: bool = False) -> None:
         """update_actor with the on-policy shortcut: log π_old and the entropies come from the update's own
-        forward (π_old = π_θ before its only optimizer step), then the same checks as old_log_prob."""
-        metrics, lp, ent = self.ranks.update_policy_on_policy(d.batch)
+        forward (π_old = π_θ before its only optimizer step), then the same checks as old_log_prob.
+        ``push`` (RunPlan.push_with_update): the same call loads the new weights into the in-process engines
+        as the next version; sync_weights then only records it."""
+        if push:
+            metrics, lp, ent, d.pushed = self.ranks.update_policy_on_policy_and_sync(d.batch, self.global_step + 1)
+        else:
+            metrics, lp, ent = self.ranks.update_policy_on_policy(d.batch)
         m |= metrics
         d.batch = d.batch.replace(old_log_probs=lp)
         d.entropys = ent
@@ -401,10 +407,14 @@ class RLTrainer:
         1-based step counter starts the actor one step earlier; we keep the documented count."""
         return self.global_step >= self.cfg.trainer.critic_warmup
 
-    def sync_weights(self, m: dict[str, float]) -> None:
-        """Push the updated actor into every engine as version ``global_step + 1``."""
+    def sync_weights(self, m: dict[str, float], pushed: list[dict[str, float]] | None = None) -> None:
+        """Push the updated actor into every engine as version ``global_step + 1`` (``pushed``: the update
+        call already did, these are the ranks' reports)."""
         self.weight_version = self.global_step + 1
-        self.push_weights(m)
+        if pushed is not None:
+            self.rollout.pushed(self.weight_version, pushed, m)
+        else:
+            self.push_weights(m)
 
     def push_weights(self, m: dict[str, float]) -> None:
         """The actor's weights -> every engine as ``weight_version`` (RolloutController.push; with a running

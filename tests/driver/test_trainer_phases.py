@@ -41,6 +41,10 @@ class RecordingWorkers:
             # the on-policy shortcut: the update's own (here: made-up) log-probs and entropies come back
             "update_policy_on_policy": lambda: ({"actor/pg_loss": 0.5}, -0.5 * b.response_mask.float(),
                                                 torch.full(b.response_mask.shape, 2.0)),
+            # RunPlan.push_with_update: the same, plus this rank's sync report
+            "update_policy_on_policy_and_sync": lambda: ({"actor/pg_loss": 0.5}, -0.5 * b.response_mask.float(),
+                                                         torch.full(b.response_mask.shape, 2.0),
+                                                         {"weight_sync/bytes": 10.0, "timing_s/weight_sync": 0.25}),
             "fallbacks": list,
         }.get(method, lambda: None)()
         return [out]
@@ -378,6 +382,22 @@ def test_on_policy_shortcut_takes_log_pi_old_from_the_update(tmp_path) -> None:
     assert "timing_s/old_log_prob" not in m and m["actor/pg_loss"] == 0.5
     assert m["actor/entropy_old"] == 2.0
     assert m["training/rollout_probs_diff_max"] == 0.0  # the update's log-probs = the engine's here
+
+
+def test_inprocess_engines_take_the_new_weights_in_the_update_call(tmp_path) -> None:
+    """transport=inprocess with the shortcut: one rank call updates and loads the engines (no sync_weights
+    call); the step still records the push: version, the ranks' sync metrics, the pool's version."""
+    tr, w, _ = _trainer(tmp_path, "actor.on_policy_shortcut=null", "rollout.weight_sync.transport=inprocess")
+    assert tr.plan.push_with_update
+    m = tr.step()
+    assert w.names() == ["compute_ref_log_prob", "update_policy_on_policy_and_sync"]
+    assert w.calls[1][1][1] == 1  # the version the engines now hold
+    assert tr.weight_version == 1 and tr.s.pool.weight_version == "1"
+    assert m["weight_sync/bytes"] == 10.0 and m["timing_s/weight_sync"] == 0.25 and "timing_s/sync_weights" in m
+    assert m["actor/entropy_old"] == 2.0
+    w.calls.clear()
+    tr.step()
+    assert w.calls[1] == ("update_policy_on_policy_and_sync", (w.calls[1][1][0], 2))
 
 
 def test_on_policy_shortcut_keeps_the_old_log_prob_phase_while_the_critic_warms_up(tmp_path) -> None:
