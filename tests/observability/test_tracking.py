@@ -83,3 +83,27 @@ def test_resumed_run_continues_the_killed_mlflow_run(tmp_path, monkeypatch, capl
                          resume_run_id=run_id)
     assert other.mlflow_run_id != run_id and "logging to a new run" in caplog.text
     other.finish()
+
+
+def test_metric_writes_run_behind_the_next_step_and_their_errors_surface(tmp_path, monkeypatch):
+    """MlflowSink.log queues a step's metrics in MLflow's background writer and returns; the next log (or
+    flush/finish) waits for them first, so at most one step is in flight and a failed write raises."""
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from mrl.observability.tracking import MlflowSink
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    sink = MlflowSink(uri, "proj", "r")
+    sink.log({"a": 1.0}, step=1)
+    assert len(sink._pending) == 1  # queued, not waited for
+    sink.log({"a": 2.0}, step=2)  # waits for step 1 first
+    sink.flush()
+    assert sink._pending == []
+    client = MlflowClient(tracking_uri=uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(sink.run_id, "a")] == [(1, 1.0), (2, 2.0)]
+    client.delete_run(sink.run_id)  # a write that MLflow refuses: logging to a deleted run
+    sink.log({"a": 3.0}, step=3)
+    with pytest.raises(MlflowException):
+        sink.flush()
