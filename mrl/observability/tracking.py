@@ -155,8 +155,10 @@ class MlflowSink:
         self.client.log_artifact(self.run_id, str(path))
 
     def finish(self, status: str = "FINISHED") -> None:
-        self.flush()
-        self.client.set_terminated(self.run_id, status=status)
+        try:
+            self.flush()  # a failed write still raises, after the run is closed
+        finally:
+            self.client.set_terminated(self.run_id, status=status)
 
 
 class Tracking:
