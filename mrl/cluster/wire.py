@@ -9,8 +9,8 @@ and is rebuilt as a fresh tensor that owns a copy of them: writable, and not a v
 message or object-store buffer (which is read-only). Exact for every dtype, bf16 and bool included:
 the bytes are the tensor's.
 
-Everything else — CUDA tensors, tensors that require grad, sparse/quantized/meta layouts — keeps
-torch's own pickling (``fallback``). Subclasses such as ``nn.Parameter`` are not affected: Ray
+Everything else — CUDA tensors, tensors that require grad, sparse/quantized/nested layouts — keeps
+torch's own pickling (``("pickle", bytes)``). Subclasses such as ``nn.Parameter`` are not affected: Ray
 dispatches custom serializers on the exact type.
 
 Registration is per process and one-sided: the sender's serializer names the deserializer, a

@@ -30,7 +30,7 @@ from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout, compute_layout
 from mrl.config.parallel import ParallelConfig
 from mrl.config.root import MRLConfig
-from mrl.config.run_plan import on_policy_shortcut, update_plan
+from mrl.config.run_plan import on_policy_shortcut, push_with_update, update_plan
 from mrl.config.validate import check_config, load_shape
 from mrl.dtypes import itemsize
 
@@ -229,7 +229,7 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
             desc = f"{plan.num_engines} x {r.engine} engine(s), tp={r.engine_tp_size}" + (
                 " inside the trainer ranks (weight_sync.transport=inprocess" + (
                     "; each update call also loads the new weights)"
-                    if on_policy_shortcut(cfg) and not r.free_cache_engine else ")")
+                    if push_with_update(cfg, "cpu") else ")")  # inprocess runs on CPU only (validation)
                 if r.weight_sync.transport == "inprocess" else "")
         else:
             p = lay.parallel

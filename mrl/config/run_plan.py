@@ -48,9 +48,7 @@ class RunPlan:
     free_cache_engine: bool  # engines release device memory while the trainer runs
     log_dir: Path  # engine / router logs
     on_policy_shortcut: bool  # the update's own log-probs stand in for the old-log-prob forward
-    # transport=inprocess with the shortcut: the update call also loads each rank's weights into its own
-    # engine, one Ray round trip per step instead of two (the sync needs nothing from the driver)
-    push_with_update: bool = False
+    push_with_update: bool = False  # the update call also loads the in-process engines (push_with_update())
 
 
 def on_policy_blockers(cfg: MRLConfig) -> list[str]:
@@ -83,6 +81,13 @@ def on_policy_shortcut(cfg: MRLConfig) -> bool:
     """actor.on_policy_shortcut resolved: null = on where nothing blocks it (check_config refuses true then)."""
     want = cfg.actor.on_policy_shortcut
     return want is not False and not on_policy_blockers(cfg)
+
+
+def push_with_update(cfg: MRLConfig, device: str) -> bool:
+    """transport=inprocess with the on-policy shortcut (and engines that keep their memory): the update call
+    loads the new weights into each rank's own engine too, one Ray round trip per step instead of two."""
+    return (on_policy_shortcut(cfg) and cfg.rollout.weight_sync.transport == "inprocess"
+            and not free_cache_engine(cfg, device))
 
 
 def free_cache_engine(cfg: MRLConfig, device: str) -> bool:
@@ -121,6 +126,5 @@ def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
         free_cache_engine=free_cache_engine(cfg, device),
         log_dir=Path(cfg.trainer.checkpoint_dir or "outputs") / "logs",
         on_policy_shortcut=on_policy_shortcut(cfg),
-        push_with_update=(on_policy_shortcut(cfg) and cfg.rollout.weight_sync.transport == "inprocess"
-                          and not free_cache_engine(cfg, device)),
+        push_with_update=push_with_update(cfg, device),
     )

@@ -32,6 +32,12 @@ def _gpu_visible() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
 
 
+def _on_cuda(cfg: MRLConfig) -> bool:
+    """cluster.device resolved as the workers will resolve it on this host (auto: a visible NVIDIA GPU)."""
+    c = cfg.cluster
+    return c.device == "cuda" or (c.device == "auto" and _gpu_visible())
+
+
 def _check_batches(cfg: MRLConfig, actor: RoleLayout, errors: list[str]) -> None:
     a, n, tbs = cfg.actor, cfg.rollout.n, cfg.data.train_batch_size
     if a.ppo_mini_batch_size > tbs:
@@ -170,7 +176,7 @@ def _check_placement(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelS
         if r.weight_sync.transport == "disk":
             pass  # valid everywhere, only slower
         c = cfg.cluster
-        cuda = c.device == "cuda" or (c.device == "auto" and _gpu_visible())
+        cuda = _on_cuda(cfg)
         if cuda and r.weight_sync.transport == "distributed":
             # Seen on an H100 (docs/cuda_check.md): a second NCCL rank on a GPU already in the group fails
             # with "Duplicate GPU detected"; colocated engines sit on the trainer ranks' GPUs.
@@ -260,8 +266,7 @@ def _check_shared_prefix(cfg: MRLConfig, errors: list[str]) -> None:
     builds on CUDA when TE is installed) take the causal mask only."""
     if not cfg.actor.shared_prefix:
         return
-    c = cfg.cluster
-    cuda = c.device == "cuda" or (c.device == "auto" and _gpu_visible())
+    cuda = _on_cuda(cfg)
     if cuda and not cfg.actor.lora.enabled and importlib.util.find_spec("transformer_engine") is not None:
         errors.append("actor.shared_prefix=true needs Megatron's local attention, but on CUDA with Transformer "
                       "Engine installed the actor runs TE's causal attention, which ignores the per-sample mask; "
