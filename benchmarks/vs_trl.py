@@ -53,8 +53,8 @@ PROMPTS, N = 32, 8  # prompts per step, samples per prompt
 # the update's padding goes from ~26 % to a few %; interleaved A/B, bf16: 6.1 s per update at 16, 9.1 s at 128)
 MICRO_BATCH = {"tiny": PROMPTS * N // 2, "compute": 16}
 # actor.shared_prefix (docs/driver.md, "Shared prompts"): tiny = on (5-token prompts, <= 4-token answers: a group's
-# row is 4 + 8 x 5 tokens instead of 8 x 9; update -19 %, step -13 %, measured in one run); compute = off (64-token
-# answers: the rows of 8 x 65 tokens would make the masked attention ~7x the compact layout's)
+# row is 5 + 8 x (r - 1) <= 29 tokens instead of 8 x 9; docs/vs_trl.md has the measured effect); compute = off
+# (64-token answers: rows of 8 x 63 tokens would make the masked attention ~7x the compact layout's)
 SHARED_PREFIX = {"tiny": True, "compute": False}
 # rollout.weight_sync.transport: inprocess (the engines run inside the 2 trainer ranks, each rank copies its weights
 # into its own engine: tiny-size sync 0.034 -> 0.009 s per step); the first two sessions' tables used tensor

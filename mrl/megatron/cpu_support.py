@@ -24,6 +24,9 @@ Redirects (each has its own test in ``tests/megatron/test_cpu_support.py``):
    two generators are one, so every forked draw trips it.
 6. ``torch.cuda.Stream`` / ``stream`` / ``current_stream`` / ``default_stream`` become a no-op
    stream (CPU ops are synchronous), ``torch.cuda.synchronize`` a no-op.
+7. Megatron's unfused RoPE (``rope_utils._apply_rotary_pos_emb_bshd``) runs as one autograd
+   function (:mod:`mrl.megatron.rope_kernel`, tested in ``tests/megatron/test_rope_kernel.py``): the
+   CPU's stand-in for TE's fused RoPE.
 
 Scope: :func:`cpu_support` is a reversible context (the patches are undone when the last user
 leaves); :func:`enable_cpu_support` enters it for a thread's lifetime and is called only when
@@ -128,8 +131,11 @@ class _DropSameGeneratorWarning(logging.Filter):
 
 
 def _redirects() -> list[tuple[Any, str, Any]]:
-    """(owner, attribute, CPU stand-in) of every process-wide redirect (1, 5, 6 of the docstring)."""
+    """(owner, attribute, CPU stand-in) of every process-wide redirect (1, 5, 6, 7 of the docstring)."""
     import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from mrl.megatron.rope_kernel import make_rope_bshd
 
     return [
         (torch.cuda, "current_device", lambda: 0),
@@ -144,6 +150,7 @@ def _redirects() -> list[tuple[Any, str, Any]]:
         (torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed)),
         (mrandom, "_get_cuda_rng_state", lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()),
         (mrandom, "_set_cuda_rng_state", lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)),
+        (rope_utils, "_apply_rotary_pos_emb_bshd", make_rope_bshd(rope_utils._apply_rotary_pos_emb_bshd)),
     ]
 
 

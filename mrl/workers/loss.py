@@ -120,12 +120,15 @@ def response_log_probs(mb: MicroBatch, logits: Tensor, *, tp_group, temperature:
     ``logits`` [b, L, V/TP] are this TP rank's vocab shard; temperature is applied first so the
     values match the distribution the rollout engine sampled from.
     """
-    lp, ent = vocab_parallel_log_probs(
-        logits, mb.inputs.labels.to(logits.device), tp_group=tp_group, temperature=temperature,
-        vocab_size=vocab_size, chunk_size=chunk_size, with_entropy=True,
-    )
     idx = mb.inputs
-    return idx.gather_response(lp), idx.gather_response(ent)
+    kw = {"tp_group": tp_group, "temperature": temperature, "vocab_size": vocab_size, "chunk_size": chunk_size,
+          "with_entropy": True}
+    lp, ent = vocab_parallel_log_probs(logits, idx.labels.to(logits.device), **kw)
+    first_lp = first_ent = None
+    if idx.first_label is not None:  # shared-prefix rows: one prompt column predicts n first tokens
+        first_lp, first_ent = vocab_parallel_log_probs(idx.first_token_logits(logits),
+                                                       idx.first_label.to(logits.device), **kw)
+    return idx.gather_response(lp, first_lp), idx.gather_response(ent, first_ent)
 
 
 def actor_loss_func(

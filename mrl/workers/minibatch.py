@@ -156,14 +156,30 @@ class ModelInputs:
     # Shared-prefix layout only (:func:`build_shared_prefix_inputs`); None in the compact layout.
     attention_mask: Tensor | None = None  # [rows, 1, L, L] bool, True = not attended (Megatron's convention)
     resp_row: Tensor | None = None  # [b] int64, the row holding sample i
+    # The column of row resp_row[i] whose logits predict sample i's first response token (the prompt's
+    # last token, shared by the group: one column, n labels), that token (0 if none), and where it is.
+    first_col: Tensor | None = None  # [b] int64
+    first_label: Tensor | None = None  # [b] int64
+    resp_first: Tensor | None = None  # [b, R] bool
 
-    def gather_response(self, per_pos: Tensor) -> Tensor:
-        """[rows, L] per-position values (e.g. log-probs of ``labels``) → [b, R], 0 where invalid."""
+    def first_token_logits(self, logits: Tensor) -> Tensor:
+        """[rows, L, V] → [b, V]: the logits that predict each sample's first response token."""
+        dev = logits.device
+        return logits[self.resp_row.to(dev), self.first_col.to(dev)]  # type: ignore[union-attr]
+
+    def gather_response(self, per_pos: Tensor, first: Tensor | None = None) -> Tensor:
+        """[rows, L] per-position values (e.g. log-probs of ``labels``) → [b, R], 0 where invalid.
+        Shared-prefix inputs also need ``first`` [b]: the values of each sample's first response token,
+        computed from :meth:`first_token_logits` (its column predicts n tokens, one per sample)."""
         # The inputs are built on the host; the model's outputs live on its device (CUDA: found by the first
         # run on a GPU — the CPU suite cannot see a device mismatch).
         if self.resp_row is not None:
             per_pos = per_pos.index_select(0, self.resp_row.to(per_pos.device))
         out = per_pos.gather(1, self.resp_index.to(per_pos.device))
+        if self.resp_first is not None:
+            if first is None:
+                raise ValueError("shared-prefix inputs: pass the first response token's values (first_token_logits)")
+            out = torch.where(self.resp_first.to(out.device), first.to(out.dtype)[:, None], out)
         return out * self.resp_valid.to(out.device, out.dtype)
 
 
@@ -225,18 +241,19 @@ def split_by_prompt(mb: TrainBatch, micro_batch_size: int) -> list[list[int]]:
 def build_shared_prefix_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1) -> ModelInputs:
     """Inputs that compute each prompt once for all of its samples (GRPO's n samples per prompt).
 
-    One row per prompt group: the prompt's tokens but its last, then one *segment* per sample —
-    the prompt's last token followed by the sample's response::
+    One row per prompt group: the prompt's tokens, then one *segment* per sample — the sample's
+    response but its last token::
 
-        [p_0 … p_{P-2} | p_{P-1} r^1_0 … r^1_{m1} | p_{P-1} r^2_0 … r^2_{m2} | … | pad]
+        [p_0 … p_{P-1} | r^1_0 … r^1_{m1-1} | r^2_0 … r^2_{m2-1} | … | pad]
 
-    A segment attends to the shared tokens and causally to itself only (``attention_mask``), and its
-    tokens keep the positions they have in the sample's own sequence (``position_ids``: the prompt's
-    last token is at P−1 in every segment), so every response token sees exactly the context and
-    positions it has in the compact layout — the same log-probs up to the float order of the matmuls.
-    Repeating the last prompt token gives every column one next token: its logits predict the
-    segment's first response token, so ``labels`` stay per column. Tokens per group of n samples:
-    P − 1 + Σ(1 + r_i) instead of n·P + Σ r_i.
+    A segment attends to the prompt and causally to itself only (``attention_mask``), and its tokens
+    keep the positions they have in the sample's own sequence (``position_ids``), so every response
+    token is predicted from exactly the context and positions it has in the compact layout — the same
+    log-probs up to the float order of the matmuls. The prompt's last column predicts every sample's
+    first response token (one column, n labels: ``first_col``/``first_label``, read by
+    :meth:`ModelInputs.first_token_logits`); segment column k predicts response token k + 1
+    (``labels``). A response's last token predicts nothing, so it is no input. Tokens per group of n
+    samples: P + Σ (r_i − 1) instead of n·P + Σ r_i.
 
     Needs the model to apply RoPE at ``position_ids`` and the attention to take ``attention_mask``
     (:meth:`mrl.workers.engine.MegatronEngine.run` does both); Megatron's local attention spec, not
@@ -252,41 +269,43 @@ def build_shared_prefix_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1) -> M
         raise ValueError(f"samples {bad} have an empty prompt (attention_mask[:, :P] all 0)")
     grp = prompt_group_ids(mb)
     G = int(grp.max()) + 1
-    # Segment starts: the group's shared length p − 1, then the segments of the group's earlier samples.
-    seg_len = 1 + r_len
+    # Segment starts: after the group's prompt (p tokens), the segments of the group's earlier samples.
+    seg_len = (r_len - 1).clamp(min=0)
     order = torch.argsort(grp * B + torch.arange(B))  # by group, then sample index
     excl = torch.cumsum(seg_len[order], 0) - seg_len[order]
     first = torch.zeros(G, dtype=torch.long).scatter_reduce(0, grp[order], excl, "amin", include_self=False)
     seg_start = torch.empty(B, dtype=torch.long)
-    seg_start[order] = p_len[order] - 1 + excl - first[grp[order]]
+    seg_start[order] = p_len[order] + excl - first[grp[order]]
     row_len = torch.zeros(G, dtype=torch.long).scatter_reduce(0, grp, seg_start + seg_len, "amax", include_self=False)
     L = int(row_len.max())
     L = ((L + pad_to_multiple - 1) // pad_to_multiple) * pad_to_multiple
     tokens = torch.zeros(G, L, dtype=torch.long)
     pos = torch.zeros(G, L, dtype=torch.long)
-    seg = torch.full((G, L), -1, dtype=torch.long)  # -1: padding, 0: shared, i + 1: sample i's segment
-    rows = grp[:, None].expand(B, P)
-    # shared part: the prompt's valid tokens but its last (every member writes the same values)
+    seg = torch.full((G, L), -1, dtype=torch.long)  # -1: padding, 0: prompt, i + 1: sample i's segment
+    # prompt: its valid tokens from column 0 (every member of the group writes the same values)
     pcol = torch.arange(P)[None, :] - (P - p_len)[:, None]
-    shared = pam & (pcol < (p_len - 1)[:, None])
-    # segment: the last prompt token at seg_start, then the valid response tokens
-    rcol = seg_start[:, None] + rv.long().cumsum(-1)
+    k = rv.long().cumsum(-1)  # 1-based rank of each valid response token
+    rcol = seg_start[:, None] + k - 1  # where response token k is an input (k < r)
     ids, ps_ = mb.input_ids, mb.position_ids
+    rids = ids[:, P:]
     sample_seg = (torch.arange(B) + 1)[:, None]
-    for sel, r, c, t, p, s_ in (
-        (shared, rows, pcol, ids[:, :P], ps_[:, :P], torch.zeros(B, P, dtype=torch.long)),
-        (torch.ones(B, 1, dtype=torch.bool), grp[:, None], seg_start[:, None], ids[:, P - 1:P], ps_[:, P - 1:P], sample_seg),
-        (rv, grp[:, None].expand_as(rv), rcol, ids[:, P:], ps_[:, P:], sample_seg.expand_as(rv)),
+    for sel, c, t, p, s_ in (
+        (pam, pcol, ids[:, :P], ps_[:, :P], torch.zeros(B, P, dtype=torch.long)),
+        (rv & (k < r_len[:, None]), rcol, rids, ps_[:, P:], sample_seg.expand_as(rv)),
     ):
+        r = grp[:, None].expand_as(sel)
         tokens[r[sel], c[sel]] = t[sel]
         pos[r[sel], c[sel]] = p[sel]
         seg[r[sel], c[sel]] = s_[sel]
-    labels = torch.zeros_like(tokens)
-    labels[:, :-1] = tokens[:, 1:]
-    labels[:, :-1][seg[:, 1:] != seg[:, :-1]] = 0  # the next column belongs to another segment: nothing to predict
+    # response token k >= 2 is predicted by the column holding token k − 1; the first one by the prompt's last
+    first_col = p_len - 1
+    resp_first = rv & (k == 1)
+    resp_index = torch.where(rv & (k > 1), rcol - 1, first_col[:, None])
+    first_label = (rids * resp_first).sum(-1)
+    labels = torch.zeros_like(tokens)  # columns that predict no segment token keep label 0 (never read)
+    later = rv & (k > 1)
+    labels[grp[:, None].expand_as(rv)[later], resp_index[later]] = rids[later]
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     attend = causal[None] & ((seg[:, :, None] == seg[:, None, :]) | (seg[:, None, :] == 0))  # [G, q, k]
-    # response token j (the k-th valid one) sits at seg_start + 1 + k: its logits one column to the left
-    resp_index = torch.where(rv, rcol - 1, 0)
-    return ModelInputs(tokens, pos, labels, resp_index, rv, row_len,
-                       attention_mask=~attend[:, None], resp_row=grp)
+    return ModelInputs(tokens, pos, labels, resp_index, rv, row_len, attention_mask=~attend[:, None],
+                       resp_row=grp, first_col=first_col, first_label=first_label, resp_first=resp_first)

@@ -26,32 +26,53 @@ LAYOUTS = [  # (tp, pp, sequence_parallel, micro_batch_size): 16 samples = 4 pro
 TEMPERATURE = 0.7
 
 
-def test_layout_computes_each_prompt_once_and_keeps_each_sample_context():
-    from mrl.workers.minibatch import (
-        build_model_inputs,
-        build_shared_prefix_inputs,
-        split_by_prompt,
-    )
-    from tests.workers.batches import grouped_batch
+def _check_layout(b):
+    """Every response token is predicted from a column that holds the token before it, at that token's
+    position, attending to exactly the sample's own earlier tokens; P + Σ (r_i − 1) tokens per group."""
+    from mrl.workers.minibatch import build_model_inputs, build_shared_prefix_inputs
 
-    b = grouped_batch(groups=4, n=4)
     sh, co = build_shared_prefix_inputs(b), build_model_inputs(b)
-    assert sh.tokens.shape[0] == 4 and int(sh.num_tokens.sum()) < int(co.num_tokens.sum())
+    assert sh.tokens.shape[0] == 4
     P = b.prompt_length
+    am = b.attention_mask.bool()
+    # P + Σ (r_i − 1) tokens per group: the prompt once, no response's last token
+    p_len, r_len = am[:, :P].sum(-1), am[:, P:].sum(-1)
+    want = sum(int(p_len[g * 4]) + int((r_len[g * 4:(g + 1) * 4] - 1).clamp(min=0).sum()) for g in range(4))
+    assert int(sh.num_tokens.sum()) == want < int(co.num_tokens.sum())
     for i in range(b.batch_size):
         row = int(sh.resp_row[i])
         assert row == int(sh.resp_row[(i // 4) * 4])  # one row per prompt
+        own = b.input_ids[i][am[i]]  # the sample's own sequence, and the positions of its tokens
+        own_pos = b.position_ids[i][am[i]]
         for j in range(b.response_length):
-            if not bool(b.attention_mask[i, P + j]):
+            if not bool(am[i, P + j]):
                 continue
             c = int(sh.resp_index[i, j])
-            assert int(sh.labels[row, c]) == int(b.input_ids[i, P + j])  # predicted from column c
-            assert int(sh.tokens[row, c + 1]) == int(b.input_ids[i, P + j])
-            assert int(sh.position_ids[row, c + 1]) == int(b.position_ids[i, P + j])
-            seen = sh.tokens[row][~sh.attention_mask[row, 0, c + 1]]  # what this token attends to
-            own = b.input_ids[i][b.attention_mask[i].bool()][: int(b.attention_mask[i, :P].sum()) + (
-                int(b.attention_mask[i, P:P + j + 1].sum()))]
-            assert seen.tolist() == own.tolist()  # exactly its prompt and its own earlier response tokens
+            before = int(p_len[i]) + int(am[i, P:P + j].sum())  # tokens of the sample before response token j
+            first = int(am[i, P:P + j].sum()) == 0
+            assert bool(sh.resp_first[i, j]) == first
+            if first:  # the prompt's last column predicts every sample's first token (one label per sample)
+                assert c == int(sh.first_col[i]) and int(sh.first_label[i]) == int(b.input_ids[i, P + j])
+            else:
+                assert int(sh.labels[row, c]) == int(b.input_ids[i, P + j])  # predicted from column c
+            assert int(sh.tokens[row, c]) == int(own[before - 1])  # ...which holds the token before it
+            assert int(sh.position_ids[row, c]) == int(own_pos[before - 1])  # at that token's own position
+            seen = sh.tokens[row][~sh.attention_mask[row, 0, c]]  # what column c attends to
+            assert seen.tolist() == own[:before].tolist()  # exactly its prompt and its own earlier response tokens
+
+
+def test_layout_computes_each_prompt_once_and_keeps_each_sample_context():
+    from mrl.workers.minibatch import split_by_prompt
+    from tests.workers.batches import grouped_batch
+
+    b = grouped_batch(groups=4, n=4)
+    _check_layout(b)
+    # a sample without response tokens takes no column; a one-token response is its segment's only column
+    am = b.attention_mask.clone()
+    P = b.prompt_length
+    am[5, P:] = 0
+    am[6, P + 1:] = 0
+    _check_layout(dataclasses.replace(b, attention_mask=am, response_mask=b.response_mask * am[:, P:]))
     # split: a prompt's samples adjacent, every sample once
     parts = split_by_prompt(b, 3)
     flat = [i for p in parts for i in p]

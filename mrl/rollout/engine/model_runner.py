@@ -53,6 +53,10 @@ class ModelRunner:
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
         self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+        # Read once: a transformers config attribute costs microseconds, and the scheduler checks these for
+        # every request and every sampled token.
+        self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        self.vocab_size = int(self.config.vocab_size)
         self.released = False
         self._meta = {n: (p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters(remove_duplicate=False)}
         cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config

@@ -62,17 +62,21 @@ def sample(logits: torch.Tensor, rows: list[RowSampling], default_gen: torch.Gen
         cand_lp, cand_idx = _candidates(scaled if every else scaled.index_select(0, idx),
                                         lse if every else lse.index_select(0, idx), sub)
         cdf = torch.cumsum(torch.exp(cand_lp), dim=-1)
-        u = torch.empty(len(sub), dtype=torch.float32, device=dev)
         unseeded = [j for j, r in enumerate(sub) if r.generator is None]
         if len(unseeded) == len(sub):
             u = torch.rand(len(sub), generator=default_gen).to(dev)
-        elif unseeded:
-            u[torch.tensor(unseeded, device=dev)] = torch.rand(len(unseeded), generator=default_gen).to(dev)
-        for j, r in enumerate(sub):
-            if r.generator is not None:
-                # A request's own generator draws only for that request: its samples do not
-                # depend on which other requests share the batch.
-                u[j] = float(torch.rand(1, generator=r.generator))
+        else:
+            # A request's own generator draws only for that request: its samples do not depend on
+            # which other requests share the batch. One draw per row, joined by one cat (a scalar
+            # write per row was ~1 ms of a 128-row step).
+            seeded = [j for j, r in enumerate(sub) if r.generator is not None]
+            drawn_u = torch.cat([torch.rand(1, generator=sub[j].generator) for j in seeded]).to(dev)
+            if not unseeded:
+                u = drawn_u
+            else:
+                u = torch.empty(len(sub), dtype=torch.float32, device=dev)
+                u[torch.tensor(seeded, device=dev)] = drawn_u
+                u[torch.tensor(unseeded, device=dev)] = torch.rand(len(unseeded), generator=default_gen).to(dev)
         pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[1] - 1)
         drawn = pick.squeeze(1) if cand_idx is None else cand_idx.gather(1, pick).squeeze(1)
         if every:

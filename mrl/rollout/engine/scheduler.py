@@ -68,6 +68,10 @@ class Request:
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     # Called (on the scheduler thread) after each token is appended: streaming responses.
     on_token: Callable[[Request], None] | None = None
+    # Set by Scheduler.submit when no stop string or pattern needs the decoded text: the token ids that
+    # stop this request and its output length limit (max_new_tokens or the model's context).
+    stop_ids: frozenset[int] | None = None
+    max_len: int = 0
 
 
 class Scheduler:
@@ -108,12 +112,12 @@ class Scheduler:
 
     # ---- requests -----------------------------------------------------------------------
     def submit(self, req: Request) -> concurrent.futures.Future:
-        max_pos = int(getattr(self.runner.config, "max_position_embeddings", 1 << 30))
+        max_pos = self.runner.max_positions
         if not req.prompt_ids:
             raise ValueError("empty prompt: input_ids/text must hold at least one token")
         if len(req.prompt_ids) >= max_pos:
             raise ValueError(f"prompt of {len(req.prompt_ids)} tokens does not fit max_position_embeddings={max_pos}")
-        vocab = int(self.runner.config.vocab_size)
+        vocab = self.runner.vocab_size
         bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"input_ids contain ids outside the vocabulary [0, {vocab}): {bad[:5]}")
@@ -130,6 +134,10 @@ class Scheduler:
         # SGLang samples greedily below GREEDY_BELOW: z / 1e-40 overflows to inf (NaN log-probs).
         temp = req.params.temperature if req.params.temperature >= GREEDY_BELOW else 0.0
         req.sampling = RowSampling(temp, req.params.top_p, req.params.top_k, gen, req.params.min_p)
+        p = req.params
+        if not (p.stop_strings or p.stop_regex_list):
+            req.stop_ids = frozenset(() if p.ignore_eos else self.runner.eos_token_ids) | frozenset(p.stop_token_ids or ())
+            req.max_len = min(p.max_new_tokens, max_pos - len(req.prompt_ids))
         with self._cv:
             self._waiting.append(req)
             self.stats["submitted"] += 1
@@ -272,7 +280,12 @@ class Scheduler:
         for r, t, lp in zip(reqs, tokens.tolist(), lps.tolist()):
             r.output_ids.append(t)
             r.logprobs.append(lp)
-            r.finish_reason = self._check_finish(r, t)
+            if r.stop_ids is None:
+                r.finish_reason = self._check_finish(r, t)
+            elif t in r.stop_ids:  # the rules of _check_finish without stop strings/patterns
+                r.finish_reason = {"type": "stop", "matched": t}
+            elif len(r.output_ids) >= r.max_len:
+                r.finish_reason = {"type": "length", "length": len(r.output_ids)}
             if r.on_token is not None:
                 r.on_token(r)
         return tokens
@@ -302,7 +315,7 @@ class Scheduler:
             for s in patterns:
                 if re.search(s, tail):
                     return {"type": "stop", "matched": s}
-        max_pos = int(getattr(self.runner.config, "max_position_embeddings", 1 << 30))
+        max_pos = self.runner.max_positions
         if len(r.output_ids) >= p.max_new_tokens or len(r.prompt_ids) + len(r.output_ids) >= max_pos:
             return {"type": "length", "length": len(r.output_ids)}
         return None
