@@ -190,8 +190,8 @@ def test_continuous_batching_admits_into_running_set(model_dir):
 def test_admission_waits_for_min_admit_free_slots(model_dir):
     """Under steady load (more requests than slots) a freed slot is refilled only once
     ``min_admit`` slots are free, so prefills come in groups: with 8 slots, min_admit 4 and 24
-    requests of distinct lengths there are at most 2 (the first wave may be split by the
-    submission race) + 16 / 4 prefills, where one per freed slot would be ~17."""
+    requests of distinct lengths there are at most 1 (the request is queued at once) + 16 / 4
+    prefills, where one per freed slot would be ~17."""
     engine, client = _client(model_dir, max_running=8)
     engine.scheduler.min_admit = 4
     lengths = [3 + (5 * i) % 23 + i for i in range(24)]
@@ -203,7 +203,22 @@ def test_admission_waits_for_min_admit_free_slots(model_dir):
     assert [len(o["output_ids"]) for o in outs] == lengths
     assert stats["max_batch"] == 8
     assert stats["prefilled_requests"] == len(lengths)
-    assert stats["prefill_batches"] <= 2 + (len(lengths) - 8) // 4, stats
+    assert stats["prefill_batches"] <= 1 + (len(lengths) - 8) // 4, stats
+
+
+def test_a_batch_request_is_queued_at_once_all_or_nothing(model_dir):
+    """Scheduler.submit_many: a request's samples enter the queue together, so an idle engine admits them
+    in one prefill (queued one by one, the loop started on the first few); one bad sample queues none."""
+    engine, client = _client(model_dir)
+    with client:
+        for _ in range(3):
+            prompts = [[(5 * i + j) % 290 + 3 for j in range(2 + i % 9)] for i in range(48)]
+            _gen(client, input_ids=prompts, sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+        stats = dict(engine.scheduler.stats)
+        assert stats["prefill_batches"] == 3 and stats["prefilled_requests"] == 3 * 48, stats
+        r = client.post("/generate", json={"input_ids": [[3, 4]] * 40 + [[3, 100000]]})
+        assert r.status_code == 400 and "vocabulary" in r.text
+        assert engine.scheduler.stats["submitted"] == stats["submitted"] and engine.scheduler.num_waiting == 0
 
 
 def test_many_concurrent_http_requests(server):

@@ -112,6 +112,23 @@ class Scheduler:
 
     # ---- requests -----------------------------------------------------------------------
     def submit(self, req: Request) -> concurrent.futures.Future:
+        self.submit_many([req])
+        return req.future
+
+    def submit_many(self, reqs: list[Request]) -> None:
+        """Queue ``reqs`` together, all or nothing: each is checked first (a ValueError names the bad
+        field and queues none), then all enter the queue under one lock, so the loop admits them in one
+        prefill. Queued one by one, the loop wakes at the first and prefills whatever has arrived while
+        the caller is still queueing the rest (seen in a trainer rank: a 128-sample request admitted as
+        25 + 103, two prefills and a decode step more)."""
+        ready = [r for r in reqs if self._prepare(r)]
+        with self._cv:
+            self._waiting.extend(ready)
+            self.stats["submitted"] += len(ready)
+            self._cv.notify_all()
+
+    def _prepare(self, req: Request) -> bool:
+        """Check ``req`` and set its sampling state; False when it is already finished (max_new_tokens 0)."""
         max_pos = self.runner.max_positions
         if not req.prompt_ids:
             raise ValueError("empty prompt: input_ids/text must hold at least one token")
@@ -127,7 +144,7 @@ class Scheduler:
         if req.params.max_new_tokens == 0:
             req.finish_reason = {"type": "length", "length": 0}
             req.future.set_result(req)
-            return req.future
+            return False
         gen = None
         if req.params.sampling_seed is not None:
             gen = torch.Generator(device="cpu").manual_seed(int(req.params.sampling_seed))
@@ -138,11 +155,7 @@ class Scheduler:
         if not (p.stop_strings or p.stop_regex_list):
             req.stop_ids = frozenset(() if p.ignore_eos else self.runner.eos_token_ids) | frozenset(p.stop_token_ids or ())
             req.max_len = min(p.max_new_tokens, max_pos - len(req.prompt_ids))
-        with self._cv:
-            self._waiting.append(req)
-            self.stats["submitted"] += 1
-            self._cv.notify_all()
-        return req.future
+        return True
 
     def abort(self, rid: str = "", abort_all: bool = False, message: str = "aborted by /abort_request") -> int:
         """Mark matching requests aborted; they finish at the next step boundary."""

@@ -70,19 +70,11 @@ def encode(engine, text: str) -> list[int]:
 
 
 async def run(engine, jobs: list[Job]) -> None:
-    """Submit every job, all or nothing (a refused one aborts those already submitted: the
-    scheduler's checks name the bad field), then compute prompt log-probs (one forward per
-    distinct prompt, under the model lock) while they decode."""
+    """Submit every job, all or nothing (``Scheduler.submit_many``: a refused one, whose error names the
+    bad field, queues none), then compute prompt log-probs (one forward per distinct prompt, under the
+    model lock) while they decode."""
     sched = engine.scheduler
-    submitted: list[Request] = []
-    try:
-        for j in jobs:
-            sched.submit(j.req)
-            submitted.append(j.req)
-    except ValueError:
-        for r in submitted:
-            sched.abort(r.rid)
-        raise
+    sched.submit_many([j.req for j in jobs])
     need = [j for j in jobs if 0 <= j.start < len(j.req.prompt_ids)]
     if not need:
         return
