@@ -153,6 +153,13 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
         init_ray(cfg.cluster.address, cfg.cluster.cpus_per_node or max(os.cpu_count() or 1, world) + extra_cpus)
         _trap_sigterm()  # again: ray.init installed its own handler, which aborts
         s.plan = plan = plan_run(cfg, resolve_device(cfg.cluster.device))
+        if plan.device == "cpu":
+            # The ranks (and their engines) use this host's cores; the driver's tensors are small
+            # ([batch, response] advantages and masks). With torch's default of one thread per core, the
+            # OpenMP worker of the driver's few parallel ops spun ~4 ms of a core per tiny benchmark step.
+            import torch
+
+            torch.set_num_threads(1)
         s.workers = WorkerGroup("mrl.driver.rank.TrainRank", {"cfg": cfg, "plan": plan},
                                 world_size=plan.trainer_ranks, device=plan.device,
                                 extra_env={"OMP_NUM_THREADS": "1"}, wait=False)

@@ -533,10 +533,13 @@ class RLTrainer:
                 with timer("testing", m):
                     self.wake_engines()  # asleep after a step without an actor update (critic warmup)
                     m |= self.validate()
-            if t.save_freq > 0 and t.checkpoint_dir and (self.global_step % t.save_freq == 0 or last):
+            saved = t.save_freq > 0 and t.checkpoint_dir and (self.global_step % t.save_freq == 0 or last)
+            if saved:
                 with timer("save_checkpoint", m):
                     self.save()
             self.s.tracking.log(m, self.global_step)
+            if saved:  # a resume from this checkpoint finds every step up to it in the MLflow run
+                self.s.tracking.flush()
             curves.add(self.global_step, m)
             progress.update(self.global_step, m)
         self.plot_curves(curves)

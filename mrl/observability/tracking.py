@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +23,12 @@ import torch
 
 _MLFLOW_PARAM_MAX = 6000  # characters MLflow 3 stores per param value
 _MLFLOW_BATCH = 100  # params per log_batch call (MLflow's limit)
+_MLFLOW_METRICS_BATCH = 1000  # metrics per log_batch call (MLflow's limit)
+# Metrics are written by one background thread at most this often: one SQLite transaction for every
+# step since the last write. Per step on the 2-core VM (62 metrics): a write per step through MLflow's
+# async queue cost ~20 ms of CPU in its 3 threads, taken from the engines and ranks on the other
+# side of the step; a write per 10 steps ~5 ms (benchmarks/vs_trl.py; docs/vs_trl.md).
+METRICS_WRITE_INTERVAL_S = 1.0
 log = logging.getLogger("mrl.observability")
 metrics_log = logging.getLogger("mrl.metrics")
 
@@ -98,7 +105,13 @@ class MlflowSink:
             # Keep artifacts beside the database instead of MLflow's default under the cwd.
             artifact_location = (parent / "artifacts").resolve().as_uri()
         self.client = MlflowClient(tracking_uri=tracking_uri)
-        self._pending: list[Any] = []  # the last step's metric writes, still in MLflow's async queue
+        self._pending: list[Any] = []  # metrics logged and not yet written (guarded by _lock)
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # one write at a time, in order
+        self._error: BaseException | None = None  # a failed background write, raised by the next log/flush
+        self._wake = threading.Event()
+        self._stop = False
+        self._writer: threading.Thread | None = None
         exp = self.client.get_experiment_by_name(project_name)
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(
             project_name, artifact_location=artifact_location)
@@ -131,21 +144,43 @@ class MlflowSink:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
+        self._raise_failed_write()
         now = int(time.time() * 1000)
         # MLflow refuses '@' in metric names; verl's MLflow logger writes it as '_at_' too.
         batch = [Metric(k.replace("@", "_at_"), v, now, step) for k, v in sorted(metrics.items()) if math.isfinite(v)]
-        # Written by MLflow's background queue while the next step runs (a step's ~60 metrics cost the
-        # driver ~17 ms of SQLite work on the 2-core VM, between steps). At most one step is in flight:
-        # the previous one is waited for first, so a write error surfaces one step late, never silently.
-        self.flush()
-        self._pending = [op for i in range(0, len(batch), 1000)  # MLflow's metrics-per-batch limit
-                         if (op := self.client.log_batch(self.run_id, metrics=batch[i:i + 1000], synchronous=False))]
+        # Queued for the writer thread (METRICS_WRITE_INTERVAL_S); a write error surfaces at the next
+        # log, flush or finish, never silently.
+        with self._lock:
+            self._pending.extend(batch)
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="mrl-mlflow-writer", daemon=True)
+            self._writer.start()
+
+    def _write_loop(self) -> None:
+        while not self._stop:
+            self._wake.wait(METRICS_WRITE_INTERVAL_S)
+            self._wake.clear()
+            try:
+                self._write_pending()
+            except BaseException as e:  # noqa: BLE001 - kept for the caller's thread (log/flush/finish raise it)
+                self._error = e
+                return
+
+    def _write_pending(self) -> None:
+        with self._write_lock:
+            with self._lock:
+                batch, self._pending = self._pending, []
+            for i in range(0, len(batch), _MLFLOW_METRICS_BATCH):
+                self.client.log_batch(self.run_id, metrics=batch[i:i + _MLFLOW_METRICS_BATCH])
+
+    def _raise_failed_write(self) -> None:
+        if self._error is not None:
+            raise self._error
 
     def flush(self) -> None:
         """Block until every metric logged so far is in the store (raises MLflow's error if a write failed)."""
-        pending, self._pending = self._pending, []
-        for op in pending:
-            op.wait()
+        self._raise_failed_write()
+        self._write_pending()
 
     def log_generations(self, rows: list[dict[str, Any]], step: int) -> None:
         # verl's MLflow validation logger writes the same artifact: val_step<N>.json, [{input, output, score}]
@@ -155,7 +190,11 @@ class MlflowSink:
         self.client.log_artifact(self.run_id, str(path))
 
     def finish(self, status: str = "FINISHED") -> None:
+        self._stop = True
+        self._wake.set()
         try:
+            if self._writer is not None:
+                self._writer.join(timeout=60)
             self.flush()  # a failed write still raises, after the run is closed
         finally:
             self.client.set_terminated(self.run_id, status=status)
@@ -198,6 +237,12 @@ class Tracking:
         clean = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
         for sink in self.sinks:
             sink.log(clean, step)
+
+    def flush(self) -> None:
+        """Store every metric logged so far (MLflow writes them in the background otherwise)."""
+        for sink in self.sinks:
+            if isinstance(sink, MlflowSink):
+                sink.flush()
 
     def log_generations(self, rows: list[dict[str, Any]], step: int) -> None:
         """Validation samples ``[{"input", "output", "score"}]`` (verl ``trainer.log_val_generations``):

@@ -1,5 +1,6 @@
 """Tracking: console format, and a real MLflow run in a SQLite store read back with the MLflow client."""
 import io
+import time
 
 import pytest
 import torch
@@ -67,7 +68,8 @@ def test_resumed_run_continues_the_killed_mlflow_run(tmp_path, monkeypatch, capl
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     killed = Tracking("proj", "r", ["mlflow"], config={"a": 1}, mlflow_tracking_uri=uri)
-    killed.log({"x": 1.0}, step=1)  # ... then the process dies: no finish()
+    killed.log({"x": 1.0}, step=1)
+    killed.flush()  # as the trainer does after a checkpoint's step ... then the process dies: no finish()
     run_id = killed.mlflow_run_id
     resumed = Tracking("proj", "r", ["mlflow"], config={"a": 2}, mlflow_tracking_uri=uri, resume_run_id=run_id)
     assert resumed.mlflow_run_id == run_id
@@ -85,9 +87,10 @@ def test_resumed_run_continues_the_killed_mlflow_run(tmp_path, monkeypatch, capl
     other.finish()
 
 
-def test_metric_writes_run_behind_the_next_step_and_their_errors_surface(tmp_path, monkeypatch):
-    """MlflowSink.log queues a step's metrics in MLflow's background writer and returns; the next log (or
-    flush/finish) waits for them first, so at most one step is in flight and a failed write raises."""
+def test_metric_writes_run_behind_the_steps_and_their_errors_surface(tmp_path, monkeypatch):
+    """MlflowSink.log queues a step's metrics and returns; a writer thread stores every queued step in
+    one write (at most every METRICS_WRITE_INTERVAL_S), flush/finish store the rest at once, and a failed
+    write raises — from flush, or from the next log after the writer met it."""
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
@@ -95,15 +98,29 @@ def test_metric_writes_run_behind_the_next_step_and_their_errors_surface(tmp_pat
     from mrl.observability.tracking import MlflowSink
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    history = lambda run_id: [(m.step, m.value) for m in client.get_metric_history(run_id, "a")]
     sink = MlflowSink(uri, "proj", "r")
     sink.log({"a": 1.0}, step=1)
-    assert len(sink._pending) == 1  # queued, not waited for
-    sink.log({"a": 2.0}, step=2)  # waits for step 1 first
+    sink.log({"a": 2.0}, step=2)
     sink.flush()
-    assert sink._pending == []
-    client = MlflowClient(tracking_uri=uri)
-    assert [(m.step, m.value) for m in client.get_metric_history(sink.run_id, "a")] == [(1, 1.0), (2, 2.0)]
+    assert sink._pending == [] and history(sink.run_id) == [(1, 1.0), (2, 2.0)]
+    for step in (3, 4, 5):
+        sink.log({"a": float(step)}, step=step)
+    deadline = time.monotonic() + 60  # the writer thread stores them without a flush
+    while len(history(sink.run_id)) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert history(sink.run_id) == [(s, float(s)) for s in range(1, 6)]
     client.delete_run(sink.run_id)  # a write that MLflow refuses: logging to a deleted run
-    sink.log({"a": 3.0}, step=3)
+    sink.log({"a": 6.0}, step=6)
     with pytest.raises(MlflowException):
         sink.flush()
+
+    other = MlflowSink(uri, "proj", "r2")  # the writer thread meets the error: the next log raises it
+    client.delete_run(other.run_id)
+    other.log({"a": 1.0}, step=1)
+    deadline = time.monotonic() + 60
+    while other._error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(MlflowException):
+        other.log({"a": 2.0}, step=2)
