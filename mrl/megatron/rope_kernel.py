@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 # (freqs, mscale, dtype, cos, sin) of the last table: the attention of every layer passes the same
-# tensor for q and k. The strong reference keeps ``freqs`` alive, so identity cannot be reused.
-_LAST: list[Any] = [None, None, None, None, None]
+# tensor for q and k. The strong reference keeps ``freqs`` alive, so identity cannot be reused; one
+# tuple, replaced whole, so a reader never sees one table's cos with another's key.
+_LAST: tuple[Any, ...] = (None, None, None, None, None)
 
 
 class _Rotate(torch.autograd.Function):
@@ -49,11 +50,13 @@ class _Rotate(torch.autograd.Function):
 
 
 def _cos_sin(freqs: Tensor, mscale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    if _LAST[0] is freqs and _LAST[1] == mscale and _LAST[2] == dtype:
-        return _LAST[3], _LAST[4]
+    global _LAST
+    last = _LAST
+    if last[0] is freqs and last[1] == mscale and last[2] == dtype:
+        return last[3], last[4]
     # Megatron's rounding: cos/sin in the table's dtype, times mscale, then cast to t's dtype
     cos, sin = (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
-    _LAST[:] = [freqs, mscale, dtype, cos, sin]
+    _LAST = (freqs, mscale, dtype, cos, sin)
     return cos, sin
 
 

@@ -299,11 +299,10 @@ def build_shared_prefix_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1) -> M
         seg[r[sel], c[sel]] = s_[sel]
     # response token k >= 2 is predicted by the column holding token k − 1; the first one by the prompt's last
     first_col = p_len - 1
-    resp_first = rv & (k == 1)
-    resp_index = torch.where(rv & (k > 1), rcol - 1, first_col[:, None])
+    resp_first, later = rv & (k == 1), rv & (k > 1)
+    resp_index = torch.where(later, rcol - 1, first_col[:, None])
     first_label = (rids * resp_first).sum(-1)
     labels = torch.zeros_like(tokens)  # columns that predict no segment token keep label 0 (never read)
-    later = rv & (k > 1)
     labels[grp[:, None].expand_as(rv)[later], resp_index[later]] = rids[later]
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     attend = causal[None] & ((seg[:, :, None] == seg[:, None, :]) | (seg[:, None, :] == 0))  # [G, q, k]
