@@ -27,6 +27,10 @@ Redirects (each has its own test in ``tests/megatron/test_cpu_support.py``):
 7. Megatron's unfused RoPE (``rope_utils._apply_rotary_pos_emb_bshd``) runs as one autograd
    function (:mod:`mrl.megatron.rope_kernel`, tested in ``tests/megatron/test_rope_kernel.py``): the
    CPU's stand-in for TE's fused RoPE.
+8. MoE all-to-all dispatch: the split sizes the dispatcher moves "device to host" become numpy
+   arrays on CPU as they do from CUDA (``maybe_move_tensor_to_cpu`` only converts CUDA tensors, and
+   ``all_to_all_single`` takes sequences, not tensors); the stream's recorded event is a completed
+   no-op event (:class:`_NoOpEvent`).
 
 Scope: :func:`cpu_support` is a reversible context (the patches are undone when the last user
 leaves); :func:`enable_cpu_support` enters it for a thread's lifetime and is called only when
@@ -103,6 +107,20 @@ class CpuDeviceMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _NoOpEvent:
+    """What :meth:`_NoOpStream.record_event` returns: already complete (CPU work is synchronous).
+    Megatron's all-to-all MoE dispatcher waits on such an event before reading its split sizes."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class _NoOpStream:
     """Stands in for ``torch.cuda.Stream``: CPU kernels run synchronously, so nothing to order."""
 
@@ -115,14 +133,21 @@ class _NoOpStream:
     def wait_event(self, event: Any) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> None:
-        return event
+    def record_event(self, event: Any = None) -> Any:
+        return event if event is not None else _NoOpEvent()
 
     def synchronize(self) -> None:
         pass
 
     def query(self) -> bool:
         return True
+
+
+def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """Megatron's ``maybe_move_tensor_to_cpu`` for tensors that already are on the host (redirect 8)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
 
 
 class _DropSameGeneratorWarning(logging.Filter):
@@ -137,7 +162,10 @@ def _redirects() -> list[tuple[Any, str, Any]]:
 
     from mrl.megatron.rope_kernel import make_rope_bshd
 
+    from megatron.core.transformer.moe import token_dispatcher
+
     return [
+        (token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy),
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "synchronize", lambda device=None: None),
         (torch.cuda, "Stream", _NoOpStream),

@@ -19,8 +19,13 @@ Spec namings: the local spec keeps ``input_layernorm``/``pre_mlp_layernorm``; th
 Engine spec fuses them into ``linear_qkv.layer_norm_weight``/``linear_fc1.layer_norm_weight``
 (:data:`TE_RENAMES`); the mapping resolves whichever the model has. Pipeline stages (and virtual
 stages) hold consecutive layers; ``TransformerLayer.layer_number`` (1-based, global) gives the HF
-index, so any PP/VPP layout maps without offset arithmetic here. MoE slots in as more per-layer
-rules with an ``{e}`` expert index and an ``expert`` split over the EP group.
+index, so any PP/VPP layout maps without offset arithmetic here.
+
+MoE layers (:mod:`mrl.megatron.moe`): the router is replicated; an *expert* rule names the local
+expert ``{j}`` on the Megatron side and the global expert ``{e} = ep_rank · (E/EP) + j`` on the HF
+side, and splits over the expert-tensor-parallel group (ETP) instead of TP. On load each EP rank
+reads only its experts; on export the experts are gathered over the EP group too, so every rank
+yields the whole layer (the weight sync and HF export then treat an MoE model like a dense one).
 """
 from __future__ import annotations
 
@@ -44,6 +49,8 @@ class Rule:
     split: str
     # "model" rules live on the GPTModel (pre/post process stages only), "layer" rules per layer.
     scope: str = "layer"
+    # One routed expert's tensor: {j} local / {e} global expert index, split over ETP, spread over EP.
+    expert: bool = False
 
 
 _EMBED = Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "model")
@@ -72,12 +79,36 @@ _QK_NORM = (
     Rule("self_attention.k_layernorm.weight", (_L + "self_attn.k_norm.weight",), "replicated"),
 )
 _MODEL_RULES = (_EMBED, _FINAL_NORM, _LM_HEAD)
+_ATTN_LAYER = tuple(r for r in _DENSE_LAYER if not r.mcore.startswith("mlp."))
+
+
+def _moe_rules(prefix: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    """Router + routed experts under HF ``model.layers.{i}.<prefix>``; ``gate/up/down``: expert names."""
+    x = _L + prefix + ".experts.{e}."
+    return (
+        Rule("mlp.router.weight", (_L + prefix + ".gate.weight",), "replicated"),
+        Rule("mlp.experts.local_experts.{j}.linear_fc1.weight", (x + gate + ".weight", x + up + ".weight"),
+             "gate_up", expert=True),
+        Rule("mlp.experts.local_experts.{j}.linear_fc2.weight", (x + down + ".weight",), "row", expert=True),
+    )
+
+
+_QWEN_MOE = _moe_rules("mlp", "gate_proj", "up_proj", "down_proj")
+_SHARED_EXPERT = (
+    Rule("mlp.shared_experts.linear_fc1.weight",
+         (_L + "mlp.shared_expert.gate_proj.weight", _L + "mlp.shared_expert.up_proj.weight"), "gate_up"),
+    Rule("mlp.shared_experts.linear_fc2.weight", (_L + "mlp.shared_expert.down_proj.weight",), "row"),
+    Rule("mlp.shared_experts.gate_weight", (_L + "mlp.shared_expert_gate.weight",), "replicated"),
+)
 
 FAMILY_TABLES: dict[str, tuple[Rule, ...]] = {
     "llama": _MODEL_RULES + _DENSE_LAYER,
     "mistral": _MODEL_RULES + _DENSE_LAYER,
     "qwen2": _MODEL_RULES + _DENSE_LAYER + (_QKV_BIAS,),
     "qwen3": _MODEL_RULES + _DENSE_LAYER + _QK_NORM,
+    "qwen3_moe": _MODEL_RULES + _ATTN_LAYER + _QK_NORM + _QWEN_MOE,
+    "qwen2_moe": _MODEL_RULES + _ATTN_LAYER + (_QKV_BIAS,) + _QWEN_MOE + _SHARED_EXPERT,
+    "mixtral": _MODEL_RULES + _ATTN_LAYER + _moe_rules("block_sparse_moe", "w1", "w3", "w2"),
 }
 
 TE_RENAMES = {
@@ -94,10 +125,21 @@ def _param(module: torch.nn.Module, name: str) -> torch.Tensor | None:
     return params.get(alt) if alt else None
 
 
-def _tp() -> tuple[int, int, Any]:
+def _tp(expert: bool = False) -> tuple[int, int, Any]:
+    """(size, rank, group) of the tensor-parallel group that splits a rule: ETP for routed experts."""
     from megatron.core import parallel_state as ps
 
+    if expert:
+        return (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
+                ps.get_expert_tensor_parallel_group())
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+
+
+def _ep() -> tuple[int, int, Any]:
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
+            ps.get_expert_model_parallel_group())
 
 
 def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tuple[Rule, dict[str, str], torch.Tensor]]:
@@ -114,23 +156,40 @@ def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tup
             if p is not None:
                 yield rule, {}, p
         for layer in chunk.decoder.layers:
-            fmt = {"i": str(layer.layer_number - 1)}
+            i = str(layer.layer_number - 1)
             for rule in table:
                 if rule.scope != "layer":
                     continue
-                p = _param(layer, rule.mcore)
-                if p is None:
-                    raise KeyError(
-                        f"Megatron layer {fmt['i']} has no parameter {rule.mcore!r} (or its TE name); "
-                        f"the {model_family(hf_config)} table in mrl/megatron/mapping.py does not match "
-                        "the layer spec"
-                    )
-                yield rule, fmt, p
+                for fmt in _expert_fmts(layer, i) if rule.expert else ({"i": i},):
+                    p = _param(layer, rule.mcore.format(**fmt))
+                    if p is None:
+                        raise KeyError(
+                            f"Megatron layer {i} has no parameter {rule.mcore.format(**fmt)!r} (or its TE name); "
+                            f"the {model_family(hf_config)} table in mrl/megatron/mapping.py does not match "
+                            "the layer spec"
+                        )
+                    yield rule, fmt, p
+
+
+def _expert_fmts(layer: torch.nn.Module, i: str) -> list[dict[str, str]]:
+    """Format args of each local expert of an MoE layer: layer ``i``, local ``j``, global ``e``."""
+    n_local = layer.mlp.experts.num_local_experts
+    _, ep_rank, _ = _ep()
+    return [{"i": i, "j": str(j), "e": str(ep_rank * n_local + j), "n_local": str(n_local)}
+            for j in range(n_local)]
+
+
+def _all_experts(fmt: dict[str, str]) -> list[dict[str, str]]:
+    """``fmt`` of a local expert -> the format args of the same local slot on every EP rank."""
+    ep, _, _ = _ep()
+    n_local, j = int(fmt["n_local"]), int(fmt["j"])
+    return [{**fmt, "e": str(r * n_local + j)} for r in range(ep)]
 
 
 def hf_names_for_stage(model_chunks: list[torch.nn.Module], hf_config: Any) -> list[str]:
     """HF tensor names this rank's pipeline stage exports / needs to load (global layer ids)."""
-    names = [hf.format(**fmt) for rule, fmt, _ in _stage_params(model_chunks, hf_config) for hf in rule.hf]
+    names = [hf.format(**f) for rule, fmt, _ in _stage_params(model_chunks, hf_config)
+             for f in (_all_experts(fmt) if rule.expert else (fmt,)) for hf in rule.hf]
     for chunk in map(unwrap, model_chunks):
         # The last stage of a tied model keeps its own copy of the embedding as output_layer.
         if chunk.share_embeddings_and_output_weights and chunk.post_process and not chunk.pre_process:
@@ -163,7 +222,7 @@ def _split_qkv(qkv: torch.Tensor, hf_config: Any) -> tuple[torch.Tensor, ...]:
 
 def _to_local(rule: Rule, full: list[torch.Tensor], hf_config: Any, local_shape: torch.Size) -> torch.Tensor:
     """The TP-local shard of ``rule`` given the full HF tensors (inverse of ``_to_hf``)."""
-    tp, rank, _ = _tp()
+    tp, rank, _ = _tp(rule.expert)
     if rule.split == "replicated":
         return full[0]
     if rule.split == "column":
@@ -184,8 +243,8 @@ def _to_local(rule: Rule, full: list[torch.Tensor], hf_config: Any, local_shape:
     raise ValueError(f"unknown split {rule.split!r}; expected one of {SPLITS}")
 
 
-def _gather(local: torch.Tensor, dim: int) -> list[torch.Tensor]:
-    tp, _, group = _tp()
+def _gather(local: torch.Tensor, dim: int, expert: bool = False) -> list[torch.Tensor]:
+    tp, _, group = _tp(expert)
     if tp == 1:
         return [local]
     parts = [torch.empty_like(local) for _ in range(tp)]
@@ -198,8 +257,8 @@ def _to_hf(rule: Rule, local: torch.Tensor, hf_config: Any) -> list[torch.Tensor
     if rule.split == "replicated":
         return [local.detach().clone()]
     if rule.split == "row":
-        return [torch.cat(_gather(local.detach(), 1), dim=1)]
-    full = torch.cat(_gather(local.detach(), 0), dim=0)
+        return [torch.cat(_gather(local.detach(), 1, rule.expert), dim=1)]
+    full = torch.cat(_gather(local.detach(), 0, rule.expert), dim=0)
     if rule.split == "column":
         return [full]
     if rule.split == "vocab":
@@ -207,7 +266,7 @@ def _to_hf(rule: Rule, local: torch.Tensor, hf_config: Any) -> list[torch.Tensor
     if rule.split == "qkv":
         return [t.contiguous() for t in _split_qkv(full, hf_config)]
     if rule.split == "gate_up":
-        halves = [p.chunk(2, dim=0) for p in full.chunk(_tp()[0], dim=0)]
+        halves = [p.chunk(2, dim=0) for p in full.chunk(_tp(rule.expert)[0], dim=0)]
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
     raise ValueError(f"unknown split {rule.split!r}; expected one of {SPLITS}")
 
@@ -231,10 +290,28 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any, *, on
                 p = adapter.merged_weight(p)
             elif only_lora:
                 continue
+            if rule.expert:
+                yield from _export_expert(rule, fmt, p, hf_config)
+                continue
             for name, tensor in zip(rule.hf, _to_hf(rule, p, hf_config)):
                 if only_lora and name.split(".")[-2] not in adapter.A:
                     continue
                 yield name.format(**fmt), tensor
+
+
+def _export_expert(rule: Rule, fmt: dict[str, str], p: torch.Tensor, hf_config: Any
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Local expert slot ``j`` of every EP rank (ETP-gathered, then all-gathered over EP)."""
+    ep, _, group = _ep()
+    fmts = _all_experts(fmt)
+    for name, tensor in zip(rule.hf, _to_hf(rule, p, hf_config)):
+        if ep == 1:
+            yield name.format(**fmts[0]), tensor
+            continue
+        parts = [torch.empty_like(tensor) for _ in range(ep)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        for f, part in zip(fmts, parts):
+            yield name.format(**f), part
 
 
 def load_hf_weights(
@@ -248,7 +325,7 @@ def load_hf_weights(
     """
     with torch.no_grad():
         for rule, fmt, p in _stage_params(model_chunks, hf_config):
-            names = [n.format(**fmt) for n in rule.hf]
+            names = [n.format(**fmt) for n in rule.hf]  # a routed expert: this rank's global e
             full = [get_tensor(n) for n in names]
             local = _to_local(rule, full, hf_config, p.shape)
             if local.shape != p.shape:

@@ -1,7 +1,9 @@
 """torch.distributed + Megatron ``parallel_state`` set-up for one rank (CPU/gloo or CUDA/NCCL).
 
 Rank layout is Megatron's default order ``tp-cp-ep-dp-pp``: with world size W,
-``dp = W / (tp * pp * cp)``. The process group is read from the usual environment
+``dp = W / (tp * pp * cp)``. MoE layers use Megatron's second ("expert") grid over the same ranks,
+``etp-ep-edp-pp``: expert-tensor-parallel ``etp`` (default: ``tp``) × expert-parallel ``ep`` ×
+expert-data-parallel ``edp = W / (etp * ep * pp)``, so EP may fold over TP and DP ranks alike. The process group is read from the usual environment
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``), the same contract as
 ``torchrun`` and our Ray worker groups.
 """
@@ -24,6 +26,7 @@ def init_parallel(
     vpp: int | None = None,
     cp: int = 1,
     ep: int = 1,
+    etp: int | None = None,
     seed: int = 1234,
     timeout_s: int = 300,
 ) -> None:
@@ -36,7 +39,8 @@ def init_parallel(
     """
     if device not in _DEVICES:
         raise ValueError(f"cluster.device must be one of {_DEVICES}, got {device!r}")
-    for name, val in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+    etp = tp if etp is None else etp
+    for name, val in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("etp", etp)):
         if val < 1:
             raise ValueError(f"parallel size {name}={val} must be >= 1")
     if vpp is not None and (vpp < 1 or pp == 1 and vpp > 1):
@@ -72,10 +76,10 @@ def init_parallel(
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     world = dist.get_world_size()
-    if world % (tp * pp * cp) != 0 or (world // (tp * pp * cp)) % ep != 0:
+    if world % (tp * pp * cp) != 0 or world % (etp * ep * pp) != 0:
         raise ValueError(
-            f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} (and the data-parallel "
-            f"size by ep={ep}); change the parallel sizes or the number of ranks"
+            f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} and by the expert grid "
+            f"etp*ep*pp = {etp}*{ep}*{pp}; change the parallel sizes or the number of ranks"
         )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -85,6 +89,7 @@ def init_parallel(
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=max(1, timeout_s // 60),
         # gloo groups are what the CPU path communicates over; on CUDA they serve
         # the distributed optimizer's CPU-side checkpoint gathers.

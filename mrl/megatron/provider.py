@@ -1,8 +1,10 @@
 """Hugging Face ``config.json`` → Megatron-Core ``TransformerConfig`` + ``GPTModel`` chunks.
 
 Supported dense decoder families (``architectures`` in config.json): Llama 2/3 (incl. llama3
-rope scaling), Qwen2/2.5 (qkv bias, tied embeddings), Qwen3 (per-head q/k RMSNorm), Mistral.
-All are pre-norm RMSNorm decoders with RoPE, GQA and SwiGLU::
+rope scaling), Qwen2/2.5 (qkv bias, tied embeddings), Qwen3 (per-head q/k RMSNorm), Mistral; and the
+Mixture-of-Experts families Qwen3-MoE, Qwen2-MoE and Mixtral (:mod:`mrl.megatron.moe`, where the
+MLP below becomes a routed sum of SwiGLU experts). All are pre-norm RMSNorm decoders with RoPE, GQA
+and SwiGLU::
 
     h = x + o_proj(attn(rope(q), rope(k), v)),  q, k, v = proj(rmsnorm(x))
     y = h + down(silu(gate(rmsnorm(h))) * up(rmsnorm(h)))
@@ -22,12 +24,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mrl.megatron.moe import MOE_ARCHITECTURES, REFUSED_MOE, is_moe_family
+
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    **MOE_ARCHITECTURES,
 }
+_QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")
+_QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 
 
 def load_hf_config(path: str | os.PathLike) -> Any:
@@ -49,6 +56,8 @@ def model_family(hf_config: Any) -> str:
     for arch in archs:
         if arch in SUPPORTED_ARCHITECTURES:
             return SUPPORTED_ARCHITECTURES[arch]
+        if arch in REFUSED_MOE:
+            raise ValueError(f"config.json architectures {archs}: not supported yet: {REFUSED_MOE[arch]}")
     # Configs built in code (not read from disk) carry no architectures: fall back to model_type.
     if not archs and getattr(hf_config, "model_type", None) in SUPPORTED_ARCHITECTURES.values():
         return hf_config.model_type
@@ -95,7 +104,7 @@ def _rope_params(hf_config: Any) -> tuple[float, bool, float]:
 
 
 def _check_supported(hf_config: Any, family: str) -> None:
-    if getattr(hf_config, "attention_bias", False) and family in ("llama", "qwen3", "mistral"):
+    if getattr(hf_config, "attention_bias", False) and family in ("llama", "qwen3", "mistral", "qwen3_moe", "mixtral"):
         raise ValueError("config.json attention_bias=true is not supported for this family")
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("config.json mlp_bias=true is not supported")
@@ -103,13 +112,17 @@ def _check_supported(hf_config: Any, family: str) -> None:
     if act != "silu":
         raise ValueError(f"config.json hidden_act={act!r} is not supported (SwiGLU/silu only)")
     window = getattr(hf_config, "sliding_window", None)
-    if family == "mistral" and window is not None:
+    if family in ("mistral", "mixtral") and window is not None:
         raise ValueError(
             f"config.json sliding_window={window}: sliding-window attention is not supported; set "
             "it to null if your sequences never exceed the window"
         )
     if getattr(hf_config, "use_sliding_window", False):
         raise ValueError("config.json use_sliding_window=true is not supported; set it to false")
+    if is_moe_family(family):
+        from mrl.megatron.moe import check_moe_supported
+
+        check_moe_supported(hf_config, family)
 
 
 def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float32, **overrides: Any):
@@ -140,8 +153,8 @@ def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float3
         "gated_linear_unit": True,
         "activation_func": F.silu,
         "add_bias_linear": False,
-        "add_qkv_bias": family == "qwen2",
-        "qk_layernorm": family == "qwen3",
+        "add_qkv_bias": family in _QKV_BIAS_FAMILIES,
+        "qk_layernorm": family in _QK_NORM_FAMILIES,
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
         # Fusions need CUDA kernels (apex/TE); the unfused paths are exact in fp32.
@@ -162,6 +175,13 @@ def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float3
         "fp16": dtype == torch.float16,
         "use_cpu_initialization": not on_cuda,
     }
+    if is_moe_family(family):
+        from mrl.megatron.moe import moe_transformer_kwargs
+
+        kw.update(moe_transformer_kwargs(
+            hf_config, family, ep=ps.get_expert_model_parallel_world_size(),
+            etp=ps.get_expert_tensor_parallel_world_size(),
+        ))
     kw.update(overrides)
     return TransformerConfig(**kw)
 
@@ -172,10 +192,21 @@ def layer_spec(hf_config: Any, *, use_te: bool | None = None):
 
     if use_te is None:
         use_te = torch.cuda.is_available() and specs.HAVE_TE
-    qk = model_family(hf_config) == "qwen3"
+    family = model_family(hf_config)
+    qk = family in _QK_NORM_FAMILIES
+    experts = None
+    if is_moe_family(family):
+        from mrl.megatron.moe import ensure_megatron_moe_importable, num_experts
+
+        ensure_megatron_moe_importable()
+        experts = num_experts(hf_config)
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=qk, normalization="RMSNorm")
+        # Experts as a SequentialMLP of TE linears (names as on the local spec; grouped GEMM would
+        # store them as linear_fc1.weight<j>, which mapping.py does not know yet).
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk)
+    return specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk,
+                                          normalization="RMSNorm")
 
 
 def build_model_chunks(

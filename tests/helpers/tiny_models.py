@@ -2,7 +2,8 @@
 
 ``make_tiny_hf(path, family)`` writes config.json, model.safetensors and a tokenizer into
 ``path`` and returns it. Families: llama (GQA, untied), qwen2 (qkv bias, tied embeddings,
-vocab not a multiple of 4*TP), qwen3 (q/k norm), mistral. Weights are random with a fixed seed
+vocab not a multiple of 4*TP), qwen3 (q/k norm), mistral; MoE: qwen3_moe (4 experts, top-2,
+normalised top-k), qwen2_moe (un-normalised top-k, shared expert with its gate), mixtral. Weights are random with a fixed seed
 and scaled so that logits are O(1) (useful for parity tests in fp32).
 """
 from __future__ import annotations
@@ -48,6 +49,20 @@ def hf_config(family: str, **overrides):
     elif family == "mistral":
         cls = tf.MistralConfig
         kw.update(tie_word_embeddings=False, sliding_window=None)
+    elif family == "qwen3_moe":
+        cls = tf.Qwen3MoeConfig
+        kw.update(tie_word_embeddings=False, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                  router_aux_loss_coef=0.01)
+    elif family == "qwen2_moe":
+        cls = tf.Qwen2MoeConfig
+        kw.update(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                  shared_expert_intermediate_size=96, norm_topk_prob=False, decoder_sparse_step=1,
+                  mlp_only_layers=[], use_sliding_window=False, router_aux_loss_coef=0.01)
+    elif family == "mixtral":
+        cls = tf.MixtralConfig
+        kw.update(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                  sliding_window=None, router_aux_loss_coef=0.01)
     else:
         raise ValueError(f"unknown tiny family {family!r}")
     kw.update(overrides)
