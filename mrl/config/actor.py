@@ -16,6 +16,7 @@ from pydantic import Field, model_validator
 from mrl.config.base import Section
 from mrl.config.extensions import PluginSpec
 from mrl.config.lora import LoraConfig
+from mrl.config.moe import MoEConfig
 from mrl.config.optim import OptimConfig
 from mrl.config.parallel import ParallelConfig
 
@@ -73,6 +74,8 @@ class ActorConfig(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Actor optimizer and LR schedule.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint contents (verl actor.checkpoint).")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="Low-rank adapters (rank 0 = off); docs/lora.md.")
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="Mixture-of-Experts: routing replay, token dispatcher, "
+                           "aux-loss weight (MoE models only; docs/moe.md).")
     use_distributed_optimizer: bool = Field(True, description="Shard Adam state and fp32 master weights over DP ranks (Megatron).")
     ppo_mini_batch_size: int = Field(
         256, ge=1, description="PROMPTS per optimizer step; samples per mini-batch = ppo_mini_batch_size * rollout.n."

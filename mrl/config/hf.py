@@ -38,6 +38,13 @@ class ModelShape:
     qk_norm: bool
     num_experts: int = 0
     moe_intermediate_size: int = 0
+    experts_per_token: int = 0
+    shared_expert_size: int = 0
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """MLP width of one routed expert (Mixtral keeps it in intermediate_size)."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     def layer_params(self) -> tuple[int, int]:
         """(dense params, expert params) of one decoder layer; expert params are 0 for dense models."""
@@ -47,14 +54,18 @@ class ModelShape:
             attn += self.num_heads * d + 2 * self.num_kv_heads * d
         norms = 2 * h + (2 * d if self.qk_norm else 0)
         if self.num_experts:
-            experts = self.num_experts * 3 * h * self.moe_intermediate_size
-            return attn + norms + h * self.num_experts, experts
+            experts = self.num_experts * 3 * h * self.expert_ffn_size
+            shared = 3 * h * self.shared_expert_size + (h if self.shared_expert_size else 0)
+            return attn + norms + h * self.num_experts + shared, experts
         return attn + norms + 3 * h * self.intermediate_size, 0
 
-    def param_count(self, vocab: int | None = None) -> int:
-        """Total parameters; ``vocab`` overrides V (Megatron pads it)."""
+    def param_count(self, vocab: int | None = None, *, active: bool = False) -> int:
+        """Total parameters; ``vocab`` overrides V (Megatron pads it). ``active``: those one token uses
+        (an MoE layer runs experts_per_token of its num_experts routed experts)."""
         v = self.vocab_size if vocab is None else vocab
         dense, experts = self.layer_params()
+        if active and self.num_experts:
+            experts = experts * self.experts_per_token // self.num_experts
         head = 0 if self.tie_word_embeddings else v * self.hidden_size
         return v * self.hidden_size + self.num_layers * (dense + experts) + self.hidden_size + head
 
@@ -86,6 +97,8 @@ def shape_from_dict(cfg: dict[str, Any]) -> ModelShape:
         qk_norm=model_type in _QK_NORM_TYPES,
         num_experts=int(_get(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0)),
         moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", default=0)),
+        experts_per_token=int(_get(cfg, "num_experts_per_tok", default=0)),
+        shared_expert_size=int(_get(cfg, "shared_expert_intermediate_size", default=0)),
     )
 
 

@@ -45,12 +45,13 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
 
 def params_per_device(shape: ModelShape, par: ParallelConfig, divisible_by: int, value_head: bool = False) -> int:
     """Parameters on the most loaded device of a Megatron model (largest stage / TP)."""
-    tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
+    tp, pp, ep, etp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size,
+                       par.etp)
     v = padded_vocab(shape.vocab_size, divisible_by, tp)
     h = shape.hidden_size
     dense, experts = shape.layer_params()
     per_stage_layers = shape.num_layers // pp
-    layers = per_stage_layers * (dense / tp + experts / (ep * tp))
+    layers = per_stage_layers * (dense / tp + experts / (ep * etp))
     embed = v * h / tp
     head = h if value_head else (embed if (not shape.tie_word_embeddings or pp > 1) else 0)
     if pp == 1:
@@ -111,6 +112,9 @@ class Plan:
     num_engines: int
     memory: dict[str, RoleMemory] = field(default_factory=dict)
     param_count: int | None = None
+    active_param_count: int | None = None  # MoE: parameters one token runs through
+    num_experts: int = 0
+    experts_per_token: int = 0
     notes: list[str] = field(default_factory=list)
     full_finetune_actor: RoleMemory | None = None  # the actor without LoRA, to show what LoRA saves
 
@@ -154,6 +158,8 @@ def build_plan(cfg: MRLConfig) -> Plan:
     if shape is None:
         return plan
     plan.param_count = shape.param_count()
+    plan.active_param_count = shape.param_count(active=True)
+    plan.num_experts, plan.experts_per_token = shape.num_experts, shape.experts_per_token
     div, dt = cfg.model.make_vocab_size_divisible_by, plan_dtype(cfg)
     plan.memory["actor"] = trained_memory(shape, a.megatron, dp, dt, a.use_distributed_optimizer, div)
     if a.lora.enabled:
@@ -235,11 +241,17 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
             p = lay.parallel
             desc = (f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
                     f"CP={p.context_parallel_size} DP={lay.dp}")
+            if p.expert_model_parallel_size > 1 or plan.num_experts:
+                edp = lay.count // (p.etp * p.expert_model_parallel_size * p.pipeline_model_parallel_size) if lay.count else 0
+                desc += f" | experts: EP={p.expert_model_parallel_size} ETP={p.etp} EDP={edp}"
         share = "colocated with actor" if lay.colocated else "owns these devices"
         lines.append(f"    {name:12s} {lay.count:4d} {kind} [{where}] {desc}; {share}")
     if plan.memory:
-        lines.append(f"  memory per device (model {plan.param_count / 1e6:.1f}M params, {plan_dtype(cfg)}; "
-                     "activations and KV cache not included):")
+        model = f"model {plan.param_count / 1e6:.1f}M params"
+        if plan.num_experts:
+            model = (f"MoE model {plan.param_count / 1e9:.2f}B params in all, {plan.active_param_count / 1e9:.2f}B active "
+                     f"per token ({plan.num_experts} experts, top-{plan.experts_per_token})")
+        lines.append(f"  memory per device ({model}, {plan_dtype(cfg)}; activations and KV cache not included):")
         for name, m in plan.memory.items():
             parts = f"weights {_gib(m.weights)}"
             if m.grads:

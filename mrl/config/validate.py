@@ -19,6 +19,7 @@ from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_devices
 from mrl.config.parallel import ParallelConfig
 from mrl.config.reward_model import check_reward_model
+from mrl.config.validate_moe import check_moe
 from mrl.config.root import MRLConfig
 from mrl.config.run_plan import on_policy_blockers
 from mrl.net import is_loopback
@@ -613,6 +614,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
         if role in roles and roles[role].count > 0:
             _check_parallel(role, roles[role].parallel, roles[role], cfg, shape, errors)
     _check_reward_model_layout(cfg, roles, shape, errors)
+    check_moe(cfg, roles, shape, errors)
     if roles["actor"].count > 0:
         _check_batches(cfg, roles["actor"], errors)
     if "critic" in roles and roles["critic"].count > 0:

@@ -92,7 +92,7 @@ class ActorWorker(TrainableState):
         self.engine = MegatronEngine(
             model_path, cfg.megatron, device=device, dtype=dtype, seed=seed, train=True,
             use_distributed_optimizer=cfg.use_distributed_optimizer,
-            init_parallel=init_parallel, lora=cfg.lora,
+            init_parallel=init_parallel, lora=cfg.lora, moe=cfg.moe,
         )
         e = self.engine
         if mini_batch_size_samples % e.dp_size != 0:

@@ -11,6 +11,8 @@ HF body (``critic.model_path`` or the actor's checkpoint).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import os
 from functools import partial
 
@@ -47,7 +49,7 @@ class CriticWorker(TrainableState):
         self, cfg: CriticConfig, *, model_path: str | os.PathLike, device: str = "cpu",
         mini_batch_size_samples: int, epochs: int = 1, total_optimizer_steps: int | None = None,
         seed: int, dtype: torch.dtype | None = None, init_parallel: bool = True,
-        max_response_length: int | None = None,
+        max_response_length: int | None = None, moe: Any = None,
     ) -> None:
         check_norm_constant(cfg.loss_agg_mode, max_response_length, "critic")
         self.norm_constant = max_response_length
@@ -57,7 +59,7 @@ class CriticWorker(TrainableState):
         self.seed = seed
         self.engine = MegatronEngine(cfg.model_path or model_path, cfg.megatron, device=device, dtype=dtype,
                                      seed=seed, train=True, value_head=True, init_parallel=init_parallel,
-                                     use_distributed_optimizer=cfg.use_distributed_optimizer)
+                                     use_distributed_optimizer=cfg.use_distributed_optimizer, moe=moe)
         if mini_batch_size_samples % self.engine.dp_size:
             raise ValueError(
                 f"critic mini-batch of {mini_batch_size_samples} samples is not divisible by its DP "

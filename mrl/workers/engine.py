@@ -78,6 +78,8 @@ class MegatronEngine:
         init_parallel: call :func:`mrl.megatron.parallel.init_parallel` for ``parallel``.
         lora: ``actor.lora``; with ``rank > 0`` the base weights are frozen and adapters added
             (:mod:`mrl.megatron.lora`) before DDP, on Megatron's local layer spec.
+        moe: ``actor.moe`` (token dispatcher, aux-loss weight, routing replay) for MoE models; the
+            reference and critic pass the actor's so that their routing matches (ignored by dense models).
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class MegatronEngine:
         timeout_s: int = 300,
         lora: Any = None,
         score_head: bool = False,
+        moe: Any = None,
     ) -> None:
         from megatron.core import parallel_state as ps
 
@@ -112,7 +115,7 @@ class MegatronEngine:
                 device=device, tp=parallel.tensor_model_parallel_size,
                 pp=parallel.pipeline_model_parallel_size,
                 vpp=parallel.virtual_pipeline_model_parallel_size,
-                cp=1, ep=parallel.expert_model_parallel_size, seed=seed, timeout_s=timeout_s,
+                cp=1, ep=parallel.expert_model_parallel_size, etp=parallel.etp, seed=seed, timeout_s=timeout_s,
             )
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         self.dtype = dtype
@@ -125,7 +128,17 @@ class MegatronEngine:
             self.hf_config = as_causal_lm_config(self.hf_config, hf_path)
         self.parallel = parallel
         self.value_head = value_head
-        overrides = {"sequence_parallel": parallel.sequence_parallel}
+        overrides: dict[str, Any] = {"sequence_parallel": parallel.sequence_parallel}
+        from mrl.megatron.moe import is_moe_family
+        from mrl.megatron.provider import model_family
+
+        self.is_moe = is_moe_family(model_family(self.hf_config))
+        self.routing_replay = bool(self.is_moe and moe is not None and moe.routing_replay != "none")
+        if self.is_moe and moe is not None:
+            overrides["moe_token_dispatcher_type"] = moe.token_dispatcher
+            overrides["moe_enable_routing_replay"] = self.routing_replay
+            if moe.aux_loss_coef is not None:
+                overrides["moe_aux_loss_coeff"] = moe.aux_loss_coef
         self.lora = lora if lora is not None and lora.enabled else None
         chunks = build_model_chunks(
             self.hf_config, dtype=dtype, wrap_ddp=False, config_overrides=overrides,

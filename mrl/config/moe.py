@@ -1,0 +1,40 @@
+"""Mixture-of-Experts settings of the actor (``actor.moe``); the reference and critic follow them.
+
+The model's own routing (experts, top-k, normalisation, shared expert, aux-loss coefficient) comes
+from its config.json (:mod:`mrl.megatron.moe`); this section holds what the trainer decides.
+Dense models ignore nothing here silently: validation refuses non-default values for them.
+
+Routing replay (``routing_replay``), docs/moe.md:
+
+* ``none``    every forward routes on its own (old-log-prob, reference and update forwards may
+  pick other experts than the engine did for the same token).
+* ``rollout`` (R3) the experts the inference engine chose for every token of a sample are replayed
+  in the trainer's forwards: ``probs`` are recomputed from the trainer's router logits, only the
+  *choice* is the engine's, so gradients still reach the router through the chosen experts.
+  Needs the engine to return them (SGLang ``--enable-return-routed-experts``; the embedded engine
+  always can).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mrl.config.base import Section
+
+
+class MoEConfig(Section):
+    """Trainer-side MoE knobs (verl ``actor.megatron`` / slime MoE flags)."""
+
+    routing_replay: Literal["none", "rollout"] = Field(
+        "none", description="none | rollout (R3: replay the engine's expert choice of every token in the trainer's "
+        "old-log-prob, reference and update forwards); docs/moe.md.",
+    )
+    token_dispatcher: Literal["alltoall", "allgather"] = Field(
+        "alltoall", description="Megatron token dispatcher for expert parallelism: alltoall (Megatron-LM's default "
+        "for EP > 1) or allgather.",
+    )
+    aux_loss_coef: float | None = Field(
+        None, ge=0, description="Load-balancing (Switch) loss weight added to the actor loss; null = the model's "
+        "config.json router_aux_loss_coef. Reported as moe/aux_loss.",
+    )

@@ -1,0 +1,69 @@
+"""Cross-section rules of Mixture-of-Experts runs (part of the one validation layer, :mod:`mrl.config.validate`).
+
+Megatron lays experts out on a second grid over the same ranks: ETP × EP × expert-DP × PP, so EP may
+fold over TP and DP ranks alike (mrl/megatron/parallel.py). Checked here, before anything starts:
+the grid fits the role's devices, EP divides the experts, ETP divides the expert MLP, the
+dispatcher handles the layout, routing replay has what it needs, and MoE settings are not given to
+a dense model (where they would silently do nothing).
+"""
+from __future__ import annotations
+
+from mrl.config.hf import ModelShape
+from mrl.config.layout import RoleLayout
+from mrl.config.moe import MoEConfig
+from mrl.config.root import MRLConfig
+
+
+def check_moe(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelShape | None, errors: list[str]) -> None:
+    moe = cfg.actor.moe
+    dense = shape is not None and not shape.num_experts
+    if dense:
+        changed = [k for k, v in moe.model_dump().items() if v != MoEConfig.model_fields[k].default]
+        if changed:
+            errors.append(
+                f"actor.moe.{changed[0]} is set but {cfg.model.path}/config.json is a dense model (no experts); "
+                f"fix: remove actor.moe.{changed[0]} (it applies to Mixture-of-Experts models only)"
+            )
+    for role in ("actor", "ref", "critic"):
+        lay = roles.get(role)
+        if lay is None or lay.count <= 0 or lay.parallel is None:
+            continue
+        par, key = lay.parallel, f"{role}.megatron"
+        ep, etp, pp = par.expert_model_parallel_size, par.etp, par.pipeline_model_parallel_size
+        if par.expert_tensor_parallel_size is not None and dense and par.expert_tensor_parallel_size != 1:
+            errors.append(f"{key}.expert_tensor_parallel_size is set for a dense model; fix: remove it")
+        grid = etp * ep * pp
+        if lay.count % grid:
+            errors.append(
+                f"{key}: the expert grid ETP*EP*PP = {etp}*{ep}*{pp} = {grid} does not divide the {lay.count} devices of "
+                f"the {role}; fix: choose expert_model_parallel_size / expert_tensor_parallel_size so that their "
+                f"product times PP divides {lay.count}"
+            )
+        if shape is not None and shape.num_experts and etp > 1 and shape.expert_ffn_size % etp:
+            errors.append(
+                f"{key}.expert_tensor_parallel_size={etp} does not divide the expert MLP width {shape.expert_ffn_size} "
+                f"({cfg.model.path}/config.json); fix: choose an ETP dividing it (or 1)"
+            )
+        if ep > 1 and moe.token_dispatcher == "allgather":
+            errors.append(
+                f"actor.moe.token_dispatcher=allgather with {key}.expert_model_parallel_size={ep}: the all-gather "
+                "dispatcher needs equal token counts on every EP rank, which micro-batches of different lengths on "
+                "different data-parallel ranks do not have; fix: actor.moe.token_dispatcher=alltoall"
+            )
+        if ep > 1 and par.tensor_model_parallel_size > 1 and cfg.cluster.device != "cpu" and not par.sequence_parallel:
+            errors.append(
+                f"{key}: expert_model_parallel_size={ep} with tensor_model_parallel_size={par.tensor_model_parallel_size} "
+                f"trains with sequence parallelism in Megatron; fix: set {key}.sequence_parallel=true"
+            )
+    if shape is None or not shape.num_experts:
+        return
+    if cfg.actor.lora.enabled:
+        errors.append("actor.lora with a Mixture-of-Experts model: adapters on routed experts are not supported yet; "
+                      "fix: actor.lora.rank=0 (full fine-tuning) or a dense model")
+    if moe.routing_replay == "rollout":
+        if cfg.actor.shared_prefix:
+            errors.append("actor.moe.routing_replay=rollout with actor.shared_prefix=true: the replayed expert ids follow "
+                          "each sample's own tokens, which the shared-prefix layout merges; fix: actor.shared_prefix=false")
+        if cfg.agent.enable:
+            errors.append("actor.moe.routing_replay=rollout with agent.enable: tool-output tokens were never routed by "
+                          "the engine as part of the trajectory; fix: actor.moe.routing_replay=none for agent runs")
