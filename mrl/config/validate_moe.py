@@ -50,10 +50,13 @@ def check_moe(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelShape | 
                 "dispatcher needs equal token counts on every EP rank, which micro-batches of different lengths on "
                 "different data-parallel ranks do not have; fix: actor.moe.token_dispatcher=alltoall"
             )
-        if ep > 1 and par.tensor_model_parallel_size > 1 and cfg.cluster.device != "cpu" and not par.sequence_parallel:
+        moe_model = shape is not None and bool(shape.num_experts)
+        if moe_model and role != "ref" and par.tensor_model_parallel_size > 1 and not par.sequence_parallel:
             errors.append(
-                f"{key}: expert_model_parallel_size={ep} with tensor_model_parallel_size={par.tensor_model_parallel_size} "
-                f"trains with sequence parallelism in Megatron; fix: set {key}.sequence_parallel=true"
+                f"{key}.tensor_model_parallel_size={par.tensor_model_parallel_size} with a Mixture-of-Experts model: "
+                f"Megatron trains MoE layers under TP only with sequence parallelism; fix: {key}.sequence_parallel=true "
+                "(CUDA with Transformer Engine), or TP=1 with expert_model_parallel_size/pipeline_model_parallel_size "
+                "(the CPU path: its torch norms have no sequence-parallel mode)"
             )
     if shape is None or not shape.num_experts:
         return

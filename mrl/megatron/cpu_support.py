@@ -31,6 +31,11 @@ Redirects (each has its own test in ``tests/megatron/test_cpu_support.py``):
    arrays on CPU as they do from CUDA (``maybe_move_tensor_to_cpu`` only converts CUDA tensors, and
    ``all_to_all_single`` takes sequences, not tensors); the stream's recorded event is a completed
    no-op event (:class:`_NoOpEvent`).
+9. Megatron's communication autograd functions (``tensor_parallel.mappings``: all-to-all,
+   sequence-parallel gathers and reduce-scatters) see ``torch.cuda.current_device()`` as ``"cpu"``
+   (a view of ``torch`` in that module's globals, :class:`_TorchView`): their *backward* runs
+   inside the handler of ``torch.autograd.backward``, where a function mode is switched off, so
+   redirect 2 cannot rewrite the ``device=`` they allocate with there.
 
 Scope: :func:`cpu_support` is a reversible context (the patches are undone when the last user
 leaves); :func:`enable_cpu_support` enters it for a thread's lifetime and is called only when
@@ -143,6 +148,24 @@ class _NoOpStream:
         return True
 
 
+class _CudaView:
+    """``torch.cuda`` as the mappings module sees it under CPU support (redirect 9)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "current_device":
+            return lambda: "cpu"
+        return getattr(torch.cuda, name)
+
+
+class _TorchView:
+    """``torch`` with :class:`_CudaView` as ``cuda``; every other attribute is torch's own."""
+
+    cuda = _CudaView()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
 def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
     """Megatron's ``maybe_move_tensor_to_cpu`` for tensors that already are on the host (redirect 8)."""
     if torch.is_tensor(tensor) and as_numpy:
@@ -162,10 +185,12 @@ def _redirects() -> list[tuple[Any, str, Any]]:
 
     from mrl.megatron.rope_kernel import make_rope_bshd
 
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import token_dispatcher
 
     return [
         (token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy),
+        (mappings, "torch", _TorchView()),
         (torch.cuda, "current_device", lambda: 0),
         (torch.cuda, "synchronize", lambda device=None: None),
         (torch.cuda, "Stream", _NoOpStream),

@@ -151,6 +151,7 @@ class ActorWorker(TrainableState):
         self.optimizer.zero_grad()
         e.set_train(True)
         out = e.run(mbs, loss, forward_only=False)
+        self._update_micro_batches = getattr(self, "_update_micro_batches", 0) + len(mbs)
         return sum_metrics(out, _METRIC_KEYS, e), out, parts
 
     def update_policy(self, batch: TrainBatch) -> dict[str, float]:
@@ -208,7 +209,20 @@ class ActorWorker(TrainableState):
             out.pop("actor/kl_loss", None)
         out["actor/kl_coef"] = self.cfg.kl_loss_coef if self.cfg.use_kl_loss else 0.0
         out["actor/lr"] = current_lr(self.optimizer)
+        if self.engine.router_probes:
+            out.update(self._moe_metrics())
         return out
+
+    def _moe_metrics(self) -> dict[str, float]:
+        """moe/*: routing statistics of every forward since the last update (old log-probs, reference,
+        update; replay mismatch vs the engine's ids) and the update's load-balancing loss."""
+        from mrl.workers.routing_replay import aux_loss_metrics, routing_metrics
+
+        m = routing_metrics(self.engine.router_probes)
+        m.update(aux_loss_metrics(float(self.engine.config.moe_aux_loss_coeff or 0.0),
+                                  getattr(self, "_update_micro_batches", 0)))
+        self._update_micro_batches = 0
+        return m
 
     # ---- weights, checkpoints, memory ---------------------------------------------------
     def export_hf_weights(self, *, only_lora: bool = False):

@@ -26,6 +26,8 @@ Tensor = torch.Tensor
 
 #: Always kept by :meth:`TrainBatch.select`: the model input and the loss mask.
 REQUIRED_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+#: Kept by :meth:`TrainBatch.select` whenever present: the engine's expert choice replayed in every forward.
+ROUTING_KEYS = ("routed_experts",)
 #: Optional per-token response fields, each [B, R].
 RESPONSE_KEYS = (
     "old_log_probs", "advantages", "ref_log_prob", "rollout_log_probs", "values", "returns", "rollout_is_weights",
@@ -55,6 +57,10 @@ class TrainBatch:
             multiplying the policy loss; 0 on padding.
         returns: [B, R] value targets (PPO).
         uid: [B] int64 group id (samples of one prompt share it); travels with the sample.
+        routed_experts: [B, S, L_moe, K] int, the top-k experts the inference engine chose for every
+            token of ``input_ids`` in each MoE layer (``actor.moe.routing_replay=rollout``); positions the
+            engine never ran (padding, the last response token) hold any valid id: no kept output depends
+            on them.
     """
 
     input_ids: Tensor
@@ -70,6 +76,7 @@ class TrainBatch:
     returns: Tensor | None = None
     rollout_is_weights: Tensor | None = None
     uid: Tensor | None = None
+    routed_experts: Tensor | None = None
 
     def __post_init__(self) -> None:
         B, S = self.input_ids.shape
@@ -90,6 +97,10 @@ class TrainBatch:
                     f"TrainBatch.{name} has shape {tuple(t.shape)}, expected [B, R] = {(B, R)} "
                     "aligned with responses"
                 )
+        re = self.routed_experts
+        if re is not None and (re.dim() != 4 or tuple(re.shape[:2]) != (B, S)):
+            raise ValueError(f"TrainBatch.routed_experts has shape {tuple(re.shape)}, expected [B, S, layers, top_k] "
+                             f"with [B, S] = {(B, S)} like input_ids")
         if self.uid is not None and tuple(self.uid.shape) != (B,):
             raise ValueError(f"TrainBatch.uid has shape {tuple(self.uid.shape)}, expected [{B}]")
 
@@ -151,7 +162,7 @@ class TrainBatch:
                 "advantages: the advantage estimator, rollout_log_probs: the rollout engine, "
                 "values/returns: critic.compute_values + GAE)"
             )
-        keep = set(REQUIRED_KEYS) | set(keys)
+        keep = set(REQUIRED_KEYS) | set(ROUTING_KEYS) | set(keys)
         return TrainBatch(**{
             f.name: getattr(self, f.name) if f.name in keep else None for f in fields(self)
         })

@@ -204,6 +204,11 @@ class MegatronEngine:
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.pad_to_multiple = ps.get_tensor_model_parallel_world_size() if parallel.sequence_parallel else 1
+        self.router_probes: list = []
+        if self.is_moe:  # routing statistics always; the engine's expert choice replayed when routing_replay is on
+            from mrl.workers.routing_replay import install_probes
+
+            self.router_probes = install_probes(chunks)
 
     # ---- weights -------------------------------------------------------------------------
     def load_hf(self, hf_path: str | os.PathLike, chunks: list | None = None) -> None:
@@ -275,6 +280,8 @@ class MegatronEngine:
             pos = inp.position_ids.to(self.device)
             shared = inp.attention_mask is not None  # shared-prefix rows: RoPE at position_ids, block mask
             set_rope_positions(unwrap(model), pos if shared else None)
+            if self.router_probes:
+                self._route(inp)
             out = model(
                 input_ids=inp.tokens.to(self.device), position_ids=pos,
                 attention_mask=inp.attention_mask.to(self.device) if shared else None,
@@ -296,7 +303,22 @@ class MegatronEngine:
         finally:
             for h in handles:
                 h.remove()
+            if self.router_probes:
+                from mrl.workers.routing_replay import set_targets
+
+                set_targets(self.router_probes, None)  # no stale ids for a later forward
         return list(out) if out else []
+
+    def _route(self, inp: ModelInputs) -> None:
+        """Point the router probes at this micro-batch's engine ids (replay) or at none (own routing)."""
+        from megatron.core import parallel_state as ps
+
+        from mrl.workers.routing_replay import set_targets
+
+        routed = inp.routed_experts.to(self.device) if self.routing_replay and inp.routed_experts is not None else None
+        sp = self.parallel.sequence_parallel
+        set_targets(self.router_probes, routed, sp_rank=ps.get_tensor_model_parallel_rank() if sp else 0,
+                    sp_size=ps.get_tensor_model_parallel_world_size() if sp else 1)
 
     def set_train(self, mode: bool) -> None:
         for c in self.chunks:
@@ -375,6 +397,8 @@ def _pad_inputs(inp: ModelInputs, length: int) -> None:
     if extra > 0:
         pad = lambda t: torch.nn.functional.pad(t, (0, extra))
         inp.tokens, inp.position_ids, inp.labels = pad(inp.tokens), pad(inp.position_ids), pad(inp.labels)
+        if inp.routed_experts is not None:  # new columns: no engine ids
+            inp.routed_experts = torch.nn.functional.pad(inp.routed_experts, (0, 0, 0, 0, 0, extra), value=-1)
         if inp.attention_mask is not None:  # new columns: attended by nothing, attending to themselves only
             m = torch.nn.functional.pad(inp.attention_mask, (0, extra, 0, extra), value=True)
             idx = torch.arange(length - extra, length)

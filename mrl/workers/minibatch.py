@@ -161,6 +161,8 @@ class ModelInputs:
     first_col: Tensor | None = None  # [b] int64
     first_label: Tensor | None = None  # [b] int64
     resp_first: Tensor | None = None  # [b, R] bool
+    # Routing replay (compact layout): [b, L, layers, K] engine expert ids of each column (-1: none).
+    routed_experts: Tensor | None = None
 
     def first_token_logits(self, logits: Tensor) -> Tensor:
         """[rows, L, V] → [b, V]: the logits that predict each sample's first response token."""
@@ -215,7 +217,12 @@ def build_model_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1) -> ModelInpu
     resp_valid = am[:, P:]
     comp_col = prompt_len[:, None] + resp_valid.long().cumsum(-1) - 1
     resp_index = torch.where(resp_valid, comp_col - 1, 0)
-    return ModelInputs(tokens, pos, labels, resp_index, resp_valid, n_tok)
+    routed = None
+    if mb.routed_experts is not None:
+        re = mb.routed_experts
+        idx = order[:, :, None, None].expand(b, L, *re.shape[2:]).to(re.device)
+        routed = torch.where(keep[:, :, None, None], re.gather(1, idx), -1)  # -1: no engine id (padding)
+    return ModelInputs(tokens, pos, labels, resp_index, resp_valid, n_tok, routed_experts=routed)
 
 
 def prompt_group_ids(mb: TrainBatch) -> Tensor:

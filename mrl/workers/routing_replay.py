@@ -1,0 +1,153 @@
+"""MoE routing on the trainer side: replay of the engine's expert choice (R3) and routing statistics.
+
+One :class:`RouterProbe` sits on every ``TopKRouter`` of an MoE model (a forward pre-hook). Before
+the router runs it recomputes the router's own logits with the router's own ``gating`` (same op,
+same dtype, so the same top-k the router would pick) and then:
+
+* **replay** (a micro-batch carries the engine's ids, ``actor.moe.routing_replay=rollout``): sets
+  Megatron's ``RouterReplay`` target to the engine's top-k ids, so the router gathers *its own*
+  probabilities at the *engine's* experts (``probs = scores.gather(1, ids)``; normalised over the
+  k as the model's config says). Positions the engine never ran (padding, a response's last token:
+  id ``-1``) keep the trainer's own choice — nothing kept depends on their output.
+* **measure**: ``mismatch`` counts tokens (with engine ids) whose own top-k *set* differs from the
+  engine's — ``moe/replay_mismatch`` — and ``load[e]`` counts assignments per expert (the routing
+  actually used), from which ``moe/load_entropy`` (``-Σ f_e log f_e / log E`` of the assignment shares
+  ``f_e``, 1 = balanced) and ``moe/max_load_frac`` (``max_e f_e``, ``1/E`` when balanced) follow.
+
+Token order: Megatron runs ``[s, b, h]`` activations and flattens them s-major, so target row
+``t·b + i`` is column ``t`` of sample ``i`` of the compact micro-batch (with sequence parallelism
+each TP rank holds a contiguous chunk of ``s``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class RouterProbe:
+    """Pre-hook of one router (global MoE layer ``layer``); see the module docstring."""
+
+    def __init__(self, router: Any, layer: int, num_experts: int) -> None:
+        self.router, self.layer = router, layer
+        self.target: torch.Tensor | None = None  # [tokens, K], -1 = no engine id
+        self.load = torch.zeros(num_experts, dtype=torch.float64)
+        self.mismatch = 0
+        self.compared = 0
+        router.register_forward_pre_hook(self._pre)
+
+    def _pre(self, module: Any, args: tuple) -> None:
+        x = args[0]
+        replay = module.router_replay
+        with torch.no_grad():
+            own = torch.topk(module.gating(x.detach()).reshape(-1, module.config.num_moe_experts),
+                             k=module.topk, dim=1).indices
+            used = own
+            if self.target is not None:
+                target = self.target.to(own.device)
+                if target.shape != own.shape:
+                    raise RuntimeError(f"routing replay: layer {self.layer} got {tuple(target.shape)} engine ids for "
+                                       f"{tuple(own.shape)} router tokens (micro-batch layout mismatch)")
+                known = (target >= 0).all(-1)
+                used = torch.where(known[:, None], target, own)
+                same = (own.sort(-1).values == target.sort(-1).values).all(-1)
+                self.mismatch += int((known & ~same).sum())
+                self.compared += int(known.sum())
+            self.load += torch.bincount(used.flatten().cpu(), minlength=self.load.numel()).double()
+        if replay is None:
+            return
+        if self.target is None:
+            replay.clear_router_replay_action()
+            return
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        replay.clear_indices()
+        replay.set_target_indices(used)
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def reset(self) -> None:
+        self.load.zero_()
+        self.mismatch = self.compared = 0
+
+
+def install_probes(chunks: list) -> list[RouterProbe]:
+    """A probe on every router of ``chunks`` (global layer index from the MoE layer's layer_number)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from mrl.megatron.unwrap import unwrap
+
+    probes = []
+    for c in chunks:
+        for layer in unwrap(c).decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if isinstance(router, TopKRouter):
+                probes.append(RouterProbe(router, layer.layer_number - 1, router.config.num_moe_experts))
+    return probes
+
+
+def set_targets(probes: list[RouterProbe], routed: torch.Tensor | None, *, sp_rank: int = 0, sp_size: int = 1) -> None:
+    """Point every probe at its layer's ids of this micro-batch: ``routed`` [b, L, layers, K] (None: own routing)."""
+    for p in probes:
+        if routed is None:
+            p.target = None
+            continue
+        t = routed[:, :, p.layer, :].transpose(0, 1)  # [L, b, K], Megatron's s-major order
+        if sp_size > 1:
+            t = t.chunk(sp_size, dim=0)[sp_rank]
+        p.target = t.reshape(-1, t.shape[-1])
+
+
+def routing_metrics(probes: list[RouterProbe], *, reset: bool = True) -> dict[str, float]:
+    """``moe/*`` metrics over every rank (collective over the world: call on all ranks together)."""
+    if not probes:
+        return {}
+    num_experts = probes[0].load.numel()
+    stats = torch.tensor([float(sum(p.mismatch for p in probes)), float(sum(p.compared for p in probes))],
+                         dtype=torch.float64)
+    loads = torch.stack([p.load for p in probes])  # [local layers, E]
+    # Layers differ across pipeline stages; gather per-layer loads by global layer index.
+    total_layers = max(p.layer for p in probes) + 1
+    if dist.is_initialized():
+        t = torch.tensor([total_layers], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        total_layers = int(t)
+    per_layer = torch.zeros(total_layers, num_experts, dtype=torch.float64)
+    for p, row in zip(probes, loads):
+        per_layer[p.layer] += row
+    if dist.is_initialized():
+        dist.all_reduce(stats)
+        dist.all_reduce(per_layer)
+    if reset:
+        for p in probes:
+            p.reset()
+    frac = per_layer / per_layer.sum(-1, keepdim=True).clamp_min(1)
+    ent = -(frac * frac.clamp_min(1e-30).log()).sum(-1) / torch.log(torch.tensor(float(num_experts)))
+    out = {
+        "moe/load_entropy": float(ent.mean()),
+        "moe/max_load_frac": float(frac.max(-1).values.mean()),
+    }
+    for i in range(total_layers):
+        out[f"moe/layer{i}/max_load_frac"] = float(frac[i].max())
+    if stats[1] > 0:
+        out["moe/replay_mismatch"] = float(stats[0] / stats[1])
+    return out
+
+
+def aux_loss_metrics(coef: float, num_micro_batches: int) -> dict[str, float]:
+    """``moe/aux_loss``: coef × the load-balancing loss Megatron tracked in the last update, averaged over
+    layers, micro-batches and data-parallel ranks (collective over the world); clears the tracker."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    if tracker is None:
+        return {}
+    values = tracker["values"].detach().double().cpu().clone()
+    if dist.is_initialized():
+        dist.all_reduce(values)
+        values /= ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size() * \
+            ps.get_context_parallel_world_size()
+    clear_aux_losses_tracker()
+    per_mb = values / max(num_micro_batches, 1)
+    return {"moe/aux_loss": float(coef * per_mb.mean()), "moe/load_balancing_loss": float(per_mb.mean())}
