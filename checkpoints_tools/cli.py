@@ -1,12 +1,14 @@
 """``mrl-ckpt``: convert between Hugging Face and Megatron dist checkpoints, reshard, inspect.
 
-    mrl-ckpt hf-to-mcore --hf DIR --out DIR --tp N --pp M [--vpp K] [--dtype bf16]
-    mrl-ckpt mcore-to-hf --mcore DIR --out DIR [--hf-template DIR] [--tp N --pp M] [--dtype bf16]
+    mrl-ckpt hf-to-mcore --hf DIR --out DIR --tp N --pp M [--vpp K] [--ep E [--etp T]] [--dtype bf16]
+    mrl-ckpt mcore-to-hf --mcore DIR --out DIR [--hf-template DIR] [--tp N --pp M --ep E] [--dtype bf16]
     mrl-ckpt mcore-to-peft --mcore DIR --out DIR [--tp N --pp M]   (LoRA checkpoints: the adapter alone)
-    mrl-ckpt reshard --in DIR --out DIR --tp N --pp M [--vpp K]
+    mrl-ckpt reshard --in DIR --out DIR --tp N --pp M [--vpp K] [--ep E [--etp T]]
     mrl-ckpt inspect DIR [--no-checksums]
 
-``--ckpt`` is accepted for ``--mcore`` / ``--in``. The command starts tp×pp ranks itself (gloo on
+``--ep``/``--etp`` lay Mixture-of-Experts layers out over expert-parallel ranks (experts are stored
+under global indices, so any EP loads any other). ``--ckpt`` is accepted for ``--mcore`` / ``--in``.
+The command starts pp × lcm(tp, ep×etp) ranks itself (gloo on
 CPU, NCCL when enough GPUs are visible; ``--device`` overrides), writes into a hidden temp
 directory next to ``--out`` and renames it at the end, so a failed run leaves no half checkpoint.
 A non-empty ``--out`` is refused unless ``--force``. Exit status: 0 ok, 1 conversion error,
@@ -36,6 +38,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=int, default=3600, help="seconds before all ranks are stopped")
 
 
+def _expert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--etp", type=int, default=None, help="tensor-parallel size inside experts (default: --tp)")
+
+
+def _experts(args: argparse.Namespace) -> tuple[int, int | None]:
+    """(ep, etp) of an MoE command (1, None when the sub-command has no expert flags)."""
+    return getattr(args, "ep", 1), getattr(args, "etp", None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mrl-ckpt", description=__doc__.split("\n\n")[0])
     parser.add_argument("--debug", action="store_true", help="print full rank tracebacks on error")
@@ -46,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    _expert_args(p)
     p.add_argument("--dtype", choices=sorted(SHORT_TO_NAME), default=None,
                    help="parameter dtype (default: config.json torch_dtype, else fp32)")
     _common(p)
@@ -56,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take config.json/tokenizer files from here instead of the checkpoint")
     p.add_argument("--tp", type=int, default=1, help="ranks used for loading (any layout works)")
     p.add_argument("--pp", type=int, default=1)
+    _expert_args(p)
     p.add_argument("--dtype", choices=sorted(SHORT_TO_NAME), default=None, help="output dtype (default: as saved)")
     _common(p)
 
@@ -72,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--pp", type=int, required=True)
     p.add_argument("--vpp", type=int, default=None)
+    _expert_args(p)
     _common(p)
 
     p = sub.add_parser("inspect", help="layout, dtype, parameter count, per-tensor checksums")
@@ -105,12 +120,16 @@ def _finish(tmp: Path, out: Path) -> None:
 
 
 def _check_sizes(args: argparse.Namespace) -> int:
-    for name in ("tp", "pp"):
-        if getattr(args, name) < 1:
+    """Ranks to start: pp × lcm(tp, ep × etp) (Megatron's dense and expert grids over the same ranks)."""
+    import math
+
+    for name in ("tp", "pp", "ep", "etp"):
+        if getattr(args, name, None) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if getattr(args, "vpp", None) is not None and (args.vpp < 1 or (args.pp == 1 and args.vpp > 1)):
         raise UsageError(f"--vpp {args.vpp} needs --pp > 1; leave --vpp out for no interleaving")
-    return args.tp * args.pp
+    ep, etp = _experts(args)
+    return args.pp * math.lcm(args.tp, ep * (etp or args.tp))
 
 
 def _config_dtype(hf_dir: Path) -> str:
@@ -141,7 +160,7 @@ def _hf_to_mcore(args: argparse.Namespace) -> None:
         print(f"hf-to-mcore: {args.hf} -> {args.out} (tp={args.tp} pp={args.pp} vpp={args.vpp}, "
               f"{dtype}, {world} {device} ranks)", flush=True)
         run_local_ranks(hf_to_mcore_rank, world, (str(args.hf), str(tmp), args.tp, args.pp, args.vpp,
-                        dtype, device, args.timeout), device=device, timeout_s=args.timeout)
+                        dtype, device, args.timeout, *_experts(args)), device=device, timeout_s=args.timeout)
         copy_hf_side_files(args.hf, tmp)
         n_out = _mcore_param_count(verify_checkpoint(tmp))
         _finish(tmp, args.out)
@@ -191,7 +210,7 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
         print(f"mcore-to-hf: {args.ckpt} -> {args.out} (load at tp={args.tp} pp={args.pp}, "
               f"{world} {device} ranks)", flush=True)
         results = run_local_ranks(mcore_to_hf_rank, world, (str(args.ckpt), str(tmp), str(tmp), args.tp,
-                                  args.pp, model_dtype, out_dtype, device, args.timeout),
+                                  args.pp, model_dtype, out_dtype, device, args.timeout, *_experts(args)),
                                   device=device, timeout_s=args.timeout)
         merge_stage_dirs(tmp, results)
         n_out = hf_param_count(tmp)
@@ -251,7 +270,7 @@ def _reshard(args: argparse.Namespace) -> None:
         print(f"reshard: {args.ckpt} (tp={lay.get('tp')} pp={lay.get('pp')}) -> {args.out} "
               f"(tp={args.tp} pp={args.pp} vpp={args.vpp}, {world} {device} ranks)", flush=True)
         run_local_ranks(reshard_rank, world, (str(args.ckpt), str(tmp), str(tmp), args.tp, args.pp,
-                        args.vpp, str(meta.get("params_dtype", "float32")), device, args.timeout),
+                        args.vpp, str(meta.get("params_dtype", "float32")), device, args.timeout, *_experts(args)),
                         device=device, timeout_s=args.timeout)
         from mrl.megatron.lora_io import LORA_META
 

@@ -34,10 +34,10 @@ def _progress(iterable: Iterable, *, total: int | None, desc: str) -> Iterable:
     return tqdm(iterable, total=total, desc=desc, unit="tensor", file=sys.stderr, mininterval=0.5)
 
 
-def _setup(device: str, tp: int, pp: int, vpp: int | None, timeout_s: int) -> None:
+def _setup(device: str, tp: int, pp: int, vpp: int | None, timeout_s: int, ep: int = 1, etp: int | None = None) -> None:
     from mrl.megatron.parallel import init_parallel
 
-    init_parallel(device=device, tp=tp, pp=pp, vpp=vpp, timeout_s=timeout_s)
+    init_parallel(device=device, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, timeout_s=timeout_s)
 
 
 def _build(cfg_dir: str, dtype: torch.dtype, lora_ckpt: str | None = None) -> tuple[Any, list]:
@@ -84,14 +84,14 @@ def mcore_to_peft_rank(
 
 def hf_to_mcore_rank(
     rank: int, hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, dtype: str,
-    device: str, timeout_s: int,
+    device: str, timeout_s: int, ep: int = 1, etp: int | None = None,
 ) -> dict[str, Any]:
-    """Read HF safetensors into a (tp, pp, vpp) model and save it with dist_checkpointing."""
+    """Read HF safetensors into a (tp, pp, vpp, ep, etp) model and save it with dist_checkpointing."""
     from mrl.megatron.checkpoint import save_checkpoint
     from mrl.megatron.hf_io import HFCheckpointReader
     from mrl.megatron.mapping import hf_names_for_stage, load_hf_weights
 
-    _setup(device, tp, pp, vpp, timeout_s)
+    _setup(device, tp, pp, vpp, timeout_s, ep, etp)
     cfg, chunks = _build(hf_dir, dtype_from_name(dtype))
     reader = HFCheckpointReader(hf_dir)
     names = hf_names_for_stage(chunks, cfg)
@@ -117,7 +117,7 @@ def hf_to_mcore_rank(
 
 def mcore_to_hf_rank(
     rank: int, ckpt_dir: str, cfg_dir: str, out_dir: str, tp: int, pp: int, model_dtype: str,
-    out_dtype: str, device: str, timeout_s: int,
+    out_dtype: str, device: str, timeout_s: int, ep: int = 1, etp: int | None = None,
 ) -> dict[str, Any]:
     """Load a dist checkpoint at (tp, pp) and write this pipeline stage's HF tensors.
 
@@ -129,7 +129,7 @@ def mcore_to_hf_rank(
     from mrl.megatron.hf_io import write_hf_checkpoint
     from mrl.megatron.mapping import export_hf_weights, hf_names_for_stage
 
-    _setup(device, tp, pp, None, timeout_s)
+    _setup(device, tp, pp, None, timeout_s, ep, etp)
     cfg, chunks = _build(cfg_dir, dtype_from_name(model_dtype), lora_ckpt=ckpt_dir)
     _maybe_lora(ckpt_dir, cfg, chunks)  # a LoRA checkpoint exports merged weights W + (alpha/r)·B·A
     load_checkpoint(ckpt_dir, chunks)
@@ -147,12 +147,12 @@ def mcore_to_hf_rank(
 
 def reshard_rank(
     rank: int, in_dir: str, cfg_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None,
-    model_dtype: str, device: str, timeout_s: int,
+    model_dtype: str, device: str, timeout_s: int, ep: int = 1, etp: int | None = None,
 ) -> dict[str, Any]:
-    """Load a dist checkpoint into a (tp, pp, vpp) model and save it again (weights only)."""
+    """Load a dist checkpoint into a (tp, pp, vpp, ep, etp) model and save it again (weights only)."""
     from mrl.megatron.checkpoint import load_checkpoint, save_checkpoint
 
-    _setup(device, tp, pp, vpp, timeout_s)
+    _setup(device, tp, pp, vpp, timeout_s, ep, etp)
     cfg, chunks = _build(cfg_dir, dtype_from_name(model_dtype), lora_ckpt=in_dir)
     _maybe_lora(in_dir, cfg, chunks)
     extra = load_checkpoint(in_dir, chunks)
