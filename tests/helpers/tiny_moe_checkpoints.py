@@ -64,3 +64,16 @@ def make_tiny_moe_hf(path: str | os.PathLike, family: str = "qwen3_moe", seed: i
     path.mkdir(parents=True, exist_ok=True)
     build_tiny_moe(family, seed=seed, **overrides).save_pretrained(path, safe_serialization=True)
     return path
+
+
+def reference_topk(model, tokens: list[int]) -> torch.Tensor:
+    """The routed-experts oracle: int32 ``[len(tokens), layers, top_k]``, the top-k of softmax(router logits) of
+    each MoE layer in one unbatched forward of ``tokens`` (``output_router_logits``); 0 for dense layers."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([tokens]), output_router_logits=True)
+    moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+    assert len(out.router_logits) == len(moe_layers)
+    ref = torch.zeros(len(tokens), len(model.model.layers), model.config.num_experts_per_tok, dtype=torch.int32)
+    for i, logits in zip(moe_layers, out.router_logits):
+        ref[:, i] = torch.topk(torch.softmax(logits.float(), dim=-1), ref.shape[-1], dim=-1).indices.to(torch.int32)
+    return ref

@@ -3,9 +3,14 @@ per expert) land in transformers' fused expert parameters exactly, so the engine
 model loaded from the same weights; the engine answers per-expert checksums (the inverse map)."""
 from __future__ import annotations
 
+import base64
+import json
+import threading
+import time
 import uuid
 from multiprocessing import shared_memory
 
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -15,7 +20,7 @@ from mrl.rollout.engine.checksum import tensor_checksum
 from mrl.rollout.engine.in_process import InProcessEngine
 from mrl.rollout.engine.server import Engine, build_app
 from tests.helpers.dist import free_port
-from tests.helpers.tiny_moe_checkpoints import FAMILIES, make_tiny_moe_hf
+from tests.helpers.tiny_moe_checkpoints import FAMILIES, LAYERS, TOP_K, make_tiny_moe_hf, reference_topk
 
 PROMPTS = [[5, 17, 33, 41, 7, 9], [11, 3, 70]]
 
@@ -115,3 +120,45 @@ def test_routed_experts_flag_on_a_dense_model_is_refused(tmp_path):
     path = make_tiny_hf(tmp_path / "d", "qwen2")
     with pytest.raises(ValueError, match="not a mixture-of-experts model"):
         Engine(str(path), enable_return_routed_experts=True)
+
+
+def _decode(s: str) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(base64.b64decode(s), dtype=np.int32).copy()).view(-1, LAYERS, TOP_K)
+
+
+def test_routed_experts_streamed_at_the_end_and_kept_across_a_retract(tmp_path):
+    """Streaming: only the final event carries them (SGLang collects them when the request finishes). A
+    request retracted mid-generation (pause_generation retract, then continue) is re-prefilled over prompt +
+    tokens so far; its routed experts still cover every fed token and match the oracle."""
+    import transformers as tf
+
+    path = make_tiny_moe_hf(tmp_path / "m", "qwen3_moe", seed=4)
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = Engine(str(path), enable_return_routed_experts=True)
+    greedy = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    with TestClient(build_app(engine)) as c:
+        with c.stream("POST", "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {**greedy, "max_new_tokens": 4},
+                                                 "return_routed_experts": True, "stream": True}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert len(events) >= 2 and all("routed_experts" not in e["meta_info"] for e in events[:-1])
+        last = events[-1]
+        tokens = PROMPTS[0] + last["output_ids"]
+        assert torch.equal(_decode(last["meta_info"]["routed_experts"]), reference_topk(model, tokens[:-1]))
+
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.update(r=c.post("/generate", json={
+            "input_ids": PROMPTS[1], "sampling_params": greedy, "return_routed_experts": True}).json()))
+        t.start()
+        sched = engine.scheduler
+        deadline = time.monotonic() + 60
+        while not any(len(r.output_ids) >= 3 for r in list(sched._rows)):
+            assert time.monotonic() < deadline and t.is_alive(), "generation never got going"
+            time.sleep(0.001)
+        with sched.model_lock:  # between two steps; 37+ steps from its end, so it is still running
+            assert sched.pause("retract") == 1 and sched.stats["retracted"] == 1
+        sched.resume()
+        t.join(60)
+        out = box["r"]
+        assert len(out["output_ids"]) == 40 and sched.stats["prefill_batches"] >= 3  # re-prefilled
+        tokens = PROMPTS[1] + out["output_ids"]
+        assert torch.equal(_decode(out["meta_info"]["routed_experts"]), reference_topk(model, tokens[:-1]))

@@ -18,21 +18,9 @@ from fastapi.testclient import TestClient
 
 from mrl.rollout.engine.server import Engine, build_app
 from tests.helpers.sglang_real import require
-from tests.helpers.tiny_moe_checkpoints import FAMILIES, LAYERS, TOP_K, make_tiny_moe_hf
+from tests.helpers.tiny_moe_checkpoints import FAMILIES, LAYERS, TOP_K, make_tiny_moe_hf, reference_topk
 
 PROMPTS = [[5, 17, 33, 41, 7, 9], [11, 3], [60, 61, 62, 63]]
-
-
-def reference_topk(model, tokens: list[int]) -> torch.Tensor:
-    """int32 [len(tokens), layers, top_k]: top-k of each MoE layer's router softmax, 0 for dense layers."""
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([tokens]), output_router_logits=True)
-    moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
-    assert len(out.router_logits) == len(moe_layers)
-    ref = torch.zeros(len(tokens), LAYERS, TOP_K, dtype=torch.int32)
-    for i, logits in zip(moe_layers, out.router_logits):
-        ref[:, i] = torch.topk(torch.softmax(logits.float(), dim=-1), TOP_K, dim=-1).indices.to(torch.int32)
-    return ref
 
 
 @pytest.fixture(scope="module")
