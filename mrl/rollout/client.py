@@ -39,7 +39,13 @@ import numpy as np
 import torch
 
 from mrl.rollout.router import RouteOutcome, Router
-from mrl.rollout.types import FINISH_ERROR, RolloutRequest, RolloutResult, RolloutSample, RoutedExpertsLayout
+from mrl.rollout.types import (
+    FINISH_ERROR,
+    RolloutRequest,
+    RolloutResult,
+    RolloutSample,
+    RoutedExpertsLayout,
+)
 
 # Prompts per /generate at most: answers of finished requests are parsed while the rest still generate
 # (a single answer per engine for a large batch would be one multi-hundred-MB JSON parsed at the end).

@@ -16,9 +16,10 @@ import torch
 
 FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 NUM_EXPERTS, TOP_K, LAYERS = 4, 2, 2
-_COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=128, num_experts_per_tok=TOP_K, rms_norm_eps=1e-6,
-               bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+_COMMON = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": LAYERS,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+           "num_experts_per_tok": TOP_K, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+           "tie_word_embeddings": False}
 
 
 def moe_config(family: str, **overrides):

@@ -15,7 +15,12 @@ from mrl.rollout.pool import EngineEndpoint, EnginePool
 from mrl.rollout.router import RouteOutcome, Router
 from mrl.rollout.types import FINISH_ERROR, RolloutRequest, RoutedExpertsLayout
 from tests.helpers.dist import free_port
-from tests.helpers.tiny_moe_checkpoints import LAYERS, TOP_K, make_tiny_moe_hf, reference_topk
+from tests.helpers.tiny_moe_checkpoints import (
+    LAYERS,
+    TOP_K,
+    make_tiny_moe_hf,
+    reference_topk,
+)
 
 PROMPTS = [[5, 17, 33, 41, 7, 9], [11, 3]]
 

@@ -20,7 +20,13 @@ from mrl.rollout.engine.checksum import tensor_checksum
 from mrl.rollout.engine.in_process import InProcessEngine
 from mrl.rollout.engine.server import Engine, build_app
 from tests.helpers.dist import free_port
-from tests.helpers.tiny_moe_checkpoints import FAMILIES, LAYERS, TOP_K, make_tiny_moe_hf, reference_topk
+from tests.helpers.tiny_moe_checkpoints import (
+    FAMILIES,
+    LAYERS,
+    TOP_K,
+    make_tiny_moe_hf,
+    reference_topk,
+)
 
 PROMPTS = [[5, 17, 33, 41, 7, 9], [11, 3, 70]]
 

@@ -18,7 +18,13 @@ from fastapi.testclient import TestClient
 
 from mrl.rollout.engine.server import Engine, build_app
 from tests.helpers.sglang_real import require
-from tests.helpers.tiny_moe_checkpoints import FAMILIES, LAYERS, TOP_K, make_tiny_moe_hf, reference_topk
+from tests.helpers.tiny_moe_checkpoints import (
+    FAMILIES,
+    LAYERS,
+    TOP_K,
+    make_tiny_moe_hf,
+    reference_topk,
+)
 
 PROMPTS = [[5, 17, 33, 41, 7, 9], [11, 3], [60, 61, 62, 63]]
 
@@ -27,7 +33,9 @@ PROMPTS = [[5, 17, 33, 41, 7, 9], [11, 3], [60, 61, 62, 63]]
 def sglang_codec():
     require()
     from sglang.srt.managers.detokenizer_manager import DetokenizerManager
-    from sglang.srt.state_capturer.routed_experts import extract_routed_experts_from_meta_info
+    from sglang.srt.state_capturer.routed_experts import (
+        extract_routed_experts_from_meta_info,
+    )
 
     return extract_routed_experts_from_meta_info, DetokenizerManager._b64_encode_per_request
 
