@@ -7,7 +7,7 @@ of prompt + output, ``expected_rows`` of its ``_maybe_collect_routed_experts``),
 equal the top-k of softmax(router logits) of one unbatched transformers forward of the same tokens
 (``output_router_logits``), computed here; a dense layer (Qwen2-MoE ``mlp_only_layers``) is all 0, as in
 SGLang's zero-initialised capture buffer. Requests are batched (3 prompts of different lengths, n = 2,
-sampled), so prefill padding and batched decode are covered.
+sampled), so prefill padding and batched decode are covered, on both decode paths.
 """
 from __future__ import annotations
 
@@ -40,14 +40,18 @@ def sglang_codec():
     return extract_routed_experts_from_meta_info, DetokenizerManager._b64_encode_per_request
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_routed_experts_decode_with_sglang_and_match_router_topk(tmp_path, family, sglang_codec):
+@pytest.mark.parametrize(("family", "decode_path"), [(f, "fast") for f in FAMILIES] + [("qwen2_moe", "transformers")])
+def test_routed_experts_decode_with_sglang_and_match_router_topk(tmp_path, family, decode_path, sglang_codec):
     import transformers as tf
 
     decode, encode = sglang_codec
     path = make_tiny_moe_hf(tmp_path / family, family, seed=3)
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with TestClient(build_app(Engine(str(path), enable_return_routed_experts=True))) as c:
+    engine = Engine(str(path), enable_return_routed_experts=True)
+    assert engine.runner.decode_path == "fast"
+    if decode_path == "transformers":
+        engine.runner._decoder = None  # decode through the model's own forward (mrl/rollout/engine/decode.py)
+    with TestClient(build_app(engine)) as c:
         for start in (0, 2):
             outs = c.post("/generate", json={
                 "input_ids": PROMPTS, "return_routed_experts": True, "routed_experts_start_len": start,
