@@ -74,10 +74,12 @@ def test_routed_experts_refused_without_the_flag_and_start_len_checked(tmp_path)
     path = make_tiny_moe_hf(tmp_path / "m", "qwen3_moe")
     body = {"input_ids": PROMPTS[0], "return_routed_experts": True, "sampling_params": {"max_new_tokens": 2}}
     with TestClient(build_app(Engine(str(path)))) as c:
+        assert c.get("/server_info").json()["enable_return_routed_experts"] is False  # SGLang's server-args key
         r = c.post("/generate", json=body)
         assert r.status_code == 400 and "--enable-return-routed-experts" in r.json()["error"]["message"]
         assert "routed_experts" not in c.post("/generate", json={**body, "return_routed_experts": False}).json()["meta_info"]
     with TestClient(build_app(Engine(str(path), enable_return_routed_experts=True))) as c:
+        assert c.get("/server_info").json()["enable_return_routed_experts"] is True
         r = c.post("/generate", json={**body, "routed_experts_start_len": len(PROMPTS[0]) + 1})
         assert r.status_code == 400 and "routed_experts_start_len" in r.json()["error"]["message"]
         # a request that does not ask gets no key, as in SGLang
