@@ -1,6 +1,7 @@
 """Mixture-of-experts models in the embedded engine: weights pushed under the HF checkpoint names (one tensor
 per expert) land in transformers' fused expert parameters exactly, so the engine's logits equal those of the
-model loaded from the same weights; the engine answers per-expert checksums (the inverse map)."""
+model loaded from the same weights (disk, shared memory, in-process, torch.distributed); the engine answers per-expert
+checksums (the inverse map)."""
 from __future__ import annotations
 
 import base64
@@ -168,3 +169,39 @@ def test_routed_experts_streamed_at_the_end_and_kept_across_a_retract(tmp_path):
         assert len(out["output_ids"]) == 40 and sched.stats["prefill_batches"] >= 3  # re-prefilled
         tokens = PROMPTS[1] + out["output_ids"]
         assert torch.equal(_decode(out["meta_info"]["routed_experts"]), reference_topk(model, tokens[:-1]))
+
+
+def _dist_rank(rank, world_size, port, a, b):
+    """rank 0: the trainer-side sender of b's per-expert tensors (one flattened bucket); rank 1: an engine on a."""
+    import torch.distributed as dist
+
+    from mrl.rollout.weight_sync.group import init_custom_process_group
+
+    src = load_file(str(b / "model.safetensors"))
+    if rank == 0:
+        pg = init_custom_process_group("gloo", "127.0.0.1", port, 0, 2, "weight_update_group", timeout_s=60)
+        dist.broadcast(torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in src.values()]), group=pg,
+                       group_src=0)
+        return None
+    engine = Engine(str(a))
+    with TestClient(build_app(engine)) as c:
+        r = c.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": port,
+                                                       "rank_offset": 1, "world_size": 2, "backend": "gloo"}).json()
+        assert r["success"], r
+        assert c.post("/begin_weight_update", json={}).json()["success"]
+        names = list(src)
+        r = c.post("/update_weights_from_distributed", json={
+            "names": names, "dtypes": ["float32"] * len(names), "shapes": [list(src[n].shape) for n in names],
+            "load_format": "flattened_bucket"}).json()
+        assert r["success"], r
+        _assert_holds(engine, src)
+        return _engine_logits(engine, PROMPTS)
+
+
+@pytest.mark.multirank
+def test_update_from_distributed_gives_the_logits_of_the_loaded_model(tmp_path):
+    from tests.helpers.dist import run_ranks
+
+    a, b = make_tiny_moe_hf(tmp_path / "a", "qwen3_moe", seed=0), make_tiny_moe_hf(tmp_path / "b", "qwen3_moe", seed=1)
+    _, logits = run_ranks(_dist_rank, 2, args=(free_port(), a, b), timeout_s=150, init_process_group=False)
+    torch.testing.assert_close(logits, _reference_logits(b, PROMPTS), rtol=0, atol=1e-5)
