@@ -40,6 +40,7 @@ import torch
 
 from mrl.rollout.router import RouteOutcome, Router
 from mrl.rollout.types import (
+    FINISH_ABORT,
     FINISH_ERROR,
     RolloutRequest,
     RolloutResult,
@@ -176,12 +177,18 @@ def _sample(i: int, j: int, prompt: list[int], body: Any, out: RouteOutcome, wan
     routed = None
     if routed_layout is not None:
         encoded = (body.get("meta_info") or {}).get("routed_experts")
+        error = None
         if not isinstance(encoded, str):
-            return failed("the engine answered without meta_info.routed_experts: start SGLang (or mrl engine) "
-                          "with --enable-return-routed-experts, and serve an MoE model")
-        try:
-            routed = decode_routed_experts(encoded, max(0, len(prompt) + len(ids) - 1), routed_layout)
-        except ValueError as ex:  # binascii.Error is a ValueError too
-            return failed(f"meta_info.routed_experts: {ex}")
+            error = ("the engine answered without meta_info.routed_experts: start SGLang (or mrl engine) with "
+                     "--enable-return-routed-experts, and serve an MoE model")
+        else:
+            try:
+                routed = decode_routed_experts(encoded, max(0, len(prompt) + len(ids) - 1), routed_layout)
+            except ValueError as ex:  # binascii.Error is a ValueError too
+                error = f"meta_info.routed_experts: {ex}"
+        # An aborted request (a weight push's pause) may have been dropped before it ran, with no routing to
+        # report; partial rollouts continue it, and the continuation's routing covers the whole sample.
+        if error is not None and reason != FINISH_ABORT:
+            return failed(error)
     return RolloutSample(i, j, prompt, ids, lps, reason, wv, out.engine_url, None, out.attempts,
                          routed_experts=routed)

@@ -69,5 +69,8 @@ def test_missing_or_misshaped_routed_experts_fail_the_sample():
     short = base64.b64encode(np.arange(6, dtype=np.int32).tobytes()).decode()
     s = _sample(0, 0, [1, 2, 3], {**body, "meta_info": {"routed_experts": short}}, out, False, layout)
     assert s.finish_reason == FINISH_ERROR and "expected 4 tokens" in s.error
+    aborted = {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "paused"}}}
+    s = _sample(0, 0, [1, 2, 3], aborted, out, False, layout)  # dropped before it ran: partial rollouts go on
+    assert s.ok and s.finish_reason == "abort" and s.routed_experts is None
     with pytest.raises(ValueError, match="routed_experts_layout"):
         RolloutClient(None, return_routed_experts=True)  # type: ignore[arg-type]
