@@ -86,12 +86,31 @@ def test_routed_experts_refused_without_the_flag_and_start_len_checked(tmp_path)
         assert "routed_experts" not in c.post("/generate", json={**body, "return_routed_experts": False}).json()["meta_info"]
 
 
-def test_sglang_reads_the_request_fields():
-    """SGLang's own GenerateReqInput accepts the two fields as the engine and the client send them."""
+def test_sglang_reads_the_clients_request():
+    """SGLang's own GenerateReqInput reads the /generate body the client sends with return_routed_experts."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from mrl.rollout.client import RolloutClient
+    from mrl.rollout.router import RouteOutcome
+    from mrl.rollout.types import RolloutRequest, RoutedExpertsLayout
+
     require()
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    req = GenerateReqInput(input_ids=[[1, 2, 3], [4, 5]], return_routed_experts=True, routed_experts_start_len=1,
-                           sampling_params={"max_new_tokens": 4})
+    sent: list[dict] = []
+
+    class Recording:
+        pool = SimpleNamespace(engines=[SimpleNamespace(healthy=True)])
+
+        async def generate(self, payload, rid, timeout_s):
+            sent.append(payload)
+            return RouteOutcome(None, None, 1, "recorded, not sent")
+
+    client = RolloutClient(Recording(), return_routed_experts=True,  # type: ignore[arg-type]
+                           routed_experts_layout=RoutedExpertsLayout(LAYERS, TOP_K))
+    asyncio.run(client.agenerate(RolloutRequest([[1, 2, 3], [4, 5]], n=2, sampling_params={"max_new_tokens": 4})))
+    (body,) = sent
+    req = GenerateReqInput(**body)
     req.normalize_batch_and_arguments()
-    assert req[0].return_routed_experts is True and req[1].routed_experts_start_len == 1
+    assert all(req[i].return_routed_experts and req[i].routed_experts_start_len == 0 for i in range(4))
