@@ -132,8 +132,10 @@ class _Partial:
             return replace(last, prompt_index=f.prompt_index, sample_index=f.sample_index, prompt_ids=f.prompt_ids,
                            response_ids=[], rollout_log_probs=[], attempts=self.attempts)
         oldest = min(self.versions, key=version_number) if self.versions else last.weight_version
+        # the last segment's prompt is f.prompt_ids + every earlier token: its routed experts cover the sample
         return RolloutSample(f.prompt_index, f.sample_index, f.prompt_ids, self.ids, self.lps, last.finish_reason,
-                             oldest, last.engine_url, None, self.attempts, list(self.versions))
+                             oldest, last.engine_url, None, self.attempts, list(self.versions),
+                             routed_experts=last.routed_experts)
 
 
 async def agenerate_resumable(client: Any, request: RolloutRequest, gate: SubmitGate, *,

@@ -110,7 +110,7 @@ class SamplingParams(BaseModel):
 UNSUPPORTED_GENERATE_DEFAULTS: dict[str, Any] = {
     "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None, "lora_path": None,
     "token_ids_logprob": None, "return_hidden_states": False, "custom_logit_processor": None,
-    "session_params": None, "return_routed_experts": False,
+    "session_params": None,
 }
 
 
@@ -125,7 +125,14 @@ class GenerateReqInput(BaseModel):
     ``top_logprobs_num`` adds the k most likely tokens per position; ``return_text_in_logprobs``
     puts each token's text in the third slot of every ``[logprob, token_id, text]``.
     ``stream`` answers with Server-Sent Events (``data: {json}`` with cumulative text, then
-    ``data: [DONE]``)."""
+    ``data: [DONE]``).
+
+    ``return_routed_experts`` (SGLang's; the server must run with ``--enable-return-routed-experts``):
+    each finished sample's ``meta_info["routed_experts"]`` is base64 of the int32 C-order bytes of
+    ``[seqlen - 1 - routed_experts_start_len, num_hidden_layers, num_experts_per_tok]``, the top-k expert ids
+    of every token position in ``[routed_experts_start_len, seqlen - 1)`` of prompt + output (seqlen =
+    prompt + output tokens; the last output token is never fed to the model). One value for all prompts,
+    as in SGLang; ``routed_experts_start_len`` must lie in ``[0, prompt tokens]``."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -138,6 +145,8 @@ class GenerateReqInput(BaseModel):
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     stream: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateReqInput:

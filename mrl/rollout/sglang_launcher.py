@@ -62,6 +62,8 @@ class SGLangLaunchSpec:
     admin_api_key: ``--admin-api-key``, the per-run token: SGLang then requires it on its admin endpoints
     (pause, weight updates, memory release, ...) and leaves /generate and /health open — the embedded
     engine's model, so a router (sglang_router) can forward generations without the key.
+    enable_return_routed_experts: ``--enable-return-routed-experts`` (MoE routing replay): the server
+    captures each layer's top-k expert ids so ``/generate`` can return them (``return_routed_experts``).
     """
 
     model_path: str
@@ -75,6 +77,7 @@ class SGLangLaunchSpec:
     dtype: str | None = None
     random_seed: int | None = None
     admin_api_key: str | None = None
+    enable_return_routed_experts: bool = False
     extra_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -110,23 +113,29 @@ def build_sglang_command(spec: SGLangLaunchSpec, python: str = sys.executable) -
         cmd += ["--random-seed", str(spec.random_seed)]
     if spec.admin_api_key:
         cmd += ["--admin-api-key", spec.admin_api_key]
+    if spec.enable_return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
     return cmd + list(spec.extra_args)
 
 
 def build_embedded_command(
     model_path: str, port: int, host: str = "127.0.0.1", token_env: str | None = None, python: str = sys.executable,
     device: str | None = None, dtype: str | None = None, seed: int | None = None,
+    enable_return_routed_experts: bool = False,
 ) -> list[str]:
     """The argv of the embedded engine (``rollout.engine: torch``), same CLI shape. The control
     token travels in the environment variable ``token_env`` (pass it in ``EngineProcess(env=)``),
     not in argv, which other users of the host can read. ``device``/``dtype``/``seed``: the
-    server's defaults (cpu, float32, 0) when None."""
+    server's defaults (cpu, float32, 0) when None. ``enable_return_routed_experts``: SGLang's flag, same
+    meaning (an MoE model)."""
     cmd = [python, "-m", "mrl.rollout.engine.server", "--model", str(model_path), "--host", host, "--port", str(port)]
     if token_env:
         cmd += ["--token-env", token_env]
     for flag, value in (("--device", device), ("--dtype", dtype), ("--seed", seed)):
         if value is not None:
             cmd += [flag, str(value)]
+    if enable_return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
     return cmd
 
 

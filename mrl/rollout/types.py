@@ -7,6 +7,8 @@ prompt-major and interleaved like verl's ``repeat(n, interleave=True)``:
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +53,28 @@ class RolloutRequest:
             raise ValueError(f"RolloutRequest.sampling_seeds must be {len(self.prompts)} lists of n={self.n} seeds")
 
 
+@dataclass(frozen=True)
+class RoutedExpertsLayout:
+    """Shape of one token's routed experts as an engine returns them (SGLang's capture buffer): one row of
+    ``top_k`` expert ids for each of the ``num_layers`` hidden layers (a dense layer's row is all 0)."""
+
+    num_layers: int
+    top_k: int
+
+    @classmethod
+    def from_hf_config(cls, model_path: str | os.PathLike) -> RoutedExpertsLayout:
+        """From ``model_path/config.json`` (``num_hidden_layers``, ``num_experts_per_tok``; a nested
+        ``text_config`` for multimodal wrappers)."""
+        path = os.path.join(model_path, "config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        cfg = cfg.get("text_config", cfg)
+        if "num_experts_per_tok" not in cfg:
+            raise ValueError(f"{path}: no num_experts_per_tok, not a mixture-of-experts model; routed experts "
+                             "exist only for MoE models (turn routing replay off)")
+        return cls(int(cfg["num_hidden_layers"]), int(cfg["num_experts_per_tok"]))
+
+
 @dataclass
 class RolloutSample:
     """One generated response. ``rollout_log_probs[t]`` is log p(response_ids[t]) under the
@@ -77,6 +101,14 @@ class RolloutSample:
     #: multi-turn (agent) samples: turns, tool-call history and final answer (mrl/agent/loop.py), which
     #: the reward function sees as ``extra_info["agent"]``
     agent: dict[str, Any] | None = None
+    #: MoE models, when the client asked for them (``RolloutClient(return_routed_experts=True)``): int32
+    #: ``[len(prompt_ids) + len(response_ids) - 1, num_layers, top_k]``; row t holds the top-k expert ids
+    #: (in the router's top-k order) of every hidden layer for token t of ``prompt_ids + response_ids`` — the
+    #: experts the engine's forward used when it fed that token. The last response token has no row (it is
+    #: sampled, never fed: SGLang's ``[0, seqlen - 1)``); dense layers' rows are 0. A partially rolled-out
+    #: sample (mrl/rollout/partial.py) holds its last segment's, whose prefill re-routed the earlier tokens
+    #: with the newest weights. None = not asked for (or a failed sample).
+    routed_experts: torch.Tensor | None = None
 
     @property
     def ok(self) -> bool:
@@ -150,3 +182,28 @@ class RolloutResult:
             "response_attention": attn,
             "response_lengths": torch.tensor(self.response_lengths, dtype=torch.long),
         }
+
+    def routed_experts_padded(self, prompt_width: int) -> torch.Tensor:
+        """The samples' routed experts aligned with the trainer's ``input_ids`` = [prompt left-padded to
+        ``prompt_width`` | response right-padded to R = the longest response] (mrl/driver/batch.py):
+        int32 ``[B, prompt_width + R, num_layers, top_k]``; column c of sample b holds the experts of the
+        token in column c. -1 where the engine gave none: padding columns, each sample's last response token
+        (never fed to the engine) and failed samples. Every sample that succeeded must carry them."""
+        r = max([s.response_length for s in self.samples] + [1])
+        shapes = {tuple(s.routed_experts.shape[1:]) for s in self.samples if s.routed_experts is not None}
+        if len(shapes) != 1:
+            raise ValueError("routed_experts_padded: no sample carries routed experts (ask the client with "
+                             "return_routed_experts=True)" if not shapes else f"routed experts of shapes {shapes}")
+        (layers, k), = shapes
+        out = torch.full((len(self.samples), prompt_width + r, layers, k), -1, dtype=torch.int32)
+        for b, s in enumerate(self.samples):
+            if not s.ok:
+                continue
+            if s.routed_experts is None:
+                raise ValueError(f"sample ({s.prompt_index}, {s.sample_index}) has no routed experts")
+            if len(s.prompt_ids) > prompt_width:
+                raise ValueError(f"sample ({s.prompt_index}, {s.sample_index}): prompt of {len(s.prompt_ids)} "
+                                 f"tokens is wider than prompt_width={prompt_width}")
+            c0 = prompt_width - len(s.prompt_ids)
+            out[b, c0: c0 + s.routed_experts.shape[0]] = s.routed_experts
+        return out

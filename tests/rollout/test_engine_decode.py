@@ -18,6 +18,8 @@ from mrl.rollout.engine.decode import fast_path_refusal
 from mrl.rollout.engine.kv_cache import RunningBatch
 from mrl.rollout.engine.model_runner import ModelRunner
 from tests.helpers.tiny_models import hf_config, make_tiny_hf
+from tests.helpers.tiny_moe_checkpoints import FAMILIES as MOE_FAMILIES
+from tests.helpers.tiny_moe_checkpoints import make_tiny_moe_hf
 
 TOL = 1e-5
 
@@ -26,6 +28,7 @@ TOL = 1e-5
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("decode")
     dirs = {f: make_tiny_hf(root / f, f) for f in ("llama", "qwen2", "qwen3", "mistral")}
+    dirs.update({f: make_tiny_moe_hf(root / f, f) for f in MOE_FAMILIES})  # Qwen3-MoE, Mixtral, Qwen2-MoE
     # llama with biases on q/k/v/o and the MLP: exercises the fused bias buffers
     dirs["llama_bias"] = make_tiny_hf(root / "llama_bias", "llama", attention_bias=True, mlp_bias=True)
     return dirs
@@ -69,7 +72,7 @@ def _run_schedule(runner: ModelRunner, seed: int = 0) -> int:
     return checked
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "llama_bias"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "llama_bias", *MOE_FAMILIES])
 def test_fast_decode_matches_transformers(model_dirs, family, monkeypatch):
     monkeypatch.setattr(kv_cache, "COL_HEADROOM", 3)  # reallocate every few steps
     runner = ModelRunner(str(model_dirs[family]))
@@ -114,9 +117,10 @@ def test_weight_updates_reach_the_fused_fast_path(model_dirs):
     assert (restored - _reference_last_logits(runner.model, seqs)).abs().max() <= TOL
 
 
-def test_generic_decode_matches_transformers(model_dirs, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_moe"])
+def test_generic_decode_matches_transformers(model_dirs, family, monkeypatch):
     monkeypatch.setattr(kv_cache, "COL_HEADROOM", 3)
-    runner = ModelRunner(str(model_dirs["qwen2"]))
+    runner = ModelRunner(str(model_dirs[family]))
     runner._decoder = None  # the model's own forward over views of the cache
     assert _run_schedule(runner, seed=1) > 40
 
@@ -129,6 +133,10 @@ def test_fast_path_refuses_what_it_does_not_implement():
     import transformers as tf
 
     assert "gpt2" in fast_path_refusal(tf.GPT2Config())
+    from tests.helpers.tiny_moe_checkpoints import moe_config
+
+    assert all(fast_path_refusal(moe_config(f)) is None for f in MOE_FAMILIES)
+    assert "sliding" in fast_path_refusal(moe_config("mixtral", sliding_window=16))
 
 
 def _batch_with(rows: int, lengths: list[int]) -> RunningBatch:

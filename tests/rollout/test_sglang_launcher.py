@@ -35,6 +35,10 @@ def test_sglang_command_from_config():
     assert build_embedded_command("/m", 5, host="10.0.0.2", token_env="MRL_TOKEN", python="py") == [
         "py", "-m", "mrl.rollout.engine.server", "--model", "/m", "--host", "10.0.0.2", "--port", "5",
         "--token-env", "MRL_TOKEN"]
+    assert build_embedded_command("/m", 5, enable_return_routed_experts=True)[-1] == "--enable-return-routed-experts"
+    assert "--enable-return-routed-experts" not in plain
+    moe = build_sglang_command(SGLangLaunchSpec(model_path="/m", port=1, enable_return_routed_experts=True))
+    assert "--enable-return-routed-experts" in moe
     with pytest.raises(ValueError, match="mem-fraction-static"):
         SGLangLaunchSpec(model_path="/m", port=1, mem_fraction_static=1.5)
 

@@ -25,7 +25,7 @@ from transformers import DynamicCache
 
 from mrl.rollout.engine.kv_cache import RunningBatch
 
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
 LM_HEAD_CHUNK = 1024  # vocabulary rows per LM-head GEMM
 
 
@@ -37,8 +37,8 @@ def fast_path_refusal(config) -> str | None:
     types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in types):
         return "sliding-window attention layers"
-    if mt == "mistral" and getattr(config, "sliding_window", None) is not None:
-        return "mistral sliding_window is set"
+    if mt in ("mistral", "mixtral", "qwen3_moe") and getattr(config, "sliding_window", None) is not None:
+        return f"{mt} sliding_window is set"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
     return None
@@ -67,6 +67,9 @@ class LlamaFamilyDecoder:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # MoE blocks (Qwen3-MoE, Qwen2-MoE, Mixtral) take [batch, seq, hidden]; their routers see [B, H] tokens
+        # either way, so the routed-experts capture (mrl/rollout/engine/moe.py) works on this path too.
+        self.moe = [hasattr(layer.mlp, "experts") for layer in model.model.layers]
 
     @torch.inference_mode()
     def __call__(self, rb: RunningBatch) -> torch.Tensor:
@@ -99,7 +102,8 @@ class LlamaFamilyDecoder:
                 scale=attn.scaling,
             ).reshape(B, nh * hd)
             h = h + attn.o_proj(o)
-            h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
+            x = _rms_norm(layer.post_attention_layernorm, h)
+            h = h + (layer.mlp(x[:, None, :])[:, 0] if self.moe[i] else layer.mlp(x))
         h = _rms_norm(base.norm, h)
         rb.commit_column()
         return lm_head_chunked(self.model.lm_head, h)

@@ -31,11 +31,15 @@ class InProcessEngine:
     """An :class:`~mrl.rollout.engine.server.Engine` served on ``host:port`` from threads of this process."""
 
     def __init__(self, model_path: str, *, host: str, port: int, token: str | None, dtype: str, seed: int,
-                 max_running: int | None = None, startup_timeout_s: float = 120.0) -> None:
+                 max_running: int | None = None, startup_timeout_s: float = 120.0,
+                 enable_return_routed_experts: bool = False) -> None:
+        """``enable_return_routed_experts``: ``mrl engine --enable-return-routed-experts`` (an MoE model; its
+        ``/generate`` then honours ``return_routed_experts``, docs/moe.md)."""
         import uvicorn
 
         kw = {} if max_running is None else {"max_running": max_running}
-        self.engine = Engine(model_path, device="cpu", dtype=dtype, seed=seed, **kw)
+        self.engine = Engine(model_path, device="cpu", dtype=dtype, seed=seed,
+                             enable_return_routed_experts=enable_return_routed_experts, **kw)
         self.url = f"http://{host}:{port}"
         config = uvicorn.Config(build_app(self.engine, token=token), host=host, port=port, log_level="warning",
                                 lifespan="on")

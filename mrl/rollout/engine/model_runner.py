@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from mrl.dtypes import DTYPES, torch_dtype
 from mrl.rollout.engine.decode import LlamaFamilyDecoder, fast_path_refusal, hf_decode
 from mrl.rollout.engine.kv_cache import PrefilledRows, RunningBatch
+from mrl.rollout.engine.moe import RoutingCapture, checkpoint_views, is_moe
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -33,9 +34,14 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 class ModelRunner:
-    """Loads ``model_path`` (config, safetensors, optional tokenizer) and runs prefill/decode."""
+    """Loads ``model_path`` (config, safetensors, optional tokenizer) and runs prefill/decode.
 
-    def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32") -> None:
+    ``capture_routing`` (an MoE model only; ``--enable-return-routed-experts``): :attr:`routing` hooks the
+    routers, and a prefill/decode called with ``routing=True`` leaves the top-k expert ids of the tokens it
+    fed in :attr:`last_routing` (see :meth:`prefill`, :meth:`decode`)."""
+
+    def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32",
+                 capture_routing: bool = False) -> None:
         path = Path(model_path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
@@ -58,7 +64,15 @@ class ModelRunner:
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self.vocab_size = int(self.config.vocab_size)
         self.released = False
-        self._meta = {n: (p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters(remove_duplicate=False)}
+        # By checkpoint name (what updates send; fused MoE experts split per expert, mrl/rollout/engine/moe.py),
+        # and by parameter for resume().
+        self._meta = {n: (p.dtype, tuple(p.shape)) for n, p in checkpoint_views(self.model).items()}
+        self._param_meta = {n: (p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()}
+        if capture_routing and not is_moe(self.config):
+            raise ValueError(f"--enable-return-routed-experts: {model_path} is not a mixture-of-experts model "
+                             f"(model_type {getattr(self.config, 'model_type', None)!r}); drop the flag")
+        self.routing = RoutingCapture(self.model) if capture_routing else None
+        self.last_routing: list[torch.Tensor] | torch.Tensor | None = None
         cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         self._kv_shape = (cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
                           getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
@@ -73,8 +87,9 @@ class ModelRunner:
 
     # ---- weights by HF name -------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """Every parameter under each of its HF names (tied weights appear under both)."""
-        return dict(self.model.named_parameters(remove_duplicate=False))
+        """Every weight under its HF checkpoint name(s) (tied weights under both; a fused MoE expert
+        parameter as one writable view per expert: :func:`~mrl.rollout.engine.moe.checkpoint_views`)."""
+        return checkpoint_views(self.model)
 
     def weight_meta(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """{HF name: (dtype, shape)}, valid also while the weights are released."""
@@ -82,18 +97,25 @@ class ModelRunner:
 
     # ---- forward ------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> tuple[PrefilledRows, torch.Tensor]:
+    def prefill(self, prompts: list[list[int]], routing: bool = False) -> tuple[PrefilledRows, torch.Tensor]:
         """Left-padded batched prefill. Returns the new rows' cache (for ``RunningBatch.add``) and
-        the logits of each prompt's last position [N, V].
+        the logits of each prompt's last position [N, V]. ``routing`` (needs ``capture_routing``):
+        :attr:`last_routing` becomes one int32 ``[len(prompt), num_layers, top_k]`` per prompt, the
+        experts each prompt token was routed to.
 
         Identical prompts are computed once and their rows copied: the rollout client sends the n
         samples of a prompt together, so an RL admission is mostly n-fold repeats (SGLang reuses
         them from its prefix cache)."""
         first: dict[tuple[int, ...], int] = {}
         index = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        self._arm(routing)
         if len(first) == len(prompts):
-            return self._prefill(prompts)
-        rows, logits = self._prefill([list(p) for p in first])
+            out = self._prefill(prompts)
+            self._take_prefill_routing(prompts, list(range(len(prompts))))
+            return out
+        uniq = [list(p) for p in first]
+        rows, logits = self._prefill(uniq)
+        self._take_prefill_routing(uniq, index)
         idx = torch.tensor(index, device=self.device)
         rows = PrefilledRows([k.index_select(0, idx) for k in rows.keys], [v.index_select(0, idx) for v in rows.values],
                              rows.valid.index_select(0, idx), rows.next_pos.index_select(0, idx.cpu()))
@@ -123,11 +145,37 @@ class ModelRunner:
                              next_pos=torch.tensor([len(p) for p in prompts], dtype=torch.long))
         return rows, out.logits[:, -1, :]
 
-    def decode(self, rb: RunningBatch) -> torch.Tensor:
-        """Feed ``rb.last_tokens`` at ``rb.next_pos``; returns logits [B, V] and advances ``rb``."""
+    def decode(self, rb: RunningBatch, routing: bool = False) -> torch.Tensor:
+        """Feed ``rb.last_tokens`` at ``rb.next_pos``; returns logits [B, V] and advances ``rb``.
+        ``routing``: :attr:`last_routing` becomes int32 ``[B, num_layers, top_k]``, the experts of each
+        fed token."""
+        self._arm(routing)
         if self._decoder is not None:
-            return self._decoder(rb)
-        return hf_decode(self.model, rb)
+            logits = self._decoder(rb)
+        else:
+            logits = hf_decode(self.model, rb)
+        if routing:
+            self.last_routing = self.routing.take(rb.size)  # type: ignore[union-attr]
+        return logits
+
+    def _arm(self, routing: bool) -> None:
+        self.last_routing = None
+        if self.routing is not None:
+            self.routing.armed = False  # a forward that raised may have left it armed
+        if routing:
+            if self.routing is None:
+                raise ValueError("routed experts were asked for, but this engine was started without "
+                                 "--enable-return-routed-experts")
+            self.routing.arm()
+
+    def _take_prefill_routing(self, computed: list[list[int]], index: list[int]) -> None:
+        """The armed prefill's ids ([n * Lp] rows: prompt-major, left-padded) cut to each prompt's tokens."""
+        if self.routing is None or not self.routing.armed:
+            return
+        lp = max(len(p) for p in computed)
+        ids = self.routing.take(len(computed) * lp).view(len(computed), lp, self.routing.num_layers,
+                                                          self.routing.top_k)
+        self.last_routing = [ids[k, lp - len(computed[k]):] for k in index]
 
     # ---- memory release -----------------------------------------------------------------
     def release(self) -> int:
@@ -143,7 +191,7 @@ class ModelRunner:
     def resume(self) -> None:
         """Re-allocate every parameter with zeros; the caller reloads values (disk or sync)."""
         for name, p in self.model.named_parameters():
-            dtype, shape = self._meta[name]
+            dtype, shape = self._param_meta[name]
             p.data = torch.zeros(shape, dtype=dtype, device=self.device)
         self.released = False
 

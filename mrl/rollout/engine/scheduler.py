@@ -72,6 +72,16 @@ class Request:
     # stop this request and its output length limit (max_new_tokens or the model's context).
     stop_ids: frozenset[int] | None = None
     max_len: int = 0
+    # return_routed_experts: the top-k expert ids of every token fed to the model, int32 [1 or n, layers, top_k]
+    # chunks in feeding order (a prefill's rows, then one per decode step; a retracted request's re-prefill
+    # replaces them). At finish they cover prompt + output[:-1]: the last sampled token is never fed.
+    return_routed_experts: bool = False
+    routed_start: int = 0  # routed_experts_start_len: the first position returned
+    routed: list[torch.Tensor] = field(default_factory=list)
+
+    def routed_experts(self) -> torch.Tensor:
+        """int32 ``[len(prompt) + len(output) - 1, num_layers, top_k]`` once finished (SGLang's rows)."""
+        return torch.cat(self.routed) if self.routed else torch.zeros(0, 0, 0, dtype=torch.int32)
 
 
 class Scheduler:
@@ -141,6 +151,9 @@ class Scheduler:
         if (req.params.stop_strings or req.params.stop_regex_list) and self.runner.tokenizer is None:
             raise ValueError("sampling_params.stop / stop_regex need a tokenizer in the model directory; "
                              "use stop_token_ids")
+        if req.return_routed_experts and req.params.max_new_tokens == 0:
+            raise ValueError("return_routed_experts needs max_new_tokens >= 1 (the embedded engine runs no forward "
+                             "for a request that generates nothing)")
         if req.params.max_new_tokens == 0:
             req.finish_reason = {"type": "length", "length": 0}
             req.future.set_result(req)
@@ -264,7 +277,12 @@ class Scheduler:
         if self._rows:
             self.stats["admitted_while_running"] += len(admit)
         # A retracted request resumes from prompt + the tokens it had sampled (see pause).
-        rows, logits = self.runner.prefill([r.prompt_ids + r.output_ids for r in admit])
+        routing = any(r.return_routed_experts for r in admit)
+        rows, logits = self.runner.prefill([r.prompt_ids + r.output_ids for r in admit], routing=routing)
+        if routing:
+            for r, ids in zip(admit, self.runner.last_routing):  # type: ignore[arg-type]
+                if r.return_routed_experts:
+                    r.routed = [ids]  # a retracted request's re-prefill covers what it had fed before
         self._rb.add(rows, last_tokens=self._sample_and_append(admit, logits))
         self._rows.extend(admit)
         self.stats["prefill_batches"] += 1
@@ -274,7 +292,13 @@ class Scheduler:
         self._drop_finished()
 
     def _decode(self) -> None:
-        logits = self.runner.decode(self._rb)
+        routing = any(r.return_routed_experts for r in self._rows)
+        logits = self.runner.decode(self._rb, routing=routing)
+        if routing:
+            step = self.runner.last_routing
+            for b, r in enumerate(self._rows):
+                if r.return_routed_experts:
+                    r.routed.append(step[b: b + 1])  # type: ignore[index]
         self._rb.last_tokens = self._sample_and_append(self._rows, logits)
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(self._rows)

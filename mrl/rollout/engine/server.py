@@ -2,6 +2,7 @@
 
     mrl engine --model HF_DIR --port P [--host 127.0.0.1] [--token-env VAR | --token T]
                [--max-running N] [--device cpu|cuda] [--dtype float32] [--seed S]
+               [--enable-return-routed-experts]
     python -m mrl.rollout.engine.server (same arguments)
 
 Security: binds 127.0.0.1 by default. When a token is configured, every control endpoint
@@ -10,6 +11,12 @@ Security: binds 127.0.0.1 by default. When a token is configured, every control 
 ``Authorization: Bearer <token>``; the
 server refuses to bind a non-loopback address without one. Requests are JSON only; tensors
 arrive from disk (safetensors), shared memory or torch.distributed, never pickled.
+
+Routed experts (MoE models): started with ``--enable-return-routed-experts`` (SGLang's flag), the engine
+hooks the routers and ``/generate`` honours ``return_routed_experts`` (encoding: mrl/rollout/protocol.py
+``GenerateReqInput``). Without the flag such a request is refused with 400 naming the flag; SGLang 0.5.23
+instead answers without ``meta_info["routed_experts"]``, which mrl's client reports as an error
+(docs/moe.md).
 """
 from __future__ import annotations
 
@@ -47,8 +54,9 @@ class Engine:
     """Model runner + scheduler + weight-update groups of one server."""
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32",
-                 max_running: int = MAX_RUNNING, seed: int = 0) -> None:
-        self.runner = ModelRunner(model_path, device=device, dtype=dtype)
+                 max_running: int = MAX_RUNNING, seed: int = 0, enable_return_routed_experts: bool = False) -> None:
+        self.runner = ModelRunner(model_path, device=device, dtype=dtype, capture_routing=enable_return_routed_experts)
+        self.enable_return_routed_experts = enable_return_routed_experts
         self.scheduler = Scheduler(self.runner, max_running=max_running, seed=seed)
         self.groups = W.DistGroups(self.runner.device)
         # resume_memory_occupation restores the --model checkpoint, then the last directory
@@ -95,6 +103,9 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
     async def generate(body: P.GenerateReqInput, http: HTTPRequest):
         if runner.released:
             return JSONResponse({"error": {"message": "weights released; call /resume_memory_occupation"}}, status_code=503)
+        if body.return_routed_experts and not engine.enable_return_routed_experts:
+            return bad_request(ValueError("return_routed_experts: this engine was started without "
+                                          "--enable-return-routed-experts; restart it with the flag (an MoE model)"))
         t0 = time.monotonic()
         try:
             jobs = []
@@ -102,7 +113,8 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
                 text, ids, sp, lp, rid = body.item(i)
                 start, top = body.logprob_options(i)
                 ids = S.encode(engine, text) if ids is None else ids
-                jobs += [S.new_job(engine, ids, sp, lp, start, top, rid if sp.n == 1 or rid is None else f"{rid}_{j}")
+                jobs += [S.new_job(engine, ids, sp, lp, start, top, rid if sp.n == 1 or rid is None else f"{rid}_{j}",
+                                   body.return_routed_experts, body.routed_experts_start_len)
                          for j in range(sp.n)]
             await S.run(engine, jobs)
         except ValueError as e:
@@ -351,6 +363,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--seed", type=int, default=0, help="seed of draws for requests without sampling_seed")
+    ap.add_argument("--enable-return-routed-experts", action="store_true",
+                    help="MoE models: capture the routers' top-k expert ids so /generate can return them "
+                         "(return_routed_experts, SGLang's flag)")
     ap.add_argument("--log-level", default="warning")
     return ap.parse_args(argv)
 
@@ -396,7 +411,11 @@ def cli_main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     token = resolve_token(args)
     exit_with_parent()
-    engine = Engine(args.model, device=args.device, dtype=args.dtype, max_running=args.max_running, seed=args.seed)
+    try:
+        engine = Engine(args.model, device=args.device, dtype=args.dtype, max_running=args.max_running, seed=args.seed,
+                        enable_return_routed_experts=args.enable_return_routed_experts)
+    except ValueError as e:  # e.g. the flag on a dense model: a user mistake, no traceback
+        raise SystemExit(f"mrl engine: {e}") from None
     app = build_app(engine, token=token)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -48,6 +48,7 @@ def server_info(engine, startup_time: float) -> dict[str, Any]:
         "context_length": ctx,
         "max_running_requests": sched.max_running, "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1,
         "max_total_num_tokens": ctx * sched.max_running, "max_req_input_len": max(ctx - 1, 0),
+        "enable_return_routed_experts": bool(getattr(engine, "enable_return_routed_experts", False)),
         "weight_version": sched.weight_version, "internal_states": [state], "version": SGLANG_PROTOCOL_VERSION,
         "frontend": "python", "startup_time": startup_time, "engine": "mrl-torch", "decode_path": runner.decode_path, **state,
     }

@@ -11,7 +11,9 @@ Output of one sample (SGLang 0.5.23's ``/generate``)::
      "input_token_logprobs": [[lp|None, id, text|None]], "output_token_logprobs": [...],
      "output_token_logprobs_length": int,
      # with top_logprobs_num > 0 too:
-     "input_top_logprobs": [None | [[lp, id, text|None]]], "output_top_logprobs": [[[lp, id, text|None]]]}}
+     "input_top_logprobs": [None | [[lp, id, text|None]]], "output_top_logprobs": [[[lp, id, text|None]]],
+     # with return_routed_experts, once finished (SGLang's detokenizer: base64 of int32 C-order bytes):
+     "routed_experts": b64([seqlen - 1 - routed_experts_start_len, num_hidden_layers, top_k])}}
 
 Streaming (``stream: true``): ``data: {json}`` events with the same dict, cumulative (text so far,
 all output ids so far), ``"index"`` added for batch / ``n > 1`` requests, then ``data: [DONE]``.
@@ -21,6 +23,7 @@ so the streamed text only ever grows.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import math
@@ -50,13 +53,17 @@ class Job:
 
 
 def new_job(engine, ids: list[int], params, return_logprob: bool, start: int, top_num: int,
-            rid: str | None) -> Job:
-    """A job for one sample; ``start`` beyond the prompt is refused (SGLang's rule)."""
+            rid: str | None, routed_experts: bool = False, routed_start: int = 0) -> Job:
+    """A job for one sample; ``start`` or ``routed_start`` beyond the prompt is refused (SGLang's rules)."""
     if return_logprob and start > len(ids):
         raise ValueError(f"logprob_start_len={start} is higher than the number of input tokens ({len(ids)}); "
                          "use a smaller logprob_start_len")
+    if routed_experts and not 0 <= routed_start <= len(ids):
+        raise ValueError(f"routed_experts_start_len={routed_start} is outside [0, {len(ids)}] (the number of input "
+                         "tokens); use a value in that range")
     req = Request(prompt_ids=list(ids), params=params, return_logprob=return_logprob,
-                  top_logprobs_num=top_num if return_logprob else 0)
+                  top_logprobs_num=top_num if return_logprob else 0, return_routed_experts=routed_experts,
+                  routed_start=routed_start)
     if rid is not None:
         req.rid = rid
     return Job(req, start if return_logprob else -1)
@@ -224,7 +231,15 @@ def native_output(engine, job: Job, t0: float, with_text: bool, final: bool = Tr
         if r.top_logprobs_num > 0:
             meta["input_top_logprobs"] = [None if e is None else lp_entries(engine, e, with_text) for e in job.input_top]
             meta["output_top_logprobs"] = [lp_entries(engine, e, with_text) for e in r.top_logprobs[: len(ids)]]
+    if r.return_routed_experts and final:  # SGLang collects them when the request finishes
+        meta["routed_experts"] = encode_routed_experts(r.routed_experts()[r.routed_start:])
     return {"text": output_text(engine, r, ids, final), "output_ids": ids, "meta_info": meta}
+
+
+def encode_routed_experts(ids) -> str:
+    """SGLang's ``_b64_encode_per_request``: base64 of the tensor's bytes (int32, C order, native = little
+    endian), decoded by ``np.frombuffer(base64.b64decode(s), dtype=np.int32)``."""
+    return base64.b64encode(ids.contiguous().numpy().tobytes()).decode("utf-8")
 
 
 def failure(job: Job) -> dict[str, Any] | None:

@@ -53,6 +53,9 @@ def test_launch_command_parses_with_sglang_server_args():
     assert args.mem_fraction_static == 0.6 and args.enable_memory_saver and args.random_seed == 7
     assert args.dtype == "bfloat16" and args.admin_api_key == "tok" and args.api_key is None and args.skip_server_warmup
     assert args.max_running_requests == 256
+    assert not args.enable_return_routed_experts
+    moe = build_sglang_command(SGLangLaunchSpec(model_path="/m", port=1, enable_return_routed_experts=True), "python")
+    assert parser.parse_args(moe[3:]).enable_return_routed_experts  # routing replay (R3)
 
 
 def test_the_run_token_guards_sglangs_control_routes_and_leaves_generate_open():

@@ -1,0 +1,117 @@
+"""Mixture-of-experts models in the engine: checkpoint names of fused experts, and the routed-experts capture.
+
+**Names.** Weights reach the engine under the Hugging Face *checkpoint* names, one tensor per expert, as
+safetensors files hold them and as SGLang's loaders expect them::
+
+    Qwen3-MoE / Qwen2-MoE: model.layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight
+    Mixtral:               model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight
+                           model.layers.{i}.block_sparse_moe.gate.weight
+
+transformers 5 holds a layer's experts fused (its ``conversion_mapping``: ``MergeModulelist(dim=0)`` then
+``Concatenate(dim=1)``)::
+
+    mlp.experts.gate_up_proj [E, 2I, H]:  gate_up_proj[e, :I] = gate_proj_e (w1),  gate_up_proj[e, I:] = up_proj_e (w3)
+    mlp.experts.down_proj    [E, H, I]:   down_proj[e] = down_proj_e (w2)
+
+and Mixtral's ``block_sparse_moe`` is its ``mlp``. :func:`checkpoint_views` gives every parameter under its
+checkpoint name(s) as a *view* of the fused parameter, so a weight update copies each expert straight into its
+slice and ``/weights_checksum`` / ``/get_weights_by_name`` answer per checkpoint name (the inverse map).
+
+**Routed experts.** :class:`RoutingCapture` hooks every layer's top-k router (``*TopKRouter``, whose forward
+returns ``(router_logits, router_scores, router_indices)``) and keeps the ``router_indices`` the experts
+then consumed, in prefill and decode alike. A layer without a router (Qwen2-MoE's ``mlp_only_layers``) keeps
+0s, as SGLang's capture buffer does (it is sized for every hidden layer and zero-initialised).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+#: ``model_type`` -> (checkpoint module of the MoE block, names of (gate, up, down) per expert)
+EXPERT_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+_FUSED = re.compile(r"^(?P<pre>.*\.layers\.\d+\.)mlp\.experts\.(?P<kind>gate_up_proj|down_proj)$")
+_ROUTER = re.compile(r"^(?P<pre>.*\.layers\.\d+\.)mlp\.gate\.weight$")
+
+
+def is_moe(config) -> bool:
+    """A config of a family whose experts the engine maps (:data:`EXPERT_NAMES`)."""
+    return getattr(config, "model_type", None) in EXPERT_NAMES
+
+
+def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter under its checkpoint name(s) (tied ones under each name); a fused expert parameter as
+    one view per expert and projection (see the module docstring). Built on each call: after
+    ``ModelRunner.release``/``resume`` the parameters hold new storage, and old views would write nowhere."""
+    mt = getattr(model.config, "model_type", None)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    if mt not in EXPERT_NAMES:
+        return named
+    block, (gate, up, down) = EXPERT_NAMES[mt]
+    out: dict[str, torch.Tensor] = {}
+    for name, p in named.items():
+        m = _FUSED.match(name)
+        if m is None:
+            r = _ROUTER.match(name)
+            out[f"{r['pre']}{block}.gate.weight" if r else name] = p
+            continue
+        pre = f"{m['pre']}{block}.experts."
+        if m["kind"] == "gate_up_proj":
+            inter = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                out[f"{pre}{e}.{gate}.weight"] = p[e, :inter]
+                out[f"{pre}{e}.{up}.weight"] = p[e, inter:]
+        else:
+            for e in range(p.shape[0]):
+                out[f"{pre}{e}.{down}.weight"] = p[e]
+    return out
+
+
+class RoutingCapture:
+    """Top-k expert ids of every layer for the tokens of one forward, from the routers' own outputs.
+
+    ``armed`` False (the default) makes the hooks no-ops: only forwards of a step with a request that asked
+    for routed experts pay the copy. The caller holds the scheduler's model lock around ``arm`` ...
+    ``take``, as around every forward, so two forwards never mix."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_layers = int(text.num_hidden_layers)
+        self.top_k = int(text.num_experts_per_tok)
+        self.armed = False
+        self._ids: dict[int, torch.Tensor] = {}
+        self.layers: list[int] = []
+        for i, layer in enumerate(model.model.layers):
+            router = getattr(getattr(layer, "mlp", None), "gate", None)
+            if router is None or not type(router).__name__.endswith("TopKRouter"):
+                continue  # a dense layer (Qwen2-MoE mlp_only_layers / decoder_sparse_step)
+            router.register_forward_hook(self._hook(i))
+            self.layers.append(i)
+        if not self.layers:
+            raise ValueError(f"model_type {text.model_type!r}: no top-k router module found to capture routed experts")
+
+    def _hook(self, layer: int):
+        def hook(_mod, _inp, out) -> None:
+            if self.armed:
+                self._ids[layer] = out[2]  # router_indices [tokens, top_k]: what the experts consumed
+        return hook
+
+    def arm(self) -> None:
+        self._ids.clear()
+        self.armed = True
+
+    def take(self, num_tokens: int) -> torch.Tensor:
+        """int32 ``[num_tokens, num_layers, top_k]`` of the forward since :meth:`arm` (rows in the order the
+        model flattened its input: batch-major, then position); disarms."""
+        self.armed = False
+        out = torch.zeros(num_tokens, self.num_layers, self.top_k, dtype=torch.int32)
+        for layer, ids in self._ids.items():
+            if ids.shape != (num_tokens, self.top_k):
+                raise RuntimeError(f"layer {layer}: router gave ids of shape {list(ids.shape)} for {num_tokens} tokens")
+            out[:, layer] = ids.to(device="cpu", dtype=torch.int32)
+        self._ids.clear()
+        return out
