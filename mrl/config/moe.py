@@ -34,6 +34,11 @@ class MoEConfig(Section):
         "alltoall", description="Megatron token dispatcher for expert parallelism: alltoall (Megatron-LM's default "
         "for EP > 1) or allgather.",
     )
+    @property
+    def engine_routed_experts(self) -> bool:
+        """The engines must return each token's routed experts (SGLang ``--enable-return-routed-experts``)."""
+        return self.routing_replay != "none"
+
     aux_loss_coef: float | None = Field(
         None, ge=0, description="Load-balancing (Switch) loss weight added to the actor loss; null = the model's "
         "config.json router_aux_loss_coef. Reported as moe/aux_loss.",

@@ -15,7 +15,7 @@ from mrl.workers.batch import TrainBatch
 
 
 def assemble_train_batch(prompts: PromptBatch, result: RolloutResult, *, pad_token_id: int,
-                         uids: Sequence[int]) -> TrainBatch:
+                         uids: Sequence[int], routed_experts: bool = False) -> TrainBatch:
     """One TrainBatch of the B = P·n samples of ``result`` (sample k = prompt k // n, verl's interleave).
 
     ``prompts``: P prompts, left-padded ``input_ids``/``attention_mask``/``position_ids`` [P, Lp].
@@ -24,7 +24,9 @@ def assemble_train_batch(prompts: PromptBatch, result: RolloutResult, *, pad_tok
     ``last_prompt_pos + 1 + t`` for response column t (padding columns too, as verl), ``responses``
     [B, R], ``response_mask`` [B, R] (1 on engine-sampled tokens, 0 on a multi-turn sample's tool/template
     tokens, which the model reads but the loss skips; a failed sample is all 0),
-    ``rollout_log_probs`` [B, R] (0 on padding), ``uid`` [B] (``uids`` per prompt, repeated n times).
+    ``rollout_log_probs`` [B, R] (0 on padding), ``uid`` [B] (``uids`` per prompt, repeated n times);
+    with ``routed_experts`` (MoE routing replay) the engine's expert ids of every token, [B, Lp+R, layers, k]
+    aligned with ``input_ids`` (-1 where the engine ran none: padding, each response's last token).
     """
     n = result.n
     P = prompts.input_ids.shape[0]
@@ -50,6 +52,7 @@ def assemble_train_batch(prompts: PromptBatch, result: RolloutResult, *, pad_tok
         response_mask=resp_mask,
         rollout_log_probs=padded["rollout_log_probs"],
         uid=torch.as_tensor(list(uids), dtype=torch.long).repeat_interleave(n),
+        routed_experts=result.routed_experts_padded(prompts.input_ids.shape[1]).long() if routed_experts else None,
     )
 
 

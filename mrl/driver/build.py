@@ -197,7 +197,8 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
         s.client = RolloutClient(make_router(gen_pool, r.router, max_retries=r.max_retries,
                                              request_timeout_s=r.request_timeout_s),
                                  params_list_in_batch=r.router != "sglang_router",
-                                 prompts_per_request=1 if r.router == "sglang_router" else None)
+                                 prompts_per_request=1 if r.router == "sglang_router" else None,
+                                 **_routed_experts_args(cfg))
         if agent_tools is not None:  # multi-turn, tool-calling rollouts everywhere the client is used
             from mrl.agent.loop import AgentClient
 
@@ -250,3 +251,12 @@ def _teardown(s: Services, status: str) -> None:
             step()
         except Exception as e:  # noqa: BLE001 - keep tearing down the rest
             log.warning("shutdown step failed: %s", e)
+
+
+def _routed_experts_args(cfg: MRLConfig) -> dict:
+    """RolloutClient arguments for MoE routing replay: every sample brings the engine's expert ids."""
+    if not cfg.actor.moe.engine_routed_experts:
+        return {}
+    from mrl.rollout.types import RoutedExpertsLayout
+
+    return {"return_routed_experts": True, "routed_experts_layout": RoutedExpertsLayout.from_hf_config(cfg.model.path)}

@@ -38,7 +38,7 @@ def unique_uids(rows: Sequence[int], num_rows: int) -> list[int]:
 
 
 def merge_rounds(rounds: Sequence[tuple[Any, torch.Tensor]], *, n: int, max_prompts: int, dataset: Any,
-                 pad_token_id: int) -> dict[str, Any]:
+                 pad_token_id: int, routed_experts: bool = False) -> dict[str, Any]:
     """The fields of one ``StepData`` from the kept groups of ``rounds``, at most ``max_prompts`` prompts.
 
     Each round's data carries ``rows`` [P], ``result`` (its ``RolloutResult``, P·n samples in
@@ -60,7 +60,7 @@ def merge_rounds(rounds: Sequence[tuple[Any, torch.Tensor]], *, n: int, max_prom
     samples = [dataclasses.replace(s, prompt_index=q // n, sample_index=q % n)
                for q, s in enumerate(take(lambda d: d.result.samples))]
     batch = assemble_train_batch(dataset.collate(rows), RolloutResult(samples, n), pad_token_id=pad_token_id,
-                                 uids=unique_uids(rows, len(dataset)))
+                                 uids=unique_uids(rows, len(dataset)), routed_experts=routed_experts)
     seq_scores = torch.stack(take(lambda d: d.token_level_scores.sum(-1)))
     keys = list(rounds[0][0].reward_extra_info or {})
     return {

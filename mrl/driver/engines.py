@@ -95,7 +95,8 @@ def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple
             model_path=cfg.model.path, port=slot.port, host=r.host, tp_size=r.engine_tp_size,
             mem_fraction_static=r.mem_fraction_static, colocated=r.placement == "colocated",
             base_gpu_id=slot.gpu_ids[0], dtype=cfg.model.compute_dtype("cuda"), random_seed=cfg.trainer.seed + slot.index,
-            admin_api_key=token, extra_args=[] if r.max_num_seqs is None else
+            admin_api_key=token, enable_return_routed_experts=cfg.actor.moe.engine_routed_experts,
+            extra_args=[] if r.max_num_seqs is None else
             ["--max-running-requests", str(r.max_num_seqs)])), {}
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     if token:
@@ -104,7 +105,8 @@ def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple
         env["CUDA_VISIBLE_DEVICES"] = str(slot.gpu_ids[0])
     cmd = build_embedded_command(cfg.model.path, slot.port, host=r.host, token_env=TOKEN_ENV if token else None,
                                  device="cuda" if cuda else "cpu", dtype=cfg.model.compute_dtype("cuda" if cuda else "cpu"),
-                                 seed=cfg.trainer.seed + slot.index)
+                                 seed=cfg.trainer.seed + slot.index,
+                                 enable_return_routed_experts=cfg.actor.moe.engine_routed_experts)
     if r.max_num_seqs is not None:
         cmd += ["--max-running", str(r.max_num_seqs)]
     return cmd, env

@@ -80,7 +80,8 @@ class TrainRank:
         self.local_engine = InProcessEngine(
             self.cfg.model.path, host=r.host, port=int(u.port), token=token,
             dtype=self.cfg.model.compute_dtype("cpu"), seed=self.cfg.trainer.seed + index,
-            max_running=r.max_num_seqs, startup_timeout_s=r.engine_startup_timeout_s)
+            max_running=r.max_num_seqs, startup_timeout_s=r.engine_startup_timeout_s,
+            enable_return_routed_experts=self.cfg.actor.moe.engine_routed_experts)
 
     def init_weight_sync(self, engine_urls: list[str], token: str | None = None, routable: bool = False) -> None:
         """Build the sender: the first DP replica's TP-rank 0 of each PP stage sends; rank 0 steers.

@@ -205,7 +205,8 @@ class RLTrainer:
             pb, req = self.rollout_request(idx, self.global_step, self.sampler.epoch)
             # engine_weight_version: what the engines themselves reported for these samples
             res, self.engine_weight_version = self.rollout.generate(req, self.weight_version)
-        batch = assemble_train_batch(pb, res, pad_token_id=self.s.pad_token_id, uids=idx)
+        batch = assemble_train_batch(pb, res, pad_token_id=self.s.pad_token_id, uids=idx,
+                                     routed_experts=self.cfg.actor.moe.engine_routed_experts)
         # agent rollouts: each sample's prompt carries its turns and tool calls as extra_info["agent"]
         return StepData(batch, with_agent_info(repeat_prompts(pb.prompts, self.cfg.rollout.n), res),
                         decode_responses(self.s.tokenizer, res),
@@ -292,7 +293,8 @@ class RLTrainer:
             rounds.append((nxt, informative_groups(self.filter_metric(nxt), nxt.batch.uid)))
         m["train/num_gen_batches"] = float(len(rounds))
         merged = StepData(**merge_rounds(rounds, n=n, max_prompts=want, dataset=self.s.train_ds,
-                                         pad_token_id=self.s.pad_token_id))
+                                         pad_token_id=self.s.pad_token_id,
+                                         routed_experts=self.cfg.actor.moe.engine_routed_experts))
         self.drop_invalid(merged, {})
         return merged
 
