@@ -153,9 +153,11 @@ def warm_start(model, tokenizer, seed: int, max_steps: int) -> tuple[int, float]
     return step, acc
 
 
-def write_model(path: Path, seed: int, warm_start_steps: int = WARM_START_STEPS) -> tuple[int, float] | None:
+def write_model(path: Path, seed: int, warm_start_steps: int = WARM_START_STEPS, hf_config=None
+                ) -> tuple[int, float] | None:
     """Tokenizer + tiny Qwen2 (HF init, seeded, then ``warm_start``) as safetensors in ``path``;
-    returns ``warm_start``'s (steps, greedy accuracy), None without a warm start."""
+    returns ``warm_start``'s (steps, greedy accuracy), None without a warm start. ``hf_config``: another
+    architecture on the same tokenizer and task (the MoE quickstart's Qwen3-MoE, mrl/quickstart_moe.py)."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -170,7 +172,7 @@ def write_model(path: Path, seed: int, warm_start_steps: int = WARM_START_STEPS)
                                    model_max_length=QWEN2_SHAPE["max_position_embeddings"])
     fast.save_pretrained(str(path))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN2_SHAPE), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config or Qwen2Config(**QWEN2_SHAPE), dtype=torch.float32)
     warm = None
     if warm_start_steps > 0:
         # The tokenizer as the trainer and the engines load it: with config.json present, AutoTokenizer
@@ -196,17 +198,19 @@ def write_data(data_dir: Path, seed: int, n_val: int) -> None:
 
 
 def write_assets(out: str | Path, *, seed: int = 0, n_val: int = MAX_OPERAND ** 2, force: bool = False,
-                 warm_start_steps: int = WARM_START_STEPS) -> dict[str, str]:
+                 warm_start_steps: int = WARM_START_STEPS, model_dir_name: str = MODEL_DIR, hf_config=None
+                 ) -> dict[str, str]:
     """Write what is missing (everything with ``force``); returns {asset: 'written…' | 'kept'}
-    (a warm-started model's entry says how many steps it took and the accuracy it reached)."""
+    (a warm-started model's entry says how many steps it took and the accuracy it reached).
+    ``model_dir_name``/``hf_config``: another model on the same task (:func:`write_model`)."""
     out = Path(out)
-    model_dir, data_dir = out / MODEL_DIR, out / "data"
+    model_dir, data_dir = out / model_dir_name, out / "data"
     status = {}
     model_done = (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file() \
         and (model_dir / "tokenizer.json").is_file()
     if force or not model_done:
         shutil.rmtree(model_dir, ignore_errors=True)
-        warm = write_model(model_dir, seed, warm_start_steps)
+        warm = write_model(model_dir, seed, warm_start_steps, hf_config)
         status[str(model_dir)] = "written" + (f" (warm start: {warm[0]} steps, greedy accuracy {warm[1]:.2f})"
                                               if warm else "")
     else:
@@ -220,9 +224,11 @@ def write_assets(out: str | Path, *, seed: int = 0, n_val: int = MAX_OPERAND ** 
     return status
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mrl.quickstart", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="outputs/quickstart", help="output directory (default: outputs/quickstart)")
+def main(argv: list[str] | None = None, *, prog: str = "python -m mrl.quickstart", default_out: str = "outputs/quickstart",
+         description: str | None = None, model_dir_name: str = MODEL_DIR, hf_config=None) -> int:
+    """The CLI (also the MoE quickstart's, with its model: ``model_dir_name``/``hf_config``)."""
+    p = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n")[0])
+    p.add_argument("--out", default=default_out, help=f"output directory (default: {default_out})")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the train/val split")
     p.add_argument("--n-val", type=int, default=len(problems()),
                    help=f"validation prompts, taken from the {len(problems())} train problems (default: all)")
@@ -236,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.warm_start_steps < 0:
         p.error("--warm-start-steps must be >= 0")
     for asset, what in write_assets(args.out, seed=args.seed, n_val=args.n_val, force=args.force,
-                                    warm_start_steps=args.warm_start_steps).items():
+                                    warm_start_steps=args.warm_start_steps, model_dir_name=model_dir_name,
+                                    hf_config=hf_config).items():
         print(f"{what}: {asset}" + ("  (present; --force rewrites it)" if what == "kept" else ""))
     return 0
 

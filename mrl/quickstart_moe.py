@@ -1,0 +1,35 @@
+"""The MoE quickstart's assets, locally: ``python -m mrl.quickstart_moe --out outputs/quickstart_moe``.
+
+The quickstart's task, tokenizer, data and warm start (:mod:`mrl.quickstart`) with a tiny
+**Qwen3-MoE**-shaped model instead of the dense Qwen2 (``<out>/tiny-qwen3-moe/``): hidden 64,
+4 layers, 4 heads / 2 KV heads (head_dim 16, q/k norm), **8 experts of width 64, top-2 routing with
+normalised top-k probabilities**, untied embeddings, vocab 300 (about 0.5M parameters, 0.2M active per
+token). ``mrl_configs/quickstart_moe.yaml`` trains it with GRPO on the 2 CPU ranks with the experts
+split over them (expert parallel 2) and routing replay on (docs/moe.md).
+"""
+from __future__ import annotations
+
+from mrl.quickstart import QWEN2_SHAPE, main as _main
+
+MODEL_DIR = "tiny-qwen3-moe"
+QWEN3_MOE_SHAPE = {
+    **{k: v for k, v in QWEN2_SHAPE.items() if k not in ("intermediate_size", "tie_word_embeddings")},
+    "head_dim": 16, "tie_word_embeddings": False, "intermediate_size": 128,
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001,
+}
+
+
+def hf_config():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**QWEN3_MOE_SHAPE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _main(argv, prog="python -m mrl.quickstart_moe", default_out="outputs/quickstart_moe",
+                 description=__doc__.split("\n")[0], model_dir_name=MODEL_DIR, hf_config=hf_config())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
