@@ -27,9 +27,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(config: str, overrides: list[str]):
-    """(cfg, text) or print the errors and return None."""
+def _load(config: str, overrides: list[str], *, require_data: bool):
+    """(cfg, text) or print the errors and return None. ``require_data``: a missing prompt file is an
+    error (``mrl train``), not a plan note."""
     from mrl.config import ConfigError, load_config
+    from mrl.config.data_files import check_data_files
     from mrl.config.plan import plan_text
 
     try:
@@ -38,7 +40,14 @@ def _load(config: str, overrides: list[str]):
         print(f"mrl: {e}", file=sys.stderr)
         print("fix the keys above (see docs/config.md); nothing was started.", file=sys.stderr)
         return None
-    return cfg, plan_text(cfg)
+    data = check_data_files(cfg, require_present=require_data)
+    if data.errors:
+        print(f"mrl: {len(data.errors)} data error(s):", file=sys.stderr)
+        print("\n".join(f"  - {e}" for e in data.errors), file=sys.stderr)
+        print("fix the files or keys above; nothing was started.", file=sys.stderr)
+        return None
+    text = plan_text(cfg)
+    return cfg, text + ("\n" + data.summary() if data.rows else "")
 
 
 def _console_logging() -> None:
@@ -67,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         # argparse cannot take an option between two runs of positionals (`CONFIG --dry-run k=v`).
         argv = [a for a in argv if a != "--dry-run"]
     args = _parser().parse_args(argv)
-    loaded = _load(args.config, args.overrides)
+    loaded = _load(args.config, args.overrides, require_data=args.cmd == "train" and not dry_run)
     if loaded is None:
         return EXIT_CONFIG
     cfg, text = loaded

@@ -1,0 +1,133 @@
+"""What ``mrl plan`` / ``mrl train`` know of the prompt files before anything starts: each configured file
+is a readable .jsonl / .parquet with rows, and one step's batch fits in the training set.
+
+Counting is cheap: a .parquet file's row count is in its footer (pyarrow reads only the metadata); a
+.jsonl file is read line by line, its first ``PARSE_LINES`` non-blank lines parsed as JSON objects and
+the rest counted (every row is parsed and checked again, with ``file:row`` errors, when ``mrl train``
+loads the dataset before Ray starts: ``mrl.data.dataset``). Prompts longer than ``data.max_prompt_length``
+are dropped only at that load (they need the tokenizer), so a batch that fits here can still be refused
+there.
+
+A missing file is an error for ``mrl train`` and a note for ``mrl plan`` (a plan may be made before the
+data is on the host); every other problem is an error for both.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mrl.config.root import MRLConfig
+
+PARSE_LINES = 1000
+
+
+class DataFileError(ValueError):
+    """A configured prompt file that cannot be a dataset; the message names the problem (the caller adds key and fix)."""
+
+
+def count_rows(path: str | Path) -> int:
+    """Rows of a .jsonl or .parquet file; raises :class:`DataFileError` saying why it has none."""
+    p = Path(path)
+    if p.is_dir():
+        raise DataFileError("is a directory, not a file")
+    if not p.is_file():
+        raise DataFileError("does not exist")
+    if p.stat().st_size == 0:
+        raise DataFileError("is empty (0 bytes)")
+    if p.suffix == ".parquet":
+        return _parquet_rows(p)
+    return _jsonl_rows(p)
+
+
+def _parquet_rows(p: Path) -> int:
+    import pyarrow as pa  # only when a parquet file is configured: plan stays fast otherwise
+    import pyarrow.parquet as pq
+
+    try:
+        n = pq.ParquetFile(p).metadata.num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise DataFileError(f"is not a parquet file ({e})") from None
+    if n == 0:
+        raise DataFileError("is a parquet file with 0 rows")
+    return n
+
+
+def _jsonl_rows(p: Path) -> int:
+    n = 0
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            n += 1
+            if n > PARSE_LINES:
+                continue
+            try:
+                row = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                msg = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+                raise DataFileError(f"line {lineno} is not JSON ({msg}); a .jsonl file holds one JSON object per line") from None
+            if not isinstance(row, dict):
+                raise DataFileError(f"line {lineno} is a JSON {type(row).__name__}, not an object; a .jsonl file holds "
+                                    "one JSON object per line")
+    if n == 0:
+        raise DataFileError("has only blank lines (no rows)")
+    return n
+
+
+@dataclass
+class DataCheck:
+    """Errors (refuse), notes (say) and the row counts found, per key."""
+
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    rows: dict[str, int] = field(default_factory=dict)  # "data.train_files" -> rows over its files
+
+    def summary(self) -> str:
+        """The line ``mrl plan`` prints under the plan."""
+        return "  data rows: " + ", ".join(f"{k}={v}" for k, v in self.rows.items()) if self.rows else ""
+
+
+def step_batch(cfg: MRLConfig) -> tuple[str, int]:
+    """(key, prompts) one generation round draws: gen_batch_size with DAPO's filter_groups, else train_batch_size."""
+    d = cfg.data
+    if cfg.algorithm.filter_groups.enable and d.gen_batch_size:
+        return "data.gen_batch_size", d.gen_batch_size
+    return "data.train_batch_size", d.train_batch_size
+
+
+def check_data_files(cfg: MRLConfig, *, require_present: bool) -> DataCheck:
+    """Count the rows of every configured prompt file and check one step's batch fits the training set.
+    ``require_present``: a missing file is an error (``mrl train``), else a note (``mrl plan``)."""
+    out = DataCheck()
+    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        total, complete = 0, bool(files)
+        for i, f in enumerate(files):
+            if not f.endswith((".jsonl", ".parquet")):
+                complete = False  # check_config names it
+                continue
+            try:
+                total += count_rows(f)
+            except DataFileError as e:
+                complete = False
+                if not Path(f).exists() and not Path(f).is_symlink() and not require_present:
+                    continue  # check_config's note says it
+                out.errors.append(f"{key}[{i}]={f!r} {e}; fix: {_fix(key, f)}")
+        if complete:
+            out.rows[key] = total
+    key, batch = step_batch(cfg)
+    rows = out.rows.get("data.train_files")
+    if rows is not None and batch > rows:
+        out.errors.append(
+            f"{key}={batch} prompts per step exceeds the {rows} rows of data.train_files "
+            f"({', '.join(cfg.data.train_files)}); fix: lower {key} to at most {rows} or add prompts")
+    return out
+
+
+def _fix(key: str, path: str) -> str:
+    for name in ("quickstart_agent", "quickstart"):
+        if f"outputs/{name}/" in path:
+            return (f"write the quickstart's assets first (`make train` does, or `python -m mrl.{name} --out "
+                    f"outputs/{name}`)")
+    kind = "parquet (e.g. pandas.DataFrame.to_parquet)" if path.endswith(".parquet") else "JSON lines, one object per row"
+    return f"point {key} at a {kind} file with at least one prompt row"
