@@ -41,6 +41,10 @@ KEYS: dict[str, str] = {
     AR + "model.lora_rank": "actor.lora.rank",
     AR + "model.lora_alpha": "actor.lora.alpha",
     AR + "model.target_modules": "actor.lora.target_modules",
+    AR + "model.lora.rank": "actor.lora.rank",  # verl's Megatron LoRA (Megatron-Bridge)
+    AR + "model.lora.alpha": "actor.lora.alpha",
+    AR + "model.lora.dropout": "actor.lora.dropout",
+    AR + "model.lora.target_modules": "actor.lora.target_modules",
     # actor
     **{A + k: "actor." + k for k in (
         "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
@@ -120,6 +124,7 @@ UNMAPPED: dict[str, str] = {
     AR + "model.use_remove_padding": "an FSDP/HF model switch with no Megatron-Core counterpart in mrl",
     AR + "model.use_fused_kernels": "no fused-kernel switch in mrl",
     AR + "model.override_config.": "HF config overrides are not supported: the model's config.json is used as it is",
+    AR + "model.lora.": "mrl's LoRA is peft's: rank, alpha, dropout and target_modules (actor.lora.*; docs/lora.md)",
     AR + "model.external_lib": "custom model libraries are not loaded; mrl builds Megatron models from HF configs",
     "critic.model.use_remove_padding": "an FSDP/HF model switch with no Megatron-Core counterpart in mrl",
     AR + "hybrid_engine": "always the case with rollout.placement=colocated",
@@ -170,6 +175,11 @@ UNMAPPED: dict[str, str] = {
     "custom_reward_function.reward_kwargs.": "extra reward-function arguments are not passed through",
     "ray_init.": "Ray is started by mrl (cluster.address for an existing cluster)", "ray_kwargs.": "Ray is started by mrl",
     "global_profiler.": "profiling is not configurable in mrl",
+    A + "use_torch_compile": "no torch.compile switch in mrl",
+    A + "optim.override_optimizer_config.": "Megatron optimizer overrides are not passed through",
+    "reward_model.rollout.": "generative reward models (an LLM judge on engines of its own) are not supported; use "
+                             "reward.function or a *ForSequenceClassification reward model (reward_model.*)",
+    "reward_model.use_reward_loop": "verl's reward loop has no counterpart: rewards come from reward.function / reward_model",
 }
 
 
@@ -329,11 +339,18 @@ def _value(raw: str) -> Any:
     return v
 
 
+_MEGATRON_LORA_NAMES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_q": ("q_proj",), "linear_k": ("k_proj",),
+                        "linear_v": ("v_proj",), "linear_proj": ("o_proj",), "linear_fc1": ("gate_proj", "up_proj"),
+                        "linear_fc1_gate": ("gate_proj",), "linear_fc1_up": ("up_proj",), "linear_fc2": ("down_proj",)}
+
+
 def _mrl_value(key: str, v: Any) -> Any:
     if key in ("data.train_files", "data.val_files") and isinstance(v, str):
         return [v]
-    if key == "actor.lora.target_modules" and isinstance(v, str):
-        return [v] if v == "all-linear" or "," not in v else [s.strip() for s in v.split(",")]
+    if key == "actor.lora.target_modules":
+        names = ([v] if v == "all-linear" or "," not in v else [s.strip() for s in v.split(",")]) if isinstance(v, str) else v
+        # Megatron-Bridge's module names (verl's megatron LoRA) -> the Hugging Face projections mrl names
+        return list(dict.fromkeys(h for n in names for h in _MEGATRON_LORA_NAMES.get(n, (n,))))
     return v
 
 
@@ -356,10 +373,19 @@ def _finish(t: Translation) -> None:
                            ("mrl's reward model reads the policy's own tokens unless reward_model.model.input_tokenizer "
                             "re-renders them; only then does a length bound apply")))
     for role in ("actor", "critic"):
-        sched = t.get(f"{role}.optim.lr_schedule")
-        if sched not in (None, "constant") and t.get("trainer.total_training_steps") is None:
-            t.notes.append(f"{role}.optim.lr_schedule={sched}: verl derives the schedule's length from trainer.total_epochs "
-                           "and the dataset; mrl needs trainer.total_training_steps=<steps> (mrl plan says so)")
+        sched, ratio = t.get(f"{role}.optim.lr_schedule"), t.get(f"{role}.optim.lr_warmup_steps_ratio")
+        what = f"lr_schedule={sched}" if sched not in (None, "constant") else f"lr_warmup_steps_ratio={ratio}" if ratio else ""
+        if what and t.get("trainer.total_training_steps") is None:
+            t.notes.append(f"{role}.optim.{what}: verl derives the run's length from trainer.total_epochs and the dataset; "
+                           "mrl needs trainer.total_training_steps=<steps> (mrl plan says so)")
+    if t.get("actor.use_dynamic_bsz") is not None and t.get("critic.use_dynamic_bsz") is None and t.config.get("critic"):
+        t.set("critic.use_dynamic_bsz", t.get("actor.use_dynamic_bsz"))  # verl's critic default follows the actor's
+    nnodes = t.get("cluster.nnodes")
+    if isinstance(nnodes, int) and nnodes > 1:
+        t.set("rollout.host", "0.0.0.0")
+        t.notes.append(f"cluster.nnodes={nnodes}: the engines listen on rollout.host=0.0.0.0 (reached by node IP with a "
+                       "per-run token); colocated engines on several nodes need a weight sync other than tensor: "
+                       "mrl plan names the options")
 
 
 # --- shell scripts -------------------------------------------------------------------------------------------
@@ -465,25 +491,46 @@ def _arith(expr: str, original: str) -> str:
         return original
 
 
+_ARRAY_START = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=\((.*)$")
+_ARRAY_USE = re.compile(r"\"?\$\{([A-Za-z_][A-Za-z0-9_]*)\[[@*]\]\}\"?")
+
+
+def _words(value: str) -> list[str]:
+    try:
+        return shlex.split(value, comments=True)
+    except ValueError:  # unbalanced quotes: keep the text
+        return [value]
+
+
 def overrides_from_script(text: str) -> tuple[list[str], list[str]]:
-    """(the Hydra overrides of the script's verl launch line, notes): variables assigned before it expanded."""
+    """(the Hydra overrides of the script's verl launch line, notes): variables and arrays (``NAME=( ... )``,
+    used as ``"${NAME[@]}"``) assigned before it expanded."""
     env: dict[str, str] = {}
+    arrays: dict[str, list[str]] = {}
     undefined: set[str] = set()
-    for line in logical_lines(text):
-        stripped = line.strip()
+    lines = logical_lines(text)
+    i = 0
+    while i < len(lines):
+        stripped = lines[i].strip()
+        i += 1
         entry = _ENTRY.search(stripped)
         if entry:
-            args = shlex.split(expand(stripped[entry.end():], env, undefined), comments=True)
+            rest = _ARRAY_USE.sub(lambda m: shlex.join(arrays.get(m.group(1), [])), stripped[entry.end():])
+            args = _words(expand(rest, env, undefined))
             notes = [f"${name} is not defined in the script; the value keeps it as written" for name in sorted(undefined)]
             return [a for a in args if "=" in a and not a.startswith("-")], notes
+        arr = _ARRAY_START.match(stripped)
+        if arr:
+            body = [arr.group(2)]
+            while ")" not in body[-1].split("#")[0] and i < len(lines):
+                body.append(lines[i].strip())
+                i += 1
+            joined = "\n".join(b.split(" #")[0] for b in body if not b.startswith("#")).rsplit(")", 1)[0]
+            arrays[arr.group(1)] = [w for line in joined.splitlines() for w in _words(expand(line, env, undefined))]
+            continue
         m = _ASSIGN.match(stripped)
         if m:
-            value = expand(m.group(2), env, undefined)
-            try:
-                words = shlex.split(value, comments=True)
-            except ValueError:  # unbalanced quotes: keep the text
-                words = [value]
-            env[m.group(1)] = " ".join(words)
+            env[m.group(1)] = " ".join(_words(expand(m.group(2), env, undefined)))
     raise ValueError("no verl launch line found (python3 -m verl.trainer.main_ppo ... or a recipe's main module)")
 
 

@@ -49,7 +49,7 @@ def test_grpo_megatron(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
     text = out.read_text()
     assert "$HOME is not defined in the script" in text and "trainer.logger=[console,wandb]: mrl logs to console and mlflow only" in text
     assert "not mapped: data.truncation=error" in err
-    assert "lr_schedule=cosine: verl derives the schedule's length" in text
+    assert "lr_schedule=cosine: verl derives the run's length" in text
     rc, perr = _plan(capsys, out)  # the one value the script leaves to verl's derivation
     assert rc == EXIT_CONFIG and "1 config error" in perr and "trainer.total_training_steps is null" in perr
     assert main(["plan", str(out), "cluster.device=cuda", "trainer.total_training_steps=300"]) == 0, capsys.readouterr().err
@@ -137,3 +137,25 @@ def test_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
         overrides_from_script("ls\n")
     assert not translate_overrides(["just.a.flag"]).config
     assert translate(["unknown.key=1"]).unmapped[0][2].startswith("no mrl equivalent known")
+
+
+def test_bash_arrays_and_megatron_lora_names() -> None:
+    script = """
+rank=16
+MODEL=(
+    actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B  # a comment
+    # actor_rollout_ref.model.lora.dropout=0.05
+    actor_rollout_ref.model.lora.rank=$rank
+    actor_rollout_ref.model.lora.target_modules='["linear_qkv","linear_proj"]'
+)
+TRAINER=(trainer.nnodes=2 trainer.logger='["console","mlflow"]')
+python3 -m verl.trainer.main_ppo --config-name='ppo_megatron_trainer.yaml' "${MODEL[@]}" "${TRAINER[@]}" "$@"
+"""
+    overrides, _ = overrides_from_script(script)
+    assert overrides == ["actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B", "actor_rollout_ref.model.lora.rank=16",
+                         'actor_rollout_ref.model.lora.target_modules=["linear_qkv","linear_proj"]', "trainer.nnodes=2",
+                         'trainer.logger=["console","mlflow"]']
+    t = translate_overrides(overrides)
+    assert t.get("actor.lora.rank") == 16
+    assert t.get("actor.lora.target_modules") == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert t.get("trainer.logger") == ["console", "mlflow"] and t.get("rollout.host") == "0.0.0.0"
