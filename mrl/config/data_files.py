@@ -1,9 +1,10 @@
 """What ``mrl plan`` / ``mrl train`` know of the prompt files before anything starts: each configured file
-is a readable .jsonl / .parquet with rows, and one step's batch fits in the training set.
+is a readable .jsonl / .parquet with rows and the columns ``data.prompt_key`` / ``data.ground_truth_key`` name
+(dotted for nested, as the dataset reads them), and one step's batch fits in the training set.
 
 Counting is cheap: a .parquet file's row count is in its footer (pyarrow reads only the metadata); a
 .jsonl file is read line by line, its first ``PARSE_LINES`` non-blank lines parsed as JSON objects and
-the rest counted (every row is parsed and checked again, with ``file:row`` errors, when ``mrl train``
+the rest counted; the columns are looked up in the first row (a .parquet file: in its schema). Every row is parsed and checked again, with ``file:row`` errors, when ``mrl train``
 loads the dataset before Ray starts: ``mrl.data.dataset``). Prompts longer than ``data.max_prompt_length``
 are dropped only at that load (they need the tokenizer), so a batch that fits here can still be refused
 there.
@@ -26,8 +27,9 @@ class DataFileError(ValueError):
     """A configured prompt file that cannot be a dataset; the message names the problem (the caller adds key and fix)."""
 
 
-def count_rows(path: str | Path) -> int:
-    """Rows of a .jsonl or .parquet file; raises :class:`DataFileError` saying why it has none."""
+def count_rows(path: str | Path, columns: tuple[str, ...] = ()) -> int:
+    """Rows of a .jsonl or .parquet file; raises :class:`DataFileError` saying why it has none, or which of
+    ``columns`` (dotted for nested) its first row (a parquet file: its schema) lacks."""
     p = Path(path)
     if p.is_dir():
         raise DataFileError("is a directory, not a file")
@@ -36,24 +38,61 @@ def count_rows(path: str | Path) -> int:
     if p.stat().st_size == 0:
         raise DataFileError("is empty (0 bytes)")
     if p.suffix == ".parquet":
-        return _parquet_rows(p)
-    return _jsonl_rows(p)
+        return _parquet_rows(p, columns)
+    return _jsonl_rows(p, columns)
 
 
-def _parquet_rows(p: Path) -> int:
+def _parquet_rows(p: Path, columns: tuple[str, ...]) -> int:
     import pyarrow as pa  # only when a parquet file is configured: plan stays fast otherwise
     import pyarrow.parquet as pq
 
     try:
-        n = pq.ParquetFile(p).metadata.num_rows
+        f = pq.ParquetFile(p)
+        n, schema = f.metadata.num_rows, f.schema_arrow
     except (pa.ArrowException, OSError) as e:
         raise DataFileError(f"is not a parquet file ({e})") from None
     if n == 0:
         raise DataFileError("is a parquet file with 0 rows")
+    for key in columns:
+        if not _in_schema(schema, key):
+            raise DataFileError(_no_column(key, schema.names))
     return n
 
 
-def _jsonl_rows(p: Path) -> int:
+def _in_schema(schema: object, key: str) -> bool:
+    """A flat column literally named ``key``, or the struct path ``a.b`` (mrl.data.dataset.get_dotted's rule)."""
+    import pyarrow as pa
+
+    if key in schema.names:  # type: ignore[attr-defined]
+        return True
+    fields = schema  # a pa.Schema, then a pa.StructType: both index fields by name
+    for part in key.split("."):
+        idx = fields.get_field_index(part)  # type: ignore[attr-defined]
+        if idx < 0:
+            return False
+        t = fields.field(idx).type  # type: ignore[attr-defined]
+        fields = t if pa.types.is_struct(t) else None
+        if fields is None and part != key.split(".")[-1]:
+            return False
+    return True
+
+
+def _has_key(row: dict, key: str) -> bool:
+    if key in row:
+        return True
+    cur: object = row
+    for part in key.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return False
+        cur = cur[part]
+    return True
+
+
+def _no_column(key: str, names: list[str]) -> str:
+    return f"has no column {key!r} (its columns: {', '.join(sorted(names)) or 'none'})"
+
+
+def _jsonl_rows(p: Path, columns: tuple[str, ...]) -> int:
     n = 0
     with p.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -70,6 +109,10 @@ def _jsonl_rows(p: Path) -> int:
             if not isinstance(row, dict):
                 raise DataFileError(f"line {lineno} is a JSON {type(row).__name__}, not an object; a .jsonl file holds "
                                     "one JSON object per line")
+            if n == 1:
+                for key in columns:
+                    if not _has_key(row, key):
+                        raise DataFileError(_no_column(key, list(row)))
     if n == 0:
         raise DataFileError("has only blank lines (no rows)")
     return n
@@ -100,6 +143,7 @@ def check_data_files(cfg: MRLConfig, *, require_present: bool) -> DataCheck:
     """Count the rows of every configured prompt file and check one step's batch fits the training set.
     ``require_present``: a missing file is an error (``mrl train``), else a note (``mrl plan``)."""
     out = DataCheck()
+    columns = (cfg.data.prompt_key, cfg.data.ground_truth_key)
     for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         total, complete = 0, bool(files)
         for i, f in enumerate(files):
@@ -107,12 +151,14 @@ def check_data_files(cfg: MRLConfig, *, require_present: bool) -> DataCheck:
                 complete = False  # check_config names it
                 continue
             try:
-                total += count_rows(f)
+                total += count_rows(f, columns)
             except DataFileError as e:
                 complete = False
                 if not Path(f).exists() and not Path(f).is_symlink() and not require_present:
                     continue  # check_config's note says it
-                out.errors.append(f"{key}[{i}]={f!r} {e}; fix: {_fix(key, f)}")
+                fix = ("data.prompt_key / data.ground_truth_key = the file's column (dotted for nested, e.g. "
+                       "reward_model.ground_truth)" if "has no column" in str(e) else _fix(key, f))
+                out.errors.append(f"{key}[{i}]={f!r} {e}; fix: {fix}")
         if complete:
             out.rows[key] = total
     key, batch = step_batch(cfg)

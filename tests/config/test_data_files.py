@@ -27,7 +27,10 @@ def _parquet(path: Path, n: int) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"prompt": ["1+1="] * n, "answer": ["2"] * n}), path)
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}] * n,
+                                        schema=pa.schema([("prompt", pa.string()),
+                                                          ("reward_model", pa.struct([("ground_truth", pa.string())]))])),
+                   path)
     return path
 
 
@@ -132,3 +135,24 @@ def test_cli_exit_2_without_traceback(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "mrl", "plan", QUICK, f"data.train_files=[{blank}]"], cwd=REPO,
                        capture_output=True, text=True, timeout=60, check=False)
     assert p.returncode == 2 and "has only blank lines" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_columns_the_keys_name_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str], fmt: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"question": "1+1=", "reward_model": {"ground_truth": "2"}}] * 40
+    f = tmp_path / f"q.{fmt}"
+    if fmt == "jsonl":
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), f)
+    rc, _, err = _plan(capsys, f"data.train_files=[{f}]", f"data.val_files=[{f}]")
+    assert rc == EXIT_CONFIG and f"data.train_files[0]={str(f)!r} has no column 'prompt'" in err
+    assert "question" in err and "fix: data.prompt_key" in err
+    rc, out, err = _plan(capsys, f"data.train_files=[{f}]", f"data.val_files=[{f}]", "data.prompt_key=question")
+    assert rc == 0, err  # reward_model.ground_truth found nested (a struct column in parquet)
+    rc, _, err = _plan(capsys, f"data.train_files=[{f}]", f"data.val_files=[{f}]", "data.prompt_key=question",
+                       "data.ground_truth_key=reward_model.answer")
+    assert rc == EXIT_CONFIG and "has no column 'reward_model.answer'" in err
