@@ -151,7 +151,7 @@ def test_columns_the_keys_name_are_checked(tmp_path: Path, capsys: pytest.Captur
     rc, _, err = _plan(capsys, f"data.train_files=[{f}]", f"data.val_files=[{f}]")
     assert rc == EXIT_CONFIG and f"data.train_files[0]={str(f)!r} has no column 'prompt'" in err
     assert "question" in err and "fix: data.prompt_key" in err
-    rc, out, err = _plan(capsys, f"data.train_files=[{f}]", f"data.val_files=[{f}]", "data.prompt_key=question")
+    rc, _, err = _plan(capsys, f"data.train_files=[{f}]", f"data.val_files=[{f}]", "data.prompt_key=question")
     assert rc == 0, err  # reward_model.ground_truth found nested (a struct column in parquet)
     rc, _, err = _plan(capsys, f"data.train_files=[{f}]", f"data.val_files=[{f}]", "data.prompt_key=question",
                        "data.ground_truth_key=reward_model.answer")
