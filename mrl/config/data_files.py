@@ -33,13 +33,18 @@ def count_rows(path: str | Path, columns: tuple[str, ...] = ()) -> int:
     p = Path(path)
     if p.is_dir():
         raise DataFileError("is a directory, not a file")
-    if not p.is_file():
+    if not p.exists():
         raise DataFileError("does not exist")
-    if p.stat().st_size == 0:
-        raise DataFileError("is empty (0 bytes)")
-    if p.suffix == ".parquet":
-        return _parquet_rows(p, columns)
-    return _jsonl_rows(p, columns)
+    if not p.is_file():
+        raise DataFileError("is not a regular file")
+    try:
+        if p.stat().st_size == 0:
+            raise DataFileError("is empty (0 bytes)")
+        if p.suffix == ".parquet":
+            return _parquet_rows(p, columns)
+        return _jsonl_rows(p, columns)
+    except OSError as e:  # unreadable (permissions, I/O)
+        raise DataFileError(f"cannot be read ({e.strerror or e})") from None
 
 
 def _parquet_rows(p: Path, columns: tuple[str, ...]) -> int:

@@ -156,3 +156,12 @@ def test_columns_the_keys_name_are_checked(tmp_path: Path, capsys: pytest.Captur
     rc, _, err = _plan(capsys, f"data.train_files=[{f}]", f"data.val_files=[{f}]", "data.prompt_key=question",
                        "data.ground_truth_key=reward_model.answer")
     assert rc == EXIT_CONFIG and "has no column 'reward_model.answer'" in err
+
+
+def test_a_fifo_is_refused_without_reading_it(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)  # opening it for reading would block: the check must not
+    with pytest.raises(DataFileError, match="is not a regular file"):
+        count_rows(fifo)
