@@ -210,7 +210,7 @@ class Translation:
         """The mrl YAML, headed by comments naming every key not carried over."""
         head = ["# mrl config translated from a verl launch command by `mrl from-verl`.",
                 "# Check it with `mrl plan <this file>`; every key not carried over is listed here."]
-        head += [f"# note: {n}" for n in self.notes]
+        head += [f"# note: {n}" for n in dict.fromkeys(self.notes)]
         if self.unmapped:
             head.append("# not mapped:")
             head += [f"#   {k}={v}: {why}" for k, v, why in self.unmapped]
@@ -248,8 +248,10 @@ def _rollout_name(t: Translation, v: Any) -> None:
 
 
 def _clip_ratio(t: Translation, v: Any) -> None:
-    t.set("actor.clip_ratio_low", v)  # verl: clip_ratio is the default of both bounds
-    t.set("actor.clip_ratio_high", v)
+    # verl: clip_ratio is the default of both bounds; an explicit clip_ratio_low/high wins wherever it stands
+    for bound in ("actor.clip_ratio_low", "actor.clip_ratio_high"):
+        if t.get(bound) is None:
+            t.set(bound, v)
 
 
 def _logger(t: Translation, v: Any) -> None:

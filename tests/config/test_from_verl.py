@@ -159,3 +159,10 @@ python3 -m verl.trainer.main_ppo --config-name='ppo_megatron_trainer.yaml' "${MO
     assert t.get("actor.lora.rank") == 16
     assert t.get("actor.lora.target_modules") == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert t.get("trainer.logger") == ["console", "mlflow"] and t.get("rollout.host") == "0.0.0.0"
+
+
+def test_explicit_clip_bounds_win_over_clip_ratio_in_either_order() -> None:
+    a = translate_overrides([f"actor_rollout_ref.actor.{k}" for k in ("clip_ratio_high=0.28", "clip_ratio=0.2")])
+    b = translate_overrides([f"actor_rollout_ref.actor.{k}" for k in ("clip_ratio=0.2", "clip_ratio_high=0.28")])
+    for t in (a, b):
+        assert (t.get("actor.clip_ratio_low"), t.get("actor.clip_ratio_high")) == (0.2, 0.28)
