@@ -1,4 +1,4 @@
-"""``mrl`` command line: ``plan``, ``train`` and ``engine``.
+"""``mrl`` command line: ``plan``, ``train``, ``engine`` and ``from-verl``.
 
 Exit codes: 0 ok, 2 config or data errors (each printed with the key or file:row and the fix), 3 a valid config that
 this build's driver cannot run yet or whose files are missing (printed with the keys). Only ``mrl.config`` (pydantic + PyYAML) is imported before a config is
@@ -24,12 +24,62 @@ def _parser() -> argparse.ArgumentParser:
         if name == "train":
             s.add_argument("--dry-run", action="store_true", help="stop after validation and the plan")
     sub.add_parser("engine", help="run a rollout engine server (arguments go to mrl.rollout.engine.server)", add_help=False)
+    sub.add_parser("from-verl", help="translate a verl launch script or its overrides into an mrl YAML", add_help=False)
     return p
 
 
-def _load(config: str, overrides: list[str]):
-    """(cfg, text) or print the errors and return None."""
+def _from_verl(argv: list[str]) -> int:
+    """``mrl from-verl <script.sh | key=value ...> [-o out.yaml]``: the YAML on stdout (or in -o's file), every
+    verl key it could not carry over on stderr with the reason."""
+    from pathlib import Path
+
+    from mrl.config.from_verl import translate
+
+    p = argparse.ArgumentParser(prog="mrl from-verl", description="Translate a verl launch command (a .sh script or "
+                                "its Hydra overrides) into an mrl YAML; keys without an mrl equivalent are named.")
+    p.add_argument("source", nargs="+", help="run_xxx.sh, or overrides such as actor_rollout_ref.actor.optim.lr=1e-6")
+    p.add_argument("-o", "--output", help="write the YAML here instead of stdout")
+    # verl's own words (`python3 -m verl.trainer.main_ppo`) may come along: only -o/-h are options here
+    output, src, rest = None, [], list(argv)
+    while rest:
+        a = rest.pop(0)
+        if a in ("-o", "--output") and rest:
+            output = rest.pop(0)
+        elif a in ("-h", "--help") or a in ("-o", "--output"):
+            p.print_help()
+            return 0 if a in ("-h", "--help") else EXIT_CONFIG
+        else:
+            src.append(a)
+    if not src:
+        p.print_usage(sys.stderr)
+        return EXIT_CONFIG
+    if len(src) == 1 and src[0].endswith(".sh") and not Path(src[0]).is_file():
+        print(f"mrl from-verl: script {src[0]!r} does not exist; fix: the path of a verl launch script", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        t = translate(src, read_file=lambda f: Path(f).read_text(errors="replace"))
+    except ValueError as e:
+        print(f"mrl from-verl: {e}; fix: pass a verl launch script or its key=value overrides", file=sys.stderr)
+        return EXIT_CONFIG
+    if not t.config:
+        print("mrl from-verl: no verl key could be carried over; fix: pass verl's key=value overrides", file=sys.stderr)
+        return EXIT_CONFIG
+    text = t.yaml()
+    if output:
+        Path(output).write_text(text)
+        print(f"mrl from-verl: wrote {output}; check it with `mrl plan {output}`", file=sys.stderr)
+    else:
+        print(text, end="")
+    for key, value, why in t.unmapped:
+        print(f"not mapped: {key}={value}: {why}", file=sys.stderr)
+    return 0
+
+
+def _load(config: str, overrides: list[str], *, require_data: bool):
+    """(cfg, text) or print the errors and return None. ``require_data``: a missing prompt file is an
+    error (``mrl train``), not a plan note."""
     from mrl.config import ConfigError, load_config
+    from mrl.config.data_files import check_data_files
     from mrl.config.plan import plan_text
 
     try:
@@ -38,7 +88,14 @@ def _load(config: str, overrides: list[str]):
         print(f"mrl: {e}", file=sys.stderr)
         print("fix the keys above (see docs/config.md); nothing was started.", file=sys.stderr)
         return None
-    return cfg, plan_text(cfg)
+    data = check_data_files(cfg, require_present=require_data)
+    if data.errors:
+        print(f"mrl: {len(data.errors)} data error(s):", file=sys.stderr)
+        print("\n".join(f"  - {e}" for e in data.errors), file=sys.stderr)
+        print("fix the files or keys above; nothing was started.", file=sys.stderr)
+        return None
+    text = plan_text(cfg)
+    return cfg, text + ("\n" + data.summary() if data.rows else "")
 
 
 def _console_logging() -> None:
@@ -62,12 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         from mrl.rollout.engine.server import cli_main
 
         return int(cli_main(argv[1:]) or 0)
+    if argv and argv[0] == "from-verl":
+        return _from_verl(argv[1:])
     dry_run = bool(argv) and argv[0] == "train" and "--dry-run" in argv
     if dry_run:
         # argparse cannot take an option between two runs of positionals (`CONFIG --dry-run k=v`).
         argv = [a for a in argv if a != "--dry-run"]
     args = _parser().parse_args(argv)
-    loaded = _load(args.config, args.overrides)
+    loaded = _load(args.config, args.overrides, require_data=args.cmd == "train" and not dry_run)
     if loaded is None:
         return EXIT_CONFIG
     cfg, text = loaded

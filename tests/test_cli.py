@@ -52,8 +52,11 @@ def test_train_refuses_a_layout_the_critic_cannot_share_at_config_time(
     assert "critic.megatron.pipeline_model_parallel_size=2" in err and "fix:" in err
 
 
-def test_train_refuses_missing_files_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", QUICK, "model.path=/nonexistent/model"]) == EXIT_UNSUPPORTED == 3
+def test_train_refuses_missing_files_before_starting_anything(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    data = tmp_path / "t.jsonl"  # the prompt files exist (a missing one is a data error, exit 2: tests/config/test_data_files.py)
+    data.write_text('{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}\n' * 32)
+    argv = ["train", QUICK, "model.path=/nonexistent/model", f"data.train_files=[{data}]", f"data.val_files=[{data}]"]
+    assert main(argv) == EXIT_UNSUPPORTED == 3
     assert "model.path='/nonexistent/model' does not exist" in capsys.readouterr().err
 
 

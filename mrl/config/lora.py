@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from mrl.config.base import Section
 
@@ -35,6 +35,12 @@ class LoraConfig(Section):
         False, description="With LoRA the reference is the base model (adapters off, no second copy); true allows "
         "ref.placement=separate anyway (a second full model).",
     )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _one_name_is_a_list(cls, v: object) -> object:
+        # verl's and peft's string form (`target_modules: all-linear`), or one projection name: a 1-list
+        return [v] if isinstance(v, str) else v
 
     @property
     def enabled(self) -> bool:

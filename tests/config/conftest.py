@@ -33,7 +33,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def train_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     f = tmp_path_factory.mktemp("data") / "train.jsonl"
-    f.write_text('{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}\n')
+    f.write_text('{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}\n' * 64)  # >= any batch the tests plan (mrl plan counts rows)
     return f
 
 

@@ -17,11 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("rows, must", [
-    ([{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}, {"prompt": 7, "reward_model": {"ground_truth": "2"}}],
-     ["t.jsonl:2", "'prompt'", "int"]),
-    ([{"prompt": "1+1=", "reward_model": {"ground_truth": ["2"]}}], ["t.jsonl:1", "reward_model.ground_truth", "list"]),
+    # 8 rows each (data.train_batch_size=8: fewer is refused by the row count first, tests/config/test_data_files.py)
+    ([{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}, {"prompt": 7, "reward_model": {"ground_truth": "2"}}]
+     + [{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}] * 6, ["t.jsonl:2", "'prompt'", "int"]),
+    ([{"prompt": "1+1=", "reward_model": {"ground_truth": ["2"]}}] + [{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}] * 7,
+     ["t.jsonl:1", "reward_model.ground_truth", "list"]),
     ([{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}] * 3,
-     ["data.train_batch_size=8", "exceeds the 3 prompts"]),
+     ["data.train_batch_size=8", "exceeds the 3 rows"]),
 ])
 def test_bad_rows_exit_2_before_ray(tmp_path: Path, rows: list[dict], must: list[str]) -> None:
     model = tmp_path / "m"

@@ -1,0 +1,41 @@
+# A PPO launch with a critic and a reward model, in the shape of verl's examples/ppo_trainer/*.sh
+# (written for mrl's tests).
+python3 -m verl.trainer.main_ppo \
+    algorithm.adv_estimator=gae \
+    algorithm.gamma=1.0 \
+    algorithm.lam=0.95 \
+    algorithm.kl_ctrl.kl_coef=0.002 \
+    data.train_files=/data/hh/train.parquet \
+    data.val_files=/data/hh/test.parquet \
+    data.train_batch_size=256 \
+    data.max_prompt_length=512 \
+    data.max_response_length=512 \
+    actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct \
+    actor_rollout_ref.model.use_remove_padding=True \
+    actor_rollout_ref.actor.optim.lr=5e-7 \
+    actor_rollout_ref.actor.ppo_mini_batch_size=64 \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
+    actor_rollout_ref.actor.ppo_epochs=2 \
+    actor_rollout_ref.actor.clip_ratio=0.25 \
+    actor_rollout_ref.actor.fsdp_config.param_offload=False \
+    actor_rollout_ref.rollout.name=vllm \
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 \
+    actor_rollout_ref.rollout.temperature=0.9 \
+    actor_rollout_ref.rollout.top_p=0.95 \
+    critic.optim.lr=2e-6 \
+    critic.model.path=Qwen/Qwen2.5-0.5B-Instruct \
+    critic.model.enable_gradient_checkpointing=False \
+    critic.ppo_micro_batch_size_per_gpu=4 \
+    critic.cliprange_value=0.3 \
+    reward_model.enable=True \
+    reward_model.model.path=/models/rm-0.5b \
+    reward_model.micro_batch_size_per_gpu=16 \
+    reward_model.max_length=1024 \
+    custom_reward_function.path=reward_fns/judge.py \
+    custom_reward_function.name=judge \
+    trainer.logger=console \
+    trainer.n_gpus_per_node=4 \
+    trainer.nnodes=1 \
+    trainer.total_training_steps=100 \
+    trainer.default_hdfs_dir=null \
+    trainer.some_future_key=7
