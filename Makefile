@@ -52,7 +52,12 @@ $(AGENT_ASSETS): $(VENV)/.installed mrl/quickstart_agent.py
 	$(PY) -m mrl.quickstart_agent --out outputs/quickstart_agent --force
 	@touch $@
 
-train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(QUICKSTART_ASSETS)) \
+MOE_ASSETS := outputs/quickstart_moe/.assets-written
+$(MOE_ASSETS): $(VENV)/.installed mrl/quickstart.py mrl/quickstart_moe.py
+	$(PY) -m mrl.quickstart_moe --out outputs/quickstart_moe --force
+	@touch $@
+
+train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(if $(findstring quickstart_moe,$(CONFIG)),$(MOE_ASSETS),$(QUICKSTART_ASSETS))) \
 		$(if $(findstring quickstart_rm,$(CONFIG)),$(QUICKSTART_RM)) \
 		$(if $(findstring quickstart_agent,$(CONFIG)),$(AGENT_ASSETS))
 	$(VENV)/bin/mrl train $(CONFIG) $(ARGS)

@@ -7,6 +7,8 @@ setup(
     description="Megatron-Core based reinforcement-learning trainer for LLMs (GRPO, PPO, RLOO, REINFORCE++)",
     python_requires=">=3.11",
     packages=find_packages(include=["mrl", "mrl.*", "checkpoints_tools", "checkpoints_tools.*"]),
+    # config.json copies of hub models the GPU recipes name, for `mrl plan` on hosts without the weights
+    package_data={"mrl.config": ["hub_shapes/*.json"]},
     install_requires=[
         # torch is pinned by the Makefile (CPU wheel on CPU hosts) or the docker base image (CUDA);
         # the range here only says which releases mrl supports.

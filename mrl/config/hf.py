@@ -114,3 +114,16 @@ def read_model_shape(path: str) -> ModelShape | None:
         return shape_from_dict(json.loads(f.read_text()))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{f}: cannot read the model architecture ({type(e).__name__}: {e}); fix: point model.path at a HF checkpoint") from e
+
+
+HUB_SHAPES = Path(__file__).with_name("hub_shapes")
+
+
+def bundled_hub_shape(model_path: str) -> ModelShape | None:
+    """Shape of a hub id (``org/name``) from mrl's copy of its config.json (``hub_shapes/org--name.json``):
+    what `mrl plan` checks a GPU recipe against on a host without the model. None for other paths."""
+    parts = model_path.split("/")
+    if len(parts) != 2 or Path(model_path).exists():
+        return None
+    f = HUB_SHAPES / f"{parts[0]}--{parts[1]}.json"
+    return shape_from_dict(json.loads(f.read_text())) if f.is_file() else None

@@ -81,7 +81,9 @@ def compute_layout(cfg: MRLConfig) -> dict[str, RoleLayout]:
     actor_n = max(world - sum(sep.values()), 0)
     roles = {"actor": RoleLayout("actor", 0, actor_n, False, cfg.actor.megatron)}
     nxt = actor_n
-    for name, par in (("ref", cfg.ref.megatron), ("critic", cfg.critic.megatron), ("rollout", None),
+    # A colocated reference runs in the actor's model chunks (mrl/workers/reference.py): the actor's layout.
+    ref_par = cfg.ref.megatron if cfg.ref.placement == "separate" else cfg.actor.megatron
+    for name, par in (("ref", ref_par), ("critic", cfg.critic.megatron), ("rollout", None),
                       ("reward_model", reward_model_parallel(cfg))):
         enabled = {"ref": cfg.ref_enabled, "critic": cfg.critic_enabled, "rollout": True,
                    "reward_model": cfg.reward_model.enable}[name]

@@ -168,7 +168,7 @@ def build_plan(cfg: MRLConfig) -> Plan:
                                               trainable=lora_params_per_device(shape, a.megatron, a.lora.rank,
                                                                                a.lora.targets))
     if "ref" in roles:
-        p = params_per_device(shape, cfg.ref.megatron, div)
+        p = params_per_device(shape, roles["ref"].parallel, div)
         lora_ref = a.lora.enabled and cfg.ref.placement == "colocated"  # adapters off: no second copy
         plan.memory["ref"] = RoleMemory(weights=0 if lora_ref else p * itemsize(dt))
     if "critic" in roles:
@@ -249,7 +249,8 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
     if plan.memory:
         model = f"model {plan.param_count / 1e6:.1f}M params"
         if plan.num_experts:
-            model = (f"MoE model {plan.param_count / 1e9:.2f}B params in all, {plan.active_param_count / 1e9:.2f}B active "
+            n = (lambda x: f"{x / 1e9:.2f}B") if plan.param_count >= 1e9 else (lambda x: f"{x / 1e6:.2f}M")
+            model = (f"MoE model {n(plan.param_count)} params in all, {n(plan.active_param_count)} active "
                      f"per token ({plan.num_experts} experts, top-{plan.experts_per_token})")
         lines.append(f"  memory per device ({model}, {plan_dtype(cfg)}; activations and KV cache not included):")
         for name, m in plan.memory.items():

@@ -147,6 +147,15 @@ def _check_placement(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelS
             errors.append(f"{role}.placement=separate needs {role}.num_devices; fix: set {role}.num_devices=<devices for the {role}>")
         if section.placement == "colocated" and section.num_devices is not None:
             errors.append(f"{role}.num_devices is only used with {role}.placement=separate; fix: remove it or set {role}.placement=separate")
+    if cfg.ref_enabled and cfg.ref.placement == "colocated":
+        differ = [k for k in _GROUP_KEYS if getattr(cfg.ref.megatron, k) not in (getattr(ParallelConfig(), k),
+                                                                                 getattr(cfg.actor.megatron, k))]
+        if differ:
+            k = differ[0]
+            errors.append(f"ref.megatron.{k}={getattr(cfg.ref.megatron, k)} differs from actor.megatron.{k}="
+                          f"{getattr(cfg.actor.megatron, k)}, but a colocated reference runs in the actor's model chunks "
+                          "with the actor's layout; fix: remove ref.megatron (or set it equal to actor.megatron), or "
+                          "ref.placement=separate with ref.num_devices")
     if cfg.ref.offload and cfg.ref.placement == "separate":
         # The colocated reference already lives in host memory between passes; a separate one
         # has no offload path yet, and a flag that silently does nothing is worse than an error.
@@ -521,6 +530,13 @@ def load_shape(cfg: MRLConfig, errors: list[str], notes: list[str]) -> ModelShap
         errors.append(f"model.path: {e}")
         return None
     if shape is None:
+        from mrl.config.hf import bundled_hub_shape
+
+        shape = bundled_hub_shape(cfg.model.path)
+        if shape is not None:
+            notes.append(f"model.path={cfg.model.path!r} is not on this host: model checks and the memory estimate use "
+                         "mrl's copy of its config.json (mrl/config/hub_shapes/); the GPU host must hold the model")
+            return shape
         notes.append(
             f"model.path={cfg.model.path!r} has no config.json here (yet); model checks (heads/TP, layers/PP, "
             "positions) and the memory estimate are skipped"

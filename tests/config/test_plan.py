@@ -88,14 +88,15 @@ def test_plan_two_node_tp2_pp2_layout(tmp_path: Path, train_file: Path) -> None:
     # 512 prompts x 5 = 2560 samples; 4 mini-batches of 640 samples; DP = 16 / (TP2*PP2) = 4 -> 160 per rank
     assert (plan.samples_per_step, plan.mini_batches_per_step, plan.optimizer_steps_per_step) == (2560, 4, 8)
     assert (plan.roles["actor"].dp, plan.samples_per_dp_rank, plan.micro_batches_per_dp_rank) == (4, 160, 20)
-    assert plan.roles["ref"].dp == 8 and plan.num_engines == 8
+    # the colocated reference runs in the actor's model chunks: the actor's layout (ref.megatron is for separate)
+    assert plan.roles["ref"].dp == plan.roles["actor"].dp == 4 and plan.num_engines == 8
     h, v = 3584, 152064  # 152064 is a multiple of 128*2: no padding
     layer = _qwen2_layer(h, 28, 4, 18944)
     last_stage = (14 * layer + v * h) / 2 + h  # 14 layers, output layer (TP-sharded), final norm
     p_actor = int(last_stage)
     assert plan.memory["actor"].weights == p_actor * 2
     assert plan.memory["actor"].optimizer == int(p_actor * 12 / 4)
-    assert plan.memory["ref"].weights == int((v * h * 2 + 28 * layer) / 2 + h) * 2  # TP2, PP1, untied
+    assert plan.memory["ref"].weights == p_actor * 2  # colocated: the actor's chunks and layout
     assert plan.memory["rollout"].weights == 7_615_616_512 * 2 // 2
     text = format_plan(cfg, plan)
     assert "actor          16 devices [node0:0-7, node1:0-7] TP=2 PP=2 CP=1 DP=4" in text
