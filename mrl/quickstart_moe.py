@@ -9,7 +9,8 @@ split over them (expert parallel 2) and routing replay on (docs/moe.md).
 """
 from __future__ import annotations
 
-from mrl.quickstart import QWEN2_SHAPE, main as _main
+from mrl.quickstart import QWEN2_SHAPE
+from mrl.quickstart import main as _main
 
 MODEL_DIR = "tiny-qwen3-moe"
 QWEN3_MOE_SHAPE = {

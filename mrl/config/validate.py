@@ -19,9 +19,9 @@ from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_devices
 from mrl.config.parallel import ParallelConfig
 from mrl.config.reward_model import check_reward_model
-from mrl.config.validate_moe import check_moe
 from mrl.config.root import MRLConfig
 from mrl.config.run_plan import on_policy_blockers
+from mrl.config.validate_moe import check_moe
 from mrl.net import is_loopback
 
 _GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk"}

@@ -182,11 +182,10 @@ def _redirects() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, CPU stand-in) of every process-wide redirect (1, 5, 6, 7 of the docstring)."""
     import megatron.core.tensor_parallel.random as mrandom
     from megatron.core.models.common.embeddings import rope_utils
-
-    from mrl.megatron.rope_kernel import make_rope_bshd
-
     from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import token_dispatcher
+
+    from mrl.megatron.rope_kernel import make_rope_bshd
 
     return [
         (token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy),

@@ -11,10 +11,9 @@ HF body (``critic.model_path`` or the actor's checkpoint).
 """
 from __future__ import annotations
 
-from typing import Any
-
 import os
 from functools import partial
+from typing import Any
 
 import torch
 

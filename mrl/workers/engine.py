@@ -170,6 +170,15 @@ class MegatronEngine:
                 DistributedDataParallelConfig,
             )
 
+            if self.is_moe:
+                # Megatron gives routed experts their own grad buffers and optimizer (reduced over the
+                # expert-data-parallel group) only when EP > 1; at EP = 1 they join the dense ones. Always
+                # separate (at EP = 1 the expert-DP group is the DP group: same reduction), so that the
+                # optimizer state has one structure and a checkpoint resumes at any EP.
+                for c in chunks:
+                    for name, p in c.named_parameters():
+                        if ".mlp.experts." in name:
+                            p.allreduce = False
             # The DistributedOptimizer needs DDP's contiguous param buffers (use_distributed_optimizer).
             ddp_config = ddp_config or DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer)

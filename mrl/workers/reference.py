@@ -18,11 +18,10 @@ response-embedding forward under the same swapped-in weights for ``algorithm.rep
 """
 from __future__ import annotations
 
-from typing import Any
-
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -111,8 +110,11 @@ class ColocatedReference:
                     p.copy_(a, non_blocking=True)
 
     def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
-        """[B, R] log-probs under the reference weights; the actor's weights are restored after."""
-        with self._swapped_in():
+        """[B, R] log-probs under the reference weights; the actor's weights are restored after. An MoE
+        model replays the engine's experts here too (routing replay) without counting in the policy's moe/*."""
+        from mrl.workers.routing_replay import not_measured
+
+        with self._swapped_in(), not_measured(self.actor.engine.router_probes):
             lp, _ = self.actor.compute_log_prob(batch)
         return lp
 

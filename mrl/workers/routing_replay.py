@@ -20,6 +20,7 @@ each TP rank holds a contiguous chunk of ``s``).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ class RouterProbe:
         self.load = torch.zeros(num_experts, dtype=torch.float64)
         self.mismatch = 0
         self.compared = 0
+        self.measure = True  # off while the colocated reference borrows the model (its routing is not the policy's)
         router.register_forward_pre_hook(self._pre)
 
     def _pre(self, module: Any, args: tuple) -> None:
@@ -44,7 +46,7 @@ class RouterProbe:
             own = torch.topk(module.gating(x.detach()).reshape(-1, module.config.num_moe_experts),
                              k=module.topk, dim=1).indices
             used = own
-            if self.target is not None:
+            if self.target is not None and self.measure:
                 target = self.target.to(own.device)
                 if target.shape != own.shape:
                     raise RuntimeError(f"routing replay: layer {self.layer} got {tuple(target.shape)} engine ids for "
@@ -54,7 +56,11 @@ class RouterProbe:
                 same = (own.sort(-1).values == target.sort(-1).values).all(-1)
                 self.mismatch += int((known & ~same).sum())
                 self.compared += int(known.sum())
-            self.load += torch.bincount(used.flatten().cpu(), minlength=self.load.numel()).double()
+            elif self.target is not None:
+                target = self.target.to(own.device)
+                used = torch.where((target >= 0).all(-1)[:, None], target, own)
+            if self.measure:
+                self.load += torch.bincount(used.flatten().cpu(), minlength=self.load.numel()).double()
         if replay is None:
             return
         if self.target is None:
@@ -138,7 +144,10 @@ def aux_loss_metrics(coef: float, num_micro_batches: int) -> dict[str, float]:
     """``moe/aux_loss``: coef × the load-balancing loss Megatron tracked in the last update, averaged over
     layers, micro-batches and data-parallel ranks (collective over the world); clears the tracker."""
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
 
     tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
     if tracker is None:
@@ -151,3 +160,16 @@ def aux_loss_metrics(coef: float, num_micro_batches: int) -> dict[str, float]:
     clear_aux_losses_tracker()
     per_mb = values / max(num_micro_batches, 1)
     return {"moe/aux_loss": float(coef * per_mb.mean()), "moe/load_balancing_loss": float(per_mb.mean())}
+
+
+@contextlib.contextmanager
+def not_measured(probes: list[RouterProbe]):
+    """Forwards inside the block replay as usual but leave the policy's routing statistics alone
+    (the colocated reference runs in the actor's model: mrl/workers/reference.py)."""
+    for p in probes:
+        p.measure = False
+    try:
+        yield
+    finally:
+        for p in probes:
+            p.measure = True

@@ -1,0 +1,78 @@
+"""MoE layout and settings are checked before anything starts (mrl/config/validate_moe.py), and `mrl plan`
+prints the expert grid and total vs active parameters."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mrl.config import check_config, load_config
+from mrl.config.hf import bundled_hub_shape, shape_from_dict
+from mrl.config.plan import build_plan, format_plan
+
+MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 300, "hidden_size": 64,
+       "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+       "head_dim": 16, "max_position_embeddings": 256, "num_experts": 8, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 48, "norm_topk_prob": True, "tie_word_embeddings": False}
+
+
+@pytest.fixture()
+def moe_overrides(base_overrides: list[str], tmp_path: Path) -> list[str]:
+    d = tmp_path / "moe"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(MOE))
+    return [o for o in base_overrides if not o.startswith("model.path=")] + [f"model.path={d}"]
+
+
+def _errors(overrides: list[str]) -> list[str]:
+    return check_config(load_config(None, overrides, check=False))[0]
+
+
+CASES = [  # (overrides, substrings of one error)
+    (["actor.megatron.expert_model_parallel_size=3"], ["expert_model_parallel_size=3", "divide"]),
+    (["actor.megatron.expert_model_parallel_size=8"], ["ETP*EP*PP", "does not divide the 4 devices"]),
+    (["actor.megatron.expert_model_parallel_size=2", "actor.moe.token_dispatcher=allgather"],
+     ["token_dispatcher=allgather", "fix: actor.moe.token_dispatcher=alltoall"]),
+    (["actor.megatron.tensor_model_parallel_size=2"], ["Mixture-of-Experts", "sequence_parallel=true"]),
+    (["actor.megatron.expert_tensor_parallel_size=3"], ["ETP*EP*PP = 3*1*1", "does not divide"]),
+    (["actor.megatron.expert_tensor_parallel_size=5"], ["expert_tensor_parallel_size=5", "does not divide the expert MLP"]),
+    (["actor.moe.routing_replay=rollout", "actor.shared_prefix=true"], ["routing_replay=rollout", "shared_prefix=false"]),
+    (["actor.lora.rank=8"], ["actor.lora", "Mixture-of-Experts"]),
+]
+
+
+@pytest.mark.parametrize("extra,must", CASES, ids=[c[1][0] for c in CASES])
+def test_bad_moe_layouts_are_refused_with_the_key(moe_overrides, extra, must):
+    errors = _errors(moe_overrides + extra)
+    assert any(all(s in e for s in must) for e in errors), errors
+    assert all("fix" in e for e in errors), errors
+
+
+def test_good_moe_layouts_pass(moe_overrides):
+    for extra in ([], ["actor.megatron.expert_model_parallel_size=4", "actor.moe.routing_replay=rollout"],
+                  ["actor.megatron.expert_model_parallel_size=2", "actor.megatron.pipeline_model_parallel_size=2",
+                   "actor.ppo_micro_batch_size_per_gpu=4"]):
+        assert _errors(moe_overrides + extra) == [], extra
+
+
+def test_moe_settings_on_a_dense_model_are_refused(base_overrides):
+    errors = _errors(base_overrides + ["actor.moe.routing_replay=rollout"])
+    assert any("actor.moe.routing_replay" in e and "dense" in e for e in errors), errors
+
+
+def test_plan_prints_expert_grid_and_active_params(moe_overrides):
+    cfg = load_config(None, moe_overrides + ["actor.megatron.expert_model_parallel_size=2"])
+    text = format_plan(cfg, build_plan(cfg))
+    assert "EP=2 ETP=1 EDP=2" in text and "8 experts, top-2" in text and "active per token" in text
+    shape = shape_from_dict(MOE)
+    total, active = shape.param_count(), shape.param_count(active=True)
+    # 4 layers x (8 - 2) experts x 3 x 64 x 48 parameters are not used by any one token
+    assert total - active == 4 * 6 * 3 * 64 * 48
+
+
+def test_bundled_hub_shape_of_the_gpu_recipe():
+    s = bundled_hub_shape("Qwen/Qwen3-30B-A3B")
+    assert s is not None and s.num_experts == 128 and s.experts_per_token == 8
+    assert round(s.param_count() / 1e9, 1) == 30.5 and 3.3 <= s.param_count(active=True) / 1e9 < 3.4  # "30B-A3B"
+    assert bundled_hub_shape("Qwen/not-a-bundled-model") is None
