@@ -237,7 +237,8 @@ def _build_critic(cfg: MRLConfig, plan: RunPlan, device: str) -> CriticWorker:
         c, model_path=c.model_path or cfg.model.path, device=device, mini_batch_size_samples=u.mini_batch_size_samples,
         epochs=u.epochs, total_optimizer_steps=u.total_optimizer_steps,
         seed=cfg.trainer.seed, init_parallel=False, max_response_length=cfg.rollout.max_response_length,
-        dtype=torch_dtype(plan.dtype), moe=cfg.actor.moe,
+        # the actor's dispatcher and aux loss; never the policy's routing replayed in the value model's router
+        dtype=torch_dtype(plan.dtype), moe=cfg.actor.moe.model_copy(update={"routing_replay": "none"}),
     )
     if c.offload_param or c.offload_grad or c.offload_optimizer:
         critic.offload()

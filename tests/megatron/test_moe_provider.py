@@ -1,0 +1,46 @@
+"""MoE families from config.json (mrl/megatron/moe.py): the router settings Megatron gets, and the refusals."""
+from __future__ import annotations
+
+import pytest
+
+from mrl.megatron.moe import check_moe_supported, moe_transformer_kwargs, param_counts
+from mrl.megatron.provider import _check_supported, model_family
+from tests.helpers.tiny_models import hf_config
+
+
+@pytest.mark.parametrize("family,pre_softmax,ffn,shared", [
+    ("qwen3_moe", False, 48, None),   # norm_topk_prob=True: softmax over the top-k logits
+    ("qwen2_moe", True, 48, 96),      # norm_topk_prob=False: softmax over all experts first, shared expert
+    ("mixtral", False, 48, None),     # always renormalised; expert width in intermediate_size
+])
+def test_router_settings_from_config(family, pre_softmax, ffn, shared):
+    cfg = hf_config(family)
+    assert model_family(cfg) == family
+    kw = moe_transformer_kwargs(cfg, family, ep=2, etp=1)
+    assert kw["num_moe_experts"] == 4 and kw["moe_router_topk"] == 2 and kw["moe_ffn_hidden_size"] == ffn
+    assert kw["moe_router_pre_softmax"] is pre_softmax and kw["moe_aux_loss_coeff"] == 0.01
+    assert kw["moe_expert_capacity_factor"] is None and kw["expert_model_parallel_size"] == 2
+    assert kw.get("moe_shared_expert_intermediate_size") == shared
+    assert kw.get("moe_shared_expert_gate", False) is (shared is not None)
+    with pytest.raises(ValueError, match="not divisible by expert_model_parallel_size=3"):
+        moe_transformer_kwargs(cfg, family, ep=3, etp=1)
+    total, active = param_counts(cfg, family)
+    assert active < total
+
+
+def test_unsupported_moe_layouts_are_refused_with_the_fix():
+    cfg = hf_config("qwen3_moe", mlp_only_layers=[0])
+    with pytest.raises(ValueError, match="mlp_only_layers=\\[0\\].*not supported yet"):
+        _check_supported(cfg, "qwen3_moe")
+    cfg = hf_config("mixtral", router_jitter_noise=0.1)
+    with pytest.raises(ValueError, match="router_jitter_noise.*set it to 0.0"):
+        check_moe_supported(cfg, "mixtral")
+
+
+def test_deepseek_v3_is_refused_with_the_reason():
+    import transformers as tf
+
+    cfg = tf.DeepseekV3Config(num_hidden_layers=2, hidden_size=64, vocab_size=100)
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    with pytest.raises(ValueError, match="multi-latent attention"):
+        model_family(cfg)
