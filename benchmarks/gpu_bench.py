@@ -38,18 +38,19 @@ for p in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(p))
 
 # Qwen2.5-1.5B's shape (its config.json), random weights
-QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
-                  tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0)
-TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, rms_norm_eps=1e-6)
+QWEN25_15B = {"vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+              "num_attention_heads": 12, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+              "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0}
+TINY = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": True, "rms_norm_eps": 1e-6}
 # dense bf16 peak, TFLOP/s (NVIDIA datasheets, SXM)
 PEAK_BF16 = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
 
 SIZES = {  # mode: model shape, update batch (samples, prompt, response), decode (batches, prompt, new), timed iters
-    "gpu": dict(shape=QWEN25_15B, dtype="bfloat16", update=(8, 512, 512), micro=2,
-                decode=((64, 256), 32, 128), iters=3),
-    "cpu-smoke": dict(shape=TINY, dtype="float32", update=(4, 6, 6), micro=2, decode=((4, 8), 4, 4), iters=1),
+    "gpu": {"shape": QWEN25_15B, "dtype": "bfloat16", "update": (8, 512, 512), "micro": 2,
+            "decode": ((64, 256), 32, 128), "iters": 3},
+    "cpu-smoke": {"shape": TINY, "dtype": "float32", "update": (4, 6, 6), "micro": 2, "decode": ((4, 8), 4, 4),
+                  "iters": 1},
 }
 
 
@@ -81,7 +82,9 @@ def write_model(shape: dict, dtype: str, device: str, path: pathlib.Path) -> str
     with torch.device(device):
         model = tf.AutoModelForCausalLM.from_config(tf.Qwen2Config(**shape), dtype=getattr(torch, dtype))
     model.save_pretrained(path)
-    from tests.helpers.tiny_tokenizer import save_tiny_tokenizer  # the engine's HTTP layer loads a tokenizer
+    from tests.helpers.tiny_tokenizer import (
+        save_tiny_tokenizer,  # the engine's HTTP layer loads a tokenizer
+    )
 
     save_tiny_tokenizer(path)
     del model
@@ -136,8 +139,8 @@ def bench_decode(out: dict, a, size: dict, model: str, device: str):
     import httpx
     import torch
     import transformers as tf
-
     from cuda_check import serve
+
     from mrl.rollout.engine.server import Engine
 
     batches, P, new = size["decode"]
@@ -165,8 +168,8 @@ def bench_decode(out: dict, a, size: dict, model: str, device: str):
     hf = tf.AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, size["dtype"])).to(device).eval()
     for b in batches:
         ids = torch.tensor([[3 + (i * 7 + j) % 250 for j in range(P)] for i in range(b)], device=device)
-        kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new,
-                  pad_token_id=0)
+        kw = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": new,
+              "min_new_tokens": new, "pad_token_id": 0}
         with torch.no_grad():
             hf.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), **kw)  # warm-up
             sync(device)
@@ -185,8 +188,8 @@ def bench_sync(out: dict, a, size: dict, model: str, device: str, actor):
     import types
 
     import torch
-
     from cuda_check import serve
+
     from mrl.rollout.engine.in_process import InProcessEngine
     from mrl.rollout.engine.server import Engine
 
@@ -255,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             return None
         try:
             return fn(out, a, size, *args)
-        except Exception as e:  # one broken part must not hide the others
+        except Exception as e:  # noqa: BLE001 -- one broken part must not hide the others
             out["errors"][name] = f"{type(e).__name__}: {e}\n" + traceback.format_exc(limit=4)
             return None
 
