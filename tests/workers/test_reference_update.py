@@ -26,8 +26,9 @@ the union over DP ranks d of slice d's k-th part. The reference takes the same p
 with DP = 1 it is the plain first-half / second-half split. mrl gets the same batches (as the
 trainer builds them: advantages from the token-level rewards by mrl's ``grpo`` estimator, log π_old
 from ``compute_log_prob``) and runs ``update_policy``, its real Megatron path (DDP, distributed
-optimizer, micro-batches of 2 samples, gloo ranks), at DP1, DP2 and TP2. After every step the
-HF-named weights must agree to ≤ 1e-5 (fp32, tiny Llama with GQA and untied embeddings).
+optimizer, micro-batches of 2 samples, gloo ranks), at DP1 (compact rows), DP2 and TP2 (shared-prefix
+rows). After every step the HF-named weights must agree to ≤ 1e-5 (fp32, tiny Llama with GQA and
+untied embeddings).
 
 Two findings the test pins down:
 
@@ -60,7 +61,9 @@ LR, WEIGHT_DECAY, CLIP_GRAD = 1e-4, 0.01, 1.0
 CLIP_LOW, CLIP_HIGH, CLIP_C = 0.2, 0.2, 3.0
 MICRO = 2  # samples per micro-batch on one rank
 TOL = 1e-5
-LAYOUTS = {"dp1": (1, 1), "dp2": (2, 1), "tp2": (2, 2)}  # name: (ranks, TP)
+# name: (ranks, TP, actor.shared_prefix): the compact rows and the shared-prefix rows (auto's choice on CPU for
+# GRPO-shaped batches like these) must both give the reference's update
+LAYOUTS = {"dp1": (1, 1, False), "dp2": (2, 1, True), "tp2": (2, 2, True)}
 
 
 # ---- the reference ---------------------------------------------------------------------------
@@ -162,7 +165,7 @@ def _train_batch(data: dict):
     return batch, scores
 
 
-def _rank(rank, world, path, tp, steps):
+def _rank(rank, world, path, tp, shared_prefix, steps):
     from megatron.core import parallel_state as ps
 
     from mrl.algorithms.advantages import get_adv_estimator
@@ -171,7 +174,7 @@ def _rank(rank, world, path, tp, steps):
     from tests.workers.batches import portable, tensors
 
     cfg = ActorConfig(
-        megatron={"tensor_model_parallel_size": tp}, ppo_mini_batch_size=PROMPTS // 2,
+        megatron={"tensor_model_parallel_size": tp}, ppo_mini_batch_size=PROMPTS // 2, shared_prefix=shared_prefix,
         ppo_micro_batch_size_per_gpu=MICRO, clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH, clip_ratio_c=CLIP_C,
         optim={"lr": LR, "weight_decay": WEIGHT_DECAY, "clip_grad": CLIP_GRAD},
     )
@@ -230,9 +233,9 @@ def tiny_llama(tmp_path_factory):
 def test_grpo_updates_equal_plain_pytorch_reference(tiny_llama, layout):
     from tests.workers.batches import portable, tensors
 
-    world, tp = LAYOUTS[layout]
+    world, tp, shared_prefix = LAYOUTS[layout]
     steps, ref_weights = _reference(tiny_llama, world // tp)
-    res = tensors(run_ranks(_rank, world, args=(str(tiny_llama), tp, portable(steps)), timeout_s=240))
+    res = tensors(run_ranks(_rank, world, args=(str(tiny_llama), tp, shared_prefix, portable(steps)), timeout_s=240))
     worst = 0.0
     for s, (got, want) in enumerate(zip(res[0], ref_weights)):
         w = got["weights"]
