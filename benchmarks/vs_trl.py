@@ -52,13 +52,9 @@ PROMPTS, N = 32, 8  # prompts per step, samples per prompt
 # measured no faster split); compute = 16 (length-sorted micro-batches padded to their own longest sample:
 # the update's padding goes from ~26 % to a few %; interleaved A/B, bf16: 6.1 s per update at 16, 9.1 s at 128)
 MICRO_BATCH = {"tiny": PROMPTS * N // 2, "compute": 16}
-# actor.shared_prefix (docs/driver.md, "Shared prompts"): tiny = on (5-token prompts, <= 4-token answers: a group's
-# row is 5 + 8 x (r - 1) <= 29 tokens instead of 8 x 9; docs/vs_trl.md has the measured effect); compute = off
-# (64-token answers: rows of 8 x 63 tokens would make the masked attention ~7x the compact layout's)
-SHARED_PREFIX = {"tiny": True, "compute": False}
-# rollout.weight_sync.transport: inprocess (the engines run inside the 2 trainer ranks, each rank copies its weights
-# into its own engine: tiny-size sync 0.034 -> 0.009 s per step); the first two sessions' tables used tensor
-TRANSPORT = "inprocess"
+# actor.shared_prefix and rollout.weight_sync.transport: mrl's defaults (auto, mrl/config/auto.py) choose what this
+# benchmark used to set by hand: tiny = shared prefix on (P 16 >= R 4) and compute = off (R 64 > P 16); inprocess
+# engines in both (CPU, colocated, TP = PP = 1). `mrl plan` prints the choice; docs/vs_trl.md the measured effects.
 LR = 3e-4
 
 
@@ -122,7 +118,7 @@ def run_mrl(work: Path, model_dir: Path, size: str, seed: int, steps: int, port:
             f"trainer.total_training_steps={steps}", "trainer.logger=[mlflow]",
             f"trainer.mlflow_tracking_uri=sqlite:///{db}", f"trainer.default_local_dir={work}/mrl_ckpt",
             f"trainer.seed={seed}", f"rollout.port_base={port}", f"model.dtype={dtype}",
-            f"actor.shared_prefix={str(SHARED_PREFIX[size]).lower()}", f"rollout.weight_sync.transport={TRANSPORT}", *extra]
+            *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO), "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled"}
     t0 = time.time()
     with (work / "mrl.log").open("w") as log:

@@ -109,8 +109,10 @@ class ActorConfig(Section):
         "update's own detached log-probs are used (exact; docs/driver.md). null = on where that holds, true = required "
         "(mrl plan says why not), false = always recompute.",
     )
-    shared_prefix: bool = Field(
-        False, description="Compute each prompt once for its rollout.n samples in the actor's forwards (update, "
+    shared_prefix: bool | Literal["auto"] = Field(
+        "auto", description="auto: on on CPU when rollout.n >= 2, answers are no longer than prompts "
+        "(rollout.max_response_length <= data.max_prompt_length) and a shared row P + n(R-1) is <= 512 tokens, else off "
+        "(mrl plan says which and why; mrl/config/auto.py). true: compute each prompt once for its rollout.n samples in the actor's forwards (update, "
         "old and colocated-reference log-probs): one row per prompt, each sample's response in its own masked "
         "segment at its own positions (docs/driver.md, 'Shared prompts'). Same log-probs up to float rounding; fewer tokens "
         "when prompts are long relative to responses. Needs Megatron's local attention (not Transformer Engine).",

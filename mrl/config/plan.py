@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mrl.config.auto import planned_device, resolve_shared_prefix, resolve_transport
 from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout, compute_layout
 from mrl.config.parallel import ParallelConfig
@@ -213,6 +214,7 @@ def _gib(b: int) -> str:
 def format_plan(cfg: MRLConfig, plan: Plan) -> str:
     """Human-readable plan (the second half of ``mrl plan``'s output)."""
     a, r = cfg.actor, cfg.rollout
+    device = planned_device(cfg)
     per_node = cfg.cluster.n_gpus_per_node
     kind = "CPU ranks" if cfg.cluster.device == "cpu" else "devices"
     lines = [
@@ -236,7 +238,7 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
                 " inside the trainer ranks (weight_sync.transport=inprocess" + (
                     "; each update call also loads the new weights)"
                     if push_with_update(cfg, "cpu") else ")")  # inprocess runs on CPU only (validation)
-                if r.weight_sync.transport == "inprocess" else "")
+                if resolve_transport(cfg, device).value == "inprocess" else "")
         else:
             p = lay.parallel
             desc = (f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
@@ -267,6 +269,9 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
                 f"{_gib(lo.grads + lo.optimizer)} instead of {_gib(full.grads + full.optimizer)} (full fine-tuning), "
                 f"saves {_gib(full.total - lo.total)} per actor device; reference = base model with adapters off "
                 + ("(0 bytes)" if cfg.ref.placement == "colocated" else "(separate copy)"))
+    lines.append(f"  chosen for cluster.device={device}" + (" (auto: as this host sees it)" if cfg.cluster.device == "auto"
+                                                             else "") + ":")
+    lines.extend(f"    {c.line()}" for c in (resolve_transport(cfg, device), resolve_shared_prefix(cfg, device)))
     if plan.notes:
         lines.append("  notes:")
         lines.extend(f"    - {n}" for n in plan.notes)

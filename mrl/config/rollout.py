@@ -20,8 +20,10 @@ _HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9
 class WeightSyncConfig(Section):
     """How updated actor weights reach the engines after each step."""
 
-    transport: Literal["distributed", "tensor", "disk", "inprocess"] = Field(
-        "distributed", description="distributed: NCCL/gloo broadcast (on CUDA: separate engines only); tensor: shared "
+    transport: Literal["auto", "distributed", "tensor", "disk", "inprocess"] = Field(
+        "auto", description="auto: the fastest valid one for the device and placement (inprocess on CPU where it fits, "
+        "else tensor when colocated, distributed for separate engines; mrl plan says which and why; mrl/config/auto.py); "
+        "distributed: NCCL/gloo broadcast (on CUDA: separate engines only); tensor: shared "
         "memory / CUDA IPC (colocated; on CUDA one node); disk: "
         "safetensors files; inprocess: the built-in engine runs inside each trainer rank and the rank copies its weights "
         "into it (CPU, colocated, actor TP = PP = 1; docs/weight_sync.md)."

@@ -12,6 +12,9 @@ prints the same arithmetic (:mod:`mrl.config.plan`) from the same functions.
                                (None = constant schedule: the run length is given in epochs)
     samples / mini-batch     = <role>.ppo_mini_batch_size * rollout.n
 
+Settings left at ``auto`` (rollout.weight_sync.transport, actor.shared_prefix) are resolved here for the
+device (mrl/config/auto.py): components read the plan's value, never the config's ``auto``.
+
 The critic's ``ppo_mini_batch_size`` / ``ppo_epochs`` fall back to the actor's when unset (verl).
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from mrl.config.auto import AutoChoice, resolve_shared_prefix, resolve_transport
 from mrl.config.layout import RoleLayout, compute_layout
 from mrl.config.root import MRLConfig
 
@@ -49,6 +53,9 @@ class RunPlan:
     log_dir: Path  # engine / router logs
     on_policy_shortcut: bool  # the update's own log-probs stand in for the old-log-prob forward
     push_with_update: bool = False  # the update call also loads the in-process engines (push_with_update())
+    transport: str = "distributed"  # rollout.weight_sync.transport, auto resolved (mrl/config/auto.py)
+    shared_prefix: bool = False  # actor.shared_prefix, auto resolved
+    choices: tuple[AutoChoice, ...] = ()  # each auto-resolvable setting: the value used and why (mrl plan prints them)
 
 
 def on_policy_blockers(cfg: MRLConfig) -> list[str]:
@@ -86,7 +93,7 @@ def on_policy_shortcut(cfg: MRLConfig) -> bool:
 def push_with_update(cfg: MRLConfig, device: str) -> bool:
     """transport=inprocess with the on-policy shortcut (and engines that keep their memory): the update call
     loads the new weights into each rank's own engine too, one Ray round trip per step instead of two."""
-    return (on_policy_shortcut(cfg) and cfg.rollout.weight_sync.transport == "inprocess"
+    return (on_policy_shortcut(cfg) and resolve_transport(cfg, device).value == "inprocess"
             and not free_cache_engine(cfg, device))
 
 
@@ -109,6 +116,7 @@ def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
         raise ValueError(f"plan_run needs a resolved device ('cuda' or 'cpu'), got {device!r}")
     a, c, d = cfg.actor, cfg.critic, cfg.data
     layout = compute_layout(cfg)
+    transport, shared_prefix = resolve_transport(cfg, device), resolve_shared_prefix(cfg, device)
     rm = layout.get("reward_model")
     critic = None
     if cfg.critic_enabled:
@@ -127,4 +135,7 @@ def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
         log_dir=Path(cfg.trainer.checkpoint_dir or "outputs") / "logs",
         on_policy_shortcut=on_policy_shortcut(cfg),
         push_with_update=push_with_update(cfg, device),
+        transport=transport.value,
+        shared_prefix=shared_prefix.value,
+        choices=(transport, shared_prefix),
     )

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from mrl.config.async_training import check_async
+from mrl.config.auto import inprocess_blockers
 from mrl.config.extensions import check_extension_points
 from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_devices
@@ -274,7 +275,7 @@ def _check_shared_prefix(cfg: MRLConfig, errors: list[str]) -> None:
     """The shared-prefix layout masks each sample's segment off the others: attention must apply the
     mask. Megatron's local attention does; Transformer Engine's fused causal kernels (what the actor
     builds on CUDA when TE is installed) take the causal mask only."""
-    if not cfg.actor.shared_prefix:
+    if cfg.actor.shared_prefix is not True:  # auto turns it on on CPU only (mrl/config/auto.py)
         return
     cuda = _on_cuda(cfg)
     if cuda and not cfg.actor.lora.enabled and importlib.util.find_spec("transformer_engine") is not None:
@@ -363,30 +364,13 @@ def _check_rollout(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) 
 def _check_inprocess_engines(cfg: MRLConfig, errors: list[str]) -> None:
     """transport=inprocess: each trainer rank hosts engine r (mrl/rollout/engine/in_process.py), which needs a
     CPU run, the built-in engine, colocated one-rank engines and ranks that each hold the whole model."""
-    r, c, m = cfg.rollout, cfg.cluster, cfg.actor.megatron
-    if r.weight_sync.transport != "inprocess":
+    c = cfg.cluster
+    if cfg.rollout.weight_sync.transport != "inprocess":
         return
     why = []
     if c.device == "cuda" or (c.device == "auto" and cfg.cluster.address is None and _gpu_visible()):
         why.append(f"cluster.device={c.device} (CPU only: on GPUs the engine wants its own memory and SGLang)")
-    if r.engine != "torch":
-        why.append(f"rollout.engine={r.engine} (the built-in engine only)")
-    if r.placement != "colocated":
-        why.append(f"rollout.placement={r.placement} (colocated only)")
-    if r.engine_tp_size != 1:
-        why.append(f"rollout.engine_tp_size={r.engine_tp_size} (1 only)")
-    if m.tensor_model_parallel_size != 1 or m.pipeline_model_parallel_size != 1:
-        why.append(f"actor TP={m.tensor_model_parallel_size}, PP={m.pipeline_model_parallel_size} (every rank must hold "
-                   "the whole model: TP = PP = 1)")
-    if r.num_engines is not None and r.num_engines != compute_layout(cfg)["actor"].count:
-        why.append(f"rollout.num_engines={r.num_engines} (one per trainer rank: null)")
-    if r.weight_sync.snapshot_dir:
-        why.append("rollout.weight_sync.snapshot_dir is set (an in-process engine is never restarted on its own)")
-    if r.router != "builtin":
-        why.append(f"rollout.router={r.router} (builtin only)")
-    if cfg.trainer.async_training.max_staleness > 0:
-        why.append(f"trainer.async_training.max_staleness={cfg.trainer.async_training.max_staleness} (the engine "
-                   "would generate on the rank's cores while it trains: synchronous steps only)")
+    why += inprocess_blockers(cfg)
     if why:
         errors.append("rollout.weight_sync.transport=inprocess does not fit " + "; ".join(why)
                       + "; fix: rollout.weight_sync.transport=tensor")

@@ -177,7 +177,7 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
         token = s.engines.token
         s.pool = EnginePool([EngineEndpoint(e.url, restart=e.restart) for e in s.engines.engines],
                             health_interval_s=r.health_interval_s, token=token)
-        snap = r.weight_sync.snapshot_dir or (r.weight_sync.disk_dir if r.weight_sync.transport == "disk" else None)
+        snap = r.weight_sync.snapshot_dir or (r.weight_sync.disk_dir if s.plan.transport == "disk" else None)
         if snap:
             s.pool.resync = disk_resync(snap, token=token)
         s.pool.start_health_checks()  # every rollout.health_interval_s: dead engines restart between steps too

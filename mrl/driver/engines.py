@@ -246,7 +246,7 @@ class EngineSet:
         # The trainer's source ranks reach an engine on another node only through a routable address.
         self.remote_nodes = len({s.node_id for s in self.slots} | {i["node_id"] for i in workers.infos}) > 1
         self.engines: list[RemoteEngine | InRankEngine] = []
-        if r.weight_sync.transport == "inprocess":  # engine r runs inside trainer rank r (config-checked layout)
+        if plan.transport == "inprocess":  # engine r runs inside trainer rank r (config-checked layout)
             workers.wait_constructed()
             from mrl.driver.ranks import TrainRanks
 

@@ -43,12 +43,13 @@ class TrainRank:
 
         torch.set_num_threads(int(os.environ.get("MRL_TORCH_THREADS", "1")))
         self.cfg = cfg
+        self.transport = plan.transport  # rollout.weight_sync.transport, auto resolved
         self.actor = ActorWorker(
             cfg.actor, model_path=cfg.model.path, device=plan.device,
             mini_batch_size_samples=plan.actor.mini_batch_size_samples,
             temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_response_length,
             total_optimizer_steps=plan.actor.total_optimizer_steps,
-            seed=cfg.trainer.seed, dtype=torch_dtype(plan.dtype),
+            seed=cfg.trainer.seed, dtype=torch_dtype(plan.dtype), shared_prefix=plan.shared_prefix,
         )
         # Snapshot of the start weights, before any update (verl's ref = initial policy).
         self.ref = ColocatedReference(self.actor) if cfg.ref_enabled else None
@@ -93,7 +94,7 @@ class TrainRank:
         from mrl.rollout.weight_sync import WeightSyncer
 
         ws = self.cfg.rollout.weight_sync
-        if ws.transport == "inprocess":  # each rank loads the engine it hosts: no HTTP, no barrier
+        if self.transport == "inprocess":  # each rank loads the engine it hosts: no HTTP, no barrier
             from mrl.rollout.engine.in_process import InProcessSyncer
 
             if self.local_engine is None:
@@ -102,7 +103,7 @@ class TrainRank:
             return
         first_replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
         self.syncer = WeightSyncer(
-            ws.transport, engine_urls, bucket_mb=ws.bucket_mb, verify=ws.verify,
+            self.transport, engine_urls, bucket_mb=ws.bucket_mb, verify=ws.verify,
             stage=ps.get_pipeline_model_parallel_rank(),
             is_source=ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0,
             is_coordinator=torch.distributed.get_rank() == 0,
@@ -201,7 +202,7 @@ class TrainRank:
         # LoRA: only the adapted (merged) weights change once the engines hold the base; the disk
         # transport has the engines reload a whole checkpoint directory, so it always sends all.
         only_lora = (self.cfg.actor.lora.enabled and getattr(self, "_synced_once", False)
-                     and self.cfg.rollout.weight_sync.transport != "disk")
+                     and self.transport != "disk")
         metrics = self.syncer.sync(self.actor.export_hf_weights(only_lora=only_lora), version, pause=pause).metrics()
         self._synced_once = True
         return metrics

@@ -67,6 +67,8 @@ class ActorWorker(TrainableState):
             ``loss_agg_mode=seq-mean-token-sum-norm`` (required there, unused otherwise).
         total_optimizer_steps: LR-schedule length in optimizer steps (None: constant schedule).
         dtype: parameter dtype; default fp32 on CPU, bf16 on CUDA.
+        shared_prefix: ``actor.shared_prefix`` as the run plan resolved it (``auto`` decided there); None:
+            ``cfg.shared_prefix`` when it is a boolean, off for ``auto`` (a worker built without a plan).
         init_parallel: initialise torch.distributed/Megatron groups for ``cfg.megatron``.
     """
 
@@ -83,9 +85,11 @@ class ActorWorker(TrainableState):
         seed: int,
         dtype: torch.dtype | None = None,
         init_parallel: bool = True,
+        shared_prefix: bool | None = None,
     ) -> None:
         check_norm_constant(cfg.loss_agg_mode, max_response_length, "actor")
         self.cfg = cfg
+        self.shared_prefix = cfg.shared_prefix is True if shared_prefix is None else shared_prefix
         self.temperature = float(temperature)
         self.seed = seed
         dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
@@ -118,7 +122,7 @@ class ActorWorker(TrainableState):
             self.engine, batch, temperature=self.temperature if temperature is None else temperature,
             micro_batch_size=mbs, use_dynamic_bsz=self.cfg.use_dynamic_bsz,
             max_tokens=self.cfg.ppo_max_token_len_per_gpu, vocab_size=self.vocab_size,
-            chunk_size=self.cfg.logits_chunk_size, shared_prefix=self.cfg.shared_prefix,
+            chunk_size=self.cfg.logits_chunk_size, shared_prefix=self.shared_prefix,
         )
 
     # ---- update ------------------------------------------------------------------------
@@ -137,9 +141,9 @@ class ActorWorker(TrainableState):
         parts = micro_batch_parts(
             mini_batch, micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu,
             use_dynamic_bsz=self.cfg.use_dynamic_bsz, max_tokens=self.cfg.ppo_max_token_len_per_gpu,
-            dp_group=e.dp_group, shared_prefix=self.cfg.shared_prefix,
+            dp_group=e.dp_group, shared_prefix=self.shared_prefix,
         )
-        mbs = e.make_micro_batches(mini_batch, parts, shared_prefix=self.cfg.shared_prefix)
+        mbs = e.make_micro_batches(mini_batch, parts, shared_prefix=self.shared_prefix)
         n_tok, n_seq = global_denominators(mbs, e)
         loss = partial(
             actor_loss_func, spec=spec, n_tok=n_tok, n_seq=n_seq,

@@ -251,9 +251,10 @@ BAD = [
     # the in-process engine: CPU, built-in engine, colocated one-rank engines, ranks holding the whole model
     # colocated engines share the trainer ranks' GPUs: NCCL refuses them in one group with those ranks, and
     # CUDA IPC handles do not cross nodes (docs/cuda_check.md, docs/weight_sync.md)
-    ("distributed_colocated_cuda", ["cluster.device=cuda"],
+    ("distributed_colocated_cuda", ["cluster.device=cuda", "rollout.weight_sync.transport=distributed"],
      ["transport=distributed", "placement=colocated on CUDA", "fix: rollout.weight_sync.transport=tensor"]),
-    ("distributed_colocated_cuda_two_nodes", ["cluster.device=cuda", "cluster.nnodes=2", "cluster.n_gpus_per_node=2"],
+    ("distributed_colocated_cuda_two_nodes", ["cluster.device=cuda", "cluster.nnodes=2", "cluster.n_gpus_per_node=2",
+                                              "rollout.weight_sync.transport=distributed"],
      ["transport=distributed", "NCCL refuses", "fix: rollout.placement=separate"]),
     ("tensor_colocated_cuda_two_nodes", ["cluster.device=cuda", "cluster.nnodes=2", "cluster.n_gpus_per_node=2",
                                          "rollout.weight_sync.transport=tensor"],

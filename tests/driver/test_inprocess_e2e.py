@@ -1,4 +1,4 @@
-"""`mrl train` with rollout.weight_sync.transport=inprocess on CPU: each of the 2 gloo ranks hosts its engine
+"""`mrl train` with rollout.weight_sync.transport=inprocess on CPU (the quickstart's default: auto resolves to it): each of the 2 gloo ranks hosts its engine
 (no engine processes), loads its own weights into it after every update, and the engines then sample
 from the updated actor's distribution (engine vs trainer probabilities, as with the other transports)."""
 from __future__ import annotations
@@ -20,8 +20,8 @@ def test_inprocess_engines_train_and_follow_the_actor(tmp_path: Path) -> None:
     p = run_train("mrl_configs/quickstart.yaml", tmp_path, assets, free_port_pair(),
                   f"data.val_files=[{assets}/data/val.jsonl]", "trainer.total_training_steps=3", "trainer.test_freq=3",
                   "trainer.val_before_train=false", f"trainer.default_local_dir={tmp_path}/ckpt",
-                  "rollout.weight_sync.transport=inprocess", "rollout.weight_sync.verify=true",
-                  "actor.shared_prefix=true", *SMALL_BATCH)
+                  "rollout.weight_sync.verify=true",  # transport and shared_prefix: the quickstart's auto -> inprocess, on
+                  *SMALL_BATCH)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     db = tmp_path / "mlflow.db"
     # the engines generated with the start weights, then with each pushed version

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 def _train(tmp: Path, assets: Path, steps: int, port: int):
     return run_train("mrl_configs/quickstart.yaml", tmp, assets, port, f"data.val_files=[{assets}/data/val.jsonl]",
                      f"trainer.total_training_steps={steps}", "trainer.save_freq=2", "trainer.test_freq=2",
-                     "trainer.val_before_train=false",
+                     "trainer.val_before_train=false", "rollout.weight_sync.transport=tensor",  # engine processes:
+                     # the quickstart's own default (auto: inprocess) runs in test_inprocess_e2e.py
                      f"trainer.default_local_dir={tmp}/ckpt", *SMALL_BATCH, *VAL_SAMPLING, *_dumps_and_hf(tmp))
 
 

@@ -364,7 +364,7 @@ def test_free_cache_engine_defaults_on_for_colocated_cuda_engines(tmp_path) -> N
 def test_on_policy_shortcut_takes_log_pi_old_from_the_update(tmp_path) -> None:
     """No compute_log_prob call: the update's log-probs become old_log_probs (for the metrics after the
     update) and its entropies entropy_old; the engine-vs-trainer check is computed from them."""
-    tr, w, _ = _trainer(tmp_path, "actor.on_policy_shortcut=null")
+    tr, w, _ = _trainer(tmp_path, "actor.on_policy_shortcut=null", "rollout.weight_sync.transport=tensor")
     assert tr.plan.on_policy_shortcut
     rollout_lp = -0.5 * ragged_batch().response_mask.float()
     base_generate = tr.generate
@@ -401,7 +401,8 @@ def test_inprocess_engines_take_the_new_weights_in_the_update_call(tmp_path) -> 
 
 
 def test_on_policy_shortcut_keeps_the_old_log_prob_phase_while_the_critic_warms_up(tmp_path) -> None:
-    tr, w, _ = _trainer(tmp_path, *PPO, "trainer.critic_warmup=1", "actor.on_policy_shortcut=null")
+    tr, w, _ = _trainer(tmp_path, *PPO, "trainer.critic_warmup=1", "actor.on_policy_shortcut=null",
+                        "rollout.weight_sync.transport=tensor")
     tr.step()
     assert w.names() == ["compute_log_prob", "compute_ref_log_prob", "compute_values", "update_critic"]
     w.calls.clear()

@@ -1,0 +1,80 @@
+"""The ``auto`` settings (mrl/config/auto.py): what the run plan resolves them to, and why, per device."""
+from __future__ import annotations
+
+import pytest
+
+from mrl.config import load_config
+from mrl.config.auto import resolve_shared_prefix, resolve_transport
+from mrl.config.plan import plan_text
+from mrl.config.run_plan import plan_run
+
+RECIPE = "mrl_configs/quickstart.yaml"
+
+
+def _cfg(tmp_path, *overrides: str):
+    (tmp_path / "m").mkdir(exist_ok=True)
+    (tmp_path / "t.jsonl").write_text("")
+    return load_config(RECIPE, [f"model.path={tmp_path}/m", f"data.train_files=[{tmp_path}/t.jsonl]", *overrides])
+
+
+def test_the_defaults_are_auto(tmp_path) -> None:
+    cfg = _cfg(tmp_path)
+    assert cfg.rollout.weight_sync.transport == "auto" and cfg.actor.shared_prefix == "auto"
+
+
+@pytest.mark.parametrize("device, overrides, want, why", [
+    ("cpu", [], "inprocess", "no protocol"),
+    ("cpu", ["actor.megatron.tensor_model_parallel_size=2"], "tensor", "actor TP=2"),
+    ("cpu", ["rollout.router=sglang_router"], "tensor", "rollout.router=sglang_router"),
+    ("cpu", ["trainer.async_training.max_staleness=1"], "tensor", "max_staleness=1"),
+    ("cpu", ["rollout.placement=separate", "rollout.num_engines=1", "cluster.n_gpus_per_node=3"], "distributed",
+     "separate engines"),
+    ("cuda", [], "tensor", "CUDA IPC"),
+    ("cuda", ["cluster.nnodes=2", "rollout.host=0.0.0.0"], "disk", "cluster.nnodes=2"),
+    ("cpu", ["rollout.weight_sync.transport=distributed"], "distributed", "set in the config"),
+])
+def test_transport_auto_picks_the_fastest_valid_one(tmp_path, device, overrides, want, why) -> None:
+    cfg = _cfg(tmp_path, *overrides)
+    choice = resolve_transport(cfg, device)
+    assert choice.value == want and why in choice.why, choice
+    plan = plan_run(cfg, device)
+    assert plan.transport == want and choice in plan.choices
+
+
+def test_the_chosen_transport_passes_the_configs_own_rules(tmp_path) -> None:
+    """What auto picks on CPU is accepted when written explicitly (check_config runs in load_config)."""
+    for overrides in ([], ["actor.megatron.tensor_model_parallel_size=2"]):
+        cfg = _cfg(tmp_path, *overrides)
+        _cfg(tmp_path, *overrides, f"rollout.weight_sync.transport={resolve_transport(cfg, 'cpu').value}")
+
+
+@pytest.mark.parametrize("device, overrides, want, why", [
+    # the measured cases (docs/vs_trl.md): quickstart (P 64, R 8), vs_trl tiny (P 16, R 4) on; compute (R 64) off
+    ("cpu", [], True, "rows of <= 120 tokens"),
+    ("cpu", ["data.max_prompt_length=16", "rollout.max_response_length=4"], True, "on"),
+    ("cpu", ["data.max_prompt_length=16", "rollout.max_response_length=64"], False, "answers longer than prompts"),
+    ("cpu", ["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus", "actor.ppo_micro_batch_size_per_gpu=16"],
+     False, "rollout.n=1"),
+    ("cpu", ["data.max_prompt_length=256", "rollout.max_response_length=64"], False, "P + n(R-1) = 760 > 512"),
+    ("cuda", [], False, "off on cuda"),
+    ("cpu", ["actor.shared_prefix=false"], False, "set in the config"),
+    ("cpu", ["actor.shared_prefix=true", "rollout.max_response_length=128"], True, "set in the config"),
+])
+def test_shared_prefix_auto_follows_the_measured_rule(tmp_path, device, overrides, want, why) -> None:
+    cfg = _cfg(tmp_path, *overrides)
+    choice = resolve_shared_prefix(cfg, device)
+    assert choice.value is want and why in choice.why, choice
+    assert plan_run(cfg, device).shared_prefix is want
+
+
+def test_mrl_plan_prints_what_auto_chose_and_why(tmp_path) -> None:
+    text = plan_text(_cfg(tmp_path, "cluster.device=cpu"))
+    assert "chosen for cluster.device=cpu:" in text
+    assert "rollout.weight_sync.transport=inprocess: auto: CPU" in text
+    assert "actor.shared_prefix=true: auto: on" in text
+    assert "inside the trainer ranks (weight_sync.transport=inprocess" in text
+
+
+def test_push_with_update_follows_the_resolved_transport(tmp_path) -> None:
+    assert plan_run(_cfg(tmp_path), "cpu").push_with_update  # auto -> inprocess with the on-policy shortcut
+    assert not plan_run(_cfg(tmp_path, "rollout.weight_sync.transport=tensor"), "cpu").push_with_update
