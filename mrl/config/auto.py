@@ -24,6 +24,7 @@ choice with its reason. A value other than ``auto`` is taken as given (``check_c
                                        at least half the compact layout's n·(P + R)
     P + n·(R − 1) <= 512              the longest shared row stays short: its masked attention grows
                                        with the row's square
+    no MoE routing replay             the engine's expert ids are per sample and per token
 
     measured: on at P 16 / R 4 / n 8 (vs_trl tiny: update −29 %, step −13 %) and P 64 / R 8 / n 8
     (quickstart: 1m54s -> 1m39s); off at P 16 / R 64 / n 8 (vs_trl compute: 520-token rows, ~7x the
@@ -109,6 +110,9 @@ def resolve_shared_prefix(cfg: MRLConfig, device: str) -> AutoChoice:
         return AutoChoice(key, False, f"auto: off on {device} (measured on CPU only; Transformer Engine ignores the mask)")
     if n < 2:
         return AutoChoice(key, False, f"auto: off, rollout.n={n} (no prompt to share)")
+    if cfg.actor.moe.routing_replay != "none":
+        return AutoChoice(key, False, "auto: off, actor.moe.routing_replay replays each sample's own expert ids, "
+                          "which the shared-prefix rows merge")
     if R > P:
         return AutoChoice(key, False, f"auto: off, answers longer than prompts ({shape}): little to share")
     if row > SHARED_ROW_MAX:

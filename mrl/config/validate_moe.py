@@ -64,7 +64,7 @@ def check_moe(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelShape | 
         errors.append("actor.lora with a Mixture-of-Experts model: adapters on routed experts are not supported yet; "
                       "fix: actor.lora.rank=0 (full fine-tuning) or a dense model")
     if moe.routing_replay == "rollout":
-        if cfg.actor.shared_prefix:
+        if cfg.actor.shared_prefix is True:  # auto resolves to off with replay (mrl/config/auto.py)
             errors.append("actor.moe.routing_replay=rollout with actor.shared_prefix=true: the replayed expert ids follow "
                           "each sample's own tokens, which the shared-prefix layout merges; fix: actor.shared_prefix=false")
         if cfg.agent.enable:
