@@ -17,6 +17,11 @@ What it measures, in one process (torch.distributed world size 1, Megatron TP = 
                   what transport=inprocess does), GB/s, and its ratio to a plain device-to-device copy of
                   the same number of bytes (torch ``copy_`` of one flat buffer)
 
+  moe_layer       one Mixture-of-Experts decoder layer (Megatron's MoE layer as mrl builds it: SequentialMLP
+                  experts on the local spec, all-to-all dispatcher, EP = 1) at a Qwen3-30B-A3B layer shape
+                  (hidden 2048, 128 experts of width 768, top-8) in bf16: forward+backward tokens/s and
+                  TFLOP/s of the active weights (6·N_active·T, attention's s-term left out)
+
 Each section catches its own failure (``errors`` in the JSON) so one broken part does not hide the
 others; a section is skipped once the time budget (``--budget-s``) is spent. Without a CUDA device it
 prints {"skipped": ...} and exits 0 unless ``--cpu-smoke`` is given.
@@ -46,11 +51,20 @@ TINY = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hid
 # dense bf16 peak, TFLOP/s (NVIDIA datasheets, SXM)
 PEAK_BF16 = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
 
+# One Qwen3-30B-A3B decoder layer (its config.json: mrl/config/hub_shapes/), a small vocabulary (the layer is measured)
+QWEN3_MOE_LAYER = {"vocab_size": 1024, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 1,
+                   "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 4096,
+                   "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+                   "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0}
+TINY_MOE = {**{k: v for k, v in QWEN3_MOE_LAYER.items() if k not in ("hidden_size", "head_dim", "num_experts",
+                                                                      "moe_intermediate_size")},
+            "hidden_size": 64, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
 SIZES = {  # mode: model shape, update batch (samples, prompt, response), decode (batches, prompt, new), timed iters
     "gpu": {"shape": QWEN25_15B, "dtype": "bfloat16", "update": (8, 512, 512), "micro": 2,
-            "decode": ((64, 256), 32, 128), "iters": 3},
+            "decode": ((64, 256), 32, 128), "iters": 3, "moe": (QWEN3_MOE_LAYER, 4, 2048)},
     "cpu-smoke": {"shape": TINY, "dtype": "float32", "update": (4, 6, 6), "micro": 2, "decode": ((4, 8), 4, 4),
-                  "iters": 1},
+                  "iters": 1, "moe": (TINY_MOE, 2, 16)},
 }
 
 
@@ -222,6 +236,42 @@ def bench_sync(out: dict, a, size: dict, model: str, device: str, actor):
                           "d2d_copy_gb_s": round(nbytes / d2d / 1e9, 2), "ratio_to_d2d": round(d2d / s, 4)}
 
 
+def bench_moe_layer(out: dict, a, size: dict, device: str):
+    """One MoE decoder layer forward+backward (see the module docstring), built by mrl's provider."""
+    import torch
+    import transformers as tf
+
+    from mrl.megatron.provider import build_model_chunks
+
+    shape, b, s = size["moe"]
+    cfg = tf.Qwen3MoeConfig(**shape, decoder_sparse_step=1, mlp_only_layers=[])
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    dtype = getattr(torch, size["dtype"])
+    (model,) = build_model_chunks(cfg, dtype=dtype)
+    model = model.to(device)
+    layer = model.module.decoder.layers[0] if hasattr(model, "module") else model.decoder.layers[0]
+    x = torch.randn(s, b, shape["hidden_size"], device=device, dtype=dtype, requires_grad=True)
+
+    def step():
+        y = layer(x)[0]
+        y.float().pow(2).mean().backward()
+
+    step()  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(size["iters"]):
+        step()
+    sync(device)
+    sec = (time.perf_counter() - t0) / size["iters"]
+    h, k, f = shape["hidden_size"], shape["num_experts_per_tok"], shape["moe_intermediate_size"]
+    hd, nh, ng = shape["head_dim"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    active = h * hd * (nh + 2 * ng) + nh * hd * h + h * shape["num_experts"] + k * 3 * h * f
+    T = b * s
+    out["moe_layer"] = {"tokens": T, "experts": shape["num_experts"], "top_k": k, "dtype": size["dtype"],
+                        "seconds_per_fwd_bwd": round(sec, 5), "tokens_per_s": round(T / sec, 1),
+                        "tflops_active": round(6 * active * T / sec / 1e12, 6)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
@@ -268,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         section("engine_decode", bench_decode, model, device)
         if actor is not None:
             section("weight_sync", bench_sync, model, device, actor)
+    section("moe_layer", bench_moe_layer, device)
     out["wall_s"] = round(time.perf_counter() - t_start, 1)
     text = json.dumps(out, indent=1)
     print(text)

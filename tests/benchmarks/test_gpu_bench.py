@@ -1,5 +1,5 @@
 """benchmarks/gpu_bench.py cannot rot between the rare GPU hosts: its ``--cpu-smoke`` mode runs every
-section (actor forward+backward, engine vs transformers decode, weight sync into the engine) at a tiny
+section (actor forward+backward, engine vs transformers decode, weight sync into the engine, one MoE layer) at a tiny
 size on CPU in a subprocess, and without ``--cpu-smoke`` on a host with no GPU it says so and exits 0."""
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def test_cpu_smoke_runs_every_section(tmp_path) -> None:
         assert d["mrl_tokens"] == d["hf_tokens"] == int(b) * 4 and d["ratio"] > 0
     s = out["weight_sync"]
     assert s["bytes"] > 0 and s["gb_s"] > 0 and s["ratio_to_d2d"] > 0
+    m = out["moe_layer"]
+    assert m["tokens"] == 32 and m["experts"] == 8 and m["tokens_per_s"] > 0
     assert json.loads((tmp_path / "r.json").read_text()) == out
 
 
