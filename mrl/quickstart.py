@@ -225,11 +225,12 @@ def write_assets(out: str | Path, *, seed: int = 0, n_val: int = MAX_OPERAND ** 
 
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m mrl.quickstart", default_out: str = "outputs/quickstart",
-         description: str | None = None, model_dir_name: str = MODEL_DIR, hf_config=None) -> int:
+         description: str | None = None, model_dir_name: str = MODEL_DIR, hf_config=None, default_seed: int = 0) -> int:
     """The CLI (also the MoE quickstart's, with its model: ``model_dir_name``/``hf_config``)."""
     p = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n")[0])
     p.add_argument("--out", default=default_out, help=f"output directory (default: {default_out})")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the train/val split")
+    p.add_argument("--seed", type=int, default=default_seed, help=f"seed of the weights and of the train/val split "
+                   f"(default {default_seed})")
     p.add_argument("--n-val", type=int, default=len(problems()),
                    help=f"validation prompts, taken from the {len(problems())} train problems (default: all)")
     p.add_argument("--warm-start-steps", type=int, default=WARM_START_STEPS,

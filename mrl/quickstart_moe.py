@@ -2,9 +2,9 @@
 
 The quickstart's task, tokenizer, data and warm start (:mod:`mrl.quickstart`) with a tiny
 **Qwen3-MoE**-shaped model instead of the dense Qwen2 (``<out>/tiny-qwen3-moe/``): hidden 64,
-4 layers, 4 heads / 2 KV heads (head_dim 16, q/k norm), **8 experts of width 64, top-2 routing with
-normalised top-k probabilities**, untied embeddings, vocab 300 (about 0.5M parameters, 0.2M active per
-token). ``mrl_configs/quickstart_moe.yaml`` trains it with GRPO on the 2 CPU ranks with the experts
+4 layers, 4 heads / 2 KV heads (head_dim 16, q/k norm), **8 experts of width 128, top-2 routing with
+normalised top-k probabilities**, untied embeddings, vocab 300 (0.86M parameters, 0.27M active per
+token; with 8 experts of width 64 the same run learned more slowly: val 0.31 -> 0.75 at best in 400 steps). ``mrl_configs/quickstart_moe.yaml`` trains it with GRPO on the 2 CPU ranks with the experts
 split over them (expert parallel 2) and routing replay on (docs/moe.md).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ MODEL_DIR = "tiny-qwen3-moe"
 QWEN3_MOE_SHAPE = {
     **{k: v for k, v in QWEN2_SHAPE.items() if k not in ("intermediate_size", "tie_word_embeddings")},
     "head_dim": 16, "tie_word_embeddings": False, "intermediate_size": 128,
-    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True,
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "norm_topk_prob": True,
     "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001,
 }
 
@@ -28,8 +28,9 @@ def hf_config():
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Seed 1: its warm start lands at greedy accuracy 0.30 (seed 0 overshoots to 0.35 in the jump; 2, 3: 0.32, 0.34)
     return _main(argv, prog="python -m mrl.quickstart_moe", default_out="outputs/quickstart_moe",
-                 description=__doc__.split("\n")[0], model_dir_name=MODEL_DIR, hf_config=hf_config())
+                 description=__doc__.split("\n")[0], model_dir_name=MODEL_DIR, hf_config=hf_config(), default_seed=1)
 
 
 if __name__ == "__main__":
