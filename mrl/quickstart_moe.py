@@ -3,7 +3,7 @@
 The quickstart's task, tokenizer, data and warm start (:mod:`mrl.quickstart`) with a tiny
 **Qwen3-MoE**-shaped model instead of the dense Qwen2 (``<out>/tiny-qwen3-moe/``): hidden 64,
 4 layers, 4 heads / 2 KV heads (head_dim 16, q/k norm), **8 experts of width 128, top-2 routing with
-normalised top-k probabilities**, untied embeddings, vocab 300 (0.86M parameters, 0.27M active per
+normalised top-k probabilities**, untied embeddings, vocab 300 (0.88M parameters, 0.29M active per
 token; with 8 experts of width 64 the same run learned more slowly: val 0.31 -> 0.75 at best in 400 steps). ``mrl_configs/quickstart_moe.yaml`` trains it with GRPO on the 2 CPU ranks with the experts
 split over them (expert parallel 2) and routing replay on (docs/moe.md).
 """
