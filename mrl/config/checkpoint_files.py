@@ -46,7 +46,9 @@ def _architecture_table() -> dict[str, str]:
                 return dict(ast.literal_eval(node.value))
             except ValueError:
                 break
-    from mrl.megatron.provider import SUPPORTED_ARCHITECTURES  # the table is computed: ask it
+    from mrl.megatron.provider import (
+        SUPPORTED_ARCHITECTURES,  # the table is computed: ask it
+    )
 
     return dict(SUPPORTED_ARCHITECTURES)
 
@@ -68,7 +70,7 @@ def safetensors_header(file: Path) -> dict[str, Any]:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{file}: the safetensors header is not JSON ({e}); the file is corrupt") from None
     if not isinstance(header, dict):
-        raise ValueError(f"{file}: the safetensors header is not a JSON object; the file is corrupt")
+        raise ValueError(f"{file}: the safetensors header is not a JSON object; the file is corrupt")  # noqa: TRY004 - one error type for every corrupt file
     end = 0
     for name, info in header.items():
         if name == "__metadata__":
@@ -167,8 +169,9 @@ def model_dir_problems(key: str, path: str, *, strict: bool, architectures: str 
         elif strict:
             errors.append(f"{key}={path!r} holds no weights ({SINGLE_NAME} or {INDEX_NAME}); {fix}")
         else:
-            return errors, [f"{key}={path!r} holds config.json but no weights here (yet): weights and tokenizer are "
-                            "not checked; mrl train needs them"]
+            note = (f"{key}={path!r} holds config.json but no weights here (yet): weights and tokenizer are not "
+                    "checked; mrl train needs them")
+            return errors, [note]
     if need_tokenizer:
         problem = _tokenizer_problem(p)
         if problem:

@@ -53,7 +53,7 @@ def _load_tokenizer(key: str, path: str, trust_remote_code: bool) -> str | None:
 
     try:
         AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    except Exception as e:  # transformers raises ValueError/OSError/KeyError/... for a bad tokenizer
+    except Exception as e:  # noqa: BLE001 - transformers raises ValueError/OSError/KeyError/... for a bad tokenizer
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         return (f"{key}={path!r}: its tokenizer does not load ({type(e).__name__}: {first}); fix: copy the "
                 "checkpoint's tokenizer files (tokenizer.json / tokenizer_config.json) into it")

@@ -16,9 +16,9 @@ from pathlib import Path
 from mrl.config.async_training import check_async
 from mrl.config.extensions import check_extension_points
 from mrl.config.hf import ModelShape, read_model_shape
-from mrl.config.preflight import check_checkpoints
 from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_devices
 from mrl.config.parallel import ParallelConfig
+from mrl.config.preflight import check_checkpoints
 from mrl.config.reward_model import check_reward_model
 from mrl.config.root import MRLConfig
 from mrl.config.run_plan import on_policy_blockers
