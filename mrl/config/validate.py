@@ -592,8 +592,12 @@ def _check_agent(cfg: MRLConfig, errors: list[str]) -> None:
     if not a.enable:
         return
     from mrl.agent.tools import load_tools
+    from mrl.plugins import is_spec, probe_import
 
     try:
+        for i, spec in enumerate(a.tools):
+            if is_spec(spec):
+                probe_import(spec, f"agent.tools[{i}]")
         load_tools(a.tools)
     except ValueError as e:
         errors.append(str(e))
