@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Annotated
 
 from pydantic import AfterValidator
 
-from mrl.plugins import FORMS, check_signature, closest, declared_names, is_spec, probe_import
+from mrl.plugins import (
+    FORMS,
+    check_signature,
+    closest,
+    declared_names,
+    is_spec,
+    probe_import,
+)
 
 if TYPE_CHECKING:
     from mrl.config.root import MRLConfig
