@@ -32,6 +32,7 @@ from mrl.driver.batch import (
 )
 from mrl.driver.dumps import GenerationRows, dump_generations
 from mrl.driver.dynamic_sampling import kept_prompts, merge_rounds
+from mrl.driver.finite import stop_if_not_finite
 from mrl.driver.ranks import TrainRanks
 from mrl.driver.rm_ranks import RewardModelRanks, reward_scorer
 from mrl.driver.rm_reward import combine_rm
@@ -172,6 +173,7 @@ class RLTrainer:
                         self.update_on_policy(d, m, push=self.plan.push_with_update)
                     else:
                         m |= self.ranks.update_policy(d.batch)
+                stop_if_not_finite(m, self.global_step + 1, fp16=self.cfg.model.dtype == "float16")
                 with timer("sync_weights", m):
                     self.sync_weights(m, d.pushed)
         self.global_step += 1
