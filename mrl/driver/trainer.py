@@ -6,6 +6,7 @@ ReMax) (-> engines release their memory, rollout.free_cache_engine) -> old_log_p
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from mrl.algorithms import (
 )
 from mrl.config import MRLConfig
 from mrl.data.sampler import get_sampler_cls
+from mrl.driver import base_model
 from mrl.driver.async_rollout import AsyncRollout, ProducedBatch
 from mrl.driver.batch import (
     assemble_train_batch,
@@ -457,6 +459,11 @@ class RLTrainer:
             return None
         return lambda batch, prompts: self.rm.compute_rm_score(self.s.rm_inputs(batch, prompts))
 
+    @functools.cached_property
+    def base_model(self) -> dict:
+        """model.path's identity (mrl/driver/base_model.py), computed at the first save."""
+        return base_model.record(self.cfg.model.path)
+
     def save(self) -> None:
         root = self.cfg.trainer.checkpoint_dir
         d = step_dir(root, self.global_step)
@@ -469,7 +476,8 @@ class RLTrainer:
                                                      "kl_ctrl": self.kl_ctrl.state_dict(),
                                                      "weight_version": self.weight_version,
                                                      "total_training_steps": self.total_steps(),
-                                                     "mlflow_run_id": getattr(self.s.tracking, "mlflow_run_id", None)})
+                                                     "mlflow_run_id": getattr(self.s.tracking, "mlflow_run_id", None),
+                                                     "base_model": self.base_model})
         for gone in prune_checkpoints(root, self.cfg.trainer.max_ckpt_to_keep):
             log.info("max_ckpt_to_keep=%s: removed %s", self.cfg.trainer.max_ckpt_to_keep, gone)
 
