@@ -98,6 +98,9 @@ def _where(e: BaseException) -> str:
     frames = traceback.extract_tb(e.__traceback__)
     at = f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
     msg = str(e).strip()
+    if "Traceback (most recent call last)" in msg:  # a Ray actor's error carries the remote traceback as text
+        lines = [ln for ln in msg.splitlines() if ln.strip()]
+        msg = f"{lines[0]} ... {lines[-1].strip()}"
     return f"{type(e).__name__}: {msg[:2000]}{at}" if msg else f"{type(e).__name__}{at}"
 
 
