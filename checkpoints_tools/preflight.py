@@ -71,10 +71,10 @@ def check_host(world: int, device: str) -> None:
 
 def check_hf_weights(hf_dir: Path) -> None:
     """Every safetensors file of ``hf_dir`` is whole (headers parse, tensors end inside the file)."""
-    from mrl.config.checkpoint_files import _weight_files, safetensors_header
+    from mrl.config.checkpoint_files import safetensors_header, weight_files
 
     try:
-        files = _weight_files(hf_dir)
+        files = weight_files(hf_dir)
         if files is None:
             raise PreflightError(f"--hf {hf_dir} holds neither model.safetensors nor model.safetensors.index.json "
                                  "(.bin checkpoints are not read: re-save with safe_serialization=True)")

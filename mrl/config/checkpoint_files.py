@@ -85,7 +85,7 @@ def safetensors_header(file: Path) -> dict[str, Any]:
     return header
 
 
-def _weight_files(d: Path) -> list[Path] | None:
+def weight_files(d: Path) -> list[Path] | None:
     """The shard files of ``d`` (from the index, or the single file); None when there are none."""
     index = d / INDEX_NAME
     if index.is_file():
@@ -155,7 +155,7 @@ def model_dir_problems(key: str, path: str, *, strict: bool, architectures: str 
             errors.append(f"{key}={path!r}: config.json names architectures {archs}, which mrl cannot train; "
                           f"fix: a checkpoint of one of {', '.join(sorted(supported))}")
     try:
-        files = _weight_files(p)
+        files = weight_files(p)
         if files is not None:
             for f in files:
                 safetensors_header(f)

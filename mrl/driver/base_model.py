@@ -12,7 +12,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from mrl.config.checkpoint_files import _weight_files
+from mrl.config.checkpoint_files import weight_files
 
 _SAMPLES, _SAMPLE_BYTES = 16, 1 << 16
 SHAPE_KEYS = ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -24,7 +24,7 @@ def fingerprint(model_path: str) -> str | None:
     p = Path(model_path)
     try:
         crc = zlib.crc32((p / "config.json").read_bytes())
-        for f in _weight_files(p) or []:
+        for f in weight_files(p) or []:
             size = f.stat().st_size
             crc = zlib.crc32(f"{f.name}:{size}".encode(), crc)
             with f.open("rb") as fh:

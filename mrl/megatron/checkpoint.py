@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mrl.megatron.checkpoint_files import check_file_checksums, file_checksums
+from mrl.megatron.checkpoint_checksums import check_file_checksums, file_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
 
 def verify_checkpoint(ckpt_dir: str | os.PathLike, *, checksums: bool = True) -> dict[str, Any]:
     """Check that every shard file the checkpoint index refers to exists and is long enough, and (``checksums``)
-    that every file's CRC32 is the one the save recorded (mrl/megatron/checkpoint_files.py).
+    that every file's CRC32 is the one the save recorded (mrl/megatron/checkpoint_checksums.py).
 
     Returns ``{"metadata": ..., "tensors": {key: global_shape}}``. Raises :class:`CheckpointError`
     naming the missing/truncated file and the tensors stored in it.
