@@ -30,6 +30,7 @@ setup(
         "numpy>=1.26",
         # megatron-core's dist_checkpointing writer needs it but does not declare it.
         "psutil>=5.9",
+        "regex>=2023.8",  # the engine's stop_regex search with a timeout (a catastrophic pattern cannot freeze it)
         "math-verify>=0.7",  # reward.function=math: LaTeX answer equivalence (the library verl and TRL use)
     ],
     extras_require={

@@ -23,11 +23,21 @@ import shutil
 import sys
 from pathlib import Path
 
+from checkpoints_tools.preflight import (
+    PreflightError,
+    check_hf_weights,
+    check_host,
+    check_layout,
+)
 from mrl.dtypes import DTYPES, SHORT_TO_NAME
 
 
 class UsageError(Exception):
     """Bad command-line input (exit status 2)."""
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    sys.exit(128 + signum)  # unwinds through the finally blocks: ranks killed, temp directory removed
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -106,6 +116,9 @@ def _prepare_out(out: Path, force: bool, inputs: list[Path]) -> Path:
             raise UsageError(f"--out {out} overlaps the input {inp}; choose a separate directory")
     if out.exists() and any(out.iterdir()) and not force:
         raise UsageError(f"--out {out} is not empty; choose an empty directory or pass --force to replace it")
+    from checkpoints_tools.preflight import sweep_stale_tmp
+
+    sweep_stale_tmp(out)  # left by a conversion that was killed (SIGKILL runs no clean-up)
     tmp = out.parent / f".{out.name}.mrl-ckpt-tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -152,9 +165,12 @@ def _hf_to_mcore(args: argparse.Namespace) -> None:
         model_family(load_hf_config(args.hf))  # unsupported architectures fail before any rank starts
     except ValueError as e:
         raise UsageError(f"--hf {args.hf}: {e}") from e
+    check_hf_weights(args.hf)
+    check_layout(args, args.hf)
     n_in = hf_param_count(args.hf)
     dtype = args.dtype or _config_dtype(args.hf)
     device = pick_device(args.device, world)
+    check_host(world, device)
     tmp = _prepare_out(args.out, args.force, [args.hf])
     try:
         print(f"hf-to-mcore: {args.hf} -> {args.out} (tp={args.tp} pp={args.pp} vpp={args.vpp}, "
@@ -203,7 +219,9 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
     meta = info["metadata"]
     model_dtype = str(meta.get("params_dtype", "float32"))
     out_dtype = args.dtype or model_dtype
+    check_layout(args, args.ckpt)
     device = pick_device(args.device, world)
+    check_host(world, device)
     tmp = _prepare_out(args.out, args.force, [args.ckpt])
     try:
         _stage_side_files(args.ckpt, args.hf_template, meta, tmp)
@@ -234,7 +252,9 @@ def _mcore_to_peft(args: argparse.Namespace) -> None:
         raise UsageError(f"{args.ckpt} has no lora_config.json: not a LoRA checkpoint (actor.lora.rank was 0); "
                          "use mrl-ckpt mcore-to-hf for the full model")
     meta = verify_checkpoint(args.ckpt)["metadata"]
+    check_layout(args, args.ckpt)
     device = pick_device(args.device, world)
+    check_host(world, device)
     tmp = _prepare_out(args.out, args.force, [args.ckpt])
     try:
         _stage_side_files(args.ckpt, None, meta, tmp)
@@ -262,7 +282,9 @@ def _reshard(args: argparse.Namespace) -> None:
     meta = info["metadata"]
     if meta.get("has_optimizer"):
         print("note: reshard carries the weights only; the optimizer state is not copied", file=sys.stderr)
+    check_layout(args, args.ckpt)
     device = pick_device(args.device, world)
+    check_host(world, device)
     tmp = _prepare_out(args.out, args.force, [args.ckpt])
     try:
         _stage_side_files(args.ckpt, None, meta, tmp)
@@ -284,9 +306,23 @@ def _reshard(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import signal
+    import threading
+
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {s: signal.signal(s, _exit_on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _run(args)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+def _run(args: argparse.Namespace) -> int:
     from checkpoints_tools.launch import RankError
 
-    args = build_parser().parse_args(argv)
     try:
         if args.command == "hf-to-mcore":
             _hf_to_mcore(args)
@@ -300,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             from checkpoints_tools.inspect_ckpt import inspect_checkpoint
 
             print(inspect_checkpoint(args.ckpt, checksums=not args.no_checksums))
-    except UsageError as e:
+    except (UsageError, PreflightError) as e:
         print(f"mrl-ckpt: error: {e}", file=sys.stderr)
         return 2
     except RankError as e:

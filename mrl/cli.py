@@ -1,7 +1,8 @@
 """``mrl`` command line: ``plan``, ``train``, ``engine`` and ``from-verl``.
 
 Exit codes: 0 ok, 2 config or data errors (each printed with the key or file:row and the fix), 3 a valid config that
-this build's driver cannot run yet or whose files are missing (printed with the keys). Only ``mrl.config`` (pydantic + PyYAML) is imported before a config is
+this build's driver cannot run yet or whose files are missing (printed with the keys), 1 a run that stopped on an error (one line naming it; ``mrl train --debug``
+shows the traceback), 130 interrupted. Only ``mrl.config`` (pydantic + PyYAML) is imported before a config is
 valid, so ``mrl plan`` answers in well under 3 s; heavy stacks load lazily in ``train``/``engine``.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 
 EXIT_CONFIG = 2
 EXIT_UNSUPPORTED = 3
+EXIT_FAILED = 1  # a run that stopped on an error after it started (the message names it; --debug: traceback)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-6 rollout.n=8")
         if name == "train":
             s.add_argument("--dry-run", action="store_true", help="stop after validation and the plan")
+            s.add_argument("--debug", action="store_true", help="show the Python traceback of an error (hidden otherwise)")
     sub.add_parser("engine", help="run a rollout engine server (arguments go to mrl.rollout.engine.server)", add_help=False)
     sub.add_parser("from-verl", help="translate a verl launch script or its overrides into an mrl YAML", add_help=False)
     return p
@@ -122,9 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "from-verl":
         return _from_verl(argv[1:])
     dry_run = bool(argv) and argv[0] == "train" and "--dry-run" in argv
-    if dry_run:
+    debug = bool(argv) and argv[0] == "train" and "--debug" in argv
+    if dry_run or debug:
         # argparse cannot take an option between two runs of positionals (`CONFIG --dry-run k=v`).
-        argv = [a for a in argv if a != "--dry-run"]
+        argv = [a for a in argv if a not in ("--dry-run", "--debug")]
     args = _parser().parse_args(argv)
     loaded = _load(args.config, args.overrides, require_data=args.cmd == "train" and not dry_run)
     if loaded is None:
@@ -133,6 +137,46 @@ def main(argv: list[str] | None = None) -> int:
     print(text, flush=True)
     if args.cmd == "plan" or dry_run:
         return 0
+    try:
+        return _train(cfg)
+    except KeyboardInterrupt:
+        print("\nmrl train: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        print(f"\nmrl train: stopped by {_where(e)}\n(run `mrl train --debug ...` for the Python traceback; the run's "
+              "log directory has the workers' logs)", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _where(e: BaseException) -> str:
+    """``Type: message (file:line in fn)`` of the innermost frame: enough to report, no traceback."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    at = f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    msg = str(e).strip()
+    if "Traceback (most recent call last)" in msg:  # a Ray actor's error carries the remote traceback as text
+        lines = [ln for ln in msg.splitlines() if ln.strip()]
+        msg = f"{lines[0]} ... {lines[-1].strip()}"
+    return f"{type(e).__name__}: {msg[:2000]}{at}" if msg else f"{type(e).__name__}{at}"
+
+
+def _train(cfg) -> int:
+    """Preflight (every checkpoint and tokenizer, before Ray), then the run; user errors -> exit 2/3."""
+    from mrl.config.preflight import train_preflight
+    from mrl.config.validate import missing_inputs
+
+    missing = missing_inputs(cfg)
+    if missing:  # exit 3 as before: the plan may be made before the download
+        print("\nmrl train: " + "\n  ".join(missing), file=sys.stderr)
+        return EXIT_UNSUPPORTED
+    errors = train_preflight(cfg)
+    if errors:
+        print("\nmrl train: " + "\n  - ".join(["checkpoint error(s):", *errors]) + "\nnothing was started.",
+              file=sys.stderr)
+        return EXIT_CONFIG
     from mrl.data.dataset import DataError
     from mrl.errors import UnsupportedConfigError
     from mrl.train import run

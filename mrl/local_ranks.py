@@ -49,8 +49,24 @@ def _teardown() -> None:
                 dist.destroy_process_group()
 
 
-def _entry(fn: Callable, rank: int, world_size: int, port: int, threads: int | None, args: tuple, queue: Any) -> None:
+def _die_with_parent(parent: int, poll_s: float = 0.5) -> None:
+    """A rank runs in a process group of its own (below), so a killed parent's terminal signal does not
+    reach it: it watches the parent and takes its whole group (its checkpoint writers) down when it is gone."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="mrl-rank-parent-watch", daemon=True).start()
+
+
+def _entry(fn: Callable, rank: int, world_size: int, port: int, threads: int | None, args: tuple, queue: Any,
+           parent: int | None = None) -> None:
     os.setpgrp()  # own process group: the parent can kill this rank and its writer children
+    if parent is not None:
+        _die_with_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     if threads is not None:  # ranks share the host's cores; oversubscribing them slows every collective
@@ -84,7 +100,7 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads_per_rank, tuple(args), queue))
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, threads_per_rank, tuple(args), queue, os.getpid()))
              for r in range(world_size)]
     for p in procs:
         p.start()

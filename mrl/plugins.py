@@ -18,10 +18,15 @@ configured (to check that it imports, exists and takes the arguments mrl passes)
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import importlib
 import importlib.util
 import inspect
+import json
+import os
+import signal
+import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -29,6 +34,7 @@ from typing import Any
 
 _PKG = Path(__file__).resolve().parent
 FORMS = "<registry name> | pkg.module:fn | path/to/file.py:fn"
+IMPORT_TIMEOUT_S = 60.0  # a plugin importing torch takes ~2 s; one that takes a minute is stuck
 
 
 def is_spec(value: str) -> bool:
@@ -71,10 +77,78 @@ def _load_file(path: Path, key: str, spec: str):
     sys.modules[mod_name] = module
     try:
         file_spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # a plugin's sys.exit() must not end mrl
         del sys.modules[mod_name]
         raise ValueError(f"{key}={spec!r}: importing {str(path)!r} failed: {e!r}; fix the file") from e
     return module
+
+
+# The child imports the plugin's module and reports how that ended; Exceptions are left to the in-process
+# import (which names them), only what would stop or hang the caller is reported here.
+_PROBE = """
+import importlib, importlib.util, json, os, sys
+sys.path[:] = json.loads(sys.argv[2])
+target = sys.argv[1]
+try:
+    if target.endswith(".py"):
+        spec = importlib.util.spec_from_file_location("mrl_plugin_probe", target)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    else:
+        importlib.import_module(target)
+except SystemExit as e:
+    sys.stderr.write("\\nMRL-PROBE sys.exit(%r)" % (e.code,)); sys.stderr.flush(); os._exit(90)
+except KeyboardInterrupt:
+    os._exit(91)
+except BaseException:
+    os._exit(0)
+os._exit(0)
+"""
+_probed: dict[tuple[str, float], str | None] = {}
+
+
+def probe_import(spec: str, key: str, timeout_s: float | None = None) -> None:
+    """Import ``spec``'s module in a child process first (``mrl plan`` runs this before importing a plugin
+    itself): a module that calls ``sys.exit``, raises ``KeyboardInterrupt``, hangs or crashes the
+    interpreter at import time becomes a ValueError naming the key, instead of ending or freezing the
+    caller. The child runs in its own session and its whole group is killed at the timeout."""
+    target = spec.rpartition(":")[0]
+    if not target:
+        return
+    path = Path(target)
+    stamp = path.stat().st_mtime if target.endswith(".py") and path.is_file() else 0.0
+    if (target, stamp) not in _probed:
+        _probed[(target, stamp)] = _probe(target, key, spec, IMPORT_TIMEOUT_S if timeout_s is None else timeout_s)
+    err = _probed[(target, stamp)]
+    if err:
+        raise ValueError(err)
+
+
+def _probe(target: str, key: str, spec: str, timeout_s: float) -> str | None:
+    where = f"{key}={spec!r}: importing {target!r}"
+    fix = "fix: keep module level to definitions (guard scripts with `if __name__ == \"__main__\":`)"
+    proc = subprocess.Popen([sys.executable, "-c", _PROBE, target, json.dumps(sys.path)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return (f"{where} did not finish within {timeout_s:g} s (a blocking call, input(), a server or a download at "
+                f"import time?); {fix}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # anything the import left running
+    tail = err.decode(errors="replace").rsplit("MRL-PROBE ", 1)
+    if proc.returncode == 90:
+        return f"{where} called {tail[-1].strip()}, which would end mrl itself; {fix}"
+    if proc.returncode == 91:
+        return f"{where} raised KeyboardInterrupt; {fix}"
+    if proc.returncode != 0:
+        how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
+        return f"{where} crashed the interpreter ({how}); {fix}"
+    return None
 
 
 def load_callable(spec: str, key: str, registered: Mapping[str, Any] | None = None) -> Callable:
@@ -90,6 +164,8 @@ def load_callable(spec: str, key: str, registered: Mapping[str, Any] | None = No
             module = importlib.import_module(target)
         except ImportError as e:
             raise ValueError(f"{key}={spec!r}: cannot import module {target!r} ({e}); fix: {key}={FORMS}") from e
+        except (Exception, SystemExit, KeyboardInterrupt) as e:
+            raise ValueError(f"{key}={spec!r}: importing module {target!r} failed: {e!r}; fix the module") from e
     fn = getattr(module, attr, None)
     if fn is None and registered is not None:
         fn = registered.get(attr)

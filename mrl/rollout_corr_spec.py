@@ -2,11 +2,25 @@
 config (errors at `mrl plan` time, mrl/config/algorithm.py) and :mod:`mrl.algorithms.rollout_corr`."""
 from __future__ import annotations
 
+import math
+
 RS_OPTIONS: tuple[str, ...] = (
     "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
 )
 IS_LEVELS: tuple[str, ...] = ("token", "sequence")
+
+
+def _number(text: str) -> float:
+    """A finite float written without digit separators (float() reads '0.5_2' as 0.52, 'inf' and
+    '1e400' as infinity: a band or cap that never binds). ValueError otherwise."""
+    text = text.strip()
+    if "_" in text:
+        raise ValueError(text)
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(text)
+    return x
 
 
 def parse_is_threshold(spec: str | float, key: str = "algorithm.rollout_correction.rollout_is_threshold"
@@ -18,11 +32,11 @@ def parse_is_threshold(spec: str | float, key: str = "algorithm.rollout_correcti
     try:
         if isinstance(spec, str) and "_" in spec:
             lo, hi = spec.strip().split("_", 1)
-            lower, upper = float(lo), float(hi)
+            lower, upper = _number(lo), _number(hi)
         else:
-            upper = float(spec)
+            upper = _number(str(spec))
     except ValueError:
-        raise ValueError(f"{key}={spec!r} is not a number U or 'L_U'; fix: e.g. 2.0 (TIS) or '0.5_5.0' (IcePop)") from None
+        raise ValueError(f"{key}={spec!r} is not a finite number U or 'L_U'; fix: e.g. 2.0 (TIS) or '0.5_5.0' (IcePop)") from None
     if not upper > 0 or (lower is not None and not 0 < lower <= upper):
         raise ValueError(f"{key}={spec!r}: need U > 0 and, for 'L_U', 0 < L <= U; fix: e.g. 2.0 or '0.5_5.0'")
     return upper, lower
@@ -48,17 +62,17 @@ def parse_rs(options: str, spec: str | float | None,
     for opt, s in zip(opts, raw):
         try:
             if opt.endswith("k1"):
-                lo, hi = s.split("_", 1) if "_" in s else (str(1.0 / float(s)), s)
-                lower, upper = float(lo), float(hi)
+                lo, hi = s.split("_", 1) if "_" in s else (str(1.0 / _number(s)), s)
+                lower, upper = _number(lo), _number(hi)
                 if not (0 < lower <= upper):
                     raise ValueError
                 out[opt] = (lower, upper)
             else:
-                upper = float(s)
-                if "_" in s or not upper > 0:  # float() would read '0.5_2' as 0.52
+                upper = _number(s)
+                if not upper > 0:
                     raise ValueError
                 out[opt] = (None, upper)
         except (ValueError, ZeroDivisionError):
-            form = "'L_U' with 0 < L <= U or U > 0" if opt.endswith("k1") else "one upper bound > 0"
+            form = "finite 'L_U' with 0 < L <= U or U > 0" if opt.endswith("k1") else "one upper bound > 0, finite"
             raise ValueError(f"{key}.rollout_rs_threshold: {s!r} for option {opt}; fix: {form}") from None
     return out

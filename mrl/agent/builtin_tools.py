@@ -64,14 +64,19 @@ def network_isolation_available() -> bool:
         return False
 
 
+TIMEOUT_ENV = "MRL_TOOL_TIMEOUT_S"  # set by mrl/agent/runner.py in every worker: the call's limit
+
+
 @register_tool("python")
-def python(code: str, timeout_s: float = 5.0) -> str:
+def python(code: str) -> str:
     """Run a Python 3 program and return what it printed (stdout, then stderr).
 
     Args:
         code: the program; print the values you need
-        timeout_s: seconds before the program is killed
     """
+    # The time limit is the config's (agent.tool_timeout_s, passed by the runner), never the model's: a
+    # timeout_s argument in the schema let the policy give its own code as long as it liked.
+    timeout_s = max(0.5, float(os.environ.get(TIMEOUT_ENV, "5")) - 0.5)
     # What this isolates (docs/agent.md): no network (a fresh network namespace: only a down
     # loopback), a fresh temporary working directory (removed afterwards), an empty environment,
     # `python -I` (no user site, no PYTHON* variables), the worker's memory limit (RLIMIT_AS is

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -40,6 +41,9 @@ class _Worker:
         self.proc, self.cwd = proc, cwd
 
     async def kill(self) -> None:
+        # the worker leads a session of its own: what its tool started (a program, forked sleepers) dies too
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
@@ -66,11 +70,11 @@ class ToolRunner:
         # mrl itself, the driver's working directory (pkg.module:fn tools) and its PYTHONPATH
         path = os.pathsep.join(p for p in (root, os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
         env = {"PATH": os.environ.get("PATH", os.defpath), "PYTHONPATH": path, "OMP_NUM_THREADS": "1",
-               "PYTHONDONTWRITEBYTECODE": "1"}
+               "PYTHONDONTWRITEBYTECODE": "1", "MRL_TOOL_TIMEOUT_S": str(self.timeout_s)}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "mrl.agent.worker", "--memory-mb", str(self.memory_mb), cwd=cwd, env=env,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-            limit=1 << 24)
+            limit=1 << 24, start_new_session=True)
         w = _Worker(proc, cwd)
         self._all.add(w)
         assert proc.stdout is not None

@@ -64,7 +64,24 @@ def tool_segment_text(tokenizer: Any, results: Sequence[str], emitted_end: str |
 
 
 def tool_segment_ids(tokenizer: Any, results: Sequence[str], last_sampled_id: int | None) -> list[int]:
-    """``tool_segment_text`` as token ids (the segment is template + tool text, never model text)."""
+    """``tool_segment_text`` as token ids (the segment is template + tool text, never model text).
+
+    The template's text is encoded with its special tokens; each tool result as plain text
+    (``split_special_tokens``): a result holding ``</s>`` or ``<|im_end|>`` must not become the real
+    end-of-turn token and forge the conversation's structure. The results are placed by sentinels in the
+    rendered template and encoded piece by piece."""
     emitted = tokenizer.decode([last_sampled_id]) if last_sampled_id is not None else None
-    text = tool_segment_text(tokenizer, results, emitted)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    marks = [f"\x00mrl-tool-result-{i}\x00" for i in range(len(results))]
+    text = tool_segment_text(tokenizer, marks, emitted)
+    ids: list[int] = []
+    pos = 0
+    for mark, result in zip(marks, results):
+        k = text.find(mark, pos)
+        if k < 0:
+            raise TemplateError("the chat template changes a tool message's content while rendering it, so tool "
+                                "results cannot be encoded as plain text; fix: a template that renders it verbatim")
+        ids += tokenizer(text[pos:k], add_special_tokens=False)["input_ids"]
+        ids += tokenizer(result, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        pos = k + len(mark)
+    ids += tokenizer(text[pos:], add_special_tokens=False)["input_ids"]
+    return [int(i) for i in ids]

@@ -21,9 +21,10 @@ class AgentConfig(Section):
         description="Tools the model may call: built-in names (calculator, python) or 'path/to/file.py:fn' / 'pkg.module:fn'.")
     format: str = Field("hermes", description="Tool-call format in the model's text; hermes: <tool_call>{\"name\", \"arguments\"}</tool_call> (Qwen2.5/3).")
     max_turns: int = Field(4, ge=1, description="Most assistant turns per trajectory (the last one's tool calls are not run).")
-    tool_timeout_s: float = Field(10.0, gt=0, description="Seconds one tool call may run; then its worker is killed and the model reads an error.")
-    tool_memory_mb: int = Field(1024, ge=64, description="Address-space limit (RLIMIT_AS, MiB) of a tool worker process.")
-    tool_workers: int = Field(4, ge=1, description="Tool worker subprocesses (tool calls running at once).")
+    tool_timeout_s: float = Field(10.0, gt=0, le=3600, description="Seconds one tool call may run; then its worker is killed and the model reads an error.")
+    tool_memory_mb: int = Field(1024, ge=64, le=1 << 20, description="Address-space limit (RLIMIT_AS, MiB) of a tool "
+                                "worker process; at most 1 TiB (beyond it the limit overflows and every call fails to start).")
+    tool_workers: int = Field(4, ge=1, le=256, description="Tool worker subprocesses (tool calls running at once).")
     max_tool_response_chars: int = Field(2000, ge=1, description="Tool results longer than this are cut (the model reads the start).")
 
     @field_validator("format")

@@ -22,9 +22,9 @@ class AsyncTrainingConfig(Section):
     """Bounded-staleness off-policy training (verl's one-step-off / fully-async ``staleness_threshold``)."""
 
     max_staleness: int = Field(
-        0, ge=0, description="k: the trainer trains on samples made by weights at most k versions older than its own "
+        0, ge=0, le=64, description="k: the trainer trains on samples made by weights at most k versions older than its own "
         "(the producer runs up to k batches ahead); older samples are refused (async/stale_dropped). "
-        "0 = synchronous loop; 1 = one-step-off.")
+        "0 = synchronous loop; 1 = one-step-off; at most 64 (k batches wait in host memory).")
     batch_timeout_s: float = Field(
         900.0, gt=0, description="Seconds the trainer waits for the producer's next batch, and a weight push for the "
         "producer to reach a point where the push is safe, before failing the step.")

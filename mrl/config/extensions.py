@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Annotated
 
 from pydantic import AfterValidator
 
-from mrl.plugins import FORMS, check_signature, closest, declared_names, is_spec
+from mrl.plugins import (
+    FORMS,
+    check_signature,
+    closest,
+    declared_names,
+    is_spec,
+    probe_import,
+)
 
 if TYPE_CHECKING:
     from mrl.config.root import MRLConfig
@@ -78,6 +85,7 @@ def check_extension_points(cfg: MRLConfig, errors: list[str]) -> None:
                               f"fix: one of them, or a plugin {FORMS}")
             continue
         try:
+            probe_import(spec, key)
             check_signature(_resolve(key, spec), key, spec, n_pos, keywords)
         except ValueError as e:
             errors.append(str(e))
@@ -86,6 +94,7 @@ def check_extension_points(cfg: MRLConfig, errors: list[str]) -> None:
         # torch-free; imports the user's scorer module
         from mrl.rewards.registry import get_reward_fn
         try:
+            probe_import(fn, "reward.function")
             check_signature(get_reward_fn(fn), "reward.function", fn, 0,
                             ("solution_str", "ground_truth", "data_source", "extra_info"))
         except ValueError as e:

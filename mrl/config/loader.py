@@ -47,9 +47,10 @@ class ConfigError(ValueError):
 
 
 def parse_value(text: str) -> Any:
-    """Parse an override value as YAML (numbers, bools, null, [lists], {maps}); fall back to the raw string."""
+    """Parse an override value as YAML (numbers, bools, null, [lists], {maps}); fall back to the raw string.
+    Read by the file's loader, so ``0.5_2`` stays text here too (see :class:`DigitSeparated`)."""
     try:
-        return yaml.safe_load(text) if text.strip() else ""
+        return yaml.load(text, Loader=_StrictLoader) if text.strip() else ""
     except yaml.YAMLError:
         return text
 
@@ -196,6 +197,71 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+class DigitSeparated(str):
+    """A plain scalar that YAML 1.1 reads as a number with ``_`` digit separators (``0.5_2`` -> 0.52,
+    ``2_0.5`` -> 20.5, ``1_2`` -> 12). mrl keeps it as the text written: a key that takes text gets it
+    (``rollout_is_threshold: 0.5_2`` is the band 'L_U' = [0.5, 2], as quoted), a numeric key refuses it
+    (:func:`digit_separator_errors`) rather than silently reading another number."""
+
+
+def _construct_number(loader: yaml.SafeLoader, node: yaml.ScalarNode, base: Any) -> Any:
+    if "_" in node.value:
+        return DigitSeparated(node.value)
+    return base(loader, node)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int",
+                              lambda ld, n: _construct_number(ld, n, yaml.SafeLoader.construct_yaml_int))
+_StrictLoader.add_constructor("tag:yaml.org,2002:float",
+                              lambda ld, n: _construct_number(ld, n, yaml.SafeLoader.construct_yaml_float))
+
+
+def _admits_str(annotation: Any) -> bool:
+    if annotation is str:
+        return True
+    return any(_admits_str(a) for a in typing.get_args(annotation) if not isinstance(a, str))
+
+
+def _has_digit_separated(value: Any) -> bool:
+    if isinstance(value, DigitSeparated):
+        return True
+    if isinstance(value, dict):
+        return any(_has_digit_separated(v) for v in value.values())
+    return isinstance(value, list) and any(_has_digit_separated(v) for v in value)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, DigitSeparated):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return [_plain(v) for v in value] if isinstance(value, list) else value
+
+
+def digit_separator_errors(data: dict[str, Any], model: type[BaseModel] = MRLConfig, prefix: str = "") -> list[str]:
+    """Errors for digit-separated numbers (:class:`DigitSeparated`) given to keys that do not take text;
+    those keys are removed (pydantic's float() would read them as another number), text keys get plain str."""
+    errors: list[str] = []
+    fields = model.model_fields
+    for key in list(data):
+        field = fields.get(key)
+        if field is None:
+            continue
+        sub = _section_class(field.annotation)
+        if sub is not None and isinstance(data[key], dict):
+            errors.extend(digit_separator_errors(data[key], sub, f"{prefix}{key}."))
+        elif _has_digit_separated(data[key]):
+            if _admits_str(field.annotation):
+                data[key] = _plain(data[key])
+            else:
+                errors.append(f"{prefix}{key}={_plain(data[key])!r}: '_' between digits is YAML 1.1's digit separator "
+                              f"(0.5_2 would read as 0.52, 1_2 as 12), which mrl does not accept in a number; fix: "
+                              f"write the number without '_' (a band such as [0.5, 2] is a list or the text 'L_U' "
+                              f"where the key takes one)")
+                del data[key]
+    return errors
+
+
 def _depth(x: Any, limit: int) -> int:
     """Nesting depth of dicts/lists, stopping once it exceeds ``limit``. YAML aliases share nodes,
     so each container is walked once per depth it is reached at (not once per path to it)."""
@@ -245,6 +311,7 @@ def _clip(text: str, limit: int = _MAX_ERROR_CHARS) -> str:
 def build_config(data: dict[str, Any]) -> tuple[MRLConfig | None, list[str]]:
     """Dict -> (MRLConfig or None, errors): unknown keys are reported and dropped, type errors collected."""
     errors = find_unknown_keys(data, MRLConfig)
+    errors += digit_separator_errors(data)
     try:
         return MRLConfig.model_validate(data), errors
     except ValidationError as e:

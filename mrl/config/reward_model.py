@@ -79,7 +79,8 @@ def check_reward_model(cfg: MRLConfig, errors: list[str], notes: list[str]) -> N
         return
     conf = Path(rm.model.path) / "config.json"
     if not conf.is_file():
-        notes.append(f"reward_model.model.path={rm.model.path!r} has no config.json here (yet); the run needs it")
+        if not Path(rm.model.path).exists():  # an existing non-model path is preflight's error
+            notes.append(f"reward_model.model.path={rm.model.path!r} does not exist here (yet); the run needs it")
     else:
         try:
             archs = json.loads(conf.read_text()).get("architectures") or []

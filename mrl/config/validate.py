@@ -19,6 +19,7 @@ from mrl.config.extensions import check_extension_points
 from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_devices
 from mrl.config.parallel import ParallelConfig
+from mrl.config.preflight import check_checkpoints
 from mrl.config.reward_model import check_reward_model
 from mrl.config.root import MRLConfig
 from mrl.config.run_plan import on_policy_blockers
@@ -521,6 +522,7 @@ def load_shape(cfg: MRLConfig, errors: list[str], notes: list[str]) -> ModelShap
             notes.append(f"model.path={cfg.model.path!r} is not on this host: model checks and the memory estimate use "
                          "mrl's copy of its config.json (mrl/config/hub_shapes/); the GPU host must hold the model")
             return shape
+    if shape is None and not Path(cfg.model.path).exists():  # an existing non-model path: preflight's error
         notes.append(
             f"model.path={cfg.model.path!r} has no config.json here (yet); model checks (heads/TP, layers/PP, "
             "positions) and the memory estimate are skipped"
@@ -592,8 +594,12 @@ def _check_agent(cfg: MRLConfig, errors: list[str]) -> None:
     if not a.enable:
         return
     from mrl.agent.tools import load_tools
+    from mrl.plugins import is_spec, probe_import
 
     try:
+        for i, spec in enumerate(a.tools):
+            if is_spec(spec):
+                probe_import(spec, f"agent.tools[{i}]")
         load_tools(a.tools)
     except ValueError as e:
         errors.append(str(e))
@@ -636,6 +642,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     check_extension_points(cfg, errors)
     check_reward_model(cfg, errors, notes)
     _check_agent(cfg, errors)
+    check_checkpoints(cfg, errors, notes)
     if cfg.cluster.device == "cpu" and cfg.model.dtype in ("bfloat16", "float16"):
         # Measured on this project's VM (AMX): a [8960, 512] x [512, 1536] GEMM on one core runs at 137 GFLOP/s
         # in float32 and 1381 in bfloat16; without AMX / AVX512-BF16 bfloat16 is slower than float32.

@@ -46,7 +46,8 @@ def _check_resume_dir(cfg: MRLConfig) -> Path | None:
     """The checkpoint a resume will load, checked in the driver before Ray starts: it exists, its
     shard files are all there, and its tensor index is torch DCP metadata (never unpickled as
     arbitrary objects: mrl.megatron.safe_metadata) — rather than failing (or worse) in every rank."""
-    from mrl.driver.state import find_resume_dir
+    from mrl.driver.base_model import mismatch
+    from mrl.driver.state import find_resume_dir, read_trainer_state
     from mrl.megatron.checkpoint import CheckpointError, verify_checkpoint
 
     try:
@@ -54,7 +55,13 @@ def _check_resume_dir(cfg: MRLConfig) -> Path | None:
         if d is not None:
             for role in ("actor", *(("critic",) if cfg.critic_enabled and (d / "critic").is_dir() else ())):
                 verify_checkpoint(d / role)
-    except (FileNotFoundError, CheckpointError) as e:
+            why = mismatch(cfg.model.path, verify_checkpoint(d / "actor", checksums=False)["metadata"].get("hf_config"),
+                           read_trainer_state(d).get("base_model"))
+            if why:
+                raise CheckpointError(f"{d} was not trained from model.path={cfg.model.path!r}: {why}; fix: point model.path "
+                                      "at the run's base model, or start a new run (trainer.resume_mode=disable or "
+                                      "another trainer.default_local_dir)")
+    except (FileNotFoundError, CheckpointError, ValueError) as e:
         raise UnsupportedConfigError(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: {e}") from None
     return d
 

@@ -6,6 +6,7 @@ ReMax) (-> engines release their memory, rollout.free_cache_engine) -> old_log_p
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from mrl.algorithms import (
 )
 from mrl.config import MRLConfig
 from mrl.data.sampler import get_sampler_cls
+from mrl.driver import base_model
 from mrl.driver.async_rollout import AsyncRollout, ProducedBatch
 from mrl.driver.batch import (
     assemble_train_batch,
@@ -32,6 +34,7 @@ from mrl.driver.batch import (
 )
 from mrl.driver.dumps import GenerationRows, dump_generations
 from mrl.driver.dynamic_sampling import kept_prompts, merge_rounds
+from mrl.driver.finite import stop_if_not_finite
 from mrl.driver.ranks import TrainRanks
 from mrl.driver.rm_ranks import RewardModelRanks, reward_scorer
 from mrl.driver.rm_reward import combine_rm
@@ -172,6 +175,7 @@ class RLTrainer:
                         self.update_on_policy(d, m, push=self.plan.push_with_update)
                     else:
                         m |= self.ranks.update_policy(d.batch)
+                stop_if_not_finite(m, self.global_step + 1, fp16=self.cfg.model.dtype == "float16")
                 with timer("sync_weights", m):
                     self.sync_weights(m, d.pushed)
         self.global_step += 1
@@ -457,6 +461,11 @@ class RLTrainer:
             return None
         return lambda batch, prompts: self.rm.compute_rm_score(self.s.rm_inputs(batch, prompts))
 
+    @functools.cached_property
+    def base_model(self) -> dict:
+        """model.path's identity (mrl/driver/base_model.py), computed at the first save."""
+        return base_model.record(self.cfg.model.path)
+
     def save(self) -> None:
         root = self.cfg.trainer.checkpoint_dir
         d = step_dir(root, self.global_step)
@@ -469,7 +478,8 @@ class RLTrainer:
                                                      "kl_ctrl": self.kl_ctrl.state_dict(),
                                                      "weight_version": self.weight_version,
                                                      "total_training_steps": self.total_steps(),
-                                                     "mlflow_run_id": getattr(self.s.tracking, "mlflow_run_id", None)})
+                                                     "mlflow_run_id": getattr(self.s.tracking, "mlflow_run_id", None),
+                                                     "base_model": self.base_model})
         for gone in prune_checkpoints(root, self.cfg.trainer.max_ckpt_to_keep):
             log.info("max_ckpt_to_keep=%s: removed %s", self.cfg.trainer.max_ckpt_to_keep, gone)
 

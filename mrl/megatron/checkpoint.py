@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mrl.megatron.checkpoint_checksums import check_file_checksums, file_checksums
+
 logger = logging.getLogger(__name__)
 
 METADATA_FILE = "mrl_checkpoint.json"
@@ -199,6 +201,8 @@ def save_checkpoint(
             "has_scheduler": opt_param_scheduler is not None,
             "optim_sharding": optim_sharding if optimizer is not None else None,
             "hf_config": _hf_config_dict(hf_config),
+            # every file is whole on disk now (the barrier above): verify_checkpoint compares them
+            "files": file_checksums(path, skip=(METADATA_FILE, METADATA_FILE + ".tmp")),
         }
         tmp = path / (METADATA_FILE + ".tmp")
         tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
@@ -226,8 +230,9 @@ def read_checkpoint_metadata(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{meta_file} is not valid JSON ({e}); the checkpoint is corrupt") from e
 
 
-def verify_checkpoint(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
-    """Check that every shard file the checkpoint index refers to exists and is long enough.
+def verify_checkpoint(ckpt_dir: str | os.PathLike, *, checksums: bool = True) -> dict[str, Any]:
+    """Check that every shard file the checkpoint index refers to exists and is long enough, and (``checksums``)
+    that every file's CRC32 is the one the save recorded (mrl/megatron/checkpoint_checksums.py).
 
     Returns ``{"metadata": ..., "tensors": {key: global_shape}}``. Raises :class:`CheckpointError`
     naming the missing/truncated file and the tensors stored in it.
@@ -242,6 +247,11 @@ def verify_checkpoint(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
     for name in ("metadata.json", "common.pt", ".metadata"):
         if not (path / name).exists():
             raise CheckpointError(f"{path / name} is missing: the checkpoint is incomplete; re-save it")
+    if checksums and meta.get("files", {}).get(".metadata"):
+        try:  # before the index is parsed: a corrupt one is named as such, not as a parser error
+            check_file_checksums(path, {".metadata": meta["files"][".metadata"]})
+        except ValueError as e:
+            raise CheckpointError(f"{e}; do not resume from it (an earlier checkpoint, or re-save)") from None
     try:
         dcp_meta = safe_metadata.load_dcp_metadata(path)
     except safe_metadata.UnsafeCheckpointMetadata as e:
@@ -266,6 +276,11 @@ def verify_checkpoint(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
             raise CheckpointError(
                 f"shard file {f} is truncated ({f.stat().st_size} < {size} bytes; holds {tensors})"
             )
+    if checksums:
+        try:
+            check_file_checksums(path, meta.get("files"), held)
+        except ValueError as e:
+            raise CheckpointError(f"{e}; do not resume from it (an earlier checkpoint, or re-save)") from None
     shapes = {
         k: tuple(v.size) for k, v in dcp_meta.state_dict_metadata.items() if hasattr(v, "size")
     }

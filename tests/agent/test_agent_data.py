@@ -30,7 +30,7 @@ def test_tools_are_rendered_into_the_prompt_and_rows_are_checked(tmp_path):
     row = {"prompt": [{"role": "user", "content": "what is 2 * 3 ?"}], "reward_model": {"ground_truth": "6"},
            "extra_info": {"tools_kwargs": {"calculator": {"create_kwargs": {}}}}}
     ds = PromptDataset([_rows(tmp_path, row)], tok, max_prompt_length=256, tools=schemas)
-    assert tok.decode(ds[0].prompt_ids) == "tools: calculator(expression) python(code, timeout_s)\n" \
+    assert tok.decode(ds[0].prompt_ids) == "tools: calculator(expression) python(code)\n" \
                                           "user: what is 2 * 3 ?\nassistant:"
     with pytest.raises(DataError, match=r"rows.jsonl:1: column 'prompt' is a string"):
         PromptDataset([_rows(tmp_path, {**row, "prompt": "what is 2 * 3 ?"})], tok, tools=schemas)

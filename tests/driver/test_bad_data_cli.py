@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.config.conftest import TINY_QWEN2
-from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
+from tests.helpers.tiny_models import make_tiny_hf
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,8 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ])
 def test_bad_rows_exit_2_before_ray(tmp_path: Path, rows: list[dict], must: list[str]) -> None:
     model = tmp_path / "m"
-    save_tiny_tokenizer(model)
-    (model / "config.json").write_text(json.dumps(TINY_QWEN2))
+    make_tiny_hf(model)  # a whole checkpoint: mrl train's preflight reads the weights' headers and the tokenizer
     data = tmp_path / "t.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "", "MLFLOW_DISABLE_TELEMETRY": "true"}
@@ -47,8 +45,7 @@ def test_malicious_checkpoint_is_refused_in_the_driver_before_ray(tmp_path: Path
     from tests.megatron.test_safe_metadata import _fake_mrl_checkpoint
 
     model = tmp_path / "m"
-    save_tiny_tokenizer(model)
-    (model / "config.json").write_text(json.dumps(TINY_QWEN2))
+    make_tiny_hf(model)  # a whole checkpoint: mrl train's preflight reads the weights' headers and the tokenizer
     data = tmp_path / "t.jsonl"
     data.write_text(json.dumps({"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}) + "\n")
     step = tmp_path / "ckpt" / "global_step_1"

@@ -24,21 +24,48 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import itertools
 import os
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex
 import torch
 
+from mrl.rollout.engine.fair_queue import FairQueue
 from mrl.rollout.engine.model_runner import ModelRunner
 from mrl.rollout.engine.sampling import RowSampling, sample, top_logprobs
 from mrl.rollout.protocol import GREEDY_BELOW, SamplingParams
 
 REGEX_TAIL_TOKENS = 64  # output tokens decoded for a stop_regex search (at least)
+# One stop_regex search may take this long: `regex` (backtracking, like re) stops a catastrophic pattern
+# such as (.*.*)*@ there instead of holding the scheduler thread (and every request) for ever.
+REGEX_TIMEOUT_S = 0.05
+
+
+class RequestTooLarge(ValueError):
+    """A request over a per-request limit (``EngineLimits``): it can never be served as sent (HTTP 400)."""
+
+
+class EngineBusy(ValueError):
+    """The engine's queue is full (``EngineLimits``): retry later (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What one client can ask of the engine. A request over ``max_request_samples`` or a prompt over
+    ``max_prompt_tokens`` is refused; one that would take the queue past ``max_queued_samples`` or
+    ``max_queued_tokens`` (prompt + max_new_tokens per sample, waiting and running) is refused while the
+    queue is that full. 0 = no limit (the prompt: the model's context). The defaults stay above what
+    mrl's rollout client sends (at most 32 prompts x n samples per request) and below what exhausts a host."""
+
+    max_request_samples: int = 16384
+    max_queued_samples: int = 65536
+    max_queued_tokens: int = 0
+    max_prompt_tokens: int = 0
 
 # Request ids: 32 hex digits like SGLang's uuid4().hex, unique per server: a random per-process prefix
 # and a counter. uuid4 reads the OS's random source per call — 5 % of the engine's CPU on a
@@ -78,6 +105,7 @@ class Request:
     return_routed_experts: bool = False
     routed_start: int = 0  # routed_experts_start_len: the first position returned
     routed: list[torch.Tensor] = field(default_factory=list)
+    stop_patterns: list[Any] = field(default_factory=list)  # compiled stop_regex_list (the `regex` module)
 
     def routed_experts(self) -> torch.Tensor:
         """int32 ``[len(prompt) + len(output) - 1, num_layers, top_k]`` once finished (SGLang's rows)."""
@@ -88,7 +116,7 @@ class Scheduler:
     """Owns the running batch and the model during steps. Thread-safe public methods."""
 
     def __init__(self, runner: ModelRunner, max_running: int = 64, seed: int = 0,
-                 min_admit: int | None = None) -> None:
+                 min_admit: int | None = None, limits: EngineLimits | None = None) -> None:
         if max_running < 1:
             raise ValueError(f"--max-running must be >= 1, got {max_running}")
         self.runner = runner
@@ -99,7 +127,10 @@ class Scheduler:
         self.weight_version = "default"
         self.model_lock = threading.RLock()
         self._cv = threading.Condition()
-        self._waiting: collections.deque[Request] = collections.deque()
+        self._waiting = FairQueue()  # one FIFO per submit, admitted round robin (fair_queue.py)
+        self.limits = limits or EngineLimits(0, 0, 0, 0)  # in a trainer rank: the trainer's own requests
+        self._queued = [0, 0]  # samples, tokens submitted and not finished (for the limits)
+        self._count_lock = threading.Lock()
         self._rows: list[Request] = []
         self._rb = runner.new_batch()
         self._paused = False
@@ -131,11 +162,33 @@ class Scheduler:
         prefill. Queued one by one, the loop wakes at the first and prefills whatever has arrived while
         the caller is still queueing the rest (seen in a trainer rank: a 128-sample request admitted as
         25 + 103, two prefills and a decode step more)."""
+        lim = self.limits
+        if lim.max_request_samples and len(reqs) > lim.max_request_samples:
+            raise RequestTooLarge(f"{len(reqs)} samples in one request (prompts x n) is over this engine's "
+                                  f"{lim.max_request_samples} (--max-request-samples); send smaller requests")
         ready = [r for r in reqs if self._prepare(r)]
+        tokens = sum(len(r.prompt_ids) + r.params.max_new_tokens for r in ready)
+        with self._count_lock:
+            samples, queued_tokens = self._queued
+            if lim.max_queued_samples and samples + len(ready) > lim.max_queued_samples:
+                raise EngineBusy(f"the engine has {samples} samples queued or running; {len(ready)} more would pass "
+                                 f"its {lim.max_queued_samples} (--max-queued-samples); retry later")
+            if lim.max_queued_tokens and queued_tokens + tokens > lim.max_queued_tokens:
+                raise EngineBusy(f"the engine has {queued_tokens} tokens queued or running; {tokens} more would pass "
+                                 f"its {lim.max_queued_tokens} (--max-queued-tokens); retry later")
+            self._queued[0] += len(ready)
+            self._queued[1] += tokens
+        for r in ready:
+            r.future.add_done_callback(functools.partial(self._done, r))
         with self._cv:
             self._waiting.extend(ready)
             self.stats["submitted"] += len(ready)
             self._cv.notify_all()
+
+    def _done(self, r: Request, _future: concurrent.futures.Future) -> None:
+        with self._count_lock:
+            self._queued[0] -= 1
+            self._queued[1] -= len(r.prompt_ids) + r.params.max_new_tokens
 
     def _prepare(self, req: Request) -> bool:
         """Check ``req`` and set its sampling state; False when it is already finished (max_new_tokens 0)."""
@@ -144,6 +197,9 @@ class Scheduler:
             raise ValueError("empty prompt: input_ids/text must hold at least one token")
         if len(req.prompt_ids) >= max_pos:
             raise ValueError(f"prompt of {len(req.prompt_ids)} tokens does not fit max_position_embeddings={max_pos}")
+        if self.limits.max_prompt_tokens and len(req.prompt_ids) > self.limits.max_prompt_tokens:
+            raise RequestTooLarge(f"prompt of {len(req.prompt_ids)} tokens is over this engine's "
+                                  f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)")
         vocab = self.runner.vocab_size
         bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
         if bad:
@@ -154,6 +210,10 @@ class Scheduler:
         if req.return_routed_experts and req.params.max_new_tokens == 0:
             raise ValueError("return_routed_experts needs max_new_tokens >= 1 (the embedded engine runs no forward "
                              "for a request that generates nothing)")
+        try:
+            req.stop_patterns = [regex.compile(s) for s in req.params.stop_regex_list or ()]
+        except regex.error as e:
+            raise ValueError(f"sampling_params.stop_regex: {e}") from None
         if req.params.max_new_tokens == 0:
             req.finish_reason = {"type": "length", "length": 0}
             req.future.set_result(req)
@@ -172,10 +232,14 @@ class Scheduler:
 
     def abort(self, rid: str = "", abort_all: bool = False, message: str = "aborted by /abort_request") -> int:
         """Mark matching requests aborted; they finish at the next step boundary."""
+        return self.abort_many({rid}, abort_all, message)
+
+    def abort_many(self, rids: set[str], abort_all: bool = False, message: str = "aborted by /abort_request") -> int:
+        """``abort`` for many ids in one pass (a disconnected 10^5-sample request: one scan, not 10^5)."""
         n = 0
         with self._cv:
             for r in itertools.chain(self._waiting, self._rows):
-                if (abort_all or r.rid == rid) and r.aborted is None and r.finish_reason is None:
+                if (abort_all or r.rid in rids) and r.aborted is None and r.finish_reason is None:
                     r.aborted = message
                     n += 1
             self._cv.notify_all()
@@ -203,7 +267,7 @@ class Scheduler:
             elif mode == "retract" and self._rows:
                 self._rb = self.runner.new_batch()
                 with self._cv:
-                    self._waiting.extendleft(reversed(self._rows))
+                    self._waiting.extendleft(list(self._rows))
                 self.stats["retracted"] += len(self._rows)
                 self._rows = []
         return n
@@ -256,8 +320,7 @@ class Scheduler:
                 admit: list[Request] = []
                 free = self.max_running - len(self._rows)
                 if not self._rows or free >= min(len(self._waiting), self.min_admit):
-                    while self._waiting and len(admit) < free:
-                        admit.append(self._waiting.popleft())
+                    admit = self._waiting.take(free)
             try:
                 with self.model_lock:
                     self._retire_aborted(extra=admit)
@@ -341,17 +404,21 @@ class Scheduler:
             for s in stops:
                 if s in tail:
                     return {"type": "stop", "matched": s}
-        patterns = p.stop_regex_list
+        patterns = r.stop_patterns
         if patterns:
             tok = self.runner.tokenizer
             if tok is None:
                 raise ValueError("sampling_params.stop_regex needs a tokenizer in the model directory")
             # SGLang searches a tail window of the decoded output, not all of it.
-            window = max(REGEX_TAIL_TOKENS, max(len(s) for s in patterns) + 8)
+            window = max(REGEX_TAIL_TOKENS, max(len(s.pattern) for s in patterns) + 8)
             tail = tok.decode(r.output_ids[-window:], skip_special_tokens=p.skip_special_tokens)
             for s in patterns:
-                if re.search(s, tail):
-                    return {"type": "stop", "matched": s}
+                try:
+                    if s.search(tail, timeout=REGEX_TIMEOUT_S):
+                        return {"type": "stop", "matched": s.pattern}
+                except TimeoutError:
+                    return {"type": "abort", "message": f"stop_regex {s.pattern!r} took over {REGEX_TIMEOUT_S} s on "
+                            f"{len(tail)} characters (catastrophic backtracking); rewrite the pattern"}
         max_pos = self.runner.max_positions
         if len(r.output_ids) >= p.max_new_tokens or len(r.prompt_ids) + len(r.output_ids) >= max_pos:
             return {"type": "length", "length": len(r.output_ids)}
@@ -374,7 +441,7 @@ class Scheduler:
                 if r.aborted is not None and r.finish_reason is None:
                     r.finish_reason = {"type": "abort", "message": r.aborted}
                     r.future.set_result(r)
-            self._waiting = collections.deque(r for r in self._waiting if r.finish_reason is None)
+            self._waiting.remove_if(lambda r: r.finish_reason is not None)
             for r in self._rows:
                 if r.aborted is not None and r.finish_reason is None:
                     r.finish_reason = {"type": "abort", "message": r.aborted}

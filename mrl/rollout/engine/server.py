@@ -41,23 +41,31 @@ from mrl.rollout.engine import weights as W
 from mrl.rollout.engine.checksum import tensor_checksum
 from mrl.rollout.engine.model_runner import ModelRunner
 from mrl.rollout.engine.openai_api import add_openai_routes
-from mrl.rollout.engine.scheduler import Request, Scheduler
+from mrl.rollout.engine.scheduler import (
+    EngineBusy,
+    EngineLimits,
+    Request,
+    RequestTooLarge,
+    Scheduler,
+)
 from mrl.rollout.sglang_launcher import PARENT_PID_ENV
 
 # Sequences decoded together by default: vLLM's classic max_num_seqs. The quickstart sends 128 samples
 # per engine; at 64 they ran in two waves (vs_trl tiny task, one engine: 42.6 -> 39.6 ms per 128 at 256).
 # The KV buffers grow with the rows actually admitted, not with this cap.
 MAX_RUNNING = 256
+SHUTDOWN_GRACE_S = 2  # seconds open requests get after SIGTERM (then cancelled; the engine exits within 5 s)
 
 
 class Engine:
     """Model runner + scheduler + weight-update groups of one server."""
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32",
-                 max_running: int = MAX_RUNNING, seed: int = 0, enable_return_routed_experts: bool = False) -> None:
+                 max_running: int = MAX_RUNNING, seed: int = 0, enable_return_routed_experts: bool = False,
+                 limits: EngineLimits | None = None) -> None:
         self.runner = ModelRunner(model_path, device=device, dtype=dtype, capture_routing=enable_return_routed_experts)
         self.enable_return_routed_experts = enable_return_routed_experts
-        self.scheduler = Scheduler(self.runner, max_running=max_running, seed=seed)
+        self.scheduler = Scheduler(self.runner, max_running=max_running, seed=seed, limits=limits or EngineLimits())
         self.groups = W.DistGroups(self.runner.device)
         # resume_memory_occupation restores the --model checkpoint, then the last directory
         # loaded by /update_weights_from_disk (which may hold only a subset, e.g. one PP stage).
@@ -82,6 +90,8 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         engine.scheduler.start()
         yield
+        # stopping (SIGTERM): what still runs finishes as aborted now, not after its last token
+        engine.scheduler.abort_many(set(), abort_all=True, message="the engine is shutting down")
         engine.scheduler.shutdown()
 
     app = FastAPI(title="mrl embedded engine (SGLang protocol)", lifespan=lifespan)
@@ -108,6 +118,7 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
                                           "--enable-return-routed-experts; restart it with the flag (an MoE model)"))
         t0 = time.monotonic()
         try:
+            _check_request_size(body, sched.limits)
             jobs = []
             for i in range(body.batch_size):  # SGLang's order: prompt-major, then the n samples
                 text, ids, sp, lp, rid = body.item(i)
@@ -117,6 +128,8 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
                                    body.return_routed_experts, body.routed_experts_start_len)
                          for j in range(sp.n)]
             await S.run(engine, jobs)
+        except EngineBusy as e:
+            return JSONResponse({"error": {"message": str(e)}}, status_code=503)
         except ValueError as e:
             return bad_request(e)
         listed = body.is_batch or len(jobs) > 1  # n > 1 answers a list, as SGLang does
@@ -351,6 +364,19 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
     return app
 
 
+def _check_request_size(body: P.GenerateReqInput, limits: EngineLimits) -> None:
+    """Refuse a request over ``--max-request-samples`` before a job is built for any of its samples."""
+    cap = limits.max_request_samples
+    if not cap:
+        return
+    total = 0
+    for i in range(body.batch_size):
+        total += body.item(i)[2].n
+        if total > cap:
+            raise RequestTooLarge(f"over {cap} samples in one request (prompts x n; --max-request-samples); "
+                                  "send smaller requests")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="mrl engine", description="Embedded SGLang-protocol engine (PyTorch)")
     ap.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
@@ -367,7 +393,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="MoE models: capture the routers' top-k expert ids so /generate can return them "
                          "(return_routed_experts, SGLang's flag)")
     ap.add_argument("--log-level", default="warning")
-    return ap.parse_args(argv)
+    d = EngineLimits()
+    ap.add_argument("--max-request-samples", type=int, default=d.max_request_samples,
+                    help="samples (prompts x n) one request may ask for; more: HTTP 400 (0 = no limit)")
+    ap.add_argument("--max-queued-samples", type=int, default=d.max_queued_samples,
+                    help="samples queued or running at once; a request past it: HTTP 503 (0 = no limit)")
+    ap.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens,
+                    help="prompt + max_new_tokens of every queued or running sample; past it: HTTP 503 (0 = no limit)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
+                    help="tokens of one prompt; more: HTTP 400 (0 = the model's context)")
+    args = ap.parse_args(argv)
+    for name in ("max_request_samples", "max_queued_samples", "max_queued_tokens", "max_prompt_tokens"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0 (0 = no limit)")
+    return args
 
 
 def resolve_token(args: argparse.Namespace) -> str | None:
@@ -411,13 +450,19 @@ def cli_main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     token = resolve_token(args)
     exit_with_parent()
+    limits = EngineLimits(args.max_request_samples, args.max_queued_samples, args.max_queued_tokens,
+                          args.max_prompt_tokens)
     try:
         engine = Engine(args.model, device=args.device, dtype=args.dtype, max_running=args.max_running, seed=args.seed,
-                        enable_return_routed_experts=args.enable_return_routed_experts)
+                        enable_return_routed_experts=args.enable_return_routed_experts, limits=limits)
     except ValueError as e:  # e.g. the flag on a dense model: a user mistake, no traceback
         raise SystemExit(f"mrl engine: {e}") from None
     app = build_app(engine, token=token)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # SIGTERM: open requests get SHUTDOWN_GRACE_S, then are cancelled (uvicorn's default waits for every
+    # connection: a long /generate kept the engine up past SIGTERM for 20 s, until SIGKILL)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    server.run()
     return 0
 
 

@@ -106,10 +106,9 @@ async def run(engine, jobs: list[Job]) -> None:
 
 def abort_soon(engine, jobs: list[Job], message: str = "client disconnected") -> None:
     """Abort the unfinished jobs off the event loop (abort may wait for a step to end)."""
-    rids = [j.req.rid for j in jobs if not j.req.future.done()]
-    if rids:
-        asyncio.get_running_loop().run_in_executor(
-            None, lambda: [engine.scheduler.abort(rid, message=message) for rid in rids])
+    rids = {j.req.rid for j in jobs if not j.req.future.done()}
+    if rids:  # one scan of the queue for all of them (one per id took minutes for 10^5 samples)
+        asyncio.get_running_loop().run_in_executor(None, lambda: engine.scheduler.abort_many(rids, message=message))
 
 
 async def wait_all(engine, http: HTTPRequest | None, jobs: list[Job]) -> bool:

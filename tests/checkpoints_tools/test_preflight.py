@@ -1,0 +1,111 @@
+"""``mrl-ckpt`` refuses before it spawns (issue 33): a layout the model cannot take (heads, KV heads,
+layers), more CPU ranks than the host holds, a truncated safetensors (named); its ranks die with it;
+its temp directory does not outlive it (SIGTERM: removed at once; SIGKILL: swept by the next run)."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from checkpoints_tools.cli import main
+from checkpoints_tools.preflight import PreflightError, check_host, sweep_stale_tmp
+from tests.helpers.tiny_models import make_tiny_hf
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hf(tmp_path_factory.mktemp("pre") / "hf", "qwen2")  # 4 heads, 2 KV heads, 4 layers
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--tp", "3"], "does not divide the model's 4 attention heads"),
+    (["--tp", "4"], "does not divide the model's 2 KV heads"),
+    (["--pp", "3"], "the 4 layers"),
+])
+def test_a_layout_the_model_cannot_take_is_refused_before_any_rank(
+        flags: list[str], needle: str, hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert main(["hf-to-mcore", "--hf", str(hf), "--out", str(out), "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "fix:" in err and "Traceback" not in err, err
+    assert not out.exists() and not list(tmp_path.glob(".out.mrl-ckpt-tmp-*"))  # nothing was started
+
+
+def test_more_cpu_ranks_than_the_host_holds_are_refused() -> None:
+    with pytest.raises(PreflightError, match="CPU ranks on"):
+        check_host(4 * (os.cpu_count() or 1) + 1, "cpu")
+    check_host(1, "cpu")
+
+
+def test_a_truncated_safetensors_is_named(hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "hf"
+    shutil.copytree(hf, bad)
+    f = bad / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    assert main(["hf-to-mcore", "--hf", str(bad), "--out", str(tmp_path / "out"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert str(f) in err and ("truncated" in err or "header length" in err) and "Traceback" not in err, err
+
+
+def test_stale_temp_dirs_of_dead_runs_are_swept(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".out.mrl-ckpt-tmp-{dead.pid}"
+    mine = tmp_path / f".out.mrl-ckpt-tmp-{os.getpid()}"  # a live pid: another conversion's, kept
+    other = tmp_path / f".other.mrl-ckpt-tmp-{dead.pid}"  # another --out's, kept
+    for d in (stale, mine, other):
+        d.mkdir()
+    assert sweep_stale_tmp(tmp_path / "out") == [stale]
+    assert not stale.exists() and mine.exists() and other.exists()
+
+
+def _start(hf: Path, out: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """A 2-rank conversion, once its ranks run (their temp directory exists)."""
+    proc = subprocess.Popen([sys.executable, "-m", "checkpoints_tools.cli", "hf-to-mcore", "--hf", str(hf), "--out",
+                             str(out), "--tp", "2", "--device", "cpu", "--timeout", "240"], cwd=ROOT,
+                            env=dict(os.environ, PYTHONWARNINGS="ignore"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while True:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        ranks = [k for k in kids if "spawn_main" in " ".join(k.cmdline())]
+        if len(ranks) >= 2:
+            return proc, kids
+        assert proc.poll() is None, f"mrl-ckpt exited early ({proc.returncode})"
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.1)
+
+
+def _gone(procs: list[psutil.Process], within_s: float) -> bool:
+    _, alive = psutil.wait_procs(procs, timeout=within_s)
+    return not alive
+
+
+@pytest.mark.slow
+def test_ranks_die_with_a_killed_parent_and_the_next_run_sweeps_its_temp_dir(hf: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc, kids = _start(hf, out)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert _gone(kids, 30), [k.pid for k in kids if k.is_running()]  # before: they outlived it
+    assert list(tmp_path.glob(".out.mrl-ckpt-tmp-*"))  # SIGKILL runs no clean-up ...
+    sweep_stale_tmp(out)  # ... the next conversion to this --out removes it first
+    assert not list(tmp_path.glob(".out.mrl-ckpt-tmp-*"))
+
+
+@pytest.mark.slow
+def test_sigterm_removes_the_temp_dir_and_the_ranks(hf: Path, tmp_path: Path) -> None:
+    proc, kids = _start(hf, tmp_path / "out")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert _gone(kids, 30)
+    assert not list(tmp_path.glob(".out.mrl-ckpt-tmp-*")) and not (tmp_path / "out").exists()

@@ -1,0 +1,64 @@
+"""A plugin module is imported in a child process (with a timeout) before ``mrl plan`` imports it itself:
+one that calls sys.exit, raises KeyboardInterrupt, hangs or crashes the interpreter at import time is a
+config error naming the key, not a silent exit 0, a traceback or a frozen plan (issue 33)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import mrl.plugins
+from mrl.cli import EXIT_CONFIG, main
+from mrl.config import ConfigError, load_config
+
+GOOD = "def score(solution_str, ground_truth, data_source=None, extra_info=None):\n    return 1.0\n"
+BAD = {
+    "exit0": ("import sys\nsys.exit(0)\n", "called sys.exit(0)"),
+    "interrupt": ("raise KeyboardInterrupt\n", "raised KeyboardInterrupt"),
+    "hang": ("import time\ntime.sleep(600)\n", "did not finish within 2 s"),
+    "crash": ("import os\nos.abort()\n", "crashed the interpreter (signal 6)"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _short_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mrl.plugins, "IMPORT_TIMEOUT_S", 2.0)
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_plugin_that_would_stop_or_hang_plan_is_a_named_error(case: str, tmp_path: Path) -> None:
+    body, needle = BAD[case]
+    f = tmp_path / f"{case}.py"
+    f.write_text(body + GOOD)
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.path=/nonexistent", "data.train_files=[/nonexistent/t.jsonl]",
+                           f"reward.function={f}:score"])
+    assert any(e_.startswith(f"reward.function='{f}:score'") and needle in e_ and "fix:" in e_ for e_ in e.value.errors), \
+        e.value.errors
+
+
+def test_a_plugin_that_imports_cleanly_passes(tmp_path: Path) -> None:
+    f = tmp_path / "good.py"
+    f.write_text(GOOD)
+    with pytest.raises(ConfigError) as e:  # the default config lacks batch sizes: those errors only
+        load_config(None, ["model.path=/nonexistent", "data.train_files=[/nonexistent/t.jsonl]",
+                           f"reward.function={f}:score"])
+    assert e.value.errors and not [x for x in e.value.errors if "reward.function" in x], e.value.errors
+
+
+def test_mrl_plan_exits_2_on_a_plugin_calling_sys_exit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "exit0.py"
+    f.write_text(BAD["exit0"][0] + GOOD)
+    (tmp_path / "run.yaml").write_text("")
+    assert main(["plan", str(tmp_path / "run.yaml"), "model.path=/nonexistent", "data.train_files=[/nonexistent/t.jsonl]",
+                 f"reward.function={f}:score"]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "called sys.exit(0)" in err and "Traceback" not in err
+
+
+def test_the_in_process_import_turns_sys_exit_into_an_error(tmp_path: Path) -> None:
+    """Second line of defence (a worker loading the plugin): SystemExit at import is a ValueError."""
+    f = tmp_path / "exit_inproc.py"
+    f.write_text(BAD["exit0"][0] + GOOD)
+    with pytest.raises(ValueError, match="SystemExit"):
+        mrl.plugins.load_callable(f"{f}:score", "reward.function")
