@@ -118,8 +118,11 @@ def test_missing_file_is_a_plan_note_and_a_train_error(tmp_path: Path, capsys: p
     assert rc == 0 and "gone.jsonl' does not exist yet" in out, err  # a plan may be made before the data is here
     rc, _, err = _plan(capsys, *args, cmd="train-dry")
     assert rc == 0, err  # --dry-run = the plan
-    rc, _, err = _plan(capsys, *args, f"model.path={tmp_path}", cmd="train")
-    assert rc == EXIT_CONFIG and f"data.train_files[0]={str(gone)!r} does not exist; fix:" in err
+    from tests.helpers.tiny_models import make_tiny_hf
+
+    model = make_tiny_hf(tmp_path / "model", "qwen2")  # a real checkpoint: train's model preflight passes
+    rc, _, err = _plan(capsys, *args, f"model.path={model}", cmd="train")
+    assert rc == EXIT_CONFIG and f"data.train_files[0]={str(gone)!r} does not exist; fix:" in err, err
 
 
 def test_quickstart_paths_name_the_asset_command(capsys: pytest.CaptureFixture[str], tmp_path: Path,
