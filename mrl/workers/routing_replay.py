@@ -46,19 +46,17 @@ class RouterProbe:
             own = torch.topk(module.gating(x.detach()).reshape(-1, module.config.num_moe_experts),
                              k=module.topk, dim=1).indices
             used = own
-            if self.target is not None and self.measure:
+            if self.target is not None:
                 target = self.target.to(own.device)
                 if target.shape != own.shape:
                     raise RuntimeError(f"routing replay: layer {self.layer} got {tuple(target.shape)} engine ids for "
                                        f"{tuple(own.shape)} router tokens (micro-batch layout mismatch)")
                 known = (target >= 0).all(-1)
                 used = torch.where(known[:, None], target, own)
-                same = (own.sort(-1).values == target.sort(-1).values).all(-1)
-                self.mismatch += int((known & ~same).sum())
-                self.compared += int(known.sum())
-            elif self.target is not None:
-                target = self.target.to(own.device)
-                used = torch.where((target >= 0).all(-1)[:, None], target, own)
+                if self.measure:
+                    same = (own.sort(-1).values == target.sort(-1).values).all(-1)
+                    self.mismatch += int((known & ~same).sum())
+                    self.compared += int(known.sum())
             if self.measure:
                 self.load += torch.bincount(used.flatten().cpu(), minlength=self.load.numel()).double()
         if replay is None:
