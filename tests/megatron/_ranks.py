@@ -12,6 +12,21 @@ MICRO_BATCH = 2
 NUM_MICRO = 2
 
 
+def assert_stages_export_the_checkpoint(src_dir: Path, stage_dirs: list[Path]) -> list:
+    """Every tensor of the HF checkpoint at ``src_dir`` exported by exactly one stage, bit for bit; the stages' readers."""
+    from mrl.megatron.hf_io import HFCheckpointReader
+
+    src = HFCheckpointReader(src_dir)
+    stages = [HFCheckpointReader(d) for d in stage_dirs]
+    exported = {n: st for st in stages for n in st.names()}
+    assert sum(len(st.names()) for st in stages) == len(exported), "a tensor was exported twice"
+    assert set(exported) == set(src.names())
+    for name in src.names():
+        a, b = src.get(name), exported[name].get(name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+    return stages
+
+
 def pipeline_logits(chunks: list, hf_config: Any, ids: torch.Tensor) -> torch.Tensor | None:
     """Full-vocab logits [B, T, V] through ``get_forward_backward_func()`` (forward only).
 

@@ -6,10 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mrl.megatron.hf_io import HFCheckpointReader
 from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_models import make_tiny_hf
-from tests.megatron._ranks import MICRO_BATCH, NUM_MICRO, SEQ, parity_and_roundtrip_rank
+from tests.megatron._ranks import (
+    MICRO_BATCH,
+    NUM_MICRO,
+    SEQ,
+    assert_stages_export_the_checkpoint,
+    parity_and_roundtrip_rank,
+)
 
 LLAMA3_ROPE = {  # wavelengths of head_dim 16 fall in all three llama3 bands
     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -73,14 +78,7 @@ def test_logits_match_transformers(launched, family, layout):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama3_rope"])
 def test_roundtrip_tp2_pp2_bit_exact(launched, family):
     root, _ = launched
-    src = HFCheckpointReader(root / family)
-    stages = [HFCheckpointReader(root / f"rt_{family}" / f"stage{s}") for s in range(2)]
-    exported = {n: st for st in stages for n in st.names()}
-    assert sum(len(st.names()) for st in stages) == len(exported), "a tensor was exported twice"
-    assert set(exported) == set(src.names())
-    for name in src.names():
-        a, b = src.get(name), exported[name].get(name)
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+    stages = assert_stages_export_the_checkpoint(root / family, [root / f"rt_{family}" / f"stage{s}" for s in range(2)])
     # Each stage holds its own layers (global indices): stage 0 layers 0-1, stage 1 layers 2-3.
     assert any(".layers.1." in n for n in stages[0].names())
     assert not any(".layers.2." in n for n in stages[0].names())

@@ -7,11 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mrl.megatron.hf_io import HFCheckpointReader
 from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_models import make_tiny_hf
 from tests.megatron._moe_ranks import MOE_LAYOUTS, moe_parity_rank
-from tests.megatron._ranks import MICRO_BATCH, NUM_MICRO, SEQ
+from tests.megatron._ranks import (
+    MICRO_BATCH,
+    NUM_MICRO,
+    SEQ,
+    assert_stages_export_the_checkpoint,
+)
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral"]
 DISPATCHERS = ["alltoall", "allgather"]
@@ -54,12 +58,5 @@ def test_moe_logits_match_transformers(launched, family, dispatcher, layout):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_moe_roundtrip_ep2_pp2_bit_exact(launched, family):
     root, _ = launched
-    src = HFCheckpointReader(root / family)
-    stages = [HFCheckpointReader(root / f"rt_{family}" / f"stage{s}") for s in range(2)]
-    exported = {n: st for st in stages for n in st.names()}
-    assert sum(len(st.names()) for st in stages) == len(exported), "a tensor was exported twice"
-    assert set(exported) == set(src.names())
-    for name in src.names():
-        a, b = src.get(name), exported[name].get(name)
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+    stages = assert_stages_export_the_checkpoint(root / family, [root / f"rt_{family}" / f"stage{s}" for s in range(2)])
     assert any(".experts.3." in n for n in stages[0].names()), "EP rank 1's experts missing from the export"

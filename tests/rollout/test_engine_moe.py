@@ -8,8 +8,6 @@ import base64
 import json
 import threading
 import time
-import uuid
-from multiprocessing import shared_memory
 
 import numpy as np
 import pytest
@@ -21,6 +19,7 @@ from mrl.rollout.engine.checksum import tensor_checksum
 from mrl.rollout.engine.in_process import InProcessEngine
 from mrl.rollout.engine.server import Engine, build_app
 from tests.helpers.dist import free_port
+from tests.helpers.shm import tensors_to_shm
 from tests.helpers.tiny_moe_checkpoints import (
     FAMILIES,
     LAYERS,
@@ -75,15 +74,8 @@ def test_update_from_shared_memory_and_in_process(tmp_path):
     a, b = make_tiny_moe_hf(tmp_path / "a", "mixtral", seed=0), make_tiny_moe_hf(tmp_path / "b", "mixtral", seed=1)
     src = load_file(str(b / "model.safetensors"))
     ref = _reference_logits(b, PROMPTS)
-    total = sum(t.numel() * t.element_size() for t in src.values())
-    shm = shared_memory.SharedMemory(name=f"mrl_test_{uuid.uuid4().hex[:8]}", create=True, size=total)
+    shm, specs = tensors_to_shm(src)
     try:
-        specs, off = [], 0
-        for n, t in src.items():
-            nb = t.numel() * t.element_size()
-            shm.buf[off:off + nb] = t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
-            specs.append({"name": n, "shm_name": shm.name, "dtype": "float32", "shape": list(t.shape), "offset": off})
-            off += nb
         engine = Engine(str(a))
         with TestClient(build_app(engine)) as c:
             assert c.post("/begin_weight_update", json={}).json()["success"]

@@ -4,8 +4,6 @@ the engine's checksums equal the source tensors'."""
 from __future__ import annotations
 
 import time
-import uuid
-from multiprocessing import shared_memory
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from safetensors.torch import load_file
 from mrl.rollout.engine.checksum import tensor_checksum
 from mrl.rollout.engine.server import Engine, build_app
 from tests.helpers.dist import free_port, run_ranks
+from tests.helpers.shm import tensors_to_shm
 from tests.helpers.tiny_models import make_tiny_hf
 
 PROMPT = [5, 17, 33, 101, 7, 9]
@@ -74,15 +73,8 @@ def test_update_from_tensor_shm(dirs, greedy_ab):
     a, b = dirs
     src = _source(b)
     # The sender side: one segment holding every tensor back to back (a flat bucket in shm).
-    total = sum(t.numel() * t.element_size() for t in src.values())
-    shm = shared_memory.SharedMemory(name=f"mrl_test_{uuid.uuid4().hex[:8]}", create=True, size=total)
+    shm, specs = tensors_to_shm(src)
     try:
-        specs, off = [], 0
-        for n, t in src.items():
-            nb = t.numel() * t.element_size()
-            shm.buf[off:off + nb] = t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
-            specs.append({"name": n, "shm_name": shm.name, "dtype": "float32", "shape": list(t.shape), "offset": off})
-            off += nb
         with TestClient(build_app(Engine(str(a)))) as c:
             assert c.post("/begin_weight_update", json={}).json()["success"]
             refused = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["gASVAAAA"]})
@@ -93,7 +85,7 @@ def test_update_from_tensor_shm(dirs, greedy_ab):
             assert r["success"] and r["weight_version"] == "v2"
             assert _greedy(c) == greedy_ab[1]
             assert _checksums(c, list(src)) == {n: tensor_checksum(t) for n, t in src.items()}
-            short = c.post("/update_weights_from_tensor", json={"shm_tensors": [{**specs[-1], "offset": total}]})
+            short = c.post("/update_weights_from_tensor", json={"shm_tensors": [{**specs[-1], "offset": sum(t.numel() * t.element_size() for t in src.values())}]})
             assert short.status_code == 400 and specs[-1]["name"] in short.json()["message"]
     finally:
         shm.close()
