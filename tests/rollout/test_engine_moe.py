@@ -134,7 +134,7 @@ def test_routed_experts_streamed_at_the_end_and_kept_across_a_retract(tmp_path):
     path = make_tiny_moe_hf(tmp_path / "m", "qwen3_moe", seed=4)
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = Engine(str(path), enable_return_routed_experts=True)
-    greedy = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    greedy = {"temperature": 0, "max_new_tokens": 120, "ignore_eos": True}
     with TestClient(build_app(engine)) as c:
         with c.stream("POST", "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {**greedy, "max_new_tokens": 4},
                                                  "return_routed_experts": True, "stream": True}) as r:
@@ -150,15 +150,17 @@ def test_routed_experts_streamed_at_the_end_and_kept_across_a_retract(tmp_path):
         t.start()
         sched = engine.scheduler
         deadline = time.monotonic() + 60
-        while not any(len(r.output_ids) >= 3 for r in list(sched._rows)):
-            assert time.monotonic() < deadline and t.is_alive(), "generation never got going"
+        while True:  # checked and retracted under the model lock (between two steps): no race with its end
+            with sched.model_lock:
+                if any(len(r.output_ids) >= 3 for r in sched._rows):
+                    assert sched.pause("retract") == 1 and sched.stats["retracted"] == 1
+                    break
+            assert time.monotonic() < deadline and t.is_alive(), "generation never got going (or ended unseen)"
             time.sleep(0.001)
-        with sched.model_lock:  # between two steps; 37+ steps from its end, so it is still running
-            assert sched.pause("retract") == 1 and sched.stats["retracted"] == 1
         sched.resume()
         t.join(60)
         out = box["r"]
-        assert len(out["output_ids"]) == 40 and sched.stats["prefill_batches"] >= 3  # re-prefilled
+        assert len(out["output_ids"]) == 120 and sched.stats["prefill_batches"] >= 3  # re-prefilled
         tokens = PROMPTS[1] + out["output_ids"]
         assert torch.equal(_decode(out["meta_info"]["routed_experts"]), reference_topk(model, tokens[:-1]))
 
