@@ -117,8 +117,9 @@ TE_RENAMES = {
 }
 
 
-def _param(module: torch.nn.Module, name: str) -> torch.Tensor | None:
-    params = dict(module.named_parameters())
+def _param(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """``name`` (or its TE name) in a module's ``dict(named_parameters())``: built once per module by the
+    caller, since an MoE layer looks up two tensors per expert (every weight sync walks them all)."""
     if name in params:
         return params[name]
     alt = TE_RENAMES.get(name)
@@ -147,21 +148,23 @@ def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tup
     table = FAMILY_TABLES[model_family(hf_config)]
     for chunk in map(unwrap, chunks):
         tied = chunk.share_embeddings_and_output_weights
+        chunk_params = dict(chunk.named_parameters())
         for rule in table:
             if rule.scope != "model":
                 continue
-            p = _param(chunk, rule.mcore)
+            p = _param(chunk_params, rule.mcore)
             if rule is _LM_HEAD and tied:
                 continue  # exported as embed_tokens by the first stage; filled from it on load
             if p is not None:
                 yield rule, {}, p
         for layer in chunk.decoder.layers:
             i = str(layer.layer_number - 1)
+            layer_params = dict(layer.named_parameters())
             for rule in table:
                 if rule.scope != "layer":
                     continue
                 for fmt in _expert_fmts(layer, i) if rule.expert else ({"i": i},):
-                    p = _param(layer, rule.mcore.format(**fmt))
+                    p = _param(layer_params, rule.mcore.format(**fmt))
                     if p is None:
                         raise KeyError(
                             f"Megatron layer {i} has no parameter {rule.mcore.format(**fmt)!r} (or its TE name); "

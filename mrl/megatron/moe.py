@@ -144,29 +144,3 @@ def ensure_megatron_moe_importable() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-
-
-def moe_routers(chunks: list) -> list:
-    """The ``TopKRouter`` of every MoE layer of these model chunks, in layer order."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    from mrl.megatron.unwrap import unwrap
-
-    return [m for c in chunks for m in unwrap(c).modules() if isinstance(m, TopKRouter)]
-
-
-def param_counts(hf_config: Any, family: str) -> tuple[int, int]:
-    """(total, active-per-token) parameters of the MoE model: active counts top-k routed experts."""
-    h, layers, v = hf_config.hidden_size, hf_config.num_hidden_layers, hf_config.vocab_size
-    nh = hf_config.num_attention_heads
-    ng = getattr(hf_config, "num_key_value_heads", None) or nh
-    hd = getattr(hf_config, "head_dim", None) or h // nh
-    attn = h * hd * (nh + 2 * ng) + nh * hd * h
-    e, k, f = num_experts(hf_config), router_topk(hf_config), expert_ffn_size(hf_config, family)
-    expert = 3 * h * f
-    shared = 3 * h * shared_expert_size(hf_config, family)
-    per_layer_common = attn + e * h + shared + 2 * h
-    emb = v * h * (1 if getattr(hf_config, "tie_word_embeddings", False) else 2)
-    total = emb + layers * (per_layer_common + e * expert) + h
-    active = emb + layers * (per_layer_common + k * expert) + h
-    return total, active

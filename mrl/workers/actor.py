@@ -112,6 +112,7 @@ class ActorWorker(TrainableState):
         self.loss_spec = ActorLossSpec.from_config(cfg, self.temperature, max_response_length=max_response_length)
         self.vocab_size = int(e.hf_config.vocab_size)
         self.global_step = 0
+        self._update_micro_batches = 0  # since the last update's metrics: moe/aux_loss's denominator
 
     # ---- forward only ------------------------------------------------------------------
     def compute_log_prob(self, batch: TrainBatch, *, temperature: float | None = None
@@ -155,7 +156,7 @@ class ActorWorker(TrainableState):
         self.optimizer.zero_grad()
         e.set_train(True)
         out = e.run(mbs, loss, forward_only=False)
-        self._update_micro_batches = getattr(self, "_update_micro_batches", 0) + len(mbs)
+        self._update_micro_batches += len(mbs)
         return sum_metrics(out, _METRIC_KEYS, e), out, parts
 
     def update_policy(self, batch: TrainBatch) -> dict[str, float]:
@@ -224,7 +225,7 @@ class ActorWorker(TrainableState):
 
         m = routing_metrics(self.engine.router_probes)
         m.update(aux_loss_metrics(float(self.engine.config.moe_aux_loss_coeff or 0.0),
-                                  getattr(self, "_update_micro_batches", 0)))
+                                  self._update_micro_batches))
         self._update_micro_batches = 0
         return m
 

@@ -1,8 +1,8 @@
 """MoE routing on the trainer side: replay of the engine's expert choice (R3) and routing statistics.
 
-One :class:`RouterProbe` sits on every ``TopKRouter`` of an MoE model (a forward pre-hook). Before
-the router runs it recomputes the router's own logits with the router's own ``gating`` (same op,
-same dtype, so the same top-k the router would pick) and then:
+One :class:`RouterProbe` sits on every ``TopKRouter`` of an MoE model (a forward pre-hook and a forward
+hook). When a micro-batch carries the engine's ids, the pre-hook recomputes the router's own logits with
+the router's own ``gating`` (same op, same dtype, so the same top-k the router would pick) and then:
 
 * **replay** (a micro-batch carries the engine's ids, ``actor.moe.routing_replay=rollout``): sets
   Megatron's ``RouterReplay`` target to the engine's top-k ids, so the router gathers *its own*
@@ -10,8 +10,8 @@ same dtype, so the same top-k the router would pick) and then:
   k as the model's config says). Positions the engine never ran (padding, a response's last token:
   id ``-1``) keep the trainer's own choice — nothing kept depends on their output.
 * **measure**: ``mismatch`` counts tokens (with engine ids) whose own top-k *set* differs from the
-  engine's — ``moe/replay_mismatch`` — and ``load[e]`` counts assignments per expert (the routing
-  actually used), from which ``moe/load_entropy`` (``-Σ f_e log f_e / log E`` of the assignment shares
+  engine's — ``moe/replay_mismatch``; the forward hook counts assignments per expert ``load[e]`` from the
+  router's ``routing_map`` (the routing the layer actually used, replayed or its own), from which ``moe/load_entropy`` (``-Σ f_e log f_e / log E`` of the assignment shares
   ``f_e``, 1 = balanced) and ``moe/max_load_frac`` (``max_e f_e``, ``1/E`` when balanced) follow.
 
 Token order: Megatron runs ``[s, b, h]`` activations and flattens them s-major, so target row
@@ -28,51 +28,63 @@ import torch.distributed as dist
 
 
 class RouterProbe:
-    """Pre-hook of one router (global MoE layer ``layer``); see the module docstring."""
+    """Hooks on one router (global MoE layer ``layer``); see the module docstring. The counters stay on the
+    router's device (no host sync in the forward); :func:`routing_metrics` reads them once per update."""
 
     def __init__(self, router: Any, layer: int, num_experts: int) -> None:
         self.router, self.layer = router, layer
         self.target: torch.Tensor | None = None  # [tokens, K], -1 = no engine id
-        self.load = torch.zeros(num_experts, dtype=torch.float64)
-        self.mismatch = 0
-        self.compared = 0
+        device = router.weight.device
+        self.load = torch.zeros(num_experts, dtype=torch.float64, device=device)
+        self.mismatch = torch.zeros((), dtype=torch.long, device=device)
+        self.compared = torch.zeros((), dtype=torch.long, device=device)
         self.measure = True  # off while the colocated reference borrows the model (its routing is not the policy's)
         router.register_forward_pre_hook(self._pre)
+        router.register_forward_hook(self._post)
 
     def _pre(self, module: Any, args: tuple) -> None:
-        x = args[0]
+        """With engine ids: the router's own top-k (one extra router GEMM, only then), the mismatch count,
+        and the replay target (engine ids; own choice where the engine ran none)."""
         replay = module.router_replay
-        with torch.no_grad():
-            own = torch.topk(module.gating(x.detach()).reshape(-1, module.config.num_moe_experts),
-                             k=module.topk, dim=1).indices
-            used = own
-            if self.target is not None:
-                target = self.target.to(own.device)
-                if target.shape != own.shape:
-                    raise RuntimeError(f"routing replay: layer {self.layer} got {tuple(target.shape)} engine ids for "
-                                       f"{tuple(own.shape)} router tokens (micro-batch layout mismatch)")
-                known = (target >= 0).all(-1)
-                used = torch.where(known[:, None], target, own)
-                if self.measure:
-                    same = (own.sort(-1).values == target.sort(-1).values).all(-1)
-                    self.mismatch += int((known & ~same).sum())
-                    self.compared += int(known.sum())
-            if self.measure:
-                self.load += torch.bincount(used.flatten().cpu(), minlength=self.load.numel()).double()
-        if replay is None:
-            return
         if self.target is None:
-            replay.clear_router_replay_action()
+            if replay is not None:
+                replay.clear_router_replay_action()
             return
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+        with torch.no_grad():
+            own = torch.topk(module.gating(args[0].detach()).reshape(-1, module.config.num_moe_experts),
+                             k=module.topk, dim=1).indices
+            target = self.target.to(own.device)
+            if target.shape != own.shape:
+                raise RuntimeError(f"routing replay: layer {self.layer} got {tuple(target.shape)} engine ids for "
+                                   f"{tuple(own.shape)} router tokens (micro-batch layout mismatch)")
+            known = (target >= 0).all(-1)
+            if self.measure:
+                self._follow(own.device)
+                same = (own.sort(-1).values == target.sort(-1).values).all(-1)
+                self.mismatch += (known & ~same).sum()
+                self.compared += known.sum()
+        if replay is not None:
+            from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        replay.clear_indices()
-        replay.set_target_indices(used)
-        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            replay.clear_indices()
+            replay.set_target_indices(torch.where(known[:, None], target, own))
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def _post(self, module: Any, args: tuple, output: tuple) -> None:
+        """Assignments per expert from the routing the layer used (the router's ``routing_map``)."""
+        if self.measure:
+            self._follow(output[1].device)
+            self.load += output[1].detach().sum(0).to(self.load.dtype)
+
+    def _follow(self, device: torch.device) -> None:
+        """Counters on the device the router runs on (a model moved after the probe was built, or offloaded)."""
+        if self.load.device != device:
+            self.load, self.mismatch, self.compared = (t.to(device) for t in (self.load, self.mismatch, self.compared))
 
     def reset(self) -> None:
         self.load.zero_()
-        self.mismatch = self.compared = 0
+        self.mismatch.zero_()
+        self.compared.zero_()
 
 
 def install_probes(chunks: list) -> list[RouterProbe]:
@@ -107,18 +119,12 @@ def routing_metrics(probes: list[RouterProbe], *, reset: bool = True) -> dict[st
     if not probes:
         return {}
     num_experts = probes[0].load.numel()
-    stats = torch.tensor([float(sum(p.mismatch for p in probes)), float(sum(p.compared for p in probes))],
-                         dtype=torch.float64)
-    loads = torch.stack([p.load for p in probes])  # [local layers, E]
-    # Layers differ across pipeline stages; gather per-layer loads by global layer index.
-    total_layers = max(p.layer for p in probes) + 1
-    if dist.is_initialized():
-        t = torch.tensor([total_layers], dtype=torch.long)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        total_layers = int(t)
+    stats = torch.stack([sum(p.mismatch for p in probes), sum(p.compared for p in probes)]).double().cpu()
+    # Layers differ across pipeline stages: per-layer loads by global layer index (config.num_layers is global).
+    total_layers = probes[0].router.config.num_layers
     per_layer = torch.zeros(total_layers, num_experts, dtype=torch.float64)
-    for p, row in zip(probes, loads):
-        per_layer[p.layer] += row
+    for p in probes:
+        per_layer[p.layer] += p.load.cpu()
     if dist.is_initialized():
         dist.all_reduce(stats)
         dist.all_reduce(per_layer)

@@ -12,6 +12,17 @@ MICRO_BATCH = 2
 NUM_MICRO = 2
 
 
+def write_reference_logits(path: Path, gen: torch.Generator) -> None:
+    """``path/ref.pt``: random ids [NUM_MICRO * MICRO_BATCH, SEQ] and transformers' fp32 logits of them."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (NUM_MICRO * MICRO_BATCH, SEQ), generator=gen)
+    with torch.no_grad():
+        logits = model(ids).logits
+    torch.save({"ids": ids, "logits": logits}, path / "ref.pt")
+
+
 def assert_stages_export_the_checkpoint(src_dir: Path, stage_dirs: list[Path]) -> list:
     """Every tensor of the HF checkpoint at ``src_dir`` exported by exactly one stage, bit for bit; the stages' readers."""
     from mrl.megatron.hf_io import HFCheckpointReader

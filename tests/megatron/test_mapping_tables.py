@@ -60,6 +60,6 @@ def test_resolver_finds_te_fused_layernorm_names():
 
     m = TELike()
     assert set(TE_RENAMES) == {"input_layernorm.weight", "pre_mlp_layernorm.weight"}
-    assert _param(m, "input_layernorm.weight") is m.self_attention.linear_qkv.layer_norm_weight
-    assert _param(m, "pre_mlp_layernorm.weight") is m.mlp.linear_fc1.layer_norm_weight
-    assert _param(m, "mlp.linear_fc2.weight") is None
+    assert _param(dict(m.named_parameters()), "input_layernorm.weight") is m.self_attention.linear_qkv.layer_norm_weight
+    assert _param(dict(m.named_parameters()), "pre_mlp_layernorm.weight") is m.mlp.linear_fc1.layer_norm_weight
+    assert _param(dict(m.named_parameters()), "mlp.linear_fc2.weight") is None

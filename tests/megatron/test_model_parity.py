@@ -9,11 +9,9 @@ import torch
 from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_models import make_tiny_hf
 from tests.megatron._ranks import (
-    MICRO_BATCH,
-    NUM_MICRO,
-    SEQ,
     assert_stages_export_the_checkpoint,
     parity_and_roundtrip_rank,
+    write_reference_logits,
 )
 
 LLAMA3_ROPE = {  # wavelengths of head_dim 16 fall in all three llama3 bands
@@ -40,17 +38,10 @@ TOL = 1e-5  # fp32, same maths in a different order (TP reductions, fused qkv)
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    import transformers as tf
-
     root = tmp_path_factory.mktemp("parity")
     gen = torch.Generator().manual_seed(0)
     for name, (fam, over) in FAMILIES.items():
-        path = make_tiny_hf(root / name, fam, **over)
-        model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        ids = torch.randint(0, model.config.vocab_size, (NUM_MICRO * MICRO_BATCH, SEQ), generator=gen)
-        with torch.no_grad():
-            logits = model(ids).logits
-        torch.save({"ids": ids, "logits": logits}, path / "ref.pt")
+        write_reference_logits(make_tiny_hf(root / name, fam, **over), gen)
     # init_parallel creates the process group itself: gloo on CPU, NCCL with MRL_TEST_DEVICE=cuda.
     results = run_ranks(parity_and_roundtrip_rank, 4, args=(str(root), CASES), timeout_s=300,
                         init_process_group=False)

@@ -11,10 +11,8 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_models import make_tiny_hf
 from tests.megatron._moe_ranks import MOE_LAYOUTS, moe_parity_rank
 from tests.megatron._ranks import (
-    MICRO_BATCH,
-    NUM_MICRO,
-    SEQ,
     assert_stages_export_the_checkpoint,
+    write_reference_logits,
 )
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral"]
@@ -25,17 +23,10 @@ PARAMS = [(f, d, lay) for f in FAMILIES for d in DISPATCHERS for lay in MOE_LAYO
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    import transformers as tf
-
     root = tmp_path_factory.mktemp("moe_parity")
     gen = torch.Generator().manual_seed(0)
     for fam in FAMILIES:
-        path = make_tiny_hf(root / fam, fam)
-        model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        ids = torch.randint(0, model.config.vocab_size, (NUM_MICRO * MICRO_BATCH, SEQ), generator=gen)
-        with torch.no_grad():
-            logits = model(ids).logits
-        torch.save({"ids": ids, "logits": logits}, path / "ref.pt")
+        write_reference_logits(make_tiny_hf(root / fam, fam), gen)
     results = run_ranks(moe_parity_rank, 4, args=(str(root), FAMILIES, DISPATCHERS), timeout_s=300,
                         init_process_group=False)
     merged: dict = {}

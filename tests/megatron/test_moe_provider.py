@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from mrl.megatron.moe import check_moe_supported, moe_transformer_kwargs, param_counts
+from mrl.megatron.moe import check_moe_supported, moe_transformer_kwargs
 from mrl.megatron.provider import _check_supported, model_family
 from tests.helpers.tiny_models import hf_config
 
@@ -24,8 +24,6 @@ def test_router_settings_from_config(family, pre_softmax, ffn, shared):
     assert kw.get("moe_shared_expert_gate", False) is (shared is not None)
     with pytest.raises(ValueError, match="not divisible by expert_model_parallel_size=3"):
         moe_transformer_kwargs(cfg, family, ep=3, etp=1)
-    total, active = param_counts(cfg, family)
-    assert active < total
 
 
 def test_unsupported_moe_layouts_are_refused_with_the_fix():

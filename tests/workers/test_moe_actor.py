@@ -141,7 +141,6 @@ def test_moe_actor_layouts_aux_loss_and_routing_replay(tmp_path):
     B, S = batch.input_ids.shape
     k = engine.config.num_experts_per_tok
     routed = torch.stack([rl.reshape(B, S, -1).topk(k, dim=-1).indices for rl in out.router_logits], dim=2)
-    last = batch.attention_mask.sum(-1) + (batch.attention_mask[:, 0] == 0) * 0  # noqa: F841 (documentation)
     # The engine never runs a response's last token: no ids there.
     last_col = (batch.attention_mask * torch.arange(S)).argmax(-1)
     routed[torch.arange(B), last_col] = -1
