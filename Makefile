@@ -32,10 +32,10 @@ bench-deps: $(VENV)/.installed requirements-bench.txt
 	$(PY) -m pip install -q --no-deps --target $(VENV)/bench-trl -r requirements-bench.txt
 
 # The quickstart's tiny model and toy dataset are generated locally (no downloads), once, and again
-# (--force) when mrl/quickstart.py changes: stale assets would not match the config.
+# (--force) when mrl/quickstarts/base.py changes: stale assets would not match the config.
 QUICKSTART_ASSETS := outputs/quickstart/.assets-written
-$(QUICKSTART_ASSETS): $(VENV)/.installed mrl/quickstart.py
-	$(PY) -m mrl.quickstart --out outputs/quickstart --force
+$(QUICKSTART_ASSETS): $(VENV)/.installed mrl/quickstarts/base.py
+	$(PY) -m mrl.quickstarts base --out outputs/quickstart --force
 	@touch $@
 
 quickstart-assets: $(QUICKSTART_ASSETS)
@@ -43,18 +43,18 @@ quickstart-assets: $(QUICKSTART_ASSETS)
 # The quickstart's reward model (mrl_configs/quickstart_rm.yaml): trained on the actor's body, so
 # rewritten whenever the quickstart's assets are.
 QUICKSTART_RM := outputs/quickstart/.rm-written
-$(QUICKSTART_RM): $(QUICKSTART_ASSETS) mrl/quickstart_rm.py
-	$(PY) -m mrl.quickstart_rm --out outputs/quickstart --force
+$(QUICKSTART_RM): $(QUICKSTART_ASSETS) mrl/quickstarts/rm.py
+	$(PY) -m mrl.quickstarts rm --out outputs/quickstart --force
 	@touch $@
 
 AGENT_ASSETS := outputs/quickstart_agent/.assets-written
-$(AGENT_ASSETS): $(VENV)/.installed mrl/quickstart_agent.py
-	$(PY) -m mrl.quickstart_agent --out outputs/quickstart_agent --force
+$(AGENT_ASSETS): $(VENV)/.installed mrl/quickstarts/agent.py
+	$(PY) -m mrl.quickstarts agent --out outputs/quickstart_agent --force
 	@touch $@
 
 MOE_ASSETS := outputs/quickstart_moe/.assets-written
-$(MOE_ASSETS): $(VENV)/.installed mrl/quickstart.py mrl/quickstart_moe.py
-	$(PY) -m mrl.quickstart_moe --out outputs/quickstart_moe --force
+$(MOE_ASSETS): $(VENV)/.installed mrl/quickstarts/base.py mrl/quickstarts/moe.py
+	$(PY) -m mrl.quickstarts moe --out outputs/quickstart_moe --force
 	@touch $@
 
 train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(if $(findstring quickstart_moe,$(CONFIG)),$(MOE_ASSETS),$(QUICKSTART_ASSETS))) \

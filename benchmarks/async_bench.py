@@ -78,7 +78,7 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     assets = a.out / "assets"
     if not (assets / "tiny-qwen2").is_dir():  # the warm-started quickstart model (learning needs it)
-        subprocess.run([sys.executable, "-m", "mrl.quickstart", "--out", str(assets)], cwd=ROOT, check=True)
+        subprocess.run([sys.executable, "-m", "mrl.quickstarts", "base", "--out", str(assets)], cwd=ROOT, check=True)
     runs = []
     for r in range(a.rounds):
         for k in a.staleness:

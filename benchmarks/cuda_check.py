@@ -11,7 +11,7 @@ Per dtype, one process (torch.distributed NCCL, world size 1; Megatron's local l
 Engine) on a tiny Qwen2 (tests/helpers/tiny_models.py) runs, in order:
   engine      the built-in engine (mrl/rollout/engine) generating on CUDA; its sampled log-probs vs a
               transformers forward on CUDA
-  actor       MegatronEngine/ActorWorker built on CUDA from the HF checkpoint; HF->Megatron load exact
+  actor       MegatronModel/ActorWorker built on CUDA from the HF checkpoint; HF->Megatron load exact
               (the Megatron->HF export equals the checkpoint's tensors); compute_log_prob vs transformers;
               the trainer's log-probs of the engine's samples vs the engine's (verl's rollout_probs_diff)
   update      one update_policy (Megatron optimizer on CUDA): finite loss and grad norm, weights move,
@@ -236,13 +236,13 @@ def trainer_worker(a) -> list[dict]:
         t0 = time.perf_counter()
         actor = ActorWorker(cfg, model_path=model, device=dev, mini_batch_size_samples=8, seed=1234, dtype=tdt)
         S["actor"] = actor
-        p = next(iter(actor.engine.chunks[0].parameters()))
+        p = next(iter(actor.model.chunks[0].parameters()))
         opt = actor.optimizer
         kinds = [type(o).__name__ for o in getattr(opt, "chained_optimizers", [opt])]
         ok = p.device.type == dev and p.dtype == tdt and dist.get_world_size() == 1
         C.add("actor: build on device (Megatron, NCCL world 1)", ok, round(time.perf_counter() - t0, 2), None,
               f"backend {dist.get_backend()}, params {p.device}/{p.dtype}, optimizer {kinds}, qkv layer "
-              f"{next(type(m).__name__ for n, m in actor.engine.chunks[0].named_modules() if n.endswith('linear_qkv'))}")
+              f"{next(type(m).__name__ for n, m in actor.model.chunks[0].named_modules() if n.endswith('linear_qkv'))}")
 
     if "actor" in S:
         actor = S["actor"]
@@ -454,7 +454,7 @@ def trainer_worker(a) -> list[dict]:
             v1 = critic.compute_values(b)
             mv = maxdiff(v1, v0, b.response_mask)
             fin = all(math.isfinite(v) for v in m.values()) and bool(torch.isfinite(v0).all())
-            p = next(iter(critic.engine.chunks[0].parameters()))
+            p = next(iter(critic.model.chunks[0].parameters()))
             C.add("critic: values + one update", fin and mv > 0, mv, None,
                   f"vf_loss {m.get('critic/vf_loss', float('nan')):.4g}, params {p.device}/{p.dtype}; measured = "
                   "max |value change|")

@@ -91,8 +91,8 @@ def _tool_help_argv(cmd: str) -> list[str] | None:
         return [py, "-m", "checkpoints_tools.cli", words[1], "--help"]
     if words[:2] == ["mrl", "engine"]:
         return [py, "-m", "mrl", "engine", "--help"]
-    if words[:3] == ["python", "-m", "mrl.quickstart"]:
-        return [py, "-m", "mrl.quickstart", "--help"]
+    if words[:3] == ["python", "-m", "mrl.quickstarts"]:
+        return [py, "-m", "mrl.quickstarts", words[3], "--help"]
     if words[0] == "python" and words[1].startswith("benchmarks/"):
         return [py, words[1], "--help"]
     return None
@@ -103,7 +103,7 @@ TOOLS = [(c, _tool_help_argv(c)) for c, argv in COMMANDS if argv is None and _to
 
 def test_readme_lists_the_tools_that_run_today() -> None:
     names = " ".join(c for c, _ in TOOLS)
-    for tool in ("mrl-ckpt hf-to-mcore", "mrl-ckpt mcore-to-hf", "mrl engine", "mrl.quickstart", "benchmarks/"):
+    for tool in ("mrl-ckpt hf-to-mcore", "mrl-ckpt mcore-to-hf", "mrl engine", "mrl.quickstarts", "benchmarks/"):
         assert tool in names, tool
 
 

@@ -581,7 +581,7 @@ def missing_inputs(cfg: MRLConfig) -> list[str]:
     """The files a run reads that are not on this host (``mrl plan`` notes them: the plan may be made
     before the model is downloaded; ``mrl train`` refuses to start without them)."""
     critic = [("critic.model_path", cfg.critic.model_path)] if cfg.critic_enabled and cfg.critic.model_path else []
-    return [f"{key}={path!r} does not exist; for the quickstart run `python -m mrl.quickstart --out outputs/quickstart` "
+    return [f"{key}={path!r} does not exist; for the quickstart run `python -m mrl.quickstarts base --out outputs/quickstart` "
             "first (make train does)"
             for key, path in (("model.path", cfg.model.path), *critic, *(("data.train_files", f) for f in cfg.data.train_files))
             if path and not Path(path).exists()]

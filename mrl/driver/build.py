@@ -167,7 +167,7 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
             import torch
 
             torch.set_num_threads(1)
-        s.workers = WorkerGroup("mrl.driver.rank.TrainRank", {"cfg": cfg, "plan": plan},
+        s.workers = WorkerGroup("mrl.workers.rank.TrainRank", {"cfg": cfg, "plan": plan},
                                 world_size=plan.trainer_ranks, device=plan.device,
                                 extra_env={"OMP_NUM_THREADS": "1"}, wait=False)
         s.rm_workers = start_reward_model_group(cfg, plan)  # a separate RM: its own ranks, world and layout

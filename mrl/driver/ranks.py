@@ -1,6 +1,6 @@
 """Typed calls from the driver to every trainer rank.
 
-``ranks.update_policy(batch)`` runs ``TrainRank.update_policy(batch)`` (mrl/driver/rank.py) on every
+``ranks.update_policy(batch)`` runs ``TrainRank.update_policy(batch)`` (mrl/workers/rank.py) on every
 rank of the group — each rank gets the same full batch and, for the model phases, returns the same
 result — and gives back rank 0's answer; ``sync_weights`` returns every rank's (one sender per
 pipeline stage). Method names and parameters mirror ``TrainRank`` (tests/driver/test_ranks.py

@@ -1,7 +1,7 @@
 """Where phase ``rm_score`` sends the batch: the trainer ranks (colocated RM) or a group of its own (separate).
 
 ``reward_model.placement=separate`` (docs/reward_model.md, "Placement"): the RM runs as its own Ray
-worker group of ``reward_model.num_devices`` ranks (:class:`mrl.driver.rm_rank.RewardModelRank`), in
+worker group of ``reward_model.num_devices`` ranks (:class:`mrl.workers.rm_rank.RewardModelRank`), in
 a placement group of its own, built next to the trainer ranks and killed with them. The driver reaches
 it through :class:`RewardModelRanks`, a typed proxy like ``TrainRanks`` (its methods mirror
 ``RewardModelRank``'s; tests/driver/test_ranks.py compares the signatures), so the step makes the same
@@ -49,7 +49,7 @@ def start_reward_model_group(cfg: MRLConfig, plan: RunPlan) -> WorkerGroup | Non
         return None
     from mrl.cluster import WorkerGroup
 
-    return WorkerGroup("mrl.driver.rm_rank.RewardModelRank", {"cfg": cfg, "plan": plan},
+    return WorkerGroup("mrl.workers.rm_rank.RewardModelRank", {"cfg": cfg, "plan": plan},
                        world_size=plan.reward_model_ranks, device=plan.device,
                        extra_env={"OMP_NUM_THREADS": "1"}, wait=False)
 

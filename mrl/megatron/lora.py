@@ -226,7 +226,7 @@ def apply_lora(chunks: list[torch.nn.Module], hf_config: Any, *, targets: tuple[
                     raise TypeError(
                         f"LoRA needs Megatron's local {want.__name__} at layer {layer.layer_number - 1} {path}, got "
                         f"{type(linear).__name__} (the Transformer Engine spec fuses the input norm); build the model "
-                        "with the local spec (MegatronEngine does this when actor.lora.rank > 0)"
+                        "with the local spec (MegatronModel does this when actor.lora.rank > 0)"
                     )
                 w = linear.weight
                 ad = LoraAdapter(path, chosen, hf_config=hf_config, layer=layer.layer_number - 1, rank=rank,

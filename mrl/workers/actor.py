@@ -15,7 +15,6 @@ import torch
 
 from mrl.config.actor import ActorConfig
 from mrl.workers.batch import TrainBatch
-from mrl.workers.engine import MegatronEngine
 from mrl.workers.loss import (
     ActorLossSpec,
     actor_loss_func,
@@ -24,6 +23,7 @@ from mrl.workers.loss import (
     log_prob_func,
     sum_metrics,
 )
+from mrl.workers.megatron_model import MegatronModel
 from mrl.workers.minibatch import (
     loss_keys,
     make_minibatch_iterator,
@@ -93,12 +93,12 @@ class ActorWorker(TrainableState):
         self.temperature = float(temperature)
         self.seed = seed
         dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
-        self.engine = MegatronEngine(
+        self.model = MegatronModel(
             model_path, cfg.megatron, device=device, dtype=dtype, seed=seed, train=True,
             use_distributed_optimizer=cfg.use_distributed_optimizer,
             init_parallel=init_parallel, lora=cfg.lora, moe=cfg.moe,
         )
-        e = self.engine
+        e = self.model
         if mini_batch_size_samples % e.dp_size != 0:
             raise ValueError(
                 f"mini-batch of {mini_batch_size_samples} samples (actor.ppo_mini_batch_size × "
@@ -120,7 +120,7 @@ class ActorWorker(TrainableState):
         """(old_log_probs [B, R], entropys [B, R]) of the full batch, identical on every rank."""
         mbs = self.cfg.log_prob_micro_batch_size_per_gpu or self.cfg.ppo_micro_batch_size_per_gpu
         return forward_log_probs(
-            self.engine, batch, temperature=self.temperature if temperature is None else temperature,
+            self.model, batch, temperature=self.temperature if temperature is None else temperature,
             micro_batch_size=mbs, use_dynamic_bsz=self.cfg.use_dynamic_bsz,
             max_tokens=self.cfg.ppo_max_token_len_per_gpu, vocab_size=self.vocab_size,
             chunk_size=self.cfg.logits_chunk_size, shared_prefix=self.shared_prefix,
@@ -138,7 +138,7 @@ class ActorWorker(TrainableState):
     def _forward_backward(self, mini_batch: TrainBatch, spec: ActorLossSpec
                           ) -> tuple[dict[str, float], list[dict], list[list[int]]]:
         """forward_backward's work; also the micro-batches' raw outputs (last stage) and their split."""
-        e = self.engine
+        e = self.model
         parts = micro_batch_parts(
             mini_batch, micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu,
             use_dynamic_bsz=self.cfg.use_dynamic_bsz, max_tokens=self.cfg.ppo_max_token_len_per_gpu,
@@ -166,7 +166,7 @@ class ActorWorker(TrainableState):
         ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
         ``actor/entropy``, ``actor/kl_loss``, ``actor/kl_coef``, ``actor/grad_norm``, ``actor/lr``.
         """
-        e = self.engine
+        e = self.model
         local = e.dp_shard(batch)
         keys = loss_keys(use_kl_loss=self.cfg.use_kl_loss,
                          use_rollout_log_probs=self.cfg.tis_imp_ratio_cap is not None,
@@ -191,7 +191,7 @@ class ActorWorker(TrainableState):
         Returns (metrics, log π_θ [B, R], entropy [B, R]): the detached log-probs/entropies of the
         full batch as ``compute_log_prob`` would give them (the driver's old_log_probs / entropys).
         ``shuffle`` is moot: one mini-batch holds every local sample."""
-        e = self.engine
+        e = self.model
         local = e.dp_shard(batch)
         if self.cfg.ppo_epochs != 1 or local.batch_size * e.dp_size != self.mini_batch_size_samples:
             raise ValueError(
@@ -214,7 +214,7 @@ class ActorWorker(TrainableState):
             out.pop("actor/kl_loss", None)
         out["actor/kl_coef"] = self.cfg.kl_loss_coef if self.cfg.use_kl_loss else 0.0
         out["actor/lr"] = current_lr(self.optimizer)
-        if self.engine.router_probes:
+        if self.model.router_probes:
             out.update(self._moe_metrics())
         return out
 
@@ -223,8 +223,8 @@ class ActorWorker(TrainableState):
         update; replay mismatch vs the engine's ids) and the update's load-balancing loss."""
         from mrl.workers.routing_replay import aux_loss_metrics, routing_metrics
 
-        m = routing_metrics(self.engine.router_probes)
-        m.update(aux_loss_metrics(float(self.engine.config.moe_aux_loss_coeff or 0.0),
+        m = routing_metrics(self.model.router_probes)
+        m.update(aux_loss_metrics(float(self.model.config.moe_aux_loss_coeff or 0.0),
                                   self._update_micro_batches))
         self._update_micro_batches = 0
         return m
@@ -233,13 +233,13 @@ class ActorWorker(TrainableState):
     def export_hf_weights(self, *, only_lora: bool = False):
         """``(hf_name, tensor)`` of this rank's pipeline stage (TP-gathered): for weight sync. With LoRA
         the weights come merged (``W + (alpha/r)·B·A``); ``only_lora`` yields only the adapted ones."""
-        return self.engine.named_parameters_hf(only_lora=only_lora)
+        return self.model.named_parameters_hf(only_lora=only_lora)
 
     def export_hf(self, out_dir: str | os.PathLike) -> None:
         """Write an HF checkpoint (safetensors + config) of the current weights; collective."""
         from mrl.workers.checkpointing import export_hf
 
-        export_hf(self.engine, out_dir)
+        export_hf(self.model, out_dir)
 
     def save_checkpoint(self, ckpt_dir: str | os.PathLike, contents: list[str]) -> None:
         """verl's ``actor.checkpoint.save_contents``; collective. ``huggingface/`` gets the config and
@@ -247,15 +247,15 @@ class ActorWorker(TrainableState):
         weights too with ``hf_model``."""
         from mrl.workers.checkpointing import HF_SUBDIR, save_hf_side_files
 
-        if self.engine.lora:  # before the weights: their completion marker then vouches for it too
+        if self.model.lora:  # before the weights: their completion marker then vouches for it too
             from mrl.megatron.lora_io import write_lora_meta
 
-            write_lora_meta(ckpt_dir, self.cfg.lora, self.engine.hf_path)
+            write_lora_meta(ckpt_dir, self.cfg.lora, self.model.hf_path)
         self.save(ckpt_dir, optimizer="optimizer" in contents, extra="extra" in contents)
         if "hf_model" in contents:
             self.export_hf(os.path.join(ckpt_dir, HF_SUBDIR))
         else:
-            save_hf_side_files(self.engine, os.path.join(ckpt_dir, HF_SUBDIR))
+            save_hf_side_files(self.model, os.path.join(ckpt_dir, HF_SUBDIR))
 
     def load_checkpoint(self, ckpt_dir: str | os.PathLike, contents: list[str]) -> None:
         """verl's ``actor.checkpoint.load_contents`` (model always; ``hf_model`` needs nothing here)."""
@@ -276,37 +276,37 @@ class ActorWorker(TrainableState):
         """[B, H] mean of the last layer's (final-norm) hidden states over each answer's tokens."""
         from mrl.workers.embedding import response_embedding
 
-        return response_embedding(self.engine, batch, micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu or 1)
+        return response_embedding(self.model, batch, micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu or 1)
 
 
 def forward_log_probs(
-    engine: MegatronEngine, batch: TrainBatch, *, temperature: float, micro_batch_size: int | None,
+    model: MegatronModel, batch: TrainBatch, *, temperature: float, micro_batch_size: int | None,
     use_dynamic_bsz: bool, max_tokens: int, vocab_size: int, chunk_size: int | None, shared_prefix: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward-only log-probs/entropies of the full batch (shared by actor and reference)."""
-    local = engine.dp_shard(batch)
+    local = model.dp_shard(batch)
     parts = micro_batch_parts(local, micro_batch_size=micro_batch_size or local.batch_size,
                               use_dynamic_bsz=use_dynamic_bsz, max_tokens=max_tokens,
-                              dp_group=engine.dp_group, shared_prefix=shared_prefix)
-    mbs = engine.make_micro_batches(local, parts, shared_prefix=shared_prefix)
-    fn = partial(log_prob_func, temperature=temperature, tp_group=engine.tp_group,
+                              dp_group=model.dp_group, shared_prefix=shared_prefix)
+    mbs = model.make_micro_batches(local, parts, shared_prefix=shared_prefix)
+    fn = partial(log_prob_func, temperature=temperature, tp_group=model.tp_group,
                  vocab_size=vocab_size, chunk_size=chunk_size)
-    engine.set_train(False)
+    model.set_train(False)
     with torch.no_grad():
-        out = engine.run(mbs, fn, forward_only=True)
-    return gather_log_probs(engine, out, parts, local.batch_size, local.response_length)
+        out = model.run(mbs, fn, forward_only=True)
+    return gather_log_probs(model, out, parts, local.batch_size, local.response_length)
 
 
-def gather_log_probs(engine: MegatronEngine, out: list[dict], parts: list[list[int]], B: int, R: int
+def gather_log_probs(model: MegatronModel, out: list[dict], parts: list[list[int]], B: int, R: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The micro-batches' ``log_probs``/``entropys`` (last stage) -> the full batch's ([B_all, R], [B_all, R])
     in the caller's order, on every rank (pipeline broadcast, DP all-gather)."""
-    if engine.is_last_stage:
+    if model.is_last_stage:
         lp = restore_order([o["log_probs"].float() for o in out], parts)
         ent = restore_order([o["entropys"].float() for o in out], parts)
     else:
-        lp = torch.zeros(B, R, device=engine.device)
-        ent = torch.zeros(B, R, device=engine.device)
-    both = engine.broadcast_from_last_stage(torch.stack([lp.to(engine.device), ent.to(engine.device)]))
-    full = engine.all_gather_dp(both.transpose(0, 1).contiguous())  # [B, 2, R]
+        lp = torch.zeros(B, R, device=model.device)
+        ent = torch.zeros(B, R, device=model.device)
+    both = model.broadcast_from_last_stage(torch.stack([lp.to(model.device), ent.to(model.device)]))
+    full = model.all_gather_dp(both.transpose(0, 1).contiguous())  # [B, 2, R]
     return full[:, 0].cpu(), full[:, 1].cpu()

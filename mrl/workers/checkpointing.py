@@ -17,13 +17,13 @@ import torch.distributed as dist
 HF_SUBDIR = "huggingface"  # verl's get_hf_model_checkpoint_path: <ckpt>/global_step_N/actor/huggingface
 
 
-def export_hf(engine, out_dir: str | os.PathLike) -> None:
-    """Collective: write an HF checkpoint of ``engine``'s current weights to ``out_dir``."""
+def export_hf(model, out_dir: str | os.PathLike) -> None:
+    """Collective: write an HF checkpoint of ``model``'s current weights to ``out_dir``."""
     from megatron.core import parallel_state as ps
 
     from mrl.megatron.hf_io import copy_hf_side_files, write_hf_checkpoint
 
-    local = {n: t.detach().cpu().contiguous() for n, t in engine.named_parameters_hf()}
+    local = {n: t.detach().cpu().contiguous() for n, t in model.named_parameters_hf()}
     send = local if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0 else {}
     gathered: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     # Object gather: tensors are pickled by torch's own reducer between our own ranks (trusted).
@@ -34,14 +34,14 @@ def export_hf(engine, out_dir: str | os.PathLike) -> None:
             full.update(part or {})
         out = Path(out_dir)
         write_hf_checkpoint(out, sorted(full.items()))
-        copy_hf_side_files(engine.hf_path, out)  # config.json, tokenizer, generation config
+        copy_hf_side_files(model.hf_path, out)  # config.json, tokenizer, generation config
     dist.barrier()
 
 
-def save_hf_side_files(engine, out_dir: str | os.PathLike) -> None:
-    """Collective: rank 0 copies ``engine``'s config and tokenizer files (no weights) to ``out_dir``."""
+def save_hf_side_files(model, out_dir: str | os.PathLike) -> None:
+    """Collective: rank 0 copies ``model``'s config and tokenizer files (no weights) to ``out_dir``."""
     from mrl.megatron.hf_io import copy_hf_side_files
 
     if dist.get_rank() == 0:
-        copy_hf_side_files(engine.hf_path, out_dir)
+        copy_hf_side_files(model.hf_path, out_dir)
     dist.barrier()

@@ -20,7 +20,6 @@ import torch
 from mrl.config.critic import CriticConfig
 from mrl.workers.actor import micro_batch_parts
 from mrl.workers.batch import TrainBatch
-from mrl.workers.engine import MegatronEngine
 from mrl.workers.loss import (
     check_norm_constant,
     critic_loss_func,
@@ -28,6 +27,7 @@ from mrl.workers.loss import (
     response_values,
     sum_metrics,
 )
+from mrl.workers.megatron_model import MegatronModel
 from mrl.workers.minibatch import make_minibatch_iterator, restore_order
 from mrl.workers.optim import build_lr_scheduler, build_optimizer, current_lr
 from mrl.workers.trainable import TrainableState
@@ -56,16 +56,16 @@ class CriticWorker(TrainableState):
         self.cfg = cfg
         self.epochs = epochs
         self.seed = seed
-        self.engine = MegatronEngine(cfg.model_path or model_path, cfg.megatron, device=device, dtype=dtype,
+        self.model = MegatronModel(cfg.model_path or model_path, cfg.megatron, device=device, dtype=dtype,
                                      seed=seed, train=True, value_head=True, init_parallel=init_parallel,
                                      use_distributed_optimizer=cfg.use_distributed_optimizer, moe=moe)
-        if mini_batch_size_samples % self.engine.dp_size:
+        if mini_batch_size_samples % self.model.dp_size:
             raise ValueError(
                 f"critic mini-batch of {mini_batch_size_samples} samples is not divisible by its DP "
-                f"size {self.engine.dp_size}; adjust critic.ppo_mini_batch_size"
+                f"size {self.model.dp_size}; adjust critic.ppo_mini_batch_size"
             )
         self.mini_batch_size_samples = mini_batch_size_samples
-        self.optimizer = build_optimizer(self.engine.chunks, cfg.optim,
+        self.optimizer = build_optimizer(self.model.chunks, cfg.optim,
                                          use_distributed_optimizer=cfg.use_distributed_optimizer, dtype=dtype)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, total_optimizer_steps=total_optimizer_steps)
         self.global_step = 0
@@ -73,11 +73,11 @@ class CriticWorker(TrainableState):
     def _parts(self, data: TrainBatch):
         return micro_batch_parts(data, micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu or data.batch_size,
                                  use_dynamic_bsz=self.cfg.use_dynamic_bsz,
-                                 max_tokens=self.cfg.ppo_max_token_len_per_gpu, dp_group=self.engine.dp_group)
+                                 max_tokens=self.cfg.ppo_max_token_len_per_gpu, dp_group=self.model.dp_group)
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         """[B, R] V(s_t) × response_mask of the full batch, identical on every rank."""
-        e = self.engine
+        e = self.model
         local = e.dp_shard(batch)
         parts = self._parts(local)
         mbs = e.make_micro_batches(local, parts)
@@ -97,7 +97,7 @@ class CriticWorker(TrainableState):
 
     def update_critic(self, batch: TrainBatch) -> dict[str, float]:
         """Value regression on ``returns`` with clipping around ``values``; verl's metric names."""
-        e = self.engine
+        e = self.model
         local = e.dp_shard(batch)
         acc: dict[str, float] = {}
         steps = 0

@@ -12,11 +12,11 @@ from mrl.workers.batch import TrainBatch
 from mrl.workers.minibatch import restore_order, split_by_length
 
 
-def response_embedding(engine, batch: TrainBatch, *, micro_batch_size: int) -> torch.Tensor:
-    local = engine.dp_shard(batch)
+def response_embedding(model, batch: TrainBatch, *, micro_batch_size: int) -> torch.Tensor:
+    local = model.dp_shard(batch)
     parts = split_by_length(local.seq_lengths().tolist(), micro_batch_size)  # similar lengths together
-    mbs = engine.make_micro_batches(local, parts)
-    H = engine.hf_config.hidden_size
+    mbs = model.make_micro_batches(local, parts)
+    H = model.hf_config.hidden_size
     captured: dict[int, torch.Tensor] = {}
 
     def hook(mb, hidden):  # hidden [L, b, H] (sequence-first inside Megatron)
@@ -31,12 +31,12 @@ def response_embedding(engine, batch: TrainBatch, *, micro_batch_size: int) -> t
         emb = (g * w[..., None]).sum(1) / w.sum(1, keepdim=True).clamp(min=1)
         return torch.zeros((), device=h.device), {"emb": emb}
 
-    engine.set_train(False)
+    model.set_train(False)
     with torch.no_grad():
-        out = engine.run(mbs, loss_func, forward_only=True, hidden_hook=hook)
-    if engine.is_last_stage:
-        emb = restore_order([o["emb"] for o in out], parts).to(engine.device)
+        out = model.run(mbs, loss_func, forward_only=True, hidden_hook=hook)
+    if model.is_last_stage:
+        emb = restore_order([o["emb"] for o in out], parts).to(model.device)
     else:
-        emb = torch.zeros(local.batch_size, H, device=engine.device)
-    emb = engine.broadcast_from_last_stage(emb)
-    return engine.all_gather_dp(emb).cpu()
+        emb = torch.zeros(local.batch_size, H, device=model.device)
+    emb = model.broadcast_from_last_stage(emb)
+    return model.all_gather_dp(emb).cpu()

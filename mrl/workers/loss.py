@@ -30,17 +30,17 @@ from mrl.algorithms.kl import kl_penalty
 from mrl.algorithms.policy_loss import PolicyLossParams, get_policy_loss_fn
 from mrl.algorithms.value import compute_value_loss
 from mrl.megatron.vocab_parallel import vocab_parallel_log_probs
-from mrl.workers.engine import MicroBatch
+from mrl.workers.megatron_model import MicroBatch
 
 Tensor = torch.Tensor
 
 
-def global_denominators(micro_batches: list[MicroBatch], engine) -> tuple[Tensor, Tensor]:
+def global_denominators(micro_batches: list[MicroBatch], model) -> tuple[Tensor, Tensor]:
     """(N tokens, S sequences) of the response mask over all micro-batches and DP ranks."""
     tok = sum(float(mb.data.response_mask.sum()) for mb in micro_batches)
     seq = sum(float((mb.data.response_mask.sum(-1) > 0).sum()) for mb in micro_batches)
-    t = torch.tensor([tok, seq], dtype=torch.float64, device=engine.device)
-    engine.all_reduce_dp(t)
+    t = torch.tensor([tok, seq], dtype=torch.float64, device=model.device)
+    model.all_reduce_dp(t)
     return t[0].clamp(min=1.0).cpu(), t[1].clamp(min=1.0).cpu()
 
 
@@ -218,13 +218,13 @@ def critic_loss_func(
     return vf_loss * scale, {"vf_loss": vf_loss.detach(), "vf_clipfrac": clipfrac, "vpred_mean": vmean}
 
 
-def sum_metrics(dicts: list[dict], keys: list[str], engine) -> dict[str, float]:
+def sum_metrics(dicts: list[dict], keys: list[str], model) -> dict[str, float]:
     """Σ over micro-batches (last stage) and DP ranks, then shared with every pipeline stage."""
-    t = torch.zeros(len(keys), dtype=torch.float64, device=engine.device)
+    t = torch.zeros(len(keys), dtype=torch.float64, device=model.device)
     for d in dicts:
         for i, k in enumerate(keys):
             if k in d:
                 t[i] += float(d[k])
-    engine.all_reduce_dp(t)
-    t = engine.broadcast_from_last_stage(t)
+    model.all_reduce_dp(t)
+    t = model.broadcast_from_last_stage(t)
     return {k: float(t[i]) for i, k in enumerate(keys)}

@@ -263,7 +263,7 @@ def build_shared_prefix_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1) -> M
     samples: P + Σ (r_i − 1) instead of n·P + Σ r_i.
 
     Needs the model to apply RoPE at ``position_ids`` and the attention to take ``attention_mask``
-    (:meth:`mrl.workers.engine.MegatronEngine.run` does both); Megatron's local attention spec, not
+    (:meth:`mrl.workers.megatron_model.MegatronModel.run` does both); Megatron's local attention spec, not
     Transformer Engine's fused causal kernels.
     """
     am = mb.attention_mask.bool()

@@ -27,8 +27,8 @@ class Offloaded:
     entries: list[tuple[Any, torch.Tensor]]  # (untyped storage, host bytes)
 
 
-def _tensors(engine, optimizer) -> Iterable[torch.Tensor]:
-    for c in engine.chunks:
+def _tensors(mm, optimizer) -> Iterable[torch.Tensor]:
+    for c in mm.chunks:
         for p in c.parameters():
             yield p
             g = getattr(p, "main_grad", None)
@@ -55,26 +55,26 @@ def _tensors(engine, optimizer) -> Iterable[torch.Tensor]:
                     yield p
 
 
-def offload_state(engine, optimizer=None, *, force: bool = False) -> Offloaded | None:
-    """Free the device memory of ``engine``'s model (+ ``optimizer``); returns what ``onload`` needs."""
-    if engine.device.type == "cpu" and not force:
+def offload_state(mm, optimizer=None, *, force: bool = False) -> Offloaded | None:
+    """Free the device memory of ``mm``'s model (+ ``optimizer``); returns what ``onload`` needs."""
+    if mm.device.type == "cpu" and not force:
         return None
     seen: dict[int, Any] = {}
-    for t in _tensors(engine, optimizer):
+    for t in _tensors(mm, optimizer):
         st = t.untyped_storage()
         if st.nbytes() > 0 and st.data_ptr() not in seen:
             seen[st.data_ptr()] = st
     entries = []
-    pin = engine.device.type == "cuda"
+    pin = mm.device.type == "cuda"
     for st in seen.values():
         host = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=pin)
         host.untyped_storage().copy_(st)
         entries.append((st, host))
-    if engine.device.type == "cuda":
+    if mm.device.type == "cuda":
         torch.cuda.synchronize()
     for st, _ in entries:
         st.resize_(0)
-    if engine.device.type == "cuda":
+    if mm.device.type == "cuda":
         torch.cuda.empty_cache()
     return Offloaded(entries)
 

@@ -27,7 +27,7 @@ import torch
 
 from mrl.config.ref import RefConfig
 from mrl.workers.batch import TrainBatch
-from mrl.workers.engine import MegatronEngine
+from mrl.workers.megatron_model import MegatronModel
 
 
 class ReferenceWorker:
@@ -45,7 +45,7 @@ class ReferenceWorker:
         self.temperature = float(temperature)
         self.micro_batch_size = cfg.log_prob_micro_batch_size_per_gpu or micro_batch_size
         self.chunk_size = logits_chunk_size
-        self.engine = MegatronEngine(model_path, cfg.megatron, device=device, dtype=dtype, seed=seed,
+        self.model = MegatronModel(model_path, cfg.megatron, device=device, dtype=dtype, seed=seed,
                                      train=False, init_parallel=init_parallel, moe=moe)
 
     def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
@@ -53,8 +53,8 @@ class ReferenceWorker:
         from mrl.workers.actor import forward_log_probs
 
         lp, _ = forward_log_probs(
-            self.engine, batch, temperature=self.temperature, micro_batch_size=self.micro_batch_size,
-            use_dynamic_bsz=False, max_tokens=0, vocab_size=int(self.engine.hf_config.vocab_size),
+            self.model, batch, temperature=self.temperature, micro_batch_size=self.micro_batch_size,
+            use_dynamic_bsz=False, max_tokens=0, vocab_size=int(self.model.hf_config.vocab_size),
             chunk_size=self.chunk_size,
         )
         return lp
@@ -69,7 +69,7 @@ class ColocatedReference:
 
     def __init__(self, actor, *, model_path: str | os.PathLike | None = None) -> None:
         self.actor = actor
-        e = actor.engine
+        e = actor.model
         self.host = None
         if getattr(e, "lora", None) and model_path is None:
             return  # the frozen base is the reference: see _swapped_in
@@ -87,7 +87,7 @@ class ColocatedReference:
                     p.copy_(b)
 
     def _params(self) -> list[torch.nn.Parameter]:
-        return [p for c in self.actor.engine.chunks for p in c.parameters()]
+        return [p for c in self.actor.model.chunks for p in c.parameters()]
 
     @contextlib.contextmanager
     def _swapped_in(self) -> Iterator[None]:
@@ -95,7 +95,7 @@ class ColocatedReference:
         if self.host is None:
             from mrl.megatron.lora import adapters_disabled
 
-            with adapters_disabled(self.actor.engine.chunks):
+            with adapters_disabled(self.actor.model.chunks):
                 yield
             return
         params = self._params()
@@ -114,7 +114,7 @@ class ColocatedReference:
         model replays the engine's experts here too (routing replay) without counting in the policy's moe/*."""
         from mrl.workers.routing_replay import not_measured
 
-        with self._swapped_in(), not_measured(self.actor.engine.router_probes):
+        with self._swapped_in(), not_measured(self.actor.model.router_probes):
             lp, _ = self.actor.compute_log_prob(batch)
         return lp
 

@@ -3,8 +3,8 @@
 The checkpoint is a Hugging Face ``*ForSequenceClassification`` model with one label (Llama,
 Qwen2, Qwen3, Mistral families): its ``model.*`` body maps to ``GPTModel`` exactly like a causal
 LM, and ``score.weight`` [1, H] becomes a scalar head in place of the LM head — the critic's
-head (:class:`mrl.workers.engine._ValueHead`), loaded instead of initialised. TP/PP: the actor's on its
-ranks (colocated, ``init_parallel=False``), or the RM's own group and layout (separate, mrl/driver/rm_rank.py).
+head (:class:`mrl.workers.megatron_model._ValueHead`), loaded instead of initialised. TP/PP: the actor's on its
+ranks (colocated, ``init_parallel=False``), or the RM's own group and layout (separate, mrl/workers/rm_rank.py).
 
     rm_score_i = score.weight · h_i[last]     h = final-norm hidden states, [B]
 
@@ -23,7 +23,7 @@ import torch
 
 from mrl.config.parallel import ParallelConfig
 from mrl.workers.batch import TrainBatch
-from mrl.workers.engine import MegatronEngine, _ValueHead, unwrap
+from mrl.workers.megatron_model import MegatronModel, _ValueHead, unwrap
 from mrl.workers.minibatch import restore_order, split_by_length
 
 _SEQ_CLS = "ForSequenceClassification"
@@ -45,7 +45,7 @@ def as_causal_lm_config(hf_config: Any, path: str | os.PathLike) -> Any:
     return out
 
 
-def load_reward_model(engine: MegatronEngine, chunks: list, get: Callable[[str], torch.Tensor]) -> None:
+def load_reward_model(mm: MegatronModel, chunks: list, get: Callable[[str], torch.Tensor]) -> None:
     """Body weights from ``model.*``, then ``score.weight`` as the last stage's scalar head."""
     from mrl.megatron.mapping import load_hf_weights
 
@@ -54,18 +54,18 @@ def load_reward_model(engine: MegatronEngine, chunks: list, get: Callable[[str],
         # score head replaces below; the RM has none, so the embedding fills it meanwhile.
         return get("model.embed_tokens.weight" if name == "lm_head.weight" else name)
 
-    load_hf_weights(chunks, engine.hf_config, body)
+    load_hf_weights(chunks, mm.hf_config, body)
     score = get("score.weight")
-    hidden = engine.hf_config.hidden_size
+    hidden = mm.hf_config.hidden_size
     if tuple(score.shape) != (1, hidden):
         raise ValueError(f"reward model score.weight has shape {tuple(score.shape)}, expected (1, {hidden})")
     for c in chunks:
         model = unwrap(c)
         if model.post_process:
-            head = _ValueHead(hidden, engine.dtype)
+            head = _ValueHead(hidden, mm.dtype)
             with torch.no_grad():
                 head.weight.copy_(score)
-            model.output_layer = head.to(engine.device)
+            model.output_layer = head.to(mm.device)
 
 
 class RewardModelWorker:
@@ -83,7 +83,7 @@ class RewardModelWorker:
         if micro_batch_size < 1:
             raise ValueError(f"reward model micro_batch_size must be >= 1, got {micro_batch_size}")
         self.micro_batch_size = micro_batch_size
-        self.engine = MegatronEngine(model_path, parallel, device=device,
+        self.model = MegatronModel(model_path, parallel, device=device,
                                      dtype=dtype or (torch.float32 if device == "cpu" else torch.bfloat16),
                                      seed=seed, train=False, score_head=True, init_parallel=init_parallel)
 
@@ -92,7 +92,7 @@ class RewardModelWorker:
         ``force``, which tests use to exercise the round trip)."""
         from mrl.workers.offload import offload_state
 
-        self._offloaded = offload_state(self.engine, force=force)
+        self._offloaded = offload_state(self.model, force=force)
 
     def onload(self) -> None:
         from mrl.workers.offload import onload_state
@@ -105,7 +105,7 @@ class RewardModelWorker:
 
         A batch that does not divide by the DP size (validation chunks) is padded with copies of its
         last sample, whose scores are dropped."""
-        e = self.engine
+        e = self.model
         B = batch.batch_size
         extra = -B % e.dp_size
         if extra:

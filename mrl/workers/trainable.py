@@ -5,7 +5,7 @@ import os
 
 
 class TrainableState:
-    """Mixin: needs ``self.engine`` (MegatronEngine), ``self.optimizer``, ``self.scheduler`` and
+    """Mixin: needs ``self.model`` (MegatronModel), ``self.optimizer``, ``self.scheduler`` and
     ``self.global_step``. Saving goes through ``dist_checkpointing`` so a checkpoint written at
     one TP/PP layout loads at another (mrl/megatron/checkpoint.py)."""
 
@@ -22,14 +22,14 @@ class TrainableState:
         """Model (+ optimizer and LR scheduler) (+ ``extra``: the update counter); layout independent."""
         from mrl.megatron.checkpoint import save_checkpoint
 
-        save_checkpoint(ckpt_dir, self.engine.chunks, self.optimizer if optimizer else None,
+        save_checkpoint(ckpt_dir, self.model.chunks, self.optimizer if optimizer else None,
                         self.scheduler if optimizer else None,
-                        extra={"global_step": self.global_step} if extra else {}, hf_config=self.engine.hf_config)
+                        extra={"global_step": self.global_step} if extra else {}, hf_config=self.model.hf_config)
 
     def load(self, ckpt_dir: str | os.PathLike, *, load_optimizer: bool = True, load_extra: bool = True) -> None:
         from mrl.megatron.checkpoint import load_checkpoint
 
-        extra = load_checkpoint(ckpt_dir, self.engine.chunks, self.optimizer, self.scheduler,
+        extra = load_checkpoint(ckpt_dir, self.model.chunks, self.optimizer, self.scheduler,
                                 load_optimizer=load_optimizer)
         if load_extra:
             self.global_step = int((extra or {}).get("global_step", self.global_step))
@@ -38,7 +38,7 @@ class TrainableState:
         """Parameters, grads and optimizer state to CPU (no-op on CPU unless ``force``)."""
         from mrl.workers.offload import offload_state
 
-        self._offloaded = offload_state(self.engine, self.optimizer, force=force)
+        self._offloaded = offload_state(self.model, self.optimizer, force=force)
 
     def onload(self) -> None:
         from mrl.workers.offload import onload_state

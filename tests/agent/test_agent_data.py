@@ -8,7 +8,7 @@ from transformers import PreTrainedTokenizerFast
 from mrl.agent.template import TemplateError, check_tools_template, tool_segment_text
 from mrl.agent.tools import load_tools
 from mrl.data.dataset import DataError, PromptDataset
-from mrl.quickstart_agent import CHAT_TEMPLATE
+from mrl.quickstarts.agent import CHAT_TEMPLATE
 from tests.helpers.tiny_tokenizer import CHATML_TEMPLATE, build_tokenizer
 
 

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the warm start is 
 
 
 def test_agent_quickstart_trains_two_steps(tmp_path: Path) -> None:
-    from mrl.quickstart_agent import MODEL_DIR, write_assets
+    from mrl.quickstarts.agent import MODEL_DIR, write_assets
 
     write_assets(tmp_path / "assets", warm_start_steps=120)  # the call format (pipeline test, not learning)
     a, port = tmp_path / "assets", free_port_pair()

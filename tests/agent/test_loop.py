@@ -41,7 +41,7 @@ def setup(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mrl.agent.loop import AgentClient
-    from mrl.quickstart_agent import (
+    from mrl.quickstarts.agent import (
         MODEL_DIR,
         messages,
         problems,

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 from mrl.agent.loop import AgentClient
 from mrl.agent.tools import load_tools
 from mrl.config.agent import AgentConfig
-from mrl.quickstart_agent import CHAT_TEMPLATE
+from mrl.quickstarts.agent import CHAT_TEMPLATE
 from mrl.rollout.router import RouteOutcome
 from mrl.rollout.types import RolloutRequest
 from tests.helpers.tiny_tokenizer import build_tokenizer

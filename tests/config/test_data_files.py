@@ -129,7 +129,7 @@ def test_quickstart_paths_name_the_asset_command(capsys: pytest.CaptureFixture[s
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # no outputs/ here
     rc, _, err = _plan(capsys, cmd="train")
-    assert rc == EXIT_CONFIG and "python -m mrl.quickstart --out outputs/quickstart" in err
+    assert rc == EXIT_CONFIG and "python -m mrl.quickstarts base --out outputs/quickstart" in err
 
 
 def test_cli_exit_2_without_traceback(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ def test_valid_recipes_with_their_files_start(tmp_path, recipe: str, extra: list
 
 def test_missing_model_names_the_quickstart_fix(tmp_path) -> None:
     cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tmp_path}/nope"])
-    with pytest.raises(UnsupportedConfigError, match="model.path=.*mrl.quickstart"):
+    with pytest.raises(UnsupportedConfigError, match="model.path=.*mrl.quickstarts.base"):
         check_inputs(cfg)
 
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 def test_moe_quickstart_trains_with_expert_parallel_and_routing_replay(tmp_path: Path) -> None:
     assets = tmp_path / "assets"
-    subprocess.run([sys.executable, "-m", "mrl.quickstart_moe", "--out", str(assets), "--warm-start-steps", "0"],
+    subprocess.run([sys.executable, "-m", "mrl.quickstarts", "moe", "--out", str(assets), "--warm-start-steps", "0"],
                    cwd=ROOT, check=True, capture_output=True, timeout=900)
     cmd = [sys.executable, "-m", "mrl", "train", "mrl_configs/quickstart_moe.yaml",
            f"model.path={assets}/tiny-qwen3-moe", f"data.train_files=[{assets}/data/train.jsonl]",

@@ -50,7 +50,7 @@ def test_separate_rm_group_matches_transformers_next_to_the_actor(tmp_path: Path
         cfg = _config(tmp_path, actor, rms["llama"], 2, 1)
         plan = plan_run(cfg, "cpu")
         assert (plan.trainer_ranks, plan.reward_model_ranks) == (2, 2)
-        groups.append(WorkerGroup("mrl.driver.rank.TrainRank", {"cfg": cfg, "plan": plan}, world_size=2, device="cpu",
+        groups.append(WorkerGroup("mrl.workers.rank.TrainRank", {"cfg": cfg, "plan": plan}, world_size=2, device="cpu",
                                   extra_env={"OMP_NUM_THREADS": "1"}, timeout_s=600))
         actor_ranks = TrainRanks(groups[0])
         for family, tp, pp in (("llama", 2, 1), ("qwen2", 1, 2)):

@@ -63,7 +63,7 @@ def setup(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from mrl.data.dataset import PromptDataset
-    from mrl.quickstart import write_assets
+    from mrl.quickstarts.base import write_assets
     from mrl.rewards import RewardManager
     from mrl.rollout.client import RolloutClient
     from mrl.rollout.pool import EngineEndpoint, EnginePool

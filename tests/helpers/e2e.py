@@ -36,7 +36,7 @@ def write_assets(tmp: Path) -> Path:
     warm start (~20 CPU-s, covered by tests/test_quickstart_assets.py): these tests check the
     pipeline, not learning, and a random model exercises it as well."""
     assets = tmp / "assets"
-    subprocess.run([sys.executable, "-m", "mrl.quickstart", "--out", str(assets), "--warm-start-steps", "0"],
+    subprocess.run([sys.executable, "-m", "mrl.quickstarts", "base", "--out", str(assets), "--warm-start-steps", "0"],
                    cwd=ROOT, check=True, capture_output=True, timeout=900)
     return assets
 

@@ -16,7 +16,7 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 
 def build_tokenizer():
     # The package's quickstart tokenizer is the single definition; tests use the same one.
-    from mrl.quickstart import build_tokenizer as _build
+    from mrl.quickstarts.base import build_tokenizer as _build
 
     return _build()
 

@@ -55,7 +55,7 @@ def _specs():
 
 def _grads_by_hf_name(actor) -> dict[str, torch.Tensor]:
     """TP-gathered ``main_grad`` under HF names, this pipeline stage (swap data <-> main_grad)."""
-    params = [p for c in actor.engine.chunks for p in c.parameters()]
+    params = [p for c in actor.model.chunks for p in c.parameters()]
     saved = [p.data for p in params]
     try:
         for p in params:
@@ -92,7 +92,7 @@ def _rank(rank, world, path):
         )
         actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8, temperature=TEMPERATURE,
                             max_response_length=MAX_RESPONSE_LENGTH, seed=1234)
-        e = actor.engine
+        e = actor.model
         keep = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
         lp, ent = actor.compute_log_prob(batch)
         local = e.dp_shard(batch)

@@ -41,14 +41,14 @@ def _rank(rank, world, path, ckpt, peft_dir, hf_out):
     ref = ColocatedReference(actor)
     out["ref_host_copy"] = ref.host is not None
     out["lp0"] = actor.compute_log_prob(b_batch)[0]  # B = 0: the policy starts as the base model
-    params = {n: p.detach().clone() for c in actor.engine.chunks for n, p in c.named_parameters()}
-    trainable = [n for c in actor.engine.chunks for n, p in c.named_parameters() if p.requires_grad]
+    params = {n: p.detach().clone() for c in actor.model.chunks for n, p in c.named_parameters()}
+    trainable = [n for c in actor.model.chunks for n, p in c.named_parameters() if p.requires_grad]
     opt_numel = sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"])
-    adapter_numel = sum(p.numel() for a in adapters_of(actor.engine.chunks) for p in a.parameters())
+    adapter_numel = sum(p.numel() for a in adapters_of(actor.model.chunks) for p in a.parameters())
     out["numel"] = (opt_numel, adapter_numel, sum(p.numel() for p in params.values()))
     out["trainable_not_lora"] = [n for n in trainable if "_lora." not in n]
     out["m1"] = actor.update_policy(a_batch)
-    changed = {n for c in actor.engine.chunks for n, p in c.named_parameters() if not torch.equal(p, params[n])}
+    changed = {n for c in actor.model.chunks for n, p in c.named_parameters() if not torch.equal(p, params[n])}
     out["changed_not_lora"] = sorted(n for n in changed if "_lora." not in n)
     out["changed_lora"] = len([n for n in changed if "_lora." in n])
     out["lp1"] = actor.compute_log_prob(b_batch)[0]
@@ -58,7 +58,7 @@ def _rank(rank, world, path, ckpt, peft_dir, hf_out):
     out["meta"] = read_lora_meta(ckpt)
     out["m2"] = actor.update_policy(b_batch)
     out["lp2"] = actor.compute_log_prob(b_batch)[0]
-    peft = dict(export_peft_tensors(actor.engine.chunks))
+    peft = dict(export_peft_tensors(actor.model.chunks))
     gathered = [None] * world
     dist.all_gather_object(gathered, {k: v for k, v in peft.items()})
     if rank == 0:

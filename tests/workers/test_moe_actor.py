@@ -53,7 +53,7 @@ def _rank(rank, world, path, engine_path, routed, ckpt):
         actor = ActorWorker(_cfg(*lay), model_path=path, mini_batch_size_samples=8, seed=1234)
         keep = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
         lp, _ = actor.compute_log_prob(batch)
-        m = actor.forward_backward(actor.engine.dp_shard(batch))
+        m = actor.forward_backward(actor.model.dp_shard(batch))
         grads = _grads_by_hf_name(actor)
         metrics = actor.update_policy(batch)
         weights = {n: t.clone() for n, t in actor.export_hf_weights()}
@@ -64,7 +64,7 @@ def _rank(rank, world, path, engine_path, routed, ckpt):
     grads_aux = {}
     for aux in (0.0, 0.05):
         actor = ActorWorker(_cfg(1, 1, 2, 1, 2, aux=aux), model_path=path, mini_batch_size_samples=8, seed=1234)
-        actor.forward_backward(actor.engine.dp_shard(batch))
+        actor.forward_backward(actor.model.dp_shard(batch))
         grads_aux[aux] = _grads_by_hf_name(actor)
         out[f"aux_metrics_{aux}"] = actor.update_policy(batch)
         del actor

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from mrl.workers.actor import micro_batch_parts
-from mrl.workers.engine import MicroBatch
 from mrl.workers.loss import (
     ActorLossSpec,
     actor_loss_func,
     critic_loss_func,
     global_denominators,
 )
+from mrl.workers.megatron_model import MicroBatch
 from mrl.workers.minibatch import build_model_inputs
 from tests.helpers.tiny_models import make_tiny_hf
 from tests.workers.batches import ragged_batch, with_response_width

@@ -27,7 +27,7 @@ KEYS = ["loss", "pg_loss", "entropy", "kl_loss", "ppo_kl", "pg_clipfrac"]
 
 
 def _grads(actor) -> torch.Tensor:
-    return torch.cat([p.main_grad.detach().flatten().clone() for c in actor.engine.chunks for p in c.parameters()
+    return torch.cat([p.main_grad.detach().flatten().clone() for c in actor.model.chunks for p in c.parameters()
                       if p.requires_grad])
 
 
@@ -43,7 +43,7 @@ def _rank(rank, world, path):
     out = {}
     actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8, seed=1234)
     lp, _ = actor.compute_log_prob(batch)
-    local = actor.engine.dp_shard(batch.replace(old_log_probs=lp))
+    local = actor.model.dp_shard(batch.replace(old_log_probs=lp))
     out["m_recomputed"] = actor.forward_backward(local)
     out["g_recomputed"] = _grads(actor)
     spec = dataclasses.replace(actor.loss_spec, on_policy=True)

@@ -67,12 +67,12 @@ def _fused_rank(rank, world, path):
         if run == "loop":
             for g in groups:
                 g["fused"], g["foreach"] = False, False
-        out["start"] = torch.cat([p.detach().flatten() for c in a.engine.chunks for p in c.parameters()]).numpy().copy()
+        out["start"] = torch.cat([p.detach().flatten() for c in a.model.chunks for p in c.parameters()]).numpy().copy()
         for i in range(3):
             a.update_policy(grouped_batch())
             if i == 0:
-                out[f"{run}_1"] = torch.cat([p.detach().flatten() for c in a.engine.chunks for p in c.parameters()]).numpy()
-        out[run] = torch.cat([p.detach().flatten() for c in a.engine.chunks for p in c.parameters()]).numpy()
+                out[f"{run}_1"] = torch.cat([p.detach().flatten() for c in a.model.chunks for p in c.parameters()]).numpy()
+        out[run] = torch.cat([p.detach().flatten() for c in a.model.chunks for p in c.parameters()]).numpy()
         del a
     return out
 

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.timeout(900)]
 def _state(actor_like) -> list[torch.Tensor]:
     from mrl.workers.offload import _tensors
 
-    return [t.detach().clone() for t in _tensors(actor_like.engine, actor_like.optimizer)]
+    return [t.detach().clone() for t in _tensors(actor_like.model, actor_like.optimizer)]
 
 
 def _rank(rank, world, path):
@@ -62,7 +62,7 @@ def _rank(rank, world, path):
     out["lp_before_offload"] = actor.compute_log_prob(batch)[0]
     before = _state(actor)
     actor.offload(force=True)
-    freed = all(t.untyped_storage().nbytes() == 0 for t in actor.engine.chunks[0].parameters())
+    freed = all(t.untyped_storage().nbytes() == 0 for t in actor.model.chunks[0].parameters())
     actor.onload()
     after = _state(actor)
     out["offload_freed"] = freed

@@ -181,7 +181,7 @@ def _offload_rank(rank, world, path):
     w = RewardModelWorker(path, ParallelConfig(), micro_batch_size=4, seed=1234)
     before = w.compute_rm_score(ragged_batch())
     w.offload(force=True)  # CPU: forced, so the storages really are freed and restored
-    freed = all(p.untyped_storage().nbytes() == 0 for c in w.engine.chunks for p in c.parameters())
+    freed = all(p.untyped_storage().nbytes() == 0 for c in w.model.chunks for p in c.parameters())
     w.onload()
     return before, freed, w.compute_rm_score(ragged_batch())
 

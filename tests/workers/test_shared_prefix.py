@@ -100,7 +100,7 @@ def _rank(rank, world, path):
         )
         actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=16, temperature=TEMPERATURE,
                             max_response_length=16, seed=1234)
-        e = actor.engine
+        e = actor.model
         keep = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
         lp, ent = actor.compute_log_prob(batch)
         local = e.dp_shard(batch)

@@ -128,7 +128,7 @@ def test_agent_loop_bodies_are_valid_sglang_requests():
     from mrl.agent.template import tool_segment_ids
     from mrl.agent.tools import load_tools
     from mrl.config.agent import AgentConfig
-    from mrl.quickstart_agent import CHAT_TEMPLATE
+    from mrl.quickstarts.agent import CHAT_TEMPLATE
     from tests.helpers.tiny_tokenizer import build_tokenizer
 
     tok = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), pad_token="<pad>", bos_token="<s>",

@@ -1,4 +1,4 @@
-"""``python -m mrl.quickstart_rm`` writes a one-label Qwen2 sequence classifier on the actor's
+"""``python -m mrl.quickstarts rm`` writes a one-label Qwen2 sequence classifier on the actor's
 warm-started body and tokenizer that prefers correct sums (its pairwise and top-1 accuracy, and its
 verifier probabilities, re-measured here on the reloaded checkpoint), keeps it when present, and ``mrl plan mrl_configs/quickstart_rm.yaml``
 accepts the written assets and shows the RM's devices and memory."""
@@ -10,17 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from mrl import quickstart as qs
-from mrl import quickstart_rm as qrm
+from mrl.quickstarts import base as qs
+from mrl.quickstarts import rm as qrm
+from mrl.quickstarts.cli import main as quickstarts_main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("qs") / "quickstart"
-    assert qrm.main(["--out", str(out)]) == 0
+    assert quickstarts_main(["rm", "--out", str(out)]) == 0
     return out
 
 

@@ -1,4 +1,4 @@
-"""What one trainer rank holds in the driver: the actor, its colocated reference and critic, the weight sender.
+"""What one trainer rank holds (in its Ray rank process): the actor, its colocated reference and critic, the weight sender.
 
 Constructed inside a Ray rank actor (``mrl.cluster.WorkerGroup``) after RANK/WORLD_SIZE/... are
 set; every method is called on all ranks with the same full batch and returns identical results.
@@ -53,15 +53,15 @@ class TrainRank:
         )
         # Snapshot of the start weights, before any update (verl's ref = initial policy).
         self.ref = ColocatedReference(self.actor) if cfg.ref_enabled else None
-        self.critic = _build_critic(cfg, plan, self.actor.engine.device.type) if plan.critic else None
+        self.critic = _build_critic(cfg, plan, self.actor.model.device.type) if plan.critic else None
         self.rm = None
         if cfg.reward_model.enable and cfg.reward_model.placement == "colocated":  # the actor's ranks and
-            # Megatron groups; a separate RM has ranks of its own (mrl/driver/rm_rank.py)
+            # Megatron groups; a separate RM has ranks of its own (mrl/workers/rm_rank.py)
             from mrl.workers.reward_model import RewardModelWorker
 
             self.rm = RewardModelWorker(cfg.reward_model.model.path, cfg.actor.megatron, init_parallel=False,
                                         micro_batch_size=cfg.reward_model.micro_batch_size_per_gpu,
-                                        device=self.actor.engine.device.type, seed=cfg.trainer.seed,
+                                        device=self.actor.model.device.type, seed=cfg.trainer.seed,
                                         dtype=torch_dtype(plan.dtype))
             if cfg.reward_model.offload:  # on the device only during phase rm_score
                 self.rm.offload()

@@ -1,6 +1,6 @@
-"""The MoE quickstart's assets, locally: ``python -m mrl.quickstart_moe --out outputs/quickstart_moe``.
+"""The MoE quickstart's assets, locally: ``python -m mrl.quickstarts moe --out outputs/quickstart_moe``.
 
-The quickstart's task, tokenizer, data and warm start (:mod:`mrl.quickstart`) with a tiny
+The quickstart's task, tokenizer, data and warm start (:mod:`mrl.quickstarts.base`) with a tiny
 **Qwen3-MoE**-shaped model instead of the dense Qwen2 (``<out>/tiny-qwen3-moe/``): hidden 64,
 4 layers, 4 heads / 2 KV heads (head_dim 16, q/k norm), **8 experts of width 128, top-2 routing with
 normalised top-k probabilities**, untied embeddings, vocab 300 (0.88M parameters, 0.29M active per
@@ -9,8 +9,8 @@ split over them (expert parallel 2) and routing replay on (docs/moe.md).
 """
 from __future__ import annotations
 
-from mrl.quickstart import QWEN2_SHAPE
-from mrl.quickstart import main as _main
+from mrl.quickstarts.base import QWEN2_SHAPE, _add_arguments, writer
+from mrl.quickstarts.cli import Demo
 
 MODEL_DIR = "tiny-qwen3-moe"
 QWEN3_MOE_SHAPE = {
@@ -27,11 +27,6 @@ def hf_config():
     return Qwen3MoeConfig(**QWEN3_MOE_SHAPE)
 
 
-def main(argv: list[str] | None = None) -> int:
-    # Seed 1: its warm start lands at greedy accuracy 0.30 (seed 0 overshoots to 0.35 in the jump; 2, 3: 0.32, 0.34)
-    return _main(argv, prog="python -m mrl.quickstart_moe", default_out="outputs/quickstart_moe",
-                 description=__doc__.split("\n")[0], model_dir_name=MODEL_DIR, hf_config=hf_config(), default_seed=1)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+# Seed 1: its warm start lands at greedy accuracy 0.30 (seed 0 overshoots to 0.35 in the jump; 2, 3: 0.32, 0.34)
+DEMO = Demo("moe", "the MoE quickstart: a tiny Qwen3-MoE on the quickstart's task", "outputs/quickstart_moe", 1, _add_arguments,
+            writer(MODEL_DIR, hf_config))

@@ -1,8 +1,8 @@
-"""The quickstart's reward model, written locally with no download: ``python -m mrl.quickstart_rm --out outputs/quickstart``.
+"""The quickstart's reward model, written locally with no download: ``python -m mrl.quickstarts rm --out outputs/quickstart``.
 
 ``<out>/tiny-rm/``: a ``Qwen2ForSequenceClassification`` (num_labels=1) for ``mrl_configs/quickstart_rm.yaml``,
 trained here in a few CPU-seconds to prefer correct sums. It starts from the quickstart actor's
-warm-started body (``<out>/tiny-qwen2``, written first by ``mrl.quickstart`` when missing) with a
+warm-started body (``<out>/tiny-qwen2``, written first by ``mrl.quickstarts.base`` when missing) with a
 zero score head, and shares its tokenizer, so the RM reads the actor's token ids as they are. Training
 has two phases on the 100 addition problems, with ``y = " <n></s>"`` as the actor answers and ``x`` the
 prompt's ids exactly as the dataset encodes them:
@@ -36,12 +36,18 @@ sees the policy learn the task from the RM).
 """
 from __future__ import annotations
 
-import argparse
 import random
 import shutil
 from pathlib import Path
 
-from mrl.quickstart import MAX_OPERAND, MODEL_DIR, QWEN2_SHAPE, problems, write_assets
+from mrl.quickstarts.base import (
+    MAX_OPERAND,
+    MODEL_DIR,
+    QWEN2_SHAPE,
+    problems,
+    write_assets,
+)
+from mrl.quickstarts.cli import Demo, UsageError
 
 RM_DIR = "tiny-rm"
 RM_LR, RM_BATCH, RM_MAX_STEPS, RM_TARGET, RM_CHECK = 1e-3, 64, 600, 0.97, 25
@@ -206,25 +212,20 @@ def write_rm(out: str | Path, *, seed: int = 0, force: bool = False,
     return status
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mrl.quickstart_rm", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="outputs/quickstart", help="output directory (default: outputs/quickstart)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the RM's training (and of missing quickstart assets)")
+def _add_arguments(p) -> None:
     p.add_argument("--max-steps", type=int, default=RM_MAX_STEPS,
                    help=f"most training steps; it stops once the pairwise accuracy reaches {RM_TARGET}")
     p.add_argument("--verifier-steps", type=int, default=LIST_STEPS,
                    help=f"steps of phase 2, the listwise + pointwise verifier loss (default {LIST_STEPS}; 0: none)")
-    p.add_argument("--force", action="store_true", help="rewrite the RM when present")
-    args = p.parse_args(argv)
+
+
+def _write(args) -> dict[str, str]:
     if args.max_steps < 1:
-        p.error("--max-steps must be >= 1")
+        raise UsageError("--max-steps must be >= 1")
     if args.verifier_steps < 0:
-        p.error("--verifier-steps must be >= 0")
-    for asset, what in write_rm(args.out, seed=args.seed, force=args.force, max_steps=args.max_steps,
-                                list_steps=args.verifier_steps).items():
-        print(f"{what}: {asset}" + ("  (present; --force rewrites it)" if what == "kept" else ""))
-    return 0
+        raise UsageError("--verifier-steps must be >= 0")
+    return write_rm(args.out, seed=args.seed, force=args.force, max_steps=args.max_steps,
+                    list_steps=args.verifier_steps)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+DEMO = Demo("rm", "the quickstart's reward model (a Qwen2 classifier on the actor's body)", "outputs/quickstart", 0, _add_arguments, _write)

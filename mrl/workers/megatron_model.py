@@ -61,7 +61,7 @@ class MicroBatch:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class MegatronEngine:
+class MegatronModel:
     """Megatron model chunks of one role on this rank and the schedule that drives them.
 
     Args:

@@ -1,4 +1,4 @@
-"""Write the quickstart's assets locally, with no download: ``python -m mrl.quickstart --out outputs/quickstart``.
+"""Write the quickstart's assets locally, with no download: ``python -m mrl.quickstarts base --out outputs/quickstart``.
 
 * ``<out>/tiny-qwen2/``: a tiny Qwen2-style HF checkpoint (vocab 300, hidden 64, intermediate
   128, 4 layers, 4 heads, 2 KV heads, tied embeddings, fp32) with a byte-level BPE tokenizer trained
@@ -23,12 +23,13 @@ warm start runs on one thread, with a seeded init and a seeded batch order). An 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+
+from mrl.quickstarts.cli import Demo
 
 VOCAB_SIZE = 300
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -157,7 +158,7 @@ def write_model(path: Path, seed: int, warm_start_steps: int = WARM_START_STEPS,
                 ) -> tuple[int, float] | None:
     """Tokenizer + tiny Qwen2 (HF init, seeded, then ``warm_start``) as safetensors in ``path``;
     returns ``warm_start``'s (steps, greedy accuracy), None without a warm start. ``hf_config``: another
-    architecture on the same tokenizer and task (the MoE quickstart's Qwen3-MoE, mrl/quickstart_moe.py)."""
+    architecture on the same tokenizer and task (the MoE quickstart's Qwen3-MoE, mrl/quickstarts/moe.py)."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -224,30 +225,27 @@ def write_assets(out: str | Path, *, seed: int = 0, n_val: int = MAX_OPERAND ** 
     return status
 
 
-def main(argv: list[str] | None = None, *, prog: str = "python -m mrl.quickstart", default_out: str = "outputs/quickstart",
-         description: str | None = None, model_dir_name: str = MODEL_DIR, hf_config=None, default_seed: int = 0) -> int:
-    """The CLI (also the MoE quickstart's, with its model: ``model_dir_name``/``hf_config``)."""
-    p = argparse.ArgumentParser(prog=prog, description=description or __doc__.split("\n")[0])
-    p.add_argument("--out", default=default_out, help=f"output directory (default: {default_out})")
-    p.add_argument("--seed", type=int, default=default_seed, help=f"seed of the weights and of the train/val split "
-                   f"(default {default_seed})")
+def _add_arguments(p) -> None:
     p.add_argument("--n-val", type=int, default=len(problems()),
                    help=f"validation prompts, taken from the {len(problems())} train problems (default: all)")
     p.add_argument("--warm-start-steps", type=int, default=WARM_START_STEPS,
                    help=f"most supervised warm-start steps; it stops once greedy accuracy reaches "
                         f"{WARM_START_TARGET} (default {WARM_START_STEPS}; 0: random weights)")
-    p.add_argument("--force", action="store_true", help="rewrite assets that are already present")
-    args = p.parse_args(argv)
-    if not 0 < args.n_val <= len(problems()):
-        p.error(f"--n-val must be in 1..{len(problems())}")
-    if args.warm_start_steps < 0:
-        p.error("--warm-start-steps must be >= 0")
-    for asset, what in write_assets(args.out, seed=args.seed, n_val=args.n_val, force=args.force,
-                                    warm_start_steps=args.warm_start_steps, model_dir_name=model_dir_name,
-                                    hf_config=hf_config).items():
-        print(f"{what}: {asset}" + ("  (present; --force rewrites it)" if what == "kept" else ""))
-    return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def writer(model_dir_name: str = MODEL_DIR, hf_config=None):
+    """``Demo.write`` for this task with a given model (the MoE demo passes its own)."""
+    def write(args) -> dict[str, str]:
+        from mrl.quickstarts.cli import UsageError
+
+        if not 0 < args.n_val <= len(problems()):
+            raise UsageError(f"--n-val must be in 1..{len(problems())}")
+        if args.warm_start_steps < 0:
+            raise UsageError("--warm-start-steps must be >= 0")
+        return write_assets(args.out, seed=args.seed, n_val=args.n_val, force=args.force,
+                            warm_start_steps=args.warm_start_steps, model_dir_name=model_dir_name,
+                            hf_config=hf_config() if callable(hf_config) else hf_config)
+    return write
+
+
+DEMO = Demo("base", "the quickstart: a tiny warm-started Qwen2 and single-digit addition data", "outputs/quickstart", 0, _add_arguments, writer())

@@ -1,4 +1,4 @@
-"""``python -m mrl.quickstart`` writes a loadable tiny Qwen2, warm-started to its target accuracy, a
+"""``python -m mrl.quickstarts base`` writes a loadable tiny Qwen2, warm-started to its target accuracy, a
 round-tripping tokenizer and arith data that ``mrl plan mrl_configs/quickstart.yaml`` accepts;
 deterministic and idempotent."""
 import hashlib
@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mrl import quickstart as qs
+from mrl.quickstarts import base as qs
+from mrl.quickstarts.cli import main as quickstarts_main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _digest(d: Path) -> dict[str, str]:
@@ -21,7 +22,7 @@ def _digest(d: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("qs") / "quickstart"
-    assert qs.main(["--out", str(out)]) == 0
+    assert quickstarts_main(["base", "--out", str(out)]) == 0
     return out
 
 
@@ -94,7 +95,7 @@ def test_deterministic_and_idempotent(assets, tmp_path, capsys):
     qs.write_assets(other)  # the warm start included: same seed, same bytes
     assert _digest(other) == _digest(assets)
     before = {p: p.stat().st_mtime_ns for p in other.rglob("*") if p.is_file()}
-    assert qs.main(["--out", str(other)]) == 0
+    assert quickstarts_main(["base", "--out", str(other)]) == 0
     assert "kept" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in other.rglob("*") if p.is_file()} == before
     qs.write_assets(other, seed=1, force=True, warm_start_steps=0)  # the seed alone changes the init

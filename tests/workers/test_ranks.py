@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import inspect
 
-from mrl.driver.rank import TrainRank
 from mrl.driver.ranks import TrainRanks
-from mrl.driver.rm_rank import RewardModelRank
 from mrl.driver.rm_ranks import RewardModelRanks, reward_scorer
+from mrl.workers.rank import TrainRank
+from mrl.workers.rm_rank import RewardModelRank
 
 
 def _public(cls) -> dict[str, inspect.Signature]:

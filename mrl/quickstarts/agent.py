@@ -1,5 +1,5 @@
 """Write the agent quickstart's assets locally, with no download:
-``python -m mrl.quickstart_agent --out outputs/quickstart_agent`` (docs/agent.md, "The CPU demo").
+``python -m mrl.quickstarts agent --out outputs/quickstart_agent`` (docs/agent.md, "The CPU demo").
 
 The task: ``what is 482 * 37 ?`` (a 3-digit times a 2-digit number). A 0.3M-parameter model cannot
 multiply in its head; with the ``calculator`` tool it only has to copy the operands into a call and
@@ -28,13 +28,14 @@ only the model's own tokens are supervised.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import re
 import shutil
 from pathlib import Path
 from typing import Any
+
+from mrl.quickstarts.cli import Demo, UsageError
 
 VOCAB_SIZE = 512
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -236,20 +237,15 @@ def write_assets(out: str | Path, *, seed: int = 0, force: bool = False,
     return status
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mrl.quickstart_agent", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="outputs/quickstart_agent")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warm-start-steps", type=int, default=WARM_START_STEPS)
-    p.add_argument("--force", action="store_true", help="rewrite assets that are already present")
-    args = p.parse_args(argv)
+def _add_arguments(p) -> None:
+    p.add_argument("--warm-start-steps", type=int, default=WARM_START_STEPS,
+                   help=f"supervised warm-start steps (default {WARM_START_STEPS}; 0: random weights)")
+
+
+def _write(args) -> dict[str, str]:
     if args.warm_start_steps < 0:
-        p.error("--warm-start-steps must be >= 0")
-    for asset, what in write_assets(args.out, seed=args.seed, force=args.force,
-                                    warm_start_steps=args.warm_start_steps).items():
-        print(f"{what}: {asset}")
-    return 0
+        raise UsageError("--warm-start-steps must be >= 0")
+    return write_assets(args.out, seed=args.seed, force=args.force, warm_start_steps=args.warm_start_steps)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+DEMO = Demo("agent", "the agent quickstart: a tiny Qwen2 with a chat template and a calculator task", "outputs/quickstart_agent", 0, _add_arguments, _write)

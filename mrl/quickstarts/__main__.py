@@ -1,0 +1,3 @@
+from mrl.quickstarts.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""``python -m mrl.quickstarts <demo> [--out DIR] [--seed N] [--force] [demo flags]``: the demos' one CLI.
+
+A demo module exposes ``DEMO``: its name, default output directory and seed, its own flags, and a
+``write(args)`` that writes what is missing (everything with ``--force``) and returns
+``{asset path: "written ..." | "kept"}``. A bad flag value raises :class:`UsageError`, which becomes
+argparse's usage error (exit 2, no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# demo name -> module; imported only when chosen (each pulls in torch/transformers)
+DEMOS = {"base": "mrl.quickstarts.base", "rm": "mrl.quickstarts.rm", "agent": "mrl.quickstarts.agent",
+         "moe": "mrl.quickstarts.moe"}
+
+
+class UsageError(ValueError):
+    """A flag value the demo cannot use; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class Demo:
+    name: str
+    summary: str
+    default_out: str
+    default_seed: int
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    write: Callable[[argparse.Namespace], dict[str, str]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mrl.quickstarts",
+                                description="Write a CPU demo's tiny model and data locally (no download).")
+    sub = p.add_subparsers(dest="demo", required=True, metavar="DEMO", help="one of: " + ", ".join(DEMOS))
+    demos, parsers = {}, {}
+    for name, module in DEMOS.items():
+        demo = demos[name] = importlib.import_module(module).DEMO  # stdlib-only at import: torch loads in write()
+        sp = parsers[name] = sub.add_parser(name, help=demo.summary, description=demo.summary)
+        sp.add_argument("--out", default=demo.default_out, help=f"output directory (default: {demo.default_out})")
+        sp.add_argument("--seed", type=int, default=demo.default_seed,
+                        help=f"seed of the weights and data (default {demo.default_seed})")
+        sp.add_argument("--force", action="store_true", help="rewrite assets that are already present")
+        demo.add_arguments(sp)
+    args = p.parse_args(argv)
+    try:
+        status = demos[args.demo].write(args)
+    except UsageError as e:
+        parsers[args.demo].error(str(e))
+    for asset, what in status.items():
+        print(f"{what}: {asset}" + ("  (present; --force rewrites it)" if what == "kept" else ""))
+    return 0
