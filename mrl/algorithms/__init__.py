@@ -22,6 +22,7 @@ from .advantages import (
 )
 from .agg_loss import LOSS_AGG_MODES, agg_loss, count_tokens_and_seqs
 from .dapo import informative_groups, overlong_penalty
+from .distill import distill_metrics, reverse_kl_reward, teacher_kl
 from .entropy import entropy_from_logits, entropy_from_logits_chunked
 from .kl import KL_PENALTY_NAMES, kl_penalty
 from .kl_control import (
@@ -78,6 +79,7 @@ __all__ = [
     "compute_value_loss",
     "count_tokens_and_seqs",
     "discounted_returns",
+    "distill_metrics",
     "entropy_from_logits",
     "entropy_from_logits_chunked",
     "explained_variance",
@@ -98,5 +100,7 @@ __all__ = [
     "register_adv_estimator",
     "register_policy_loss",
     "repr_align_bonus",
+    "reverse_kl_reward",
     "schedule_weight",
+    "teacher_kl",
 ]

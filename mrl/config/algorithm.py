@@ -128,6 +128,27 @@ class RolloutCorrectionConfig(Section):
         return self
 
 
+class DistillConfig(Section):
+    """On-policy distillation from ``teacher`` (docs/distillation.md). With ``d_t = log π_student(a_t|s_t) −
+    log π_teacher(a_t|s_t)`` on the student's own sampled tokens:
+
+    * ``reverse_kl_reward``: per-token reward ``r_t += −coef · d_t`` (with π_student = π_old), added to the task
+      reward before the advantage estimator (GRPO sums it per sequence, REINFORCE++ discounts it per token);
+      ``E_π[d_t]`` is the reverse KL(π_student ‖ π_teacher), so maximising the reward minimises it.
+    * ``kl_loss``: ``L += coef · agg(KL_estimator(log π_θ, log π_teacher))`` in the actor loss, next to PG and
+      the reference KL (estimator k1|k2|k3 as ``actor.kl_loss_type``)."""
+
+    mode: Literal["none", "reverse_kl_reward", "kl_loss"] = Field(
+        "none", description="none | reverse_kl_reward (dense reward -coef*(log pi_student - log pi_teacher)) | "
+        "kl_loss (coef * KL(pi_theta || pi_teacher) in the actor loss); needs teacher.enable.")
+    coef: float = Field(1.0, gt=0, description="Weight of the distillation reward or loss term.")
+    estimator: KLType = Field("low_var_kl", description="kl_loss's KL estimator: kl(k1)|abs|mse(k2)|low_var_kl(k3), "
+                              "'+' = straight-through k2 gradient (reverse_kl_reward always uses k1, d_t itself).")
+    task_reward_coef: float = Field(1.0, ge=0, description="Weight of the task reward (reward.function / reward model) in "
+                                    "training while distilling; 0 = pure distillation. Validation always reports the "
+                                    "task reward itself.")
+
+
 class AlgorithmConfig(Section):
     """Advantage estimation and reward-side KL (verl ``algorithm``)."""
 
@@ -147,3 +168,4 @@ class AlgorithmConfig(Section):
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig, description="DAPO dynamic sampling.")
     rollout_correction: RolloutCorrectionConfig = Field(
         default_factory=RolloutCorrectionConfig, description="Engine/trainer mismatch correction (verl rollout_corr).")
+    distill: DistillConfig = Field(default_factory=DistillConfig, description="On-policy distillation from the teacher.")

@@ -176,9 +176,9 @@ def check_data_files(cfg: MRLConfig, *, require_present: bool) -> DataCheck:
 
 
 def _fix(key: str, path: str) -> str:
-    for name in ("quickstart_agent", "quickstart"):
+    for name, demo in (("quickstart_agent", "agent"), ("quickstart_moe", "moe"), ("quickstart", "base")):
         if f"outputs/{name}/" in path:
-            return (f"write the quickstart's assets first (`make train` does, or `python -m mrl.{name} --out "
-                    f"outputs/{name}`)")
+            return (f"write the quickstart's assets first (`make train` does, or `python -m mrl.quickstarts {demo} "
+                    f"--out outputs/{name}`)")
     kind = "parquet (e.g. pandas.DataFrame.to_parquet)" if path.endswith(".parquet") else "JSON lines, one object per row"
     return f"point {key} at a {kind} file with at least one prompt row"

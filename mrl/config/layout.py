@@ -2,8 +2,8 @@
 
 Devices are numbered globally ``0 .. nnodes * n_gpus_per_node - 1`` (node = index // n_gpus_per_node).
 The actor takes every device not claimed by a ``separate`` role; colocated roles (reference,
-critic, engines, reward model) share the actor's devices and run in turn (verl hybrid engine).
-Separate roles are laid out after the actor in the order reference, critic, rollout, reward model:
+critic, engines, reward model, teacher) share the actor's devices and run in turn (verl hybrid engine).
+Separate roles are laid out after the actor in the order reference, critic, rollout, reward model, teacher:
 
     devices = nnodes * n_gpus_per_node = actor + Σ separate roles
     e.g. 4 = actor 2 [0-1] + reward_model.num_devices 2 [2-3]
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from mrl.config.parallel import ParallelConfig
 from mrl.config.reward_model import reward_model_parallel
 from mrl.config.root import MRLConfig
+from mrl.config.teacher import teacher_parallel
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ def separate_devices(cfg: MRLConfig) -> dict[str, int]:
         out["rollout"] = (cfg.rollout.num_engines or 0) * cfg.rollout.engine_tp_size
     if cfg.reward_model.enable and cfg.reward_model.placement == "separate":
         out["reward_model"] = cfg.reward_model.num_devices or 0
+    if cfg.teacher.enable and cfg.teacher.placement == "separate":
+        out["teacher"] = cfg.teacher.num_devices or 0
     return out
 
 
@@ -75,7 +78,7 @@ def num_engines(cfg: MRLConfig, actor_devices: int) -> int:
 
 
 def compute_layout(cfg: MRLConfig) -> dict[str, RoleLayout]:
-    """Role -> RoleLayout for actor, ref (if enabled), critic (if enabled), rollout and reward_model (if enabled)."""
+    """Role -> RoleLayout for actor, ref, critic, rollout, reward_model and teacher (each if enabled)."""
     world = cfg.cluster.world_size
     sep = separate_devices(cfg)
     actor_n = max(world - sum(sep.values()), 0)
@@ -84,9 +87,9 @@ def compute_layout(cfg: MRLConfig) -> dict[str, RoleLayout]:
     # A colocated reference runs in the actor's model chunks (mrl/workers/reference.py): the actor's layout.
     ref_par = cfg.ref.megatron if cfg.ref.placement == "separate" else cfg.actor.megatron
     for name, par in (("ref", ref_par), ("critic", cfg.critic.megatron), ("rollout", None),
-                      ("reward_model", reward_model_parallel(cfg))):
+                      ("reward_model", reward_model_parallel(cfg)), ("teacher", teacher_parallel(cfg))):
         enabled = {"ref": cfg.ref_enabled, "critic": cfg.critic_enabled, "rollout": True,
-                   "reward_model": cfg.reward_model.enable}[name]
+                   "reward_model": cfg.reward_model.enable, "teacher": cfg.teacher.enable}[name]
         if not enabled:
             continue
         if name in sep:

@@ -178,7 +178,23 @@ def build_plan(cfg: MRLConfig) -> Plan:
                                                c.use_distributed_optimizer, div, value_head=True)
     plan.memory["rollout"] = RoleMemory(weights=int(plan.param_count * itemsize(dt) / cfg.rollout.engine_tp_size))
     _reward_model(cfg, plan)
+    _teacher(cfg, plan)
     return plan
+
+
+def _teacher(cfg: MRLConfig, plan: Plan) -> None:
+    """The teacher's frozen weights per device at its layout (the actor's when colocated, on the actor's devices;
+    teacher.megatron on its own when separate) in model.dtype; no estimate when its config.json is absent."""
+    lay = plan.roles.get("teacher")
+    if lay is None or not cfg.teacher.path:
+        return
+    try:
+        shape = read_model_shape(cfg.teacher.path)
+    except ValueError:
+        return  # check_teacher reported it
+    if shape is not None:
+        plan.memory["teacher"] = RoleMemory(weights=params_per_device(
+            shape, lay.parallel, cfg.model.make_vocab_size_divisible_by) * itemsize(plan_dtype(cfg)))
 
 
 def _reward_model(cfg: MRLConfig, plan: Plan) -> None:

@@ -45,6 +45,10 @@ def check_checkpoints(cfg: MRLConfig, errors: list[str], notes: list[str], *, st
                                   need_tokenizer=rm.model.input_tokenizer is not None)
         errors += e
         notes += n
+    if cfg.teacher.enable and cfg.teacher.path:  # its vocabulary against the student's: validate_teacher.py
+        e, n = model_dir_problems("teacher.path", cfg.teacher.path, strict=strict)
+        errors += e
+        notes += n
 
 
 def _load_tokenizer(key: str, path: str, trust_remote_code: bool) -> str | None:
@@ -73,6 +77,12 @@ def train_preflight(cfg: MRLConfig) -> list[str]:
     rm = cfg.reward_model
     if rm.enable and rm.model.path and rm.model.input_tokenizer is not None:
         err = _load_tokenizer("reward_model.model.path", rm.model.path, cfg.model.trust_remote_code)
+        if err:
+            errors.append(err)
+    if cfg.teacher.enable and cfg.teacher.path and cfg.model.path:
+        from mrl.config.validate_teacher import tokenizer_mismatch
+
+        err = tokenizer_mismatch(cfg.model.path, cfg.teacher.path, cfg.model.trust_remote_code)
         if err:
             errors.append(err)
     return errors

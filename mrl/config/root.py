@@ -15,6 +15,7 @@ from mrl.config.ref import RefConfig
 from mrl.config.reward import RewardConfig
 from mrl.config.reward_model import RewardModelConfig
 from mrl.config.rollout import RolloutConfig
+from mrl.config.teacher import TeacherConfig
 from mrl.config.trainer import TrainerConfig
 
 
@@ -30,6 +31,7 @@ class MRLConfig(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="Advantages, KL control, reward shaping.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function.")
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="Model-based reward (phase rm_score).")
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig, description="Frozen teacher of on-policy distillation.")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt datasets and batch size.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Run length, checkpoints, logging.")
     agent: AgentConfig = Field(default_factory=AgentConfig, description="Multi-turn, tool-calling rollouts (docs/agent.md).")

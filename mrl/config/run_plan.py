@@ -46,6 +46,7 @@ class RunPlan:
     layout: dict[str, RoleLayout]  # role -> devices (mrl.config.layout)
     trainer_ranks: int  # Ray rank actors of the actor (and its colocated ref/critic/RM)
     reward_model_ranks: int  # Ray rank actors of a separate reward model (its own group); 0 = none or colocated
+    teacher_ranks: int  # Ray rank actors of a separate teacher (its own group); 0 = none or colocated
     gen_batch_size: int  # prompts per generation round (DAPO's data.gen_batch_size when filtering)
     actor: UpdatePlan
     critic: UpdatePlan | None  # None without a critic
@@ -76,6 +77,8 @@ def on_policy_blockers(cfg: MRLConfig) -> list[str]:
         out.append("algorithm.use_kl_in_reward=true (reads log pi_old before the update)")
     if cfg.repr_align_enabled:
         out.append("algorithm.repr_align (its gate reads the old policy's entropy before the update)")
+    if al.distill.mode == "reverse_kl_reward":
+        out.append("algorithm.distill.mode=reverse_kl_reward (its reward reads log pi_old before the update)")
     if al.rollout_correction.enabled:
         out.append("algorithm.rollout_correction (its weights and rejection mask read log pi_old before the update)")
     if cfg.trainer.async_training.max_staleness:
@@ -117,7 +120,7 @@ def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
     a, c, d = cfg.actor, cfg.critic, cfg.data
     layout = compute_layout(cfg)
     transport, shared_prefix = resolve_transport(cfg, device), resolve_shared_prefix(cfg, device)
-    rm = layout.get("reward_model")
+    rm, teacher = layout.get("reward_model"), layout.get("teacher")
     critic = None
     if cfg.critic_enabled:
         critic = update_plan(cfg, c.ppo_mini_batch_size or a.ppo_mini_batch_size, c.ppo_epochs or a.ppo_epochs)
@@ -127,6 +130,7 @@ def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
         layout=layout,
         trainer_ranks=layout["actor"].count,
         reward_model_ranks=rm.count if rm is not None and not rm.colocated else 0,
+        teacher_ranks=teacher.count if teacher is not None and not teacher.colocated else 0,
         gen_batch_size=(d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable
         else d.train_batch_size,
         actor=update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs),

@@ -24,6 +24,8 @@ from mrl.config.reward_model import check_reward_model
 from mrl.config.root import MRLConfig
 from mrl.config.run_plan import on_policy_blockers
 from mrl.config.validate_moe import check_moe
+from mrl.config.validate_parallel import check_model_fits, check_parallel
+from mrl.config.validate_teacher import check_teacher
 from mrl.net import is_loopback
 
 _GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk"}
@@ -85,59 +87,6 @@ def _check_role_batches(role: str, mini: int, micro: int | None, dynamic: bool, 
         errors.append(
             f"{role}.ppo_micro_batch_size_per_gpu={micro} does not divide the {per_rank} samples each DP rank gets per "
             f"mini-batch; fix: choose a divisor of {per_rank}"
-        )
-
-
-def _check_parallel(role: str, par: ParallelConfig, lay: RoleLayout, cfg: MRLConfig,
-                    shape: ModelShape | None, errors: list[str]) -> None:
-    mp = par.model_parallel_size
-    key = f"{role}.megatron"
-    if lay.count and lay.count % mp:
-        errors.append(
-            f"{key}: TP*PP*CP = {par.tensor_model_parallel_size}*{par.pipeline_model_parallel_size}*"
-            f"{par.context_parallel_size} = {mp} does not divide the {lay.count} devices of the {role}; "
-            f"fix: change {key}.tensor_model_parallel_size/pipeline_model_parallel_size/context_parallel_size"
-        )
-    tp, pp, vpp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
-    if par.sequence_parallel and tp == 1:
-        errors.append(f"{key}.sequence_parallel=true needs tensor_model_parallel_size > 1; fix: set {key}.sequence_parallel=false")
-    if vpp is not None and pp == 1:
-        errors.append(f"{key}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1; fix: set it to null")
-    if cfg.cluster.device != "cpu" and tp > cfg.cluster.n_gpus_per_node:
-        errors.append(
-            f"{key}.tensor_model_parallel_size={tp} spans nodes (cluster.n_gpus_per_node={cfg.cluster.n_gpus_per_node}); "
-            "fix: keep TP within a node and use pipeline_model_parallel_size across nodes"
-        )
-    if shape is not None:
-        _check_model_fits(key, par, shape, f"{cfg.model.path}/config.json", errors)
-
-
-def _check_model_fits(key: str, par: ParallelConfig, shape: ModelShape, source: str, errors: list[str]) -> None:
-    """``par`` (the layout at ``key``) shards the model of ``source`` (its config.json): heads by TP, layers by PP."""
-    tp, pp, vpp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
-    if shape.num_heads % tp:
-        errors.append(
-            f"{key}.tensor_model_parallel_size={tp} does not divide the model's {shape.num_heads} attention heads "
-            f"({source} num_attention_heads); fix: choose a TP that divides {shape.num_heads}"
-        )
-    if shape.num_kv_heads % tp:
-        errors.append(
-            f"{key}.tensor_model_parallel_size={tp} does not divide the model's {shape.num_kv_heads} KV heads "
-            f"({source} num_key_value_heads); fix: choose a TP that divides {shape.num_kv_heads}"
-        )
-    stages = pp * (vpp or 1)
-    if shape.num_layers % stages:
-        errors.append(
-            f"{key}: the {shape.num_layers} layers ({source} num_hidden_layers) are not divisible by "
-            "pipeline_model_parallel_size*virtual_pipeline_model_parallel_size "
-            f"= {stages}; fix: choose PP (x VPP) dividing {shape.num_layers}"
-        )
-    ep = par.expert_model_parallel_size
-    if ep > 1 and (not shape.num_experts or shape.num_experts % ep):
-        experts = f"{shape.num_experts} experts" if shape.num_experts else "no experts (dense)"
-        errors.append(
-            f"{key}.expert_model_parallel_size={ep} must divide the model's number of experts, but it has {experts}; "
-            f"fix: set {key}.expert_model_parallel_size=1 for dense models or a divisor of the expert count"
         )
 
 
@@ -567,14 +516,14 @@ def _check_reward_model_layout(cfg: MRLConfig, roles: dict[str, RoleLayout], act
                               "reward_model.megatron.tensor_model_parallel_size/pipeline_model_parallel_size (their "
                               f"product dividing {lay.count}), or reward_model.num_devices to a multiple of {mp}")
         else:
-            _check_parallel("reward_model", lay.parallel, lay, cfg, None, errors)
+            check_parallel("reward_model", lay.parallel, lay, cfg, None, errors)
     try:
         shape = read_model_shape(rm.model.path)
     except ValueError:
         return  # check_reward_model names the unreadable config.json
     if shape is not None and (separate or shape != actor_shape):  # an equal shape: the actor's check said it
         # a colocated RM runs at the actor's layout: the key to change is actor.megatron's (or go separate)
-        _check_model_fits(key, lay.parallel, shape, f"the reward model's {rm.model.path}/config.json", errors)
+        check_model_fits(key, lay.parallel, shape, f"the reward model's {rm.model.path}/config.json", errors)
 
 
 def missing_inputs(cfg: MRLConfig) -> list[str]:
@@ -618,9 +567,10 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     _check_placement(cfg, roles, shape, errors)
     for role in ("actor", "ref", "critic"):
         if role in roles and roles[role].count > 0:
-            _check_parallel(role, roles[role].parallel, roles[role], cfg, shape, errors)
+            check_parallel(role, roles[role].parallel, roles[role], cfg, shape, errors)
     _check_reward_model_layout(cfg, roles, shape, errors)
     check_moe(cfg, roles, shape, errors)
+    check_teacher(cfg, roles, shape, errors, notes)
     if roles["actor"].count > 0:
         _check_batches(cfg, roles["actor"], errors)
     if "critic" in roles and roles["critic"].count > 0:

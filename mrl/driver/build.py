@@ -107,6 +107,7 @@ class Services:
     client: RolloutClient | None = None
     workers: WorkerGroup | None = None
     rm_workers: WorkerGroup | None = None  # reward_model.placement=separate: the RM's own ranks (driver/rm_ranks.py)
+    teacher_workers: WorkerGroup | None = None  # teacher.placement=separate: its own ranks (driver/teacher_ranks.py)
     plan: RunPlan | None = None  # set once Ray shows its devices
     rm_inputs: RewardModelInputs | None = None  # reward_model.enable: the batch the RM scores (driver/rm_reward.py)
 
@@ -123,6 +124,7 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
     from mrl.driver.rm_ranks import start_reward_model_group
     from mrl.driver.rm_reward import RewardModelInputs
     from mrl.driver.state import read_trainer_state
+    from mrl.driver.teacher_ranks import start_teacher_group
     from mrl.observability.tracking import Tracking
     from mrl.rewards import RewardManager
     from mrl.rollout import (
@@ -155,7 +157,7 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
     try:
         r = cfg.rollout
         cpu_plan = plan_run(cfg, "cpu")  # the layout does not depend on the device
-        world = cpu_plan.trainer_ranks + cpu_plan.reward_model_ranks  # one CPU per rank of either group
+        world = cpu_plan.trainer_ranks + cpu_plan.reward_model_ranks + cpu_plan.teacher_ranks  # a CPU per rank
         extra_cpus = r.num_engines if r.placement == "separate" and r.num_engines else 0
         init_ray(cfg.cluster.address, cfg.cluster.cpus_per_node or max(os.cpu_count() or 1, world) + extra_cpus)
         _trap_sigterm()  # again: ray.init installed its own handler, which aborts
@@ -171,12 +173,14 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
                                 world_size=plan.trainer_ranks, device=plan.device,
                                 extra_env={"OMP_NUM_THREADS": "1"}, wait=False)
         s.rm_workers = start_reward_model_group(cfg, plan)  # a separate RM: its own ranks, world and layout
+        s.teacher_workers = start_teacher_group(cfg, plan)  # a separate teacher: likewise
         # Engines start on the ranks' nodes (colocated: in their ranks' placement bundles) and load
         # while the ranks build their models.
         s.engines = EngineSet(cfg, plan, s.workers)
         s.workers.wait_constructed()
-        if s.rm_workers is not None:
-            s.rm_workers.wait_constructed()
+        for group in (s.rm_workers, s.teacher_workers):
+            if group is not None:
+                group.wait_constructed()
         s.engines.wait_healthy()
         # A dead engine is restarted by the pool; it is brought back to the current weights from
         # disk when a snapshot exists (rollout.weight_sync.snapshot_dir, or the disk transport's dir),
@@ -251,6 +255,7 @@ def _teardown(s: Services, status: str) -> None:
         lambda: [log.warning("could not stop %s", err) for err in (s.engines.stop() if s.engines else [])],
         lambda: s.workers and s.workers.close("close", timeout_s=30.0),
         lambda: s.rm_workers and s.rm_workers.close("close", timeout_s=30.0),
+        lambda: s.teacher_workers and s.teacher_workers.close("close", timeout_s=30.0),
         lambda: s.reward.close(),
         ray.shutdown,
     ):

@@ -56,6 +56,9 @@ class TrainRanks:
     def compute_rm_score(self, batch: TrainBatch) -> torch.Tensor:
         return self._first("compute_rm_score", batch)
 
+    def compute_teacher_log_prob(self, batch: TrainBatch) -> torch.Tensor:
+        return self._first("compute_teacher_log_prob", batch)
+
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         return self._first("compute_values", batch)
 

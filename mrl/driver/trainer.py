@@ -1,7 +1,7 @@
 """The RL loop (ARCHITECTURE.md, "One step"; verl's GRPO/PPO data flow): build once, then ``step()``
 as named phases: generate -> reward (-> sample dump, trainer.rollout_data_dir) (-> greedy baseline for
 ReMax) (-> engines release their memory, rollout.free_cache_engine) -> old_log_prob -> ref_log_prob
--> values (PPO) -> KL in reward -> reward shaping (docs/driver.md, "Reward shaping": ref_reward_blend, repr_align) -> advantages
+-> teacher_log_prob (distillation) -> values (PPO) -> KL in reward (-> distillation reward) -> reward shaping (docs/driver.md, "Reward shaping": ref_reward_blend, repr_align) -> advantages
 -> update_critic (PPO) -> update_actor (after trainer.critic_warmup) -> sync_weights -> validate / checkpoint / log.
 """
 from __future__ import annotations
@@ -15,10 +15,12 @@ import torch
 
 from mrl.algorithms import (
     apply_kl_penalty,
+    distill_metrics,
     get_adv_estimator,
     get_kl_controller,
     informative_groups,
     overlong_penalty,
+    reverse_kl_reward,
 )
 from mrl.config import MRLConfig
 from mrl.data.sampler import get_sampler_cls
@@ -55,6 +57,7 @@ from mrl.driver.state import (
     step_dir,
     write_trainer_state,
 )
+from mrl.driver.teacher_ranks import TeacherRanks, teacher_scorer
 from mrl.driver.validation import run_validation
 from mrl.observability.data_metrics import (
     compute_data_metrics,
@@ -105,6 +108,7 @@ class RLTrainer:
         self.cfg, self.s = cfg, services
         self.ranks = TrainRanks(services.workers)  # typed calls to every trainer rank
         self.rm = reward_scorer(services.rm_workers, self.ranks)  # phase rm_score: trainer ranks or the RM's own
+        self.teacher = teacher_scorer(services.teacher_workers, self.ranks)  # phase teacher_log_prob: likewise
         self.rollout = RolloutController(services.pool, services.client, self.ranks,
                                          startup_timeout_s=cfg.rollout.engine_startup_timeout_s,
                                          log_dir=services.log_dir)
@@ -157,10 +161,15 @@ class RLTrainer:
             if self.cfg.ref_enabled:
                 with timer("ref", m):
                     self.ref_log_prob(d)
+            if self.cfg.teacher.enable:
+                with timer("teacher", m):
+                    self.teacher_log_prob(d)
             if self.cfg.critic_enabled:
                 with timer("values", m):
                     self.values(d)
             self.kl_in_reward(d, m)
+            if self.cfg.algorithm.distill.mode != "none":
+                self.distill_reward(d)
             if self.cfg.algorithm.ref_reward_blend.enable or self.cfg.repr_align_enabled:
                 with timer("reward_shaping", m):
                     self.shape_rewards(d, m)
@@ -186,6 +195,8 @@ class RLTrainer:
                                   returns=d.batch.returns, values=d.batch.values,
                                   max_response_length=self.cfg.rollout.max_response_length)
         m |= compute_throughput_metrics(m, int(d.batch.attention_mask.sum()), self.cfg.cluster.world_size)
+        if d.batch.teacher_log_prob is not None:
+            m |= distill_metrics(d.batch.old_log_probs, d.batch.teacher_log_prob, d.batch.response_mask)
         m["actor/entropy_old"] = float((d.entropys * d.batch.response_mask).sum() / d.batch.response_mask.sum().clamp(min=1))
         m["rollout/weight_version"] = float(self.weight_version)  # pushed after this step's update
         m["rollout/engine_weight_version"] = float(self.engine_weight_version)  # what generated this step
@@ -363,6 +374,21 @@ class RLTrainer:
     def ref_log_prob(self, d: StepData) -> None:
         d.batch = d.batch.replace(ref_log_prob=self.ranks.compute_ref_log_prob(d.batch))
 
+    def teacher_log_prob(self, d: StepData) -> None:
+        """log π_teacher [B, R] of the sampled tokens (on-policy distillation, docs/distillation.md); distill/* are
+        logged at the end of the step, against log π_old (which the on-policy shortcut computes in the update)."""
+        d.batch = d.batch.replace(teacher_log_prob=self.teacher.compute_teacher_log_prob(d.batch))
+
+    def distill_reward(self, d: StepData) -> None:
+        """Distilling: r_t ← task_reward_coef·r_t, and with mode=reverse_kl_reward r_t −= coef·(log π_old − log π_teacher);
+        after KL-in-reward, before shaping and the advantage estimator (mrl/algorithms/distill.py)."""
+        dist = self.cfg.algorithm.distill
+        if dist.task_reward_coef != 1.0:
+            d.token_level_rewards = dist.task_reward_coef * d.token_level_rewards
+        if dist.mode == "reverse_kl_reward":
+            d.token_level_rewards = d.token_level_rewards + reverse_kl_reward(
+                d.batch.old_log_probs, d.batch.teacher_log_prob, d.batch.response_mask, dist.coef)
+
     def values(self, d: StepData) -> None:
         """V_old(s_t) [B, R] from the critic (0 outside the response mask): GAE's baseline and the
         clipping centre of the value loss."""
@@ -526,7 +552,8 @@ class RLTrainer:
         total = self.total_steps()
         # verl: val_before_train validates whatever test_freq says; val_only then stops (nothing trained)
         fallbacks = summary_line(self.ranks.fallbacks()
-                                 + (self.rm.fallbacks() if isinstance(self.rm, RewardModelRanks) else []))
+                                 + (self.rm.fallbacks() if isinstance(self.rm, RewardModelRanks) else [])
+                                 + (self.teacher.fallbacks() if isinstance(self.teacher, TeacherRanks) else []))
         if fallbacks:
             log.info("%s", fallbacks)
         progress, curves = Progress(total, start_step=self.global_step), Curves()

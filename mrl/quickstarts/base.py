@@ -101,8 +101,8 @@ def greedy_accuracy(model, tokenizer) -> float:
     return sum(arith(r, a) for r, (_, a) in zip(answers, rows, strict=True)) / len(rows)
 
 
-def warm_start(model, tokenizer, seed: int, max_steps: int) -> tuple[int, float]:
-    """Supervised warm start in place, until ``greedy_accuracy >= WARM_START_TARGET`` (checked every
+def warm_start(model, tokenizer, seed: int, max_steps: int, goal: float = WARM_START_TARGET) -> tuple[int, float]:
+    """Supervised warm start in place, until ``greedy_accuracy >= goal`` (checked every
     ``WARM_START_CHECK`` steps, every step above ``WARM_START_NEAR``) or ``max_steps``; returns (steps
     taken, greedy accuracy).
 
@@ -128,7 +128,7 @@ def warm_start(model, tokenizer, seed: int, max_steps: int) -> tuple[int, float]
     torch.set_num_threads(1)
     step, acc = 0, 0.0
     try:
-        while step < max_steps and acc < WARM_START_TARGET:
+        while step < max_steps and acc < goal:
             model.train()
             for _ in range(min(WARM_START_CHECK if acc < WARM_START_NEAR else 1, max_steps - step)):
                 seqs, starts = [], []
@@ -154,11 +154,12 @@ def warm_start(model, tokenizer, seed: int, max_steps: int) -> tuple[int, float]
     return step, acc
 
 
-def write_model(path: Path, seed: int, warm_start_steps: int = WARM_START_STEPS, hf_config=None
-                ) -> tuple[int, float] | None:
+def write_model(path: Path, seed: int, warm_start_steps: int = WARM_START_STEPS, hf_config=None,
+                target: float = WARM_START_TARGET) -> tuple[int, float] | None:
     """Tokenizer + tiny Qwen2 (HF init, seeded, then ``warm_start``) as safetensors in ``path``;
     returns ``warm_start``'s (steps, greedy accuracy), None without a warm start. ``hf_config``: another
-    architecture on the same tokenizer and task (the MoE quickstart's Qwen3-MoE, mrl/quickstarts/moe.py)."""
+    architecture on the same tokenizer and task (the MoE quickstart's Qwen3-MoE, mrl/quickstarts/moe.py);
+    ``target``: the warm start's greedy accuracy (the distillation demo's teacher trains further)."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -180,7 +181,7 @@ def write_model(path: Path, seed: int, warm_start_steps: int = WARM_START_STEPS,
         # gives a Qwen2Tokenizer whose pre-tokenizer splits digits one by one (" 17" -> " ", "1", "7"),
         # unlike the in-memory ``fast``; the warm start must see the ids RL will see.
         model.config.save_pretrained(str(path))
-        warm = warm_start(model, AutoTokenizer.from_pretrained(str(path)), seed, warm_start_steps)
+        warm = warm_start(model, AutoTokenizer.from_pretrained(str(path)), seed, warm_start_steps, target)
     model.generation_config.pad_token_id = QWEN2_SHAPE["pad_token_id"]
     model.save_pretrained(str(path), safe_serialization=True)
     return warm

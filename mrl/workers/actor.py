@@ -14,6 +14,7 @@ from functools import partial
 import torch
 
 from mrl.config.actor import ActorConfig
+from mrl.config.algorithm import DistillConfig
 from mrl.workers.batch import TrainBatch
 from mrl.workers.loss import (
     ActorLossSpec,
@@ -35,7 +36,7 @@ from mrl.workers.minibatch import (
 from mrl.workers.optim import build_lr_scheduler, build_optimizer, current_lr
 from mrl.workers.trainable import TrainableState
 
-_METRIC_KEYS = ["loss", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss"]
+_METRIC_KEYS = ["loss", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "distill_loss"]
 
 
 def micro_batch_parts(data: TrainBatch, *, micro_batch_size: int | None, use_dynamic_bsz: bool,
@@ -70,6 +71,7 @@ class ActorWorker(TrainableState):
         shared_prefix: ``actor.shared_prefix`` as the run plan resolved it (``auto`` decided there); None:
             ``cfg.shared_prefix`` when it is a boolean, off for ``auto`` (a worker built without a plan).
         init_parallel: initialise torch.distributed/Megatron groups for ``cfg.megatron``.
+        distill: ``algorithm.distill``; with mode=kl_loss the loss gets its teacher-KL term.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class ActorWorker(TrainableState):
         dtype: torch.dtype | None = None,
         init_parallel: bool = True,
         shared_prefix: bool | None = None,
+        distill: DistillConfig | None = None,
     ) -> None:
         check_norm_constant(cfg.loss_agg_mode, max_response_length, "actor")
         self.cfg = cfg
@@ -109,7 +112,8 @@ class ActorWorker(TrainableState):
             e.chunks, cfg.optim, use_distributed_optimizer=cfg.use_distributed_optimizer, dtype=dtype,
         )
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, total_optimizer_steps=total_optimizer_steps)
-        self.loss_spec = ActorLossSpec.from_config(cfg, self.temperature, max_response_length=max_response_length)
+        self.loss_spec = ActorLossSpec.from_config(cfg, self.temperature, max_response_length=max_response_length,
+                                                   distill=distill)
         self.vocab_size = int(e.hf_config.vocab_size)
         self.global_step = 0
         self._update_micro_batches = 0  # since the last update's metrics: moe/aux_loss's denominator
@@ -170,7 +174,8 @@ class ActorWorker(TrainableState):
         local = e.dp_shard(batch)
         keys = loss_keys(use_kl_loss=self.cfg.use_kl_loss,
                          use_rollout_log_probs=self.cfg.tis_imp_ratio_cap is not None,
-                         use_rollout_is_weights=batch.rollout_is_weights is not None)
+                         use_rollout_is_weights=batch.rollout_is_weights is not None,
+                         use_teacher_kl=bool(self.loss_spec.distill_coef))
         acc: dict[str, float] = {}
         steps = 0
         for mb in make_minibatch_iterator(
@@ -198,7 +203,8 @@ class ActorWorker(TrainableState):
                 f"the on-policy shortcut needs one optimizer step per batch, got actor.ppo_epochs={self.cfg.ppo_epochs} "
                 f"and {batch.batch_size} samples for mini-batches of {self.mini_batch_size_samples}; fix: "
                 "actor.on_policy_shortcut=null")
-        keys = loss_keys(use_kl_loss=self.cfg.use_kl_loss, use_rollout_log_probs=self.cfg.tis_imp_ratio_cap is not None)
+        keys = loss_keys(use_kl_loss=self.cfg.use_kl_loss, use_rollout_log_probs=self.cfg.tis_imp_ratio_cap is not None,
+                         use_teacher_kl=bool(self.loss_spec.distill_coef))
         spec = dataclasses.replace(self.loss_spec, on_policy=True)
         metrics, out, parts = self._forward_backward(local.select([k for k in keys if k != "old_log_probs"]), spec)
         acc: dict[str, float] = {}
@@ -212,6 +218,9 @@ class ActorWorker(TrainableState):
         out = {f"actor/{k}": v / steps for k, v in acc.items() if k != "loss"}
         if not self.cfg.use_kl_loss:
             out.pop("actor/kl_loss", None)
+        distill_loss = out.pop("actor/distill_loss", None)
+        if self.loss_spec.distill_coef:  # algorithm.distill.mode=kl_loss
+            out["distill/kl_loss"] = distill_loss
         out["actor/kl_coef"] = self.cfg.kl_loss_coef if self.cfg.use_kl_loss else 0.0
         out["actor/lr"] = current_lr(self.optimizer)
         if self.model.router_probes:

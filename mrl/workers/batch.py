@@ -31,6 +31,7 @@ ROUTING_KEYS = ("routed_experts",)
 #: Optional per-token response fields, each [B, R].
 RESPONSE_KEYS = (
     "old_log_probs", "advantages", "ref_log_prob", "rollout_log_probs", "values", "returns", "rollout_is_weights",
+    "teacher_log_prob",
 )
 
 
@@ -50,6 +51,8 @@ class TrainBatch:
             denominator).
         advantages: [B, R] A_t.
         ref_log_prob: [B, R] log π_ref(a_t|s_t); needed iff ``use_kl_loss``.
+        teacher_log_prob: [B, R] log π_teacher(a_t|s_t) of the student's sampled tokens (on-policy
+            distillation, ``algorithm.distill``); read by the loss iff ``distill.mode=kl_loss``.
         rollout_log_probs: [B, R] log-probs reported by the inference engine; needed iff
             truncated importance sampling (``tis_imp_ratio_cap > 0``) is on.
         values: [B, R] V_old(s_t) from the critic (PPO).
@@ -75,6 +78,7 @@ class TrainBatch:
     values: Tensor | None = None
     returns: Tensor | None = None
     rollout_is_weights: Tensor | None = None
+    teacher_log_prob: Tensor | None = None
     uid: Tensor | None = None
     routed_experts: Tensor | None = None
 
@@ -158,7 +162,8 @@ class TrainBatch:
         if missing:
             raise KeyError(
                 f"TrainBatch lacks {missing} needed by the loss; produce them first "
-                "(old_log_probs: actor.compute_log_prob, ref_log_prob: compute_ref_log_prob, "
+                "(old_log_probs: actor.compute_log_prob, ref_log_prob: compute_ref_log_prob, teacher_log_prob: "
+                "compute_teacher_log_prob, "
                 "advantages: the advantage estimator, rollout_log_probs: the rollout engine, "
                 "values/returns: critic.compute_values + GAE)"
             )

@@ -4,6 +4,7 @@ Actor (verl's Megatron actor ``megatron_actor.py`` ``loss_func``), for one mini-
 micro-batches m over DP ranks r, with response tensors [b, R] and mask ``M_it``:
 
     L(M) = PG(M) − entropy_coeff · agg(H) + kl_loss_coef · agg(KL_{kl_loss_type}(log π, log π_ref))
+           [+ distill.coef · agg(KL_{distill.estimator}(log π, log π_teacher))   (algorithm.distill.mode=kl_loss)]
 
 PG's token losses are multiplied by the batch's ``rollout_is_weights`` when rollout correction is on
 (computed on the whole step batch by the trainer; its rejections are already out of ``response_mask``).
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from mrl.algorithms.agg_loss import agg_loss
+from mrl.algorithms.distill import teacher_kl
 from mrl.algorithms.kl import kl_penalty
 from mrl.algorithms.policy_loss import PolicyLossParams, get_policy_loss_fn
 from mrl.algorithms.value import compute_value_loss
@@ -86,6 +88,9 @@ class ActorLossSpec:
     temperature: float
     norm_constant: float | None
     loss_params: PolicyLossParams
+    # algorithm.distill.mode=kl_loss: coef · agg(KL_estimator(log π, log π_teacher)); 0 = no term
+    distill_coef: float = 0.0
+    distill_estimator: str = "low_var_kl"
     # actor.on_policy_shortcut: log π_old is this forward's own detached log π_θ (the update is the first
     # and only step from π_old), and the micro-batch's log-probs/entropies come back for the driver. The
     # update's mode, not a config knob: set by ActorWorker.update_policy_on_policy.
@@ -95,9 +100,10 @@ class ActorLossSpec:
         check_norm_constant(self.loss_agg_mode, self.norm_constant, "actor")
 
     @classmethod
-    def from_config(cls, cfg, temperature: float, *, max_response_length: int | None, **overrides) -> ActorLossSpec:
+    def from_config(cls, cfg, temperature: float, *, max_response_length: int | None, distill=None,
+                    **overrides) -> ActorLossSpec:
         """``cfg``: the ``actor`` section; ``max_response_length``: ``rollout.max_response_length``;
-        ``overrides``: fields to replace (tests)."""
+        ``distill``: ``algorithm.distill`` (its loss term when mode=kl_loss); ``overrides``: fields to replace (tests)."""
         p = cfg.policy_loss_params
         kw = {
             "policy_loss": cfg.policy_loss, "loss_agg_mode": cfg.loss_agg_mode,
@@ -110,6 +116,8 @@ class ActorLossSpec:
                 tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg, clip_cov_ratio=p.clip_cov_ratio, clip_cov_lb=p.clip_cov_lb,
                 clip_cov_ub=p.clip_cov_ub, kl_cov_ratio=p.kl_cov_ratio, ppo_kl_coef=p.ppo_kl_coef),
         }
+        if distill is not None and distill.mode == "kl_loss":
+            kw |= {"distill_coef": distill.coef, "distill_estimator": distill.estimator}
         return cls(**(kw | overrides))
 
 
@@ -139,7 +147,7 @@ def actor_loss_func(
 
     Metrics are this micro-batch's additive shares (sum them over micro-batches and DP ranks):
     ``pg_loss``, ``kl_loss``, ``entropy`` (agg of H), ``pg_clipfrac``, ``ppo_kl``,
-    ``pg_clipfrac_lower`` (token-means with denominator N).
+    ``pg_clipfrac_lower`` (token-means with denominator N), ``distill_loss`` (agg of the teacher KL).
     """
     d = mb.data
     dev = logits.device
@@ -175,6 +183,13 @@ def actor_loss_func(
         kl_loss = agg_loss(kld, mask, spec.loss_agg_mode, **g)
         loss = loss + spec.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
+    if spec.distill_coef:
+        if d.teacher_log_prob is None:
+            raise KeyError("algorithm.distill.mode=kl_loss but the mini-batch has no teacher_log_prob")
+        tkl = agg_loss(teacher_kl(log_prob, d.teacher_log_prob.to(dev, log_prob.dtype), spec.distill_estimator),
+                       mask, spec.loss_agg_mode, **g)
+        loss = loss + spec.distill_coef * tkl
+        metrics["distill_loss"] = tkl.detach()
     metrics["loss"] = loss.detach()
     if spec.on_policy:
         metrics["log_probs"], metrics["entropys"] = log_prob.detach(), entropy.detach()

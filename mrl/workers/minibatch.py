@@ -34,9 +34,13 @@ from mrl.workers.batch import TrainBatch
 Tensor = torch.Tensor
 
 
-def loss_keys(*, use_kl_loss: bool, use_rollout_log_probs: bool, use_rollout_is_weights: bool = False) -> list[str]:
-    """Optional TrainBatch fields the actor loss reads (verl ``select_keys``)."""
+def loss_keys(*, use_kl_loss: bool, use_rollout_log_probs: bool, use_rollout_is_weights: bool = False,
+              use_teacher_kl: bool = False) -> list[str]:
+    """Optional TrainBatch fields the actor loss reads (verl ``select_keys``); ``use_teacher_kl``: the
+    distillation loss term (``algorithm.distill.mode=kl_loss``) reads ``teacher_log_prob``."""
     keys = ["old_log_probs", "advantages"]
+    if use_teacher_kl:
+        keys.append("teacher_log_prob")
     if use_rollout_is_weights:
         keys.append("rollout_is_weights")
     if use_kl_loss:

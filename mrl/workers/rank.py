@@ -27,7 +27,7 @@ collect_fallbacks()
 
 
 class TrainRank:
-    """Actor + reference + critic (PPO) (+ weight sync) of this rank; see the driver for the call order."""
+    """Actor + reference + critic (PPO) + colocated RM/teacher (+ weight sync) of this rank; see the driver for the call order."""
 
     def before_call(self) -> None:
         """Run by the rank actor before every method: Megatron's CPU redirect
@@ -50,6 +50,7 @@ class TrainRank:
             temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_response_length,
             total_optimizer_steps=plan.actor.total_optimizer_steps,
             seed=cfg.trainer.seed, dtype=torch_dtype(plan.dtype), shared_prefix=plan.shared_prefix,
+            distill=cfg.algorithm.distill,
         )
         # Snapshot of the start weights, before any update (verl's ref = initial policy).
         self.ref = ColocatedReference(self.actor) if cfg.ref_enabled else None
@@ -65,6 +66,18 @@ class TrainRank:
                                         dtype=torch_dtype(plan.dtype))
             if cfg.reward_model.offload:  # on the device only during phase rm_score
                 self.rm.offload()
+        self.teacher = None
+        if cfg.teacher.enable and cfg.teacher.placement == "colocated":  # the actor's ranks and groups; a separate
+            # teacher has ranks of its own (mrl/workers/teacher_rank.py)
+            from mrl.workers.teacher import TeacherWorker
+
+            t = cfg.teacher
+            self.teacher = TeacherWorker(t.path, cfg.actor.megatron, micro_batch_size=t.micro_batch_size_per_gpu,
+                                         temperature=cfg.rollout.temperature, device=self.actor.model.device.type,
+                                         seed=cfg.trainer.seed, dtype=torch_dtype(plan.dtype), init_parallel=False,
+                                         logits_chunk_size=cfg.actor.logits_chunk_size)
+            if t.offload:  # on the device only during phase teacher_log_prob
+                self.teacher.offload()
         self.syncer = None
         self.local_engine = None  # rollout.weight_sync.transport=inprocess: this rank's engine (start_engine)
 
@@ -148,6 +161,19 @@ class TrainRank:
             return self.rm.compute_rm_score(batch)
         finally:
             self.rm.offload()
+
+    def compute_teacher_log_prob(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, R] teacher log-probs of the sampled tokens (teacher.enable with placement=colocated)."""
+        if self.teacher is None:
+            raise RuntimeError("compute_teacher_log_prob called but no teacher was built on the trainer ranks "
+                               "(teacher.enable is false, or placement=separate: its own group answers)")
+        if not self.cfg.teacher.offload:
+            return self.teacher.compute_teacher_log_prob(batch)
+        self.teacher.onload()
+        try:
+            return self.teacher.compute_teacher_log_prob(batch)
+        finally:
+            self.teacher.offload()
 
     def update_policy(self, batch: TrainBatch) -> dict[str, float]:
         return self.actor.update_policy(batch)

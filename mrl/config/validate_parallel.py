@@ -1,0 +1,62 @@
+"""Layout rules every Megatron role shares: its TP*PP*CP against its devices and flags, and its TP/PP/EP
+against the model's own config.json (heads, KV heads, layers, experts). Used by validate.py for the actor,
+reference, critic and reward model and by validate_teacher.py for the teacher."""
+from __future__ import annotations
+
+from mrl.config.hf import ModelShape
+from mrl.config.layout import RoleLayout
+from mrl.config.parallel import ParallelConfig
+from mrl.config.root import MRLConfig
+
+
+def check_parallel(role: str, par: ParallelConfig, lay: RoleLayout, cfg: MRLConfig,
+                    shape: ModelShape | None, errors: list[str]) -> None:
+    mp = par.model_parallel_size
+    key = f"{role}.megatron"
+    if lay.count and lay.count % mp:
+        errors.append(
+            f"{key}: TP*PP*CP = {par.tensor_model_parallel_size}*{par.pipeline_model_parallel_size}*"
+            f"{par.context_parallel_size} = {mp} does not divide the {lay.count} devices of the {role}; "
+            f"fix: change {key}.tensor_model_parallel_size/pipeline_model_parallel_size/context_parallel_size"
+        )
+    tp, pp, vpp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    if par.sequence_parallel and tp == 1:
+        errors.append(f"{key}.sequence_parallel=true needs tensor_model_parallel_size > 1; fix: set {key}.sequence_parallel=false")
+    if vpp is not None and pp == 1:
+        errors.append(f"{key}.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1; fix: set it to null")
+    if cfg.cluster.device != "cpu" and tp > cfg.cluster.n_gpus_per_node:
+        errors.append(
+            f"{key}.tensor_model_parallel_size={tp} spans nodes (cluster.n_gpus_per_node={cfg.cluster.n_gpus_per_node}); "
+            "fix: keep TP within a node and use pipeline_model_parallel_size across nodes"
+        )
+    if shape is not None:
+        check_model_fits(key, par, shape, f"{cfg.model.path}/config.json", errors)
+
+
+def check_model_fits(key: str, par: ParallelConfig, shape: ModelShape, source: str, errors: list[str]) -> None:
+    """``par`` (the layout at ``key``) shards the model of ``source`` (its config.json): heads by TP, layers by PP."""
+    tp, pp, vpp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    if shape.num_heads % tp:
+        errors.append(
+            f"{key}.tensor_model_parallel_size={tp} does not divide the model's {shape.num_heads} attention heads "
+            f"({source} num_attention_heads); fix: choose a TP that divides {shape.num_heads}"
+        )
+    if shape.num_kv_heads % tp:
+        errors.append(
+            f"{key}.tensor_model_parallel_size={tp} does not divide the model's {shape.num_kv_heads} KV heads "
+            f"({source} num_key_value_heads); fix: choose a TP that divides {shape.num_kv_heads}"
+        )
+    stages = pp * (vpp or 1)
+    if shape.num_layers % stages:
+        errors.append(
+            f"{key}: the {shape.num_layers} layers ({source} num_hidden_layers) are not divisible by "
+            "pipeline_model_parallel_size*virtual_pipeline_model_parallel_size "
+            f"= {stages}; fix: choose PP (x VPP) dividing {shape.num_layers}"
+        )
+    ep = par.expert_model_parallel_size
+    if ep > 1 and (not shape.num_experts or shape.num_experts % ep):
+        experts = f"{shape.num_experts} experts" if shape.num_experts else "no experts (dense)"
+        errors.append(
+            f"{key}.expert_model_parallel_size={ep} must divide the model's number of experts, but it has {experts}; "
+            f"fix: set {key}.expert_model_parallel_size=1 for dense models or a divisor of the expert count"
+        )

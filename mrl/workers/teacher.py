@@ -1,0 +1,60 @@
+"""The frozen teacher of on-policy distillation (``teacher``; docs/distillation.md): ``teacher_log_prob``
+[B, R] = log π_teacher(a_t|s_t) of the student's sampled tokens, at the rollout temperature (the student's
+log-probs are of ``softmax(z / T)`` too, so a teacher equal to the student gives exactly 0 reverse KL).
+
+A causal LM of its own (its checkpoint, its shape; not swapped into the actor's chunks as the colocated
+reference is), frozen: no DDP, no optimizer. Colocated, it runs in the actor's processes and Megatron
+groups (``init_parallel=False``) and may wait in host memory between steps (``teacher.offload``);
+separate, in a worker group of its own (:class:`mrl.workers.teacher_rank.TeacherRank`).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mrl.config.parallel import ParallelConfig
+from mrl.workers.batch import TrainBatch
+from mrl.workers.megatron_model import MegatronModel
+
+
+class TeacherWorker:
+    def __init__(self, model_path: str | os.PathLike, parallel: ParallelConfig, *, micro_batch_size: int,
+                 temperature: float, device: str = "cpu", dtype: torch.dtype | None = None, seed: int,
+                 init_parallel: bool = True, logits_chunk_size: int | None = None) -> None:
+        if micro_batch_size < 1:
+            raise ValueError(f"teacher micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.micro_batch_size = micro_batch_size
+        self.temperature = float(temperature)
+        self.chunk_size = logits_chunk_size
+        self.model = MegatronModel(model_path, parallel, device=device,
+                                   dtype=dtype or (torch.float32 if device == "cpu" else torch.bfloat16),
+                                   seed=seed, train=False, init_parallel=init_parallel)
+        self._offloaded = None
+
+    def offload(self, *, force: bool = False) -> None:
+        """Weights to host memory until :meth:`onload` (teacher.offload; a no-op on CPU unless ``force``)."""
+        from mrl.workers.offload import offload_state
+
+        self._offloaded = offload_state(self.model, force=force)
+
+    def onload(self) -> None:
+        from mrl.workers.offload import onload_state
+
+        onload_state(self._offloaded)
+        self._offloaded = None
+
+    def compute_teacher_log_prob(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, R] teacher log-probs of the full batch's response tokens, identical on every rank. A batch that
+        does not divide by the DP size is padded with copies of its last sample, whose rows are dropped."""
+        from mrl.workers.actor import forward_log_probs
+
+        B = batch.batch_size
+        extra = -B % self.model.dp_size
+        if extra:
+            batch = batch.index(list(range(B)) + [B - 1] * extra)
+        lp, _ = forward_log_probs(
+            self.model, batch, temperature=self.temperature, micro_batch_size=self.micro_batch_size,
+            use_dynamic_bsz=False, max_tokens=0, vocab_size=int(self.model.hf_config.vocab_size),
+            chunk_size=self.chunk_size)
+        return lp[:B]
