@@ -1,6 +1,7 @@
 """The ``python`` tool's sandbox: one program in namespaces of its own, on a minimal read-only root.
 
-Run as ``python -I -S sandbox.py`` with a JSON request on stdin (``code``, ``cpu_s``, ``tmp_mb``);
+Run as ``python -I -S sandbox.py`` with a JSON request on stdin (``code``, ``cpu_s``, ``memory_mb``,
+``tmp_mb``);
 the program's stdout/stderr are this process's; its exit status is this process's (128+N for a
 signal N, ``SETUP_FAILED`` when the sandbox could not be built, with the reason on stderr). Standard
 library only and no mrl import: it is started per call and must start fast (docs/agent.md).
@@ -27,14 +28,13 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import platform
 import signal
 import stat
 import sys
 
 SETUP_FAILED = 125
 UID = GID = 65534  # nobody / nogroup
-#: the program's limits besides RLIMIT_AS (inherited from the tool worker: agent.tool_memory_mb)
+#: the program's limits besides RLIMIT_AS (the request's memory_mb: agent.tool_memory_mb) and RLIMIT_CPU
 MAX_PROCESSES = 64  # RLIMIT_NPROC: a fork bomb stops here
 MAX_FILE_MB = 16  # RLIMIT_FSIZE: any file the program writes, its captured output included
 MAX_OPEN_FILES = 256  # RLIMIT_NOFILE
@@ -135,7 +135,7 @@ def _build_root(python: str, tmp_mb: int) -> None:
     _mount("tmpfs", f"{root}/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={tmp_mb}m,mode=0700,uid={UID},gid={GID}")
     os.chdir(root)
-    nr = SYS_PIVOT_ROOT.get(platform.machine())
+    nr = SYS_PIVOT_ROOT.get(os.uname().machine)
     if nr is not None:  # the old root stacked under the new one, then detached: nothing of the host is left
         _ok(_libc.syscall(nr, b".", b"."), "pivot_root")
         _ok(_libc.umount2(b".", MNT_DETACH), "umount the old root")
@@ -145,11 +145,12 @@ def _build_root(python: str, tmp_mb: int) -> None:
     _mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def _program(python: str, code: str, cpu_s: int) -> None:
+def _program(python: str, code: str, cpu_s: int, memory_mb: int) -> None:
     """In the program's process (a child of init): limits, an unprivileged uid, exec."""
     import resource
 
     for lim, value in ((resource.RLIMIT_NPROC, MAX_PROCESSES), (resource.RLIMIT_CPU, cpu_s),
+                       (resource.RLIMIT_AS, memory_mb << 20),
                        (resource.RLIMIT_FSIZE, MAX_FILE_MB << 20), (resource.RLIMIT_NOFILE, MAX_OPEN_FILES),
                        (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(lim, (value, value))
@@ -183,7 +184,7 @@ def _init(req: dict) -> None:
     pid = os.fork()
     if pid == 0:
         try:
-            _program(req["python"], req["code"], int(req["cpu_s"]))
+            _program(req["python"], req["code"], int(req["cpu_s"]), int(req["memory_mb"]))
         except OSError as e:
             _die(f"could not start the program: {e}")
     while True:  # reap orphans until the program ends; then our exit ends the namespace
