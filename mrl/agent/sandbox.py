@@ -193,9 +193,9 @@ def _init(req: dict) -> None:
             os._exit(_status(st))
 
 
-def _setup(req: dict, parent: int, ready_w: int, go_r: int) -> None:
+def _setup(req: dict, parent: int, ready_w: int, go_r: int, as_root: bool) -> None:
     try:
-        if os.geteuid() == 0:
+        if as_root:
             os.setgroups([])  # root's supplementary groups would stay the program's
         _ok(_libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS),
             "unshare (user namespaces disabled on this host?)")
@@ -213,8 +213,20 @@ def _setup(req: dict, parent: int, ready_w: int, go_r: int) -> None:
     os._exit(_status(os.waitpid(pid, 0)[1]))
 
 
-def _write_maps(pid: int) -> None:
-    if os.geteuid() == 0:  # root inside is root (the setup creates the root's files), nobody is nobody
+def _maps_nobody() -> bool:
+    """Whether this process may map uid/gid 65534 to itself: root with 65534 mapped in its namespace
+    (on the host, always; under an outer user namespace, only when that one maps it)."""
+    if os.geteuid() != 0:
+        return False
+    for name, want in (("uid_map", UID), ("gid_map", GID)):
+        with open(f"/proc/self/{name}") as f:
+            if not any(int(a) <= want < int(a) + int(n) for _, a, n in (line.split() for line in f if line.strip())):
+                return False
+    return True
+
+
+def _write_maps(pid: int, as_root: bool) -> None:
+    if as_root:  # root inside is root (the setup creates the root's files), nobody is nobody
         maps = {"uid_map": f"0 0 1\n{UID} {UID} 1\n", "gid_map": f"0 0 1\n{GID} {GID} 1\n"}
     else:  # an unprivileged user may map its own ids only, after denying setgroups
         with open(f"/proc/{pid}/setgroups", "w") as f:
@@ -228,6 +240,7 @@ def _write_maps(pid: int) -> None:
 def main() -> int:
     req = json.loads(sys.stdin.read())
     req["python"] = os.path.realpath(req.get("python") or sys.executable)
+    as_root = _maps_nobody()
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     parent = os.getpid()
@@ -235,12 +248,12 @@ def main() -> int:
     if pid == 0:
         os.close(ready_r)
         os.close(go_w)
-        _setup(req, parent, ready_w, go_r)
+        _setup(req, parent, ready_w, go_r, as_root)
     os.close(ready_w)
     os.close(go_r)
     if os.read(ready_r, 1) == b"1":
         try:
-            _write_maps(pid)
+            _write_maps(pid, as_root)
             os.write(go_w, b"1")
         except OSError as e:
             os.write(2, f"mrl sandbox: could not write the uid/gid maps: {e}\n".encode())
