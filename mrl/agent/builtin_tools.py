@@ -84,15 +84,16 @@ def run_sandboxed(code: str, timeout_s: float, memory_mb: int | None = None,
     """(exit status, stdout tail, stderr tail) of ``python -I -c code`` in the sandbox
     (mrl/agent/sandbox.py); status 128+N for a signal N. Raises ``subprocess.TimeoutExpired`` past
     ``timeout_s`` (the launcher is killed, and with it the whole tree) and ``SandboxUnavailable``."""
-    req = json.dumps({"code": code, "cpu_s": max(1, int(timeout_s) + 1), "tmp_mb": tmp_mb,
-                      "memory_mb": memory_mb or _memory_mb()}).encode()
-    # unnamed files (O_TMPFILE): bounded by the program's RLIMIT_FSIZE, never left on disk
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        r = subprocess.run([sys.executable, "-I", "-S", SANDBOX], input=req, stdout=out, stderr=err,
-                           timeout=timeout_s, check=False)
-        stdout, stderr = _tail(out), _tail(err)
-    if r.returncode == sandbox.SETUP_FAILED and "mrl sandbox:" in stderr:
-        raise SandboxUnavailable(stderr.strip().rsplit("mrl sandbox:", 1)[-1].strip())
+    # unnamed files (O_TMPFILE): bounded by the program's RLIMIT_FSIZE, never left on disk; the
+    # launcher's own errors go to a third one (a program cannot forge them)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as why:
+        req = json.dumps({"code": code, "cpu_s": max(1, int(timeout_s) + 1), "tmp_mb": tmp_mb,
+                          "memory_mb": memory_mb or _memory_mb(), "error_fd": why.fileno()}).encode()
+        r = subprocess.run([sys.executable, "-I", "-S", SANDBOX], input=req, stdout=out, stderr=err, timeout=timeout_s,
+                           check=False, pass_fds=(why.fileno(),))
+        stdout, stderr, problem = _tail(out), _tail(err), _tail(why).strip()
+    if problem:
+        raise SandboxUnavailable(problem)
     return r.returncode, stdout, stderr
 
 

@@ -1,9 +1,10 @@
 """The ``python`` tool's sandbox: one program in namespaces of its own, on a minimal read-only root.
 
 Run as ``python -I -S sandbox.py`` with a JSON request on stdin (``code``, ``cpu_s``, ``memory_mb``,
-``tmp_mb``);
+``tmp_mb``, ``error_fd``);
 the program's stdout/stderr are this process's; its exit status is this process's (128+N for a
-signal N, ``SETUP_FAILED`` when the sandbox could not be built, with the reason on stderr). Standard
+signal N). When the sandbox cannot be built, the reason goes to the request's ``error_fd`` (apart
+from the program's stderr, so a program cannot forge it) and the exit status is ``SETUP_FAILED``. Standard
 library only and no mrl import: it is started per call and must start fast (docs/agent.md).
 
 Four processes, because each step needs the one before it::
@@ -28,11 +29,13 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import select
 import signal
 import stat
 import sys
 
 SETUP_FAILED = 125
+_error_fd = 2  # the request's error_fd: why the sandbox could not be built; the program never holds it
 UID = GID = 65534  # nobody / nogroup
 #: the program's limits besides RLIMIT_AS (the request's memory_mb: agent.tool_memory_mb) and RLIMIT_CPU
 MAX_PROCESSES = 64  # RLIMIT_NPROC: a fork bomb stops here
@@ -156,7 +159,9 @@ def _program(python: str, code: str, cpu_s: int, memory_mb: int) -> None:
         resource.setrlimit(lim, (value, value))
     null = os.open("/dev/null", os.O_RDONLY)
     os.dup2(null, 0)
-    os.closerange(3, 1 << 16)
+    os.closerange(3, _error_fd)  # all but the setup's error channel, which closes at exec
+    os.closerange(_error_fd + 1, 1 << 16)
+    os.set_inheritable(_error_fd, False)
     os.setresgid(GID, GID, GID)
     os.setresuid(UID, UID, UID)  # from root: every capability is cleared; exec drops the rest
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
@@ -171,12 +176,15 @@ def _status(st: int) -> int:
 
 
 def _die(msg: str) -> None:
-    os.write(2, f"mrl sandbox: {msg}\n".encode())
+    os.write(_error_fd, f"{msg}\n".encode())
     os._exit(SETUP_FAILED)
 
 
-def _init(req: dict) -> None:
+def _init(req: dict, alive_r: int) -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if select.select([alive_r], [], [], 0)[0]:  # the setup died before that: nobody would stop us
+        os._exit(SETUP_FAILED)
+    os.close(alive_r)
     try:
         _build_root(req["python"], int(req["tmp_mb"]))
     except OSError as e:
@@ -207,9 +215,11 @@ def _setup(req: dict, parent: int, ready_w: int, go_r: int, as_root: bool) -> No
     os.write(ready_w, b"1")
     if os.read(go_r, 1) != b"1":
         _die("the launcher could not write the uid/gid maps")
+    alive_r, alive_w = os.pipe()  # at EOF once the setup is gone (init checks it after asking to die with it)
     pid = os.fork()
     if pid == 0:
-        _init(req)
+        os.close(alive_w)
+        _init(req, alive_r)
     os._exit(_status(os.waitpid(pid, 0)[1]))
 
 
@@ -238,7 +248,9 @@ def _write_maps(pid: int, as_root: bool) -> None:
 
 
 def main() -> int:
+    global _error_fd
     req = json.loads(sys.stdin.read())
+    _error_fd = int(req.get("error_fd", 2))
     req["python"] = os.path.realpath(req.get("python") or sys.executable)
     as_root = _maps_nobody()
     ready_r, ready_w = os.pipe()
@@ -256,7 +268,7 @@ def main() -> int:
             _write_maps(pid, as_root)
             os.write(go_w, b"1")
         except OSError as e:
-            os.write(2, f"mrl sandbox: could not write the uid/gid maps: {e}\n".encode())
+            os.write(_error_fd, f"could not write the uid/gid maps: {e}\n".encode())
     os.close(go_w)
     return _status(os.waitpid(pid, 0)[1])
 
