@@ -35,7 +35,14 @@ def survivors(token: str) -> list[psutil.Process]:
                 out.append(p)
         return out
     _, alive = psutil.wait_procs(find(), timeout=15)
-    return [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    left = []
+    for p in alive:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return left
 
 
 def test_runs_as_nobody_without_capabilities() -> None:

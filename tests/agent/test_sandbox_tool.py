@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mrl.agent.builtin_tools import sandbox_problem
-from mrl.agent.runner import ERROR, OK, ToolRunner
+from mrl.agent.runner import ERROR, OK, TIMEOUT, ToolRunner
 from mrl.agent.tools import load_tools
 from tests.agent.test_sandbox import survivors
 
@@ -36,7 +36,7 @@ def test_every_way_a_call_ends_leaves_no_process_and_no_file(tmp_path: Path, mon
              "crash": leave + "import os; os.kill(os.getpid(), 9)",
              "timeout": leave + "while True: pass",
              "argument": None}
-    runner = ToolRunner(workers=2, timeout_s=3.0, memory_mb=256)
+    runner = ToolRunner(workers=2, timeout_s=5.0, memory_mb=256)
 
     async def go():
         try:
@@ -47,7 +47,8 @@ def test_every_way_a_call_ends_leaves_no_process_and_no_file(tmp_path: Path, mon
     ok, crash, timeout, argument = asyncio.run(go())
     assert (ok.status, ok.text) == (OK, "x\n"), ok
     assert crash.status == OK and "killed (SIGKILL)" in crash.text, crash
-    assert timeout.status == OK and "ran longer than 2.5 s" in timeout.text, timeout
+    # the tool stops its program 0.5 s before the runner's limit; on a loaded host the runner's may come first
+    assert (timeout.status == OK and "ran longer than 4.5 s" in timeout.text) or timeout.status == TIMEOUT, timeout
     assert argument.status == ERROR and "timeout_s" in argument.text, argument
     assert survivors(token) == []
     assert os.listdir(tmp_path) == []
