@@ -1,11 +1,10 @@
 """The ``python`` tool's sandbox: one program in namespaces of its own, on a minimal read-only root.
 
 Run as ``python -I -S sandbox.py`` with a JSON request on stdin (``code``, ``cpu_s``, ``memory_mb``,
-``tmp_mb``, ``error_fd``);
-the program's stdout/stderr are this process's; its exit status is this process's (128+N for a
-signal N). When the sandbox cannot be built, the reason goes to the request's ``error_fd`` (apart
-from the program's stderr, so a program cannot forge it) and the exit status is ``SETUP_FAILED``. Standard
-library only and no mrl import: it is started per call and must start fast (docs/agent.md).
+``tmp_mb``, ``error_fd``); the program's stdout/stderr are this process's, and so is its exit status
+(128+N for a signal N). When the sandbox cannot be built, the reason goes to ``error_fd`` (apart
+from the program's stderr, so a program cannot forge it) and the exit status is ``SETUP_FAILED``.
+Standard library only and no mrl import: it is started per call and must start fast (docs/agent.md).
 
 Four processes, because each step needs the one before it::
 
@@ -92,6 +91,9 @@ def _binds(python: str) -> list[str]:
     for extra in (prefix, os.path.dirname(python)):
         if not any(extra == p or extra.startswith(p.rstrip("/") + "/") for p in paths):
             paths.append(extra)
+        if extra == "/tmp" or extra.startswith("/tmp/"):  # it would sit under the program's private /tmp
+            raise SandboxError(0, f"the Python install {extra} is under /tmp, which the sandbox replaces; "
+                                  "use an interpreter installed elsewhere")
     return paths + [p for p in ETC_FILES if os.path.lexists(p)]
 
 
