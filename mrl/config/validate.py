@@ -536,6 +536,18 @@ def missing_inputs(cfg: MRLConfig) -> list[str]:
             if path and not Path(path).exists()]
 
 
+def _check_agent_sandbox(cfg: MRLConfig, errors: list[str]) -> None:
+    """The python tool's code never runs outside its sandbox: a host that cannot build one is refused now."""
+    if "python" not in cfg.agent.tools:
+        return
+    from mrl.agent.builtin_tools import sandbox_problem
+
+    if (why := sandbox_problem()) is not None:
+        errors.append(f"agent.tools: the python tool's sandbox cannot be built on this host ({why}); fix: allow user "
+                      "namespaces (sysctl user.max_user_namespaces=10000, and kernel.unprivileged_userns_clone=1 where it "
+                      "exists, or a container that permits them), or remove python from agent.tools (docs/agent.md)")
+
+
 def _check_agent(cfg: MRLConfig, errors: list[str]) -> None:
     """agent.enable: every tool loads with a schema (plugins imported here, as the other extension
     points); the rollout modes the agent loop does not drive are refused (docs/agent.md)."""
@@ -552,6 +564,7 @@ def _check_agent(cfg: MRLConfig, errors: list[str]) -> None:
         load_tools(a.tools)
     except ValueError as e:
         errors.append(str(e))
+    _check_agent_sandbox(cfg, errors)
     if cfg.trainer.async_training.max_staleness > 0 or cfg.rollout.partial_rollout:
         errors.append("agent.enable with trainer.async_training.max_staleness > 0 / rollout.partial_rollout: the agent "
                       "loop runs on-policy only (its multi-turn trajectories are not continued across weight pushes); "
