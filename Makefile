@@ -47,6 +47,12 @@ $(QUICKSTART_RM): $(QUICKSTART_ASSETS) mrl/quickstarts/rm.py
 	$(PY) -m mrl.quickstarts rm --out outputs/quickstart --force
 	@touch $@
 
+# The distillation demo's teacher (mrl_configs/quickstart_distill.yaml): the quickstart's model trained further.
+QUICKSTART_DISTILL := outputs/quickstart/.teacher-written
+$(QUICKSTART_DISTILL): $(QUICKSTART_ASSETS) mrl/quickstarts/distill.py
+	$(PY) -m mrl.quickstarts distill --out outputs/quickstart --force
+	@touch $@
+
 AGENT_ASSETS := outputs/quickstart_agent/.assets-written
 $(AGENT_ASSETS): $(VENV)/.installed mrl/quickstarts/agent.py
 	$(PY) -m mrl.quickstarts agent --out outputs/quickstart_agent --force
@@ -59,6 +65,7 @@ $(MOE_ASSETS): $(VENV)/.installed mrl/quickstarts/base.py mrl/quickstarts/moe.py
 
 train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(if $(findstring quickstart_moe,$(CONFIG)),$(MOE_ASSETS),$(QUICKSTART_ASSETS))) \
 		$(if $(findstring quickstart_rm,$(CONFIG)),$(QUICKSTART_RM)) \
+		$(if $(findstring quickstart_distill,$(CONFIG)),$(QUICKSTART_DISTILL)) \
 		$(if $(findstring quickstart_agent,$(CONFIG)),$(AGENT_ASSETS))
 	$(VENV)/bin/mrl train $(CONFIG) $(ARGS)
 
@@ -66,7 +73,7 @@ plan: $(VENV)/.installed
 	$(VENV)/bin/mrl plan $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests --durations=25 $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mrl checkpoints_tools tests benchmarks

@@ -1,4 +1,4 @@
-"""The driver's typed proxies mirror their rank classes (the trainer's and a separate reward model's):
+"""The driver's typed proxies mirror their rank classes (the trainer's, a separate reward model's and teacher's):
 same method names, same parameters."""
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import inspect
 
 from mrl.driver.ranks import TrainRanks
 from mrl.driver.rm_ranks import RewardModelRanks, reward_scorer
+from mrl.driver.teacher_ranks import TeacherRanks, teacher_scorer
 from mrl.workers.rank import TrainRank
 from mrl.workers.rm_rank import RewardModelRank
+from mrl.workers.teacher_rank import TeacherRank
 
 
 def _public(cls) -> dict[str, inspect.Signature]:
@@ -39,6 +41,31 @@ def test_the_reward_model_proxy_mirrors_its_rank():
         assert got == want, f"RewardModelRanks.{name}{sig} != RewardModelRank.{name}{rank[name]}"
     # phase rm_score makes the same call on either placement
     assert str(inspect.signature(TrainRanks.compute_rm_score)) == str(inspect.signature(RewardModelRanks.compute_rm_score))
+
+
+def test_the_teacher_proxy_mirrors_its_rank_and_routes_by_placement():
+    rank, proxy = _public(TeacherRank), _public(TeacherRanks)
+    assert set(rank) - {"before_call", "close"} == set(proxy)
+    for name, sig in proxy.items():
+        want = [(p.name, p.kind, p.default, str(p.annotation)) for p in rank[name].parameters.values()]
+        got = [(p.name, p.kind, p.default, str(p.annotation)) for p in sig.parameters.values()]
+        assert got == want, f"TeacherRanks.{name}{sig} != TeacherRank.{name}{rank[name]}"
+    assert (str(inspect.signature(TrainRanks.compute_teacher_log_prob))
+            == str(inspect.signature(TeacherRanks.compute_teacher_log_prob)))
+
+    class Group:
+        def __init__(self, tag):
+            self.tag, self.calls = tag, []
+
+        def execute_all(self, method, *args, **kwargs):
+            self.calls.append(method)
+            return [self.tag, "other rank"]
+
+    trainer, teacher = Group("trainer"), Group("teacher")
+    ranks = TrainRanks(trainer)
+    assert teacher_scorer(None, ranks) is ranks
+    assert teacher_scorer(teacher, ranks).compute_teacher_log_prob("batch") == "teacher"
+    assert teacher.calls == ["compute_teacher_log_prob"] and trainer.calls == []
 
 
 def test_rm_score_goes_to_the_separate_group_when_there_is_one():

@@ -22,7 +22,6 @@ def _rank(rank, world, student, teacher):
     from mrl.config.actor import ActorConfig
     from mrl.config.algorithm import DistillConfig
     from mrl.config.parallel import ParallelConfig
-    from mrl.megatron.parallel import destroy_parallel
     from mrl.workers.actor import ActorWorker
     from mrl.workers.teacher import TeacherWorker
     from tests.workers.batches import portable, ragged_batch
@@ -34,8 +33,7 @@ def _rank(rank, world, student, teacher):
         t = TeacherWorker(teacher, ParallelConfig(**layout), micro_batch_size=3, temperature=0.7, seed=1)
         out[f"teacher_{name}"] = t.compute_teacher_log_prob(batch)
         out[f"teacher_odd_{name}"] = t.compute_teacher_log_prob(odd)
-        del t
-        destroy_parallel()
+        del t  # the next worker re-initialises Megatron's groups at its layout
     # teacher == student: the reverse KL is 0 (same weights, same temperature, same kernels)
     cfg = ActorConfig(megatron=LAYOUTS["tp2"], ppo_micro_batch_size_per_gpu=4, optim={"lr": 1e-2, "clip_grad": 1.0},
                       use_kl_loss=False)
