@@ -13,18 +13,18 @@ import os
 import shutil
 from pathlib import Path
 
-from mrl.config.async_training import check_async
 from mrl.config.auto import inprocess_blockers
-from mrl.config.extensions import check_extension_points
 from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_devices
 from mrl.config.parallel import ParallelConfig
 from mrl.config.preflight import check_checkpoints
-from mrl.config.reward_model import check_reward_model
 from mrl.config.root import MRLConfig
 from mrl.config.run_plan import on_policy_blockers
+from mrl.config.validate_async import check_async
+from mrl.config.validate_extensions import check_extension_points
 from mrl.config.validate_moe import check_moe
 from mrl.config.validate_parallel import check_model_fits, check_parallel
+from mrl.config.validate_reward_model import check_reward_model
 from mrl.config.validate_teacher import check_teacher
 from mrl.net import is_loopback
 

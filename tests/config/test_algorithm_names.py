@@ -19,7 +19,7 @@ import mrl.algorithms as alg
 from mrl.config.actor import ActorConfig
 from mrl.config.algorithm import AlgorithmConfig
 from mrl.config.critic import CriticConfig
-from mrl.config.extensions import builtin_names
+from mrl.config.validate_extensions import builtin_names
 from mrl.data.sampler import _SAMPLERS
 
 REFUSED_BY_BOTH = {"full"}
