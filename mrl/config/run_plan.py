@@ -38,6 +38,30 @@ class UpdatePlan:
 
 
 @dataclass(frozen=True)
+class StepPhases:
+    """Which optional phases ``RLTrainer.step`` runs (mrl/driver/trainer.py), decided once from the config."""
+
+    agent: bool = False  # agent.enable: multi-turn rollouts, agent metrics
+    filter_groups: bool = False  # algorithm.filter_groups.enable: DAPO dynamic sampling
+    dump_rollout: bool = False  # trainer.rollout_data_dir set
+    remax_baseline: bool = False  # adv_estimator=remax: a greedy rollout per prompt
+    ref: bool = False  # a reference model is built (cfg.ref_enabled)
+    teacher: bool = False  # teacher.enable: phase teacher_log_prob
+    values: bool = False  # a critic is built (cfg.critic_enabled): values, update_critic
+    distill_reward: bool = False  # algorithm.distill.mode != none: the task reward weighed (+ the reverse-KL reward)
+    shape_rewards: bool = False  # ref_reward_blend or repr_align
+
+
+def step_phases(cfg: MRLConfig) -> StepPhases:
+    a = cfg.algorithm
+    return StepPhases(
+        agent=cfg.agent.enable, filter_groups=a.filter_groups.enable, dump_rollout=bool(cfg.trainer.rollout_data_dir),
+        remax_baseline=a.adv_estimator == "remax", ref=cfg.ref_enabled, teacher=cfg.teacher.enable,
+        values=cfg.critic_enabled, distill_reward=a.distill.mode != "none",
+        shape_rewards=a.ref_reward_blend.enable or cfg.repr_align_enabled)
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """What a run does, derived from its config once (see the module docstring)."""
 
@@ -56,6 +80,7 @@ class RunPlan:
     push_with_update: bool = False  # the update call also loads the in-process engines (push_with_update())
     transport: str = "distributed"  # rollout.weight_sync.transport, auto resolved (mrl/config/auto.py)
     shared_prefix: bool = False  # actor.shared_prefix, auto resolved
+    phases: StepPhases = StepPhases()  # the step's optional phases
     choices: tuple[AutoChoice, ...] = ()  # each auto-resolvable setting: the value used and why (mrl plan prints them)
 
 
@@ -142,4 +167,5 @@ def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
         transport=transport.value,
         shared_prefix=shared_prefix.value,
         choices=(transport, shared_prefix),
+        phases=step_phases(cfg),
     )

@@ -130,22 +130,23 @@ class RLTrainer:
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
         m: dict[str, float] = {}
+        ph = self.plan.phases
         with timer("step", m):
             with timer("gen", m):
                 d = self.generate()
-            if self.cfg.agent.enable:  # turns, tool calls, tool errors/timeouts (docs/agent.md)
+            if ph.agent:  # turns, tool calls, tool errors/timeouts (docs/agent.md)
                 from mrl.agent.loop import agent_metrics
 
                 m |= agent_metrics(d.result)
             with timer("reward", m):
                 self.reward(d, m)
-            if self.cfg.algorithm.filter_groups.enable:
+            if ph.filter_groups:
                 with timer("filter_groups", m):  # DAPO dynamic sampling: more rounds until the batch is full
                     d = self.filter_groups(d, m)
-            if self.cfg.trainer.rollout_data_dir:
+            if ph.dump_rollout:
                 with timer("dump_rollout_generations", m):
                     self.dump_rollout(d)
-            if self.cfg.algorithm.adv_estimator == "remax":
+            if ph.remax_baseline:
                 with timer("gen_max", m):  # verl's name for the greedy baseline rollout
                     self.remax_baseline(d, m)
             if self.plan.free_cache_engine:
@@ -158,24 +159,24 @@ class RLTrainer:
                     self.old_log_prob(d, m)
             if self.producer is not None:  # refuse samples older than max_staleness; staleness metrics
                 self.producer.admit(d, self.weight_version, self.produced, m)
-            if self.cfg.ref_enabled:
+            if ph.ref:
                 with timer("ref", m):
                     self.ref_log_prob(d)
-            if self.cfg.teacher.enable:
+            if ph.teacher:
                 with timer("teacher", m):
                     self.teacher_log_prob(d)
-            if self.cfg.critic_enabled:
+            if ph.values:
                 with timer("values", m):
                     self.values(d)
             self.kl_in_reward(d, m)
-            if self.cfg.algorithm.distill.mode != "none":
+            if ph.distill_reward:
                 self.distill_reward(d)
-            if self.cfg.algorithm.ref_reward_blend.enable or self.cfg.repr_align_enabled:
+            if ph.shape_rewards:
                 with timer("reward_shaping", m):
                     self.shape_rewards(d, m)
             with timer("adv", m):
                 self.advantages(d)
-            if self.cfg.critic_enabled:
+            if ph.values:
                 with timer("update_critic", m):
                     m |= self.ranks.update_critic(d.batch)
             if self.actor_update_due():
@@ -184,7 +185,7 @@ class RLTrainer:
                         self.update_on_policy(d, m, push=self.plan.push_with_update)
                     else:
                         m |= self.ranks.update_policy(d.batch)
-                stop_if_not_finite(m, self.global_step + 1, fp16=self.cfg.model.dtype == "float16")
+                stop_if_not_finite(m, self.global_step + 1, fp16=self.plan.dtype == "float16")
                 with timer("sync_weights", m):
                     self.sync_weights(m, d.pushed)
         self.global_step += 1

@@ -77,3 +77,17 @@ def test_the_on_policy_shortcut_applies_only_to_one_step_from_pi_old(tmp_path, o
     with pytest.raises(ConfigError) as e:  # true: refused at load / `mrl plan` time, naming why
         _cfg(tmp_path, *overrides, "actor.on_policy_shortcut=true")
     assert "actor.on_policy_shortcut=true" in str(e.value) and blocker in str(e.value) and "fix:" in str(e.value)
+
+
+def test_the_step_phases_are_decided_once_from_the_config(tmp_path) -> None:
+    p = plan_run(_cfg(tmp_path), "cpu").phases  # the quickstart: GRPO with a KL loss
+    assert p.ref and not (p.values or p.teacher or p.distill_reward or p.remax_baseline or p.filter_groups
+                          or p.shape_rewards or p.agent or p.dump_rollout)
+    ppo = plan_run(_cfg(tmp_path, "algorithm.adv_estimator=gae", "actor.use_kl_loss=false", "critic.ppo_micro_batch_size_per_gpu=8",
+                        f"trainer.rollout_data_dir={tmp_path}/dump"), "cpu").phases
+    assert ppo.values and ppo.dump_rollout and not ppo.ref
+    (tmp_path / "teacher").mkdir()
+    d = plan_run(_cfg(tmp_path, "algorithm.distill.mode=kl_loss", "teacher.enable=true",
+                      f"teacher.path={tmp_path}/teacher", "algorithm.adv_estimator=remax", "actor.use_kl_loss=false"),
+                 "cpu").phases
+    assert d.teacher and d.distill_reward and d.remax_baseline and not d.ref
