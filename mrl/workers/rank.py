@@ -75,7 +75,8 @@ class TrainRank:
             self.teacher = TeacherWorker(t.path, cfg.actor.megatron, micro_batch_size=t.micro_batch_size_per_gpu,
                                          temperature=cfg.rollout.temperature, device=self.actor.model.device.type,
                                          seed=cfg.trainer.seed, dtype=torch_dtype(plan.dtype), init_parallel=False,
-                                         logits_chunk_size=cfg.actor.logits_chunk_size)
+                                         logits_chunk_size=cfg.actor.logits_chunk_size,
+                                         shared_prefix=plan.shared_prefix)
             if t.offload:  # on the device only during phase teacher_log_prob
                 self.teacher.offload()
         self.syncer = None

@@ -21,12 +21,15 @@ from mrl.workers.megatron_model import MegatronModel
 class TeacherWorker:
     def __init__(self, model_path: str | os.PathLike, parallel: ParallelConfig, *, micro_batch_size: int,
                  temperature: float, device: str = "cpu", dtype: torch.dtype | None = None, seed: int,
-                 init_parallel: bool = True, logits_chunk_size: int | None = None) -> None:
+                 init_parallel: bool = True, logits_chunk_size: int | None = None, shared_prefix: bool = False) -> None:
+        """``shared_prefix``: the run plan's ``actor.shared_prefix`` (each prompt computed once for its n samples,
+        as the actor's forwards do); batches padded for DP divisibility use the compact layout."""
         if micro_batch_size < 1:
             raise ValueError(f"teacher micro_batch_size must be >= 1, got {micro_batch_size}")
         self.micro_batch_size = micro_batch_size
         self.temperature = float(temperature)
         self.chunk_size = logits_chunk_size
+        self.shared_prefix = shared_prefix
         self.model = MegatronModel(model_path, parallel, device=device,
                                    dtype=dtype or (torch.float32 if device == "cpu" else torch.bfloat16),
                                    seed=seed, train=False, init_parallel=init_parallel)
@@ -56,5 +59,5 @@ class TeacherWorker:
         lp, _ = forward_log_probs(
             self.model, batch, temperature=self.temperature, micro_batch_size=self.micro_batch_size,
             use_dynamic_bsz=False, max_tokens=0, vocab_size=int(self.model.hf_config.vocab_size),
-            chunk_size=self.chunk_size)
+            chunk_size=self.chunk_size, shared_prefix=self.shared_prefix and not extra)
         return lp[:B]

@@ -24,15 +24,20 @@ def _rank(rank, world, student, teacher):
     from mrl.config.parallel import ParallelConfig
     from mrl.workers.actor import ActorWorker
     from mrl.workers.teacher import TeacherWorker
-    from tests.workers.batches import portable, ragged_batch
+    from tests.workers.batches import grouped_batch, portable, ragged_batch
 
     out = {}
     batch = ragged_batch(B=8)
+    grouped = grouped_batch(groups=2, n=4)  # GRPO-shaped: each prompt computed once with shared_prefix
     odd = ragged_batch(B=7, seed=3)  # not divisible by DP2: padded, the extra rows dropped
     for name, layout in LAYOUTS.items():
         t = TeacherWorker(teacher, ParallelConfig(**layout), micro_batch_size=3, temperature=0.7, seed=1)
         out[f"teacher_{name}"] = t.compute_teacher_log_prob(batch)
         out[f"teacher_odd_{name}"] = t.compute_teacher_log_prob(odd)
+        t.shared_prefix = False
+        out[f"grouped_compact_{name}"] = t.compute_teacher_log_prob(grouped)
+        t.shared_prefix = True
+        out[f"grouped_shared_{name}"] = t.compute_teacher_log_prob(grouped)
         del t  # the next worker re-initialises Megatron's groups at its layout
     # teacher == student: the reverse KL is 0 (same weights, same temperature, same kernels)
     cfg = ActorConfig(megatron=LAYOUTS["tp2"], ppo_micro_batch_size_per_gpu=4, optim={"lr": 1e-2, "clip_grad": 1.0},
@@ -57,7 +62,7 @@ def test_teacher_log_probs_self_distillation_and_loss_term(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from mrl.algorithms import reverse_kl_reward
-    from tests.workers.batches import ragged_batch, tensors
+    from tests.workers.batches import grouped_batch, ragged_batch, tensors
     from tests.workers.reference_impl import hf_log_probs
 
     student = make_tiny_hf(tmp_path / "student", "qwen2")
@@ -65,8 +70,9 @@ def test_teacher_log_probs_self_distillation_and_loss_term(tmp_path):
                            num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2)
     res = tensors(run_ranks(_rank, 2, args=(str(student), str(teacher)), timeout_s=840))
     hf = AutoModelForCausalLM.from_pretrained(str(teacher), dtype=torch.float32)
-    batch, odd = ragged_batch(B=8), ragged_batch(B=7, seed=3)
+    batch, odd, grouped = ragged_batch(B=8), ragged_batch(B=7, seed=3), grouped_batch(groups=2, n=4)
     with torch.no_grad():
+        want_grouped, _ = hf_log_probs(hf, grouped, temperature=0.7)
         want, _ = hf_log_probs(hf, batch, temperature=0.7)
         want_odd, _ = hf_log_probs(hf, odd, temperature=0.7)
     for r in res:
@@ -76,6 +82,10 @@ def test_teacher_log_probs_self_distillation_and_loss_term(tmp_path):
             assert r[f"teacher_odd_{name}"].shape == odd.response_mask.shape
             torch.testing.assert_close(r[f"teacher_odd_{name}"] * odd.response_mask, want_odd * odd.response_mask,
                                        rtol=0, atol=1e-5)
+            gm = grouped.response_mask
+            torch.testing.assert_close(r[f"grouped_compact_{name}"] * gm, want_grouped * gm, rtol=0, atol=1e-5)
+            # the shared-prompt layout sums in another order: fp32 round-off (1.4e-6 seen on |log p| ~ 6)
+            torch.testing.assert_close(r[f"grouped_shared_{name}"] * gm, want_grouped * gm, rtol=0, atol=1e-5)
         assert abs(r["self_metrics"]["distill/reverse_kl"]) <= 1e-6, r["self_metrics"]
         # zero advantages: the update's loss is the distillation term alone, as its formula says
         m = r["metrics"]
