@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 # demo name -> module; imported only when chosen (each pulls in torch/transformers)
 DEMOS = {"base": "mrl.quickstarts.base", "rm": "mrl.quickstarts.rm", "agent": "mrl.quickstarts.agent",
-         "moe": "mrl.quickstarts.moe"}
+         "moe": "mrl.quickstarts.moe", "judge": "mrl.quickstarts.judge"}
 
 
 class UsageError(ValueError):
