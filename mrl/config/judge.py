@@ -234,12 +234,12 @@ def judge_plan_lines(cfg: MRLConfig) -> list[str]:
     if not j.enable:
         return []
     if j.url is not None:
-        return [f"    {'judge':12s} external OpenAI-compatible server {j.url} (api={j.api}, "
-                f"{j.max_concurrency} request(s) in flight); no local memory"]
+        return [(f"    {'judge':12s} external OpenAI-compatible server {j.url} (api={j.api}, "
+                 f"{j.max_concurrency} request(s) in flight); no local memory")]
     engine = "torch" if cfg.cluster.device == "cpu" else cfg.rollout.engine
-    lines = [f"    {'judge':12s} {j.engines:4d} x {engine} judge engine(s) of {j.model} next to the rollout engines "
-             f"(ports {judge_port_base(cfg)}..{judge_port_base(cfg) + j.engines - 1}, {j.max_concurrency} request(s) "
-             "in flight)"]
+    lines = [(f"    {'judge':12s} {j.engines:4d} x {engine} judge engine(s) of {j.model} next to the rollout engines "
+              f"(ports {judge_port_base(cfg)}..{judge_port_base(cfg) + j.engines - 1}, {j.max_concurrency} request(s) "
+              "in flight)")]
     try:
         from mrl.config.hf import read_model_shape
         from mrl.dtypes import itemsize

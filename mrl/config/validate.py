@@ -17,10 +17,10 @@ from mrl.config.async_training import check_async
 from mrl.config.auto import inprocess_blockers
 from mrl.config.extensions import check_extension_points
 from mrl.config.hf import ModelShape, read_model_shape
+from mrl.config.judge import check_judge
 from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_devices
 from mrl.config.parallel import ParallelConfig
 from mrl.config.preflight import check_checkpoints
-from mrl.config.judge import check_judge
 from mrl.config.reward_model import check_reward_model
 from mrl.config.root import MRLConfig
 from mrl.config.run_plan import on_policy_blockers
@@ -584,8 +584,8 @@ def missing_inputs(cfg: MRLConfig) -> list[str]:
     critic = [("critic.model_path", cfg.critic.model_path)] if cfg.critic_enabled and cfg.critic.model_path else []
     j = cfg.reward.judge
     critic += [("reward.judge.model", j.model)] if j.enable and j.model else []  # docs/judge.md
-    return [f"{key}={path!r} does not exist; for the quickstart run `python -m mrl.quickstarts base --out outputs/quickstart` "
-            "first (make train does)"
+    return [f"{key}={path!r} does not exist; for the quickstart run `python -m mrl.quickstarts "
+            f"{'judge' if key == 'reward.judge.model' else 'base'} --out outputs/quickstart` first (make train does)"
             for key, path in (("model.path", cfg.model.path), *critic, *(("data.train_files", f) for f in cfg.data.train_files))
             if path and not Path(path).exists()]
 

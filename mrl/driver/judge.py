@@ -80,7 +80,11 @@ class JudgeEngines:
 
 def judge_command(cfg: MRLConfig, slot: Any, token: str | None, token_env: str) -> tuple[list[str], dict[str, str]]:
     """(argv, env) of one judge server: the rollout engines' command builders with the judge's model."""
-    from mrl.rollout.sglang_launcher import SGLangLaunchSpec, build_embedded_command, build_sglang_command
+    from mrl.rollout.sglang_launcher import (
+        SGLangLaunchSpec,
+        build_embedded_command,
+        build_sglang_command,
+    )
 
     j, r = cfg.reward.judge, cfg.rollout
     cuda = bool(slot.gpu_ids)

@@ -23,7 +23,13 @@ import random
 import shutil
 from pathlib import Path
 
-from mrl.quickstarts.base import MAX_OPERAND, MODEL_DIR, QWEN2_SHAPE, problems, write_assets
+from mrl.quickstarts.base import (
+    MAX_OPERAND,
+    MODEL_DIR,
+    QWEN2_SHAPE,
+    problems,
+    write_assets,
+)
 from mrl.quickstarts.cli import Demo, UsageError
 
 JUDGE_DIR = "tiny-judge"

@@ -104,7 +104,7 @@ def test_right_token_judges_and_counts_unparsable_verdicts(engine, monkeypatch) 
 
 @pytest.mark.parametrize("token", ["wrong", None])
 def test_wrong_or_missing_token_names_url_and_token_env(engine, monkeypatch, token) -> None:
-    url, tok = engine
+    url, _ = engine
     cfg = _cfg(url)
     if token is None:
         monkeypatch.delenv("JUDGE_KEY", raising=False)

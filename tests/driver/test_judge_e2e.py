@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.dist import free_port
 from tests.helpers.e2e import free_port_pair, metrics, run_train, write_assets
 
 pytestmark = pytest.mark.slow
@@ -22,7 +21,7 @@ def test_judge_rewards_two_steps(tmp_path: Path) -> None:
                   "trainer.test_freq=-1", "trainer.val_before_train=true", "trainer.save_freq=-1",
                   "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
                   "actor.ppo_micro_batch_size_per_gpu=4",
-                  f"reward.judge.model={assets}/tiny-qwen2", f"reward.judge.port_base={free_port()}",
+                  f"reward.judge.model={assets}/tiny-qwen2", f"reward.judge.port_base={free_port_pair()}",
                   r"reward.judge.parse.pattern='(\d)'", "reward.judge.parse.scores=null", "reward.on_error=zero")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     db = tmp_path / "mlflow.db"

@@ -9,7 +9,13 @@ import time
 import pytest
 
 from mrl.config.judge import JudgeConfig
-from mrl.rewards.judge import JudgeClient, JudgeScorer, UnparsableVerdict, parse_verdict, render
+from mrl.rewards.judge import (
+    JudgeClient,
+    JudgeScorer,
+    UnparsableVerdict,
+    parse_verdict,
+    render,
+)
 
 
 @pytest.mark.parametrize(("text", "score"), [(" yes</s>", 1.0), ("No.", 0.0), ("I think YES", 1.0)])
