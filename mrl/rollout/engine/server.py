@@ -9,7 +9,9 @@ Security: binds 127.0.0.1 by default. When a token is configured, every control 
 (everything except /generate, /health*, /model_info, /server_info and their /get_* aliases,
 /get_weight_version and the OpenAI /v1 routes: SGLang's NORMAL auth level) requires
 ``Authorization: Bearer <token>``; the
-server refuses to bind a non-loopback address without one. Requests are JSON only; tensors
+server refuses to bind a non-loopback address without one. ``--api-key-env VAR`` (SGLang's ``--api-key``)
+adds a key that every route but /health* requires, /generate and /v1 included: an OpenAI-compatible server
+for outside clients (e.g. a judge, docs/judge.md). Requests are JSON only; tensors
 arrive from disk (safetensors), shared memory or torch.distributed, never pickled.
 
 Routed experts (MoE models): started with ``--enable-return-routed-experts`` (SGLang's flag), the engine
