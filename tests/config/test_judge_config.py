@@ -76,3 +76,11 @@ def test_plan_lists_the_judge_engines_and_their_memory(judged) -> None:
     assert "2 x torch judge engine(s)" in line and "ports 30100..30101" in line, line
     # the tiny qwen2 (0.17M params, fp32): as the rollout engine's weights
     assert "judge weights 0.6 MiB per engine" in text, text
+
+
+def test_plan_names_an_external_judge(base_overrides) -> None:
+    from mrl.config.plan import plan_text
+
+    text = plan_text(load_config(None, [*base_overrides, "reward.judge.enable=true",
+                                        "reward.judge.url=https://judge.example:8443", "reward.judge.token_env=JUDGE_TOKEN"]))
+    assert "judge        external OpenAI-compatible server https://judge.example:8443 (api=completions" in text, text
