@@ -9,7 +9,8 @@ place in the reward phase, in training and validation.
 * :class:`Judge` — per batch: decode each sample's prompt, render, ask the judge (concurrently, with
   timeouts and retries), parse, then combine per ``reward.judge.combine``:
 
-      combine=judge:    reward_i = judge_score_i   (reward.function only reported: rule_score, acc)
+      combine=judge:    reward_i = judge_score_i   (reward.function only reported: rule_score, acc, and
+                        judge_rule_agreement_i = [judge_score_i >= 0.5] == [rule_score_i >= 0.5])
       combine=function: reward_i = f(..., extra_info_i + {"judge_score": judge_score_i})
 
   A sample whose verdict did not come or did not parse follows ``reward.on_error`` (raise / 0 /
@@ -141,8 +142,12 @@ class Judge:
             extra = {k: v for k, v in ruled.extra.items() if k != "score"}
             extra.setdefault("acc", ruled.scores.tolist())
             extra["rule_score"] = ruled.scores.tolist()
+            agree = ((res.scores >= 0.5) == (ruled.scores >= 0.5)).float()  # a pass = a score >= 0.5, for both
+            extra["judge_rule_agreement"] = agree.tolist()
             if m is not None:
                 m["reward/rule_score"] = float(ruled.scores.mean())
+                ok = torch.tensor([e is None for e in res.errors], dtype=torch.bool)
+                m["reward/judge_rule_agreement"] = float(agree[ok].mean()) if bool(ok.any()) else float("nan")
         extra["judge_score"] = res.scores.tolist()
         return RewardResult(res.scores.clone(), valid, None, list(res.errors), extra)
 

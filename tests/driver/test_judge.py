@@ -99,6 +99,8 @@ def test_right_token_judges_and_counts_unparsable_verdicts(engine, monkeypatch) 
     assert all(e.startswith("UnparsableVerdict") for e in out.errors if e)
     assert out.valid.tolist() == [not u for u in unparsed]  # reward.on_error=mask: out of the loss
     assert out.extra["acc"] == out.extra["rule_score"] == [1.0, 1.0, 1.0, 1.0, 1.0]  # the rule, only reported
+    passed = [float(s >= 0.5) for s in out.scores.tolist()]  # the rule passes all five: agreement = judge's passes
+    assert out.extra["judge_rule_agreement"] == passed
     assert len(out.extra["judge_score"]) == 5 and all(number(str(s)) for s in out.extra["judge_score"])
 
 

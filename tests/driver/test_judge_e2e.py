@@ -35,6 +35,7 @@ def test_judge_rewards_two_steps(tmp_path: Path) -> None:
             assert abs(score[s] * B - judged[s] * (B - unparsed[s])) < 1e-3, (score, judged, unparsed)
     assert all(v > 0 for v in metrics(db, "timing_s/judge").values())
     assert sorted(metrics(db, "reward/rule_score")) == [1, 2]
+    assert all(0 <= v <= 1 for v in metrics(db, "val-aux/arith/judge_rule_agreement/mean_at_1").values())
     # validation is judged too: the judge's score is the reward, the rule only reported as acc
     assert list(metrics(db, "val-aux/arith/judge_score/mean_at_1")) == [0]
     assert list(metrics(db, "val-core/arith/acc/mean_at_1")) == [0]
