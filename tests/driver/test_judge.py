@@ -133,3 +133,25 @@ def test_a_refused_request_is_counted_per_sample_not_retried(engine) -> None:
     assert m["reward/judge_errors"] == 2 and out.valid.tolist() == [True, True]  # zero: kept with score 0
     assert out.scores.tolist() == [0.0, 0.0] and "HTTP 400" in out.errors[0] and "chat_template" in out.errors[0]
     assert out.fault_metrics()["reward/zeroed_samples"] == 2
+
+
+def test_combine_function_passes_the_judge_score_in_extra_info(engine) -> None:
+    url, tok = engine
+    # an empty verdict group always matches: every answer parses to the mapped 0.75
+    cfg = _cfg(url, combine="function", parse={"pattern": r"^()", "scores": {"": 0.75}})
+    judge = Judge(cfg, JudgeScorer.from_config(cfg.reward.judge, [url], KEY), tok)
+    seen: list[dict] = []
+
+    def doubles(solution_str, ground_truth, data_source=None, extra_info=None):
+        seen.append(extra_info)
+        return 2.0 * extra_info["judge_score"]
+
+    texts, prompts = [" 1", " 9"], _prompts(tok, 2)
+    rm = RewardManager(doubles)
+    try:
+        out = judge(prompts, texts, lambda extra: rm(texts, [p.ground_truth for p in prompts], extra_infos=extra),
+                    [{"index": 0}, None])
+    finally:
+        judge.close()
+    assert out.scores.tolist() == [1.5, 1.5] and out.extra["judge_score"] == [0.75, 0.75]
+    assert seen == [{"index": 0, "judge_score": 0.75}, {"judge_score": 0.75}]  # the row's own extra_info kept
