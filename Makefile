@@ -53,6 +53,13 @@ $(QUICKSTART_DISTILL): $(QUICKSTART_ASSETS) mrl/quickstarts/distill.py
 	$(PY) -m mrl.quickstarts distill --out outputs/quickstart --force
 	@touch $@
 
+# The judge quickstart's judge (mrl_configs/quickstart_judge.yaml): a causal LM fine-tuned on the
+# actor's body to answer yes/no, so rewritten whenever the quickstart's assets are.
+QUICKSTART_JUDGE := outputs/quickstart/.judge-written
+$(QUICKSTART_JUDGE): $(QUICKSTART_ASSETS) mrl/quickstarts/judge.py
+	$(PY) -m mrl.quickstarts judge --out outputs/quickstart --force
+	@touch $@
+
 AGENT_ASSETS := outputs/quickstart_agent/.assets-written
 $(AGENT_ASSETS): $(VENV)/.installed mrl/quickstarts/agent.py
 	$(PY) -m mrl.quickstarts agent --out outputs/quickstart_agent --force
@@ -66,6 +73,7 @@ $(MOE_ASSETS): $(VENV)/.installed mrl/quickstarts/base.py mrl/quickstarts/moe.py
 train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(if $(findstring quickstart_moe,$(CONFIG)),$(MOE_ASSETS),$(QUICKSTART_ASSETS))) \
 		$(if $(findstring quickstart_rm,$(CONFIG)),$(QUICKSTART_RM)) \
 		$(if $(findstring quickstart_distill,$(CONFIG)),$(QUICKSTART_DISTILL)) \
+		$(if $(findstring quickstart_judge,$(CONFIG)),$(QUICKSTART_JUDGE)) \
 		$(if $(findstring quickstart_agent,$(CONFIG)),$(AGENT_ASSETS))
 	$(VENV)/bin/mrl train $(CONFIG) $(ARGS)
 

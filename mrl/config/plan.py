@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from mrl.config.auto import planned_device, resolve_shared_prefix, resolve_transport
 from mrl.config.hf import ModelShape, read_model_shape
+from mrl.config.judge import judge_plan_lines
 from mrl.config.layout import RoleLayout, compute_layout
 from mrl.config.parallel import ParallelConfig
 from mrl.config.root import MRLConfig
@@ -264,6 +265,7 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
                 desc += f" | experts: EP={p.expert_model_parallel_size} ETP={p.etp} EDP={edp}"
         share = "colocated with actor" if lay.colocated else "owns these devices"
         lines.append(f"    {name:12s} {lay.count:4d} {kind} [{where}] {desc}; {share}")
+    lines.extend(judge_plan_lines(cfg))  # reward.judge: its engines or external server (docs/judge.md)
     if plan.memory:
         model = f"model {plan.param_count / 1e6:.1f}M params"
         if plan.num_experts:

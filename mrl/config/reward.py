@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from mrl.config.base import Section
+from mrl.config.judge import JudgeConfig
 
 # registry name | pkg.module:fn | path/to/file.py:fn
 _FUNCTION_RE = re.compile(r"^([A-Za-z_][\w]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*|[^:]+\.py:[A-Za-z_]\w*)$")
@@ -34,6 +35,7 @@ class RewardConfig(Section):
         "raise", description="When scoring fails or times out: raise, score 0, or mask the sample out of the loss."
     )
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig, description="DAPO overlong penalty.")
+    judge: JudgeConfig = Field(default_factory=JudgeConfig, description="Generative reward model (LLM-as-judge, docs/judge.md).")
 
     @field_validator("function")
     @classmethod

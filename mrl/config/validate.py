@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mrl.config.auto import inprocess_blockers
 from mrl.config.hf import ModelShape, read_model_shape
+from mrl.config.judge import check_judge
 from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_devices
 from mrl.config.parallel import ParallelConfig
 from mrl.config.preflight import check_checkpoints
@@ -530,8 +531,10 @@ def missing_inputs(cfg: MRLConfig) -> list[str]:
     """The files a run reads that are not on this host (``mrl plan`` notes them: the plan may be made
     before the model is downloaded; ``mrl train`` refuses to start without them)."""
     critic = [("critic.model_path", cfg.critic.model_path)] if cfg.critic_enabled and cfg.critic.model_path else []
-    return [f"{key}={path!r} does not exist; for the quickstart run `python -m mrl.quickstarts base --out outputs/quickstart` "
-            "first (make train does)"
+    j = cfg.reward.judge
+    critic += [("reward.judge.model", j.model)] if j.enable and j.model else []  # docs/judge.md
+    return [f"{key}={path!r} does not exist; for the quickstart run `python -m mrl.quickstarts "
+            f"{'judge' if key == 'reward.judge.model' else 'base'} --out outputs/quickstart` first (make train does)"
             for key, path in (("model.path", cfg.model.path), *critic, *(("data.train_files", f) for f in cfg.data.train_files))
             if path and not Path(path).exists()]
 
@@ -604,6 +607,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     _check_reliability(cfg, errors, notes)
     check_extension_points(cfg, errors)
     check_reward_model(cfg, errors, notes)
+    check_judge(cfg, errors, notes)
     _check_agent(cfg, errors)
     check_checkpoints(cfg, errors, notes)
     if cfg.cluster.device == "cpu" and cfg.model.dtype in ("bfloat16", "float16"):

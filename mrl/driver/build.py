@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the driver imports these lazily inside build(); the annotat
     from mrl.cluster import WorkerGroup
     from mrl.data.dataset import PromptDataset
     from mrl.driver.engines import EngineSet
+    from mrl.driver.judge import Judge
     from mrl.driver.rm_reward import RewardModelInputs
     from mrl.observability.tracking import Tracking
     from mrl.rewards import RewardManager
@@ -110,6 +111,7 @@ class Services:
     teacher_workers: WorkerGroup | None = None  # teacher.placement=separate: its own ranks (driver/teacher_ranks.py)
     plan: RunPlan | None = None  # set once Ray shows its devices
     rm_inputs: RewardModelInputs | None = None  # reward_model.enable: the batch the RM scores (driver/rm_reward.py)
+    judge: Judge | None = None  # reward.judge.enable: its engines and the reward phase's judge (driver/judge.py)
 
 
 @contextlib.contextmanager
@@ -121,6 +123,7 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
     from mrl.data.dataset import PromptDataset, check_batch_fits
     from mrl.data.tokenize import pad_token_id_of
     from mrl.driver.engines import EngineSet
+    from mrl.driver.judge import start_judge
     from mrl.driver.rm_ranks import start_reward_model_group
     from mrl.driver.rm_reward import RewardModelInputs
     from mrl.driver.state import read_trainer_state
@@ -182,6 +185,7 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
             if group is not None:
                 group.wait_constructed()
         s.engines.wait_healthy()
+        s.judge = start_judge(cfg, plan, s.workers, s.engines, tok)  # reward.judge: its engines (docs/judge.md)
         # A dead engine is restarted by the pool; it is brought back to the current weights from
         # disk when a snapshot exists (rollout.weight_sync.snapshot_dir, or the disk transport's dir),
         # else it stays out of service with the reason logged.
@@ -249,6 +253,7 @@ def _teardown(s: Services, status: str) -> None:
     for step in (
         lambda: s.tracking and s.tracking.finish(status),
         lambda: getattr(s.client, "runner", None) and s.client.close(),  # the agent loop's tool workers
+        lambda: s.judge and s.judge.close(),
         lambda: s.route_pool and s.route_pool.close(),
         lambda: s.router and s.router.stop(),
         lambda: s.pool and s.pool.close(),

@@ -254,7 +254,11 @@ class RLTrainer:
                                  data_sources=[p.data_source for p in d.prompts], extra_infos=extra)
 
         extra = [p.extra_info for p in d.prompts]  # combine_rm: reward_model.combine, RM score in extra_info
-        out = combine_rm(rm.combine, d.rm_scores, rule, extra) if rm.enable else rule(extra)
+        if self.s.judge is not None:  # reward.judge: its verdicts, combined per reward.judge.combine
+            with timer("judge", m):
+                out = self.s.judge(d.prompts, d.texts, rule, extra, m)
+        else:
+            out = combine_rm(rm.combine, d.rm_scores, rule, extra) if rm.enable else rule(extra)
         d.scores, d.valid, d.reward_extra_info = out.scores, out.valid, out.extra
         if not (rm.enable and rm.combine == "rm"):  # reward.function was called
             m.update(out.fault_metrics())  # reward/errors, reward/timeouts, reward/zeroed_samples
@@ -475,7 +479,7 @@ class RLTrainer:
                              reward=self.s.reward, rollout=self.cfg.rollout, val_batch_size=self.cfg.data.val_batch_size,
                              log_generations=self.cfg.trainer.log_val_generations, keep_samples=bool(dump_dir),
                              seed=(self.cfg.trainer.seed, self.global_step), rm=self.val_rm(),
-                             rm_combine=self.cfg.reward_model.combine)
+                             rm_combine=self.cfg.reward_model.combine, judge=self.s.judge)
         if res.generations and self.s.tracking is not None:
             self.s.tracking.log_generations(res.generations, self.global_step)
         if dump_dir:

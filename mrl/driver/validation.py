@@ -86,7 +86,8 @@ def pick_generations(inputs: Sequence[str], outputs: Sequence[str], scores: Sequ
 def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, rollout: Any,
                    val_batch_size: int | None = None, log_generations: int = 0,
                    keep_samples: bool = False, seed: tuple[int, int] | None = None,
-                   rm: Callable[[Any, list[Any]], Any] | None = None, rm_combine: str = "rm") -> ValidationResult:
+                   rm: Callable[[Any, list[Any]], Any] | None = None, rm_combine: str = "rm",
+                   judge: Callable[..., RewardResult] | None = None) -> ValidationResult:
     """Answer, score and summarise every prompt of ``dataset`` (a ``PromptDataset``).
 
     ``client``: RolloutClient; ``reward``: RewardManager; ``rollout``: RolloutConfig (its
@@ -95,6 +96,7 @@ def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, ro
     ``keep_samples``: also return every sample's input, output, ground truth, score and scorer keys.
     ``seed``: (trainer.seed, step) of sampled answers' per-sample ``sampling_seed`` (mrl/driver/seeds.py).
     ``rm``: (TrainBatch, prompts) -> [B] reward-model scores, combined per ``rm_combine`` (reward_model.combine).
+    ``judge``: reward.judge's ``mrl.driver.judge.Judge`` (its verdicts, combined as in training).
     """
     vk = rollout.val_kwargs
     params = val_sampling_params(vk, rollout.max_response_length)
@@ -122,7 +124,9 @@ def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, ro
                           extra_infos=extra)
 
         extra = [p.extra_info for p in rep]
-        if rm is None:
+        if judge is not None:
+            out = judge(rep, texts, rule, extra)
+        elif rm is None:
             out = rule(extra)
         else:
             batch = assemble_train_batch(dataset.collate(list(rows)), res, pad_token_id=dataset.pad_token_id,

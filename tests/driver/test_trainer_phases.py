@@ -100,7 +100,7 @@ def _trainer(tmp_path, *overrides: str, rm_workers=None) -> tuple[RLTrainer, Rec
     values = torch.linspace(-0.5, 0.5, batch.response_length).expand(batch.batch_size, -1) * batch.response_mask
     workers = RecordingWorkers(values)
     services = SimpleNamespace(train_ds=list(range(64)), workers=workers, rm_workers=rm_workers, pool=RecordingPool(workers.calls),
-                               client=None, log_dir=tmp_path, plan=plan_run(cfg, "cpu"), tracking=None)  # no metric sinks (Services.tracking may be None)
+                               client=None, log_dir=tmp_path, plan=plan_run(cfg, "cpu"), tracking=None, judge=None)  # no metric sinks (Services.tracking may be None)
     tr = RLTrainer(cfg, services)
     scores = _scores(batch)
 

@@ -287,6 +287,18 @@ def test_control_token_required_when_set(model_dir):
         assert ok.status_code == 200 and len(ok.json()["checksums"]["lm_head.weight"]) == 32
 
 
+def test_api_key_guards_every_route_but_health(model_dir):
+    # SGLang's --api-key (mrl engine --api-key-env): /generate and the OpenAI routes need it too
+    engine = Engine(str(model_dir))
+    gen = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+    with TestClient(build_app(engine, api_key="k3y")) as c:
+        assert c.get("/health").status_code == 200
+        for path, body in (("/generate", gen), ("/v1/completions", {"prompt": [1, 2], "max_tokens": 1})):
+            assert c.post(path, json=body).status_code == 401
+            assert c.post(path, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert c.post(path, json=body, headers={"Authorization": "Bearer k3y"}).status_code == 200
+
+
 def test_logprobs_exact_when_rows_join_and_leave(model_dir):
     """Cache surgery (rows merged mid-run, finished rows dropped, padding columns cut) must not
     change any sequence's log-probs: every one equals transformers' on its own tokens."""

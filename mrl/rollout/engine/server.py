@@ -1,6 +1,6 @@
 """HTTP server of the embedded engine, speaking SGLang's native protocol (``mrl engine``).
 
-    mrl engine --model HF_DIR --port P [--host 127.0.0.1] [--token-env VAR | --token T]
+    mrl engine --model HF_DIR --port P [--host 127.0.0.1] [--token-env VAR | --token T] [--api-key-env VAR]
                [--max-running N] [--device cpu|cuda] [--dtype float32] [--seed S]
                [--enable-return-routed-experts]
     python -m mrl.rollout.engine.server (same arguments)
@@ -9,7 +9,9 @@ Security: binds 127.0.0.1 by default. When a token is configured, every control 
 (everything except /generate, /health*, /model_info, /server_info and their /get_* aliases,
 /get_weight_version and the OpenAI /v1 routes: SGLang's NORMAL auth level) requires
 ``Authorization: Bearer <token>``; the
-server refuses to bind a non-loopback address without one. Requests are JSON only; tensors
+server refuses to bind a non-loopback address without one. ``--api-key-env VAR`` (SGLang's ``--api-key``)
+adds a key that every route but /health* requires, /generate and /v1 included: an OpenAI-compatible server
+for outside clients (e.g. a judge, docs/judge.md). Requests are JSON only; tensors
 arrive from disk (safetensors), shared memory or torch.distributed, never pickled.
 
 Routed experts (MoE models): started with ``--enable-return-routed-experts`` (SGLang's flag), the engine
@@ -83,8 +85,9 @@ class Engine:
         return s.weight_version
 
 
-def build_app(engine: Engine, token: str | None = None) -> FastAPI:
-    """FastAPI app over ``engine``; ``token`` (if any) guards the control endpoints."""
+def build_app(engine: Engine, token: str | None = None, api_key: str | None = None) -> FastAPI:
+    """FastAPI app over ``engine``; ``token`` (if any) guards the control endpoints; ``api_key`` (SGLang's
+    ``--api-key``) every route but /health*, /generate and the OpenAI /v1 routes included."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -105,6 +108,15 @@ def build_app(engine: Engine, token: str | None = None) -> FastAPI:
             raise HTTPException(401, "control endpoint: send 'Authorization: Bearer <token>' (the engine's --token)")
 
     ctl = [Depends(control)]
+    if api_key is not None:
+        @app.middleware("http")
+        async def require_api_key(request: HTTPRequest, call_next):
+            # as SGLang's add_api_key_middleware: health probes stay open, everything else needs the key
+            got = request.headers.get("authorization", "")
+            if request.url.path.startswith("/health") or hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                return await call_next(request)
+            return JSONResponse({"error": {"message": "send 'Authorization: Bearer <api key>' (the engine's "
+                                           "--api-key-env)"}}, status_code=401)
 
     def bad_request(e: Exception) -> JSONResponse:
         return JSONResponse({"error": {"message": str(e)}}, status_code=400)
@@ -385,6 +397,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--token-env", help="environment variable holding the control token")
     g.add_argument("--token", help="control token (prefer --token-env: argv is visible to other users)")
+    ap.add_argument("--api-key-env", help="environment variable holding an API key every route but /health* then "
+                    "requires (SGLang's --api-key; an OpenAI-compatible server for other clients, e.g. a judge)")
     ap.add_argument("--max-running", type=int, default=MAX_RUNNING, help="max sequences decoded together")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -423,6 +437,15 @@ def resolve_token(args: argparse.Namespace) -> str | None:
     return token
 
 
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    if not args.api_key_env:
+        return None
+    key = os.environ.get(args.api_key_env)
+    if not key:
+        raise SystemExit(f"--api-key-env {args.api_key_env}: that environment variable is empty or unset")
+    return key
+
+
 def exit_with_parent(poll_s: float = 2.0) -> None:
     """When ``PARENT_PID_ENV`` (``MRL_ENGINE_PARENT_PID``) names the process that launched this server (``EngineProcess``
     sets it), exit as soon as that process is gone: the server runs in a session of its own, so a
@@ -457,7 +480,7 @@ def cli_main(argv: list[str] | None = None) -> int:
                         enable_return_routed_experts=args.enable_return_routed_experts, limits=limits)
     except ValueError as e:  # e.g. the flag on a dense model: a user mistake, no traceback
         raise SystemExit(f"mrl engine: {e}") from None
-    app = build_app(engine, token=token)
+    app = build_app(engine, token=token, api_key=resolve_api_key(args))
     # SIGTERM: open requests get SHUTDOWN_GRACE_S, then are cancelled (uvicorn's default waits for every
     # connection: a long /generate kept the engine up past SIGTERM for 20 s, until SIGKILL)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

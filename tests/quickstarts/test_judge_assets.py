@@ -1,0 +1,46 @@
+"""``python -m mrl.quickstarts judge`` writes a causal LM on the actor's warm-started body and tokenizer
+that answers " yes" to the right sum and " no" to wrong ones (re-measured here on the reloaded
+checkpoint, and by greedy generation as the judge engine runs it); quickstart_judge.yaml renders the
+prompt it was trained on."""
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mrl.quickstarts import base as qs
+from mrl.quickstarts import judge as qj
+from mrl.quickstarts.cli import main as quickstarts_main
+from mrl.rewards.judge import parse_verdict
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_recipe_renders_the_prompt_the_judge_learnt() -> None:
+    cfg = yaml.safe_load((ROOT / "mrl_configs" / "quickstart_judge.yaml").read_text())
+    assert cfg["reward"]["judge"]["prompt_template"] == qj.TEMPLATE
+    assert "{ground_truth}" not in qj.TEMPLATE  # the judge never sees the answer key
+
+
+@pytest.mark.slow
+def test_judge_says_yes_to_right_sums_and_no_to_wrong_ones(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "quickstart"
+    assert quickstarts_main(["judge", "--out", str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out / qj.JUDGE_DIR, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(out / qj.JUDGE_DIR)
+    right, wrong = qj.judge_accuracy(model, tok)
+    assert right >= 0.99 and wrong >= 0.99, (right, wrong)  # measured 1.000 / 0.998 (seed 0)
+    # greedy decoding, as the judge engine answers: the verdict parses with the recipe's default pattern
+    for response, verdict in ((" 7", 1.0), (" 8", 0.0), (" 77", 0.0), (" ", 0.0)):
+        ids = torch.tensor([tok.encode(qj.TEMPLATE.format(prompt="question: what is 3 + 4 ? answer:", response=response))])
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, eos_token_id=qs.QWEN2_SHAPE["eos_token_id"],
+                                 pad_token_id=0)
+        text = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+        assert parse_verdict(text, scores={"yes": 1.0, "no": 0.0}) == verdict, (response, text)
+    # an untrained judge (the actor's body) does not answer the question
+    base = AutoModelForCausalLM.from_pretrained(out / qs.MODEL_DIR, dtype=torch.float32).eval()
+    assert min(qj.judge_accuracy(base, tok)) < 0.9
+    assert quickstarts_main(["judge", "--out", str(out)]) == 0  # present: kept
