@@ -86,7 +86,7 @@ def _trainer(ds, tmp_path, rounds: list[tuple[list[int], list[str]]], *overrides
         "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2", "algorithm.filter_groups.enable=true",
         "data.gen_batch_size=3", "rollout.max_response_length=8", *overrides])
     services = SimpleNamespace(train_ds=ds, pad_token_id=ds.pad_token_id, reward=RewardManager(scored_with_acc),
-                               workers=None, rm_workers=None, pool=SimpleNamespace(asleep=False), client=None, log_dir=tmp_path,
+                               workers=None, rm_workers=None, teacher_workers=None, pool=SimpleNamespace(asleep=False), client=None, log_dir=tmp_path,
                                plan=plan_run(cfg, "cpu"), judge=None)
     tr = RLTrainer(cfg, services)
     queue = list(rounds)

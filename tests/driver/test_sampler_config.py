@@ -17,7 +17,7 @@ def _sampler(tmp_path, *overrides: str):
         f"model.path={tmp_path}/m", f"data.train_files=[{tmp_path}/t.jsonl]", "data.train_batch_size=4",
         "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4", *overrides])
     services = SimpleNamespace(train_ds=list(range(40)), pad_token_id=0, reward=RewardManager(lambda *a, **k: 0.0),
-                               workers=None, rm_workers=None, pool=SimpleNamespace(asleep=False), client=None, log_dir=tmp_path,
+                               workers=None, rm_workers=None, teacher_workers=None, pool=SimpleNamespace(asleep=False), client=None, log_dir=tmp_path,
                                plan=plan_run(cfg, "cpu"))
     s = RLTrainer(cfg, services).sampler
     return [s.next_batch() for _ in range(3)]

@@ -36,6 +36,7 @@ class RecordingWorkers:
             "compute_log_prob": lambda: (b.old_log_probs, torch.ones(b.response_mask.shape)),
             "compute_ref_log_prob": lambda: b.old_log_probs - 0.1 * b.response_mask,
             "compute_values": lambda: self.values,
+            "compute_teacher_log_prob": lambda: b.old_log_probs - 0.3 * b.response_mask,
             "update_critic": lambda: {"critic/vf_loss": 0.25, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.1},
             "update_policy": lambda: {"actor/pg_loss": 0.5},
             # the on-policy shortcut: the update's own (here: made-up) log-probs and entropies come back
@@ -99,7 +100,7 @@ def _trainer(tmp_path, *overrides: str, rm_workers=None) -> tuple[RLTrainer, Rec
     batch = ragged_batch().replace(advantages=None)
     values = torch.linspace(-0.5, 0.5, batch.response_length).expand(batch.batch_size, -1) * batch.response_mask
     workers = RecordingWorkers(values)
-    services = SimpleNamespace(train_ds=list(range(64)), workers=workers, rm_workers=rm_workers, pool=RecordingPool(workers.calls),
+    services = SimpleNamespace(train_ds=list(range(64)), workers=workers, rm_workers=rm_workers, teacher_workers=None, pool=RecordingPool(workers.calls),
                                client=None, log_dir=tmp_path, plan=plan_run(cfg, "cpu"), tracking=None, judge=None)  # no metric sinks (Services.tracking may be None)
     tr = RLTrainer(cfg, services)
     scores = _scores(batch)
@@ -149,6 +150,29 @@ def test_ppo_phase_order_warmup_and_critic_metrics(tmp_path) -> None:
     valid = critic_batch.response_mask.bool()
     assert m2["critic/returns/max"] == ret[valid].max().item()
     assert m2["critic/values/min"] == values[valid].min().item()
+
+
+def test_distillation_phase_and_reward(tmp_path) -> None:
+    """teacher_log_prob after old_log_prob; reverse_kl_reward adds -coef*(log pi_old - log pi_teacher) per token to the
+    (weighed) task reward before the advantages; kl_loss passes the teacher's log-probs to the update instead."""
+    (tmp_path / "teacher").mkdir()
+    on = ("teacher.enable=true", f"teacher.path={tmp_path}/teacher", "actor.use_kl_loss=false")
+    tr, w, _ = _trainer(tmp_path, *on, "algorithm.distill.mode=reverse_kl_reward", "algorithm.distill.coef=2.0",
+                        "algorithm.distill.task_reward_coef=0.5", "algorithm.adv_estimator=reinforce_plus_plus")
+    m = tr.step()
+    assert w.names() == ["compute_log_prob", "compute_teacher_log_prob", "update_policy", "sync_weights"]
+    b = w.calls[2][1][0]  # what the update trained on
+    mask = b.response_mask.float()
+    rewards = 0.5 * _scores(b) - 2.0 * (0.3 * mask)  # log pi_old - log pi_teacher = 0.3 on every response token
+    adv, _ = get_adv_estimator("reinforce_plus_plus")(rewards, mask, gamma=1.0)
+    torch.testing.assert_close(b.advantages, adv, rtol=0, atol=1e-6)
+    assert m["distill/reverse_kl"] == pytest.approx(0.3) and "timing_s/teacher" in m
+    tr, w, _ = _trainer(tmp_path, *on, "algorithm.distill.mode=kl_loss")
+    tr.step()
+    b = w.calls[2][1][0]
+    torch.testing.assert_close(b.teacher_log_prob, b.old_log_probs - 0.3 * b.response_mask)
+    adv, _ = get_adv_estimator("grpo")(_scores(b), b.response_mask.float(), index=b.uid)
+    torch.testing.assert_close(b.advantages, adv, rtol=0, atol=1e-6)  # the task reward alone: the KL is in the loss
 
 
 def test_warmup_counts_steps_from_resume(tmp_path) -> None:
