@@ -23,6 +23,30 @@ class WorkerGroupError(RuntimeError):
     """A rank failed or did not answer within the timeout."""
 
 
+class RankDiedError(WorkerGroupError):
+    """A rank's process is gone (killed, out of memory, a crash in native code): ``rank`` and ``role`` (the
+    rank's class) say which; the message is one line, not Ray's paragraph about possible causes."""
+
+    def __init__(self, message: str, rank: int, role: str) -> None:
+        super().__init__(message)
+        self.rank, self.role = rank, role
+
+
+def _died(e: ray.exceptions.RayError, rank: int, role: str, what: str) -> RankDiedError | None:
+    """A RankDiedError when ``e`` says the rank's actor (its process) is dead, else None."""
+    if not isinstance(e, ray.exceptions.RayActorError):
+        return None
+    import re
+
+    text = str(e)
+    pid = re.search(r"\bpid: (\d+)", text)
+    ip = re.search(r"\bip: ([0-9a-fA-F.:]+)", text)
+    where = f" (pid {pid.group(1)}{f' on {ip.group(1)}' if ip else ''})" if pid else ""
+    return RankDiedError(f"{role} rank {rank}{where} died during {what}: its process exited (killed by a signal, "
+                         "out of memory, or a crash in native code; see the kernel log and the run's worker logs)",
+                         rank, role)
+
+
 def init_ray(address: str | None, num_cpus: int | None = None) -> None:
     """Join ``address`` (cluster.address) or start a local Ray instance with ``num_cpus``.
 
@@ -126,6 +150,7 @@ class WorkerGroup:
                  extra_env: dict[str, str] | None = None, wait: bool = True) -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.role = cls_path.rsplit(".", 1)[-1]  # named in errors: which group's rank failed
         gpus = 1 if device == "cuda" else 0
         bundle = {"CPU": cpus_per_rank, **({"GPU": gpus} if gpus else {})}
         self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
@@ -171,7 +196,11 @@ class WorkerGroup:
             try:
                 ray.get(ready[0])
             except ray.exceptions.RayError as e:
-                raise WorkerGroupError(f"{what} failed on rank {refs.index(ready[0])}: {e}") from e
+                rank = refs.index(ready[0])
+                died = _died(e, rank, self.role, what)
+                if died is not None:
+                    raise died from None
+                raise WorkerGroupError(f"{what} failed on rank {rank}: {e}") from e
         return ray.get(refs)
 
     def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:

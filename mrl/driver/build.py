@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from mrl.config import MRLConfig
 from mrl.config.run_plan import RunPlan, plan_run
 from mrl.driver.ranks import TrainRanks
-from mrl.errors import UnsupportedConfigError
+from mrl.errors import InputRefusedError, UnsupportedConfigError
 
 if TYPE_CHECKING:  # the driver imports these lazily inside build(); the annotations name them
     from transformers import PreTrainedTokenizerBase
@@ -61,8 +61,10 @@ def _check_resume_dir(cfg: MRLConfig) -> Path | None:
                 raise CheckpointError(f"{d} was not trained from model.path={cfg.model.path!r}: {why}; fix: point model.path "
                                       "at the run's base model, or start a new run (trainer.resume_mode=disable or "
                                       "another trainer.default_local_dir)")
-    except (FileNotFoundError, CheckpointError, ValueError) as e:
+    except FileNotFoundError as e:  # a path that is not there: exit 3, like other missing inputs
         raise UnsupportedConfigError(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: {e}") from None
+    except (CheckpointError, ValueError) as e:  # another model's or a corrupt checkpoint: a user mistake, exit 2
+        raise InputRefusedError(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: {e}") from None
     return d
 
 

@@ -35,6 +35,7 @@ class RolloutController:
         ``version`` — a sync that missed an engine must not train on stale samples silently."""
         res = self.client.generate(request)
         if res.failed:
+            self._stop_if_engines_lost(f"{len(res.failed)} of {len(res.samples)} rollout samples failed")
             raise RuntimeError(f"{len(res.failed)} of {len(res.samples)} rollout samples failed, first: "
                                f"{res.failed[0].error}; see the engine logs under {self.log_dir}")
         expected = {str(version)} | ({"default"} if version == 0 else set())
@@ -53,7 +54,7 @@ class RolloutController:
         with it, the push reaches it, then it serves again. ``pause=False``: nothing generates now (the
         synchronous step), so the engines are not paused and resumed around the load (WeightSyncer.sync)."""
         pool = self.pool
-        pool.wait_recovered(self.startup_timeout_s)
+        self.check_engines()
         rejoin = any(e.awaiting_sync for e in pool.engines)
         if rejoin:
             self.ranks.rejoin_weight_sync()
@@ -66,6 +67,30 @@ class RolloutController:
         if rejoin:
             pool.readmit(str(version))
         self.pushed(version, per_rank, m)
+
+    def check_engines(self) -> None:
+        """Before a push: an engine killed since the last request (no connection to /health) is taken out
+        and restarted now, not met by the senders mid-push (a connection error in a trainer rank); any
+        restart under way is waited for (bounded: the engine start timeout), and an engine that could not
+        be brought back stops the run with a message naming it."""
+        pool = self.pool
+        pool.loop.run(pool.probe_alive())
+        try:
+            pool.wait_recovered(self.startup_timeout_s)
+        except TimeoutError:
+            pass  # still recovering: named below
+        self._stop_if_engines_lost("before the weight push", waiting=True)
+
+    def _stop_if_engines_lost(self, context: str, waiting: bool = False) -> None:
+        """RunStoppedError naming every engine (index, address, why) that is out with no way back."""
+        from mrl.errors import RunStoppedError
+
+        lost = [(i, e) for i, e in enumerate(self.pool.engines) if waiting and e.recovering] + self.pool.lost_engines()
+        if lost:
+            names = "; ".join(f"engine {i} ({e.url}): {e.last_error or 'out of service'}" for i, e in lost)
+            raise RunStoppedError(f"{context}: lost {names}; the pool restarts a dead engine and re-syncs it, and "
+                                  f"this one could not be brought back within {self.startup_timeout_s:.0f}s; "
+                                  f"see its log under {self.log_dir} (rollout.engine_startup_timeout_s bounds the wait)")
 
     def pushed(self, version: int, per_rank: list[dict[str, float]], m: dict[str, float]) -> None:
         """Record a push the ranks made (``push``, or the update call itself: RunPlan.push_with_update)."""

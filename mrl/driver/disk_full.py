@@ -1,0 +1,83 @@
+"""A full disk, reported as one line: which file or directory, how much is free there, and (for a
+checkpoint save) that the previous checkpoint is still the latest. A save that runs out of space fails
+in Megatron's writer on every rank (torch's CheckpointException, wrapped in Ray's error text); the
+``latest`` pointer is only written after a whole save (driver/state.py), so it never names the partial
+one, and the partial directory is removed here to give the space back (issue 33: a 3 MB tmpfs gave a
+CheckpointException traceback, and the resume an OSError traceback from the metrics log writer)."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from mrl.errors import RunStoppedError
+
+#: what an out-of-space write says, in an exception's own text or in a remote traceback carried as text
+_MARKERS = (f"[Errno {errno.ENOSPC}]", f"[Errno {errno.EDQUOT}]", f"[Errno {errno.EFBIG}]",
+            os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT), os.strerror(errno.EFBIG))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def free_space(path: str | os.PathLike | None) -> str:
+    """'X MiB free of Y MiB on the filesystem of <dir>' for the nearest existing directory of ``path``."""
+    p = Path(path or ".").absolute()
+    while not p.is_dir() and p != p.parent:
+        p = p.parent
+    try:
+        u = shutil.disk_usage(p)
+    except OSError:
+        return f"free space of {p} unknown"
+    return f"{_mib(u.free)} free of {_mib(u.total)} on the filesystem of {p}"
+
+
+def disk_full_message(filename: str | os.PathLike | None, reason: str) -> str:
+    """One line for an out-of-space error the driver met writing ``filename``."""
+    where = f"writing {filename}" if filename else "writing a file"
+    return (f"no space left {where} ({reason}): {free_space(filename)}; fix: free space there, or point "
+            "trainer.default_local_dir (checkpoints, logs, metrics.log) at a filesystem with room")
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """``e`` (or what it wraps) is an out-of-space write, by errno or, for a rank's error that reached
+    the driver as Ray's text, by the message the OS gives."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return True
+        if any(m in str(x) for m in _MARKERS):
+            return True
+        x = x.__cause__ or x.__context__
+    return False
+
+
+@contextlib.contextmanager
+def checkpoint_save(root: str, step: int) -> Iterator[None]:
+    """Run one checkpoint save of ``step`` under ``root``; when it runs out of space, remove the partial
+    ``global_step_<step>`` (never a complete one: it has no trainer_state.json yet) and stop the run with
+    a RunStoppedError naming the directory, the free space and the latest complete checkpoint (what
+    ``latest_checkpointed_iteration.txt`` still names), the one to resume from."""
+    from mrl.driver.state import complete_steps
+
+    latest = max((s for s in complete_steps(root) if s != step), default=None)
+    try:
+        yield
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        d = Path(root) / f"global_step_{step}"
+        if d.is_dir() and not (d / "trainer_state.json").is_file():
+            shutil.rmtree(d, ignore_errors=True)
+        last = (f"the latest checkpoint is still {Path(root) / f'global_step_{latest}'} (complete; a resume "
+                f"loads it)" if latest is not None else "no earlier checkpoint exists")
+        raise RunStoppedError(
+            f"the checkpoint of step {step} did not fit in {d} (no space left on device; the partial save was "
+            f"removed): {free_space(root)}; {last}; fix: free space there or point trainer.default_local_dir at a "
+            "filesystem with room (trainer.max_ckpt_to_keep bounds how many checkpoints are kept)") from None
