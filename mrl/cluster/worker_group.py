@@ -213,6 +213,8 @@ class WorkerGroup:
         step's collective cannot answer; :meth:`shutdown` kills it next), then :meth:`shutdown`."""
         try:
             self._wait([a.call.remote(method, (), {}) for a in self.actors], method, timeout_s)
+        except RankDiedError:
+            pass  # already reported by the call it failed; the others are killed next
         finally:
             self.shutdown()
 

@@ -148,6 +148,9 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
     check_batch_fits(len(train_ds), (d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable
                      else d.train_batch_size, d.train_files, train_ds.num_filtered)
     resumed_from = _check_resume_dir(cfg)
+    from mrl.driver.disk_full import check_room
+
+    check_room(cfg.trainer.checkpoint_dir, cfg.trainer.save_freq, resumed_from)  # a full disk: before Ray, not at a save
     s = Services(tok, pad_token_id_of(tok), train_ds,
                  PromptDataset.from_config(d, tok, "val", scalar_ground_truth=scalar_gt, tools=schemas) if d.val_files else None,
                  RewardManager.from_config(cfg.reward), None, log_dir)

@@ -81,3 +81,27 @@ def checkpoint_save(root: str, step: int) -> Iterator[None]:
             f"the checkpoint of step {step} did not fit in {d} (no space left on device; the partial save was "
             f"removed): {free_space(root)}; {last}; fix: free space there or point trainer.default_local_dir at a "
             "filesystem with room (trainer.max_ckpt_to_keep bounds how many checkpoints are kept)") from None
+
+
+def _size(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+
+
+def check_room(root: str | None, save_freq: int, latest: Path | None) -> None:
+    """Before anything starts: a run that will checkpoint needs room for one more checkpoint as large as
+    its latest one (saves are whole before ``latest`` moves on, and pruning happens after), else it would
+    train for a while and stop at the first save. RunStoppedError naming the directory and the space."""
+    if not root or save_freq <= 0 or latest is None or not latest.is_dir():
+        return
+    need = _size(latest)
+    p = Path(root).absolute()
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError:
+        return
+    if free < need:
+        raise RunStoppedError(
+            f"no room for the next checkpoint in trainer.default_local_dir={root}: the latest one ({latest}) takes "
+            f"{_mib(need)}, {free_space(p)}; nothing was started; fix: free space there, or point "
+            "trainer.default_local_dir at a filesystem with room (a resume then needs trainer.resume_mode="
+            f"{latest})")

@@ -89,8 +89,8 @@ class RolloutController:
         if lost:
             names = "; ".join(f"engine {i} ({e.url}): {e.last_error or 'out of service'}" for i, e in lost)
             raise RunStoppedError(f"{context}: lost {names}; the pool restarts a dead engine and re-syncs it, and "
-                                  f"this one could not be brought back within {self.startup_timeout_s:.0f}s; "
-                                  f"see its log under {self.log_dir} (rollout.engine_startup_timeout_s bounds the wait)")
+                                  f"this one could not be brought back (rollout.engine_startup_timeout_s="
+                                  f"{self.startup_timeout_s:.0f}s bounds the wait); engine logs: {self.log_dir}")
 
     def pushed(self, version: int, per_rank: list[dict[str, float]], m: dict[str, float]) -> None:
         """Record a push the ranks made (``push``, or the update call itself: RunPlan.push_with_update)."""
