@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if debug:
             raise
-        stopped = _stopped_message(e)
+        stopped = _stopped_message(e, cfg.trainer.checkpoint_dir or "outputs")
         if stopped:
             print(f"\nmrl train: {stopped}", file=sys.stderr)
             return EXIT_FAILED
@@ -155,10 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
 
 
-def _stopped_message(e: BaseException) -> str | None:
+def _stopped_message(e: BaseException, run_dir: str) -> str | None:
     """The whole report of a fault the run stopped on (RunStoppedError), or of a full disk met by the
-    driver's own writers (checkpoint state, metrics log, MLflow's store): one line naming the file and
-    the free space, not an OSError traceback. None: report ``e`` as an error with its location."""
+    driver's own writers (checkpoint state, metrics log, MLflow's store): one line naming the file (else
+    ``run_dir``, where the driver writes) and the free space, not an OSError traceback. None: report ``e``
+    as an error with its location."""
     import errno
 
     from mrl.errors import RunStoppedError
@@ -172,7 +173,7 @@ def _stopped_message(e: BaseException) -> str | None:
         if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             from mrl.driver.disk_full import disk_full_message
 
-            return disk_full_message(x.filename, x.strerror or str(x))
+            return disk_full_message(x.filename, x.strerror or str(x), run_dir)
         x = x.__cause__ or x.__context__
     return None
 

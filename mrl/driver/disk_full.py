@@ -36,10 +36,11 @@ def free_space(path: str | os.PathLike | None) -> str:
     return f"{_mib(u.free)} free of {_mib(u.total)} on the filesystem of {p}"
 
 
-def disk_full_message(filename: str | os.PathLike | None, reason: str) -> str:
-    """One line for an out-of-space error the driver met writing ``filename``."""
-    where = f"writing {filename}" if filename else "writing a file"
-    return (f"no space left {where} ({reason}): {free_space(filename)}; fix: free space there, or point "
+def disk_full_message(filename: str | os.PathLike | None, reason: str, run_dir: str | None = None) -> str:
+    """One line for an out-of-space error the driver met writing ``filename`` (unknown: a file under
+    ``run_dir``, the run's directory)."""
+    where = f"writing {filename}" if filename else f"writing a file under {run_dir or '.'}"
+    return (f"no space left {where} ({reason}): {free_space(filename or run_dir)}; fix: free space there, or point "
             "trainer.default_local_dir (checkpoints, logs, metrics.log) at a filesystem with room")
 
 
@@ -67,12 +68,15 @@ def checkpoint_save(root: str, step: int) -> Iterator[None]:
     from mrl.driver.state import complete_steps
 
     latest = max((s for s in complete_steps(root) if s != step), default=None)
+    d = Path(root) / f"global_step_{step}"
     try:
         yield
     except Exception as e:
-        if not is_disk_full(e):
+        # torch's zip writer reports a short write as "[enforce fail at inline_container.cc] unexpected pos",
+        # not ENOSPC: a failed save that left less room than a checkpoint takes is a full disk too.
+        prev = _size(Path(root) / f"global_step_{latest}") if latest is not None else 0
+        if not (is_disk_full(e) or _free(root) < max(prev, _LOW)):
             raise
-        d = Path(root) / f"global_step_{step}"
         if d.is_dir() and not (d / "trainer_state.json").is_file():
             shutil.rmtree(d, ignore_errors=True)
         last = (f"the latest checkpoint is still {Path(root) / f'global_step_{latest}'} (complete; a resume "
@@ -85,6 +89,16 @@ def checkpoint_save(root: str, step: int) -> Iterator[None]:
 
 def _size(d: Path) -> int:
     return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+
+
+_LOW = 1 << 20  # under 1 MiB free after a failed save: that is why it failed
+
+
+def _free(path: str | os.PathLike) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 1 << 62
 
 
 def check_room(root: str | None, save_freq: int, latest: Path | None) -> None:
