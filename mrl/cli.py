@@ -1,7 +1,7 @@
 """``mrl`` command line: ``plan``, ``train``, ``engine`` and ``from-verl``.
 
 Exit codes: 0 ok, 2 config or data errors (each printed with the key or file:row and the fix; also a checkpoint to
-resume that is corrupt or was trained from another model), 3 a valid config that
+resume that is not one, is corrupt or was trained from another model), 3 a valid config that
 this build's driver cannot run yet or whose files are missing (printed with the keys), 1 a run that stopped on an error (one line naming it; ``mrl train --debug``
 shows the traceback), 130 interrupted. Only ``mrl.config`` (pydantic + PyYAML) is imported before a config is
 valid, so ``mrl plan`` answers in well under 3 s; heavy stacks load lazily in ``train``/``engine``.

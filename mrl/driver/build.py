@@ -61,9 +61,9 @@ def _check_resume_dir(cfg: MRLConfig) -> Path | None:
                 raise CheckpointError(f"{d} was not trained from model.path={cfg.model.path!r}: {why}; fix: point model.path "
                                       "at the run's base model, or start a new run (trainer.resume_mode=disable or "
                                       "another trainer.default_local_dir)")
-    except FileNotFoundError as e:  # a path that is not there: exit 3, like other missing inputs
-        raise UnsupportedConfigError(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: {e}") from None
-    except (CheckpointError, ValueError) as e:  # another model's or a corrupt checkpoint: a user mistake, exit 2
+    except (FileNotFoundError, CheckpointError, ValueError) as e:
+        # not a checkpoint, a corrupt one or another model's: a user mistake, exit 2 like a config error
+        # (a resume_mode path that does not exist at all is one already)
         raise InputRefusedError(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: {e}") from None
     return d
 
