@@ -19,4 +19,9 @@ class InputRefusedError(UnsupportedConfigError):
 class RunStoppedError(RuntimeError):
     """A run that started and stopped on a fault it cannot survive (an engine that could not be brought
     back, a dead trainer rank, a full disk): the message is the whole report (what, where, the last
-    resumable checkpoint), so ``mrl train`` prints it as one line, without the exception type."""
+    resumable checkpoint), so ``mrl train`` prints it as one line, without the exception type.
+    ``resume_hint``: the message does not say where to resume from; the driver adds the last checkpoint."""
+
+    def __init__(self, message: str, *, resume_hint: bool = False) -> None:
+        super().__init__(message)
+        self.resume_hint = resume_hint

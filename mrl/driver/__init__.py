@@ -17,6 +17,10 @@ def run(cfg: MRLConfig) -> None:
     except RankDiedError as e:  # reported after build's teardown: nothing of the run is left running
         raise RunStoppedError(f"{e}; the run stopped and ended every process it started; "
                               f"{resumable(cfg)}") from None
+    except RunStoppedError as e:
+        if not e.resume_hint:
+            raise
+        raise RunStoppedError(f"{e}; {resumable(cfg)}") from None
 
 
 def resumable(cfg: MRLConfig) -> str:

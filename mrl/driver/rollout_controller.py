@@ -61,7 +61,11 @@ class RolloutController:
         asleep = pool.asleep
         if asleep:
             pool.resume_memory(["weights"])
-        per_rank = self.ranks.sync_weights(version, pause=pause)
+        try:
+            per_rank = self.ranks.sync_weights(version, pause=pause)
+        except Exception:
+            self._stop_if_engine_died_in_push(version)
+            raise
         if asleep:
             pool.resume_memory(["kv_cache"])
         if rejoin:
@@ -81,6 +85,20 @@ class RolloutController:
             pass  # still recovering: named below
         self._stop_if_engines_lost("before the weight push", waiting=True)
 
+    def _stop_if_engine_died_in_push(self, version: int) -> None:
+        """A push that failed because an engine died under it: the senders stopped part-way (their peers
+        may wait in a barrier that never completes), so the push cannot be retried; stop naming the engine
+        rather than with the sender's connection error. Nothing if every engine still answers."""
+        from mrl.errors import RunStoppedError
+
+        gone = {e.url for e in self.pool.loop.run(self.pool.probe_alive())}
+        lost = [(i, e) for i, e in enumerate(self.pool.engines) if e.url in gone]
+        if lost:
+            names = "; ".join(f"engine {i} ({e.url})" for i, e in lost)
+            raise RunStoppedError(f"{names} died during the weight push of version {version}: a push cannot be "
+                                  f"resumed half-way, so the run stopped; engine logs: {self.log_dir}",
+                                  resume_hint=True)
+
     def _stop_if_engines_lost(self, context: str, waiting: bool = False) -> None:
         """RunStoppedError naming every engine (index, address, why) that is out with no way back."""
         from mrl.errors import RunStoppedError
@@ -90,7 +108,8 @@ class RolloutController:
             names = "; ".join(f"engine {i} ({e.url}): {e.last_error or 'out of service'}" for i, e in lost)
             raise RunStoppedError(f"{context}: lost {names}; the pool restarts a dead engine and re-syncs it, and "
                                   f"this one could not be brought back (rollout.engine_startup_timeout_s="
-                                  f"{self.startup_timeout_s:.0f}s bounds the wait); engine logs: {self.log_dir}")
+                                  f"{self.startup_timeout_s:.0f}s bounds the wait); engine logs: {self.log_dir}",
+                                  resume_hint=True)
 
     def pushed(self, version: int, per_rank: list[dict[str, float]], m: dict[str, float]) -> None:
         """Record a push the ranks made (``push``, or the update call itself: RunPlan.push_with_update)."""
