@@ -197,11 +197,27 @@ class WorkerGroup:
                 ray.get(ready[0])
             except ray.exceptions.RayError as e:
                 rank = refs.index(ready[0])
-                died = _died(e, rank, self.role, what)
+                died = _died(e, rank, self.role, what) or self._peer_died(refs, pending, what)
                 if died is not None:
                     raise died from None
                 raise WorkerGroupError(f"{what} failed on rank {rank}: {e}") from e
         return ray.get(refs)
+
+    def _peer_died(self, refs: list, pending: list, what: str, grace_s: float = 5.0) -> RankDiedError | None:
+        """A rank's failure is often its peer's death seen from a collective (gloo: connection closed by
+        peer) before Ray reports the dead actor: give the other ranks ``grace_s`` to show it, so the error
+        names the rank that died, not the one that noticed."""
+        if not pending:
+            return None
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as e:
+                died = _died(e, refs.index(ref), self.role, what)
+                if died is not None:
+                    return died
+        return None
 
     def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method(*args, **kwargs)`` on every rank; per-rank results in rank order."""

@@ -105,7 +105,9 @@ class RolloutController:
 
         lost = [(i, e) for i, e in enumerate(self.pool.engines) if waiting and e.recovering] + self.pool.lost_engines()
         if lost:
-            names = "; ".join(f"engine {i} ({e.url}): {e.last_error or 'out of service'}" for i, e in lost)
+            names = "; ".join(f"engine {i} ({e.url}): {e.last_error or 'out of service'}" + (
+                "" if e.restart is not None else f" (it runs inside trainer rank {i}, transport=inprocess, which "
+                "cannot restart it: that rank died or its server stopped)") for i, e in lost)
             raise RunStoppedError(f"{context}: lost {names}; the pool restarts a dead engine and re-syncs it, and "
                                   f"this one could not be brought back (rollout.engine_startup_timeout_s="
                                   f"{self.startup_timeout_s:.0f}s bounds the wait); engine logs: {self.log_dir}",

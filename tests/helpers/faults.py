@@ -106,7 +106,10 @@ def _zombie(pid: int) -> bool:
 
 
 def port_free(port: int) -> bool:
+    """Nothing is bound to ``port`` (SO_REUSEADDR, as the engines bind: connections the run closed may
+    linger in TIME_WAIT, which does not keep a new server from binding)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -118,3 +121,36 @@ def shm_of(pids: set[int]) -> list[str]:
     """/dev/shm segments the weight sender names after its process (``mrl_ws_<pid>_...``) for ``pids``."""
     return sorted(f.name for f in Path("/dev/shm").glob("mrl_ws_*") if f.name.split("_")[2].isdigit()
                   and int(f.name.split("_")[2]) in pids)
+
+
+def port_holders(port: int) -> list[str]:
+    """Processes with a TCP socket bound to local ``port`` (from /proc/net/tcp*), for a failure message."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{f[9]}]")
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if any(os.readlink(fd) in inodes for fd in (d / "fd").iterdir()):
+                    out.append(f"{d.name}: {cmdline(int(d.name))[:120]}")
+            except OSError:
+                continue
+    return out or [f"{len(inodes)} socket(s) with no process (TIME_WAIT or closing)"] if inodes else out
+
+
+def ports_released(ports: list[int], timeout_s: float = 60.0) -> list[str]:
+    """Who still holds any of ``ports`` ``timeout_s`` after the run ended (empty: all free)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = [f"{p}: {port_holders(p)}" for p in ports if not port_free(p)]
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.5)
