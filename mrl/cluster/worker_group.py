@@ -203,20 +203,21 @@ class WorkerGroup:
                 raise WorkerGroupError(f"{what} failed on rank {rank}: {e}") from e
         return ray.get(refs)
 
-    def _peer_died(self, refs: list, pending: list, what: str, grace_s: float = 5.0) -> RankDiedError | None:
+    def _peer_died(self, refs: list, pending: list, what: str, grace_s: float = 2.0) -> RankDiedError | None:
         """A rank's failure is often its peer's death seen from a collective (gloo: connection closed by
-        peer) before Ray reports the dead actor: give the other ranks ``grace_s`` to show it, so the error
-        names the rank that died, not the one that noticed."""
-        if not pending:
-            return None
-        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError as e:
-                died = _died(e, refs.index(ref), self.role, what)
-                if died is not None:
-                    return died
+        peer) before Ray reports the dead actor (well under a second after the process exits): give the
+        other ranks ``grace_s`` to show it, so the error names the rank that died, not the one that noticed."""
+        deadline = time.monotonic() + grace_s
+        pending = list(pending)
+        while pending and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    died = _died(e, refs.index(ref), self.role, what)
+                    if died is not None:
+                        return died
         return None
 
     def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
