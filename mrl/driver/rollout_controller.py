@@ -78,7 +78,8 @@ class RolloutController:
         restart under way is waited for (bounded: the engine start timeout), and an engine that could not
         be brought back stops the run with a message naming it."""
         pool = self.pool
-        pool.loop.run(pool.probe_alive())
+        if not pool.asleep:  # sleeping engines are not probed (SGLang's /health generates); a push meets them
+            pool.loop.run(pool.probe_alive())
         try:
             pool.wait_recovered(self.startup_timeout_s)
         except TimeoutError:

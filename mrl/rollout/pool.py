@@ -145,14 +145,15 @@ class EnginePool:
         oks = await asyncio.gather(*(one(e) for e in idle))
         return {e.url: ok for e, ok in zip(idle, oks)}
 
-    async def probe_alive(self) -> list[EngineEndpoint]:
+    async def probe_alive(self, timeout_s: float = 5.0) -> list[EngineEndpoint]:
         """GET /health on every engine in service; one that no connection reaches (a killed server) is
-        taken out and its recovery starts. Any HTTP answer counts as alive (a sleeping engine answers
-        /health too). Before a weight push: the senders would otherwise meet the dead engine mid-push.
-        Returns the engines taken out."""
+        taken out and its recovery starts. Any HTTP answer, or none within ``timeout_s``, counts as alive
+        (SGLang's /health may run a 1-token generation: a busy or sleeping engine answers late or 503).
+        Before a weight push: the senders would otherwise meet the dead engine mid-push. Returns the
+        engines taken out."""
         async def one(e: EngineEndpoint) -> bool:
             try:
-                await self.client().get(e.url + "/health", timeout=self.health_timeout_s)
+                await self.client().get(e.url + "/health", timeout=timeout_s)
                 return True
             except RequestTimeout:
                 return True  # busy, not gone: the request path and /health_generate judge it
