@@ -79,7 +79,7 @@ class RolloutController:
         be brought back stops the run with a message naming it."""
         pool = self.pool
         if not pool.asleep:  # sleeping engines are not probed (SGLang's /health generates); a push meets them
-            pool.loop.run(pool.probe_alive())
+            pool.take_out_dead()
         try:
             pool.wait_recovered(self.startup_timeout_s)
         except TimeoutError:
@@ -92,7 +92,7 @@ class RolloutController:
         rather than with the sender's connection error. Nothing if every engine still answers."""
         from mrl.errors import RunStoppedError
 
-        gone = {e.url for e in self.pool.loop.run(self.pool.probe_alive())}
+        gone = {e.url for e in self.pool.take_out_dead()}
         lost = [(i, e) for i, e in enumerate(self.pool.engines) if e.url in gone]
         if lost:
             names = "; ".join(f"engine {i} ({e.url})" for i, e in lost)

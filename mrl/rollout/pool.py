@@ -164,6 +164,10 @@ class EnginePool:
         alive = await asyncio.gather(*(one(e) for e in live))
         return [e for e, ok in zip(live, alive) if not ok]
 
+    def take_out_dead(self) -> list[EngineEndpoint]:
+        """:meth:`probe_alive` from a caller outside the pool's loop (the driver)."""
+        return self.loop.run(self.probe_alive())
+
     def lost_engines(self) -> list[tuple[int, EngineEndpoint]]:
         """(index, engine) of engines out of service with no recovery under way and none to come: the
         restart failed, or there is no restart (an engine that lives in a trainer rank)."""
