@@ -63,8 +63,11 @@ class RolloutController:
             pool.resume_memory(["weights"])
         try:
             per_rank = self.ranks.sync_weights(version, pause=pause)
-        except Exception:
-            self._stop_if_engine_died_in_push(version)
+        except Exception as e:
+            from mrl.cluster.worker_group import RankDiedError
+
+            if not isinstance(e, RankDiedError):  # a dead rank takes its in-process engine along: name the rank
+                self._stop_if_engine_died_in_push(version)
             raise
         if asleep:
             pool.resume_memory(["kv_cache"])
