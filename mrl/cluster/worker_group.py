@@ -94,7 +94,7 @@ class _RankActor:
     def node_info(self) -> dict[str, Any]:
         """Where this rank landed: Ray node id and IP, the node-local GPU ids Ray assigned it, and
         a free port on its node (rank 0's becomes MASTER_PORT)."""
-        return {**placement_info(), "free_port": free_port()}
+        return {**placement_info(), "free_port": free_port(), "pid": os.getpid()}
 
     def construct(self, cls_path: str, kwargs: dict[str, Any], env: dict[str, str]) -> bool:
         os.environ.update(env)
@@ -229,9 +229,19 @@ class WorkerGroup:
         """Teardown: ``method`` on every rank within ``timeout_s`` (a rank still stuck in a failed
         step's collective cannot answer; :meth:`shutdown` kills it next), then :meth:`shutdown`."""
         try:
-            self._wait([a.call.remote(method, (), {}) for a in self.actors], method, timeout_s)
-        except RankDiedError:
-            pass  # already reported by the call it failed; the others are killed next
+            # every live rank gets its close (a sender unlinks its /dev/shm segment there), a dead one is
+            # skipped: it was reported by the call it failed
+            refs = [a.call.remote(method, (), {}) for a in self.actors]
+            ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    pass
+                except ray.exceptions.RayError as e:
+                    raise WorkerGroupError(f"{method} failed on rank {refs.index(ref)}: {e}") from e
+            if pending:
+                raise WorkerGroupError(f"{method}: not every rank answered within {timeout_s:.0f}s")
         finally:
             self.shutdown()
 

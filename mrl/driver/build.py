@@ -254,7 +254,7 @@ def _teardown(s: Services, status: str) -> None:
         lambda: s.router and s.router.stop(),
         lambda: s.pool and s.pool.close(),
         lambda: [log.warning("could not stop %s", err) for err in (s.engines.stop() if s.engines else [])],
-        lambda: s.workers and s.workers.close("close", timeout_s=30.0),
+        lambda: s.workers and _close_ranks(s.workers),
         lambda: s.rm_workers and s.rm_workers.close("close", timeout_s=30.0),
         lambda: s.reward.close(),
         ray.shutdown,
@@ -263,6 +263,22 @@ def _teardown(s: Services, status: str) -> None:
             step()
         except Exception as e:  # noqa: BLE001 - keep tearing down the rest
             log.warning("shutdown step failed: %s", e)
+
+
+def _close_ranks(workers: WorkerGroup) -> None:
+    """Close the trainer ranks (30 s), then unlink the weight senders' /dev/shm segments that a rank killed
+    before its close left on this node (a SIGKILLed rank's own cleanup races the teardown)."""
+    import ray
+
+    from mrl.rollout.weight_sync.transports import TensorTransport
+
+    here = ray.get_runtime_context().get_node_id()
+    pids = [i["pid"] for i in workers.infos if i.get("node_id") == here and "pid" in i]
+    try:
+        workers.close("close", timeout_s=30.0)
+    finally:
+        for name in TensorTransport.remove_segments(pids):
+            log.info("removed /dev/shm/%s, left by a trainer rank that did not close", name)
 
 
 def _routed_experts_args(cfg: MRLConfig) -> dict:
