@@ -1,6 +1,7 @@
 """``mrl`` command line: ``plan``, ``train``, ``engine`` and ``from-verl``.
 
-Exit codes: 0 ok, 2 config or data errors (each printed with the key or file:row and the fix), 3 a valid config that
+Exit codes: 0 ok, 2 config or data errors (each printed with the key or file:row and the fix; also a checkpoint to
+resume that is not one, is corrupt or was trained from another model), 3 a valid config that
 this build's driver cannot run yet or whose files are missing (printed with the keys), 1 a run that stopped on an error (one line naming it; ``mrl train --debug``
 shows the traceback), 130 interrupted. Only ``mrl.config`` (pydantic + PyYAML) is imported before a config is
 valid, so ``mrl plan`` answers in well under 3 s; heavy stacks load lazily in ``train``/``engine``.
@@ -145,9 +146,36 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if debug:
             raise
+        stopped = _stopped_message(e, cfg.trainer.checkpoint_dir or "outputs")
+        if stopped:
+            print(f"\nmrl train: {stopped}", file=sys.stderr)
+            return EXIT_FAILED
         print(f"\nmrl train: stopped by {_where(e)}\n(run `mrl train --debug ...` for the Python traceback; the run's "
               "log directory has the workers' logs)", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _stopped_message(e: BaseException, run_dir: str) -> str | None:
+    """The whole report of a fault the run stopped on (RunStoppedError), or of a full disk met by the
+    driver's own writers (checkpoint state, metrics log, MLflow's store): one line naming the file (else
+    ``run_dir``, where the driver writes) and the free space, not an OSError traceback. None: report ``e``
+    as an error with its location."""
+    import errno
+
+    from mrl.errors import RunStoppedError
+
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, RunStoppedError):
+            return str(x)
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            from mrl.driver.disk_full import disk_full_message
+
+            return disk_full_message(x.filename, x.strerror or str(x), run_dir)
+        x = x.__cause__ or x.__context__
+    return None
 
 
 def _where(e: BaseException) -> str:
@@ -178,12 +206,15 @@ def _train(cfg) -> int:
               file=sys.stderr)
         return EXIT_CONFIG
     from mrl.data.dataset import DataError
-    from mrl.errors import UnsupportedConfigError
+    from mrl.errors import InputRefusedError, UnsupportedConfigError
     from mrl.train import run
 
     _console_logging()
     try:
         run(cfg)
+    except InputRefusedError as e:  # a user mistake found before Ray (another model's checkpoint): as a config error
+        print(f"\nmrl train: {e}\nnothing was started.", file=sys.stderr)
+        return EXIT_CONFIG
     except UnsupportedConfigError as e:
         print(f"\nmrl train: {e}", file=sys.stderr)
         return EXIT_UNSUPPORTED

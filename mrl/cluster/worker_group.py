@@ -23,6 +23,30 @@ class WorkerGroupError(RuntimeError):
     """A rank failed or did not answer within the timeout."""
 
 
+class RankDiedError(WorkerGroupError):
+    """A rank's process is gone (killed, out of memory, a crash in native code): ``rank`` and ``role`` (the
+    rank's class) say which; the message is one line, not Ray's paragraph about possible causes."""
+
+    def __init__(self, message: str, rank: int, role: str) -> None:
+        super().__init__(message)
+        self.rank, self.role = rank, role
+
+
+def _died(e: ray.exceptions.RayError, rank: int, role: str, what: str) -> RankDiedError | None:
+    """A RankDiedError when ``e`` says the rank's actor (its process) is dead, else None."""
+    if not isinstance(e, ray.exceptions.RayActorError):
+        return None
+    import re
+
+    text = str(e)
+    pid = re.search(r"\bpid: (\d+)", text)
+    ip = re.search(r"\bip: ([0-9a-fA-F.:]+)", text)
+    where = f" (pid {pid.group(1)}{f' on {ip.group(1)}' if ip else ''})" if pid else ""
+    return RankDiedError(f"{role} rank {rank}{where} died during {what}: its process exited (killed by a signal, "
+                         "out of memory, or a crash in native code; see the kernel log and the run's worker logs)",
+                         rank, role)
+
+
 def init_ray(address: str | None, num_cpus: int | None = None) -> None:
     """Join ``address`` (cluster.address) or start a local Ray instance with ``num_cpus``.
 
@@ -70,7 +94,7 @@ class _RankActor:
     def node_info(self) -> dict[str, Any]:
         """Where this rank landed: Ray node id and IP, the node-local GPU ids Ray assigned it, and
         a free port on its node (rank 0's becomes MASTER_PORT)."""
-        return {**placement_info(), "free_port": free_port()}
+        return {**placement_info(), "free_port": free_port(), "pid": os.getpid()}
 
     def construct(self, cls_path: str, kwargs: dict[str, Any], env: dict[str, str]) -> bool:
         os.environ.update(env)
@@ -126,6 +150,7 @@ class WorkerGroup:
                  extra_env: dict[str, str] | None = None, wait: bool = True) -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.role = cls_path.rsplit(".", 1)[-1]  # named in errors: which group's rank failed
         gpus = 1 if device == "cuda" else 0
         bundle = {"CPU": cpus_per_rank, **({"GPU": gpus} if gpus else {})}
         self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
@@ -171,8 +196,29 @@ class WorkerGroup:
             try:
                 ray.get(ready[0])
             except ray.exceptions.RayError as e:
-                raise WorkerGroupError(f"{what} failed on rank {refs.index(ready[0])}: {e}") from e
+                rank = refs.index(ready[0])
+                died = _died(e, rank, self.role, what) or self._peer_died(refs, pending, what)
+                if died is not None:
+                    raise died from None
+                raise WorkerGroupError(f"{what} failed on rank {rank}: {e}") from e
         return ray.get(refs)
+
+    def _peer_died(self, refs: list, pending: list, what: str, grace_s: float = 2.0) -> RankDiedError | None:
+        """A rank's failure is often its peer's death seen from a collective (gloo: connection closed by
+        peer) before Ray reports the dead actor (well under a second after the process exits): give the
+        other ranks ``grace_s`` to show it, so the error names the rank that died, not the one that noticed."""
+        deadline = time.monotonic() + grace_s
+        pending = list(pending)
+        while pending and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    died = _died(e, refs.index(ref), self.role, what)
+                    if died is not None:
+                        return died
+        return None
 
     def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method(*args, **kwargs)`` on every rank; per-rank results in rank order."""
@@ -183,7 +229,19 @@ class WorkerGroup:
         """Teardown: ``method`` on every rank within ``timeout_s`` (a rank still stuck in a failed
         step's collective cannot answer; :meth:`shutdown` kills it next), then :meth:`shutdown`."""
         try:
-            self._wait([a.call.remote(method, (), {}) for a in self.actors], method, timeout_s)
+            # every live rank gets its close (a sender unlinks its /dev/shm segment there), a dead one is
+            # skipped: it was reported by the call it failed
+            refs = [a.call.remote(method, (), {}) for a in self.actors]
+            ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    pass
+                except ray.exceptions.RayError as e:
+                    raise WorkerGroupError(f"{method} failed on rank {refs.index(ref)}: {e}") from e
+            if pending:
+                raise WorkerGroupError(f"{method}: not every rank answered within {timeout_s:.0f}s")
         finally:
             self.shutdown()
 

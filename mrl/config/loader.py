@@ -199,9 +199,10 @@ class _StrictLoader(yaml.SafeLoader):
 
 class DigitSeparated(str):
     """A plain scalar that YAML 1.1 reads as a number with ``_`` digit separators (``0.5_2`` -> 0.52,
-    ``2_0.5`` -> 20.5, ``1_2`` -> 12). mrl keeps it as the text written: a key that takes text gets it
-    (``rollout_is_threshold: 0.5_2`` is the band 'L_U' = [0.5, 2], as quoted), a numeric key refuses it
-    (:func:`digit_separator_errors`) rather than silently reading another number."""
+    ``2_0.5`` -> 20.5, ``1_2`` -> 12). mrl keeps it as the text written: a key that takes only text gets
+    it (a name such as ``2024_11``); a key that takes a number, or a number or text (a threshold: U or
+    the band 'L_U'), refuses it (:func:`digit_separator_errors`): no number-looking value is silently
+    read as something else. Quoted (``'0.5_2'``), it is plain text and never this class."""
 
 
 def _construct_number(loader: yaml.SafeLoader, node: yaml.ScalarNode, base: Any) -> Any:
@@ -222,6 +223,12 @@ def _admits_str(annotation: Any) -> bool:
     return any(_admits_str(a) for a in typing.get_args(annotation) if not isinstance(a, str))
 
 
+def _admits_number(annotation: Any) -> bool:
+    if annotation in (int, float):
+        return True
+    return any(_admits_number(a) for a in typing.get_args(annotation) if not isinstance(a, str))
+
+
 def _has_digit_separated(value: Any) -> bool:
     if isinstance(value, DigitSeparated):
         return True
@@ -239,8 +246,10 @@ def _plain(value: Any) -> Any:
 
 
 def digit_separator_errors(data: dict[str, Any], model: type[BaseModel] = MRLConfig, prefix: str = "") -> list[str]:
-    """Errors for digit-separated numbers (:class:`DigitSeparated`) given to keys that do not take text;
-    those keys are removed (pydantic's float() would read them as another number), text keys get plain str."""
+    """Errors for digit-separated numbers (:class:`DigitSeparated`) given to keys that take a number
+    (pydantic's float() would read them as another number) or a number or text (``rollout_is_threshold:
+    0.5_2`` could mean 0.52 or the band [0.5, 2]: only the quoted text is unambiguous); those keys are
+    removed. Keys that take only text get the plain str."""
     errors: list[str] = []
     fields = model.model_fields
     for key in list(data):
@@ -251,14 +260,22 @@ def digit_separator_errors(data: dict[str, Any], model: type[BaseModel] = MRLCon
         if sub is not None and isinstance(data[key], dict):
             errors.extend(digit_separator_errors(data[key], sub, f"{prefix}{key}."))
         elif _has_digit_separated(data[key]):
-            if _admits_str(field.annotation):
-                data[key] = _plain(data[key])
-            else:
-                errors.append(f"{prefix}{key}={_plain(data[key])!r}: '_' between digits is YAML 1.1's digit separator "
+            written, name = _plain(data[key]), f"{prefix}{key}"
+            if not _admits_str(field.annotation):
+                errors.append(f"{name}={written!r}: '_' between digits is YAML 1.1's digit separator "
                               f"(0.5_2 would read as 0.52, 1_2 as 12), which mrl does not accept in a number; fix: "
                               f"write the number without '_' (a band such as [0.5, 2] is a list or the text 'L_U' "
                               f"where the key takes one)")
                 del data[key]
+            elif _admits_number(field.annotation):
+                text = written if isinstance(written, str) else "L_U"
+                errors.append(f"{name}={text} is ambiguous: unquoted, YAML 1.1 reads it as one number with a digit "
+                              f"separator (0.5_2 as 0.52), while {name} also takes the text 'L_U' (the band "
+                              f"[L, U]); fix: quote the band ({key}: '{text}' in YAML, {name}=\"'{text}'\" on the "
+                              f"command line) or write one number without '_' (e.g. {name}=2.0)")
+                del data[key]
+            else:
+                data[key] = written
     return errors
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from mrl.config import MRLConfig
 from mrl.config.run_plan import RunPlan, plan_run
 from mrl.driver.ranks import TrainRanks
-from mrl.errors import UnsupportedConfigError
+from mrl.errors import InputRefusedError, UnsupportedConfigError
 
 if TYPE_CHECKING:  # the driver imports these lazily inside build(); the annotations name them
     from transformers import PreTrainedTokenizerBase
@@ -63,7 +63,9 @@ def _check_resume_dir(cfg: MRLConfig) -> Path | None:
                                       "at the run's base model, or start a new run (trainer.resume_mode=disable or "
                                       "another trainer.default_local_dir)")
     except (FileNotFoundError, CheckpointError, ValueError) as e:
-        raise UnsupportedConfigError(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: {e}") from None
+        # not a checkpoint, a corrupt one or another model's: a user mistake, exit 2 like a config error
+        # (a resume_mode path that does not exist at all is one already)
+        raise InputRefusedError(f"trainer.resume_mode={cfg.trainer.resume_mode!r}: {e}") from None
     return d
 
 
@@ -151,6 +153,9 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
     check_batch_fits(len(train_ds), (d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable
                      else d.train_batch_size, d.train_files, train_ds.num_filtered)
     resumed_from = _check_resume_dir(cfg)
+    from mrl.driver.disk_full import check_room
+
+    check_room(cfg.trainer.checkpoint_dir, cfg.trainer.save_freq, resumed_from)  # a full disk: before Ray, not at a save
     s = Services(tok, pad_token_id_of(tok), train_ds,
                  PromptDataset.from_config(d, tok, "val", scalar_ground_truth=scalar_gt, tools=schemas) if d.val_files else None,
                  RewardManager.from_config(cfg.reward), None, log_dir)
@@ -258,7 +263,7 @@ def _teardown(s: Services, status: str) -> None:
         lambda: s.router and s.router.stop(),
         lambda: s.pool and s.pool.close(),
         lambda: [log.warning("could not stop %s", err) for err in (s.engines.stop() if s.engines else [])],
-        lambda: s.workers and s.workers.close("close", timeout_s=30.0),
+        lambda: s.workers and _close_ranks(s.workers),
         lambda: s.rm_workers and s.rm_workers.close("close", timeout_s=30.0),
         lambda: s.teacher_workers and s.teacher_workers.close("close", timeout_s=30.0),
         lambda: s.reward.close(),
@@ -268,6 +273,22 @@ def _teardown(s: Services, status: str) -> None:
             step()
         except Exception as e:  # noqa: BLE001 - keep tearing down the rest
             log.warning("shutdown step failed: %s", e)
+
+
+def _close_ranks(workers: WorkerGroup) -> None:
+    """Close the trainer ranks (30 s), then unlink the weight senders' /dev/shm segments that a rank killed
+    before its close left on this node (a SIGKILLed rank's own cleanup races the teardown)."""
+    import ray
+
+    from mrl.rollout.weight_sync.transports import TensorTransport
+
+    here = ray.get_runtime_context().get_node_id()
+    pids = [i["pid"] for i in workers.infos if i.get("node_id") == here and "pid" in i]
+    try:
+        workers.close("close", timeout_s=30.0)
+    finally:
+        for name in TensorTransport.remove_segments(pids):
+            log.info("removed /dev/shm/%s, left by a trainer rank that did not close", name)
 
 
 def _routed_experts_args(cfg: MRLConfig) -> dict:

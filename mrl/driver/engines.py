@@ -112,6 +112,19 @@ def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple
     return cmd, env
 
 
+class EngineRestartError(RuntimeError):
+    """A restart that failed, said in one line: engine index, url, why (the first line of the launcher's
+    error and the last line of the engine's log) and where its log is."""
+
+    def __init__(self, slot: EngineSlot, log_path: Path, error: BaseException) -> None:
+        cause = getattr(error, "cause", None) or error  # a Ray task error carries the remote exception
+        lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip() and not ln.startswith(" ")]
+        why = type(cause).__name__ if not lines else lines[0]
+        if len(lines) > 1 and lines[-1] != lines[0]:
+            why += f" ... {lines[-1]}"
+        super().__init__(f"restart of engine {slot.index} ({slot.url}) failed: {why[:600]} (log: {log_path})")
+
+
 class InRankEngine:
     """Driver-side handle of an engine served from a trainer rank's process (``transport=inprocess``,
     ``TrainRank.start_engine``): up when that call returned, stopped by the rank's ``close``, never
@@ -162,9 +175,14 @@ class RemoteEngine:
         return self._call("wait_healthy", self._startup_timeout_s + 60.0)
 
     def restart(self) -> None:
-        """The pool's restart callback: same node, same command, same url."""
-        self._call("restart", self._startup_timeout_s + 120.0)
-        self.pid = self._call("get_pid", 30.0)
+        """The pool's restart callback: same node, same command, same url. A failure is one line (the
+        launcher's reason and the last line of the engine's log), not Ray's remote traceback: it becomes
+        the engine's ``last_error``, which the run's stop message quotes."""
+        try:
+            self._call("restart", self._startup_timeout_s + 120.0)
+            self.pid = self._call("get_pid", 30.0)
+        except Exception as e:  # noqa: BLE001 - any failure: the engine stays out, the reason kept short
+            raise EngineRestartError(self.slot, self.log_path, e) from None
 
     def kill(self) -> None:
         self._call("kill", 60.0)

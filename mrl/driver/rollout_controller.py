@@ -35,6 +35,7 @@ class RolloutController:
         ``version`` — a sync that missed an engine must not train on stale samples silently."""
         res = self.client.generate(request)
         if res.failed:
+            self._stop_if_engines_lost(f"{len(res.failed)} of {len(res.samples)} rollout samples failed")
             raise RuntimeError(f"{len(res.failed)} of {len(res.samples)} rollout samples failed, first: "
                                f"{res.failed[0].error}; see the engine logs under {self.log_dir}")
         expected = {str(version)} | ({"default"} if version == 0 else set())
@@ -53,19 +54,68 @@ class RolloutController:
         with it, the push reaches it, then it serves again. ``pause=False``: nothing generates now (the
         synchronous step), so the engines are not paused and resumed around the load (WeightSyncer.sync)."""
         pool = self.pool
-        pool.wait_recovered(self.startup_timeout_s)
+        self.check_engines()
         rejoin = any(e.awaiting_sync for e in pool.engines)
         if rejoin:
             self.ranks.rejoin_weight_sync()
         asleep = pool.asleep
         if asleep:
             pool.resume_memory(["weights"])
-        per_rank = self.ranks.sync_weights(version, pause=pause)
+        try:
+            per_rank = self.ranks.sync_weights(version, pause=pause)
+        except Exception as e:
+            from mrl.cluster.worker_group import RankDiedError
+
+            if not isinstance(e, RankDiedError):  # a dead rank takes its in-process engine along: name the rank
+                self._stop_if_engine_died_in_push(version)
+            raise
         if asleep:
             pool.resume_memory(["kv_cache"])
         if rejoin:
             pool.readmit(str(version))
         self.pushed(version, per_rank, m)
+
+    def check_engines(self) -> None:
+        """Before a push: an engine killed since the last request (no connection to /health) is taken out
+        and restarted now, not met by the senders mid-push (a connection error in a trainer rank); any
+        restart under way is waited for (bounded: the engine start timeout), and an engine that could not
+        be brought back stops the run with a message naming it."""
+        pool = self.pool
+        if not pool.asleep:  # sleeping engines are not probed (SGLang's /health generates); a push meets them
+            pool.take_out_dead()
+        try:
+            pool.wait_recovered(self.startup_timeout_s)
+        except TimeoutError:
+            pass  # still recovering: named below
+        self._stop_if_engines_lost("before the weight push", waiting=True)
+
+    def _stop_if_engine_died_in_push(self, version: int) -> None:
+        """A push that failed because an engine died under it: the senders stopped part-way (their peers
+        may wait in a barrier that never completes), so the push cannot be retried; stop naming the engine
+        rather than with the sender's connection error. Nothing if every engine still answers."""
+        from mrl.errors import RunStoppedError
+
+        gone = {e.url for e in self.pool.take_out_dead()}
+        lost = [(i, e) for i, e in enumerate(self.pool.engines) if e.url in gone]
+        if lost:
+            names = "; ".join(f"engine {i} ({e.url})" for i, e in lost)
+            raise RunStoppedError(f"{names} died during the weight push of version {version}: a push cannot be "
+                                  f"resumed half-way, so the run stopped; engine logs: {self.log_dir}",
+                                  resume_hint=True)
+
+    def _stop_if_engines_lost(self, context: str, waiting: bool = False) -> None:
+        """RunStoppedError naming every engine (index, address, why) that is out with no way back."""
+        from mrl.errors import RunStoppedError
+
+        lost = [(i, e) for i, e in enumerate(self.pool.engines) if waiting and e.recovering] + self.pool.lost_engines()
+        if lost:
+            names = "; ".join(f"engine {i} ({e.url}): {e.last_error or 'out of service'}" + (
+                "" if e.restart is not None else f" (it runs inside trainer rank {i}, transport=inprocess, which "
+                "cannot restart it: that rank died or its server stopped)") for i, e in lost)
+            raise RunStoppedError(f"{context}: lost {names}; the pool restarts a dead engine and re-syncs it, and "
+                                  f"this one could not be brought back (rollout.engine_startup_timeout_s="
+                                  f"{self.startup_timeout_s:.0f}s bounds the wait); engine logs: {self.log_dir}",
+                                  resume_hint=True)
 
     def pushed(self, version: int, per_rank: list[dict[str, float]], m: dict[str, float]) -> None:
         """Record a push the ranks made (``push``, or the update call itself: RunPlan.push_with_update)."""

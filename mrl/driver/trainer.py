@@ -24,7 +24,7 @@ from mrl.algorithms import (
 )
 from mrl.config import MRLConfig
 from mrl.data.sampler import get_sampler_cls
-from mrl.driver import base_model
+from mrl.driver import base_model, disk_full
 from mrl.driver.async_rollout import AsyncRollout, ProducedBatch
 from mrl.driver.batch import (
     assemble_train_batch,
@@ -579,7 +579,7 @@ class RLTrainer:
                     m |= self.validate()
             saved = t.save_freq > 0 and t.checkpoint_dir and (self.global_step % t.save_freq == 0 or last)
             if saved:
-                with timer("save_checkpoint", m):
+                with timer("save_checkpoint", m), disk_full.checkpoint_save(t.checkpoint_dir, self.global_step):
                     self.save()
             self.s.tracking.log(m, self.global_step)
             if saved:  # a resume from this checkpoint finds every step up to it in the MLflow run

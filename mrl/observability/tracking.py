@@ -67,8 +67,13 @@ class ConsoleSink:
         parts = [f"{k}:{v:.4g}" for k, v in sorted(metrics.items())]
         line = " - ".join([f"step:{step}", *parts])
         if self.path is not None:  # a training run: the file, not the console
-            with self.path.open("a", encoding="utf-8") as f:
-                f.write(line + "\n")
+            try:
+                with self.path.open("a", encoding="utf-8") as f:
+                    f.write(line + "\n")
+            except OSError as e:  # a full disk: name the file (a write's OSError carries no filename)
+                if e.filename is not None:
+                    raise
+                raise OSError(e.errno, e.strerror, str(self.path)) from e
         else:
             print(line, file=self.stream or sys.stdout, flush=True)
         metrics_log.debug(line)

@@ -145,6 +145,35 @@ class EnginePool:
         oks = await asyncio.gather(*(one(e) for e in idle))
         return {e.url: ok for e, ok in zip(idle, oks)}
 
+    async def probe_alive(self, timeout_s: float = 5.0) -> list[EngineEndpoint]:
+        """GET /health on every engine in service; one that no connection reaches (a killed server) is
+        taken out and its recovery starts. Any HTTP answer, or none within ``timeout_s``, counts as alive
+        (SGLang's /health may run a 1-token generation: a busy or sleeping engine answers late or 503).
+        Before a weight push: the senders would otherwise meet the dead engine mid-push. Returns the
+        engines taken out."""
+        async def one(e: EngineEndpoint) -> bool:
+            try:
+                await self.client().get(e.url + "/health", timeout=timeout_s)
+                return True
+            except RequestTimeout:
+                return True  # busy, not gone: the request path and /health_generate judge it
+            except TransportError as ex:
+                self.mark_unhealthy(e, f"/health before a weight push: {ex}")
+                return False
+        live = self.healthy_engines()
+        alive = await asyncio.gather(*(one(e) for e in live))
+        return [e for e, ok in zip(live, alive) if not ok]
+
+    def take_out_dead(self) -> list[EngineEndpoint]:
+        """:meth:`probe_alive` from a caller outside the pool's loop (the driver)."""
+        return self.loop.run(self.probe_alive())
+
+    def lost_engines(self) -> list[tuple[int, EngineEndpoint]]:
+        """(index, engine) of engines out of service with no recovery under way and none to come: the
+        restart failed, or there is no restart (an engine that lives in a trainer rank)."""
+        return [(i, e) for i, e in enumerate(self.engines)
+                if not e.healthy and not e.recovering and not e.awaiting_sync and e.url not in self._recoveries]
+
     def mark_unhealthy(self, e: EngineEndpoint, reason: str) -> None:
         """Take ``e`` out of routing and (once) start restart + re-sync in the background."""
         e.last_error = reason

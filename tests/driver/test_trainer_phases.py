@@ -60,10 +60,16 @@ class RecordingPool:
 
     def __init__(self, calls: list) -> None:
         self.calls, self.asleep, self.weight_version = calls, False, None
-        self.engines = [SimpleNamespace(awaiting_sync=False), SimpleNamespace(awaiting_sync=False)]
+        self.engines = [SimpleNamespace(awaiting_sync=False, recovering=False) for _ in range(2)]
 
     def wait_recovered(self, timeout_s: float) -> None:
         self.waited = timeout_s
+
+    def take_out_dead(self) -> list:  # every engine answers (tests/driver/test_rollout_controller_faults.py: one does not)
+        return []
+
+    def lost_engines(self) -> list:
+        return []
 
     def readmit(self, version: str) -> list[str]:
         self.calls.append(("readmit", (version,)))

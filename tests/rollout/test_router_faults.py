@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 
 import pytest
@@ -131,4 +132,28 @@ def test_health_probe_errors_count_towards_max_failures_before_a_restart(engines
         assert restarts == [1] and e.healthy and e.failures == 0
     finally:
         gate.set()
+        pool.close()
+
+
+def test_the_pre_push_probe_takes_out_a_dead_engine_and_names_one_that_cannot_come_back(engines):
+    """probe_alive (before every weight push): no connection -> taken out and restarted; an answer -> alive.
+    A restart that fails leaves the engine in lost_engines with the reason."""
+    ok = engines("ok")
+    with socket.socket() as s:  # a port nothing listens on: what a SIGKILLed server leaves
+        s.bind(("127.0.0.1", 0))
+        dead_url = f"http://127.0.0.1:{s.getsockname()[1]}"
+
+    def cannot_restart() -> None:
+        raise RuntimeError("restart of engine 1 failed: no config.json")
+
+    pool = EnginePool([EngineEndpoint(ok.url), EngineEndpoint(dead_url, cannot_restart)],
+                      health_interval_s=0, restart_timeout_s=5)
+    try:
+        gone = pool.loop.run(pool.probe_alive())
+        assert [e.url for e in gone] == [dead_url]
+        pool.wait_recovered(30)
+        assert [(i, e.url) for i, e in pool.lost_engines()] == [(1, dead_url)]
+        assert "recovery failed: RuntimeError: restart of engine 1 failed" in pool.engines[1].last_error
+        assert pool.engines[0].healthy and pool.lost_engines() == [(1, pool.engines[1])]
+    finally:
         pool.close()

@@ -113,7 +113,8 @@ def test_rollout_controller_refuses_stale_or_failed_samples():
 
     answers = iter([result({"3"}), result({"3", "2"}), result({"default"}), result({"3"}, failed=[
         SimpleNamespace(error="boom")])])
-    ctl = RolloutController(pool=None, client=SimpleNamespace(generate=lambda req: next(answers)), ranks=None,
+    pool = SimpleNamespace(engines=[], lost_engines=list)  # every engine in service
+    ctl = RolloutController(pool=pool, client=SimpleNamespace(generate=lambda req: next(answers)), ranks=None,
                             startup_timeout_s=1.0, log_dir="/logs")
     assert ctl.generate(None, 3)[1] == 3
     with pytest.raises(RuntimeError, match=r"weight versions .* expected 3"):

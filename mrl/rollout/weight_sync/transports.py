@@ -139,6 +139,18 @@ class TensorTransport:
     def init(self) -> None:
         pass
 
+    @staticmethod
+    def remove_segments(pids: list[int]) -> list[str]:
+        """Unlink the segments senders with these process ids left (processes killed before their close,
+        e.g. a rank SIGKILLed and its peers killed at teardown); the names they had."""
+        gone = []
+        for f in Path("/dev/shm").glob("mrl_ws_*"):  # POSIX shared memory on Linux (SharedMemory's home)
+            parts = f.name.split("_")
+            if len(parts) > 2 and parts[2].isdigit() and int(parts[2]) in pids:
+                f.unlink(missing_ok=True)
+                gone.append(f.name)
+        return gone
+
     def _segment(self, nbytes: int) -> shared_memory.SharedMemory:
         if self._shm is None or self._shm.size < nbytes:
             self._release()
