@@ -24,7 +24,7 @@ def check_layout(args: argparse.Namespace, model_dir: Path) -> None:
     """``--tp/--pp/--vpp`` (and ``--ep`` where the command has it) shard the model of ``model_dir/config.json``."""
     from mrl.config.hf import read_model_shape
     from mrl.config.parallel import ParallelConfig
-    from mrl.config.validate import _check_model_fits
+    from mrl.config.validate_parallel import check_model_fits
 
     try:
         shape = read_model_shape(str(model_dir))
@@ -36,7 +36,7 @@ def check_layout(args: argparse.Namespace, model_dir: Path) -> None:
                          virtual_pipeline_model_parallel_size=getattr(args, "vpp", None),
                          expert_model_parallel_size=getattr(args, "ep", None) or 1)
     errors: list[str] = []
-    _check_model_fits("layout", par, shape, f"{model_dir}/config.json", errors)
+    check_model_fits("layout", par, shape, f"{model_dir}/config.json", errors)
     if errors:
         text = "; ".join(errors).replace("layout.tensor_model_parallel_size", "--tp").replace(
             "layout.expert_model_parallel_size", "--ep").replace("choose a TP", "choose a --tp").replace(

@@ -509,7 +509,7 @@ def _check_reward_model_layout(cfg: MRLConfig, roles: dict[str, RoleLayout], act
     separate = rm.placement == "separate"
     key = "reward_model.megatron" if separate else "actor.megatron"
     if separate and lay.count > 0:
-        if rm.megatron is None:  # null = the actor's sizes; _check_parallel's flag checks ran for the actor
+        if rm.megatron is None:  # null = the actor's sizes; check_parallel's flag checks ran for the actor
             mp = lay.parallel.model_parallel_size
             if lay.count % mp:
                 errors.append(f"reward_model.megatron is null, so the separate reward model takes actor.megatron's "
