@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from mrl.algorithms.kl import kl_penalty
-from mrl.algorithms.masked import masked_mean
+from .kl import kl_penalty
+from .masked import masked_mean
 
 Tensor = torch.Tensor
 
