@@ -15,6 +15,8 @@
 * :func:`combine_rm` — the sample rewards from the RM scores and ``reward.function`` per
   ``reward_model.combine`` (rm: the RM score; rule+rm: the sum; function: the function's score,
   which sees ``extra_info["rm_score"]`` whenever it is called).
+* :func:`rm_rule_agreement` — where ``reward.function`` also reports a rule verdict (its ``acc`` key),
+  how often the RM's verdict agrees with it: reward hacking made visible while it happens.
 
 No Ray, no Megatron: the ranks' call is passed in.
 """
@@ -110,3 +112,34 @@ def combine_rm(combine: str, rm_scores: torch.Tensor, rule: Callable[[list[dict 
     if combine == "rule+rm":  # the rule's token_level_scores no longer hold the reward: dropped
         out = dataclasses.replace(out, scores=out.scores + rm_scores, token_level_scores=None)
     return out
+
+
+def rm_rule_agreement(rm_scores: torch.Tensor, acc: Sequence[Any]) -> tuple[list[float], list[float]]:
+    """Per sample, whether the RM's verdict agrees with the rule's, and whether the RM accepts an answer
+    the rule rejects (a policy gaming the RM raises the second and lowers the first)::
+
+        rm_ok_i    = rm_score_i > 0          (σ(rm_score_i) > 0.5: the RM's "right")
+        rule_ok_i  = acc_i >= 0.5            (the rule's verdict, reward.function's ``acc`` key)
+        agree_i    = [rm_ok_i == rule_ok_i]
+        fooled_i   = [rm_ok_i and not rule_ok_i]
+
+    A sample whose ``acc`` is missing (None: its scoring failed) counts as the rule's "wrong".
+    Returns (agree [B], fooled [B]) as 1.0/0.0 floats."""
+    if rm_scores.shape[0] != len(acc):
+        raise ValueError(f"{rm_scores.shape[0]} RM scores for {len(acc)} rule verdicts")
+    rm_ok = (rm_scores > 0).tolist()
+    rule_ok = [a is not None and float(a) >= 0.5 for a in acc]
+    agree = [float(r == u) for r, u in zip(rm_ok, rule_ok, strict=True)]
+    fooled = [float(r and not u) for r, u in zip(rm_ok, rule_ok, strict=True)]
+    return agree, fooled
+
+
+def rm_rule_metrics(rm_scores: torch.Tensor, extra: dict[str, list[Any]] | None) -> dict[str, float]:
+    """Training metrics of :func:`rm_rule_agreement`: ``reward/rm_rule_agreement`` (fraction of samples
+    whose RM verdict agrees with the rule's) and ``reward/rm_fooled`` (fraction of samples the RM
+    accepts and the rule rejects); {} when ``reward.function`` reports no ``acc``."""
+    if not extra or "acc" not in extra or rm_scores.shape[0] == 0:
+        return {}
+    agree, fooled = rm_rule_agreement(rm_scores, extra["acc"])
+    B = len(agree)
+    return {"reward/rm_rule_agreement": sum(agree) / B, "reward/rm_fooled": sum(fooled) / B}

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mrl.driver.rm_reward import RewardModelInputs, combine_rm, rm_input_batch, rm_texts
+from mrl.driver.rm_reward import (
+    RewardModelInputs,
+    combine_rm,
+    rm_input_batch,
+    rm_rule_agreement,
+    rm_rule_metrics,
+    rm_texts,
+)
 from tests.helpers.tiny_tokenizer import (
     CHATML_TEMPLATE,
     add_chat_template,
@@ -85,3 +92,20 @@ def test_combine_modes(combine: str, expected: list[float], called: bool) -> Non
     else:
         assert calls == [] and out.errors == [None] * 3
 
+
+
+def test_rm_rule_agreement_counts_the_answers_the_rm_is_fooled_by() -> None:
+    # RM verdicts (score > 0): right, right, wrong, wrong, right; rule: right, wrong, wrong, right, failed (None)
+    rm = torch.tensor([2.0, 0.3, -1.0, -0.1, 5.0])
+    agree, fooled = rm_rule_agreement(rm, [1.0, 0.0, 0.0, 1.0, None])
+    assert agree == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert fooled == [0.0, 1.0, 0.0, 0.0, 1.0]
+    assert rm_rule_metrics(rm, {"acc": [1.0, 0.0, 0.0, 1.0, None], "score": [0.0] * 5}) == {
+        "reward/rm_rule_agreement": 0.4, "reward/rm_fooled": 0.4}
+
+
+def test_rm_rule_metrics_need_a_rule_verdict() -> None:
+    assert rm_rule_metrics(torch.tensor([1.0]), {"score": [1.0]}) == {}
+    assert rm_rule_metrics(torch.tensor([1.0]), {}) == {}
+    with pytest.raises(ValueError, match="2 RM scores for 1 rule verdicts"):
+        rm_rule_agreement(torch.tensor([1.0, 2.0]), [1.0])
