@@ -59,6 +59,10 @@ LIST_LR, LIST_BATCH, LIST_STEPS = 5e-4, 16, 150
 # ... and LIST_EXTRA out-of-range wrong answers per problem (``_extra_wrong``): without them the policy
 # found answers the RM had never seen and liked (" 111", " 1111": greedy acc 0.30 -> 0.11 at step 20).
 LIST_EXTRA = 12
+# ... and LIST_NOISE answers with tokens of the whole vocabulary in them (``_noisy_wrong``), kept only when the
+# arith rule calls them wrong: without them the policy found answers with a stray non-digit token that the
+# RM liked (" 1\x0c 12" for 18, σ = 0.98; greedy acc 0.31 -> 0.24 (step 20) -> 0.00 (step 40) on an AMD host).
+LIST_NOISE = 16
 
 
 def score_with_acc(solution_str: str, ground_truth: str, data_source: str | None = None,
@@ -96,6 +100,32 @@ def _extra_wrong(tokenizer, a: int, rng: random.Random) -> list[list[int]]:
         texts.append(f" {a}{digits}" if kind == 0 else f" {str(rng.randint(1, 9)) * (k + 2)}" if kind == 1
                      else f" {rng.randint(1, 9)}{digits}{rng.randint(0, 9)}")
     return [tokenizer(t, add_special_tokens=False)["input_ids"] + [eos] for t in texts]
+
+
+def _noisy_wrong(tokenizer, a: int, rng: random.Random) -> list[list[int]]:
+    """LIST_NOISE wrong answers with arbitrary tokens in them: a number in [0, 2·MAX_OPERAND) (the right
+    sum included) with 1-3 tokens drawn from the whole vocabulary (specials excepted) inserted anywhere,
+    1-6 such tokens alone, or one token repeated 2-8 times; half end with EOS, half stop without it (a
+    response cut at rollout.max_response_length: the RM then reads a token it never saw last, and the
+    policy found " esti esti esti esti", σ = 0.46 where wrong sums get 0.01). Each is kept only when the
+    ``arith`` rule calls it wrong (e.g. " 1\x0c 12" for 18; " 7\x0c" for 7 is right by the rule and is redrawn)."""
+    from mrl.rewards.scorers import arith
+
+    eos, first = QWEN2_SHAPE["eos_token_id"], QWEN2_SHAPE["eos_token_id"] + 1  # ids 0-2: pad, bos, eos
+    out: list[list[int]] = []
+    while len(out) < LIST_NOISE:
+        k, kind = rng.randint(1, 3), rng.random()
+        if kind < 0.5:
+            ids = tokenizer(f" {rng.randrange(2 * MAX_OPERAND)}", add_special_tokens=False)["input_ids"]
+            for _ in range(k):
+                ids.insert(rng.randint(0, len(ids)), rng.randrange(first, tokenizer.vocab_size))
+        elif kind < 0.75:
+            ids = [rng.randrange(first, tokenizer.vocab_size) for _ in range(2 * k)]
+        else:
+            ids = [rng.randrange(first, tokenizer.vocab_size)] * rng.randint(2, 8)
+        if not arith(tokenizer.decode(ids), str(a)):
+            out.append(ids + [eos] if len(out) % 2 == 0 else ids)
+    return out
 
 
 def _scores(model, seqs: list[list[int]]):
@@ -168,7 +198,8 @@ def train_rm_verifier(model, tokenizer, seed: int, steps: int = LIST_STEPS) -> N
         for step in range(steps):
             batch = [rng.choice(data) for _ in range(LIST_BATCH)]
             s = _scores(model, [p + ans for p, a, answers in batch
-                                for ans in answers + _extra_wrong(tokenizer, a, rng)]).view(LIST_BATCH, -1)
+                                for ans in answers + _extra_wrong(tokenizer, a, rng) + _noisy_wrong(tokenizer, a, rng)]
+                          ).view(LIST_BATCH, -1)
             target = torch.tensor([a for _, a, _ in batch])
             loss = F.cross_entropy(s, target) + F.binary_cross_entropy_with_logits(
                 s, F.one_hot(target, s.shape[1]).float())
