@@ -114,32 +114,37 @@ def combine_rm(combine: str, rm_scores: torch.Tensor, rule: Callable[[list[dict 
     return out
 
 
-def rm_rule_agreement(rm_scores: torch.Tensor, acc: Sequence[Any]) -> tuple[list[float], list[float]]:
-    """Per sample, whether the RM's verdict agrees with the rule's, and whether the RM accepts an answer
-    the rule rejects (a policy gaming the RM raises the second and lowers the first)::
+def rm_rule_agreement(rm_scores: torch.Tensor, acc: Sequence[Any]) -> dict[str, list[float]]:
+    """Per sample, the RM against the rule (reward hacking shows as the RM paying for rule-wrong answers)::
 
-        rm_ok_i    = rm_score_i > 0          (σ(rm_score_i) > 0.5: the RM's "right")
-        rule_ok_i  = acc_i >= 0.5            (the rule's verdict, reward.function's ``acc`` key)
-        agree_i    = [rm_ok_i == rule_ok_i]
-        fooled_i   = [rm_ok_i and not rule_ok_i]
+        rm_ok_i       = rm_score_i > 0          (σ(rm_score_i) > 0.5: the RM's "right")
+        rule_ok_i     = acc_i >= 0.5            (the rule's verdict, reward.function's ``acc`` key)
+        agree_i       = [rm_ok_i == rule_ok_i]
+        fooled_i      = [rm_ok_i and not rule_ok_i]
+        wrong_prob_i  = σ(rm_score_i) · [not rule_ok_i]
 
+    ``wrong_prob`` catches what the verdicts miss: a policy that moves to answers the RM is unsure
+    of (σ 0.4 where wrong sums get 0.01) gains reward with every verdict still "wrong".
     A sample whose ``acc`` is missing (None: its scoring failed) counts as the rule's "wrong".
-    Returns (agree [B], fooled [B]) as 1.0/0.0 floats."""
+    Returns {"agree", "fooled", "wrong_prob"} -> [B] floats."""
     if rm_scores.shape[0] != len(acc):
         raise ValueError(f"{rm_scores.shape[0]} RM scores for {len(acc)} rule verdicts")
-    rm_ok = (rm_scores > 0).tolist()
+    prob = torch.sigmoid(rm_scores.float()).tolist()
     rule_ok = [a is not None and float(a) >= 0.5 for a in acc]
-    agree = [float(r == u) for r, u in zip(rm_ok, rule_ok, strict=True)]
-    fooled = [float(r and not u) for r, u in zip(rm_ok, rule_ok, strict=True)]
-    return agree, fooled
+    return {"agree": [float((p > 0.5) == u) for p, u in zip(prob, rule_ok, strict=True)],
+            "fooled": [float(p > 0.5 and not u) for p, u in zip(prob, rule_ok, strict=True)],
+            "wrong_prob": [0.0 if u else p for p, u in zip(prob, rule_ok, strict=True)]}
 
 
 def rm_rule_metrics(rm_scores: torch.Tensor, extra: dict[str, list[Any]] | None) -> dict[str, float]:
-    """Training metrics of :func:`rm_rule_agreement`: ``reward/rm_rule_agreement`` (fraction of samples
-    whose RM verdict agrees with the rule's) and ``reward/rm_fooled`` (fraction of samples the RM
-    accepts and the rule rejects); {} when ``reward.function`` reports no ``acc``."""
+    """Training metrics of :func:`rm_rule_agreement`, {} when ``reward.function`` reports no ``acc``:
+    ``reward/rm_rule_agreement`` (fraction of samples whose RM verdict agrees with the rule's),
+    ``reward/rm_fooled`` (fraction the RM accepts and the rule rejects) and ``reward/rm_prob_wrong``
+    (mean σ(rm_score) over the rule-wrong samples, 0 when there are none: what a wrong answer earns)."""
     if not extra or "acc" not in extra or rm_scores.shape[0] == 0:
         return {}
-    agree, fooled = rm_rule_agreement(rm_scores, extra["acc"])
-    B = len(agree)
-    return {"reward/rm_rule_agreement": sum(agree) / B, "reward/rm_fooled": sum(fooled) / B}
+    per = rm_rule_agreement(rm_scores, extra["acc"])
+    B = len(per["agree"])
+    n_wrong = sum(a is None or float(a) < 0.5 for a in extra["acc"])
+    return {"reward/rm_rule_agreement": sum(per["agree"]) / B, "reward/rm_fooled": sum(per["fooled"]) / B,
+            "reward/rm_prob_wrong": sum(per["wrong_prob"]) / n_wrong if n_wrong else 0.0}
