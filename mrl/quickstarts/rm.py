@@ -104,7 +104,8 @@ def _extra_wrong(tokenizer, a: int, rng: random.Random) -> list[list[int]]:
 
 def _noisy_wrong(tokenizer, a: int, rng: random.Random) -> list[list[int]]:
     """LIST_NOISE wrong answers with arbitrary tokens in them: a number in [0, 2·MAX_OPERAND) (the right
-    sum included) with 1-3 tokens drawn from the whole vocabulary (specials excepted) inserted anywhere,
+    sum included) spelt with 1-3 extra spaces before or after it (the policy found "  9" for 11, σ = 0.98),
+    or with 1-3 tokens drawn from the whole vocabulary (specials excepted) inserted anywhere,
     1-6 such tokens alone, or one token repeated 2-8 times; half end with EOS, half stop without it (a
     response cut at rollout.max_response_length: the RM then reads a token it never saw last, and the
     policy found " esti esti esti esti", σ = 0.46 where wrong sums get 0.01). Each is kept only when the
@@ -115,11 +116,15 @@ def _noisy_wrong(tokenizer, a: int, rng: random.Random) -> list[list[int]]:
     out: list[list[int]] = []
     while len(out) < LIST_NOISE:
         k, kind = rng.randint(1, 3), rng.random()
-        if kind < 0.5:
+        if kind < 0.35:  # a number spelt with extra spaces ("  9", " 9  ")
+            n = rng.randrange(2 * MAX_OPERAND)
+            ids = tokenizer(" " * k + f" {n}" if rng.random() < 0.7 else f" {n}" + " " * k,
+                            add_special_tokens=False)["input_ids"]
+        elif kind < 0.65:
             ids = tokenizer(f" {rng.randrange(2 * MAX_OPERAND)}", add_special_tokens=False)["input_ids"]
             for _ in range(k):
                 ids.insert(rng.randint(0, len(ids)), rng.randrange(first, tokenizer.vocab_size))
-        elif kind < 0.75:
+        elif kind < 0.8:
             ids = [rng.randrange(first, tokenizer.vocab_size) for _ in range(2 * k)]
         else:
             ids = [rng.randrange(first, tokenizer.vocab_size)] * rng.randint(2, 8)
