@@ -55,7 +55,9 @@ RM_LR, RM_BATCH, RM_MAX_STEPS, RM_TARGET, RM_CHECK = 1e-3, 64, 600, 0.97, 25
 # plus a binary cross-entropy on each candidate (sigmoid(r) = P(correct)), LIST_BATCH problems a step,
 # lr LIST_LR decayed linearly to 0 over LIST_STEPS. Trials (softmax only): at a constant lr 1e-3 after
 # phase 1 top-1 swung between 0.31 and 0.86; without phase 1 it was 0.43 after 400 steps.
-LIST_LR, LIST_BATCH, LIST_STEPS = 5e-4, 16, 150
+# 300 steps, not 150, since the off-distribution negatives joined (LIST_NOISE): after 150 the RM accepted
+# 15 of the 1,900 wrong sums (σ > 0.5) and the policy collapsed onto them (" 11" for 10 and 12); after 300, none.
+LIST_LR, LIST_BATCH, LIST_STEPS = 5e-4, 16, 300
 # ... and LIST_EXTRA out-of-range wrong answers per problem (``_extra_wrong``): without them the policy
 # found answers the RM had never seen and liked (" 111", " 1111": greedy acc 0.30 -> 0.11 at step 20).
 LIST_EXTRA = 12
