@@ -17,17 +17,19 @@ prompt's ids exactly as the dataset encodes them:
    (correct, wrong) pairs reaches ``RM_TARGET`` (checked every ``RM_CHECK`` steps) or ``RM_MAX_STEPS``;
 2. a verifier (``train_rm_verifier``, ``LIST_STEPS`` steps): per problem, softmax cross-entropy over
    all candidate answers (the 2·MAX_OPERAND sums plus ``LIST_EXTRA`` out-of-range wrong ones,
-   ``_extra_wrong``) with the right sum as the target, plus a binary cross-entropy on each candidate,
+   ``_extra_wrong``, and ``LIST_NOISE`` rule-wrong answers with arbitrary tokens, extra spaces or no
+   EOS, ``_noisy_wrong``) with the right sum as the target, plus a binary cross-entropy on each candidate,
    so that σ(r) is the probability that the answer is right (Cobbe et al. 2021, "Training Verifiers
    to Solve Math Word Problems").
 
-One thread: the bytes depend only on ``--seed`` (and the torch build). Measured (seed 0): 275
-Bradley–Terry steps (pairwise 0.987, but top-1 only 0.79: for 21% of the problems a wrong sum
-outscored the right one), then 150 verifier steps: **pairwise 0.999, top-1 0.99**, ~90 CPU-s in all.
+One thread: the bytes depend only on ``--seed``, the torch build and the CPU's floating-point order
+(seed 0: 275 Bradley–Terry steps on an Intel AMX host, 100 on an AMD EPYC one). Measured on the AMD
+host (seed 0): 100 Bradley–Terry steps, then 300 verifier steps: **pairwise 1.000, top-1 1.00**, no
+wrong sum with σ > 0.5 (150 verifier steps left 15 of the 1,900, and the policy found them).
 The val set is the train set, so memorising the 100 problems is legitimate here. The Bradley–Terry RM
-alone, or the verifier without the out-of-range answers, did not teach the policy the task (it
-collapsed onto a few favourite sums, or found answers like " 1111" the RM liked); docs/reward_model.md
-has the measurements.
+alone, or the verifier without the out-of-range or the noisy answers, did not teach the policy the task
+(it collapsed onto a few favourite sums, or found answers like " 1111", " esti esti esti esti" or
+"  9" the RM liked); docs/reward_model.md has the measurements.
 
 The RM never sees the rule: the recipe's reward is its score alone (``reward_model.combine=function``
 with :func:`score_with_acc`, which returns σ(RM score) as the reward and the ``arith`` rule's
