@@ -15,6 +15,8 @@
 * :func:`combine_rm` — the sample rewards from the RM scores and ``reward.function`` per
   ``reward_model.combine`` (rm: the RM score; rule+rm: the sum; function: the function's score,
   which sees ``extra_info["rm_score"]`` whenever it is called).
+* :func:`rm_rule_agreement` — where ``reward.function`` also reports a rule verdict (its ``acc`` key),
+  how often the RM's verdict agrees with it: reward hacking made visible while it happens.
 
 No Ray, no Megatron: the ranks' call is passed in.
 """
@@ -110,3 +112,39 @@ def combine_rm(combine: str, rm_scores: torch.Tensor, rule: Callable[[list[dict 
     if combine == "rule+rm":  # the rule's token_level_scores no longer hold the reward: dropped
         out = dataclasses.replace(out, scores=out.scores + rm_scores, token_level_scores=None)
     return out
+
+
+def rm_rule_agreement(rm_scores: torch.Tensor, acc: Sequence[Any]) -> dict[str, list[float]]:
+    """Per sample, the RM against the rule (reward hacking shows as the RM paying for rule-wrong answers)::
+
+        rm_ok_i       = rm_score_i > 0          (σ(rm_score_i) > 0.5: the RM's "right")
+        rule_ok_i     = acc_i >= 0.5            (the rule's verdict, reward.function's ``acc`` key)
+        agree_i       = [rm_ok_i == rule_ok_i]
+        fooled_i      = [rm_ok_i and not rule_ok_i]
+        wrong_prob_i  = σ(rm_score_i) · [not rule_ok_i]
+
+    ``wrong_prob`` catches what the verdicts miss: a policy that moves to answers the RM is unsure
+    of (σ 0.4 where wrong sums get 0.01) gains reward with every verdict still "wrong".
+    A sample whose ``acc`` is missing (None: its scoring failed) counts as the rule's "wrong".
+    Returns {"agree", "fooled", "wrong_prob"} -> [B] floats."""
+    if rm_scores.shape[0] != len(acc):
+        raise ValueError(f"{rm_scores.shape[0]} RM scores for {len(acc)} rule verdicts")
+    prob = torch.sigmoid(rm_scores.float()).tolist()
+    rule_ok = [a is not None and float(a) >= 0.5 for a in acc]
+    return {"agree": [float((p > 0.5) == u) for p, u in zip(prob, rule_ok, strict=True)],
+            "fooled": [float(p > 0.5 and not u) for p, u in zip(prob, rule_ok, strict=True)],
+            "wrong_prob": [0.0 if u else p for p, u in zip(prob, rule_ok, strict=True)]}
+
+
+def rm_rule_metrics(rm_scores: torch.Tensor, extra: dict[str, list[Any]] | None) -> dict[str, float]:
+    """Training metrics of :func:`rm_rule_agreement`, {} when ``reward.function`` reports no ``acc``:
+    ``reward/rm_rule_agreement`` (fraction of samples whose RM verdict agrees with the rule's),
+    ``reward/rm_fooled`` (fraction the RM accepts and the rule rejects) and ``reward/rm_prob_wrong``
+    (mean σ(rm_score) over the rule-wrong samples, 0 when there are none: what a wrong answer earns)."""
+    if not extra or "acc" not in extra or rm_scores.shape[0] == 0:
+        return {}
+    per = rm_rule_agreement(rm_scores, extra["acc"])
+    B = len(per["agree"])
+    n_wrong = sum(a is None or float(a) < 0.5 for a in extra["acc"])
+    return {"reward/rm_rule_agreement": sum(per["agree"]) / B, "reward/rm_fooled": sum(per["fooled"]) / B,
+            "reward/rm_prob_wrong": sum(per["wrong_prob"]) / n_wrong if n_wrong else 0.0}

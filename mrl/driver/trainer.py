@@ -39,7 +39,7 @@ from mrl.driver.dynamic_sampling import kept_prompts, merge_rounds
 from mrl.driver.finite import stop_if_not_finite
 from mrl.driver.ranks import TrainRanks
 from mrl.driver.rm_ranks import RewardModelRanks, reward_scorer
-from mrl.driver.rm_reward import combine_rm
+from mrl.driver.rm_reward import combine_rm, rm_rule_metrics
 from mrl.driver.rollout_controller import RolloutController
 from mrl.driver.rollout_correction import apply_rollout_correction
 from mrl.driver.seeds import group_seeds
@@ -262,6 +262,8 @@ class RLTrainer:
         d.scores, d.valid, d.reward_extra_info = out.scores, out.valid, out.extra
         if not (rm.enable and rm.combine == "rm"):  # reward.function was called
             m.update(out.fault_metrics())  # reward/errors, reward/timeouts, reward/zeroed_samples
+            if rm.enable:  # the RM's verdict vs the rule's acc, if the function reports one: hacking shows here
+                m.update(rm_rule_metrics(d.rm_scores, out.extra))
         seq = d.scores
         ob = self.cfg.reward.overlong_buffer
         if ob.enable:

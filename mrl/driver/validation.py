@@ -8,7 +8,11 @@
 
 With a reward model (``rm``, reward_model.enable) the answers are also scored by it and combined
 with ``reward.function`` exactly as in training (``reward_model.combine``, driver/rm_reward.py);
-its raw score is one more variable, ``rm_score`` (val-aux/<data_source>/rm_score/mean@N).
+its raw score is one more variable, ``rm_score`` (val-aux/<data_source>/rm_score/mean@N), and when
+the function also reports a rule verdict (``acc``), ``rm_rule_agree``, ``rm_fooled`` and ``rm_wrong_prob``
+(per answer: the RM's verdict σ(rm_score) > 0.5 agrees with the rule's; the RM accepts an answer the
+rule rejects; σ(rm_score) if the rule rejects it, else 0 — driver/rm_reward.rm_rule_agreement): the
+RM's drift from the rule on the val answers.
 
 A dict-returning scorer adds one metric variable per numeric key (``score`` included, as in verl),
 ``acc`` becomes the val-core variable, and ``pred`` is the vote of ``maj@k``.
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from mrl.driver.batch import (
     assemble_train_batch,
@@ -33,7 +38,7 @@ from mrl.driver.batch import (
     with_agent_info,
 )
 from mrl.driver.dumps import GenerationRows
-from mrl.driver.rm_reward import combine_rm
+from mrl.driver.rm_reward import combine_rm, rm_rule_agreement
 from mrl.driver.seeds import group_seeds
 from mrl.observability.val_metrics import (
     process_validation_metrics,
@@ -146,6 +151,9 @@ def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, ro
     infos = {"reward": scores, **(scored.extra if scored is not None else {})}  # verl: "reward" first
     if rm_parts and "rm_score" not in infos:
         infos["rm_score"] = [float(v) for part in rm_parts for v in part]
+    if rm_parts and "acc" in infos:
+        per = rm_rule_agreement(torch.cat(rm_parts), infos["acc"])
+        infos["rm_rule_agree"], infos["rm_fooled"], infos["rm_wrong_prob"] = per["agree"], per["fooled"], per["wrong_prob"]
     metrics = validation_metric_dict(process_validation_metrics(sources, uids, infos))
     gens = pick_generations(inputs, outputs, scores, log_generations) if log_generations else []
     samples = GenerationRows(inputs, outputs, gts, scores, infos) if keep_samples else None

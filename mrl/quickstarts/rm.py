@@ -17,17 +17,19 @@ prompt's ids exactly as the dataset encodes them:
    (correct, wrong) pairs reaches ``RM_TARGET`` (checked every ``RM_CHECK`` steps) or ``RM_MAX_STEPS``;
 2. a verifier (``train_rm_verifier``, ``LIST_STEPS`` steps): per problem, softmax cross-entropy over
    all candidate answers (the 2·MAX_OPERAND sums plus ``LIST_EXTRA`` out-of-range wrong ones,
-   ``_extra_wrong``) with the right sum as the target, plus a binary cross-entropy on each candidate,
+   ``_extra_wrong``, and ``LIST_NOISE`` rule-wrong answers with arbitrary tokens, extra spaces or no
+   EOS, ``_noisy_wrong``) with the right sum as the target, plus a binary cross-entropy on each candidate,
    so that σ(r) is the probability that the answer is right (Cobbe et al. 2021, "Training Verifiers
    to Solve Math Word Problems").
 
-One thread: the bytes depend only on ``--seed`` (and the torch build). Measured (seed 0): 275
-Bradley–Terry steps (pairwise 0.987, but top-1 only 0.79: for 21% of the problems a wrong sum
-outscored the right one), then 150 verifier steps: **pairwise 0.999, top-1 0.99**, ~90 CPU-s in all.
+One thread: the bytes depend only on ``--seed``, the torch build and the CPU's floating-point order
+(seed 0: 275 Bradley–Terry steps on an Intel AMX host, 100 on an AMD EPYC one). Measured on the AMD
+host (seed 0): 100 Bradley–Terry steps, then 300 verifier steps: **pairwise 1.000, top-1 1.00**, no
+wrong sum with σ > 0.5 (150 verifier steps left 15 of the 1,900, and the policy found them).
 The val set is the train set, so memorising the 100 problems is legitimate here. The Bradley–Terry RM
-alone, or the verifier without the out-of-range answers, did not teach the policy the task (it
-collapsed onto a few favourite sums, or found answers like " 1111" the RM liked); docs/reward_model.md
-has the measurements.
+alone, or the verifier without the out-of-range or the noisy answers, did not teach the policy the task
+(it collapsed onto a few favourite sums, or found answers like " 1111", " esti esti esti esti" or
+"  9" the RM liked); docs/reward_model.md has the measurements.
 
 The RM never sees the rule: the recipe's reward is its score alone (``reward_model.combine=function``
 with :func:`score_with_acc`, which returns σ(RM score) as the reward and the ``arith`` rule's
@@ -55,10 +57,16 @@ RM_LR, RM_BATCH, RM_MAX_STEPS, RM_TARGET, RM_CHECK = 1e-3, 64, 600, 0.97, 25
 # plus a binary cross-entropy on each candidate (sigmoid(r) = P(correct)), LIST_BATCH problems a step,
 # lr LIST_LR decayed linearly to 0 over LIST_STEPS. Trials (softmax only): at a constant lr 1e-3 after
 # phase 1 top-1 swung between 0.31 and 0.86; without phase 1 it was 0.43 after 400 steps.
-LIST_LR, LIST_BATCH, LIST_STEPS = 5e-4, 16, 150
+# 300 steps, not 150, since the off-distribution negatives joined (LIST_NOISE): after 150 the RM accepted
+# 15 of the 1,900 wrong sums (σ > 0.5) and the policy collapsed onto them (" 11" for 10 and 12); after 300, none.
+LIST_LR, LIST_BATCH, LIST_STEPS = 5e-4, 16, 300
 # ... and LIST_EXTRA out-of-range wrong answers per problem (``_extra_wrong``): without them the policy
 # found answers the RM had never seen and liked (" 111", " 1111": greedy acc 0.30 -> 0.11 at step 20).
 LIST_EXTRA = 12
+# ... and LIST_NOISE answers with tokens of the whole vocabulary in them (``_noisy_wrong``), kept only when the
+# arith rule calls them wrong: without them the policy found answers with a stray non-digit token that the
+# RM liked (" 1\x0c 12" for 18, σ = 0.98; greedy acc 0.31 -> 0.24 (step 20) -> 0.00 (step 40) on an AMD host).
+LIST_NOISE = 16
 
 
 def score_with_acc(solution_str: str, ground_truth: str, data_source: str | None = None,
@@ -96,6 +104,37 @@ def _extra_wrong(tokenizer, a: int, rng: random.Random) -> list[list[int]]:
         texts.append(f" {a}{digits}" if kind == 0 else f" {str(rng.randint(1, 9)) * (k + 2)}" if kind == 1
                      else f" {rng.randint(1, 9)}{digits}{rng.randint(0, 9)}")
     return [tokenizer(t, add_special_tokens=False)["input_ids"] + [eos] for t in texts]
+
+
+def _noisy_wrong(tokenizer, a: int, rng: random.Random) -> list[list[int]]:
+    """LIST_NOISE wrong answers with arbitrary tokens in them: a number in [0, 2·MAX_OPERAND) (the right
+    sum included) spelt with 1-3 extra spaces before or after it (the policy found "  9" for 11, σ = 0.98),
+    or with 1-3 tokens drawn from the whole vocabulary (specials excepted) inserted anywhere,
+    1-6 such tokens alone, or one token repeated 2-8 times; half end with EOS, half stop without it (a
+    response cut at rollout.max_response_length: the RM then reads a token it never saw last, and the
+    policy found " esti esti esti esti", σ = 0.46 where wrong sums get 0.01). Each is kept only when the
+    ``arith`` rule calls it wrong (e.g. " 1\x0c 12" for 18; " 7\x0c" for 7 is right by the rule and is redrawn)."""
+    from mrl.rewards.scorers import arith
+
+    eos, first = QWEN2_SHAPE["eos_token_id"], QWEN2_SHAPE["eos_token_id"] + 1  # ids 0-2: pad, bos, eos
+    out: list[list[int]] = []
+    while len(out) < LIST_NOISE:
+        k, kind = rng.randint(1, 3), rng.random()
+        if kind < 0.35:  # a number spelt with extra spaces ("  9", " 9  ")
+            n = rng.randrange(2 * MAX_OPERAND)
+            ids = tokenizer(" " * k + f" {n}" if rng.random() < 0.7 else f" {n}" + " " * k,
+                            add_special_tokens=False)["input_ids"]
+        elif kind < 0.65:
+            ids = tokenizer(f" {rng.randrange(2 * MAX_OPERAND)}", add_special_tokens=False)["input_ids"]
+            for _ in range(k):
+                ids.insert(rng.randint(0, len(ids)), rng.randrange(first, tokenizer.vocab_size))
+        elif kind < 0.8:
+            ids = [rng.randrange(first, tokenizer.vocab_size) for _ in range(2 * k)]
+        else:
+            ids = [rng.randrange(first, tokenizer.vocab_size)] * rng.randint(2, 8)
+        if not arith(tokenizer.decode(ids), str(a)):
+            out.append(ids + [eos] if len(out) % 2 == 0 else ids)
+    return out
 
 
 def _scores(model, seqs: list[list[int]]):
@@ -168,7 +207,8 @@ def train_rm_verifier(model, tokenizer, seed: int, steps: int = LIST_STEPS) -> N
         for step in range(steps):
             batch = [rng.choice(data) for _ in range(LIST_BATCH)]
             s = _scores(model, [p + ans for p, a, answers in batch
-                                for ans in answers + _extra_wrong(tokenizer, a, rng)]).view(LIST_BATCH, -1)
+                                for ans in answers + _extra_wrong(tokenizer, a, rng) + _noisy_wrong(tokenizer, a, rng)]
+                          ).view(LIST_BATCH, -1)
             target = torch.tensor([a for _, a, _ in batch])
             loss = F.cross_entropy(s, target) + F.binary_cross_entropy_with_logits(
                 s, F.one_hot(target, s.shape[1]).float())

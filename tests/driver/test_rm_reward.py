@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mrl.driver.rm_reward import RewardModelInputs, combine_rm, rm_input_batch, rm_texts
+from mrl.driver.rm_reward import (
+    RewardModelInputs,
+    combine_rm,
+    rm_input_batch,
+    rm_rule_agreement,
+    rm_rule_metrics,
+    rm_texts,
+)
 from tests.helpers.tiny_tokenizer import (
     CHATML_TEMPLATE,
     add_chat_template,
@@ -85,3 +92,32 @@ def test_combine_modes(combine: str, expected: list[float], called: bool) -> Non
     else:
         assert calls == [] and out.errors == [None] * 3
 
+
+
+def test_rm_rule_agreement_counts_the_answers_the_rm_is_fooled_by() -> None:
+    # RM verdicts (score > 0): right, right, wrong, wrong, right; rule: right, wrong, wrong, right, failed (None)
+    rm = torch.tensor([2.0, 0.3, -1.0, -0.1, 5.0])
+    per = rm_rule_agreement(rm, [1.0, 0.0, 0.0, 1.0, None])
+    sig = torch.sigmoid(rm).tolist()
+    assert per["agree"] == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert per["fooled"] == [0.0, 1.0, 0.0, 0.0, 1.0]
+    assert per["wrong_prob"] == pytest.approx([0.0, sig[1], sig[2], 0.0, sig[4]])
+    m = rm_rule_metrics(rm, {"acc": [1.0, 0.0, 0.0, 1.0, None], "score": [0.0] * 5})
+    assert m == pytest.approx({"reward/rm_rule_agreement": 0.4, "reward/rm_fooled": 0.4,
+                               "reward/rm_prob_wrong": (sig[1] + sig[2] + sig[4]) / 3})
+
+
+def test_rm_prob_wrong_sees_gaming_below_the_verdict_threshold() -> None:
+    # every verdict still "wrong" (agreement 1), but the wrong answers earn σ = 0.45 instead of 0.01
+    honest = rm_rule_metrics(torch.full((4,), -4.6), {"acc": [0.0] * 4})
+    gamed = rm_rule_metrics(torch.full((4,), -0.2), {"acc": [0.0] * 4})
+    assert honest["reward/rm_rule_agreement"] == gamed["reward/rm_rule_agreement"] == 1.0
+    assert honest["reward/rm_prob_wrong"] < 0.02 and gamed["reward/rm_prob_wrong"] > 0.4
+    assert rm_rule_metrics(torch.tensor([3.0]), {"acc": [1.0]})["reward/rm_prob_wrong"] == 0.0  # none wrong
+
+
+def test_rm_rule_metrics_need_a_rule_verdict() -> None:
+    assert rm_rule_metrics(torch.tensor([1.0]), {"score": [1.0]}) == {}
+    assert rm_rule_metrics(torch.tensor([1.0]), {}) == {}
+    with pytest.raises(ValueError, match="2 RM scores for 1 rule verdicts"):
+        rm_rule_agreement(torch.tensor([1.0, 2.0]), [1.0])

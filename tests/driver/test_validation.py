@@ -194,3 +194,32 @@ def test_dict_scorer_acc_is_core_and_pred_votes(setup):
             sec = "val-aux" if name == "maj@2/mean" else "val-core"
             assert res.metrics[f"{sec}/{src}/acc/{name}"] == pytest.approx(sum(p[name] for p in per) / len(per),
                                                                          abs=1e-9), (src, name)
+
+
+@pytest.mark.slow
+def test_rm_verdict_is_compared_with_the_rule_on_val(setup):
+    """With an RM and a function reporting ``acc``: per answer, whether σ(rm_score) > 0.5 agrees with
+    the rule (rm_rule_agree), whether the RM accepts a rule-wrong answer (rm_fooled) and what a
+    rule-wrong answer earns (rm_wrong_prob)."""
+    import torch
+
+    from mrl.rewards import RewardManager
+
+    client, tok, ds, _ = setup
+
+    def rm(batch, prompts):  # a scorer with spread on a random model: +1 for even response lengths
+        return torch.tensor([1.0 if int(n) % 2 == 0 else -1.0 for n in batch.response_mask.sum(-1)])
+
+    rollout = RolloutConfig(max_response_length=12, val_kwargs={"do_sample": True, "n": 2, "temperature": 1.0})
+    res = run_validation(client=client, tokenizer=tok, dataset=ds, reward=RewardManager(_vote_score),
+                         rollout=rollout, val_batch_size=4, keep_samples=True, seed=(1, 0), rm=rm,
+                         rm_combine="function")
+    x = res.samples.extra
+    agree = [float((r > 0) == (a >= 0.5)) for r, a in zip(x["rm_score"], x["acc"], strict=True)]
+    fooled = [float(r > 0 and a < 0.5) for r, a in zip(x["rm_score"], x["acc"], strict=True)]
+    assert x["rm_rule_agree"] == agree and x["rm_fooled"] == fooled
+    assert x["rm_wrong_prob"] == pytest.approx([0.0 if a >= 0.5 else float(torch.sigmoid(torch.tensor(r)))
+                                                for r, a in zip(x["rm_score"], x["acc"], strict=True)])
+    assert 0 < sum(agree) < len(agree)  # spread: the comparison means something
+    arith = [i for i in range(res.num_samples) if ds[i // 2].data_source == "arith"]
+    assert res.metrics["val-aux/arith/rm_fooled/mean@2"] == pytest.approx(sum(fooled[i] for i in arith) / len(arith))

@@ -75,3 +75,22 @@ def test_recipe_plans_on_the_written_assets(assets: Path) -> None:
     assert "reward_model    2 CPU ranks [node0:0-1] TP=1 PP=1 CP=1 DP=2; colocated with actor" in out.stdout
     assert "reward_model weights 0.7 MiB" in out.stdout
     assert "has no config.json" not in out.stdout  # the RM's config was read
+
+
+def test_noisy_wrong_answers_are_wrong_by_the_rule_and_half_lack_eos() -> None:
+    """The verifier's off-distribution negatives: every one is wrong by the arith rule (the RM is never
+    taught to reject a right answer), half end with EOS and half stop as a cut response would."""
+    import random
+
+    from transformers import PreTrainedTokenizerFast
+
+    from mrl.rewards.scorers import arith
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=qs.build_tokenizer())
+    eos = qs.QWEN2_SHAPE["eos_token_id"]
+    for a in (0, 9, 18):
+        out = qrm._noisy_wrong(tok, a, random.Random(a))
+        assert len(out) == qrm.LIST_NOISE
+        assert [s[-1] == eos for s in out] == [i % 2 == 0 for i in range(qrm.LIST_NOISE)]
+        assert not any(arith(tok.decode([t for t in s if t != eos]), str(a)) for s in out)
+        assert all(0 < t < tok.vocab_size and t not in (0, 1) for s in out for t in s)
