@@ -387,11 +387,12 @@ class RLTrainer:
         d.batch = d.batch.replace(teacher_log_prob=self.teacher.compute_teacher_log_prob(d.batch))
 
     def distill_reward(self, d: StepData) -> None:
-        """Distilling: r_t ← task_reward_coef·r_t, and with mode=reverse_kl_reward r_t −= coef·(log π_old − log π_teacher);
-        after KL-in-reward, before shaping and the advantage estimator (mrl/algorithms/distill.py)."""
+        """Distilling: the task's score weighed by task_reward_coef (a KL-in-reward penalty is left as it is), and with
+        mode=reverse_kl_reward r_t −= coef·(log π_old − log π_teacher); after KL-in-reward, before shaping and the
+        advantage estimator (mrl/algorithms/distill.py)."""
         dist = self.cfg.algorithm.distill
         if dist.task_reward_coef != 1.0:
-            d.token_level_rewards = dist.task_reward_coef * d.token_level_rewards
+            d.token_level_rewards = d.token_level_rewards - (1.0 - dist.task_reward_coef) * d.token_level_scores
         if dist.mode == "reverse_kl_reward":
             d.token_level_rewards = d.token_level_rewards + reverse_kl_reward(
                 d.batch.old_log_probs, d.batch.teacher_log_prob, d.batch.response_mask, dist.coef)
