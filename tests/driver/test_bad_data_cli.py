@@ -42,6 +42,7 @@ def test_bad_rows_exit_2_before_ray(tmp_path: Path, rows: list[dict], must: list
 
 def test_malicious_checkpoint_is_refused_in_the_driver_before_ray(tmp_path: Path) -> None:
     # issue 19: a crafted .metadata ran code in both rank processes on `mrl train trainer.resume_mode=<dir>`
+    # a refused resume is a user mistake: exit 2, as a config error (issue 33)
     from tests.megatron.test_safe_metadata import _fake_mrl_checkpoint
 
     model = tmp_path / "m"
@@ -60,6 +61,6 @@ def test_malicious_checkpoint_is_refused_in_the_driver_before_ray(tmp_path: Path
                             "actor.ppo_micro_batch_size_per_gpu=4", f"trainer.default_local_dir={tmp_path}/ckpt",
                             f"trainer.resume_mode={mode}"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
-        assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-3000:]
+        assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-3000:]
         assert "refusing the tensor index" in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
         assert not marker.exists()
