@@ -24,7 +24,12 @@ from mrl.config.run_plan import on_policy_blockers
 from mrl.config.validate_async import check_async
 from mrl.config.validate_extensions import check_extension_points
 from mrl.config.validate_moe import check_moe
-from mrl.config.validate_parallel import check_model_fits, check_parallel
+from mrl.config.validate_parallel import (
+    GROUP_KEYS,
+    check_model_fits,
+    check_parallel,
+    check_separate_layout,
+)
 from mrl.config.validate_reward_model import check_reward_model
 from mrl.config.validate_teacher import check_teacher
 from mrl.net import is_loopback
@@ -100,7 +105,7 @@ def _check_placement(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelS
         if section.placement == "colocated" and section.num_devices is not None:
             errors.append(f"{role}.num_devices is only used with {role}.placement=separate; fix: remove it or set {role}.placement=separate")
     if cfg.ref_enabled and cfg.ref.placement == "colocated":
-        differ = [k for k in _GROUP_KEYS if getattr(cfg.ref.megatron, k) not in (getattr(ParallelConfig(), k),
+        differ = [k for k in GROUP_KEYS if getattr(cfg.ref.megatron, k) not in (getattr(ParallelConfig(), k),
                                                                                  getattr(cfg.actor.megatron, k))]
         if differ:
             k = differ[0]
@@ -480,8 +485,6 @@ def load_shape(cfg: MRLConfig, errors: list[str], notes: list[str]) -> ModelShap
     return shape
 
 
-_GROUP_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-               "virtual_pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size")
 
 
 def _check_critic_shares_the_actor(cfg: MRLConfig, errors: list[str]) -> None:
@@ -491,7 +494,7 @@ def _check_critic_shares_the_actor(cfg: MRLConfig, errors: list[str]) -> None:
     if c.placement != "colocated":
         errors.append("critic.placement=separate is not supported (the critic runs on the actor's ranks); "
                       "fix: critic.placement=colocated and unset critic.num_devices")
-    diff = [k for k in _GROUP_KEYS if getattr(c.megatron, k) != getattr(cfg.actor.megatron, k)]
+    diff = [k for k in GROUP_KEYS if getattr(c.megatron, k) != getattr(cfg.actor.megatron, k)]
     if diff:
         errors.append("critic.megatron layout differs from actor.megatron in " + ", ".join(
             f"critic.megatron.{k}={getattr(c.megatron, k)} (actor {getattr(cfg.actor.megatron, k)})" for k in diff)
@@ -508,16 +511,8 @@ def _check_reward_model_layout(cfg: MRLConfig, roles: dict[str, RoleLayout], act
         return
     separate = rm.placement == "separate"
     key = "reward_model.megatron" if separate else "actor.megatron"
-    if separate and lay.count > 0:
-        if rm.megatron is None:  # null = the actor's sizes; check_parallel's flag checks ran for the actor
-            mp = lay.parallel.model_parallel_size
-            if lay.count % mp:
-                errors.append(f"reward_model.megatron is null, so the separate reward model takes actor.megatron's "
-                              f"TP*PP*CP = {mp}, which does not divide reward_model.num_devices={lay.count}; fix: set "
-                              "reward_model.megatron.tensor_model_parallel_size/pipeline_model_parallel_size (their "
-                              f"product dividing {lay.count}), or reward_model.num_devices to a multiple of {mp}")
-        else:
-            check_parallel("reward_model", lay.parallel, lay, cfg, None, errors)
+    if separate:
+        check_separate_layout("reward_model", "reward model", rm.megatron, lay, cfg, errors)
     try:
         shape = read_model_shape(rm.model.path)
     except ValueError:

@@ -8,6 +8,28 @@ from mrl.config.layout import RoleLayout
 from mrl.config.parallel import ParallelConfig
 from mrl.config.root import MRLConfig
 
+#: The sizes that define Megatron's process groups: a role sharing the actor's groups must match them.
+GROUP_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+              "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")
+
+
+def check_separate_layout(role: str, what: str, megatron: ParallelConfig | None, lay: RoleLayout, cfg: MRLConfig,
+                          errors: list[str]) -> None:
+    """A separate role's layout on its own ``lay.count`` devices: ``<role>.megatron`` when set, else the actor's
+    sizes (whose flag checks ran for the actor), which must then divide the role's devices. ``what``: its name
+    in messages ("reward model", "teacher")."""
+    if lay.count == 0:
+        return
+    if megatron is not None:
+        check_parallel(role, lay.parallel, lay, cfg, None, errors)
+        return
+    mp = lay.parallel.model_parallel_size
+    if lay.count % mp:
+        errors.append(f"{role}.megatron is null, so the separate {what} takes actor.megatron's TP*PP*CP = {mp}, which "
+                      f"does not divide {role}.num_devices={lay.count}; fix: set {role}.megatron."
+                      f"tensor_model_parallel_size/pipeline_model_parallel_size (their product dividing {lay.count}), "
+                      f"or {role}.num_devices to a multiple of {mp}")
+
 
 def check_parallel(role: str, par: ParallelConfig, lay: RoleLayout, cfg: MRLConfig,
                     shape: ModelShape | None, errors: list[str]) -> None:

@@ -14,10 +14,11 @@ from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout
 from mrl.config.parallel import ParallelConfig
 from mrl.config.root import MRLConfig
-from mrl.config.validate_parallel import check_model_fits, check_parallel
-
-_GROUP_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-               "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")
+from mrl.config.validate_parallel import (
+    GROUP_KEYS,
+    check_model_fits,
+    check_separate_layout,
+)
 
 
 def check_teacher(cfg: MRLConfig, roles: dict[str, RoleLayout], actor_shape: ModelShape | None,
@@ -71,22 +72,14 @@ def _check_placement(cfg: MRLConfig, roles: dict[str, RoleLayout], errors: list[
         if t.offload:
             errors.append("teacher.offload=true is for a colocated teacher (it shares the actor's devices); a separate "
                           "one keeps its own devices; fix: teacher.offload=false or teacher.placement=colocated")
-        if lay is not None and lay.count > 0:
-            if t.megatron is None:
-                mp = lay.parallel.model_parallel_size
-                if lay.count % mp:
-                    errors.append(f"teacher.megatron is null, so the separate teacher takes actor.megatron's TP*PP*CP = "
-                                  f"{mp}, which does not divide teacher.num_devices={lay.count}; fix: set "
-                                  "teacher.megatron.tensor_model_parallel_size/pipeline_model_parallel_size, or "
-                                  f"teacher.num_devices to a multiple of {mp}")
-            else:
-                check_parallel("teacher", lay.parallel, lay, cfg, None, errors)
+        if lay is not None:
+            check_separate_layout("teacher", "teacher", t.megatron, lay, cfg, errors)
         return
     if t.num_devices is not None:
         errors.append("teacher.num_devices is only used with teacher.placement=separate; fix: remove it or set "
                       "teacher.placement=separate")
     if t.megatron is not None:
-        differ = [k for k in _GROUP_KEYS if getattr(t.megatron, k) not in (getattr(ParallelConfig(), k),
+        differ = [k for k in GROUP_KEYS if getattr(t.megatron, k) not in (getattr(ParallelConfig(), k),
                                                                           getattr(cfg.actor.megatron, k))]
         if differ:
             k = differ[0]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
+
 from mrl.driver.ranks import TrainRanks
 from mrl.driver.rm_ranks import RewardModelRanks, reward_scorer
 from mrl.driver.teacher_ranks import TeacherRanks, teacher_scorer
@@ -32,56 +34,35 @@ def test_the_driver_reaches_every_rank_phase_through_the_proxy():
     assert set(_public(TrainRank)) - internal == set(_public(TrainRanks))
 
 
-def test_the_reward_model_proxy_mirrors_its_rank():
-    rank, proxy = _public(RewardModelRank), _public(RewardModelRanks)
+class _TaggedGroup:
+    """A rank group whose every rank answers its tag (rank 0's answer is the tag); records the methods called."""
+
+    def __init__(self, tag):
+        self.tag, self.calls = tag, []
+
+    def execute_all(self, method, *args, **kwargs):
+        self.calls.append(method)
+        return [self.tag, "other rank"]
+
+
+@pytest.mark.parametrize("rank_cls,proxy_cls,phase,route", [
+    (RewardModelRank, RewardModelRanks, "compute_rm_score", reward_scorer),
+    (TeacherRank, TeacherRanks, "compute_teacher_log_prob", teacher_scorer),
+])
+def test_a_separate_groups_proxy_mirrors_its_rank_and_routes_by_placement(rank_cls, proxy_cls, phase, route):
+    rank, proxy = _public(rank_cls), _public(proxy_cls)
     assert set(rank) - {"before_call", "close"} == set(proxy)
     for name, sig in proxy.items():
         want = [(p.name, p.kind, p.default, str(p.annotation)) for p in rank[name].parameters.values()]
         got = [(p.name, p.kind, p.default, str(p.annotation)) for p in sig.parameters.values()]
-        assert got == want, f"RewardModelRanks.{name}{sig} != RewardModelRank.{name}{rank[name]}"
-    # phase rm_score makes the same call on either placement
-    assert str(inspect.signature(TrainRanks.compute_rm_score)) == str(inspect.signature(RewardModelRanks.compute_rm_score))
-
-
-def test_the_teacher_proxy_mirrors_its_rank_and_routes_by_placement():
-    rank, proxy = _public(TeacherRank), _public(TeacherRanks)
-    assert set(rank) - {"before_call", "close"} == set(proxy)
-    for name, sig in proxy.items():
-        want = [(p.name, p.kind, p.default, str(p.annotation)) for p in rank[name].parameters.values()]
-        got = [(p.name, p.kind, p.default, str(p.annotation)) for p in sig.parameters.values()]
-        assert got == want, f"TeacherRanks.{name}{sig} != TeacherRank.{name}{rank[name]}"
-    assert (str(inspect.signature(TrainRanks.compute_teacher_log_prob))
-            == str(inspect.signature(TeacherRanks.compute_teacher_log_prob)))
-
-    class Group:
-        def __init__(self, tag):
-            self.tag, self.calls = tag, []
-
-        def execute_all(self, method, *args, **kwargs):
-            self.calls.append(method)
-            return [self.tag, "other rank"]
-
-    trainer, teacher = Group("trainer"), Group("teacher")
+        assert got == want, f"{proxy_cls.__name__}.{name}{sig} != {rank_cls.__name__}.{name}{rank[name]}"
+    # the phase makes the same call on either placement
+    assert str(inspect.signature(getattr(TrainRanks, phase))) == str(inspect.signature(getattr(proxy_cls, phase)))
+    trainer, group = _TaggedGroup("trainer"), _TaggedGroup("group")
     ranks = TrainRanks(trainer)
-    assert teacher_scorer(None, ranks) is ranks
-    assert teacher_scorer(teacher, ranks).compute_teacher_log_prob("batch") == "teacher"
-    assert teacher.calls == ["compute_teacher_log_prob"] and trainer.calls == []
-
-
-def test_rm_score_goes_to_the_separate_group_when_there_is_one():
-    class Group:
-        def __init__(self, tag):
-            self.tag, self.calls = tag, []
-
-        def execute_all(self, method, *args, **kwargs):
-            self.calls.append(method)
-            return [self.tag, "other rank"]
-
-    trainer, rm = Group("trainer"), Group("rm")
-    ranks = TrainRanks(trainer)
-    assert reward_scorer(None, ranks) is ranks  # colocated: the trainer ranks hold the RM
-    assert reward_scorer(rm, ranks).compute_rm_score("batch") == "rm"
-    assert rm.calls == ["compute_rm_score"] and trainer.calls == []
+    assert route(None, ranks) is ranks  # colocated: the trainer ranks hold the model
+    assert getattr(route(group, ranks), phase)("batch") == "group"
+    assert group.calls == [phase] and trainer.calls == []
 
 
 def test_calls_reach_the_group_by_the_rank_method_name():
