@@ -105,6 +105,27 @@ def write_model(shape: dict, dtype: str, device: str, path: pathlib.Path) -> str
     return str(path)
 
 
+def profiled(device: str, fn) -> dict:
+    """One call of ``fn`` under torch.profiler: wall time, summed GPU kernel time (busy fraction) and the top
+    kernels -- where a GPU step goes, for the next lever (``--profile``)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    wall = time.perf_counter() - t0
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    evs = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    busy = sum(getattr(e, key) for e in evs) / 1e6
+    top = sorted(evs, key=lambda e: getattr(e, key), reverse=True)[:15]
+    return {"wall_s": round(wall, 4), "kernel_s": round(busy, 4), "busy_fraction": round(busy / wall, 3),
+            "top": [[e.key[:90], e.count, round(getattr(e, key) / 1e3, 2)] for e in top]}  # name, calls, ms
+
+
 def update_batch(B: int, P: int, R: int, vocab: int):
     import torch
 
@@ -139,6 +160,8 @@ def bench_actor(out: dict, a, size: dict, model: str, device: str):
         actor.forward_backward(batch)
     sync(device)
     s = (time.perf_counter() - t0) / size["iters"]
+    if a.profile:
+        out["actor_profile"] = profiled(device, lambda: actor.forward_backward(batch))
     c, T, seq = size["shape"], B * (P + R), P + R
     flops = 6 * matmul_params(c) * T + 12 * c["num_hidden_layers"] * c["hidden_size"] * seq * T
     peak = peak_tflops(out["device"]) if device == "cuda" else None
@@ -174,6 +197,9 @@ def bench_decode(out: dict, a, size: dict, model: str, device: str):
             s = time.perf_counter() - t0
             n_tok = sum(len(o["output_ids"]) for o in r.json())
             res[str(b)] = {"mrl_tokens": n_tok, "mrl_s": round(s, 3), "mrl_tok_s": round(n_tok / s, 1)}
+            if a.profile and b == min(batches):
+                out["decode_profile"] = profiled(device, lambda: httpx.post(
+                    f"{url}/generate", json=body, timeout=600, trust_env=False).raise_for_status())
     finally:
         server.should_exit = True
     del eng
@@ -277,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
     p.add_argument("--budget-s", type=float, default=420, help="skip the sections not started after this many seconds")
     p.add_argument("--json", help="also write the JSON here")
+    p.add_argument("--profile", action="store_true", help="also profile one actor step and one decode request")
+    p.add_argument("--only", help="comma-separated sections to run (actor_fwd_bwd, engine_decode, weight_sync, "
+                                  "moe_layer); default all")
     a = p.parse_args(argv)
     t_start = time.perf_counter()
     import torch
@@ -303,14 +332,22 @@ def main(argv: list[str] | None = None) -> int:
     actor = None
 
     def section(name, fn, *args):
+        if a.only and name != "model" and name not in a.only.split(","):
+            return None
         if time.perf_counter() - t_start > a.budget_s:
             out["skipped"].append(f"{name}: time budget of {a.budget_s:.0f} s spent")
             return None
+        t0 = time.perf_counter()
+        print(f"gpu_bench: {name} ...", file=sys.stderr, flush=True)
         try:
             return fn(out, a, size, *args)
         except Exception as e:  # noqa: BLE001 -- one broken part must not hide the others
             out["errors"][name] = f"{type(e).__name__}: {e}\n" + traceback.format_exc(limit=4)
             return None
+        finally:  # what is measured so far survives a host taken back mid-run
+            print(f"gpu_bench: {name} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            if a.json:
+                pathlib.Path(a.json).write_text(json.dumps(out, indent=1))
 
     model = section("model", lambda o, a_, s: write_model(s["shape"], s["dtype"], device, tmp / "model"))
     if model:

@@ -42,3 +42,11 @@ def test_cpu_smoke_runs_every_section(tmp_path) -> None:
 def test_without_a_gpu_it_says_so() -> None:
     out = _run()
     assert "no CUDA device visible" in out["skipped"] and "--cpu-smoke" in out["skipped"]
+
+
+def test_profile_and_only_select_sections(tmp_path) -> None:
+    out = _run("--cpu-smoke", "--profile", "--only", "actor_fwd_bwd")
+    assert out["errors"] == {} and set(out) >= {"actor_fwd_bwd", "actor_profile"}
+    assert not {"engine_decode", "weight_sync", "moe_layer"} & set(out)
+    p = out["actor_profile"]
+    assert p["wall_s"] > 0 and 0 < p["kernel_s"] and p["top"] and all(len(r) == 3 for r in p["top"])
