@@ -99,7 +99,7 @@ def _load(config: str, overrides: list[str], *, require_data: bool):
         print("fix the files or keys above; nothing was started.", file=sys.stderr)
         return None
     text = plan_text(cfg)
-    return cfg, text + ("\n" + data.summary() if data.rows else "")
+    return cfg, text + ("\n" + data.summary(cfg) if data.rows else "")
 
 
 def _console_logging() -> None:

@@ -131,9 +131,29 @@ class DataCheck:
     notes: list[str] = field(default_factory=list)
     rows: dict[str, int] = field(default_factory=dict)  # "data.train_files" -> rows over its files
 
-    def summary(self) -> str:
-        """The line ``mrl plan`` prints under the plan."""
-        return "  data rows: " + ", ".join(f"{k}={v}" for k, v in self.rows.items()) if self.rows else ""
+    def summary(self, cfg: MRLConfig | None = None) -> str:
+        """The lines ``mrl plan`` prints under the plan: the rows, and with ``cfg`` the run length they give."""
+        if not self.rows:
+            return ""
+        text = "  data rows: " + ", ".join(f"{k}={v}" for k, v in self.rows.items())
+        return text + (f"\n  run length: {run_length_text(cfg, self.rows.get('data.train_files'))}" if cfg else "")
+
+
+def run_length_text(cfg: MRLConfig, train_rows: int | None) -> str:
+    """How many RL steps the run makes and why (the same rule as RunPlan.total_steps); the rows are
+    before the length filter (data.filter_overlong_prompts), which ``mrl train`` applies when it loads them."""
+    t = cfg.trainer
+    if t.total_training_steps:
+        return f"{t.total_training_steps} steps (trainer.total_training_steps)"
+    if train_rows is None:
+        return f"trainer.total_epochs={t.total_epochs} x the training set's batches (rows unknown until the files exist)"
+    if cfg.data.sampler.class_path != "resumable":
+        return (f"trainer.total_epochs={t.total_epochs} x the batches per epoch of data.sampler.class_path="
+                f"{cfg.data.sampler.class_path} (known when mrl train loads the data)")
+    key, batch = step_batch(cfg)
+    per_epoch = train_rows // batch
+    return (f"{t.total_epochs * per_epoch} steps (trainer.total_epochs={t.total_epochs} x {per_epoch} batches of "
+            f"{batch} prompts ({key}) in {train_rows} rows)")
 
 
 def step_batch(cfg: MRLConfig) -> tuple[str, int]:

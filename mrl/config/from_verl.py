@@ -374,12 +374,6 @@ def _finish(t: Translation) -> None:
         t.unmapped.append(("reward_model.max_length", str(rm.pop("max_length")),
                            ("mrl's reward model reads the policy's own tokens unless reward_model.model.input_tokenizer "
                             "re-renders them; only then does a length bound apply")))
-    for role in ("actor", "critic"):
-        sched, ratio = t.get(f"{role}.optim.lr_schedule"), t.get(f"{role}.optim.lr_warmup_steps_ratio")
-        what = f"lr_schedule={sched}" if sched not in (None, "constant") else f"lr_warmup_steps_ratio={ratio}" if ratio else ""
-        if what and t.get("trainer.total_training_steps") is None:
-            t.notes.append(f"{role}.optim.{what}: verl derives the run's length from trainer.total_epochs and the dataset; "
-                           "mrl needs trainer.total_training_steps=<steps> (mrl plan says so)")
     if t.get("actor.use_dynamic_bsz") is not None and t.get("critic.use_dynamic_bsz") is None and t.config.get("critic"):
         t.set("critic.use_dynamic_bsz", t.get("actor.use_dynamic_bsz"))  # verl's critic default follows the actor's
     nnodes = t.get("cluster.nnodes")

@@ -139,7 +139,7 @@ def build_plan(cfg: MRLConfig) -> Plan:
     a = cfg.actor
     actor = roles["actor"]
     dp = max(actor.dp, 1)
-    u = update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs)  # the arithmetic the trainer ranks use
+    u = update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs, None)  # the arithmetic the trainer ranks use
     per_rank = u.mini_batch_size_samples // dp
     if a.use_dynamic_bsz:
         seq = cfg.data.max_prompt_length + cfg.rollout.max_response_length

@@ -8,8 +8,10 @@ prints the same arithmetic (:mod:`mrl.config.plan`) from the same functions.
 
     mini-batches / step      = data.train_batch_size // <role>.ppo_mini_batch_size
     optimizer steps / step   = mini-batches * <role>.ppo_epochs
-    LR-schedule length       = trainer.total_training_steps * optimizer steps / step
-                               (None = constant schedule: the run length is given in epochs)
+    run length (steps)       = trainer.total_training_steps, else trainer.total_epochs * the sampler's batches
+                               per epoch (verl: len(train_dataloader) * total_epochs), known once the data is
+                               loaded (``mrl train``; ``mrl plan`` prints it from the counted rows)
+    LR-schedule length       = run length * optimizer steps / step
     samples / mini-batch     = <role>.ppo_mini_batch_size * rollout.n
 
 Settings left at ``auto`` (rollout.weight_sync.transport, actor.shared_prefix) are resolved here for the
@@ -82,6 +84,7 @@ class RunPlan:
     shared_prefix: bool = False  # actor.shared_prefix, auto resolved
     phases: StepPhases = StepPhases()  # the step's optional phases
     choices: tuple[AutoChoice, ...] = ()  # each auto-resolvable setting: the value used and why (mrl plan prints them)
+    total_steps: int | None = None  # run length (run_length()); None only where the training rows are unknown
 
 
 def on_policy_blockers(cfg: MRLConfig) -> list[str]:
@@ -91,7 +94,7 @@ def on_policy_blockers(cfg: MRLConfig) -> list[str]:
     π_old: then π_old = π_θ at that step, and ``exp(log π_θ − sg(log π_θ))`` has the value 1 and the
     gradient of the recomputed ratio (docs/driver.md, "On-policy shortcut")."""
     a, al = cfg.actor, cfg.algorithm
-    mini = update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs).mini_batches_per_step
+    mini = update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs, None).mini_batches_per_step
     out = []
     if a.ppo_epochs > 1:
         out.append(f"actor.ppo_epochs={a.ppo_epochs} (later epochs step from an updated policy)")
@@ -131,24 +134,35 @@ def free_cache_engine(cfg: MRLConfig, device: str) -> bool:
     return r.free_cache_engine if r.free_cache_engine is not None else (r.placement == "colocated" and device == "cuda")
 
 
-def update_plan(cfg: MRLConfig, mini_batch_prompts: int, epochs: int) -> UpdatePlan:
+def run_length(cfg: MRLConfig, batches_per_epoch: int | None) -> int | None:
+    """RL steps of the run: trainer.total_training_steps, else total_epochs x the sampler's batches per epoch
+    (verl: len(train_dataloader) x total_epochs); None when the batches per epoch are not known (no data yet)."""
+    t = cfg.trainer
+    if t.total_training_steps:
+        return t.total_training_steps
+    return t.total_epochs * batches_per_epoch if batches_per_epoch is not None else None
+
+
+def update_plan(cfg: MRLConfig, mini_batch_prompts: int, epochs: int, steps: int | None) -> UpdatePlan:
     mini = max(1, cfg.data.train_batch_size // mini_batch_prompts)
-    steps = cfg.trainer.total_training_steps
     return UpdatePlan(mini_batch_size_samples=mini_batch_prompts * cfg.rollout.n, mini_batches_per_step=mini,
                       epochs=epochs, total_optimizer_steps=steps * mini * epochs if steps else None)
 
 
-def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
-    """The plan of ``cfg`` on ``device`` (``cluster.device``, or what ``auto`` resolved to)."""
+def plan_run(cfg: MRLConfig, device: str, batches_per_epoch: int | None = None) -> RunPlan:
+    """The plan of ``cfg`` on ``device`` (``cluster.device``, or what ``auto`` resolved to).
+    ``batches_per_epoch``: the data sampler's, once the training set is loaded (``mrl train``), which fixes
+    the run length and so the LR schedules' length."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"plan_run needs a resolved device ('cuda' or 'cpu'), got {device!r}")
     a, c, d = cfg.actor, cfg.critic, cfg.data
     layout = compute_layout(cfg)
     transport, shared_prefix = resolve_transport(cfg, device), resolve_shared_prefix(cfg, device)
     rm, teacher = layout.get("reward_model"), layout.get("teacher")
+    steps = run_length(cfg, batches_per_epoch)
     critic = None
     if cfg.critic_enabled:
-        critic = update_plan(cfg, c.ppo_mini_batch_size or a.ppo_mini_batch_size, c.ppo_epochs or a.ppo_epochs)
+        critic = update_plan(cfg, c.ppo_mini_batch_size or a.ppo_mini_batch_size, c.ppo_epochs or a.ppo_epochs, steps)
     return RunPlan(
         device=device,
         dtype=cfg.model.compute_dtype(device),
@@ -158,7 +172,7 @@ def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
         teacher_ranks=teacher.count if teacher is not None and not teacher.colocated else 0,
         gen_batch_size=(d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable
         else d.train_batch_size,
-        actor=update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs),
+        actor=update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs, steps),
         critic=critic,
         free_cache_engine=free_cache_engine(cfg, device),
         log_dir=Path(cfg.trainer.checkpoint_dir or "outputs") / "logs",
@@ -168,4 +182,5 @@ def plan_run(cfg: MRLConfig, device: str) -> RunPlan:
         shared_prefix=shared_prefix.value,
         choices=(transport, shared_prefix),
         phases=step_phases(cfg),
+        total_steps=steps,
     )

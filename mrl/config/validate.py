@@ -416,14 +416,8 @@ def _check_reliability(cfg: MRLConfig, errors: list[str], notes: list[str]) -> N
         if fn not in reward_names():
             errors.append(f"reward.function={fn!r} is not a registered scorer (valid: {', '.join(reward_names())}); "
                           "fix: one of those, 'pkg.module:fn' or 'path/to/file.py:fn'")
-    for role, optim in (("actor", cfg.actor.optim), ("critic", cfg.critic.optim if cfg.critic_enabled else None)):
-        if optim is None or cfg.trainer.total_training_steps:
-            continue
-        if optim.lr_schedule != "constant" or (optim.lr_warmup_steps == 0 and optim.lr_warmup_steps_ratio > 0):
-            what = (f"{role}.optim.lr_schedule={optim.lr_schedule}" if optim.lr_schedule != "constant"
-                    else f"{role}.optim.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio}")
-            errors.append(f"{what} needs the run length, but trainer.total_training_steps is null; "
-                          "fix: set trainer.total_training_steps=<steps> (or use a constant schedule / lr_warmup_steps)")
+    # An LR schedule (or warmup ratio) with total_epochs needs no total_training_steps: the run plan takes
+    # the length from the loaded training set (RunPlan.total_steps), as verl takes it from its dataloader.
     if cfg.ref_enabled and cfg.ref.placement == "separate":
         # The driver builds the reference on the actor's ranks; silently doing that is worse than refusing.
         errors.append("ref.placement=separate is not wired into the driver yet (the reference would silently be "

@@ -49,6 +49,13 @@ def get_sampler_cls(spec: str) -> type:
     return cls
 
 
+def sampler_for(data: Any, batch_size: int, dataset: Any) -> Any:
+    """The run's sampler: ``data.sampler.class_path`` over ``dataset`` (its rows), ``batch_size`` prompts per
+    generation round (RunPlan.gen_batch_size), ordered by ``data.shuffle`` / ``data.seed`` (not trainer.seed)."""
+    return get_sampler_cls(data.sampler.class_path)(len(dataset), batch_size, shuffle=data.shuffle, seed=data.seed,
+                                                    dataset=dataset)
+
+
 @register_sampler("resumable")
 class ResumableSampler:
     """Batches of prompt indices over ``num_items`` prompts, reshuffled deterministically per epoch."""

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mrl.config import MRLConfig
 from mrl.config.run_plan import RunPlan, plan_run
@@ -20,6 +20,7 @@ from mrl.errors import InputRefusedError, UnsupportedConfigError
 if TYPE_CHECKING:  # the driver imports these lazily inside build(); the annotations name them
     from transformers import PreTrainedTokenizerBase
 
+    from mrl.agent.loop import AgentClient
     from mrl.cluster import WorkerGroup
     from mrl.data.dataset import PromptDataset
     from mrl.driver.engines import EngineSet
@@ -28,7 +29,6 @@ if TYPE_CHECKING:  # the driver imports these lazily inside build(); the annotat
     from mrl.observability.tracking import Tracking
     from mrl.rewards import RewardManager
     from mrl.rollout import EnginePool, RolloutClient
-    from mrl.rollout.sglang_router import SGLangRouter
 
 log = logging.getLogger(__name__)
 
@@ -92,46 +92,157 @@ def _trap_sigterm() -> None:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
-@dataclass
-class Services:
-    """What ``build`` started, for the step (``RLTrainer``) and for teardown."""
+@dataclass(frozen=True)
+class RunInputs:
+    """Stage 1 of ``build``, before Ray starts: what the run reads, every row checked. Nothing here is
+    running, so nothing needs stopping but the reward functions' pool (``reward.close``)."""
 
     tokenizer: PreTrainedTokenizerBase
     pad_token_id: int
     train_ds: PromptDataset
-    val_ds: PromptDataset | None
+    val_ds: PromptDataset | None  # data.val_files unset: no validation
     reward: RewardManager
-    tracking: Tracking | None
+    rm_inputs: RewardModelInputs | None  # reward_model.enable: the batch the RM scores (driver/rm_reward.py)
+    agent_tools: dict | None  # agent.enable: the configured tools by name
+    sampler: Any  # data.sampler.class_path over train_ds (mrl.data.sampler): its batches per epoch fix the run length
+    resumed_from: Path | None  # the checkpoint a resume loads, verified
+    log_dir: Path  # engine / router logs (= RunPlan.log_dir)
+
+
+@dataclass(frozen=True)
+class Services:
+    """What ``build`` started, for the step (``RLTrainer``): made once, when every part is running, and
+    never changed after. A ``| None`` field is a part the config leaves out, not one filled in later.
+    Teardown does not read this object: each part is registered for stopping the moment it starts."""
+
+    tokenizer: PreTrainedTokenizerBase
+    pad_token_id: int
+    train_ds: PromptDataset
+    val_ds: PromptDataset | None  # data.val_files unset
+    reward: RewardManager
+    rm_inputs: RewardModelInputs | None  # reward_model.enable
+    sampler: Any  # the training prompts' order, resumable (mrl.data.sampler)
     log_dir: Path
-    engines: EngineSet | None = None
-    pool: EnginePool | None = None  # the engines: health, restarts, control calls, weight sync
-    router: SGLangRouter | None = None  # sglang_router process (rollout.router=sglang_router)
-    route_pool: EnginePool | None = None  # what /generate goes to when the router is sglang_router: the router alone
-    client: RolloutClient | None = None
-    workers: WorkerGroup | None = None
-    rm_workers: WorkerGroup | None = None  # reward_model.placement=separate: the RM's own ranks (driver/rm_ranks.py)
-    teacher_workers: WorkerGroup | None = None  # teacher.placement=separate: its own ranks (driver/teacher_ranks.py)
-    plan: RunPlan | None = None  # set once Ray shows its devices
-    rm_inputs: RewardModelInputs | None = None  # reward_model.enable: the batch the RM scores (driver/rm_reward.py)
-    judge: Judge | None = None  # reward.judge.enable: its engines and the reward phase's judge (driver/judge.py)
+    plan: RunPlan  # the derived values, with the device Ray shows and the run length
+    workers: WorkerGroup  # the trainer ranks
+    rm_workers: WorkerGroup | None  # reward_model.placement=separate: the RM's own ranks (driver/rm_ranks.py)
+    teacher_workers: WorkerGroup | None  # teacher.placement=separate: its own ranks (driver/teacher_ranks.py)
+    engines: EngineSet
+    pool: EnginePool  # the engines: health, restarts, control calls, weight sync
+    client: RolloutClient | AgentClient  # what generates (through the router, the agent loop when agent.enable)
+    judge: Judge | None  # reward.judge.enable: its engines and the reward phase's judge (driver/judge.py)
+    tracking: Tracking | None  # None when trainer.logger names no sink
 
 
 @contextlib.contextmanager
 def build(cfg: MRLConfig) -> Iterator[Services]:
-    """Yield the built ``Services``; everything started is stopped on exit, errors included."""
+    """Yield the built ``Services``; everything started is stopped on exit, errors included, in the
+    reverse order of starting (engines before the ranks whose placement group holds them, Ray last)."""
+    from mrl.driver.judge import start_judge
+
+    check_inputs(cfg)
+    _trap_sigterm()
+    inputs = read_inputs(cfg)
+    with contextlib.ExitStack() as stack:
+        stack.callback(_quietly, "reward functions", inputs.reward.close)
+        plan = _start_ray(cfg, inputs.sampler.batches_per_epoch, stack)
+        workers, rm_workers, teacher_workers, engines = _start_ranks_and_engines(cfg, plan, stack)
+        judge = _start(stack, "judge", start_judge(cfg, plan, workers, engines, inputs.tokenizer))  # reward.judge
+        pool, client = _start_rollout(cfg, plan, engines, inputs, stack)
+        TrainRanks(workers).init_weight_sync(engines.urls, token=engines.token, routable=engines.remote_nodes)
+        tracking = _start_tracking(cfg, inputs, stack)
+        yield Services(inputs.tokenizer, inputs.pad_token_id, inputs.train_ds, inputs.val_ds, inputs.reward,
+                       inputs.rm_inputs, inputs.sampler, inputs.log_dir, plan, workers, rm_workers, teacher_workers, engines, pool,
+                       client, judge, tracking)
+
+
+def read_inputs(cfg: MRLConfig) -> RunInputs:
+    """Stage 1: tokenizer, datasets (every row checked here, before Ray starts: DataError names
+    file:row:column and ``mrl train`` exits 2), the reward functions, the resume checkpoint and the disk room."""
     from transformers import AutoTokenizer
 
-    from mrl.cluster import WorkerGroup, init_ray
     from mrl.data.dataset import PromptDataset, check_batch_fits
+    from mrl.data.sampler import sampler_for
     from mrl.data.tokenize import pad_token_id_of
-    from mrl.driver.engines import EngineSet
-    from mrl.driver.judge import start_judge
-    from mrl.driver.rm_ranks import start_reward_model_group
+    from mrl.driver.disk_full import check_room
     from mrl.driver.rm_reward import RewardModelInputs
-    from mrl.driver.state import read_trainer_state
-    from mrl.driver.teacher_ranks import start_teacher_group
-    from mrl.observability.tracking import Tracking
     from mrl.rewards import RewardManager
+
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    # the built-in scorers compare the ground truth as text, so it must be a string or number
+    scalar_gt = ":" not in cfg.reward.function
+    agent_tools, schemas = _agent_tools(cfg, tok)
+    d = cfg.data
+    train_ds = PromptDataset.from_config(d, tok, "train", scalar_ground_truth=scalar_gt, tools=schemas)
+    check_batch_fits(len(train_ds), (d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable
+                     else d.train_batch_size, d.train_files, train_ds.num_filtered)
+    val_ds = PromptDataset.from_config(d, tok, "val", scalar_ground_truth=scalar_gt, tools=schemas) if d.val_files else None
+    # DAPO: data.gen_batch_size prompts per generation round
+    sampler = sampler_for(d, plan_run(cfg, "cpu").gen_batch_size, train_ds)
+    resumed_from = _check_resume_dir(cfg)
+    check_room(cfg.trainer.checkpoint_dir, cfg.trainer.save_freq, resumed_from)  # a full disk: before Ray, not at a save
+    return RunInputs(tok, pad_token_id_of(tok), train_ds, val_ds, RewardManager.from_config(cfg.reward),
+                     RewardModelInputs.from_config(cfg, tok) if cfg.reward_model.enable else None, agent_tools,
+                     sampler, resumed_from, Path(cfg.trainer.checkpoint_dir or "outputs") / "logs")
+
+
+def _start_ray(cfg: MRLConfig, batches_per_epoch: int, stack: contextlib.ExitStack) -> RunPlan:
+    """Stage 2: Ray (a CPU per rank of every group), and the run plan on the device it shows, with the run
+    length from the sampler's batches per epoch."""
+    import ray
+
+    from mrl.cluster import init_ray
+
+    r = cfg.rollout
+    cpu_plan = plan_run(cfg, "cpu")  # the layout does not depend on the device
+    world = cpu_plan.trainer_ranks + cpu_plan.reward_model_ranks + cpu_plan.teacher_ranks
+    extra_cpus = r.num_engines if r.placement == "separate" and r.num_engines else 0
+    init_ray(cfg.cluster.address, cfg.cluster.cpus_per_node or max(os.cpu_count() or 1, world) + extra_cpus)
+    stack.callback(_quietly, "Ray", ray.shutdown)
+    _trap_sigterm()  # again: ray.init installed its own handler, which aborts
+    plan = plan_run(cfg, resolve_device(cfg.cluster.device), batches_per_epoch)
+    if plan.device == "cpu":
+        # The ranks (and their engines) use this host's cores; the driver's tensors are small
+        # ([batch, response] advantages and masks). With torch's default of one thread per core, the
+        # OpenMP worker of the driver's few parallel ops spun ~4 ms of a core per tiny benchmark step.
+        import torch
+
+        torch.set_num_threads(1)
+    return plan
+
+
+def _start_ranks_and_engines(cfg: MRLConfig, plan: RunPlan, stack: contextlib.ExitStack):
+    """Stage 3: the trainer ranks, a separate RM's and teacher's ranks, and the engines, which start on the
+    ranks' nodes (colocated: in their ranks' placement bundles) and load while the ranks build their models."""
+    from mrl.cluster import WorkerGroup
+    from mrl.driver.engines import EngineSet
+    from mrl.driver.rm_ranks import start_reward_model_group
+    from mrl.driver.teacher_ranks import start_teacher_group
+
+    workers = WorkerGroup("mrl.workers.rank.TrainRank", {"cfg": cfg, "plan": plan}, world_size=plan.trainer_ranks,
+                          device=plan.device, extra_env={"OMP_NUM_THREADS": "1"}, wait=False)
+    stack.callback(_quietly, "trainer ranks", _close_ranks, workers)
+    groups = []
+    for what, start in (("reward model ranks", start_reward_model_group), ("teacher ranks", start_teacher_group)):
+        group = start(cfg, plan)  # None unless that role is separate: its own ranks, world and layout
+        if group is not None:
+            stack.callback(_quietly, what, group.close, "close", timeout_s=30.0)
+        groups.append(group)
+    engines = EngineSet(cfg, plan, workers)
+    # registered after the ranks, so stopped before them: colocated engine actors live in the ranks'
+    # placement group, which the ranks' teardown removes, and the servers run in sessions of their own
+    stack.callback(_quietly, "engines", lambda: [log.warning("could not stop %s", err) for err in engines.stop()])
+    workers.wait_constructed()
+    for group in groups:
+        if group is not None:
+            group.wait_constructed()
+    engines.wait_healthy()
+    return workers, groups[0], groups[1], engines
+
+
+def _start_rollout(cfg: MRLConfig, plan: RunPlan, engines: EngineSet, inputs: RunInputs,
+                   stack: contextlib.ExitStack) -> tuple[EnginePool, RolloutClient | AgentClient]:
+    """Stage 4: the engine pool (health checks, restarts), the router and the client the step generates with."""
     from mrl.rollout import (
         EngineEndpoint,
         EnginePool,
@@ -140,97 +251,68 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
         make_router,
     )
 
-    check_inputs(cfg)
-    _trap_sigterm()
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    log_dir = Path(cfg.trainer.checkpoint_dir or "outputs") / "logs"  # = RunPlan.log_dir
-    # Every row is checked here, before Ray starts (DataError: file:row:column, `mrl train` exits 2);
-    # the built-in scorers compare the ground truth as text, so it must be a string or number.
-    scalar_gt = ":" not in cfg.reward.function
-    agent_tools, schemas = _agent_tools(cfg, tok)
-    train_ds = PromptDataset.from_config(cfg.data, tok, "train", scalar_ground_truth=scalar_gt, tools=schemas)
-    d = cfg.data
-    check_batch_fits(len(train_ds), (d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable
-                     else d.train_batch_size, d.train_files, train_ds.num_filtered)
-    resumed_from = _check_resume_dir(cfg)
-    from mrl.driver.disk_full import check_room
+    r = cfg.rollout
+    # A dead engine is restarted by the pool; it is brought back to the current weights from disk when a
+    # snapshot exists (rollout.weight_sync.snapshot_dir, or the disk transport's dir), else it stays out of
+    # service with the reason logged.
+    token = engines.token
+    pool = _start(stack, "engine pool", EnginePool([EngineEndpoint(e.url, restart=e.restart) for e in engines.engines],
+                                                   health_interval_s=r.health_interval_s, token=token))
+    snap = r.weight_sync.snapshot_dir or (r.weight_sync.disk_dir if plan.transport == "disk" else None)
+    if snap:
+        pool.resync = disk_resync(snap, token=token)
+    pool.start_health_checks()  # every rollout.health_interval_s: dead engines restart between steps too
+    gen_pool = pool
+    if r.router == "sglang_router":
+        from mrl.rollout.sglang_router import SGLangRouter
 
-    check_room(cfg.trainer.checkpoint_dir, cfg.trainer.save_freq, resumed_from)  # a full disk: before Ray, not at a save
-    s = Services(tok, pad_token_id_of(tok), train_ds,
-                 PromptDataset.from_config(d, tok, "val", scalar_ground_truth=scalar_gt, tools=schemas) if d.val_files else None,
-                 RewardManager.from_config(cfg.reward), None, log_dir)
-    if cfg.reward_model.enable:
-        s.rm_inputs = RewardModelInputs.from_config(cfg, tok)
-    status = "FAILED"
+        router = SGLangRouter(engines.urls, r.router_port or r.port_base - 1, inputs.log_dir / "sglang_router.log",
+                              startup_timeout_s=min(r.engine_startup_timeout_s, 300.0))
+        stack.callback(_quietly, "sglang router", router.stop)
+        router.start()
+        pool.on_service_change = router.on_engine_service  # restarted engines rejoin once synced
+        # No periodic probes of the router: it would forward them to engines that may be asleep;
+        # a connection error on /generate finds a dead router (no /health) and restarts it.
+        gen_pool = _start(stack, "router pool", EnginePool([EngineEndpoint(router.url, restart=router.restart)],
+                                                           health_interval_s=0, token=token))
+    # sglang-router's /generate takes one sampling_params map: seeded samples then go one per request.
+    client: RolloutClient | AgentClient = RolloutClient(
+        make_router(gen_pool, r.router, max_retries=r.max_retries, request_timeout_s=r.request_timeout_s),
+        params_list_in_batch=r.router != "sglang_router", prompts_per_request=1 if r.router == "sglang_router" else None,
+        **_routed_experts_args(cfg))
+    if inputs.agent_tools is not None:  # multi-turn, tool-calling rollouts everywhere the client is used
+        from mrl.agent.loop import AgentClient
+
+        client = _start(stack, "agent tool workers", AgentClient(client, inputs.tokenizer, inputs.agent_tools, cfg.agent))
+    return pool, client
+
+
+def _start_tracking(cfg: MRLConfig, inputs: RunInputs, stack: contextlib.ExitStack) -> Tracking | None:
+    """Stage 5: MLflow and the metric line (verl's -> <run dir>/metrics.log; the console shows progress);
+    finished as FINISHED when the run's body returns, FAILED when it raises."""
+    from mrl.driver.state import read_trainer_state
+    from mrl.observability.tracking import Tracking
+
+    run_id = read_trainer_state(inputs.resumed_from).get("mlflow_run_id") if inputs.resumed_from else None
+    tracking = Tracking.from_config(cfg, resume_run_id=run_id, metrics_path=inputs.log_dir.parent / "metrics.log")
+    if tracking is not None:
+        stack.push(lambda exc_type, *_: _quietly("tracking", tracking.finish, "FAILED" if exc_type else "FINISHED"))
+    return tracking
+
+
+def _start(stack: contextlib.ExitStack, what: str, part):
+    """``part`` (a started component with ``close()``), registered to be closed on exit; None passes through."""
+    if part is not None:
+        stack.callback(_quietly, what, part.close)
+    return part
+
+
+def _quietly(what: str, fn, *args, **kwargs) -> None:
+    """One teardown step; a failure is logged and the rest still run."""
     try:
-        r = cfg.rollout
-        cpu_plan = plan_run(cfg, "cpu")  # the layout does not depend on the device
-        world = cpu_plan.trainer_ranks + cpu_plan.reward_model_ranks + cpu_plan.teacher_ranks  # a CPU per rank
-        extra_cpus = r.num_engines if r.placement == "separate" and r.num_engines else 0
-        init_ray(cfg.cluster.address, cfg.cluster.cpus_per_node or max(os.cpu_count() or 1, world) + extra_cpus)
-        _trap_sigterm()  # again: ray.init installed its own handler, which aborts
-        s.plan = plan = plan_run(cfg, resolve_device(cfg.cluster.device))
-        if plan.device == "cpu":
-            # The ranks (and their engines) use this host's cores; the driver's tensors are small
-            # ([batch, response] advantages and masks). With torch's default of one thread per core, the
-            # OpenMP worker of the driver's few parallel ops spun ~4 ms of a core per tiny benchmark step.
-            import torch
-
-            torch.set_num_threads(1)
-        s.workers = WorkerGroup("mrl.workers.rank.TrainRank", {"cfg": cfg, "plan": plan},
-                                world_size=plan.trainer_ranks, device=plan.device,
-                                extra_env={"OMP_NUM_THREADS": "1"}, wait=False)
-        s.rm_workers = start_reward_model_group(cfg, plan)  # a separate RM: its own ranks, world and layout
-        s.teacher_workers = start_teacher_group(cfg, plan)  # a separate teacher: likewise
-        # Engines start on the ranks' nodes (colocated: in their ranks' placement bundles) and load
-        # while the ranks build their models.
-        s.engines = EngineSet(cfg, plan, s.workers)
-        s.workers.wait_constructed()
-        for group in (s.rm_workers, s.teacher_workers):
-            if group is not None:
-                group.wait_constructed()
-        s.engines.wait_healthy()
-        s.judge = start_judge(cfg, plan, s.workers, s.engines, tok)  # reward.judge: its engines (docs/judge.md)
-        # A dead engine is restarted by the pool; it is brought back to the current weights from
-        # disk when a snapshot exists (rollout.weight_sync.snapshot_dir, or the disk transport's dir),
-        # else it stays out of service with the reason logged.
-        token = s.engines.token
-        s.pool = EnginePool([EngineEndpoint(e.url, restart=e.restart) for e in s.engines.engines],
-                            health_interval_s=r.health_interval_s, token=token)
-        snap = r.weight_sync.snapshot_dir or (r.weight_sync.disk_dir if s.plan.transport == "disk" else None)
-        if snap:
-            s.pool.resync = disk_resync(snap, token=token)
-        s.pool.start_health_checks()  # every rollout.health_interval_s: dead engines restart between steps too
-        gen_pool = s.pool
-        if r.router == "sglang_router":
-            from mrl.rollout.sglang_router import SGLangRouter
-
-            s.router = SGLangRouter(s.engines.urls, r.router_port or r.port_base - 1, log_dir / "sglang_router.log",
-                                    startup_timeout_s=min(r.engine_startup_timeout_s, 300.0))
-            s.router.start()
-            s.pool.on_service_change = s.router.on_engine_service  # restarted engines rejoin once synced
-            # No periodic probes of the router: it would forward them to engines that may be asleep;
-            # a connection error on /generate finds a dead router (no /health) and restarts it.
-            gen_pool = s.route_pool = EnginePool([EngineEndpoint(s.router.url, restart=s.router.restart)],
-                                                 health_interval_s=0, token=token)
-        # sglang-router's /generate takes one sampling_params map: seeded samples then go one per request.
-        s.client = RolloutClient(make_router(gen_pool, r.router, max_retries=r.max_retries,
-                                             request_timeout_s=r.request_timeout_s),
-                                 params_list_in_batch=r.router != "sglang_router",
-                                 prompts_per_request=1 if r.router == "sglang_router" else None,
-                                 **_routed_experts_args(cfg))
-        if agent_tools is not None:  # multi-turn, tool-calling rollouts everywhere the client is used
-            from mrl.agent.loop import AgentClient
-
-            s.client = AgentClient(s.client, tok, agent_tools, cfg.agent)
-        TrainRanks(s.workers).init_weight_sync(s.engines.urls, token=token, routable=s.engines.remote_nodes)
-        s.tracking = Tracking.from_config(  # verl's metric line -> <run dir>/metrics.log; the console shows progress
-            cfg, resume_run_id=read_trainer_state(resumed_from).get("mlflow_run_id") if resumed_from else None,
-            metrics_path=s.log_dir.parent / "metrics.log")  # log_dir = <checkpoint_dir or outputs>/logs
-        yield s
-        status = "FINISHED"
-    finally:
-        _teardown(s, status)
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - keep tearing down the rest
+        log.warning("shutdown of %s failed: %s", what, e)
 
 
 def _agent_tools(cfg: MRLConfig, tok) -> tuple[dict | None, list[dict] | None]:
@@ -248,31 +330,6 @@ def _agent_tools(cfg: MRLConfig, tok) -> tuple[dict | None, list[dict] | None]:
     except TemplateError as e:
         raise UnsupportedConfigError(f"agent.enable with model.path={cfg.model.path}: {e}") from None
     return tools, schemas
-
-
-def _teardown(s: Services, status: str) -> None:
-    import ray
-
-    # Engines before the ranks and Ray: colocated engine actors live in the ranks' placement group,
-    # which the rank teardown removes (killing them), and the servers run in sessions of their own.
-    for step in (
-        lambda: s.tracking and s.tracking.finish(status),
-        lambda: getattr(s.client, "runner", None) and s.client.close(),  # the agent loop's tool workers
-        lambda: s.judge and s.judge.close(),
-        lambda: s.route_pool and s.route_pool.close(),
-        lambda: s.router and s.router.stop(),
-        lambda: s.pool and s.pool.close(),
-        lambda: [log.warning("could not stop %s", err) for err in (s.engines.stop() if s.engines else [])],
-        lambda: s.workers and _close_ranks(s.workers),
-        lambda: s.rm_workers and s.rm_workers.close("close", timeout_s=30.0),
-        lambda: s.teacher_workers and s.teacher_workers.close("close", timeout_s=30.0),
-        lambda: s.reward.close(),
-        ray.shutdown,
-    ):
-        try:
-            step()
-        except Exception as e:  # noqa: BLE001 - keep tearing down the rest
-            log.warning("shutdown step failed: %s", e)
 
 
 def _close_ranks(workers: WorkerGroup) -> None:

@@ -9,17 +9,29 @@ the weight version that produced it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from mrl.driver.ranks import TrainRanks
 from mrl.rollout.types import RolloutRequest, RolloutResult
 
+if TYPE_CHECKING:
+    from mrl.rollout.pool import EnginePool
+
+
+class Generates(Protocol):
+    """What the controller generates through: ``RolloutClient`` (through the router), or ``AgentClient``
+    (multi-turn tool calls around it)."""
+
+    def generate(self, request: RolloutRequest) -> RolloutResult: ...
+
 
 class RolloutController:
-    """pool: the engines (``mrl.rollout.pool.EnginePool``); client: the rollout client in front of
-    them (possibly through a router); ranks: the trainer ranks, which send the weights."""
+    """pool: the engines; client: what generates in front of them (possibly through a router and the agent
+    loop); ranks: the trainer ranks, which send the weights (None where nothing is pushed: a generation-only
+    test). Every generation of the run goes through ``generate``: the step's samples, ReMax's greedy
+    baselines and validation answers, so a failed sample or a lost engine is reported one way."""
 
-    def __init__(self, pool: Any, client: Any, ranks: TrainRanks, *, startup_timeout_s: float,
+    def __init__(self, pool: EnginePool, client: Generates, ranks: TrainRanks | None, *, startup_timeout_s: float,
                  log_dir: Path | str | None = None) -> None:
         self.pool, self.client, self.ranks = pool, client, ranks
         self.startup_timeout_s = startup_timeout_s
@@ -29,18 +41,20 @@ class RolloutController:
     def asleep(self) -> bool:
         return bool(self.pool.asleep)
 
-    def generate(self, request: RolloutRequest, version: int) -> tuple[RolloutResult, int]:
+    def generate(self, request: RolloutRequest, version: int, what: str = "rollout") -> tuple[RolloutResult, int]:
         """All samples of ``request`` and the weight version the engines reported for them
         (``"default"``, the start weights, is 0); refuses failed samples and any sample not made by
-        ``version`` — a sync that missed an engine must not train on stale samples silently."""
+        ``version`` — a sync that missed an engine must not train (or validate) on stale samples silently.
+        ``what`` names the samples in errors: rollout, ReMax baseline, validation."""
         res = self.client.generate(request)
         if res.failed:
-            self._stop_if_engines_lost(f"{len(res.failed)} of {len(res.samples)} rollout samples failed")
-            raise RuntimeError(f"{len(res.failed)} of {len(res.samples)} rollout samples failed, first: "
-                               f"{res.failed[0].error}; see the engine logs under {self.log_dir}")
+            self._stop_if_engines_lost(f"{len(res.failed)} of {len(res.samples)} {what} samples failed")
+            raise RuntimeError(f"{len(res.failed)} of {len(res.samples)} {what} samples failed, first: "
+                               f"{res.failed[0].error}; see the engine logs under {self.log_dir} (or raise "
+                               "rollout.request_timeout_s)")
         expected = {str(version)} | ({"default"} if version == 0 else set())
         if res.weight_versions - expected:
-            raise RuntimeError(f"engines answered with weight versions {res.weight_versions}, expected "
+            raise RuntimeError(f"engines answered {what} samples with weight versions {res.weight_versions}, expected "
                                f"{version}: the weight sync did not reach every engine (or one restarted "
                                "without a re-sync; set rollout.weight_sync.snapshot_dir to re-sync restarted engines)")
         return res, max(0 if v in (None, "default") else int(v) for v in res.weight_versions)

@@ -23,7 +23,6 @@ from mrl.algorithms import (
     reverse_kl_reward,
 )
 from mrl.config import MRLConfig
-from mrl.data.sampler import get_sampler_cls
 from mrl.driver import base_model, disk_full
 from mrl.driver.async_rollout import AsyncRollout, ProducedBatch
 from mrl.driver.batch import (
@@ -118,8 +117,7 @@ class RLTrainer:
         if cfg.repr_align_enabled:  # fail now, not at the first step
             check_gold_answers(services.train_ds.prompts, cfg.data.ground_truth_key)
         self.plan = services.plan
-        self.sampler = get_sampler_cls(cfg.data.sampler.class_path)(  # DAPO: data.gen_batch_size per round
-            len(services.train_ds), self.plan.gen_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed, dataset=services.train_ds)
+        self.sampler = services.sampler  # the training prompts' order (its state is checkpointed)
         self.global_step = 0
         self.weight_version = 0  # engines start from model.path = version 0 of the actor
         at = cfg.trainer.async_training  # off-policy: a rollout producer runs ahead (docs/async.md)
@@ -340,11 +338,10 @@ class RLTrainer:
         the baseline ``b`` of the prompt's n samples (verl's ``reward_baselines``)."""
         n = self.cfg.rollout.n
         prompts = d.prompts[::n]  # d.prompts is each prompt n times in a row
-        res = self.s.client.generate(RolloutRequest([p.prompt_ids for p in prompts], n=1, sampling_params={
+        res, _ = self.rollout.generate(RolloutRequest([p.prompt_ids for p in prompts], n=1, sampling_params={
             "temperature": 0.0, "max_new_tokens": self.cfg.rollout.max_response_length}, return_logprob=False,
-            timeout_s=self.cfg.rollout.request_timeout_s, tools_kwargs=tools_kwargs_of(prompts)))
-        if res.failed:
-            raise RuntimeError(f"{len(res.failed)} ReMax baseline rollouts failed, first: {res.failed[0].error}")
+            timeout_s=self.cfg.rollout.request_timeout_s, tools_kwargs=tools_kwargs_of(prompts)),
+            self.weight_version, what="ReMax baseline")
         prompts = with_agent_info(prompts, res)  # agent rollouts: the greedy trajectory's record for the scorer
         out = self.s.reward(decode_responses(self.s.tokenizer, res), [p.ground_truth for p in prompts],
                             data_sources=[p.data_source for p in prompts], extra_infos=[p.extra_info for p in prompts])
@@ -478,7 +475,8 @@ class RLTrainer:
         if self.s.val_ds is None:
             return {}
         dump_dir = self.cfg.trainer.validation_data_dir
-        res = run_validation(client=self.s.client, tokenizer=self.s.tokenizer, dataset=self.s.val_ds,
+        res = run_validation(generate=lambda req: self.rollout.generate(req, self.weight_version, "validation")[0],
+                             tokenizer=self.s.tokenizer, dataset=self.s.val_ds,
                              reward=self.s.reward, rollout=self.cfg.rollout, val_batch_size=self.cfg.data.val_batch_size,
                              log_generations=self.cfg.trainer.log_val_generations, keep_samples=bool(dump_dir),
                              seed=(self.cfg.trainer.seed, self.global_step), rm=self.val_rm(),
@@ -551,8 +549,8 @@ class RLTrainer:
                 self.s.tracking.log_artifact(path)
 
     def total_steps(self) -> int:
-        t = self.cfg.trainer
-        return t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
+        assert self.plan.total_steps is not None  # build's plan knows the training rows
+        return self.plan.total_steps
 
     def fit(self) -> None:
         t = self.cfg.trainer

@@ -45,7 +45,7 @@ from mrl.observability.val_metrics import (
     validation_metric_dict,
 )
 from mrl.rewards.manager import RewardResult
-from mrl.rollout.types import RolloutRequest
+from mrl.rollout.types import RolloutRequest, RolloutResult
 
 GENERATIONS_SEED = 42  # verl's fixed shuffle seed: the same rows are logged at every validation
 
@@ -88,14 +88,16 @@ def pick_generations(inputs: Sequence[str], outputs: Sequence[str], scores: Sequ
     return [{"input": rows[i][0], "output": rows[i][1], "score": float(rows[i][2])} for i in order[:k]]
 
 
-def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, rollout: Any,
+def run_validation(*, generate: Callable[[RolloutRequest], RolloutResult], tokenizer: Any, dataset: Any,
+                   reward: Any, rollout: Any,
                    val_batch_size: int | None = None, log_generations: int = 0,
                    keep_samples: bool = False, seed: tuple[int, int] | None = None,
                    rm: Callable[[Any, list[Any]], Any] | None = None, rm_combine: str = "rm",
                    judge: Callable[..., RewardResult] | None = None) -> ValidationResult:
     """Answer, score and summarise every prompt of ``dataset`` (a ``PromptDataset``).
 
-    ``client``: RolloutClient; ``reward``: RewardManager; ``rollout``: RolloutConfig (its
+    ``generate``: the trainer's ``RolloutController.generate`` at the current weight version (or a
+    ``RolloutClient.generate``: a test's one engine); ``reward``: RewardManager; ``rollout``: RolloutConfig (its
     ``val_kwargs``, ``max_response_length``, ``request_timeout_s``). Samples are ordered prompt-major,
     ``n`` answers per prompt in a row; the uid of an answer is its prompt's dataset row.
     ``keep_samples``: also return every sample's input, output, ground truth, score and scorer keys.
@@ -115,9 +117,9 @@ def run_validation(*, client: Any, tokenizer: Any, dataset: Any, reward: Any, ro
     for rows in prompt_chunks(len(dataset), val_batch_size):
         prompts = [dataset[i] for i in rows]
         seeds = group_seeds(seed[0], "val", seed[1], 0, list(rows), vk.n) if seed and vk.do_sample else None
-        res = client.generate(RolloutRequest([p.prompt_ids for p in prompts], n=vk.n, sampling_params=params,
-                                             return_logprob=False, timeout_s=rollout.request_timeout_s,
-                                             sampling_seeds=seeds, tools_kwargs=tools_kwargs_of(prompts)))
+        res = generate(RolloutRequest([p.prompt_ids for p in prompts], n=vk.n, sampling_params=params,
+                                      return_logprob=False, timeout_s=rollout.request_timeout_s,
+                                      sampling_seeds=seeds, tools_kwargs=tools_kwargs_of(prompts)))
         if res.failed:
             raise RuntimeError(f"{len(res.failed)} of {len(res.samples)} validation samples failed, first: "
                                f"{res.failed[0].error}; see the engine logs (or raise rollout.request_timeout_s)")

@@ -74,7 +74,7 @@ def build_lr_scheduler(optimizer: Any, optim: OptimConfig, *, total_optimizer_st
         if optim.lr_schedule != "constant" or (optim.lr_warmup_steps == 0 and optim.lr_warmup_steps_ratio > 0):
             raise ValueError(
                 f"optim.lr_schedule={optim.lr_schedule!r} / lr_warmup_steps_ratio need the run length: "
-                "set optim.total_training_steps (the driver fills it from trainer.total_steps)"
+                "the run plan derives it from trainer.total_training_steps or total_epochs x the training rows"
             )
         total = max(optim.lr_warmup_steps, 1) + 1
     else:

@@ -24,10 +24,26 @@ def test_lr_schedule_length_is_steps_times_mini_batches_times_epochs(tmp_path) -
     assert (a.mini_batches_per_step, a.epochs, a.total_optimizer_steps, a.mini_batch_size_samples) == (4, 3, 120, 8)
 
 
-def test_epoch_runs_get_a_constant_schedule(tmp_path) -> None:
-    cfg = _cfg(tmp_path, "trainer.total_training_steps=null", "trainer.total_epochs=2",
-               "actor.optim.lr_schedule=constant")  # a decay needs the step count
-    assert plan_run(cfg, "cpu").actor.total_optimizer_steps is None
+def test_epoch_runs_take_their_length_from_the_samplers_batches(tmp_path) -> None:
+    # verl: total_training_steps = len(train_dataloader) x total_epochs; an LR decay needs no step count in the config
+    cfg = _cfg(tmp_path, "trainer.total_training_steps=null", "trainer.total_epochs=3", "actor.optim.lr_schedule=cosine",
+               "actor.optim.lr_warmup_steps_ratio=0.1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
+               "actor.ppo_micro_batch_size_per_gpu=4")
+    p = plan_run(cfg, "cpu", batches_per_epoch=12)
+    assert p.total_steps == 36 and p.actor.total_optimizer_steps == 36 * 2
+    assert plan_run(cfg, "cpu").total_steps is None  # rows unknown (mrl plan before the data exists)
+    fixed = _cfg(tmp_path, "trainer.total_training_steps=7", "trainer.total_epochs=3")
+    assert plan_run(fixed, "cpu", batches_per_epoch=12).total_steps == plan_run(fixed, "cpu").total_steps == 7
+
+
+def test_plan_prints_the_run_length_the_rows_give(tmp_path) -> None:
+    from mrl.config.data_files import run_length_text
+
+    cfg = _cfg(tmp_path, "trainer.total_training_steps=null", "trainer.total_epochs=3", "data.train_batch_size=8",
+               "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4")
+    assert run_length_text(cfg, 100).startswith("36 steps (trainer.total_epochs=3 x 12 batches of 8 prompts")
+    assert "rows unknown" in run_length_text(cfg, None)
+    assert run_length_text(_cfg(tmp_path, "trainer.total_training_steps=5"), 100) == "5 steps (trainer.total_training_steps)"
 
 
 def test_the_critic_falls_back_to_the_actors_mini_batch_and_epochs(tmp_path) -> None:

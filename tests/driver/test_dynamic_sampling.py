@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from mrl.config import load_config
 from mrl.config.run_plan import plan_run
 from mrl.data.dataset import PromptDataset
+from mrl.data.sampler import sampler_for
 from mrl.driver.batch import assemble_train_batch, repeat_prompts
 from mrl.driver.dynamic_sampling import merge_rounds, unique_uids
 from mrl.driver.trainer import RLTrainer, StepData
@@ -85,9 +86,11 @@ def _trainer(ds, tmp_path, rounds: list[tuple[list[int], list[str]]], *overrides
         f"model.path={tmp_path}/m", f"data.train_files=[{tmp_path}/t.jsonl]", "rollout.n=2", "data.train_batch_size=2",
         "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=2", "algorithm.filter_groups.enable=true",
         "data.gen_batch_size=3", "rollout.max_response_length=8", *overrides])
+    plan = plan_run(cfg, "cpu", batches_per_epoch=len(ds) // 3)
     services = SimpleNamespace(train_ds=ds, pad_token_id=ds.pad_token_id, reward=RewardManager(scored_with_acc),
+                               sampler=sampler_for(cfg.data, plan.gen_batch_size, ds),
                                workers=None, rm_workers=None, teacher_workers=None, pool=SimpleNamespace(asleep=False), client=None, log_dir=tmp_path,
-                               plan=plan_run(cfg, "cpu"), judge=None)
+                               plan=plan, judge=None)
     tr = RLTrainer(cfg, services)
     queue = list(rounds)
 

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 from mrl.config import load_config
 from mrl.config.run_plan import plan_run
+from mrl.data.sampler import sampler_for
 from mrl.driver.trainer import RLTrainer
 from mrl.rewards.manager import RewardManager
 
@@ -16,9 +17,11 @@ def _sampler(tmp_path, *overrides: str):
     cfg = load_config("mrl_configs/quickstart.yaml", [
         f"model.path={tmp_path}/m", f"data.train_files=[{tmp_path}/t.jsonl]", "data.train_batch_size=4",
         "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4", *overrides])
+    plan = plan_run(cfg, "cpu", batches_per_epoch=10)
     services = SimpleNamespace(train_ds=list(range(40)), pad_token_id=0, reward=RewardManager(lambda *a, **k: 0.0),
+                               sampler=sampler_for(cfg.data, plan.gen_batch_size, list(range(40))),  # as build makes it
                                workers=None, rm_workers=None, teacher_workers=None, pool=SimpleNamespace(asleep=False), client=None, log_dir=tmp_path,
-                               plan=plan_run(cfg, "cpu"))
+                               plan=plan)
     s = RLTrainer(cfg, services).sampler
     return [s.next_batch() for _ in range(3)]
 

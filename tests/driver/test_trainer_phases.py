@@ -15,6 +15,7 @@ import torch
 from mrl.algorithms import get_adv_estimator
 from mrl.config import load_config
 from mrl.config.run_plan import plan_run
+from mrl.data.sampler import ResumableSampler
 from mrl.driver.trainer import RLTrainer, StepData
 from tests.workers.batches import ragged_batch
 
@@ -106,8 +107,9 @@ def _trainer(tmp_path, *overrides: str, rm_workers=None) -> tuple[RLTrainer, Rec
     batch = ragged_batch().replace(advantages=None)
     values = torch.linspace(-0.5, 0.5, batch.response_length).expand(batch.batch_size, -1) * batch.response_mask
     workers = RecordingWorkers(values)
-    services = SimpleNamespace(train_ds=list(range(64)), workers=workers, rm_workers=rm_workers, teacher_workers=None, pool=RecordingPool(workers.calls),
-                               client=None, log_dir=tmp_path, plan=plan_run(cfg, "cpu"), tracking=None, judge=None)  # no metric sinks (Services.tracking may be None)
+    plan = plan_run(cfg, "cpu", batches_per_epoch=64 // cfg.data.train_batch_size)
+    services = SimpleNamespace(train_ds=list(range(64)), sampler=ResumableSampler(64, plan.gen_batch_size), workers=workers, rm_workers=rm_workers, teacher_workers=None, pool=RecordingPool(workers.calls),
+                               client=None, log_dir=tmp_path, plan=plan, tracking=None, judge=None)  # no metric sinks (Services.tracking may be None)
     tr = RLTrainer(cfg, services)
     scores = _scores(batch)
 
@@ -235,12 +237,13 @@ def test_remax_scores_one_greedy_answer_per_prompt_as_the_baseline(tmp_path) -> 
 
     def generate(req):
         requests.append(req)
-        return SimpleNamespace(failed=[], samples=[SimpleNamespace(response_ids=[7]) for _ in req.prompts])
+        return SimpleNamespace(failed=[], samples=[SimpleNamespace(response_ids=[7]) for _ in req.prompts],
+                               weight_versions={str(tr.weight_version)})
 
     def score(texts, truths, **kw):
         return SimpleNamespace(scores=torch.tensor([float(t) for t in truths]))  # baseline of prompt i = i
 
-    tr.s.client = SimpleNamespace(generate=generate)
+    tr.rollout.client = SimpleNamespace(generate=generate)  # ReMax generates through the RolloutController
     tr.s.reward, tr.s.tokenizer = score, SimpleNamespace(decode=lambda ids, skip_special_tokens: "x")
     gen = tr.generate
 
@@ -330,15 +333,17 @@ def _with_validation(tr, logged: list) -> None:
     prompts = [SimpleNamespace(prompt_ids=[9, i], ground_truth=str(i), data_source="toy", extra_info={})
                for i in range(3)]
 
-    def generate(req):
-        return SimpleNamespace(failed=[], samples=[SimpleNamespace(response_ids=[p[1]]) for p in req.prompts])
+    def generate(req):  # the engines hold the last pushed version (RolloutController.generate checks it)
+        return SimpleNamespace(failed=[], samples=[SimpleNamespace(response_ids=[p[1]]) for p in req.prompts],
+                               weight_versions={str(tr.weight_version)})
 
     def score(texts, truths, **kw):
         acc = [float(t == g and t != "2") for t, g in zip(texts, truths, strict=True)]
         return RewardResult(torch.tensor(acc), torch.ones(len(acc), dtype=torch.bool), None, [None] * len(acc),
                             {"score": acc, "acc": acc})
 
-    tr.s.val_ds, tr.s.client, tr.s.reward = prompts, SimpleNamespace(generate=generate), score
+    tr.s.val_ds, tr.s.reward = prompts, score
+    tr.rollout.client = SimpleNamespace(generate=generate)  # validation generates through the RolloutController
     tr.s.tokenizer = SimpleNamespace(decode=_decode)
     tr.s.tracking = SimpleNamespace(log=lambda metrics, step: logged.append((step, metrics)),
                                     log_artifact=lambda path: logged.append(("artifact", path)))

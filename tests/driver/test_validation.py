@@ -96,7 +96,7 @@ def setup(tmp_path_factory):
 def _validate(setup, log_generations: int, val_batch_size: int | None = None, seed=None, **val_kwargs):
     client, tok, ds, reward = setup
     rollout = RolloutConfig(max_response_length=12, val_kwargs=val_kwargs)
-    return run_validation(client=client, tokenizer=tok, dataset=ds, reward=reward, rollout=rollout,
+    return run_validation(generate=client.generate, tokenizer=tok, dataset=ds, reward=reward, rollout=rollout,
                           val_batch_size=val_batch_size, log_generations=log_generations, seed=seed)
 
 
@@ -211,7 +211,7 @@ def test_rm_verdict_is_compared_with_the_rule_on_val(setup):
         return torch.tensor([1.0 if int(n) % 2 == 0 else -1.0 for n in batch.response_mask.sum(-1)])
 
     rollout = RolloutConfig(max_response_length=12, val_kwargs={"do_sample": True, "n": 2, "temperature": 1.0})
-    res = run_validation(client=client, tokenizer=tok, dataset=ds, reward=RewardManager(_vote_score),
+    res = run_validation(generate=client.generate, tokenizer=tok, dataset=ds, reward=RewardManager(_vote_score),
                          rollout=rollout, val_batch_size=4, keep_samples=True, seed=(1, 0), rm=rm,
                          rm_combine="function")
     x = res.samples.extra

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import socket
 import sqlite3
 import subprocess
@@ -31,13 +32,25 @@ def free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports in 20000-32000")
 
 
+_ASSETS_CACHE: dict[str, Path] = {}
+
+
 def write_assets(tmp: Path) -> Path:
     """The quickstart's tiny model and data under ``tmp/assets`` (no download). Without the supervised
     warm start (~20 CPU-s, covered by tests/test_quickstart_assets.py): these tests check the
-    pipeline, not learning, and a random model exercises it as well."""
+    pipeline, not learning, and a random model exercises it as well. Written once per test process
+    (a subprocess of ~6 s idle, ~20 test files use it) and copied: each test gets its own files to change."""
     assets = tmp / "assets"
-    subprocess.run([sys.executable, "-m", "mrl.quickstarts", "base", "--out", str(assets), "--warm-start-steps", "0"],
-                   cwd=ROOT, check=True, capture_output=True, timeout=900)
+    if "base" not in _ASSETS_CACHE:
+        import atexit
+        import tempfile
+
+        src = Path(tempfile.mkdtemp(prefix="mrl_e2e_assets_")) / "assets"
+        atexit.register(shutil.rmtree, src.parent, True)
+        subprocess.run([sys.executable, "-m", "mrl.quickstarts", "base", "--out", str(src), "--warm-start-steps", "0"],
+                       cwd=ROOT, check=True, capture_output=True, timeout=900)
+        _ASSETS_CACHE["base"] = src
+    shutil.copytree(_ASSETS_CACHE["base"], assets)
     return assets
 
 
