@@ -28,7 +28,8 @@ class OptimConfig(Section):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of lr for linear/cosine decay.")
     clip_grad: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 disables clipping.")
     total_training_steps: int | None = Field(
-        None, ge=1, description="LR-schedule length in trainer steps (verl steps the scheduler once per step); filled by the driver."
+        None, ge=1, description="LR-schedule length in trainer steps (verl steps the scheduler once per step); null = "
+        "the run length (trainer.total_training_steps, or total_epochs x batches per epoch)."
     )
 
     @field_validator("betas")

@@ -11,7 +11,7 @@ prints the same arithmetic (:mod:`mrl.config.plan`) from the same functions.
     run length (steps)       = trainer.total_training_steps, else trainer.total_epochs * the sampler's batches
                                per epoch (verl: len(train_dataloader) * total_epochs), known once the data is
                                loaded (``mrl train``; ``mrl plan`` prints it from the counted rows)
-    LR-schedule length       = run length * optimizer steps / step
+    LR-schedule length       = (<role>.optim.total_training_steps or run length) * optimizer steps / step
     samples / mini-batch     = <role>.ppo_mini_batch_size * rollout.n
 
 Settings left at ``auto`` (rollout.weight_sync.transport, actor.shared_prefix) are resolved here for the
@@ -143,8 +143,12 @@ def run_length(cfg: MRLConfig, batches_per_epoch: int | None) -> int | None:
     return t.total_epochs * batches_per_epoch if batches_per_epoch is not None else None
 
 
-def update_plan(cfg: MRLConfig, mini_batch_prompts: int, epochs: int, steps: int | None) -> UpdatePlan:
+def update_plan(cfg: MRLConfig, mini_batch_prompts: int, epochs: int, steps: int | None,
+                schedule_steps: int | None = None) -> UpdatePlan:
+    """``steps``: the run length; ``schedule_steps``: <role>.optim.total_training_steps, an LR schedule
+    spanning other than the run (null: the run length, what verl fills in)."""
     mini = max(1, cfg.data.train_batch_size // mini_batch_prompts)
+    steps = schedule_steps or steps
     return UpdatePlan(mini_batch_size_samples=mini_batch_prompts * cfg.rollout.n, mini_batches_per_step=mini,
                       epochs=epochs, total_optimizer_steps=steps * mini * epochs if steps else None)
 
@@ -162,7 +166,8 @@ def plan_run(cfg: MRLConfig, device: str, batches_per_epoch: int | None = None) 
     steps = run_length(cfg, batches_per_epoch)
     critic = None
     if cfg.critic_enabled:
-        critic = update_plan(cfg, c.ppo_mini_batch_size or a.ppo_mini_batch_size, c.ppo_epochs or a.ppo_epochs, steps)
+        critic = update_plan(cfg, c.ppo_mini_batch_size or a.ppo_mini_batch_size, c.ppo_epochs or a.ppo_epochs, steps,
+                             c.optim.total_training_steps)
     return RunPlan(
         device=device,
         dtype=cfg.model.compute_dtype(device),
@@ -172,7 +177,7 @@ def plan_run(cfg: MRLConfig, device: str, batches_per_epoch: int | None = None) 
         teacher_ranks=teacher.count if teacher is not None and not teacher.colocated else 0,
         gen_batch_size=(d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable
         else d.train_batch_size,
-        actor=update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs, steps),
+        actor=update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs, steps, a.optim.total_training_steps),
         critic=critic,
         free_cache_engine=free_cache_engine(cfg, device),
         log_dir=Path(cfg.trainer.checkpoint_dir or "outputs") / "logs",

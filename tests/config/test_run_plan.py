@@ -32,6 +32,10 @@ def test_epoch_runs_take_their_length_from_the_samplers_batches(tmp_path) -> Non
     p = plan_run(cfg, "cpu", batches_per_epoch=12)
     assert p.total_steps == 36 and p.actor.total_optimizer_steps == 36 * 2
     assert plan_run(cfg, "cpu").total_steps is None  # rows unknown (mrl plan before the data exists)
+    # <role>.optim.total_training_steps: a schedule spanning other than the run (not silently ignored)
+    longer = _cfg(tmp_path, "trainer.total_training_steps=null", "trainer.total_epochs=3", "data.train_batch_size=8",
+                  "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4", "actor.optim.total_training_steps=100")
+    assert plan_run(longer, "cpu", batches_per_epoch=12).actor.total_optimizer_steps == 100 * 2
     fixed = _cfg(tmp_path, "trainer.total_training_steps=7", "trainer.total_epochs=3")
     assert plan_run(fixed, "cpu", batches_per_epoch=12).total_steps == plan_run(fixed, "cpu").total_steps == 7
 
