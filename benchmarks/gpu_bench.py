@@ -108,7 +108,6 @@ def write_model(shape: dict, dtype: str, device: str, path: pathlib.Path) -> str
 def profiled(device: str, fn) -> dict:
     """One call of ``fn`` under torch.profiler: wall time, summed GPU kernel time (busy fraction) and the top
     kernels -- where a GPU step goes, for the next lever (``--profile``)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -198,7 +197,7 @@ def bench_decode(out: dict, a, size: dict, model: str, device: str):
             n_tok = sum(len(o["output_ids"]) for o in r.json())
             res[str(b)] = {"mrl_tokens": n_tok, "mrl_s": round(s, 3), "mrl_tok_s": round(n_tok / s, 1)}
             if a.profile and b == min(batches):
-                out["decode_profile"] = profiled(device, lambda: httpx.post(
+                out["decode_profile"] = profiled(device, lambda body=body: httpx.post(
                     f"{url}/generate", json=body, timeout=600, trust_env=False).raise_for_status())
     finally:
         server.should_exit = True
