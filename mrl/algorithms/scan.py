@@ -83,9 +83,9 @@ def empty_output(shape: tuple[int, int], like: torch.Tensor, dtype: torch.dtype 
     """Uninitialised contiguous output on ``like``'s device, of ``dtype`` (default ``like.dtype``).
 
     Written exactly once by the kernels. (Allocating large CPU outputs through numpy, which asks for
-    transparent huge pages, halved the page-fault cost of a streaming write on the 2-vCPU CI VM but
-    made the chunked kernels slower and erratic: 2 MB faults in the middle of the chunk loop, and
-    first touches of never-used guest memory costing up to a second; see docs/algorithms.md.)
+    transparent huge pages, made a streaming write cheaper but the chunked kernels slower and erratic:
+    2 MB faults in the middle of the chunk loop, and slow first touches of never-used guest memory;
+    the figures: docs/algorithms.md, 'Benchmark', 'Tried and not kept'.)
     """
     return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
 

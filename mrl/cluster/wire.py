@@ -1,10 +1,10 @@
 """Torch tensors through Ray as raw bytes in a NumPy array.
 
 Ray pickles a ``torch.Tensor`` argument or result through torch's own ``__reduce_ex__`` (storage
-objects, typed-storage rebuilds): on the 2-core CPU host a driver -> 2-rank call carrying one step's
-``TrainBatch`` (10 tensors, 93 kB) took 6.0 ms round trip against 2.8 ms for the same bytes as NumPy
-arrays, which Ray moves as out-of-band pickle-5 buffers (benchmarks/vs_trl.py's tiny size pays this
-on every phase call). So a plain CPU tensor travels as ``(uint8 array of its bytes, dtype, shape)``
+objects, typed-storage rebuilds): a driver -> rank call carrying one step's ``TrainBatch`` costs
+more that way than with the same bytes as NumPy arrays, which Ray moves as out-of-band pickle-5
+buffers (docs/performance.md, 'Tensors through Ray as bytes'; a small run pays this on every phase
+call). So a plain CPU tensor travels as ``(uint8 array of its bytes, dtype, shape)``
 and is rebuilt as a fresh tensor that owns a copy of them: writable, and not a view into Ray's
 message or object-store buffer (which is read-only). Exact for every dtype, bf16 and bool included:
 the bytes are the tensor's.

@@ -6,8 +6,8 @@ choice with its reason. A value other than ``auto`` is taken as given (``check_c
 ``rollout.weight_sync.transport: auto``
     inprocess  CPU, and the layout fits it (built-in engine colocated on every trainer rank, actor
                TP = PP = 1, synchronous steps; :func:`inprocess_blockers`): no protocol, each rank
-               copies its weights into its own engine (measured at the vs_trl tiny size: sync 0.034 ->
-               0.009 s per step against ``tensor``; docs/weight_sync.md)
+               copies its weights into its own engine (faster than ``tensor``: docs/performance.md,
+               'auto: transport and shared prefix')
     tensor     colocated otherwise, on one node: shared memory on CPU, CUDA IPC on GPUs (no copy;
                ``distributed`` is refused colocated on CUDA: NCCL will not put two ranks on one GPU)
     disk       colocated CUDA engines over several nodes (IPC handles do not cross nodes and NCCL
@@ -26,9 +26,7 @@ choice with its reason. A value other than ``auto`` is taken as given (``check_c
                                        with the row's square
     no MoE routing replay             the engine's expert ids are per sample and per token
 
-    measured: on at P 16 / R 4 / n 8 (vs_trl tiny: update −29 %, step −13 %) and P 64 / R 8 / n 8
-    (quickstart: 1m54s -> 1m39s); off at P 16 / R 64 / n 8 (vs_trl compute: 520-token rows, ~7x the
-    compact layout's attention FLOPs).
+    The shapes it was measured at, on and off: docs/performance.md, 'auto: transport and shared prefix'.
 """
 from __future__ import annotations
 

@@ -36,8 +36,8 @@ def supported_architectures() -> frozenset[str]:
 @lru_cache(maxsize=1)
 def _architecture_table() -> dict[str, str]:
     """``mrl.megatron.provider.SUPPORTED_ARCHITECTURES`` (architecture -> family), read from its source with
-    ``ast`` (importing it brings torch: 1.5 s of ``mrl plan``); tests compare the two. Falls back to the
-    import when the table is not a literal dict."""
+    ``ast`` (importing it brings torch into ``mrl plan``; docs/performance.md, 'Architecture table read
+    with ast'); tests compare the two. Falls back to the import when the table is not a literal dict."""
     tree = ast.parse(_PROVIDER.read_text())
     for node in tree.body:
         target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)

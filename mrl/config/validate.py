@@ -600,8 +600,8 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     _check_agent(cfg, errors)
     check_checkpoints(cfg, errors, notes)
     if cfg.cluster.device == "cpu" and cfg.model.dtype in ("bfloat16", "float16"):
-        # Measured on this project's VM (AMX): a [8960, 512] x [512, 1536] GEMM on one core runs at 137 GFLOP/s
-        # in float32 and 1381 in bfloat16; without AMX / AVX512-BF16 bfloat16 is slower than float32.
+        # bfloat16 GEMMs outrun float32 on CPUs with AMX; without AMX / AVX512-BF16 bfloat16 is slower than
+        # float32 (docs/performance.md, 'bfloat16 on CPU').
         notes.append(f"cluster.device=cpu with model.dtype={cfg.model.dtype}: fast only on CPUs with AMX or "
                      "AVX512-BF16 (bfloat16) and slow elsewhere; trainer and engine log-probs then agree at that "
                      "precision, not to 1e-6 as in float32")

@@ -49,7 +49,8 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_token_id: int, length: int | Non
     P = longest if length is None else length
     if longest > P:
         raise ValueError(f"a prompt has {longest} tokens, more than the padded length {P}")
-    # padded Python rows, one tensor each (a slice assignment per row is ~10x slower at RL batch sizes)
+    # padded Python rows, one tensor each (a slice assignment per row is far slower at RL batch sizes;
+    # docs/performance.md, 'Rollout batch assembly')
     ids = torch.tensor([[pad_token_id] * (P - len(s)) + list(s) for s in seqs], dtype=torch.long).reshape(len(seqs), P)
     mask = torch.tensor([[0] * (P - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long).reshape(len(seqs), P)
     return ids, mask

@@ -204,7 +204,8 @@ def _start_ray(cfg: MRLConfig, batches_per_epoch: int, stack: contextlib.ExitSta
     if plan.device == "cpu":
         # The ranks (and their engines) use this host's cores; the driver's tensors are small
         # ([batch, response] advantages and masks). With torch's default of one thread per core, the
-        # OpenMP worker of the driver's few parallel ops spun ~4 ms of a core per tiny benchmark step.
+        # OpenMP worker of the driver's few parallel ops spun on a core the ranks need (docs/performance.md,
+        # 'One torch thread in the CPU driver').
         import torch
 
         torch.set_num_threads(1)

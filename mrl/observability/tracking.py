@@ -25,9 +25,9 @@ _MLFLOW_PARAM_MAX = 6000  # characters MLflow 3 stores per param value
 _MLFLOW_BATCH = 100  # params per log_batch call (MLflow's limit)
 _MLFLOW_METRICS_BATCH = 1000  # metrics per log_batch call (MLflow's limit)
 # Metrics are written by one background thread at most this often: one SQLite transaction for every
-# step since the last write. Per step on the 2-core VM (62 metrics): a write per step through MLflow's
-# async queue cost ~20 ms of CPU in its 3 threads, taken from the engines and ranks on the other
-# side of the step; a write per 10 steps ~5 ms (benchmarks/vs_trl.py; docs/vs_trl.md).
+# step since the last write. A write per step through MLflow's async queue took CPU in its 3 threads
+# from the engines and ranks on the other side of the step; batching the steps takes far less
+# (docs/performance.md, 'MLflow metrics written at most once a second').
 METRICS_WRITE_INTERVAL_S = 1.0
 log = logging.getLogger("mrl.observability")
 metrics_log = logging.getLogger("mrl.metrics")

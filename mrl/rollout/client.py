@@ -7,9 +7,8 @@ pool is the router alone, one request per prompt, which the router balances) (``
 answered by a list of results in the same order; the router's least-outstanding pick sends the
 chunks one per engine. Whole prompts stay in one chunk, so the n samples of a prompt land on one
 engine (its prefix is computed once there). The per-request cost of HTTP is paid once per engine:
-measured on one embedded engine with the vs_trl tiny task (16 prompts x 8 samples of 4 tokens),
-16 requests of 8 took 55-62 ms, one request of 128 40-46 ms; per-sample requests (the first
-design) cost ~3.5 ms of engine CPU each, more than the decoding. A failed request fails (and is
+per-sample requests (the first design) cost the engine more CPU than the decoding (docs/performance.md,
+'One request per engine'). A failed request fails (and is
 retried for) all the samples of its chunk. Responses are read as SGLang returns them: ``output_ids``,
 ``meta_info.finish_reason.type``, ``meta_info.output_token_logprobs`` = [[logprob, token_id,
 text|None], ...] and ``meta_info.weight_version``. With ``RolloutRequest.sampling_seeds`` every

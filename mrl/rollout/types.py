@@ -155,8 +155,8 @@ class RolloutResult:
         response_attention [B, R] (1 on real tokens), response_mask [B, R] (1 on real tokens the
         engine sampled: multi-turn tool/template tokens are 0), response_lengths [B]."""
         r = max([s.response_length for s in self.samples] + [1])
-        # Rows as padded Python lists, one tensor per field: a slice assignment per sample cost ~6 ms per
-        # 256-sample step in the driver (py-spy), this ~0.5 ms.
+        # Rows as padded Python lists, one tensor per field: a slice assignment per sample was the driver's
+        # hot spot (docs/performance.md, 'Rollout batch assembly').
         resp_rows, logp_rows, mask_rows, attn_rows = [], [], [], []
         for s in self.samples:
             k, pad = s.response_length, r - s.response_length

@@ -53,10 +53,10 @@ def build_optimizer(
         torch_opt = getattr(inner, "optimizer", None)
         for group in getattr(torch_opt, "param_groups", []):
             # torch runs Adam tensor by tensor on CPU unless told otherwise; its fused CPU kernel does the
-            # update in one vectorised pass per tensor: the tiny benchmark model's optimizer step 11.9 ->
-            # 7.2 ms (multi-tensor "foreach", the previous choice, was 14-16 -> 12 ms over the loop), and
+            # update in one vectorised pass per tensor, faster than the loop and than multi-tensor "foreach"
+            # (the previous choice; docs/performance.md, 'Fused Adam on CPU'), and
             # the weights agree with the loop to float rounding (the fused kernel orders the same
-            # arithmetic differently; run to run it is bitwise reproducible). Measured on the 2-core VM.
+            # arithmetic differently; run to run it is bitwise reproducible).
             if (group.get("fused") is None and not group.get("foreach")
                     and all(p.device.type == "cpu" for p in group["params"])):
                 group["fused"], group["foreach"] = True, False

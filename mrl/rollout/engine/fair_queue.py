@@ -1,6 +1,6 @@
 """The scheduler's waiting queue: one FIFO per request (a ``/generate`` call's samples), admitted round
 robin, so a small request is admitted at the next free slots even behind a 100k-sample one (a single
-FIFO served it only after every sample queued before it: 10 s of nothing for a 2-token request).
+FIFO served it only after every sample queued before it; docs/performance.md, 'One FIFO per request').
 
 Requests of one submit share a group; retracted requests (``pause(mode="retract")``) go back in a
 group of their own that is served first, in their order. Not thread-safe: the scheduler holds its

@@ -6,8 +6,7 @@ as ``mrl engine``, the same SGLang-protocol routes: the driver's client, pool an
 ordinary engine at ``http://host:port``). What changes is the weight sync: the rank copies its own
 weights into the engine's model under the scheduler's model lock — no HTTP round trip, no shared-memory
 segment, no barrier with the other ranks (every DP replica holds the whole model at TP = PP = 1, so each
-rank loads its own engine). Measured at the quickstart size: export 2.8 ms + copy 0.6 ms, against
-~30 ms for the tensor transport's protocol (docs/weight_sync.md).
+rank loads its own engine). What that saves: docs/performance.md, 'auto: transport and shared prefix'.
 
 Megatron's CPU redirect is per thread (:mod:`mrl.megatron.cpu_support`), so the engine's threads run
 plain ``transformers`` code. A dead engine is a dead rank: there is no restart (config validation

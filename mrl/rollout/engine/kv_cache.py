@@ -8,9 +8,9 @@ padding. ``bias[b, c]`` is 0 where row ``b`` holds a real token and ``-inf`` whe
 (left of its prompt), the additive attention mask. The live columns are ``start..end-1``:
 ``start`` is the first column any live row uses.
 
-Why preallocated and swap-remove (measured on a 2-core CPU at 36 rows, 4 layers, ~150 columns:
-the previous ``DynamicCache`` concatenated every layer's whole cache on every step — 22 % of a
-decode step): appending writes one column in place; a finished row is replaced by the last row
+Why preallocated and swap-remove (docs/performance.md, 'Preallocated KV cache': the previous
+``DynamicCache`` concatenated every layer's whole cache on every step): appending writes one column
+in place; a finished row is replaced by the last row
 (one row copied, not the cache); leading all-padding columns are dropped by moving ``start``.
 Buffers are reallocated (live region copied once) only when rows or columns run out, with
 headroom so that this happens every ``COL_HEADROOM`` steps at most.

@@ -68,7 +68,7 @@ def sample(logits: torch.Tensor, rows: list[RowSampling], default_gen: torch.Gen
         else:
             # A request's own generator draws only for that request: its samples do not depend on
             # which other requests share the batch. One draw per row, joined by one cat (a scalar
-            # write per row was ~1 ms of a 128-row step).
+            # write per row cost more; docs/performance.md, 'Seeded draws joined by one cat').
             seeded = [j for j, r in enumerate(sub) if r.generator is not None]
             drawn_u = torch.cat([torch.rand(1, generator=sub[j].generator) for j in seeded]).to(dev)
             if not unseeded:

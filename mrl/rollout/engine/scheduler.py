@@ -5,8 +5,7 @@ One loop iteration: (1) admit up to ``max_running - running`` waiting requests w
 prefill, sample their first token and merge them into the running cache — while rows run, only
 once ``min_admit`` slots are free (or the queue fits): under steady load a row finishes almost
 every step, and a prefill per finished row would read every weight once more for one prompt
-(measured, 256 requests at 64 in flight: 120 prefills cost 3.8-4.0 s of CPU, 23 batched ones
-2.8 s); (2) one batched decode
+(docs/performance.md, 'Admission in groups'); (2) one batched decode
 step over every running sequence; (3) finished rows leave the cache at once (their futures are
 resolved) so the next step costs only what is still running. The loop holds ``model_lock`` for
 the duration of a step; weight updates take the same lock, so they land between two steps and
@@ -68,8 +67,8 @@ class EngineLimits:
     max_prompt_tokens: int = 0
 
 # Request ids: 32 hex digits like SGLang's uuid4().hex, unique per server: a random per-process prefix
-# and a counter. uuid4 reads the OS's random source per call — 5 % of the engine's CPU on a
-# 256-sample quickstart step (measured, py-spy), for ids nobody needs to be unguessable.
+# and a counter. uuid4 reads the OS's random source per call, a visible share of the engine's CPU
+# (docs/performance.md, 'Request ids from a counter'), for ids nobody needs to be unguessable.
 _RID_PREFIX = os.urandom(8).hex()
 _RID_COUNTER = itertools.count()
 

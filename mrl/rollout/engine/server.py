@@ -53,7 +53,7 @@ from mrl.rollout.engine.scheduler import (
 from mrl.rollout.sglang_launcher import PARENT_PID_ENV
 
 # Sequences decoded together by default: vLLM's classic max_num_seqs. The quickstart sends 128 samples
-# per engine; at 64 they ran in two waves (vs_trl tiny task, one engine: 42.6 -> 39.6 ms per 128 at 256).
+# per engine; at 64 they ran in two waves (docs/performance.md, '256 sequences per engine').
 # The KV buffers grow with the rows actually admitted, not with this cap.
 MAX_RUNNING = 256
 SHUTDOWN_GRACE_S = 2  # seconds open requests get after SIGTERM (then cancelled; the engine exits within 5 s)
@@ -162,7 +162,7 @@ def build_app(engine: Engine, token: str | None = None, api_key: str | None = No
             return Response(status_code=499)  # client closed the request; nobody reads this
         outs = [S.native_output(engine, j, t0, body.return_text_in_logprobs) for j in jobs]
         # Plain JSON types already: JSONResponse skips FastAPI's jsonable_encoder walk over every
-        # log-prob entry (3 % of the engine's CPU on a quickstart step).
+        # log-prob entry (docs/performance.md, 'Plain JSON responses').
         return JSONResponse(outs if listed else outs[0])
 
     @app.get("/health")

@@ -70,8 +70,7 @@ def read_shm(runner: ModelRunner, specs: list[ShmTensor]) -> list[tuple[str, tor
     caller. The segments belong to the sender, which leaves them unchanged until this update has been
     answered; we map them privately (copy-on-write), so nothing we do reaches the sender and no
     resource tracker is involved. A view, not a read into a fresh buffer: fresh buffers of a few MB
-    cost a page fault per 4 KiB on the hosts we measured (a 4 MB update: 19-124 ms to allocate and
-    fill, ~1 ms to copy from the mapping)."""
+    cost a page fault per 4 KiB (docs/performance.md, 'Shared memory kept mapped')."""
     maps: dict[str, tuple[mmap.mmap | None, int]] = {}
     named = []
     for s in specs:

@@ -164,7 +164,7 @@ class WeightSyncer:
 
         ``pause=False``: the caller generates nothing now (a synchronous step, between its rollout and the
         next), so /pause_generation and /continue_generation are skipped — two round trips of the ~10 in
-        a sync (measured: 11 of 44 ms per quickstart-size sync on the project's VM). The flush stays: it
+        a sync (docs/performance.md, 'No pause around a synchronous push'). The flush stays: it
         waits for anything still running (a request the client gave up on) to end before the load."""
         if not self._initialized:
             self.init()

@@ -124,9 +124,9 @@ class TensorTransport:
     offset}] (mrl's JSON form for the embedded engine; nothing is pickled). The segment is kept from
     one bucket and sync to the next (a bigger bucket replaces it) and unlinked by ``close``: the
     engines have answered before it is written again, and writing into pages already mapped avoids
-    a page fault per 4 KiB of a fresh buffer (measured on the project's VM: 19-124 ms to flatten a
-    4 MB bucket into new memory, ~1 ms into the kept segment). GPU (SGLang): CUDA IPC handles in
-    ``serialized_named_tensors`` (SGLang's serializer, base64), one entry per engine tp rank; the
+    a page fault per 4 KiB of a fresh buffer (docs/performance.md, 'Shared memory kept mapped').
+    GPU (SGLang): CUDA IPC handles in ``serialized_named_tensors`` (SGLang's serializer, base64), one
+    entry per engine tp rank; the
     payload is checked against SGLang's schema and deserializer on CPU, the IPC itself needs GPUs."""
 
     def __init__(self, http: EngineHttp, engine_world_sizes: Sequence[int], use_cuda_ipc: bool | None = None) -> None:
