@@ -198,6 +198,7 @@ class EngineProcess:
             raise RuntimeError(f"engine at {self.url} already running (pid {self.pid}); call stop() first")
         if "sglang.launch_server" in self.cmd:
             check_sglang_version()  # on the engine's node, in the interpreter that will run SGLang
+        self._check_port_free()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the child
         env = dict(os.environ) if self.env is None else {**os.environ, **self.env}
@@ -207,6 +208,25 @@ class EngineProcess:
         )
         if wait:
             self.wait_healthy()
+
+    def _check_port_free(self) -> None:
+        """Refuse a port something already listens on (another run's engine, say): the child would only fail to
+        bind after its imports, while that other server answered this URL's /health -- and the run would
+        generate with another run's weights until a version check caught it."""
+        import socket
+        from urllib.parse import urlsplit
+
+        u = urlsplit(self.url)
+        with socket.socket(socket.AF_INET6 if ":" in (u.hostname or "") else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no conflict
+            try:
+                sock.bind((u.hostname or "127.0.0.1", u.port or 80))
+            except OSError as e:
+                raise EngineLaunchError(
+                    f"engine at {self.url}: port {u.port} is already in use on this node ({e.strerror}), by another "
+                    "run's engine or another program; fix: rollout.port_base=<a free range> (engine i binds "
+                    "port_base + i; a judge's engines reward.judge.port_base + i, default rollout.port_base + 100), or "
+                    "stop that process") from None
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -57,6 +57,21 @@ def test_child_that_dies_reports_exit_code_and_log_tail(tmp_path):
     assert not p.alive()
 
 
+def test_a_port_in_use_is_refused_before_the_child_starts(tmp_path):
+    # another run's engine on the same port would answer this URL's /health while our child fails to bind
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        p = EngineProcess([sys.executable, "-c", "print('started')"], f"http://127.0.0.1:{port}", tmp_path / "e.log",
+                          startup_timeout_s=5, poll_s=0.2)
+        with pytest.raises(EngineLaunchError, match=f"port {port} is already in use.*rollout.port_base"):
+            p.start()
+        assert p._proc is None and not (tmp_path / "e.log").exists()  # nothing was launched
+
+
 def test_child_that_never_answers_times_out_and_is_stopped(tmp_path):
     port = free_port()
     cmd = [sys.executable, "-c", "import time; print('warming up', flush=True); time.sleep(120)"]
