@@ -45,7 +45,7 @@ def train(config: Path, run_dir: Path, overrides: list[str], port_base: int) -> 
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with open(run_dir / "train.log", "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=7200,
+        rc = subprocess.run(cmd, check=False, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=7200,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode
     if rc != 0:
         print(f"  exit {rc}: see {run_dir / 'train.log'}", flush=True)
@@ -56,6 +56,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("config")
     p.add_argument("--demo", default="base", help="python -m mrl.quickstarts DEMO writes the assets")
+    p.add_argument("--demo-arg", action="append", default=[], help="passed to the asset script, e.g. --demo-arg=--force")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--variant", action="append", default=[], help="NAME=key=value,key=value")
     p.add_argument("--only-variant-seed", type=int, nargs="*", default=None,
@@ -77,9 +78,10 @@ def main() -> int:
     port = args.port_base
     for seed in args.seeds:
         assets = out / f"assets_{seed}"
-        subprocess.run([sys.executable, "-m", "mrl.quickstarts", args.demo, "--seed", str(seed), "--out",
-                        str(assets)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=3600,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+        with open(out / f"assets_{seed}.log", "a") as log:  # the asset script's status (e.g. the warm start's loss)
+            subprocess.run([sys.executable, "-m", "mrl.quickstarts", args.demo, "--seed", str(seed), "--out",
+                            str(assets), *args.demo_arg], cwd=ROOT, check=True, stdout=log, timeout=3600,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
         config = out / f"{Path(args.config).stem}_seed{seed}.yaml"
         config.write_text(ASSET_PATH.sub(f"{assets}/", text))
         for name, ov in variants.items():
