@@ -73,7 +73,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     text = (ROOT / args.config).read_text()
     variants = ({} if args.no_default else {"default": []}) | {
-        v.split("=", 1)[0]: v.split("=", 1)[1].split(",") for v in args.variant}
+        v.split("=", 1)[0]: [o for o in v.split("=", 1)[1].split(",") if o] for v in args.variant}
     rows = []
     port = args.port_base
     for seed in args.seeds:
