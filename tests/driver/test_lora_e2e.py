@@ -1,6 +1,7 @@
 """`mrl train mrl_configs/quickstart_lora.yaml` end to end on CPU, 2 steps: LoRA actor (DP=2), reference
-= adapters off, merged weights to the embedded engines over the tensor transport (all tensors on the
-first sync, only the adapted ones after), a checkpoint with its lora_config.json."""
+= adapters off, merged weights to the embedded engines over the tensor transport (set here: the config's
+auto picks inprocess; all tensors on the first sync, only the adapted ones after), a checkpoint with its
+lora_config.json."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ def _train(tmp: Path, assets: Path, port: int, steps: int):
     return run_train("mrl_configs/quickstart_lora.yaml", tmp, assets, port,
                      f"data.val_files=[{assets}/data/val.jsonl]", f"trainer.total_training_steps={steps}",
                      "trainer.save_freq=2", "trainer.test_freq=2", "trainer.val_before_train=false",
-                     f"trainer.default_local_dir={tmp}/ckpt", *SMALL_BATCH)
+                     f"trainer.default_local_dir={tmp}/ckpt", "rollout.weight_sync.transport=tensor", *SMALL_BATCH)
 
 
 def test_lora_quickstart_trains_syncs_merged_and_checkpoints(tmp_path: Path) -> None:
