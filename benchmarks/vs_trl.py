@@ -118,21 +118,30 @@ def write_assets(out: Path, size: str, seed: int, steps: int, task: str = "add")
 
 
 # ---- mrl -------------------------------------------------------------------------------------
-def run_mrl(work: Path, model_dir: Path, size: str, seed: int, steps: int, port: int, extra: list[str],
-            dtype: str = "float32") -> dict:
+def mrl_overrides(work: Path, model_dir: Path, size: str, seed: int, steps: int, port: int, extra: list[str],
+                  dtype: str = "float32") -> list[str]:
+    """The task's settings on top of mrl_configs/quickstart.yaml: the same values TRL gets in ``trl_worker``.
+    ``lr_schedule=constant`` is mrl's default, restated because the quickstart file decays the lr (cosine to 0.1 x
+    over the run), which TRL's side (``lr_scheduler_type="constant"``) does not (issue 30: the learning gap)."""
     new_tokens = SIZES[size][2]
-    db = work / "mrl_mlflow.db"
-    args = [f"model.path={model_dir}", f"data.train_files=[{work}/train.jsonl]", "data.val_files=[]",
+    return [f"model.path={model_dir}", f"data.train_files=[{work}/train.jsonl]", "data.val_files=[]",
             "data.shuffle=false", "data.max_prompt_length=16", f"data.train_batch_size={PROMPTS}",
             f"actor.ppo_mini_batch_size={PROMPTS}", f"rollout.n={N}", f"rollout.max_response_length={new_tokens}",
             "actor.use_kl_loss=false", "actor.entropy_coeff=0", "actor.loss_agg_mode=token-mean",
-            f"actor.optim.lr={LR}", "actor.optim.weight_decay=0", "actor.optim.clip_grad=1.0",
+            f"actor.optim.lr={LR}", "actor.optim.lr_schedule=constant", "actor.optim.weight_decay=0",
+            "actor.optim.clip_grad=1.0",
             f"actor.ppo_micro_batch_size_per_gpu={MICRO_BATCH[size]}", "rollout.temperature=1.0",
             "algorithm.norm_adv_by_std_in_grpo=true", "trainer.val_before_train=false", "trainer.test_freq=-1",
             f"trainer.total_training_steps={steps}", "trainer.logger=[mlflow]",
-            f"trainer.mlflow_tracking_uri=sqlite:///{db}", f"trainer.default_local_dir={work}/mrl_ckpt",
+            f"trainer.mlflow_tracking_uri=sqlite:///{work / 'mrl_mlflow.db'}", f"trainer.default_local_dir={work}/mrl_ckpt",
             f"trainer.seed={seed}", f"rollout.port_base={port}", f"model.dtype={dtype}",
             *extra]
+
+
+def run_mrl(work: Path, model_dir: Path, size: str, seed: int, steps: int, port: int, extra: list[str],
+            dtype: str = "float32") -> dict:
+    db = work / "mrl_mlflow.db"
+    args = mrl_overrides(work, model_dir, size, seed, steps, port, extra, dtype)
     env = {**os.environ, "PYTHONPATH": str(REPO), "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled"}
     t0 = time.time()
     with (work / "mrl.log").open("w") as log:
