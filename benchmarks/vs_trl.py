@@ -59,10 +59,11 @@ LR = 3e-4
 # Tasks (``--task``): the prompts, their answers (both sides score with ``mrl.rewards.scorers.arith``: the first
 # integer of the answer equals the ground truth) and the Llama's key/value heads (4 query heads).
 #   add:      "3+4=" -> "7", 100 prompts; multi-head attention (the benchmark's task since issue 15).
-#   digitsum: "472=" -> "3" (the digit sum mod 10), 1000 prompts; GQA (2 key/value heads) -- issue 30's setup
-#             (random Llama with GQA and untied embeddings, character tokenizer, digit-sum task).
+#   digitsum: "47=" -> "1" (the digit sum mod 10), 100 prompts; GQA (2 key/value heads) -- issue 30's setup
+#             (random Llama with GQA and untied embeddings, character tokenizer, digit-sum task). With 3 digits
+#             (1000 prompts) neither side gets off chance (0.1) in 400 steps: mrl 0.05 -> 0.10, seed 0.
 TASKS = {"add": 4, "digitsum": 2}  # task: num_key_value_heads
-DIGITS = 3  # digitsum: digits per prompt
+DIGITS = 2  # digitsum: digits per prompt
 
 
 # ---- assets ---------------------------------------------------------------------------------
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="compute dtype of both sides: mrl model.dtype, TRL bf16 (autocast); bfloat16 pays off on CPUs "
                         "with AMX / AVX512-BF16")
     p.add_argument("--task", choices=sorted(TASKS), default="add",
-                   help="add: '3+4=' (the default); digitsum: '472=' -> digit sum mod 10 with a GQA Llama (issue 30)")
+                   help="add: '3+4=' (the default); digitsum: '47=' -> digit sum mod 10 with a GQA Llama (issue 30)")
     p.add_argument("--summary", nargs="+", metavar="DIR",
                    help="print the learning table (mean ± 95 %% over seeds at steps 100/200/400) of earlier runs' "
                         "results.json and exit; --plot draws it")

@@ -26,7 +26,7 @@ def test_digitsum_rows_and_reward() -> None:
     for prompt, answer in rows:
         digits = prompt.removesuffix("=")
         assert len(digits) == vs_trl.DIGITS and answer == str(sum(map(int, digits)) % 10)
-    assert dict(rows)["479="] == "0"
+    assert dict(rows)["47="] == "1" and dict(rows)["00="] == "0"
     assert arith(" 0</s>", "0") == 1.0 and arith("10", "0") == 0.0 and arith("7", "0") == 0.0
     assert ("3+4=", "7") in vs_trl.problems(0)  # the default task is unchanged
     with pytest.raises(ValueError, match="unknown task"):
