@@ -145,9 +145,15 @@ def run_mrl(work: Path, model_dir: Path, size: str, seed: int, steps: int, port:
     args = mrl_overrides(work, model_dir, size, seed, steps, port, extra, dtype)
     env = {**os.environ, "PYTHONPATH": str(REPO), "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled"}
     t0 = time.time()
-    with (work / "mrl.log").open("w") as log:
-        p = subprocess.run([sys.executable, "-m", "mrl", "train", "mrl_configs/quickstart.yaml", *args], cwd=REPO,
-                           env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
+    for attempt in range(3):  # Ray gives its node 30 s to register: on an overloaded host it may not start at all
+        with (work / "mrl.log").open("w") as log:
+            p = subprocess.run([sys.executable, "-m", "mrl", "train", "mrl_configs/quickstart.yaml", *args], cwd=REPO,
+                               env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
+        if not p.returncode or "timed out during startup" not in (work / "mrl.log").read_text() or attempt == 2:
+            break
+        print(f"mrl: Ray did not start (host overloaded), retrying ({attempt + 1}/2)", flush=True)
+        db.unlink(missing_ok=True)  # nothing ran: no step was logged or checkpointed
+        t0 = time.time()
     if p.returncode:
         raise RuntimeError(f"mrl train failed (rc {p.returncode}); see {work / 'mrl.log'}")
     with sqlite3.connect(db) as c:
@@ -356,7 +362,8 @@ def summarize(dirs: list[str], plot_path: str | None) -> int:
         res = json.loads((Path(d) / "results.json").read_text())
         print(f"{d}: {res['date']}, load {res['load_before']:.1f} -> {res.get('load_after', math.nan):.1f}, "
               f"{len(res['runs'])} runs")
-        runs.update(res["runs"])
+        for key, run in res["runs"].items():  # a side rerun alone (--only) joins the other side's run
+            runs.setdefault(key, {}).update(run)
     print("\n".join(learning_table(runs)))
     if plot_path:
         plot_bands(runs, Path(plot_path))
