@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH_DEPS = REPO / ".venv" / "bench-trl"  # `make bench-deps`
+BENCH_DEPS = Path(os.environ.get("MRL_TRL_PATH", REPO / ".venv" / "bench-trl"))  # `make bench-deps` (as tests/workers/test_trl_loss.py)
 SIZES = {  # name: (hidden, layers, new tokens)
     "tiny": (128, 4, 4),
     "compute": (512, 8, 64),
@@ -56,20 +56,35 @@ MICRO_BATCH = {"tiny": PROMPTS * N // 2, "compute": 16}
 # benchmark used to set by hand: tiny = shared prefix on (P 16 >= R 4) and compute = off (R 64 > P 16); inprocess
 # engines in both (CPU, colocated, TP = PP = 1). `mrl plan` prints the choice; docs/vs_trl.md the measured effects.
 LR = 3e-4
+# Tasks (``--task``): the prompts, their answers (both sides score with ``mrl.rewards.scorers.arith``: the first
+# integer of the answer equals the ground truth) and the Llama's key/value heads (4 query heads).
+#   add:      "3+4=" -> "7", 100 prompts; multi-head attention (the benchmark's task since issue 15).
+#   digitsum: "47=" -> "1" (the digit sum mod 10), 100 prompts; GQA (2 key/value heads) -- issue 30's setup
+#             (random Llama with GQA and untied embeddings, character tokenizer, digit-sum task). With 3 digits
+#             (1000 prompts) neither side gets off chance (0.1) in 400 steps: mrl 0.05 -> 0.10, seed 0.
+TASKS = {"add": 4, "digitsum": 2}  # task: num_key_value_heads
+DIGITS = 2  # digitsum: digits per prompt
 
 
 # ---- assets ---------------------------------------------------------------------------------
-def problems(seed: int) -> list[tuple[str, str]]:
+def problems(seed: int, task: str = "add") -> list[tuple[str, str]]:
+    """Every (prompt, answer) of ``task`` once, in the order ``seed`` shuffles them to."""
     import random
 
-    rows = [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
+    if task == "add":
+        rows = [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
+    elif task == "digitsum":
+        rows = [(f"{n:0{DIGITS}d}=", str(sum(map(int, f"{n:0{DIGITS}d}")) % 10)) for n in range(10 ** DIGITS)]
+    else:
+        raise ValueError(f"unknown task {task!r}; choose one of {sorted(TASKS)}")
     random.Random(seed).shuffle(rows)
     return rows
 
 
-def write_assets(out: Path, size: str, seed: int, steps: int) -> tuple[Path, Path, int]:
-    """Char tokenizer + random Llama (``seed``) in ``out/model``, ``steps`` × 32 prompts in ``out/train.jsonl``
-    and ``out/train_trl.jsonl`` (same rows, same order); returns (model dir, data dir, parameters)."""
+def write_assets(out: Path, size: str, seed: int, steps: int, task: str = "add") -> tuple[Path, Path, int]:
+    """Char tokenizer + random Llama (``seed``; ``task``'s key/value heads, untied embeddings) in ``out/model``,
+    ``steps`` × 32 prompts of ``task`` in ``out/train.jsonl`` and ``out/train_trl.jsonl`` (same rows, same order);
+    returns (model dir, data dir, parameters)."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
@@ -87,13 +102,13 @@ def write_assets(out: Path, size: str, seed: int, steps: int) -> tuple[Path, Pat
     tc["tokenizer_class"] = "TokenizersBackend"  # load as saved, not as a Llama SentencePiece tokenizer
     (model_dir / "tokenizer_config.json").write_text(json.dumps(tc))
     cfg = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, rms_norm_eps=1e-6,
+                      num_attention_heads=4, num_key_value_heads=TASKS[task], max_position_embeddings=128, rms_norm_eps=1e-6,
                       pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.generation_config.pad_token_id = 0
     model.save_pretrained(str(model_dir), safe_serialization=True)
-    rows = problems(seed)
+    rows = problems(seed, task)
     rows = (rows * math.ceil(steps * PROMPTS / len(rows) + 1))[: steps * PROMPTS + PROMPTS]
     with (out / "train.jsonl").open("w") as f, (out / "train_trl.jsonl").open("w") as g:
         for p, a in rows:
@@ -104,26 +119,41 @@ def write_assets(out: Path, size: str, seed: int, steps: int) -> tuple[Path, Pat
 
 
 # ---- mrl -------------------------------------------------------------------------------------
-def run_mrl(work: Path, model_dir: Path, size: str, seed: int, steps: int, port: int, extra: list[str],
-            dtype: str = "float32") -> dict:
+def mrl_overrides(work: Path, model_dir: Path, size: str, seed: int, steps: int, port: int, extra: list[str],
+                  dtype: str = "float32") -> list[str]:
+    """The task's settings on top of mrl_configs/quickstart.yaml: the same values TRL gets in ``trl_worker``.
+    ``lr_schedule=constant`` is mrl's default, restated because the quickstart file decays the lr (cosine to 0.1 x
+    over the run), which TRL's side (``lr_scheduler_type="constant"``) does not (issue 30: the learning gap)."""
     new_tokens = SIZES[size][2]
-    db = work / "mrl_mlflow.db"
-    args = [f"model.path={model_dir}", f"data.train_files=[{work}/train.jsonl]", "data.val_files=[]",
+    return [f"model.path={model_dir}", f"data.train_files=[{work}/train.jsonl]", "data.val_files=[]",
             "data.shuffle=false", "data.max_prompt_length=16", f"data.train_batch_size={PROMPTS}",
             f"actor.ppo_mini_batch_size={PROMPTS}", f"rollout.n={N}", f"rollout.max_response_length={new_tokens}",
             "actor.use_kl_loss=false", "actor.entropy_coeff=0", "actor.loss_agg_mode=token-mean",
-            f"actor.optim.lr={LR}", "actor.optim.weight_decay=0", "actor.optim.clip_grad=1.0",
+            f"actor.optim.lr={LR}", "actor.optim.lr_schedule=constant", "actor.optim.weight_decay=0",
+            "actor.optim.clip_grad=1.0",
             f"actor.ppo_micro_batch_size_per_gpu={MICRO_BATCH[size]}", "rollout.temperature=1.0",
             "algorithm.norm_adv_by_std_in_grpo=true", "trainer.val_before_train=false", "trainer.test_freq=-1",
             f"trainer.total_training_steps={steps}", "trainer.logger=[mlflow]",
-            f"trainer.mlflow_tracking_uri=sqlite:///{db}", f"trainer.default_local_dir={work}/mrl_ckpt",
+            f"trainer.mlflow_tracking_uri=sqlite:///{work / 'mrl_mlflow.db'}", f"trainer.default_local_dir={work}/mrl_ckpt",
             f"trainer.seed={seed}", f"rollout.port_base={port}", f"model.dtype={dtype}",
             *extra]
+
+
+def run_mrl(work: Path, model_dir: Path, size: str, seed: int, steps: int, port: int, extra: list[str],
+            dtype: str = "float32") -> dict:
+    db = work / "mrl_mlflow.db"
+    args = mrl_overrides(work, model_dir, size, seed, steps, port, extra, dtype)
     env = {**os.environ, "PYTHONPATH": str(REPO), "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled"}
     t0 = time.time()
-    with (work / "mrl.log").open("w") as log:
-        p = subprocess.run([sys.executable, "-m", "mrl", "train", "mrl_configs/quickstart.yaml", *args], cwd=REPO,
-                           env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
+    for attempt in range(3):  # Ray gives its node 30 s to register: on an overloaded host it may not start at all
+        with (work / "mrl.log").open("w") as log:
+            p = subprocess.run([sys.executable, "-m", "mrl", "train", "mrl_configs/quickstart.yaml", *args], cwd=REPO,
+                               env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
+        if not p.returncode or "timed out during startup" not in (work / "mrl.log").read_text() or attempt == 2:
+            break
+        print(f"mrl: Ray did not start (host overloaded), retrying ({attempt + 1}/2)", flush=True)
+        db.unlink(missing_ok=True)  # nothing ran: no step was logged or checkpointed
+        t0 = time.time()
     if p.returncode:
         raise RuntimeError(f"mrl train failed (rc {p.returncode}); see {work / 'mrl.log'}")
     with sqlite3.connect(db) as c:
@@ -253,6 +283,94 @@ def plot(curves: dict[str, dict[str, list[list[float]]]], path: Path) -> None:
     plt.close(fig)
 
 
+def window_mean(rewards: list[float], step: int, k: int = 10) -> float:
+    """Mean reward of steps ``step - k + 1 .. step`` (1-based), the learning table's per-run value."""
+    return statistics.fmean(rewards[step - k: step])
+
+
+def interval(xs: list[float]) -> tuple[float, float]:
+    """(mean, half-width of its 95 % Student-t interval) over seeds."""
+    from scipy.stats import t
+
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, math.nan
+    return m, t.ppf(0.975, len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def learning_table(runs: dict, at: tuple[int, ...] = (100, 200, 400)) -> list[str]:
+    """Markdown rows: per curve (task, size) and step in ``at``, the 10-step mean reward of each side as mean ± 95 %
+    interval over seeds, and the paired difference mrl − TRL (a seed gives both sides the same weights and data)."""
+    groups: dict[str, list[dict]] = {}
+    for key, run in runs.items():
+        if "mrl" in run and "trl" in run:
+            groups.setdefault(run.get("curve", key.rsplit("_s", 1)[0]), []).append(run)
+    rows = ["| task, size | step | seeds | mrl mean ± 95 % | TRL mean ± 95 % | mrl − TRL (paired) ± 95 % | intervals |",
+            "|---|---|---|---|---|---|---|"]
+    for curve, rs in groups.items():
+        for step in at:
+            rs_at = [r for r in rs if min(len(r["mrl"]["reward"]), len(r["trl"]["reward"])) >= step]
+            if not rs_at:
+                continue
+            m = [window_mean(r["mrl"]["reward"], step) for r in rs_at]
+            t = [window_mean(r["trl"]["reward"], step) for r in rs_at]
+            (mm, mh), (tm, th), (dm, dh) = interval(m), interval(t), interval([a - b for a, b in zip(m, t, strict=True)])
+            apart = "mrl ahead" if mm - mh > tm + th else "TRL ahead" if tm - th > mm + mh else "overlap"
+            rows.append(f"| {curve} | {step} | {len(rs_at)} | {mm:.3f} ± {mh:.3f} | {tm:.3f} ± {th:.3f} | "
+                        f"{dm:+.3f} ± {dh:.3f} | {apart} |")
+    return rows
+
+
+def plot_bands(runs: dict, path: Path) -> None:
+    """Per curve (task, size): each side's 10-step mean reward, mean over seeds with its 95 % interval as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[str, dict[str, list[list[float]]]] = {}
+    for key, run in runs.items():
+        for side in ("mrl", "trl"):
+            if side in run:
+                groups.setdefault(run.get("curve", key.rsplit("_s", 1)[0]), {}).setdefault(side, []).append(
+                    smooth(run[side]["reward"]))
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
+    for ax, (curve, sides) in zip(axes[0], groups.items(), strict=True):
+        for side, curves in sides.items():
+            n = min(map(len, curves))
+            stats = [interval([c[i] for c in curves]) for i in range(n)]
+            mean = [m for m, _ in stats]
+            half = [0.0 if math.isnan(h) else h for _, h in stats]
+            x = range(1, n + 1)
+            ax.plot(x, mean, label=f"{'TRL' if side == 'trl' else side} (mean of {len(curves)} seeds ± 95 %)")
+            ax.fill_between(x, [m - h for m, h in zip(mean, half, strict=True)],
+                            [m + h for m, h in zip(mean, half, strict=True)], alpha=0.25)
+        ax.set_title(f"{curve}: reward per step (10-step mean)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("mean reward")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def summarize(dirs: list[str], plot_path: str | None) -> int:
+    """``--summary DIR...``: the learning table (and ``--plot``) over the results.json of earlier runs."""
+    runs: dict = {}
+    for d in dirs:
+        res = json.loads((Path(d) / "results.json").read_text())
+        print(f"{d}: {res['date']}, load {res['load_before']:.1f} -> {res.get('load_after', math.nan):.1f}, "
+              f"{len(res['runs'])} runs")
+        for key, run in res["runs"].items():  # a side rerun alone (--only) joins the other side's run
+            runs.setdefault(key, {}).update(run)
+    print("\n".join(learning_table(runs)))
+    if plot_path:
+        plot_bands(runs, Path(plot_path))
+        print(f"plot: {plot_path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", nargs="+", default=["tiny", "compute"], choices=sorted(SIZES))
@@ -267,11 +385,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="compute dtype of both sides: mrl model.dtype, TRL bf16 (autocast); bfloat16 pays off on CPUs "
                         "with AMX / AVX512-BF16")
+    p.add_argument("--task", choices=sorted(TASKS), default="add",
+                   help="add: '3+4=' (the default); digitsum: '47=' -> digit sum mod 10 with a GQA Llama (issue 30)")
+    p.add_argument("--summary", nargs="+", metavar="DIR",
+                   help="print the learning table (mean ± 95 %% over seeds at steps 100/200/400) of earlier runs' "
+                        "results.json and exit; --plot draws it")
+    p.add_argument("--plot", help="with --summary: write the curves with their 95 %% bands here")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.trl_worker:
         trl_worker(args.trl_worker)
         return 0
+    if args.summary:
+        return summarize(args.summary, args.plot)
     if args.only != "mrl":
         try:
             subprocess.run([sys.executable, "-c", "import trl"], check=True, capture_output=True,
@@ -284,14 +410,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host: {os.uname().nodename}, {os.cpu_count()} cores, load {load[0]:.1f}, {args.dtype} matmul {gflops:.1f} GFLOP/s",
           flush=True)
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": load[0],
-                     "gflops": gflops, "dtype": args.dtype, "runs": {}}
+                     "gflops": gflops, "dtype": args.dtype, "task": args.task, "argv": sys.argv[1:], "runs": {}}
+    out.mkdir(parents=True, exist_ok=True)
     curves: dict = {}
     for size in args.sizes:
         steps = args.steps or (200 if size == "tiny" else 6)
         for seed in args.seeds:
-            work = out / f"{size}_s{seed}"
-            model_dir, _, n_params = write_assets(work, size, seed, steps)
-            run = {"params": n_params}
+            curve = size if args.task == "add" else f"{args.task} {size}"  # the default task keeps its names
+            work = out / f"{curve.replace(' ', '_')}_s{seed}"
+            model_dir, _, n_params = write_assets(work, size, seed, steps, args.task)
+            run = {"params": n_params, "curve": curve, "size": size, "seed": seed}
             for side in ("mrl", "trl"):
                 if args.only and side != args.only:
                     continue
@@ -299,13 +427,13 @@ def main(argv: list[str] | None = None) -> int:
                     r = (run_mrl(work, model_dir, size, seed, steps, args.port, args.mrl_args, args.dtype) if side == "mrl"
                          else run_trl(work, model_dir, size, seed, steps, args.trl_threads, args.dtype))
                 except RuntimeError as e:  # e.g. the host ran out of memory: report it, go on with the next run
-                    print(f"{size} seed {seed} {side}: FAILED: {e}", flush=True)
+                    print(f"{curve} seed {seed} {side}: FAILED: {e}", flush=True)
                     continue
                 r["median_step_s"] = median_from(r["step_s"])
                 r["tokens_per_s"] = median_from([t / s for t, s in zip(r["tokens"], r["step_s"], strict=False)])
                 run[side] = r
-                curves.setdefault(size, {}).setdefault(side, []).append(r["reward"])
-                print(f"{size} seed {seed} {side}: {r['median_step_s']:.3f} s/step, {r['tokens_per_s']:.0f} gen tok/s, "
+                curves.setdefault(curve, {}).setdefault(side, []).append(r["reward"])
+                print(f"{curve} seed {seed} {side}: {r['median_step_s']:.3f} s/step, {r['tokens_per_s']:.0f} gen tok/s, "
                       f"reward first10 {statistics.fmean(r['reward'][:10]):.2f} last10 {statistics.fmean(r['reward'][-10:]):.2f}, "
                       f"load {os.getloadavg()[0]:.1f}", flush=True)
             if "mrl" in run and "trl" in run:
@@ -317,15 +445,15 @@ def main(argv: list[str] | None = None) -> int:
                 flops = 2 * n_params * gen_tok + 6 * n_params * (gen_tok + prompt_tok)
                 run["floor_s"] = flops / (gflops * 1e9)
                 run["mrl_vs_floor"] = run["mrl"]["median_step_s"] / run["floor_s"]
-            results["runs"][f"{size}_s{seed}"] = run
+            results["runs"][work.name] = run
+            (out / "results.json").write_text(json.dumps(results, indent=1))  # after every seed: a cut-off run keeps its seeds
     results["load_after"] = os.getloadavg()[0]
-    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print("\n| size | seed | mrl s/step | TRL s/step | TRL/mrl time | mrl/TRL gen tok/s | mrl / FLOP floor |")
     print("|---|---|---|---|---|---|---|")
-    for key, run in results["runs"].items():
+    for run in results["runs"].values():
         m, t = run.get("mrl", {}), run.get("trl", {})
-        print(f"| {key.split('_s')[0]} | {key.split('_s')[1]} | {m.get('median_step_s', math.nan):.3f} | "
+        print(f"| {run['curve']} | {run['seed']} | {m.get('median_step_s', math.nan):.3f} | "
               f"{t.get('median_step_s', math.nan):.3f} | {run.get('ratio_step', math.nan):.2f}x | "
               f"{run.get('ratio_tokens', math.nan):.2f}x | {run.get('mrl_vs_floor', math.nan):.1f}x |")
     for size, sides in curves.items():
@@ -334,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             n = min(map(len, runs))
             mean = [statistics.fmean(r[i] for r in runs) for i in range(n)]
             print(f"  {side:4s} " + " ".join(f"{statistics.fmean(mean[i:i + 10]):.2f}" for i in range(0, n, 10)))
+    print("\n" + "\n".join(learning_table(results["runs"])))
     plot(curves, out / "vs_trl.png")
     print(f"\nplot: {out / 'vs_trl.png'}; results: {out / 'results.json'}")
     return 0
