@@ -164,6 +164,10 @@ def write_judge(out: str | Path, *, seed: int = 0, force: bool = False, max_step
     tok.save_pretrained(str(judge_dir))
     status[str(judge_dir)] = (f"written ({steps} steps; verdicts right on {right:.3f} of the right answers and "
                               f"{wrong:.3f} of the wrong ones)")
+    if min(right, wrong) < JUDGE_TARGET:  # said, not hidden: a judge that passes wrong sums is what a policy games
+        status[str(judge_dir)] += (f"; WARNING: below the {JUDGE_TARGET} target after --max-steps={max_steps}: a policy "
+                                   "trained on this judge can game it (docs/judge.md: asset seeds 1 and 2 were gamed "
+                                   "within 20 steps); fix: a larger --max-steps or another --seed")
     return status
 
 

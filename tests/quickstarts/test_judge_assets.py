@@ -44,3 +44,11 @@ def test_judge_says_yes_to_right_sums_and_no_to_wrong_ones(tmp_path: Path) -> No
     base = AutoModelForCausalLM.from_pretrained(out / qs.MODEL_DIR, dtype=torch.float32).eval()
     assert min(qj.judge_accuracy(base, tok)) < 0.9
     assert quickstarts_main(["judge", "--out", str(out)]) == 0  # present: kept
+
+
+def test_a_judge_below_its_target_is_written_with_a_warning(tmp_path: Path) -> None:
+    out = tmp_path / "quickstart"
+    qs.write_assets(out, warm_start_steps=0)  # kept by write_judge: a random actor body, fast
+    status = qj.write_judge(out, max_steps=1)[str(out / qj.JUDGE_DIR)]
+    assert status.startswith("written (1 steps;") and "WARNING: below the 0.995 target" in status
+    assert "--max-steps" in status and "another --seed" in status
