@@ -150,9 +150,11 @@ def run_length_text(cfg: MRLConfig, train_rows: int | None) -> str:
     if cfg.data.sampler.class_path != "resumable":
         return (f"trainer.total_epochs={t.total_epochs} x the batches per epoch of data.sampler.class_path="
                 f"{cfg.data.sampler.class_path} (known when mrl train loads the data)")
+    from mrl.config.run_plan import run_length
+
     key, batch = step_batch(cfg)
-    per_epoch = train_rows // batch
-    return (f"{t.total_epochs * per_epoch} steps (trainer.total_epochs={t.total_epochs} x {per_epoch} batches of "
+    per_epoch = train_rows // batch  # the built-in sampler's batches_per_epoch
+    return (f"{run_length(cfg, per_epoch)} steps (trainer.total_epochs={t.total_epochs} x {per_epoch} batches of "
             f"{batch} prompts ({key}) in {train_rows} rows)")
 
 

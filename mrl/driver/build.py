@@ -152,8 +152,8 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
         TrainRanks(workers).init_weight_sync(engines.urls, token=engines.token, routable=engines.remote_nodes)
         tracking = _start_tracking(cfg, inputs, stack)
         yield Services(inputs.tokenizer, inputs.pad_token_id, inputs.train_ds, inputs.val_ds, inputs.reward,
-                       inputs.rm_inputs, inputs.sampler, inputs.log_dir, plan, workers, rm_workers, teacher_workers, engines, pool,
-                       client, judge, tracking)
+                       inputs.rm_inputs, inputs.sampler, inputs.log_dir, plan, workers, rm_workers, teacher_workers,
+                       engines, pool, client, judge, tracking)
 
 
 def read_inputs(cfg: MRLConfig) -> RunInputs:
@@ -174,11 +174,10 @@ def read_inputs(cfg: MRLConfig) -> RunInputs:
     agent_tools, schemas = _agent_tools(cfg, tok)
     d = cfg.data
     train_ds = PromptDataset.from_config(d, tok, "train", scalar_ground_truth=scalar_gt, tools=schemas)
-    check_batch_fits(len(train_ds), (d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable
-                     else d.train_batch_size, d.train_files, train_ds.num_filtered)
+    gen_batch = plan_run(cfg, "cpu").gen_batch_size  # prompts per generation round (DAPO: data.gen_batch_size)
+    check_batch_fits(len(train_ds), gen_batch, d.train_files, train_ds.num_filtered)
     val_ds = PromptDataset.from_config(d, tok, "val", scalar_ground_truth=scalar_gt, tools=schemas) if d.val_files else None
-    # DAPO: data.gen_batch_size prompts per generation round
-    sampler = sampler_for(d, plan_run(cfg, "cpu").gen_batch_size, train_ds)
+    sampler = sampler_for(d, gen_batch, train_ds)
     resumed_from = _check_resume_dir(cfg)
     check_room(cfg.trainer.checkpoint_dir, cfg.trainer.save_freq, resumed_from)  # a full disk: before Ray, not at a save
     return RunInputs(tok, pad_token_id_of(tok), train_ds, val_ds, RewardManager.from_config(cfg.reward),
