@@ -261,28 +261,6 @@ def smooth(xs: list[float], k: int = 10) -> list[float]:
     return [statistics.fmean(xs[max(0, i - k + 1): i + 1]) for i in range(len(xs))]
 
 
-def plot(curves: dict[str, dict[str, list[list[float]]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False)
-    for ax, (size, sides) in zip(axes[0], curves.items(), strict=True):
-        for side, runs in sides.items():
-            n = min(map(len, runs))
-            mean = [statistics.fmean(r[i] for r in runs) for i in range(n)]
-            ax.plot(range(1, n + 1), smooth(mean), label=f"{side} (mean of {len(runs)} seeds, 10-step avg)")
-        ax.set_title(f"{size}: reward per step")
-        ax.set_xlabel("step")
-        ax.set_ylabel("mean reward")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 def window_mean(rewards: list[float], step: int, k: int = 10) -> float:
     """Mean reward of steps ``step - k + 1 .. step`` (1-based), the learning table's per-run value."""
     return statistics.fmean(rewards[step - k: step])
@@ -463,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             mean = [statistics.fmean(r[i] for r in runs) for i in range(n)]
             print(f"  {side:4s} " + " ".join(f"{statistics.fmean(mean[i:i + 10]):.2f}" for i in range(0, n, 10)))
     print("\n" + "\n".join(learning_table(results["runs"])))
-    plot(curves, out / "vs_trl.png")
+    plot_bands(results["runs"], out / "vs_trl.png")
     print(f"\nplot: {out / 'vs_trl.png'}; results: {out / 'results.json'}")
     return 0
 
