@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.e2e import ROOT, free_port_pair, metrics
+from tests.helpers.e2e import ROOT, free_port_pair, metrics, write_agent_assets
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the warm start is CPU-bound: slow on a loaded host
 
 
 def test_agent_quickstart_trains_two_steps(tmp_path: Path) -> None:
-    from mrl.quickstarts.agent import MODEL_DIR, write_assets
+    from mrl.quickstarts.agent import MODEL_DIR
 
-    write_assets(tmp_path / "assets", warm_start_steps=120)  # the call format (pipeline test, not learning)
+    write_agent_assets(tmp_path / "assets")  # warm-started for the call format (pipeline test, not learning)
     a, port = tmp_path / "assets", free_port_pair()
     cmd = [sys.executable, "-m", "mrl", "train", "mrl_configs/quickstart_agent.yaml", f"model.path={a}/{MODEL_DIR}",
            f"data.train_files=[{a}/data/train.jsonl]", f"data.val_files=[{a}/data/val.jsonl]",

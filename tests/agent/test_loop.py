@@ -13,9 +13,9 @@ from mrl.data.dataset import PromptBatch
 from mrl.data.tokenize import encode_prompt, left_pad, position_ids_from_mask
 from mrl.driver.batch import assemble_train_batch
 from mrl.rollout.types import RolloutRequest
+from tests.helpers.e2e import write_agent_assets
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the warm start is CPU-bound: slow on a loaded host
-WARM_START_STEPS = 120  # enough for the call format (some calls malformed: their error is a tool message too)
 
 
 class SpyTokenizer:
@@ -46,7 +46,6 @@ def setup(tmp_path_factory):
         messages,
         problems,
         tools_schemas,
-        write_assets,
     )
     from mrl.rollout.client import RolloutClient
     from mrl.rollout.pool import EngineEndpoint, EnginePool
@@ -55,7 +54,8 @@ def setup(tmp_path_factory):
     from tests.helpers.dist import free_port
 
     tmp = tmp_path_factory.mktemp("agent")
-    write_assets(tmp, warm_start_steps=WARM_START_STEPS)
+    write_agent_assets(tmp / "assets")
+    tmp = tmp / "assets"
     model = str(tmp / MODEL_DIR)
     tok = AutoTokenizer.from_pretrained(model)
     port = free_port()

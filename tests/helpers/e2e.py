@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import socket
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.helpers.asset_cache import copy_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,26 +33,45 @@ def free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports in 20000-32000")
 
 
-_ASSETS_CACHE: dict[str, Path] = {}
+def _write_random_base(out: Path) -> None:
+    subprocess.run([sys.executable, "-m", "mrl.quickstarts", "base", "--out", str(out), "--warm-start-steps", "0"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=900)
 
 
 def write_assets(tmp: Path) -> Path:
     """The quickstart's tiny model and data under ``tmp/assets`` (no download). Without the supervised
-    warm start (~20 CPU-s, covered by tests/test_quickstart_assets.py): these tests check the
-    pipeline, not learning, and a random model exercises it as well. Written once per test process
-    (a subprocess of ~6 s idle, ~20 test files use it) and copied: each test gets its own files to change."""
-    assets = tmp / "assets"
-    if "base" not in _ASSETS_CACHE:
-        import atexit
-        import tempfile
+    warm start (~20 CPU-s, covered by tests/quickstarts/test_base_assets.py): these tests check the
+    pipeline, not learning, and a random model exercises it as well. Written once per test session
+    (tests/helpers/asset_cache.py; a subprocess of ~6 s idle, ~20 test files use it) and copied: each
+    test gets its own files to change."""
+    return copy_of("quickstart-random", _write_random_base, tmp / "assets")
 
-        src = Path(tempfile.mkdtemp(prefix="mrl_e2e_assets_")) / "assets"
-        atexit.register(shutil.rmtree, src.parent, True)
-        subprocess.run([sys.executable, "-m", "mrl.quickstarts", "base", "--out", str(src), "--warm-start-steps", "0"],
-                       cwd=ROOT, check=True, capture_output=True, timeout=900)
-        _ASSETS_CACHE["base"] = src
-    shutil.copytree(_ASSETS_CACHE["base"], assets)
-    return assets
+
+def _write_warm_base(out: Path) -> None:
+    from mrl.quickstarts.base import write_assets as write_base
+
+    write_base(out)  # with the quickstart's supervised warm start, as `make train` writes it
+
+
+def write_warm_assets(dest: Path) -> Path:
+    """The quickstart's assets as `python -m mrl.quickstarts base` writes them (warm start included, ~20
+    CPU-s) at ``dest``: written once per test session and copied (the RM and judge recipes train on them)."""
+    return copy_of("quickstart-warm", _write_warm_base, dest)
+
+
+AGENT_WARM_START_STEPS = 120  # enough for the call format (some calls malformed: their error is a tool message too)
+
+
+def _write_agent(out: Path) -> None:
+    from mrl.quickstarts.agent import write_assets as write_agent
+
+    write_agent(out, warm_start_steps=AGENT_WARM_START_STEPS)  # the demo's 800 steps teach the task, not needed here
+
+
+def write_agent_assets(dest: Path) -> Path:
+    """The agent quickstart's model (warm-started for the tool-call format only: ~30 CPU-s) and data at ``dest``,
+    written once per test session and copied."""
+    return copy_of("agent-warm", _write_agent, dest)
 
 
 def run_train(config: str, tmp: Path, assets: Path, port: int, *overrides: str) -> subprocess.CompletedProcess:

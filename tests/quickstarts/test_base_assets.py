@@ -11,6 +11,7 @@ import torch
 
 from mrl.quickstarts import base as qs
 from mrl.quickstarts.cli import main as quickstarts_main
+from tests.helpers.e2e import write_warm_assets
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,9 +22,9 @@ def _digest(d: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("qs") / "quickstart"
-    assert quickstarts_main(["base", "--out", str(out)]) == 0
-    return out
+    # the session's one warm-started build (tests/helpers/e2e.py), as `python -m mrl.quickstarts base` writes it;
+    # test_deterministic_and_idempotent builds it again through the CLI and compares the bytes
+    return write_warm_assets(tmp_path_factory.mktemp("qs") / "quickstart")
 
 
 def test_model_and_tokenizer_load_with_transformers(assets):
@@ -92,7 +93,8 @@ def test_mrl_plan_accepts_the_assets(assets):
 
 def test_deterministic_and_idempotent(assets, tmp_path, capsys):
     other = tmp_path / "again"
-    qs.write_assets(other)  # the warm start included: same seed, same bytes
+    assert quickstarts_main(["base", "--out", str(other)]) == 0  # the warm start included: same seed, same bytes
+    assert "written" in capsys.readouterr().out
     assert _digest(other) == _digest(assets)
     before = {p: p.stat().st_mtime_ns for p in other.rglob("*") if p.is_file()}
     assert quickstarts_main(["base", "--out", str(other)]) == 0

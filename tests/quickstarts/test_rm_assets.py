@@ -13,6 +13,7 @@ import torch
 from mrl.quickstarts import base as qs
 from mrl.quickstarts import rm as qrm
 from mrl.quickstarts.cli import main as quickstarts_main
+from tests.helpers.e2e import write_warm_assets
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -20,8 +21,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("qs") / "quickstart"
-    assert quickstarts_main(["rm", "--out", str(out)]) == 0
+    out = write_warm_assets(tmp_path_factory.mktemp("qs") / "quickstart")  # the actor's warm-started body
+    assert quickstarts_main(["rm", "--out", str(out)]) == 0  # keeps the actor's assets, trains the RM
     return out
 
 

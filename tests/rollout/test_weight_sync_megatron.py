@@ -5,6 +5,7 @@ greedy generations follow the new weights."""
 from __future__ import annotations
 
 import glob
+import os
 
 import httpx
 import pytest
@@ -61,7 +62,7 @@ def _rank(rank: int, world: int, hf_dir: str, urls: list[str], work: str) -> lis
                 body = httpx.post(u + "/weights_checksum", json={"names": list(mine)}, timeout=60, trust_env=False).json()
                 engine[u] = body
         out.append({"before": before, "stage": stage, "source": source, "mine": mine, "engine": engine, "report": rep.metrics(),
-                    "version": rep.weight_version, "bytes": rep.bytes, "buckets": rep.num_buckets})
+                    "version": rep.weight_version, "bytes": rep.bytes, "buckets": rep.num_buckets, "pid": os.getpid()})
         dist.barrier()
     return out
 
@@ -113,7 +114,9 @@ def test_tp2_pp2_actor_pushes_weights_over_every_transport(tmp_path):
                           timeout=60, trust_env=False).json()["checksums"]["lm_head.weight"]
         assert results[0][-1]["stage"] == 0  # rank 0 holds the first stage (tp-cp-ep-dp-pp order)
         assert tied == results[0][-1]["mine"]["model.embed_tokens.weight"]
-        assert not glob.glob("/dev/shm/mrl_ws_*")  # the tensor transport unlinked its segments
+        # the tensor transport unlinked its segments (named after the sender's pid: another test's run may be live)
+        pids = {r[0]["pid"] for r in results}
+        assert not [f for f in glob.glob("/dev/shm/mrl_ws_*") if int(f.split("_")[2]) in pids]
         after = [_greedy(u) for u in urls]
         assert after[0] == after[1] != before
     finally:
