@@ -52,7 +52,7 @@ YES, NO = " yes", " no"
 JUDGE_LR, JUDGE_BATCH, JUDGE_MAX_STEPS, JUDGE_TARGET, JUDGE_CHECK = 2e-3, 64, 1500, 0.995, 100
 N_EXTRA = 8
 SUM_LOSS = True
-HARD_FRAC, POLICY_FRAC, POLICY_SAMPLES, POLICY_MAX_TOKENS = 0.5, 0.25, 8, 8  # module doc; 8 = the recipe's max_response_length
+HARD_FRAC, POLICY_FRAC, POLICY_SAMPLES, POLICY_MAX_TOKENS = 0.25, 0.25, 8, 8  # module doc; 8 = the recipe's max_response_length
 
 
 def _wrong(a: int, rng: random.Random) -> str:
@@ -187,7 +187,7 @@ def train_judge(model, tok, seed: int, max_steps: int = JUDGE_MAX_STEPS, progres
                 seqs, starts = [], []
                 for i in range(JUDGE_BATCH):
                     good = i % 2 == 0
-                    if hard[good] and rng.random() < HARD_FRAC:
+                    if not good and hard[good] and rng.random() < HARD_FRAC:
                         p, response, _ = rng.choice(hard[good])
                     elif not good and policy and rng.random() < POLICY_FRAC:
                         p, response, _ = rng.choice(policy)
