@@ -9,20 +9,26 @@ fine-tuned here) that answers " yes" or " no" to the judge prompt of ``mrl_confi
 It never sees the ground truth (the template has no {ground_truth}): it has learnt which sums are
 right. Training (``train_judge``): AdamW (lr ``JUDGE_LR``, decayed linearly to 0) on batches of
 ``JUDGE_BATCH`` judge prompts, half with the right sum and half with a wrong answer; the loss is the
-next-token cross-entropy of the verdict tokens " yes</s>" / " no</s>" only, until the verdict accuracy
+next-token cross-entropy of the verdict tokens " yes</s>" / " no</s>" (and, on a right row, of everything
+from the answer on: see ``SUM_LOSS`` below), until the verdict accuracy
 (:func:`judge_accuracy`: every problem's right sum and all its wrong sums in [0, 2·MAX_OPERAND) plus
 ``N_EXTRA`` out-of-range ones, read where " yes" and " no" first differ) reaches ``JUDGE_TARGET``
 (checked every ``JUDGE_CHECK`` steps) or ``--max-steps``. A wrong answer is drawn from three sources:
 
-* hard negatives: with probability ``HARD_FRAC``, one of the verdicts the judge got wrong at the last
-  check (the accuracy set and the policy's answers below). Uniform wrong answers alone leave some seeds'
-  judges saying " yes" to 16-42 % of the wrong sums after 1500 steps (docs/judge.md), and the policy
-  games exactly those; a right-answer slot likewise draws a right sum the judge rejected, when there is one;
+* hard negatives: with probability ``HARD_FRAC``, one of the wrong answers the judge accepted at the last
+  check (the accuracy set and the policy's answers below). Only wrong rows are mined: mining the right
+  ones too made the accuracies swing between checks (docs/judge.md);
 * the policy's own wrong answers: with probability ``POLICY_FRAC``, one of ``POLICY_SAMPLES`` answers
   per problem sampled (temperature 1, as the rollout) from the warm-started actor, that the ``arith``
   rule scores 0 -- what the RL policy will actually send the judge at step 1;
 * otherwise a synthetic one: a near miss s±1..3, any n < 4·MAX_OPERAND, or an out-of-range one like
   the RM's (" ", " 71", " 1111").
+
+A right row's loss also covers its answer tokens (``SUM_LOSS``): the judge's copy of the body keeps learning
+to add. This is what takes asset seeds 1 and 2 to the target: with uniform wrong answers only, their judges
+still said " yes" to 16 % / 42 % of the wrong sums after 1500 steps and were gamed; hard negatives alone did
+not fix it; the sum alone did (1200-1300 steps), and all three together take seeds 0-2 there in 1100
+(docs/judge.md, *Judge asset steps*).
 
 A judge still below the target after ``--max-steps`` is not written (a policy trained on it games it:
 docs/judge.md): the script exits 1 with one line naming the seed, the accuracies and the fix, unless
@@ -51,7 +57,7 @@ TEMPLATE = "{prompt}{response} ? verdict:"  # = reward.judge.prompt_template of 
 YES, NO = " yes", " no"
 JUDGE_LR, JUDGE_BATCH, JUDGE_MAX_STEPS, JUDGE_TARGET, JUDGE_CHECK = 2e-3, 64, 1500, 0.995, 100
 N_EXTRA = 8
-SUM_LOSS = True
+SUM_LOSS = True  # module doc: the right rows also teach the sum
 HARD_FRAC, POLICY_FRAC, POLICY_SAMPLES, POLICY_MAX_TOKENS = 0.25, 0.25, 8, 8  # module doc; 8 = the recipe's max_response_length
 
 
@@ -180,15 +186,15 @@ def train_judge(model, tok, seed: int, max_steps: int = JUDGE_MAX_STEPS, progres
         model.eval()
         policy = policy_negatives(model, tok, seed)  # before any judge step: the RL policy's start
         cases = accuracy_set(seed) + policy
-        hard: dict[bool, list[tuple[str, str, bool]]] = {True: [], False: []}
+        hard: list[tuple[str, str, bool]] = []  # the wrong answers the judge accepted at the last check
         while step < max_steps and min(acc[:2]) < JUDGE_TARGET:
             model.train()
             for _ in range(min(JUDGE_CHECK, max_steps - step)):
                 seqs, starts = [], []
                 for i in range(JUDGE_BATCH):
                     good = i % 2 == 0
-                    if not good and hard[good] and rng.random() < HARD_FRAC:
-                        p, response, _ = rng.choice(hard[good])
+                    if not good and hard and rng.random() < HARD_FRAC:
+                        p, response, _ = rng.choice(hard)
                     elif not good and policy and rng.random() < POLICY_FRAC:
                         p, response, _ = rng.choice(policy)
                     else:
@@ -213,7 +219,7 @@ def train_judge(model, tok, seed: int, max_steps: int = JUDGE_MAX_STEPS, progres
                 step += 1
             model.eval()
             says = _verdicts(model, tok, cases)
-            hard = {r: [c for c, v in zip(cases, says, strict=True) if c[2] == r and v != r] for r in (True, False)}
+            hard = [c for c, v in zip(cases, says, strict=True) if not c[2] and v]
             n_set = len(cases) - len(policy)
             acc = (*_rates(cases[:n_set], says[:n_set]), _rates(policy, says[n_set:])[1])
             if progress is not None:
