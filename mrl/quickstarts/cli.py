@@ -3,12 +3,14 @@
 A demo module exposes ``DEMO``: its name, default output directory and seed, its own flags, and a
 ``write(args)`` that writes what is missing (everything with ``--force``) and returns
 ``{asset path: "written ..." | "kept"}``. A bad flag value raises :class:`UsageError`, which becomes
-argparse's usage error (exit 2, no traceback).
+argparse's usage error (exit 2, no traceback); an asset that cannot be written as promised raises
+:class:`DemoFailed`, whose one-line message (what was reached, the fix) is printed with exit 1.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,6 +21,10 @@ DEMOS = {"base": "mrl.quickstarts.base", "rm": "mrl.quickstarts.rm", "agent": "m
 
 class UsageError(ValueError):
     """A flag value the demo cannot use; the message names the flag."""
+
+
+class DemoFailed(RuntimeError):
+    """An asset that missed its target; the one-line message says what was reached and the fix."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         status = demos[args.demo].write(args)
     except UsageError as e:
         parsers[args.demo].error(str(e))
+    except DemoFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     for asset, what in status.items():
         print(f"{what}: {asset}" + ("  (present; --force rewrites it)" if what == "kept" else ""))
     return 0

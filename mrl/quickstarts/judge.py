@@ -8,12 +8,31 @@ fine-tuned here) that answers " yes" or " no" to the judge prompt of ``mrl_confi
 
 It never sees the ground truth (the template has no {ground_truth}): it has learnt which sums are
 right. Training (``train_judge``): AdamW (lr ``JUDGE_LR``, decayed linearly to 0) on batches of
-``JUDGE_BATCH`` judge prompts, half with the right sum and half with a wrong answer (a near miss
-s±1..3, any n < 4·MAX_OPERAND, or an out-of-range one like the RM's: " ", " 71", " 1111"); the loss is
-the next-token cross-entropy of the verdict tokens " yes</s>" / " no</s>" only, until the verdict
-accuracy (:func:`judge_accuracy`: every problem's right sum and all its wrong sums in [0, 2·MAX_OPERAND)
-plus ``N_EXTRA`` out-of-range ones, read where " yes" and " no" first differ) reaches ``JUDGE_TARGET``
-(checked every ``JUDGE_CHECK`` steps) or ``--max-steps``.
+``JUDGE_BATCH`` judge prompts, half with the right sum and half with a wrong answer; the loss is the
+next-token cross-entropy of the verdict tokens " yes</s>" / " no</s>" (and, on a right row, of everything
+from the answer on: see ``SUM_LOSS`` below), until the verdict accuracy
+(:func:`judge_accuracy`: every problem's right sum and all its wrong sums in [0, 2·MAX_OPERAND) plus
+``N_EXTRA`` out-of-range ones, read where " yes" and " no" first differ) reaches ``JUDGE_TARGET``
+(checked every ``JUDGE_CHECK`` steps) or ``--max-steps``. A wrong answer is drawn from three sources:
+
+* hard negatives: with probability ``HARD_FRAC``, one of the wrong answers the judge accepted at the last
+  check (the accuracy set and the policy's answers below). Only wrong rows are mined: mining the right
+  ones too made the accuracies swing between checks (docs/judge.md);
+* the policy's own wrong answers: with probability ``POLICY_FRAC``, one of ``POLICY_SAMPLES`` answers
+  per problem sampled (temperature 1, as the rollout) from the warm-started actor, that the ``arith``
+  rule scores 0 -- what the RL policy will actually send the judge at step 1;
+* otherwise a synthetic one: a near miss s±1..3, any n < 4·MAX_OPERAND, or an out-of-range one like
+  the RM's (" ", " 71", " 1111").
+
+A right row's loss also covers its answer tokens (``SUM_LOSS``): the judge's copy of the body keeps learning
+to add. This is what takes asset seeds 1 and 2 to the target: with uniform wrong answers only, their judges
+still said " yes" to 16 % / 42 % of the wrong sums after 1500 steps and were gamed; hard negatives alone did
+not fix it; the sum alone did (1200-1300 steps), and all three together take seeds 0-2 there in 1100
+(docs/judge.md, *Judge asset steps*).
+
+A judge still below the target after ``--max-steps`` is not written (a policy trained on it games it:
+docs/judge.md): the script exits 1 with one line naming the seed, the accuracies and the fix, unless
+``--allow-below-target`` writes it with a WARNING.
 
 One thread: the bytes depend only on ``--seed`` (and the torch build).
 """
@@ -21,6 +40,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import sys
 from pathlib import Path
 
 from mrl.quickstarts.base import (
@@ -30,13 +50,15 @@ from mrl.quickstarts.base import (
     problems,
     write_assets,
 )
-from mrl.quickstarts.cli import Demo, UsageError
+from mrl.quickstarts.cli import Demo, DemoFailed, UsageError
 
 JUDGE_DIR = "tiny-judge"
 TEMPLATE = "{prompt}{response} ? verdict:"  # = reward.judge.prompt_template of quickstart_judge.yaml (a test checks)
 YES, NO = " yes", " no"
 JUDGE_LR, JUDGE_BATCH, JUDGE_MAX_STEPS, JUDGE_TARGET, JUDGE_CHECK = 2e-3, 64, 1500, 0.995, 100
 N_EXTRA = 8
+SUM_LOSS = True  # module doc: the right rows also teach the sum
+HARD_FRAC, POLICY_FRAC, POLICY_SAMPLES, POLICY_MAX_TOKENS = 0.25, 0.25, 8, 8  # module doc; 8 = the recipe's max_response_length
 
 
 def _wrong(a: int, rng: random.Random) -> str:
@@ -74,33 +96,82 @@ def _batch(seqs: list[list[int]]):
     return ids
 
 
-def judge_accuracy(model, tok, seed: int = 0) -> tuple[float, float]:
-    """(accuracy on right answers, accuracy on wrong ones): the verdict read as " yes" vs " no" at the
-    token where they first differ (greedy decoding picks the same), over every problem's right sum, all
-    its wrong sums in [0, 2·MAX_OPERAND) and ``N_EXTRA`` out-of-range answers."""
+def _verdicts(model, tok, cases: list[tuple[str, str, bool]]) -> list[bool]:
+    """Whether the judge says " yes" to each (prompt, response, right) case, read at the token where
+    " yes" and " no" first differ (greedy decoding picks the same)."""
     import torch
 
     y, n, k = _verdict_ids(tok)
-    rng = random.Random(seed + 7)
-    right = wrong = nr = nw = 0
+    says = []
     with torch.no_grad():
-        for p, ans in problems():
-            a = int(ans)
-            cands = [f" {m}" for m in range(2 * MAX_OPERAND)] + [_extra(a, rng) for _ in range(N_EXTRA)]
-            seqs = [tok.encode(TEMPLATE.format(prompt=p, response=c), add_special_tokens=False) + y[:k] for c in cands]
+        for i in range(0, len(cases), 256):
+            chunk = cases[i:i + 256]
+            seqs = [tok.encode(TEMPLATE.format(prompt=p, response=c), add_special_tokens=False) + y[:k] for p, c, _ in chunk]
             logits = model(input_ids=_batch(seqs)).logits
-            last = torch.tensor([len(s) - 1 for s in seqs])
-            says_yes = logits[torch.arange(len(seqs)), last, y[k]] > logits[torch.arange(len(seqs)), last, n[k]]
-            for c, v in zip(cands, says_yes.tolist(), strict=True):
-                if c == f" {a}":
-                    right, nr = right + int(v), nr + 1
-                else:
-                    wrong, nw = wrong + int(not v), nw + 1
-    return right / nr, wrong / nw
+            rows, last = torch.arange(len(seqs)), torch.tensor([len(s) - 1 for s in seqs])
+            says += (logits[rows, last, y[k]] > logits[rows, last, n[k]]).tolist()
+    return says
 
 
-def train_judge(model, tok, seed: int, max_steps: int = JUDGE_MAX_STEPS) -> tuple[int, tuple[float, float]]:
-    """Verdict fine-tuning in place (module doc); returns (steps, judge_accuracy)."""
+def accuracy_set(seed: int = 0) -> list[tuple[str, str, bool]]:
+    """(prompt, response, right) over every problem's right sum, all its wrong sums in [0, 2·MAX_OPERAND)
+    and ``N_EXTRA`` out-of-range answers."""
+    rng = random.Random(seed + 7)
+    cases = []
+    for p, ans in problems():
+        a = int(ans)
+        cands = [f" {m}" for m in range(2 * MAX_OPERAND)] + [_extra(a, rng) for _ in range(N_EXTRA)]
+        cases += [(p, c, c == f" {a}") for c in cands]
+    return cases
+
+
+def _rates(cases: list[tuple[str, str, bool]], says: list[bool]) -> tuple[float, float]:
+    """(share of right cases said " yes", share of wrong ones said " no"); nan for an empty class."""
+    good = [v for (_, _, r), v in zip(cases, says, strict=True) if r]
+    bad = [not v for (_, _, r), v in zip(cases, says, strict=True) if not r]
+    return (sum(good) / len(good) if good else float("nan")), (sum(bad) / len(bad) if bad else float("nan"))
+
+
+def judge_accuracy(model, tok, seed: int = 0) -> tuple[float, float]:
+    """(accuracy on right answers, accuracy on wrong ones) over :func:`accuracy_set`."""
+    cases = accuracy_set(seed)
+    return _rates(cases, _verdicts(model, tok, cases))
+
+
+def policy_negatives(model, tok, seed: int, samples: int = POLICY_SAMPLES) -> list[tuple[str, str, bool]]:
+    """The warm-started policy's own wrong answers: ``samples`` answers per problem sampled at temperature 1
+    (as the rollout does) that the ``arith`` rule scores 0, as (prompt, response, False); duplicates kept
+    (a frequent answer is drawn more often). Seeded; call on one thread for the same bytes."""
+    import torch
+
+    from mrl.quickstarts.base import QWEN2_SHAPE as shape
+    from mrl.rewards.scorers import arith
+
+    rows = problems()
+    enc = [tok.encode(p, add_special_tokens=False) for p, _ in rows]
+    P = max(map(len, enc))
+    ids = torch.zeros(len(enc), P, dtype=torch.long)  # left-padded, as the engine sees prompts
+    mask = torch.zeros_like(ids)
+    for i, e in enumerate(enc):
+        ids[i, P - len(e):], mask[i, P - len(e):] = torch.tensor(e), 1
+    gen = torch.Generator().manual_seed(seed + 11)
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # generate() samples from the global RNG
+    with torch.no_grad():
+        out = model.generate(input_ids=ids.repeat_interleave(samples, 0), attention_mask=mask.repeat_interleave(samples, 0),
+                             max_new_tokens=POLICY_MAX_TOKENS, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                             pad_token_id=shape["pad_token_id"], eos_token_id=shape["eos_token_id"])
+    answers = tok.batch_decode(out[:, P:], skip_special_tokens=True)
+    cases = []
+    for j, r in enumerate(answers):
+        p, a = rows[j // samples]
+        if not arith(r, a):
+            cases.append((p, r, False))
+    return cases
+
+
+def train_judge(model, tok, seed: int, max_steps: int = JUDGE_MAX_STEPS, progress=None) -> tuple[int, tuple[float, float, float]]:
+    """Verdict fine-tuning in place (module doc); returns (steps, (accuracy on right answers, on wrong ones,
+    on the warm-started policy's wrong samples))."""
     import torch
     import torch.nn.functional as F
 
@@ -110,19 +181,29 @@ def train_judge(model, tok, seed: int, max_steps: int = JUDGE_MAX_STEPS) -> tupl
     opt = torch.optim.AdamW(model.parameters(), lr=JUDGE_LR, weight_decay=0.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    step, acc = 0, (0.0, 0.0)
+    step, acc = 0, (0.0, 0.0, 0.0)
     try:
-        while step < max_steps and min(acc) < JUDGE_TARGET:
+        model.eval()
+        policy = policy_negatives(model, tok, seed)  # before any judge step: the RL policy's start
+        cases = accuracy_set(seed) + policy
+        hard: list[tuple[str, str, bool]] = []  # the wrong answers the judge accepted at the last check
+        while step < max_steps and min(acc[:2]) < JUDGE_TARGET:
             model.train()
             for _ in range(min(JUDGE_CHECK, max_steps - step)):
                 seqs, starts = [], []
                 for i in range(JUDGE_BATCH):
-                    p, a = rng.choice(rows)
                     good = i % 2 == 0
-                    prompt = tok.encode(TEMPLATE.format(prompt=p, response=f" {a}" if good else _wrong(a, rng)),
-                                        add_special_tokens=False)
+                    if not good and hard and rng.random() < HARD_FRAC:
+                        p, response, _ = rng.choice(hard)
+                    elif not good and policy and rng.random() < POLICY_FRAC:
+                        p, response, _ = rng.choice(policy)
+                    else:
+                        p, a = rng.choice(rows)
+                        response = f" {a}" if good else _wrong(a, rng)
+                    prompt = tok.encode(TEMPLATE.format(prompt=p, response=response), add_special_tokens=False)
                     seqs.append(prompt + (y if good else n))
-                    starts.append(len(prompt))
+                    # a right row also teaches the sum itself (its answer tokens): the judge learns to add
+                    starts.append(len(tok.encode(p, add_special_tokens=False)) if good and SUM_LOSS else len(prompt))
                 ids = _batch(seqs)
                 target = torch.zeros_like(ids, dtype=torch.bool)
                 for i, (s, k) in enumerate(zip(seqs, starts, strict=True)):
@@ -137,15 +218,23 @@ def train_judge(model, tok, seed: int, max_steps: int = JUDGE_MAX_STEPS) -> tupl
                 opt.step()
                 step += 1
             model.eval()
-            acc = judge_accuracy(model, tok, seed)
+            says = _verdicts(model, tok, cases)
+            hard = [c for c, v in zip(cases, says, strict=True) if not c[2] and v]
+            n_set = len(cases) - len(policy)
+            acc = (*_rates(cases[:n_set], says[:n_set]), _rates(policy, says[n_set:])[1])
+            if progress is not None:
+                progress(step, acc)
     finally:
         model.eval()
         torch.set_num_threads(threads)
     return step, acc
 
 
-def write_judge(out: str | Path, *, seed: int = 0, force: bool = False, max_steps: int = JUDGE_MAX_STEPS) -> dict[str, str]:
-    """Write ``<out>/tiny-judge`` (and the quickstart's assets it starts from, when missing)."""
+def write_judge(out: str | Path, *, seed: int = 0, force: bool = False, max_steps: int = JUDGE_MAX_STEPS,
+                allow_below_target: bool = False) -> dict[str, str]:
+    """Write ``<out>/tiny-judge`` (and the quickstart's assets it starts from, when missing). A judge below
+    ``JUDGE_TARGET`` after ``max_steps`` raises :class:`DemoFailed` and is not written, unless
+    ``allow_below_target`` (then its status carries a WARNING)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -159,27 +248,39 @@ def write_judge(out: str | Path, *, seed: int = 0, force: bool = False, max_step
     tok = AutoTokenizer.from_pretrained(str(lm_dir))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(str(lm_dir), dtype=torch.float32)
-    steps, (right, wrong) = train_judge(model, tok, seed, max_steps)
+    steps, (right, wrong, policy) = train_judge(model, tok, seed, max_steps, progress=lambda step, acc: print(
+        f"judge step {step}: right on {acc[0]:.3f} / {acc[1]:.3f} / {acc[2]:.3f} of right / wrong / policy's wrong",
+        file=sys.stderr, flush=True))
+    reached = (f"{steps} steps; verdicts right on {right:.3f} of the right answers and {wrong:.3f} of the wrong ones, "
+               f"{policy:.3f} of the warm-started policy's wrong samples")
+    below = min(right, wrong) < JUDGE_TARGET
+    if below and not allow_below_target:  # a judge that passes wrong sums is what a policy games: not written
+        raise DemoFailed(f"judge --seed {seed}: below the {JUDGE_TARGET} target after --max-steps={max_steps} ({reached}); "
+                         f"not written, since a policy trained on it can game it (docs/judge.md). Fix: a larger "
+                         f"--max-steps, another --seed, or --allow-below-target to write it anyway")
     model.save_pretrained(str(judge_dir), safe_serialization=True)
     tok.save_pretrained(str(judge_dir))
-    status[str(judge_dir)] = (f"written ({steps} steps; verdicts right on {right:.3f} of the right answers and "
-                              f"{wrong:.3f} of the wrong ones)")
-    if min(right, wrong) < JUDGE_TARGET:  # said, not hidden: a judge that passes wrong sums is what a policy games
+    status[str(judge_dir)] = f"written ({reached})"
+    if below:
         status[str(judge_dir)] += (f"; WARNING: below the {JUDGE_TARGET} target after --max-steps={max_steps}: a policy "
-                                   "trained on this judge can game it (docs/judge.md: asset seeds 1 and 2 were gamed "
-                                   "within 20 steps); fix: a larger --max-steps or another --seed")
+                                   "trained on this judge can game it (docs/judge.md); fix: a larger --max-steps or "
+                                   "another --seed")
     return status
 
 
 def _add_arguments(p) -> None:
     p.add_argument("--max-steps", type=int, default=JUDGE_MAX_STEPS,
                    help=f"most training steps; it stops once both verdict accuracies reach {JUDGE_TARGET}")
+    p.add_argument("--allow-below-target", action="store_true",
+                   help=f"write the judge even if it is below {JUDGE_TARGET} after --max-steps (a policy can game it); "
+                        "default: exit 1 without writing it")
 
 
 def _write(args) -> dict[str, str]:
     if args.max_steps < 1:
         raise UsageError("--max-steps must be >= 1")
-    return write_judge(args.out, seed=args.seed, force=args.force, max_steps=args.max_steps)
+    return write_judge(args.out, seed=args.seed, force=args.force, max_steps=args.max_steps,
+                       allow_below_target=args.allow_below_target)
 
 
 DEMO = Demo("judge", "the judge quickstart's judge (a causal LM answering yes/no on the actor's body)",

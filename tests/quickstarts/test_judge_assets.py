@@ -31,7 +31,7 @@ def test_judge_says_yes_to_right_sums_and_no_to_wrong_ones(tmp_path: Path) -> No
     model = AutoModelForCausalLM.from_pretrained(out / qj.JUDGE_DIR, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(out / qj.JUDGE_DIR)
     right, wrong = qj.judge_accuracy(model, tok)
-    assert right >= 0.99 and wrong >= 0.99, (right, wrong)  # measured 1.000 / 0.998 (seed 0)
+    assert right >= qj.JUDGE_TARGET and wrong >= qj.JUDGE_TARGET, (right, wrong)  # measured 1.000 / 1.000 (seed 0)
     # greedy decoding, as the judge engine answers: the verdict parses with the recipe's default pattern
     for response, verdict in ((" 7", 1.0), (" 8", 0.0), (" 77", 0.0), (" ", 0.0)):
         ids = torch.tensor([tok.encode(qj.TEMPLATE.format(prompt="question: what is 3 + 4 ? answer:", response=response))])
@@ -46,9 +46,35 @@ def test_judge_says_yes_to_right_sums_and_no_to_wrong_ones(tmp_path: Path) -> No
     assert quickstarts_main(["judge", "--out", str(out)]) == 0  # present: kept
 
 
-def test_a_judge_below_its_target_is_written_with_a_warning(tmp_path: Path) -> None:
+def test_a_judge_below_its_target_is_refused_unless_allowed(tmp_path: Path, capsys) -> None:
     out = tmp_path / "quickstart"
     qs.write_assets(out, warm_start_steps=0)  # kept by write_judge: a random actor body, fast
-    status = qj.write_judge(out, max_steps=1)[str(out / qj.JUDGE_DIR)]
+    judge = ["judge", "--out", str(out), "--seed", "3", "--max-steps", "1"]
+    assert quickstarts_main(judge) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: judge --seed 3: below the 0.995 target after --max-steps=1 (1 steps;"), err
+    assert "--allow-below-target" in err and "another --seed" in err
+    assert not (out / qj.JUDGE_DIR).exists()  # nothing a policy could game was written
+    status = qj.write_judge(out, seed=3, max_steps=1, allow_below_target=True)[str(out / qj.JUDGE_DIR)]
     assert status.startswith("written (1 steps;") and "WARNING: below the 0.995 target" in status
-    assert "--max-steps" in status and "another --seed" in status
+    assert (out / qj.JUDGE_DIR / "model.safetensors").is_file()
+
+
+def test_the_hard_negatives_are_wrong_by_the_rule_and_seeded(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from mrl.rewards.scorers import arith
+
+    out = tmp_path / "quickstart"
+    qs.write_assets(out, warm_start_steps=0)
+    tok = AutoTokenizer.from_pretrained(out / qs.MODEL_DIR)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / qs.MODEL_DIR, dtype=torch.float32).eval()
+    cases = qj.policy_negatives(model, tok, seed=0, samples=2)
+    answers = dict(qs.problems())
+    assert cases and all(not right and not arith(r, answers[p]) for p, r, right in cases)
+    assert qj.policy_negatives(model, tok, seed=0, samples=2) == cases  # the same seed, the same samples
+    acc = qj.accuracy_set()
+    assert all(r == (c == f" {answers[p]}") for p, c, r in acc)  # right = exactly the sum (an extra may hit it)
+    assert {p for p, _, r in acc if r} == set(answers)  # every problem's right sum is in the set
