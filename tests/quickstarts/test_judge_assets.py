@@ -12,6 +12,7 @@ from mrl.quickstarts import base as qs
 from mrl.quickstarts import judge as qj
 from mrl.quickstarts.cli import main as quickstarts_main
 from mrl.rewards.judge import parse_verdict
+from tests.helpers.e2e import write_warm_assets
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +27,7 @@ def test_the_recipe_renders_the_prompt_the_judge_learnt() -> None:
 def test_judge_says_yes_to_right_sums_and_no_to_wrong_ones(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = tmp_path / "quickstart"
+    out = write_warm_assets(tmp_path / "quickstart")  # the actor's warm-started body (kept by the recipe)
     assert quickstarts_main(["judge", "--out", str(out)]) == 0
     model = AutoModelForCausalLM.from_pretrained(out / qj.JUDGE_DIR, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(out / qj.JUDGE_DIR)
@@ -61,15 +62,13 @@ def test_a_judge_below_its_target_is_refused_unless_allowed(tmp_path: Path, caps
 
 
 def test_the_hard_negatives_are_wrong_by_the_rule_and_seeded(tmp_path: Path) -> None:
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mrl.rewards.scorers import arith
 
     out = tmp_path / "quickstart"
     qs.write_assets(out, warm_start_steps=0)
     tok = AutoTokenizer.from_pretrained(out / qs.MODEL_DIR)
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(out / qs.MODEL_DIR, dtype=torch.float32).eval()
     cases = qj.policy_negatives(model, tok, seed=0, samples=2)
     answers = dict(qs.problems())
