@@ -58,8 +58,8 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         if address:
             ray.init(address=address, log_to_driver=True)
-        else:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        else:  # "local": a new instance even when another one runs on this host (plain ray.init() would join it)
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     register_tensor_wire()
 
 

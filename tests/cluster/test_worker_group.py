@@ -124,3 +124,25 @@ def test_tensors_cross_ray_exactly_both_ways(group) -> None:
             assert torch.equal(got.view(-1).view(torch.uint8) if got.numel() else got,
                                want.contiguous().view(-1).view(torch.uint8) if want.numel() else want), k
     assert ts["f32"][0, 0] != 1  # the sender's tensor is untouched
+
+
+def test_a_run_without_cluster_address_starts_its_own_ray_beside_a_running_cluster(tmp_path) -> None:
+    # A cluster started on this host (as `ray start --head` does) is found by a plain ray.init(), which then
+    # refused mrl's num_cpus ("When connecting to an existing cluster, num_cpus ... must not be provided"):
+    # two runs or a user's own cluster on one host broke `mrl train`. Subprocesses: this process's Ray stays out.
+    import subprocess
+    import sys
+
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        code = ("import ray; from mrl.cluster import init_ray; init_ray(None, num_cpus=2); "
+                "print(ray.get_runtime_context().gcs_address, int(ray.cluster_resources()['CPU']))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                             env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        gcs, cpus = out.stdout.split()[-2:]
+        assert gcs != cluster.address and cpus == "2"  # its own instance, with the CPUs it asked for
+    finally:
+        cluster.shutdown()
