@@ -81,11 +81,12 @@ plan: $(VENV)/.installed
 	$(VENV)/bin/mrl plan $(CONFIG) $(ARGS)
 
 # TEST_WORKERS test processes (pytest-xdist), each given whole files (--dist loadfile: a file's module fixtures
-# are built once); an end-to-end run spends much of its time starting processes, another file's tests fill
-# those gaps. TEST_WORKERS=0 runs everything in one process.
+# are built once) in the order tests/conftest.py sets (slow files first; xdist would otherwise start the files
+# with the most tests first, leaving the long end-to-end files for last); an end-to-end run spends much of its
+# time starting processes, another file's tests fill those gaps. TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check mrl checkpoints_tools tests benchmarks

@@ -41,7 +41,7 @@ setup(
         # --no-deps into .venv/bench-trl where accelerate/pyarrow/pandas are already there
         "bench": ["trl==1.16.0", "datasets==5.2.0"],
         # sglang-router (SGLang's Rust router) runs without a GPU: CI tests rollout.router=sglang_router with it
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "ruff>=0.5", "sglang-router>=0.3", "peft>=0.13",
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.8", "ruff>=0.5", "sglang-router>=0.3", "peft>=0.13",
                 # real clients of `mrl engine` (tests/rollout/clients/) and the pure-Python modules SGLang's
                 # code imports when the conformance suite runs it on CPU (requirements-sglang-cpu.txt)
                 "openai>=1.40", "pybase64", "msgspec", "pyzmq", "dill", "ipython", "gguf", "loguru",
