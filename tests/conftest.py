@@ -1,28 +1,15 @@
 """Session set-up shared by every test: the directory of tests/helpers/asset_cache.py."""
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-
 import pytest
 
-from tests.helpers.asset_cache import ENV
-
-_OWNER = pytest.StashKey[bool]()
+from tests.helpers.asset_cache import cache_root
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # made by the process that starts the session (pytest-xdist's controller, or a plain run) before any
-    # worker starts: the workers inherit the variable and share the directory
-    if not os.environ.get(ENV):
-        os.environ[ENV] = tempfile.mkdtemp(prefix="mrl_test_assets_")
-        config.stash[_OWNER] = True
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    if config.stash.get(_OWNER, False):
-        shutil.rmtree(os.environ.pop(ENV), ignore_errors=True)
+    # made (and removed at exit) by the process that starts the session, pytest-xdist's controller or a plain
+    # run, before any worker starts: the workers inherit its variable and share the directory
+    cache_root()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

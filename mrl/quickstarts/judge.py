@@ -10,7 +10,7 @@ It never sees the ground truth (the template has no {ground_truth}): it has lear
 right. Training (``train_judge``): AdamW (lr ``JUDGE_LR``, decayed linearly to 0) on batches of
 ``JUDGE_BATCH`` judge prompts, half with the right sum and half with a wrong answer; the loss is the
 next-token cross-entropy of the verdict tokens " yes</s>" / " no</s>" (and, on a right row, of everything
-from the answer on: see ``SUM_LOSS`` below), until the verdict accuracy
+from the answer on: see below), until the verdict accuracy
 (:func:`judge_accuracy`: every problem's right sum and all its wrong sums in [0, 2·MAX_OPERAND) plus
 ``N_EXTRA`` out-of-range ones, read where " yes" and " no" first differ) reaches ``JUDGE_TARGET``
 (checked every ``JUDGE_CHECK`` steps) or ``--max-steps``. A wrong answer is drawn from three sources:
@@ -24,7 +24,7 @@ from the answer on: see ``SUM_LOSS`` below), until the verdict accuracy
 * otherwise a synthetic one: a near miss s±1..3, any n < 4·MAX_OPERAND, or an out-of-range one like
   the RM's (" ", " 71", " 1111").
 
-A right row's loss also covers its answer tokens (``SUM_LOSS``): the judge's copy of the body keeps learning
+A right row's loss also covers its answer tokens: the judge's copy of the body keeps learning
 to add. This is what takes asset seeds 1 and 2 to the target: with uniform wrong answers only, their judges
 still said " yes" to 16 % / 42 % of the wrong sums after 1500 steps and were gamed; hard negatives alone did
 not fix it; the sum alone did (1200-1300 steps), and all three together take seeds 0-2 there in 1100
@@ -57,7 +57,6 @@ TEMPLATE = "{prompt}{response} ? verdict:"  # = reward.judge.prompt_template of 
 YES, NO = " yes", " no"
 JUDGE_LR, JUDGE_BATCH, JUDGE_MAX_STEPS, JUDGE_TARGET, JUDGE_CHECK = 2e-3, 64, 1500, 0.995, 100
 N_EXTRA = 8
-SUM_LOSS = True  # module doc: the right rows also teach the sum
 HARD_FRAC, POLICY_FRAC, POLICY_SAMPLES, POLICY_MAX_TOKENS = 0.25, 0.25, 8, 8  # module doc; 8 = the recipe's max_response_length
 
 
@@ -144,16 +143,13 @@ def policy_negatives(model, tok, seed: int, samples: int = POLICY_SAMPLES) -> li
     (a frequent answer is drawn more often). Seeded; call on one thread for the same bytes."""
     import torch
 
+    from mrl.data.tokenize import left_pad
     from mrl.quickstarts.base import QWEN2_SHAPE as shape
     from mrl.rewards.scorers import arith
 
     rows = problems()
-    enc = [tok.encode(p, add_special_tokens=False) for p, _ in rows]
-    P = max(map(len, enc))
-    ids = torch.zeros(len(enc), P, dtype=torch.long)  # left-padded, as the engine sees prompts
-    mask = torch.zeros_like(ids)
-    for i, e in enumerate(enc):
-        ids[i, P - len(e):], mask[i, P - len(e):] = torch.tensor(e), 1
+    ids, mask = left_pad([tok.encode(p, add_special_tokens=False) for p, _ in rows], shape["pad_token_id"])  # as the engine sees prompts
+    P = ids.shape[1]
     gen = torch.Generator().manual_seed(seed + 11)
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # generate() samples from the global RNG
     with torch.no_grad():
@@ -203,7 +199,7 @@ def train_judge(model, tok, seed: int, max_steps: int = JUDGE_MAX_STEPS, progres
                     prompt = tok.encode(TEMPLATE.format(prompt=p, response=response), add_special_tokens=False)
                     seqs.append(prompt + (y if good else n))
                     # a right row also teaches the sum itself (its answer tokens): the judge learns to add
-                    starts.append(len(tok.encode(p, add_special_tokens=False)) if good and SUM_LOSS else len(prompt))
+                    starts.append(len(tok.encode(p, add_special_tokens=False)) if good else len(prompt))
                 ids = _batch(seqs)
                 target = torch.zeros_like(ids, dtype=torch.bool)
                 for i, (s, k) in enumerate(zip(seqs, starts, strict=True)):

@@ -53,9 +53,7 @@ def setup(tmp_path_factory):
     from mrl.rollout.sglang_launcher import EngineProcess, build_embedded_command
     from tests.helpers.dist import free_port
 
-    tmp = tmp_path_factory.mktemp("agent")
-    write_agent_assets(tmp / "assets")
-    tmp = tmp / "assets"
+    tmp = write_agent_assets(tmp_path_factory.mktemp("agent") / "assets")
     model = str(tmp / MODEL_DIR)
     tok = AutoTokenizer.from_pretrained(model)
     port = free_port()

@@ -4,7 +4,7 @@ The quickstarts' tiny models take seconds to minutes of CPU to write (a warm sta
 several test files need the same ones. ``cached(name, build)`` builds ``name`` once per ``make test`` —
 across pytest-xdist's worker processes too: a file lock makes the second worker wait for the first one's
 build instead of repeating it — and returns its directory, which callers copy and never change. The
-session's cache directory is made by tests/conftest.py and removed when the session ends.
+session's cache directory is made when the session starts (tests/conftest.py) and removed when it ends.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ ENV = "MRL_TEST_ASSET_CACHE"
 
 
 def cache_root() -> Path:
-    """The session's cache directory (tests/conftest.py sets it; a helper used outside pytest gets its own)."""
+    """The session's cache directory: made by the first process that asks (tests/conftest.py, in the process
+    that starts the session) and removed when that process exits; its child processes inherit it."""
     if not os.environ.get(ENV):
         os.environ[ENV] = tempfile.mkdtemp(prefix="mrl_test_assets_")
         atexit.register(shutil.rmtree, os.environ[ENV], True)
