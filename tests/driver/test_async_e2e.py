@@ -10,6 +10,13 @@ the producer is still generating when the trainer pushes, which is when partial 
 continue samples. With 2 sequences at a time and 48 tokens the margin was under 2x, and a loaded CI
 host saw every push land between two batches.
 
+Whether a batch also mixes older tokens with the trainer's own version (0 < ``async/fresh_token_frac``
+< 1) depends on where the push lands relative to the batch boundaries: at max_staleness 2 a slow first
+step on a loaded host lets the producer run a batch ahead, and then every push lands in a batch that is
+trained one version later (CI saw this once). That the tokens of a continued sample carry the version
+that made them is proven without timing in tests/rollout/test_partial_rollout.py (transformers'
+log-probs under each version's weights); here only the continuation itself is asserted.
+
 What proves that the versions the metrics claim are the weights the engines served: the engine's
 log-probs of every token labelled with the trainer's own version equal the trainer's (fp32,
 ``async/fresh_probs_diff_max`` < 1e-6), while tokens labelled older differ (``stale_probs_diff_max``).
@@ -54,6 +61,6 @@ def test_bounded_staleness(tmp_path: Path, k: int, partial: bool) -> None:
     if partial:  # pushes came while the producer generated: samples continued across versions
         timing = {k_: metrics(db, k_) for k_ in ("async/producer_gen_s", "timing_s/step", "timing_s/gen")}
         assert sum(partial_samples.values()) > 0 and sum(continued.values()) > 0, (partial_samples, continued, timing)
-        assert any(0 < metrics(db, "async/fresh_token_frac")[s] < 1 for s in steps[1:])
+        assert all(0 <= v <= 1 for v in metrics(db, "async/fresh_token_frac").values())
     else:
         assert set(partial_samples.values()) == set(continued.values()) == {0.0}
