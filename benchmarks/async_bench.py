@@ -46,7 +46,7 @@ def run_one(k: int, out: Path, assets: Path, steps: int, port: int, extra: list[
            f"trainer.mlflow_tracking_uri=sqlite:///{d}/mlflow.db", f"trainer.default_local_dir={d}/ckpt",
            f"rollout.port_base={port}", "rollout.placement=separate", "rollout.num_engines=1",
            "cluster.n_gpus_per_node=2", "rollout.weight_sync.transport=distributed",
-           "actor.optim.lr_schedule=constant",  # the setting docs/async.md was measured with
+           "actor.optim.lr_schedule=constant", "rollout.n=8",  # the settings docs/async.md was measured with
            f"trainer.async_training.max_staleness={k}", *extra]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False,

@@ -17,7 +17,7 @@ def test_plan_valid_prints_config_and_plan(capsys: pytest.CaptureFixture[str]) -
     assert main(["plan", QUICK, "actor.optim.lr=2e-5"]) == 0
     out = capsys.readouterr().out
     assert "# resolved config" in out and "lr: 2.0e-05" in out
-    assert "samples per step: 256" in out and "micro-batches per actor DP rank per mini-batch: 2" in out
+    assert "samples per step: 512" in out and "micro-batches per actor DP rank per mini-batch: 4" in out
 
 
 def test_plan_invalid_exits_2_with_every_error(capsys: pytest.CaptureFixture[str]) -> None:

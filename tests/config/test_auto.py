@@ -50,12 +50,12 @@ def test_the_chosen_transport_passes_the_configs_own_rules(tmp_path) -> None:
 
 @pytest.mark.parametrize("device, overrides, want, why", [
     # the measured cases (docs/vs_trl.md): quickstart (P 64, R 8), vs_trl tiny (P 16, R 4) on; compute (R 64) off
-    ("cpu", [], True, "rows of <= 120 tokens"),
+    ("cpu", [], True, "rows of <= 176 tokens"),
     ("cpu", ["data.max_prompt_length=16", "rollout.max_response_length=4"], True, "on"),
     ("cpu", ["data.max_prompt_length=16", "rollout.max_response_length=64"], False, "answers longer than prompts"),
     ("cpu", ["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus", "actor.ppo_micro_batch_size_per_gpu=16"],
      False, "rollout.n=1"),
-    ("cpu", ["data.max_prompt_length=256", "rollout.max_response_length=64"], False, "P + n(R-1) = 760 > 512"),
+    ("cpu", ["data.max_prompt_length=256", "rollout.max_response_length=64"], False, "P + n(R-1) = 1264 > 512"),
     ("cuda", [], False, "off on cuda"),
     ("cpu", ["actor.shared_prefix=false"], False, "set in the config"),
     ("cpu", ["actor.shared_prefix=true", "rollout.max_response_length=128"], True, "set in the config"),

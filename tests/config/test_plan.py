@@ -45,8 +45,8 @@ def test_plan_quickstart_cpu_layout(tiny_model: Path, train_file: Path) -> None:
     cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tiny_model}", f"data.train_files=[{train_file}]",
                                                       f"data.val_files=[{train_file}]"])
     plan = build_plan(cfg)
-    assert (plan.samples_per_step, plan.mini_batches_per_step, plan.optimizer_steps_per_step) == (256, 1, 1)
-    assert (plan.samples_per_dp_rank, plan.micro_batches_per_dp_rank, plan.micro_batches_is_bound) == (128, 2, False)
+    assert (plan.samples_per_step, plan.mini_batches_per_step, plan.optimizer_steps_per_step) == (512, 1, 1)
+    assert (plan.samples_per_dp_rank, plan.micro_batches_per_dp_rank, plan.micro_batches_is_bound) == (256, 4, False)
     assert {k: (v.count, v.dp, v.colocated) for k, v in plan.roles.items()} == {
         "actor": (2, 2, False), "ref": (2, 2, True), "rollout": (2, 0, True)}
     assert plan.num_engines == 2
@@ -147,7 +147,7 @@ def test_dynamic_bsz_reports_an_upper_bound(tiny_model: Path, train_file: Path) 
     cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tiny_model}", f"data.train_files=[{train_file}]",
                                                       "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=200"])
     plan = build_plan(cfg)
-    assert plan.micro_batches_is_bound and plan.micro_batches_per_dp_rank == 47  # ceil(128 * (64 + 8) / 200)
+    assert plan.micro_batches_is_bound and plan.micro_batches_per_dp_rank == 93  # ceil(256 * (64 + 8) / 200)
 
 
 def test_empty_yaml_section_means_defaults(tmp_path: Path) -> None:
@@ -164,8 +164,8 @@ def test_plan_text_has_resolved_config_and_plan(tiny_model: Path, train_file: Pa
                                                       f"data.val_files=[{train_file}]"])
     text = plan_text(cfg)
     head, _, tail = text.partition("\nplan:\n")
-    assert yaml.safe_load(head)["rollout"]["n"] == 8
-    assert "samples per step: 256" in tail and "memory per device" in tail
+    assert yaml.safe_load(head)["rollout"]["n"] == 16
+    assert "samples per step: 512" in tail and "memory per device" in tail
 
 
 QWEN25_3B = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
