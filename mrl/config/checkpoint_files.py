@@ -36,21 +36,32 @@ def supported_architectures() -> frozenset[str]:
 @lru_cache(maxsize=1)
 def _architecture_table() -> dict[str, str]:
     """``mrl.megatron.provider.SUPPORTED_ARCHITECTURES`` (architecture -> family), read from its source with
-    ``ast`` (importing it brings torch into ``mrl plan``; docs/performance.md, 'Architecture table read
-    with ast'); tests compare the two. Falls back to the import when the table is not a literal dict."""
+    ``ast``: importing the provider brings torch into ``mrl plan`` (docs/performance.md, 'Architecture table
+    read with ast'). Its ``**NAME`` entries (the MoE table) come from ``mrl.megatron.moe``, which imports
+    no torch. A table this reader cannot follow is a RuntimeError, never a silent import of the provider
+    (that fallback once hid torch in every plan of an existing model); tests compare the two."""
+    from mrl.megatron import moe
+
     tree = ast.parse(_PROVIDER.read_text())
     for node in tree.body:
         target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
-        if isinstance(target, ast.Name) and target.id == "SUPPORTED_ARCHITECTURES" and node.value is not None:
-            try:
-                return dict(ast.literal_eval(node.value))
-            except ValueError:
+        if not (isinstance(target, ast.Name) and target.id == "SUPPORTED_ARCHITECTURES"):
+            continue
+        if not isinstance(node.value, ast.Dict):
+            break
+        table: dict[str, str] = {}
+        for key, value in zip(node.value.keys, node.value.values, strict=True):
+            if key is None and isinstance(value, ast.Name) and isinstance(getattr(moe, value.id, None), dict):
+                table.update(getattr(moe, value.id))
+            elif key is not None:
+                table[ast.literal_eval(key)] = ast.literal_eval(value)
+            else:
                 break
-    from mrl.megatron.provider import (
-        SUPPORTED_ARCHITECTURES,  # the table is computed: ask it
-    )
-
-    return dict(SUPPORTED_ARCHITECTURES)
+        else:
+            return table
+        break
+    raise RuntimeError(f"{_PROVIDER}: SUPPORTED_ARCHITECTURES is not a dict of literals and **mrl.megatron.moe "
+                       "tables; keep it one, or change mrl/config/checkpoint_files.py's reader with it")
 
 
 def safetensors_header(file: Path) -> dict[str, Any]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -165,9 +167,16 @@ def test_safetensors_header_bounds(tmp_path: Path) -> None:
 
 
 def test_supported_architectures_read_from_source_match_the_provider() -> None:
+    from mrl.config.checkpoint_files import _architecture_table
     from mrl.megatron.provider import SUPPORTED_ARCHITECTURES
 
-    assert supported_architectures() == frozenset(SUPPORTED_ARCHITECTURES)
+    assert _architecture_table() == SUPPORTED_ARCHITECTURES and supported_architectures() == frozenset(SUPPORTED_ARCHITECTURES)
+    # read without importing the provider (torch): what keeps `mrl plan` light
+    probe = ("import sys; from mrl.config.checkpoint_files import supported_architectures as s; n = len(s()); "
+             "print(n, sorted(m for m in ('torch', 'megatron', 'mrl.megatron.provider') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert out.stdout.split() == [str(len(SUPPORTED_ARCHITECTURES)), "[]"], out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("broken", ["truncated", "config_only"])

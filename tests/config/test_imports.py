@@ -6,21 +6,32 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "ray", "megatron", "sglang", "transformers", "mlflow", "fastapi")
 
 _PROBE = f"""
 import sys
 from mrl.cli import main
-rc = main(["plan", "mrl_configs/quickstart.yaml", "rollout.n=8"])
+rc = main(["plan", "mrl_configs/quickstart.yaml", "rollout.n=8", *sys.argv[1:]])
 heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))
 print("HEAVY", heavy, "RC", rc)
 """
 
 
-def test_plan_imports_no_heavy_stack_and_is_fast() -> None:
+@pytest.mark.parametrize("model", ["absent", "present"])
+def test_plan_imports_no_heavy_stack_and_is_fast(model: str, tmp_path: Path) -> None:
+    # "present": a real checkpoint directory, so plan also reads its config, weight headers and tokenizer
+    # files (the architecture check once imported the provider, and torch with it, only on this path)
+    args = []
+    if model == "present":
+        from tests.helpers.tiny_models import make_tiny_hf
+
+        args = [f"model.path={make_tiny_hf(tmp_path / 'm')}"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = subprocess.run([sys.executable, "-c", _PROBE], cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run([sys.executable, "-c", _PROBE, *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         check=False)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert out.returncode == 0, out.stderr
     assert "HEAVY [] RC 0" in out.stdout, out.stdout[-500:]
