@@ -20,12 +20,13 @@ print("HEAVY", heavy, "RC", rc)
 """
 
 
-@pytest.mark.parametrize("model", ["absent", "present"])
+@pytest.mark.parametrize("model", ["as_configured", "tiny_checkpoint"])
 def test_plan_imports_no_heavy_stack_and_is_fast(model: str, tmp_path: Path) -> None:
-    # "present": a real checkpoint directory, so plan also reads its config, weight headers and tokenizer
+    # as_configured: outputs/quickstart/tiny-qwen2, absent on a clean clone (present after `make train`);
+    # tiny_checkpoint: a real checkpoint directory, so plan also reads its config, weight headers and tokenizer
     # files (the architecture check once imported the provider, and torch with it, only on this path)
     args = []
-    if model == "present":
+    if model == "tiny_checkpoint":
         from tests.helpers.tiny_models import make_tiny_hf
 
         args = [f"model.path={make_tiny_hf(tmp_path / 'm')}"]
