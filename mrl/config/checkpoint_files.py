@@ -13,10 +13,8 @@ Every error names the key, the file and the fix.
 """
 from __future__ import annotations
 
-import ast
 import json
 import struct
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -25,43 +23,14 @@ SINGLE_NAME = "model.safetensors"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 # what AutoTokenizer can build a tokenizer from (fast json, sentencepiece, BPE vocab + merges, tiktoken)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken", "vocab.txt")
-_PROVIDER = Path(__file__).resolve().parents[1] / "megatron" / "provider.py"
 
 
-def supported_architectures() -> frozenset[str]:
-    """The architectures mrl trains (``mrl.megatron.provider.SUPPORTED_ARCHITECTURES``' keys)."""
-    return frozenset(_architecture_table())
+def supported_architectures() -> dict[str, str]:
+    """The architectures mrl trains (architecture -> family), from the torch-free table the provider builds
+    from: ``mrl plan`` reads it without importing the model code (docs/performance.md)."""
+    from mrl.megatron.architectures import SUPPORTED_ARCHITECTURES
 
-
-@lru_cache(maxsize=1)
-def _architecture_table() -> dict[str, str]:
-    """``mrl.megatron.provider.SUPPORTED_ARCHITECTURES`` (architecture -> family), read from its source with
-    ``ast``: importing the provider brings torch into ``mrl plan`` (docs/performance.md, 'Architecture table
-    read with ast'). Its ``**NAME`` entries (the MoE table) come from ``mrl.megatron.moe``, which imports
-    no torch. A table this reader cannot follow is a RuntimeError, never a silent import of the provider
-    (that fallback once hid torch in every plan of an existing model); tests compare the two."""
-    from mrl.megatron import moe
-
-    tree = ast.parse(_PROVIDER.read_text())
-    for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
-        if not (isinstance(target, ast.Name) and target.id == "SUPPORTED_ARCHITECTURES"):
-            continue
-        if not isinstance(node.value, ast.Dict):
-            break
-        table: dict[str, str] = {}
-        for key, value in zip(node.value.keys, node.value.values, strict=True):
-            if key is None and isinstance(value, ast.Name) and isinstance(getattr(moe, value.id, None), dict):
-                table.update(getattr(moe, value.id))
-            elif key is not None:
-                table[ast.literal_eval(key)] = ast.literal_eval(value)
-            else:
-                break
-        else:
-            return table
-        break
-    raise RuntimeError(f"{_PROVIDER}: SUPPORTED_ARCHITECTURES is not a dict of literals and **mrl.megatron.moe "
-                       "tables; keep it one, or change mrl/config/checkpoint_files.py's reader with it")
+    return SUPPORTED_ARCHITECTURES
 
 
 def safetensors_header(file: Path) -> dict[str, Any]:
@@ -161,7 +130,7 @@ def model_dir_problems(key: str, path: str, *, strict: bool, architectures: str 
         archs = cfg.get("architectures") or []
         supported = supported_architectures()
         # as provider.model_family: a config written in code has no architectures, only model_type
-        by_type = not archs and cfg.get("model_type") in _architecture_table().values()
+        by_type = not archs and cfg.get("model_type") in supported.values()
         if not by_type and (not isinstance(archs, list) or not any(a in supported for a in archs)):
             errors.append(f"{key}={path!r}: config.json names architectures {archs}, which mrl cannot train; "
                           f"fix: a checkpoint of one of {', '.join(sorted(supported))}")

@@ -24,15 +24,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mrl.megatron.moe import MOE_ARCHITECTURES, REFUSED_MOE, is_moe_family
+from mrl.megatron.architectures import SUPPORTED_ARCHITECTURES
+from mrl.megatron.moe import REFUSED_MOE, is_moe_family
 
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MistralForCausalLM": "mistral",
-    **MOE_ARCHITECTURES,
-}
 _QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")
 _QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 
