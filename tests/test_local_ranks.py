@@ -53,3 +53,24 @@ def test_a_rank_that_dies_silently_is_reported() -> None:
 def test_a_hung_rank_hits_the_deadline_with_the_hint() -> None:
     with pytest.raises(TimeoutError, match="0/2 ranks finished within 3s; raise it"):
         run_local_ranks(_hang, 2, timeout_s=3, timeout_hint="; raise it")
+
+
+def _env_and_parent(rank: int) -> dict:
+    return {"v": os.environ.get("MRL_TEST_FORKSERVER_ENV"), "megatron_loaded": "megatron.core" in __import__("sys").modules,
+            "ppid": os.getppid()}
+
+
+def test_forkserver_ranks_get_the_callers_environment_and_a_single_threaded_server(monkeypatch) -> None:
+    """The test suite's ranks are forks of a server that imported tests/helpers/dist.PRELOAD: forking is safe
+    only if that import started no thread, and the ranks must see the caller's environment as it is now."""
+    import multiprocessing.forkserver as fs
+
+    from tests.helpers.dist import PRELOAD
+
+    run_local_ranks(_env_and_parent, 1, timeout_s=120, preload=PRELOAD)  # starts the server if not yet running
+    monkeypatch.setenv("MRL_TEST_FORKSERVER_ENV", "after-the-server-started")
+    out = run_local_ranks(_env_and_parent, 2, timeout_s=60, preload=PRELOAD)
+    server = fs._forkserver._forkserver_pid  # private, but the one handle on the server's process
+    assert [o["v"] for o in out] == ["after-the-server-started"] * 2
+    assert all(o["megatron_loaded"] and o["ppid"] == server for o in out)
+    assert len(os.listdir(f"/proc/{server}/task")) == 1  # no thread the forks would lose mid-lock

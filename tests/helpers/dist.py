@@ -12,7 +12,9 @@ Each rank gets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK in its environ
 initialised default process group (gloo) unless ``init_process_group=False``. Results come back
 as a list indexed by rank. A rank that raises makes the whole call raise with its traceback; a
 rank that hangs past ``timeout_s`` makes every rank get killed and the call raise TimeoutError.
-The processes are mrl's one local-rank launcher (``mrl.local_ranks``), one thread per rank.
+The processes are mrl's one local-rank launcher (``mrl.local_ranks``), one thread per rank, forked
+from a server per test worker that imported torch, Megatron and the modules most ranks use once
+(``PRELOAD``): ~30 multi-rank files would otherwise pay ~2 s of imports per rank, two to four ranks per call.
 """
 from __future__ import annotations
 
@@ -25,6 +27,13 @@ from mrl.local_ranks import RankError, run_local_ranks
 from mrl.net import free_port  # re-exported: the tests import it from here
 
 __all__ = ["free_port", "run_ranks"]
+
+# Imported once by the forkserver; none starts a thread or touches CUDA on import (checked by
+# tests/test_local_ranks.py), which forking needs.
+PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.pipeline_parallel",
+           "megatron.core.optimizer", "megatron.core.dist_checkpointing", "transformers",
+           "mrl.megatron.provider", "mrl.megatron.parallel", "mrl.megatron.checkpoint", "mrl.megatron.hf_io",
+           "mrl.workers.actor")
 
 
 def _body(fn: Callable[..., Any], world_size: int, init_pg: bool, pg_timeout_s: int, rank: int, *args: Any) -> Any:
@@ -45,6 +54,6 @@ def run_ranks(
 ) -> list[Any]:
     body = functools.partial(_body, fn, world_size, init_process_group, max(30, int(timeout_s)))
     try:  # one thread per rank: several ranks share two cores in CI
-        return run_local_ranks(body, world_size, args, timeout_s=timeout_s, threads_per_rank=1)
+        return run_local_ranks(body, world_size, args, timeout_s=timeout_s, threads_per_rank=1, preload=PRELOAD)
     except RankError as e:
         raise RuntimeError(f"a rank failed:\n--- rank {e.rank} ---\n{e.details or e.message}") from None
