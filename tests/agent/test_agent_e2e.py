@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.e2e import ROOT, free_port_pair, metrics, write_agent_assets
+from tests.helpers.e2e import (
+    ROOT,
+    free_port_pair,
+    metrics,
+    mlflow_db,
+    write_agent_assets,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the warm start is CPU-bound: slow on a loaded host
 
@@ -23,7 +29,7 @@ def test_agent_quickstart_trains_two_steps(tmp_path: Path) -> None:
     a, port = tmp_path / "assets", free_port_pair()
     cmd = [sys.executable, "-m", "mrl", "train", "mrl_configs/quickstart_agent.yaml", f"model.path={a}/{MODEL_DIR}",
            f"data.train_files=[{a}/data/train.jsonl]", f"data.val_files=[{a}/data/val.jsonl]",
-           f"trainer.mlflow_tracking_uri=sqlite:///{tmp_path}/mlflow.db", f"rollout.port_base={port}",
+           f"trainer.mlflow_tracking_uri=sqlite:///{mlflow_db(tmp_path / 'mlflow.db')}", f"rollout.port_base={port}",
            "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.val_before_train=false",
            "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4",
            f"trainer.rollout_data_dir={tmp_path}/rollouts"]

@@ -14,7 +14,7 @@ import pytest
 from mrl.config import load_config
 from mrl.driver.engines import engine_command, plan_engines
 from tests.driver.test_engines import _gpu_infos, _node
-from tests.helpers.e2e import ROOT, free_port_pair, metrics
+from tests.helpers.e2e import ROOT, free_port_pair, metrics, mlflow_db
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ def test_moe_quickstart_trains_with_expert_parallel_and_routing_replay(tmp_path:
                    cwd=ROOT, check=True, capture_output=True, timeout=900)
     cmd = [sys.executable, "-m", "mrl", "train", "mrl_configs/quickstart_moe.yaml",
            f"model.path={assets}/tiny-qwen3-moe", f"data.train_files=[{assets}/data/train.jsonl]",
-           f"data.val_files=[{assets}/data/val.jsonl]", f"trainer.mlflow_tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+           f"data.val_files=[{assets}/data/val.jsonl]", f"trainer.mlflow_tracking_uri=sqlite:///{mlflow_db(tmp_path / 'mlflow.db')}",
            f"rollout.port_base={free_port_pair()}", "trainer.total_training_steps=2", "trainer.test_freq=-1",
            "trainer.val_before_train=false", f"trainer.default_local_dir={tmp_path}/ckpt",
            # one mini-batch per step: every forward runs the weights the engines sampled with, so the trainer's

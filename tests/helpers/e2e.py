@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import socket
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers.asset_cache import copy_of
+from tests.helpers.asset_cache import cached, copy_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,10 +75,27 @@ def write_agent_assets(dest: Path) -> Path:
     return copy_of("agent-warm", _write_agent, dest)
 
 
+def _write_empty_mlflow_store(out: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    out.mkdir(parents=True)
+    MlflowClient(f"sqlite:///{out}/mlflow.db").search_experiments()  # creates the file and migrates its schema
+
+
+def mlflow_db(path: Path) -> Path:
+    """``path`` (an ``mlflow.db`` a run will log to): when absent, a copy of an empty MLflow store whose schema
+    is made once per test session. MLflow migrates a new SQLite file through its whole schema history (~1.7
+    CPU-s, ~25 runs in the suite); the run then logs to an up-to-date store, as a user's second run does."""
+    if not path.exists():
+        shutil.copyfile(cached("mlflow-empty", _write_empty_mlflow_store) / "mlflow.db", path)
+    return path
+
+
 def run_train(config: str, tmp: Path, assets: Path, port: int, *overrides: str) -> subprocess.CompletedProcess:
     """``mrl train config`` on the assets, logging to ``tmp/mlflow.db``; returns the finished process."""
     cmd = [sys.executable, "-m", "mrl", "train", config, f"model.path={assets}/tiny-qwen2",
-           f"data.train_files=[{assets}/data/train.jsonl]", f"trainer.mlflow_tracking_uri=sqlite:///{tmp}/mlflow.db",
+           f"data.train_files=[{assets}/data/train.jsonl]",
+           f"trainer.mlflow_tracking_uri=sqlite:///{mlflow_db(tmp / 'mlflow.db')}",
            f"rollout.port_base={port}", *overrides]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled"}
     # ~60-140 s idle; headroom for a loaded CI host

@@ -22,7 +22,8 @@ _CHILD = textwrap.dedent("""
 
 
 def test_megatron_imported_through_mrl_has_no_dynamo_until_a_fused_function_runs() -> None:
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _CHILD], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", _CHILD], check=False, capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "False", "geglu"]  # swapped; dynamo not imported; functions still decorated
 
