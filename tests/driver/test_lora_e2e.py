@@ -40,7 +40,7 @@ def test_lora_quickstart_trains_syncs_merged_and_checkpoints(tmp_path: Path) -> 
     # First sync: all 50 tensors; then only the 7 adapted projections × 4 layers (merged).
     assert ntensors == {1: 50.0, 2: 28.0} and nbytes[2] < nbytes[1], (ntensors, nbytes)
     actor = tmp_path / "ckpt" / "global_step_2" / "actor"
-    assert json.loads((actor / "lora_config.json").read_text())["rank"] == 8
+    assert json.loads((actor / "lora_config.json").read_text())["rank"] == 16
 
     p = _train(tmp_path, assets, port, 3)  # resume_mode=auto: adapters + Adam state from global_step_2
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
