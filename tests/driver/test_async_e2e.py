@@ -4,8 +4,8 @@ with and without rollout.partial_rollout, engines on their own device (rollout.p
 Real stack: one Megatron rank under Ray, one embedded engine process, weights pushed over the
 ``distributed`` transport (gloo) with ``verify`` on (the engine's checksums equal the actor's export
 after every push). In the partial-rollout cases the engine decodes one sequence at a time
-(rollout.max_num_seqs=1) and the random model answers ~150 of its 192 tokens, so generating a batch takes ~5x as long as the trainer's own
-work on one (the push comes ~20 % into the next batch's generation, ``async/fresh_token_frac`` ~0.8):
+(rollout.max_num_seqs=1) and the random model answers ~150 of its 192 tokens, so generating a batch
+takes ~5x as long as the trainer's own work on one (the push comes ~20 % into the next batch's generation, ``async/fresh_token_frac`` ~0.8):
 the producer is still generating when the trainer pushes, which is when partial rollouts interrupt and
 continue samples. With 2 sequences at a time and 48 tokens the margin was under 2x, and a loaded CI
 host saw every push land between two batches. The cases without partial rollouts need no such margin (the

@@ -28,10 +28,10 @@ from mrl.net import free_port  # re-exported: the tests import it from here
 
 __all__ = ["free_port", "run_ranks"]
 
-# Imported once by the forkserver (mrl.megatron first: its import hook, mrl/megatron/import_hooks.py); none starts a thread or touches CUDA on import (checked by
-# tests/test_local_ranks.py), which forking needs.
-PRELOAD = ("torch", "torch.distributed", "mrl.megatron", "megatron.core", "megatron.core.models.gpt", "megatron.core.pipeline_parallel",
-           "megatron.core.optimizer", "megatron.core.dist_checkpointing", "transformers",
+# Imported once by the forkserver (mrl.megatron before megatron.core: its import hook, mrl/megatron/import_hooks.py);
+# none starts a thread or touches CUDA on import (checked by tests/test_local_ranks.py), which forking needs.
+PRELOAD = ("torch", "torch.distributed", "mrl.megatron", "megatron.core", "megatron.core.models.gpt",
+           "megatron.core.pipeline_parallel", "megatron.core.optimizer", "megatron.core.dist_checkpointing", "transformers",
            "mrl.megatron.provider", "mrl.megatron.parallel", "mrl.megatron.checkpoint", "mrl.megatron.hf_io",
            "mrl.workers.actor")
 
