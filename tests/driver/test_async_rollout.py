@@ -1,7 +1,8 @@
 """The rollout producer (mrl/driver/async_rollout.py) against a real embedded engine served in this
 process: it runs at most max_staleness batches ahead of the trainer, hands batches in step order,
-and a checkpoint's sampler state is the one before the oldest batch not trained yet; ``admit``
-refuses samples older than max_staleness (by their oldest token)."""
+and a checkpoint's sampler state is the one before the oldest batch not trained yet; a push while
+the producer generates (partial rollouts) aborts the samples and continues them with the new
+weights; ``admit`` refuses samples older than max_staleness (by their oldest token)."""
 from __future__ import annotations
 
 import time
@@ -18,6 +19,7 @@ from mrl.rollout.pool import EngineEndpoint, EnginePool
 from mrl.rollout.router import Router
 from mrl.rollout.types import RolloutRequest, RolloutResult, RolloutSample
 from mrl.workers.batch import TrainBatch
+from tests.helpers.tiny_models import make_tiny_hf
 from tests.rollout.clients.served import serve
 
 
@@ -64,6 +66,61 @@ def test_producer_runs_k_ahead_in_order_and_checkpoints_the_untrained_batches(tm
             prod.stop()
         finally:
             pool.close()
+
+
+class _DiskRanks:
+    """Stands in for the trainer ranks' side of a push (the engines load version ``v`` from a saved
+    model, which is what ``sync_weights`` ends in); everything around it is the producer's own push."""
+
+    def __init__(self, pool: EnginePool, model_dir: Path) -> None:
+        self.pool, self.model_dir, self.versions = pool, model_dir, []
+
+    def sync_weights(self, version: int, pause: bool) -> list[dict[str, float]]:
+        self.pool.control("/update_weights_from_disk", {"model_path": str(self.model_dir), "weight_version": str(version)})
+        if pause:
+            self.pool.resume()
+        self.versions.append(version)
+        return [{}]
+
+
+def test_push_while_the_producer_generates_continues_its_samples_with_the_new_weights(tmp_path: Path) -> None:
+    """What the e2e test (tests/driver/test_async_e2e.py) sees only when the push lands mid-batch,
+    forced here: the push waits for tokens in flight, not for a time."""
+    budget = 64
+    other = make_tiny_hf(tmp_path / "v1", "qwen2", seed=1)
+
+    def request(rows: list[int], step: int, epoch: int) -> tuple[list[int], RolloutRequest]:
+        seeds = [[100 * r + j for j in range(2)] for r in rows]
+        return rows, RolloutRequest([[5, 6, 7 + r] for r in rows], n=2, timeout_s=60, sampling_seeds=seeds,
+                                    sampling_params={"max_new_tokens": budget, "ignore_eos": True, "temperature": 1.0})
+
+    with serve(tmp_path, max_running=2) as (url, engine):  # 4 samples, 2 slots: 2 still queued at the push
+        pool = EnginePool([EngineEndpoint(url)], health_interval_s=0)
+        try:
+            ranks = _DiskRanks(pool, other)
+            ctl = RolloutController(pool, RolloutClient(Router(pool)), ranks, startup_timeout_s=30, log_dir=tmp_path)
+            prod = AsyncRollout(ctl, ResumableSampler(4, 2, shuffle=False, seed=0), request, max_staleness=1,
+                                partial=True, timeout_s=60)
+            prod.start(step=0, version=0, end=1)
+            _wait(lambda: any(len(r.output_ids) >= 5 for r in list(engine.scheduler._rows)), "generation never got going")
+            assert not prod._ready
+            m: dict[str, float] = {}
+            prod.push(1, m)
+            b = prod.take(0)
+            prod.stop()
+        finally:
+            pool.close()
+    assert ranks.versions == [1] and prod.version == 1 and m["async/push_wait_s"] >= 0
+    assert b.start_version == 0 and b.continued >= 1
+    split = 0
+    for s in b.result.samples:
+        v = s.token_weight_versions
+        assert s.response_length == budget == len(v) and s.finish_reason == "length"  # nothing lost or repeated
+        k = v.count("default")
+        assert v == ["default"] * k + ["1"] * (budget - k)  # the start weights' tokens, then version 1's
+        split += 0 < k < budget
+    assert split >= 1, [s.token_weight_versions.count("default") for s in b.result.samples]
+    assert b.continued >= split
 
 
 def _batch(lengths: list[int], width: int = 4) -> TrainBatch:
