@@ -34,7 +34,7 @@ def test_bad_yaml_is_a_config_error(case: str, content: bytes, must_contain: lis
     t0 = time.monotonic()
     rc = main(["plan", str(f)])
     err = capsys.readouterr().err
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # refused up front: the billion laughs alone would take hours (bound for a loaded host)
     assert rc == EXIT_CONFIG, err[-2000:]
     assert all(s in err for s in must_contain), f"{case}: {must_contain} not in {err[:2000]}"
     assert "Traceback" not in err and len(err) < 5000, len(err)

@@ -1,6 +1,4 @@
 """compute_data_metrics against hand-computed values; timer; metric names."""
-import time
-
 import pytest
 import torch
 
@@ -63,14 +61,19 @@ def test_data_metrics_hand_computed():
     assert set(compute_data_metrics(response_mask=mask)) == {f"response_length/{s}" for s in ("mean", "max", "min", "clip_ratio")}
 
 
-def test_timer_accumulates_and_survives_exceptions():
+def test_timer_accumulates_and_survives_exceptions(monkeypatch):
+    import importlib
+    from types import SimpleNamespace
+
+    clock = iter([10.0, 10.25, 20.0, 20.5])  # perf_counter at each block's start and end: 0.25 s, then 0.5 s
+    monkeypatch.setattr(importlib.import_module("mrl.observability.timer"), "time",
+                        SimpleNamespace(perf_counter=lambda: next(clock)))
     metrics: dict[str, float] = {}
     with timer("gen", metrics):
-        time.sleep(0.05)
+        pass
     with pytest.raises(RuntimeError), timer("gen", metrics):
-        time.sleep(0.05)
         raise RuntimeError
-    assert 0.1 <= metrics["timing_s/gen"] < 0.5
+    assert metrics["timing_s/gen"] == 0.75
     assert names.timing("update_actor") == "timing_s/update_actor" and "gen" in names.PHASES
 
 

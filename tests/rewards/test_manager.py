@@ -38,7 +38,7 @@ def test_in_process_on_error_modes_and_alarm_timeout():
     assert "ValueError" in r.errors[1]
     t0 = time.monotonic()
     r = RewardManager("tests.rewards._scorers:sleepy", timeout_s=0.3, on_error="mask")(["hang", "ab"], ["", ""])
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 60  # the 0.3 s timeout, not the scorer's 3600 s sleep (a loaded host may be slow)
     assert r.valid.tolist() == [False, True] and r.scores.tolist() == [0.0, 2.0] and "TimeoutError" in r.errors[0]
 
 

@@ -247,7 +247,10 @@ def test_pause_continue_and_abort(server):
     t = threading.Thread(target=lambda: box.update(out=_gen(
         client, input_ids=[4, 5, 6], rid="paused-req", sampling_params={"max_new_tokens": 3, "ignore_eos": True})))
     t.start()
-    time.sleep(1.0)
+    deadline = time.time() + 60
+    while engine.scheduler.num_waiting == 0 and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # a paused engine that served anyway would finish 3 tokens well within this
     assert t.is_alive() and engine.scheduler.num_waiting == 1  # queued, not served while paused
     client.post("/continue_generation")
     t.join(timeout=60)

@@ -96,9 +96,11 @@ def _post_into(client, path, body, box) -> None:
     box["r"] = client.post(path, json=body).json()
 
 
-def _dist_rank(rank, world_size, port, a, b):
+def _dist_rank(rank, world_size, port, a, b, served):
     """rank 0: the trainer-side sender; rank 1: an engine (in-process app) receiving. Two updates
-    over one group: b per tensor (load_format null), then a as one flattened bucket."""
+    over one group: b per tensor (load_format null), then a as one flattened bucket. The first
+    broadcast waits until the engine has answered a /generate while its update waited (the file
+    ``served``): a handshake, not a time, so a loaded host cannot make the update finish first."""
     import threading
 
     import torch.distributed as dist
@@ -110,8 +112,11 @@ def _dist_rank(rank, world_size, port, a, b):
     if rank == 0:
         pg = init_custom_process_group("gloo", "127.0.0.1", port, 0, 2, "weight_update_group", timeout_s=60)
         for i, (src, fmt) in enumerate(zip(srcs, formats)):
-            if i == 0:
-                time.sleep(4.0)  # hold the first broadcast: the engine must keep serving meanwhile
+            if i == 0:  # hold the first broadcast: the engine must keep serving meanwhile
+                deadline = time.monotonic() + 120
+                while not served.exists():
+                    assert time.monotonic() < deadline, "the engine answered no /generate while its update waited"
+                    time.sleep(0.05)
             if fmt == "flattened_bucket":
                 flat = torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in src.values()])
                 dist.broadcast(flat, group=pg, group_src=0)
@@ -135,8 +140,9 @@ def _dist_rank(rank, world_size, port, a, b):
             # The request blocks on the broadcast in a worker thread; the event loop keeps serving.
             t = threading.Thread(target=_post_into, args=(c, "/update_weights_from_distributed", body, box))
             t.start()
-            time.sleep(0.5)
+            time.sleep(0.5)  # the update request reaches the app (if it did not, "served" would prove nothing)
             served_meanwhile = _greedy(c) == greedy[0] and "r" not in box
+            served.touch()
             t.join(timeout=60)
             out.append({"resp": box["r"], "served_meanwhile": served_meanwhile, "greedy": _greedy(c),
                         "checksums": _checksums(c, names)})
@@ -146,9 +152,10 @@ def _dist_rank(rank, world_size, port, a, b):
 
 
 @pytest.mark.multirank
-def test_update_from_distributed_per_tensor_and_flattened_bucket(dirs, greedy_ab):
+def test_update_from_distributed_per_tensor_and_flattened_bucket(dirs, greedy_ab, tmp_path):
     a, b = dirs
-    sender, engine = run_ranks(_dist_rank, 2, args=(free_port(), a, b), timeout_s=150, init_process_group=False)
+    served = tmp_path / "served"
+    sender, engine = run_ranks(_dist_rank, 2, args=(free_port(), a, b, served), timeout_s=150, init_process_group=False)
     assert engine["before"] == greedy_ab[0]
     first, second = engine["updates"]
     assert first["resp"]["success"] and first["resp"]["weight_version"] == "1"

@@ -75,7 +75,9 @@ def test_restarted_engine_leaves_the_router_until_it_is_back(setup):
 
     def hook(url: str, serving: bool) -> None:
         router.on_engine_service(url, serving)
-        time.sleep(1.0)  # the router applies worker changes in the background
+        deadline = time.monotonic() + 60  # the router applies worker changes in the background
+        while (url in _routed(router)) != serving and time.monotonic() < deadline:
+            time.sleep(0.1)
         seen.append((url, serving, frozenset(_routed(router))))
 
     pool = EnginePool([EngineEndpoint(e.url, restart=e.restart) for e in engines], health_interval_s=0,
