@@ -50,7 +50,7 @@ def run_one(k: int, out: Path, assets: Path, steps: int, port: int, extra: list[
            f"trainer.async_training.max_staleness={k}", *extra]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False,
-                       env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled"})
+                       env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"})
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(f"k={k} failed:\n{p.stderr[-4000:]}")

@@ -143,7 +143,7 @@ def run_mrl(work: Path, model_dir: Path, size: str, seed: int, steps: int, port:
             dtype: str = "float32") -> dict:
     db = work / "mrl_mlflow.db"
     args = mrl_overrides(work, model_dir, size, seed, steps, port, extra, dtype)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MLFLOW_DISABLE_TELEMETRY": "true"}
     t0 = time.time()
     for attempt in range(3):  # Ray gives its node 30 s to register: on an overloaded host it may not start at all
         with (work / "mrl.log").open("w") as log:

@@ -7,7 +7,9 @@ ranks and waits with a timeout (a rank that died or hangs surfaces as an error, 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+import secrets
 import time
 from typing import Any
 
@@ -50,16 +52,31 @@ def _died(e: ray.exceptions.RayError, rank: int, role: str, what: str) -> RankDi
 def init_ray(address: str | None, num_cpus: int | None = None) -> None:
     """Join ``address`` (cluster.address) or start a local Ray instance with ``num_cpus``.
 
-    A local instance needs no auth token: ``RAY_AUTH_MODE=disabled`` keeps the first ``ray.init``
-    from writing one under ``~/.ray`` (measured on these hosts); it binds to loopback. Tensors the
-    driver sends go as raw bytes (mrl/cluster/wire.py).
+    A local instance's GCS, raylet and workers listen on every interface of the host (Ray binds
+    them to all addresses and turns a loopback node IP into the host's own; measured with Ray
+    2.60), and a Ray cluster runs any code a client sends it. So unless ``RAY_AUTH_MODE`` is set
+    in the environment, the local instance gets Ray's token authentication with a fresh random
+    token that lives only in the environment of this run's processes (``RAY_AUTH_TOKEN``, not
+    ``~/.ray/auth_token``, which a plain ``ray.init()`` would write): a client without it is
+    refused (tests/cluster/test_ray_auth.py). A cluster joined by address keeps its own settings.
+    Tensors the driver sends go as raw bytes (mrl/cluster/wire.py).
     """
     if not ray.is_initialized():
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         if address:
             ray.init(address=address, log_to_driver=True)
         else:  # "local": a new instance even when another one runs on this host (plain ray.init() would join it)
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+            if "RAY_AUTH_MODE" not in os.environ:
+                # Ray turns token mode on for a new local instance when the mode is unset (and refreshes
+                # its cached config then; setting the mode here would not reach this process's client);
+                # the token it finds in the environment is this run's, so it writes none to ~/.ray
+                os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+            quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)  # its "token authentication is enabled" notice: the docstring's default
+            try:
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+            finally:
+                quiet.setLevel(level)
     register_tensor_wire()
 
 

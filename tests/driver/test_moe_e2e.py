@@ -31,7 +31,7 @@ def test_moe_quickstart_trains_with_expert_parallel_and_routing_replay(tmp_path:
            # one mini-batch per step: every forward runs the weights the engines sampled with, so the trainer's
            # own routing must be the engine's (a second mini-batch would run after an optimizer step)
            "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=4"]
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
     p = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     db = tmp_path / "mlflow.db"

@@ -23,7 +23,7 @@ def train(mount: Path, assets: Path, port: int, *overrides: str) -> dict:
     cmd = [sys.executable, "-m", "mrl", "train", "mrl_configs/quickstart.yaml", f"model.path={assets}/tiny-qwen2",
            f"data.train_files=[{assets}/data/train.jsonl]", f"rollout.port_base={port}",
            f"trainer.default_local_dir={mount}/ckpt", *SMALL_RUN, "trainer.total_training_steps=3", *overrides]
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONWARNINGS": "ignore"}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
     return {"rc": p.returncode, "stderr": p.stderr[-8000:]}
 

@@ -25,7 +25,7 @@ def start_train(tmp: Path, assets: Path, port: int, *overrides: str) -> subproce
     cmd = [sys.executable, "-m", "mrl", "train", "mrl_configs/quickstart.yaml", f"model.path={assets}/tiny-qwen2",
            f"data.train_files=[{assets}/data/train.jsonl]", f"rollout.port_base={port}",
            f"trainer.default_local_dir={tmp}/ckpt", *SMALL_RUN, *overrides]
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONWARNINGS": "ignore"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=(tmp / "stdout.txt").open("w"),
                             stderr=(tmp / "stderr.txt").open("w"), start_new_session=True)
 
