@@ -68,6 +68,14 @@ def test_stale_temp_dirs_of_dead_runs_are_swept(tmp_path: Path) -> None:
     assert not stale.exists() and mine.exists() and other.exists()
 
 
+def _cmdline(p: psutil.Process) -> list[str]:
+    """A short-lived helper process may exit between listing the children and reading its command line."""
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
 def _start(hf: Path, out: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
     """A 2-rank conversion, once its ranks run (their temp directory exists)."""
     proc = subprocess.Popen([sys.executable, "-m", "checkpoints_tools.cli", "hf-to-mcore", "--hf", str(hf), "--out",
@@ -77,7 +85,7 @@ def _start(hf: Path, out: Path) -> tuple[subprocess.Popen, list[psutil.Process]]
     deadline = time.monotonic() + 120
     while True:
         kids = psutil.Process(proc.pid).children(recursive=True)
-        ranks = [k for k in kids if "spawn_main" in " ".join(k.cmdline())]
+        ranks = [k for k in kids if "spawn_main" in " ".join(_cmdline(k))]
         if len(ranks) >= 2:
             return proc, kids
         assert proc.poll() is None, f"mrl-ckpt exited early ({proc.returncode})"
