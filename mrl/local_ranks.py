@@ -5,11 +5,12 @@ gloo ranks. Each rank is a fresh ``spawn`` process (Megatron's ``parallel_state`
 be forked safely), or, with ``preload``, a fork of a ``forkserver`` that imported those modules once
 and never initialised either (~2 s of imports per rank become ~20 ms; the rank gets the caller's
 current environment, not the server's). Each rank runs in a process group of its own, so the writer
-processes ``dist_checkpointing.save`` forks die with it. Results come back pickled by value (the queue's own pickler would send tensors
-as shared-memory handles that die with the rank before the parent reads them); they are this
-launcher's own children's results, never outside input. The first failing rank stops the job:
-every rank is killed and its message is raised in the parent as :class:`RankError` (one message,
-not N interleaved tracebacks); a rank that dies without a word, or a job past its deadline, too.
+processes ``dist_checkpointing.save`` forks die with it. Results come back pickled by value (the
+queue's own pickler would send tensors as shared-memory handles that die with the rank before the
+parent reads them); they are this launcher's own children's results, never outside input. The first
+failing rank stops the job: every rank is killed and its message is raised in the parent as
+:class:`RankError` (one message, not N interleaved tracebacks); a rank that dies without a word, or a
+job past its deadline, too.
 """
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ ranks and waits with a timeout (a rank that died or hangs surfaces as an error, 
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import secrets
 import time
@@ -70,13 +69,7 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
                 # its cached config then; setting the mode here would not reach this process's client);
                 # the token it finds in the environment is this run's, so it writes none to ~/.ray
                 os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-            quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
-            level = quiet.level
-            quiet.setLevel(logging.ERROR)  # its "token authentication is enabled" notice: the docstring's default
-            try:
-                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
-            finally:
-                quiet.setLevel(level)
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     register_tensor_wire()
 
 

@@ -47,8 +47,8 @@ def test_local_instance_refuses_clients_without_the_runs_token(tmp_path: Path) -
 
 
 def test_an_explicit_auth_mode_is_kept(monkeypatch) -> None:
-    """RAY_AUTH_MODE set by the user (e.g. ``disabled`` on a trusted host) is respected; nothing is started:
-    Ray is already initialised in this process's stand-in."""
+    """RAY_AUTH_MODE set by the user (e.g. ``disabled`` on a trusted host) is respected: no token is made.
+    ``ray.init`` is replaced, so no instance starts in this process."""
     import ray
 
     from mrl.cluster import worker_group
