@@ -21,7 +21,7 @@ def test_inprocess_engines_train_and_follow_the_actor(tmp_path: Path) -> None:
                   f"data.val_files=[{assets}/data/val.jsonl]", "trainer.total_training_steps=3", "trainer.test_freq=3",
                   "trainer.val_before_train=false", f"trainer.default_local_dir={tmp_path}/ckpt",
                   "rollout.weight_sync.verify=true",  # transport and shared_prefix: the quickstart's auto -> inprocess, on
-                  *SMALL_BATCH)
+                  *SMALL_BATCH, own_ray=True)  # the quickstart as `make train` runs it: its own Ray instance
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     db = tmp_path / "mlflow.db"
     # the engines generated with the start weights, then with each pushed version

@@ -20,7 +20,8 @@ def _train(tmp: Path, assets: Path, steps: int, port: int):
                      f"trainer.total_training_steps={steps}", "trainer.save_freq=2", "trainer.test_freq=2",
                      "trainer.val_before_train=false", "rollout.weight_sync.transport=tensor",  # engine processes:
                      # the quickstart's own default (auto: inprocess) runs in test_inprocess_e2e.py
-                     f"trainer.default_local_dir={tmp}/ckpt", *SMALL_BATCH, *VAL_SAMPLING, *_dumps_and_hf(tmp))
+                     f"trainer.default_local_dir={tmp}/ckpt", *SMALL_BATCH, *VAL_SAMPLING, *_dumps_and_hf(tmp),
+                     own_ray=True)  # `make train`'s path: a local Ray instance of its own
 
 
 # The pipeline, not learning, is under test: 8 prompts x n=4 = 32 samples per step (the shipped 32 x 8 = 256

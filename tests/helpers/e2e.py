@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from tests.helpers.asset_cache import cached, copy_of
+from tests.helpers.ray_cluster import shared_ray
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,13 +92,20 @@ def mlflow_db(path: Path) -> Path:
     return path
 
 
-def run_train(config: str, tmp: Path, assets: Path, port: int, *overrides: str) -> subprocess.CompletedProcess:
-    """``mrl train config`` on the assets, logging to ``tmp/mlflow.db``; returns the finished process."""
+def run_train(config: str, tmp: Path, assets: Path, port: int, *overrides: str,
+              own_ray: bool = False) -> subprocess.CompletedProcess:
+    """``mrl train config`` on the assets, logging to ``tmp/mlflow.db``; returns the finished process. The run
+    joins this test worker's Ray instance (tests/helpers/ray_cluster.py) unless ``own_ray``: then it starts
+    its own, as ``make train`` does."""
     cmd = [sys.executable, "-m", "mrl", "train", config, f"model.path={assets}/tiny-qwen2",
            f"data.train_files=[{assets}/data/train.jsonl]",
            f"trainer.mlflow_tracking_uri=sqlite:///{mlflow_db(tmp / 'mlflow.db')}",
            f"rollout.port_base={port}", *overrides]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    if not own_ray:
+        address, auth = shared_ray()
+        cmd.append(f"cluster.address={address}")
+        env.update(auth)
     # ~60-140 s idle; headroom for a loaded CI host
     return subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
 

@@ -92,7 +92,8 @@ def test_plugins_from_yaml_train_one_step(tmp_path: Path, monkeypatch: pytest.Mo
     p = run_train(str(config), tmp_path, assets, free_port_pair(), f"data.train_files=[{data}]",
                   f"data.val_files=[{assets}/data/val.jsonl]", "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
                   "trainer.save_freq=-1", "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
-                  "actor.ppo_micro_batch_size_per_gpu=4")
+                  "actor.ppo_micro_batch_size_per_gpu=4",
+                  own_ray=True)  # its ranks read MRL_PLUGIN_LOG: they inherit this environment only from a Ray of their own
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     calls = [json.loads(x) for x in log.read_text().splitlines()]
     est = [c for c in calls if c["fn"] == "grpo_difficulty"]
