@@ -23,9 +23,10 @@ prompt's ids exactly as the dataset encodes them:
    to Solve Math Word Problems").
 
 One thread: the bytes depend only on ``--seed``, the torch build and the CPU's floating-point order
-(seed 0: 275 Bradley–Terry steps on an Intel AMX host, 100 on an AMD EPYC one). Measured on the AMD
-host (seed 0): 100 Bradley–Terry steps, then 300 verifier steps: **pairwise 1.000, top-1 1.00**, no
-wrong sum with σ > 0.5 (150 verifier steps left 15 of the 1,900, and the policy found them).
+(seed 0: 275 Bradley–Terry steps on an Intel AMX host, 100 on an AMD EPYC one on 2026-11-27, 275 on that
+AMD host on 2026-11-28 from a fresh venv). Measured on the AMD host (seed 0, 2026-11-27): 100 Bradley–Terry
+steps, then 300 verifier steps: **pairwise 1.000, top-1 1.00**, no wrong sum with σ > 0.5; on 2026-11-28:
+275 + 300 steps, pairwise 0.999, top-1 0.99, 145 s of one core idle (150 verifier steps left 15 of the 1,900, and the policy found them).
 The val set is the train set, so memorising the 100 problems is legitimate here. The Bradley–Terry RM
 alone, or the verifier without the out-of-range or the noisy answers, did not teach the policy the task
 (it collapsed onto a few favourite sums, or found answers like " 1111", " esti esti esti esti" or
