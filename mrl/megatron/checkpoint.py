@@ -117,6 +117,26 @@ def _hf_config_dict(hf_config: Any) -> dict | None:
     raise CheckpointError(f"hf_config must be a transformers config or a dict, got {type(hf_config)}")
 
 
+def _in_process_write_results() -> None:
+    """Give Megatron's torch_dist writer an in-process queue for its write results.
+
+    On a rank's first save, ``FileSystemWriterAsync`` makes that queue with
+    ``multiprocessing.get_context("spawn").Manager()``: a server in a new interpreter, which
+    re-imports the rank's main module (a Ray worker's: Ray and what it pulls in). Measured on the
+    project's 2-core host (2026-11-28): 2.1-2.4 CPU-s per rank, ~15 % of a 1-step PPO run's CPU.
+    A process-shared queue is only needed when the writing runs in another process (Megatron's
+    async save); mrl saves synchronously: ``execute_sync`` runs the writer in the rank itself, its
+    per-file writers are forks that report through a queue of their own, and the rank puts the
+    collected result into this one and reads it back in ``retrieve_write_results``.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def _save_strategy(fully_parallel: bool):
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.serialization import (
@@ -175,6 +195,7 @@ def save_checkpoint(
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     state["mrl_extra"] = dict(extra or {})
 
+    _in_process_write_results()  # synchronous save: no spawned Manager process per rank
     dist_checkpointing.save(
         state, str(path), sharded_strategy=_save_strategy(fully_parallel), content_metadata=md
     )

@@ -1,6 +1,7 @@
 """mrl.megatron.checkpoint: dist_checkpointing save/load across layouts, with optimizer state.
 
-* Weights saved at TP2×PP2 load at TP1×PP1 (DP4) and export bit-identical HF tensors.
+* Weights saved at TP2×PP2 load at TP1×PP1 (DP4) and export bit-identical HF tensors; the save starts
+  no spawned Manager process (mrl.megatron.checkpoint._in_process_write_results).
 * Model + DistributedOptimizer + scheduler saved after one Adam step at TP2 and loaded at
   TP1×DP2 continue training exactly as the uninterrupted run (|Δw| ≤ 1e-6 after step 2), while
   a run that loads the weights only lands measurably elsewhere (the test can fail).
@@ -31,6 +32,7 @@ def _layout_rank(rank: int, world: int, hf_dir: str, ckpt_dir: str) -> dict:
     init_parallel(device="cpu", tp=2, pp=2)
     chunks = build_model_chunks(cfg)
     load_hf_weights(chunks, cfg, ref)
+    spawned = _count_spawned_managers()
     save_checkpoint(ckpt_dir, chunks, extra={"step": 7, "tag": "rl"}, hf_config=cfg)
 
     init_parallel(device="cpu", tp=1, pp=1)  # DP=4: every rank loads the whole model
@@ -39,7 +41,24 @@ def _layout_rank(rank: int, world: int, hf_dir: str, ckpt_dir: str) -> dict:
     extra = load_checkpoint(ckpt_dir, chunks)
     exported = dict(export_hf_weights(chunks, cfg))
     bad = [n for n, t in exported.items() if t.dtype != ref(n).dtype or not torch.equal(t, ref(n))]
-    return {"extra": extra, "bad": bad, "n": len(exported), "differs_before": len(differs_before)}
+    return {"extra": extra, "bad": bad, "n": len(exported), "differs_before": len(differs_before),
+            "spawned_managers": len(spawned)}
+
+
+def _count_spawned_managers() -> list:
+    """Records each ``multiprocessing`` Manager started from a spawn context in this process (one entry
+    each): Megatron's writer makes one on a rank's first save unless mrl hands it an in-process queue."""
+    import multiprocessing.context as mpc
+
+    calls: list = []
+    base = mpc.BaseContext.Manager
+
+    def manager(self, *args, **kwargs):
+        calls.append(1)
+        return base(self, *args, **kwargs)
+
+    mpc.SpawnContext.Manager = manager
+    return calls
 
 
 def test_save_tp2pp2_load_tp1pp1_exports_identical_weights(tmp_path: Path) -> None:
@@ -50,6 +69,7 @@ def test_save_tp2pp2_load_tp1pp1_exports_identical_weights(tmp_path: Path) -> No
         assert r["extra"] == {"step": 7, "tag": "rl"}
         assert r["n"] == len(_hf_tensors(hf)) and r["bad"] == []
         assert r["differs_before"] > 0  # random init really was replaced by the checkpoint
+        assert r["spawned_managers"] == 0  # the synchronous save started no Manager interpreter
     meta = json.loads((ckpt / "mrl_checkpoint.json").read_text())
     assert meta["layout"]["tp"] == 2 and meta["layout"]["pp"] == 2 and meta["layout"]["world_size"] == 4
     assert meta["hf_config"]["vocab_size"] == 300 and meta["params_dtype"] == "float32"
