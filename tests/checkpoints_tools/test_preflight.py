@@ -68,16 +68,17 @@ def test_stale_temp_dirs_of_dead_runs_are_swept(tmp_path: Path) -> None:
     assert not stale.exists() and mine.exists() and other.exists()
 
 
-def _cmdline(p: psutil.Process) -> list[str]:
-    """A short-lived helper process may exit between listing the children and reading its command line."""
+def _started_rank(p: psutil.Process) -> bool:
+    """A rank of mrl.local_ranks, past its first statement: a fork of the conversion's forkserver that
+    made itself a process group leader (``_entry``'s ``os.setpgrp``; its parent watch starts next)."""
     try:
-        return p.cmdline()
-    except psutil.Error:
-        return []
+        return "multiprocessing.forkserver" in " ".join(p.cmdline()) and os.getpgid(p.pid) == p.pid
+    except (psutil.Error, ProcessLookupError):
+        return False
 
 
 def _start(hf: Path, out: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
-    """A 2-rank conversion, once its ranks run (their temp directory exists)."""
+    """A 2-rank conversion, once its ranks run (their temp directory exists before they start)."""
     proc = subprocess.Popen([sys.executable, "-m", "checkpoints_tools.cli", "hf-to-mcore", "--hf", str(hf), "--out",
                              str(out), "--tp", "2", "--device", "cpu", "--timeout", "240"], cwd=ROOT,
                             env=dict(os.environ, PYTHONWARNINGS="ignore"),
@@ -85,7 +86,7 @@ def _start(hf: Path, out: Path) -> tuple[subprocess.Popen, list[psutil.Process]]
     deadline = time.monotonic() + 120
     while True:
         kids = psutil.Process(proc.pid).children(recursive=True)
-        ranks = [k for k in kids if "spawn_main" in " ".join(_cmdline(k))]
+        ranks = [k for k in kids if _started_rank(k)]
         if len(ranks) >= 2:
             return proc, kids
         assert proc.poll() is None, f"mrl-ckpt exited early ({proc.returncode})"
