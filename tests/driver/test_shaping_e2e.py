@@ -1,7 +1,11 @@
-"""The quickstart for 2 steps with ref_reward_blend and repr_align both on (CPU, real stack),
-with the weights pushed over the ``distributed`` transport (gloo group of the source rank and both
-engines) and ``verify`` on (engine checksums compared with the actor's export after each sync).
+"""The quickstart for 2 steps with the algorithm options that change what a step computes from the same
+samples, all on in one run (CPU, real stack): ref_reward_blend and repr_align (the rewards), CISPO and
+verl's rollout correction (the policy loss's weights: token TIS + a geometric-mean sequence rejection +
+a token k1 mask). They act on different terms, so each is checked as if alone; one run instead of two
+saves a ``mrl train`` of the suite (~20 s).
 
+The weights are pushed over the ``distributed`` transport (gloo group of the source rank and both
+engines) with ``verify`` on (engine checksums compared with the actor's export after each sync).
 Linear schedules with warmup_ratio 0.5 of 2 steps: w = 0 on step 1 and max_weight on step 2, so
 step 1's rewards equal the scores exactly and step 2's do not. The entropy threshold is 0, so
 the alignment runs (two reference forwards through the Ray ranks) on both steps; the skip path
@@ -18,11 +22,15 @@ from tests.helpers.e2e import free_port_pair, metrics, run_train, write_assets
 
 pytestmark = pytest.mark.slow
 BLEND, ALIGN = "actor/ref_blend", "actor/repr/ref_gold_align"
+RC = "algorithm.rollout_correction"
 
 
-def test_quickstart_with_ref_blend_and_repr_align(tmp_path: Path) -> None:
-    assets = write_assets(tmp_path)
-    p = run_train("mrl_configs/quickstart.yaml", tmp_path, assets, free_port_pair(), "data.val_files=[]",
+@pytest.fixture(scope="module")
+def db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run's MLflow store."""
+    tmp = tmp_path_factory.mktemp("options")
+    assets = write_assets(tmp)
+    p = run_train("mrl_configs/quickstart.yaml", tmp, assets, free_port_pair(), "data.val_files=[]",
                   "trainer.total_training_steps=2", "trainer.test_freq=0", "trainer.val_before_train=false",
                   "trainer.save_freq=0", "data.train_batch_size=8", "rollout.n=4",  # 32 samples: pipeline, not learning
                   "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4",
@@ -32,18 +40,22 @@ def test_quickstart_with_ref_blend_and_repr_align(tmp_path: Path) -> None:
                   "algorithm.repr_align.ref_alignment.warmup_ratio=0.5",
                   "algorithm.repr_align.ref_alignment.schedule=linear",
                   "algorithm.repr_align.ref_alignment.entropy_high_threshold=0.0",
+                  "actor.policy_loss=cispo", f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=2.0",
+                  f"{RC}.rollout_rs='seq_mean_k1,token_k1'", f"{RC}.rollout_rs_threshold='0.5_2.0'",
                   "rollout.weight_sync.transport=distributed", "rollout.weight_sync.verify=true",
                   # engines in a placement group of their own (not in the ranks' bundles)
                   "rollout.placement=separate", "rollout.num_engines=2", "cluster.n_gpus_per_node=4")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
-    db = tmp_path / "mlflow.db"
+    return tmp / "mlflow.db"
+
+
+def test_quickstart_with_ref_blend_and_repr_align(db: Path) -> None:
     assert metrics(db, f"{BLEND}/weight") == pytest.approx({1: 0.0, 2: 0.6})
     assert metrics(db, f"{ALIGN}/weight") == pytest.approx({1: 0.0, 2: 0.2})
     assert metrics(db, f"{ALIGN}/applied") == {1: 1.0, 2: 1.0}
     ent = metrics(db, f"{ALIGN}/batch_entropy")
     assert sorted(ent) == [1, 2] and all(math.isfinite(v) and v > 0 for v in ent.values())
     lo, mean, hi = (metrics(db, f"{ALIGN}/similarity/{k}") for k in ("min", "mean", "max"))
-    print("entropy", ent, "similarity mean", mean)
     for s in (1, 2):
         assert -1.0 - 1e-6 <= lo[s] <= mean[s] <= hi[s] <= 1.0 + 1e-6, (lo, mean, hi)
     score, reward = metrics(db, "critic/score/mean"), metrics(db, "critic/rewards/mean")
@@ -54,3 +66,16 @@ def test_quickstart_with_ref_blend_and_repr_align(tmp_path: Path) -> None:
     assert metrics(db, "rollout/engine_weight_version") == {1: 0.0, 2: 1.0}
     moved = metrics(db, "weight_sync/bytes")
     assert sorted(moved) == [1, 2] and moved[1] == moved[2] > 0
+
+
+def test_quickstart_with_cispo_and_rollout_correction(db: Path) -> None:
+    """The ``rollout_corr/*`` metrics are logged every step, finite, and say what they must on fp32 engines
+    that compute the trainer's model (ratios ~1: nothing rejected, weights ~1)."""
+    for key in ("rollout_is_mean", "rollout_is_max", "rollout_is_eff_sample_size", "rollout_rs_masked_fraction",
+                "rollout_rs_seq_mean_k1_masked_fraction", "kl", "k3_kl", "chi2_token", "training_ppl"):
+        got = metrics(db, f"rollout_corr/{key}")
+        assert sorted(got) == [1, 2] and all(math.isfinite(v) for v in got.values()), (key, got)
+    # the engines run the trainer's fp32 model: log rho ~ 1e-6, so the weights are ~1 and nothing is rejected
+    assert all(abs(v - 1) < 1e-3 for v in metrics(db, "rollout_corr/rollout_is_mean").values())
+    assert all(v == 0.0 for v in metrics(db, "rollout_corr/rollout_rs_masked_fraction").values())
+    assert all(math.isfinite(v) for v in metrics(db, "actor/pg_loss").values())
