@@ -26,7 +26,9 @@ One thread: the bytes depend only on ``--seed``, the torch build and the CPU's f
 (seed 0: 275 Bradley–Terry steps on an Intel AMX host, 100 on an AMD EPYC one on 2026-11-27, 275 on that
 AMD host on 2026-11-28 from a fresh venv). Measured on the AMD host (seed 0, 2026-11-27): 100 Bradley–Terry
 steps, then 300 verifier steps: **pairwise 1.000, top-1 1.00**, no wrong sum with σ > 0.5; on 2026-11-28:
-275 + 300 steps, pairwise 0.999, top-1 0.99, 145 s of one core idle (150 verifier steps left 15 of the 1,900, and the policy found them).
+275 + 300 steps, pairwise 0.999, top-1 0.99, 145 s of one core idle (150 verifier steps left 15 of the 1,900, and the policy found them);
+with the verifier scoring each prompt once for its 48 candidates (``_scores_per_prompt``, 2026-11-28): the same
+steps and accuracies in 97 s.
 The val set is the train set, so memorising the 100 problems is legitimate here. The Bradley–Terry RM
 alone, or the verifier without the out-of-range or the noisy answers, did not teach the policy the task
 (it collapsed onto a few favourite sums, or found answers like " 1111", " esti esti esti esti" or
@@ -138,13 +140,31 @@ def _noisy_wrong(tokenizer, a: int, rng: random.Random) -> list[list[int]]:
     return out
 
 
-def _scores(model, seqs: list[list[int]]):
+def _scores(model, seqs: list[list[int]], **kwargs):
     import torch
 
     ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)  # right-padded with <pad>=0
     for i, s in enumerate(seqs):
         ids[i, :len(s)] = torch.tensor(s)
-    return model(input_ids=ids).logits[:, 0]  # HF reads the last non-pad token
+    return model(input_ids=ids, **kwargs).logits[:, 0]  # HF reads the last non-pad token
+
+
+def _scores_per_prompt(model, prompts: list[list[int]], candidates: list[list[list[int]]]):
+    """[P, C] scores of ``prompts[i] + candidates[i][j]``: each prompt's keys and values are computed once and
+    repeated for its C candidates, as an engine's prefix cache does, instead of C times (the verifier's 16
+    prompts of 12 tokens with 48 candidates of 3-9: 2x fewer FLOPs and 2.0x faster a step than scoring the 768
+    whole sequences, on the project's 2-core host; the scores agree to fp32 rounding)."""
+    import inspect
+
+    import torch
+
+    if len({len(p) for p in prompts}) != 1 or len({len(c) for c in candidates}) != 1:
+        raise ValueError("_scores_per_prompt needs prompts of one length and the same number of candidates each")
+    # transformers 5.x names the cache argument and output `cache` (`past_key_values`, before, warns there)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = getattr(model.model(input_ids=torch.tensor(prompts), use_cache=True), name)
+    cache.batch_repeat_interleave(len(candidates[0]))  # prompt i's keys/values for each of its candidates
+    return _scores(model, [c for cands in candidates for c in cands], **{name: cache}).view(len(prompts), -1)
 
 
 def rm_accuracy(model, tokenizer) -> tuple[float, float]:
@@ -207,9 +227,9 @@ def train_rm_verifier(model, tokenizer, seed: int, steps: int = LIST_STEPS) -> N
     try:
         for step in range(steps):
             batch = [rng.choice(data) for _ in range(LIST_BATCH)]
-            s = _scores(model, [p + ans for p, a, answers in batch
-                                for ans in answers + _extra_wrong(tokenizer, a, rng) + _noisy_wrong(tokenizer, a, rng)]
-                          ).view(LIST_BATCH, -1)
+            s = _scores_per_prompt(model, [p for p, _, _ in batch],
+                                   [answers + _extra_wrong(tokenizer, a, rng) + _noisy_wrong(tokenizer, a, rng)
+                                    for _, a, answers in batch])
             target = torch.tensor([a for _, a, _ in batch])
             loss = F.cross_entropy(s, target) + F.binary_cross_entropy_with_logits(
                 s, F.one_hot(target, s.shape[1]).float())

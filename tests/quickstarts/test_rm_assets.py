@@ -95,3 +95,40 @@ def test_noisy_wrong_answers_are_wrong_by_the_rule_and_half_lack_eos() -> None:
         assert [s[-1] == eos for s in out] == [i % 2 == 0 for i in range(qrm.LIST_NOISE)]
         assert not any(arith(tok.decode([t for t in s if t != eos]), str(a)) for s in out)
         assert all(0 < t < tok.vocab_size and t not in (0, 1) for s in out for t in s)
+
+
+def test_verifier_scores_with_a_shared_prompt_equal_whole_sequence_scores() -> None:
+    """The verifier step scores each prompt once and its candidates against its repeated keys/values
+    (``_scores_per_prompt``): the same scores and gradients as the whole sequences, to fp32 rounding."""
+    import random
+
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2ForSequenceClassification,
+    )
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=qs.build_tokenizer())
+    torch.manual_seed(0)
+    model = Qwen2ForSequenceClassification(Qwen2Config(**qs.QWEN2_SHAPE, num_labels=1)).float()
+    torch.nn.init.normal_(model.score.weight, std=0.5)  # a zero head would score everything 0
+    rng = random.Random(3)
+    data = qrm._encoded(tok)
+    batch = [rng.choice([d for d in data if len(d[0]) == len(data[0][0])]) for _ in range(4)]  # one prompt length
+    cands = [answers + qrm._extra_wrong(tok, a, rng) + qrm._noisy_wrong(tok, a, rng) for _, a, answers in batch]
+
+    whole = qrm._scores(model, [p + c for (p, _, _), cs in zip(batch, cands, strict=True) for c in cs]).view(4, -1)
+    whole.square().sum().backward()
+    g_whole = [w.grad.clone() for w in model.parameters()]
+    model.zero_grad()
+    shared = qrm._scores_per_prompt(model, [p for p, _, _ in batch], cands)
+    shared.square().sum().backward()
+    assert shared.shape == (4, 2 * qs.MAX_OPERAND + qrm.LIST_EXTRA + qrm.LIST_NOISE)
+    assert whole.abs().max() > 1.0  # the scores are not trivially equal
+    torch.testing.assert_close(shared, whole, rtol=0, atol=2e-5)
+    rel = [((w.grad - g).norm() / g.norm()).item() for w, g in zip(model.parameters(), g_whole, strict=True)]
+    assert max(rel) < 1e-5, rel  # each parameter's gradient, relative to its norm (measured: below 1e-6)
+    with pytest.raises(ValueError, match="prompts of one length"):
+        qrm._scores_per_prompt(model, [batch[0][0], batch[0][0][1:]], cands[:2])
+    with pytest.raises(ValueError, match="the same number of candidates"):
+        qrm._scores_per_prompt(model, [batch[0][0], batch[1][0]], [cands[0], cands[1][1:]])
