@@ -1,15 +1,30 @@
-"""Session set-up shared by every test: the directory of tests/helpers/asset_cache.py."""
+"""Session set-up shared by every test: the directory of tests/helpers/asset_cache.py and the session's Ray
+instance (tests/helpers/ray_cluster.py)."""
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from tests.helpers.asset_cache import cache_root
+from tests.helpers.ray_cluster import SESSION_PID, stop_session_ray
+
+
+def _starts_the_session(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput")  # pytest-xdist's controller, or a plain run; not a worker
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # made (and removed at exit) by the process that starts the session, pytest-xdist's controller or a plain
-    # run, before any worker starts: the workers inherit its variable and share the directory
+    # run, before any worker starts: the workers inherit its variables and share the directory
     cache_root()
+    if _starts_the_session(config):
+        os.environ[SESSION_PID] = str(os.getpid())  # the shared Ray instance lives while this process does
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _starts_the_session(config):
+        stop_session_ray()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

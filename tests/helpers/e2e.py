@@ -95,7 +95,7 @@ def mlflow_db(path: Path) -> Path:
 def run_train(config: str, tmp: Path, assets: Path, port: int, *overrides: str,
               own_ray: bool = False) -> subprocess.CompletedProcess:
     """``mrl train config`` on the assets, logging to ``tmp/mlflow.db``; returns the finished process. The run
-    joins this test worker's Ray instance (tests/helpers/ray_cluster.py) unless ``own_ray``: then it starts
+    joins the test session's Ray instance (tests/helpers/ray_cluster.py) unless ``own_ray``: then it starts
     its own, as ``make train`` does."""
     cmd = [sys.executable, "-m", "mrl", "train", config, f"model.path={assets}/tiny-qwen2",
            f"data.train_files=[{assets}/data/train.jsonl]",
