@@ -3,7 +3,8 @@ re-syncs the actor's weights and the run goes on; or, when the restart fails, th
 engine), and SIGKILL of a trainer rank (the run stops naming the rank and the last resumable checkpoint,
 and nothing of it is left running; also when the engines live in the ranks, where the surviving rank's
 collective often fails before Ray reports the death). Each fault comes once checkpoint 1 is complete; where in step 2 it
-lands does not change the outcome asserted."""
+lands does not change the outcome asserted. The engine faults join the test session's Ray instance (the
+engine is found by its port); the rank faults start their own, whose whole process tree they check."""
 from __future__ import annotations
 
 import re
@@ -16,6 +17,7 @@ from mrl.megatron.checkpoint import verify_checkpoint
 from tests.helpers.e2e import free_port_pair, write_assets
 from tests.helpers.faults import (
     finish,
+    kill_engine,
     kill_one,
     left_running,
     ports_released,
@@ -25,7 +27,6 @@ from tests.helpers.faults import (
 )
 
 pytestmark = pytest.mark.slow
-ENGINE = "mrl.rollout.engine.server"
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +46,10 @@ def _no_traceback(err: str) -> None:
 def test_a_killed_engine_is_restarted_with_the_actors_weights_and_the_run_goes_on(assets: Path, tmp_path: Path) -> None:
     # verify: after every push the sender compares each tensor's checksum on every engine with the
     # actor's, the restarted one included; samples must also carry the pushed weight version.
-    p = start_train(tmp_path, assets, free_port_pair(), "rollout.weight_sync.verify=true")
+    port = free_port_pair()
+    p = start_train(tmp_path, assets, port, "rollout.weight_sync.verify=true", join_ray=True)
     wait_for_checkpoint(p, tmp_path / "ckpt")
-    kill_one(p, ENGINE)
+    kill_engine(port)
     rc, err = finish(p, tmp_path)
     assert rc == 0, err[-6000:]
     _no_traceback(err)
@@ -59,10 +61,10 @@ def test_a_killed_engine_is_restarted_with_the_actors_weights_and_the_run_goes_o
 
 def test_an_engine_that_cannot_be_restarted_stops_the_run_naming_it(assets: Path, tmp_path: Path) -> None:
     port = free_port_pair()
-    p = start_train(tmp_path, assets, port, "rollout.engine_startup_timeout_s=60")
+    p = start_train(tmp_path, assets, port, "rollout.engine_startup_timeout_s=60", join_ray=True)
     wait_for_checkpoint(p, tmp_path / "ckpt")
     (assets / "tiny-qwen2").rename(assets / "moved")  # the restart finds no model: it exits at once
-    kill_one(p, ENGINE)
+    kill_engine(port)
     rc, err = finish(p, tmp_path, timeout_s=400)
     assert rc == 1, err[-6000:]
     _no_traceback(err)

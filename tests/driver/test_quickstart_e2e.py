@@ -15,13 +15,13 @@ from tests.helpers.e2e import free_port_pair, metrics, run_train, write_assets
 pytestmark = pytest.mark.slow
 
 
-def _train(tmp: Path, assets: Path, steps: int, port: int, own_ray: bool = True):
+def _train(tmp: Path, assets: Path, steps: int, port: int):
     return run_train("mrl_configs/quickstart.yaml", tmp, assets, port, f"data.val_files=[{assets}/data/val.jsonl]",
                      f"trainer.total_training_steps={steps}", "trainer.save_freq=2", "trainer.test_freq=2",
                      "trainer.val_before_train=false", "rollout.weight_sync.transport=tensor",  # engine processes:
                      # the quickstart's own default (auto: inprocess) runs in test_inprocess_e2e.py
-                     f"trainer.default_local_dir={tmp}/ckpt", *SMALL_BATCH, *VAL_SAMPLING, *_dumps_and_hf(tmp),
-                     own_ray=own_ray)  # `make train`'s path: a local Ray instance of its own
+                     # joins the session's Ray: `make train`'s own local start is test_inprocess_e2e.py's
+                     f"trainer.default_local_dir={tmp}/ckpt", *SMALL_BATCH, *VAL_SAMPLING, *_dumps_and_hf(tmp))
 
 
 # The pipeline, not learning, is under test: 8 prompts x n=4 = 32 samples per step (the shipped 32 x 8 = 256
@@ -71,8 +71,7 @@ def test_quickstart_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     assert (ckpt / "global_step_2" / "actor" / "metadata.json").is_file()
     _check_dumps_and_hf_export(tmp_path, assets, ckpt / "global_step_2" / "actor" / "huggingface")
 
-    # resume_mode=auto picks up global_step_2; joins the session's Ray instance (Ray's own start is run 1's)
-    p = _train(tmp_path, assets, 3, port, own_ray=False)
+    p = _train(tmp_path, assets, 3, port)  # resume_mode=auto picks up global_step_2
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     # resumed weights were pushed as version 2 before step 3 generated
     assert metrics(db, "rollout/engine_weight_version")[3] == 2.0

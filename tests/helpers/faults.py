@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from tests.helpers.e2e import ROOT
+from tests.helpers.ray_cluster import shared_ray
 
 # 4 steps of 4 prompts x 4 samples, a checkpoint every step, engines as their own server processes
 # (transport=tensor: the CPU default, inprocess, serves from inside the trainer ranks).
@@ -21,11 +22,17 @@ SMALL_RUN = ("data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_siz
              "rollout.weight_sync.transport=tensor")
 
 
-def start_train(tmp: Path, assets: Path, port: int, *overrides: str) -> subprocess.Popen:
+def start_train(tmp: Path, assets: Path, port: int, *overrides: str, join_ray: bool = False) -> subprocess.Popen:
+    """The run, with a local Ray instance of its own (its whole process tree below the driver), or joined to the
+    test session's (``join_ray``: its ranks and engines are then the instance's processes, found by port)."""
     cmd = [sys.executable, "-m", "mrl", "train", "mrl_configs/quickstart.yaml", f"model.path={assets}/tiny-qwen2",
            f"data.train_files=[{assets}/data/train.jsonl]", f"rollout.port_base={port}",
            f"trainer.default_local_dir={tmp}/ckpt", *SMALL_RUN, *overrides]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONWARNINGS": "ignore"}
+    if join_ray:
+        address, auth = shared_ray()
+        cmd.append(f"cluster.address={address}")
+        env.update(auth)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=(tmp / "stdout.txt").open("w"),
                             stderr=(tmp / "stderr.txt").open("w"), start_new_session=True)
 
@@ -74,6 +81,18 @@ def kill_one(p: subprocess.Popen, needle: str) -> tuple[int, dict[int, str]]:
     assert victims, f"no process of the run matches {needle!r}: {sorted(procs.values())}"
     os.kill(victims[0], signal.SIGKILL)
     return victims[0], procs
+
+
+def kill_engine(port: int) -> int:
+    """SIGKILL the engine server listening on ``port`` (a run's rollout.port_base + i: no other run's), wherever
+    it runs: below the driver, or below a joined Ray instance's raylet; its pid."""
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            words = cmdline(int(d.name)).split()
+            if "mrl.rollout.engine.server" in words and "--port" in words and str(port) in words[words.index("--port") + 1:][:1]:
+                os.kill(int(d.name), signal.SIGKILL)
+                return int(d.name)
+    raise AssertionError(f"no engine server on port {port}")
 
 
 def finish(p: subprocess.Popen, tmp: Path, timeout_s: float = 600.0) -> tuple[int, str]:

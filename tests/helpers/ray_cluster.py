@@ -5,8 +5,9 @@ A run that starts its own instance (``ray.init(address="local")``, what ``make t
 Ray's start and stop: ~5.5 CPU-s and ~4.5 s of 14.6 s on an idle host for a 2-step quickstart run (GCS,
 raylet, their agents and monitors; measured 2026-11-28, docs/testing.md), ~25 such runs in the suite. Runs that test the
 pipeline, not Ray's start, join this one instead, as a user's run joins a cluster started with
-``ray start``. The local start keeps its own tests: the quickstart and in-process end-to-end runs, the
-fault-injection runs (they check the run's own process tree), tests/cluster/.
+``ray start``. The local start keeps its own tests: the in-process end-to-end run (``make train``'s path),
+the fault-injection runs that kill a rank (they check the run's own process tree), the full-disk and plugin
+runs, tests/cluster/.
 
 One instance for the whole session, not one per worker: an idle instance still costs ~3 % of a core (raylet,
 log monitor, GCS, two prestarted workers; measured 2026-11-28), i.e. ~30 CPU-s over a 16-minute suite, besides
