@@ -37,17 +37,20 @@ FIRST = ("quickstarts/test_rm_assets.py",)
 LAST_OF_SLOW = ("agent/test_loop.py",)
 
 
-def _order(path: Path, slow: set[Path]) -> int:
+def _order(path: Path, slow: set[Path], multirank: set[Path]) -> int:
     name = path.relative_to(Path(__file__).parent).as_posix()
     if name in FIRST:
         return 0
     if path in slow:
         return 2 if name in LAST_OF_SLOW else 1
-    return 3
+    return 3 if path in multirank else 4
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Files with slow tests (end-to-end runs, asset recipes) first: under pytest-xdist a long file handed out
-    # last would leave the other worker idle at the end. Whole files move; the order inside a file is kept.
+    # Files with slow tests (end-to-end runs, asset recipes) first, then the other multi-rank files (5-60 s
+    # each), then the rest: under pytest-xdist a long file handed out last leaves the other worker idle at the
+    # end (tests/workers/test_moe_actor.py, 17 s, came last in collection order). Whole files move; the order
+    # inside a file is kept.
     slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: _order(item.path, slow))
+    multirank = {item.path for item in items if item.get_closest_marker("multirank")}
+    items.sort(key=lambda item: _order(item.path, slow, multirank))
