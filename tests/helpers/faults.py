@@ -88,8 +88,8 @@ def kill_engine(port: int) -> int:
     it runs: below the driver, or below a joined Ray instance's raylet; its pid."""
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
-            words = cmdline(int(d.name)).split()
-            if "mrl.rollout.engine.server" in words and "--port" in words and str(port) in words[words.index("--port") + 1:][:1]:
+            line = f" {cmdline(int(d.name))} "
+            if " mrl.rollout.engine.server " in line and f" --port {port} " in line:
                 os.kill(int(d.name), signal.SIGKILL)
                 return int(d.name)
     raise AssertionError(f"no engine server on port {port}")
