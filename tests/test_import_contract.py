@@ -11,7 +11,7 @@ MRL = Path(__file__).resolve().parents[1] / "mrl"
 HEAVY = ("ray", "megatron", "sglang", "fastapi", "uvicorn")
 FORBIDDEN = {
     "algorithms": HEAVY, "config": HEAVY, "rewards": HEAVY, "data": HEAVY, "plugins": HEAVY, "errors": HEAVY,
-    "net": HEAVY, "dtypes": HEAVY,
+    "net": HEAVY, "dtypes": HEAVY, "quiet_stop": HEAVY,
     "cluster": ("megatron", "mrl.megatron", "mrl.workers", "mrl.driver"),
     "rollout": ("mrl.workers", "mrl.megatron", "mrl.driver", "mrl.cluster"),
     # what runs in rank processes (workers/rank.py, rm_rank.py included) knows no driver

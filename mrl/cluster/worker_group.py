@@ -16,6 +16,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from mrl.quiet_stop import quiet_stop_in_finalizers
 from mrl.cluster.wire import register_tensor_wire
 from mrl.net import free_port
 
@@ -98,6 +99,7 @@ class _RankActor:
 
     def __init__(self, env: dict[str, str]) -> None:
         os.environ.update(env)
+        quiet_stop_in_finalizers()  # ray.kill at the end of a run: no traceback on the driver's console
         register_tensor_wire()  # results (log-probs, values, ...) go back as raw bytes too
         self.obj: Any = None
 

@@ -143,8 +143,9 @@ class InRankEngine:
 
 
 class RemoteEngine:
-    """Driver-side handle of one engine server whose process a Ray actor (``EngineProcess``) owns on
-    the slot's node. Every call waits with a timeout; ``stop`` ends the server, then the actor."""
+    """Driver-side handle of one engine server whose process a Ray actor (``EngineLauncher``, an
+    ``EngineProcess``) owns on the slot's node. Every call waits with a timeout; ``stop`` ends the server,
+    then the actor."""
 
     def __init__(self, slot: EngineSlot, cmd: list[str], env: dict[str, str], log_path: Path,
                  startup_timeout_s: float, scheduling_strategy: Any, cuda: bool) -> None:

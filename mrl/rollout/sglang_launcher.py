@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -295,9 +296,19 @@ class EngineProcess:
         self.start(wait=True)
 
 
+class EngineLauncher(EngineProcess):
+    """``EngineProcess`` as the Ray actor that owns the engine's process."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from mrl.quiet_stop import quiet_stop_in_finalizers
+
+        quiet_stop_in_finalizers()  # ray.kill at the end of a run: no traceback on the driver's console
+        super().__init__(*args, **kwargs)
+
+
 def make_engine_actor_class():
     """Ray actor wrapping ``EngineProcess`` (one per engine, placed on the engine's GPUs by the
     cluster layer). Imported lazily so rollout code does not need Ray at import time."""
     import ray
 
-    return ray.remote(num_cpus=0)(EngineProcess)
+    return ray.remote(num_cpus=0)(EngineLauncher)

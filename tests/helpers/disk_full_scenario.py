@@ -22,7 +22,10 @@ from tests.helpers.faults import SMALL_RUN
 def train(mount: Path, assets: Path, port: int, *overrides: str) -> dict:
     cmd = [sys.executable, "-m", "mrl", "train", "mrl_configs/quickstart.yaml", f"model.path={assets}/tiny-qwen2",
            f"data.train_files=[{assets}/data/train.jsonl]", f"rollout.port_base={port}",
-           f"trainer.default_local_dir={mount}/ckpt", *SMALL_RUN, "trainer.total_training_steps=3", *overrides]
+           f"trainer.default_local_dir={mount}/ckpt", *SMALL_RUN, "trainer.total_training_steps=3",
+           # the CPU default: engines in the ranks (the checkpoint writers are under test, not the engines'
+           # processes; two of them and their launchers cost ~25 CPU-s over the scenario's runs)
+           "rollout.weight_sync.transport=inprocess", *overrides]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONWARNINGS": "ignore"}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
     return {"rc": p.returncode, "stderr": p.stderr[-8000:]}
