@@ -16,9 +16,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mrl.quiet_stop import quiet_stop_in_finalizers
 from mrl.cluster.wire import register_tensor_wire
 from mrl.net import free_port
+from mrl.quiet_stop import quiet_stop_in_finalizers
 
 
 class WorkerGroupError(RuntimeError):
