@@ -1,4 +1,7 @@
-"""``mrl-ckpt`` end to end in subprocesses on a tiny Qwen2 (tied embeddings, qkv bias, vocab 300).
+"""``mrl-ckpt`` end to end on a tiny Qwen2 (tied embeddings, qkv bias, vocab 300): the first conversion as a
+user runs it (the console script, a process of its own), the others through the same ``main`` in this test
+process, whose ranks are then forks of this test worker's warm server (tests/helpers/dist.py) instead of a
+new interpreter and server per call (~4 CPU-s each).
 
 One chain shares its conversions across tests: HF → mcore at TP2×PP2 (4 gloo ranks) → HF at
 TP1×PP1 must be bit-exact per tensor; reshard (2,2) → (1,1) → (2,2) must give stored tensors
@@ -7,10 +10,13 @@ the file / tensor / flag to fix.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +28,20 @@ pytestmark = pytest.mark.multirank
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _cli(*args: str, own_process: bool = False, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``mrl-ckpt args``: its exit status and output. ``own_process``: the installed console script in a
+    subprocess; otherwise ``checkpoints_tools.cli.main`` here (argparse's exit included), output captured."""
+    if not own_process:
+        from checkpoints_tools.cli import main
+
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                rc = main(list(args))
+            except SystemExit as e:  # argparse's usage errors
+                rc = e.code if isinstance(e.code, int) else 1
+        return subprocess.CompletedProcess(["mrl-ckpt", *args], rc, out.getvalue(), err.getvalue())
     script = Path(sys.executable).parent / "mrl-ckpt"
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "checkpoints_tools.cli"]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -42,7 +61,7 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     hf = make_tiny_hf(root / "hf", "qwen2")
     m22 = root / "m22"
     out = _ok(_cli("hf-to-mcore", "--hf", str(hf), "--out", str(m22), "--tp", "2", "--pp", "2",
-                   "--device", "cpu", "--timeout", "240"))
+                   "--device", "cpu", "--timeout", "240", own_process=True))
     assert "parameters in (HF): 167,744" in out.stdout, out.stdout
     return {"root": root, "hf": hf, "m22": m22}
 
