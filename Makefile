@@ -11,14 +11,15 @@ IMAGE  ?= mrl:latest
 .PHONY: install train test plan lint docker clean-venv quickstart-assets bench-deps
 
 # The packages go in with uv, pip's drop-in (the same pins and resolution): it downloads in parallel and
-# compiles the bytecode on every core, 1m42s -> ~1m here (docs/running.md). torch stays with pip, which
-# reads this host's pip config (the CPU wheel on disk). INSTALL="$(PY) -m pip install" installs with pip alone.
+# compiles the bytecode on every core, 1m42s -> ~45 s here (docs/running.md). uv does not read pip's config, so
+# the wheel directories it names in PIP_FIND_LINKS (here: the CPU torch wheel on disk) are passed on.
+# INSTALL="$(PY) -m pip install" installs with pip alone.
 UV_VERSION ?= 0.13.9
 INSTALL ?= $(VENV)/bin/uv pip install --python $(PY) --compile-bytecode
 $(VENV)/.installed: setup.py requirements-sglang-cpu.txt requirements-oracles.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip "uv==$(UV_VERSION)"
-	@if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
+	$(PY) -m pip install -q "uv==$(UV_VERSION)"
+	@if [ -n "$(TORCH_SPEC)" ]; then $(INSTALL) -q $(foreach d,$(PIP_FIND_LINKS),--find-links $(d)) "$(TORCH_SPEC)"; fi
 	$(INSTALL) -q -e ".[dev]"
 	@# SGLang's own code for the conformance tests, off the venv's import path (see the file's header)
 	rm -rf $(VENV)/sglang-cpu
