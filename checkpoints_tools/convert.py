@@ -42,11 +42,12 @@ def _setup(device: str, tp: int, pp: int, vpp: int | None, timeout_s: int, ep: i
 
 def _build(cfg_dir: str, dtype: torch.dtype, lora_ckpt: str | None = None) -> tuple[Any, list]:
     from mrl.megatron.lora_io import LORA_META
-    from mrl.megatron.provider import build_model_chunks, load_hf_config
+    from mrl.megatron.provider import build_model_chunks, load_hf_config, resolve_attention_backend
 
     cfg = load_hf_config(cfg_dir)
     lora = lora_ckpt is not None and (Path(lora_ckpt) / LORA_META).is_file()
-    return cfg, build_model_chunks(cfg, dtype=dtype, use_te=False if lora else None)
+    # the layer spec the trainer picks on this host (TE's parameter names differ from the local spec's)
+    return cfg, build_model_chunks(cfg, dtype=dtype, attention_backend=resolve_attention_backend("auto", lora=lora))
 
 
 def _maybe_lora(ckpt_dir: str, cfg: Any, chunks: list) -> dict | None:
@@ -73,7 +74,7 @@ def mcore_to_peft_rank(
 
     _setup(device, tp, pp, None, timeout_s)
     cfg = load_hf_config(cfg_dir)
-    chunks = build_model_chunks(cfg, dtype=dtype_from_name(model_dtype), use_te=False)
+    chunks = build_model_chunks(cfg, dtype=dtype_from_name(model_dtype), attention_backend="sdpa")  # LoRA: local spec
     if _maybe_lora(ckpt_dir, cfg, chunks) is None:
         raise ValueError(f"{ckpt_dir} has no lora_config.json: it is not a LoRA checkpoint (use mcore-to-hf)")
     load_checkpoint(ckpt_dir, chunks)

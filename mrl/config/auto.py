@@ -27,6 +27,18 @@ choice with its reason. A value other than ``auto`` is taken as given (``check_c
     no MoE routing replay             the engine's expert ids are per sample and per token
 
     The shapes it was measured at, on and off: docs/performance.md, 'auto: transport and shared prefix'.
+
+``<role>.megatron.attention_backend: auto`` (every Megatron role)
+    te         CUDA, Transformer Engine importable, no LoRA (TE's fused attention and layers)
+    sdpa       otherwise: torch's scaled_dot_product_attention in Megatron's local spec (flash kernels,
+               no s x s scores; LoRA's adapters need the local spec's unfused norm + linear)
+
+``actor.use_remove_padding: auto`` -- padding-free packed micro-batches, on when all hold:
+
+    every Megatron role's attention resolves to sdpa  (the packed rows' sequence boundaries are
+                                                       applied by mrl's SDPA module; TE's THD path is not
+                                                       wired yet)
+    actor.shared_prefix resolves off                  (its rows already hold several masked segments)
 """
 from __future__ import annotations
 
@@ -101,6 +113,8 @@ def resolve_shared_prefix(cfg: MRLConfig, device: str) -> AutoChoice:
     key, want = "actor.shared_prefix", cfg.actor.shared_prefix
     if want != "auto":
         return AutoChoice(key, bool(want), "set in the config")
+    if cfg.actor.use_remove_padding is True:
+        return AutoChoice(key, False, "auto: off, actor.use_remove_padding=true packs the rows instead")
     n, P, R = cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_response_length
     row = P + n * (R - 1)
     shape = f"n={n}, P=data.max_prompt_length={P}, R=rollout.max_response_length={R}"
@@ -118,6 +132,86 @@ def resolve_shared_prefix(cfg: MRLConfig, device: str) -> AutoChoice:
                           f"({shape}): the masked attention would grow with their square")
     return AutoChoice(key, True, f"auto: on, prompts at least as long as answers ({shape}): each prompt computed "
                       f"once for its {n} samples, rows of <= {row} tokens")
+
+
+def choose_attention_backend(want: str, *, device: str, te_importable: bool, lora: bool,
+                             key: str = "actor.megatron.attention_backend") -> AutoChoice:
+    """``<role>.megatron.attention_backend`` on ``device`` (see the module docstring); ``te_importable``: TE's
+    PyTorch extension imports where the ranks run."""
+    if want != "auto":
+        return AutoChoice(key, want, "set in the config")
+    if device != "cuda":
+        return AutoChoice(key, "sdpa", f"auto: {device}, torch SDPA (flash kernel, no s x s scores)")
+    if not te_importable:
+        return AutoChoice(key, "sdpa", "auto: Transformer Engine is not importable, torch SDPA (flash / "
+                          "memory-efficient / cuDNN kernels)")
+    if lora:
+        return AutoChoice(key, "sdpa", "auto: LoRA adapters need Megatron's local layer spec, torch SDPA in it")
+    return AutoChoice(key, "te", "auto: Transformer Engine on CUDA, its fused attention")
+
+
+def te_importable_here() -> bool:
+    """Transformer Engine's PyTorch extension is installed in this environment (found, not imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def megatron_roles(cfg: MRLConfig) -> list[tuple[str, Any, bool]]:
+    """(role, its ParallelConfig, LoRA on) of every Megatron model the run builds."""
+    from mrl.config.reward_model import reward_model_parallel
+    from mrl.config.teacher import teacher_parallel
+
+    roles: list[tuple[str, Any, bool]] = [("actor", cfg.actor.megatron, cfg.actor.lora.enabled)]
+    if cfg.ref_enabled:
+        roles.append(("ref", cfg.ref.megatron, False))
+    if cfg.critic_enabled:
+        roles.append(("critic", cfg.critic.megatron, False))
+    if cfg.reward_model.enable:
+        roles.append(("reward_model", reward_model_parallel(cfg), False))
+    if cfg.teacher.enable:
+        roles.append(("teacher", teacher_parallel(cfg), False))
+    return roles
+
+
+def resolve_attention_backends(cfg: MRLConfig, device: str) -> list[AutoChoice]:
+    """Each Megatron role's attention backend (see the module docstring)."""
+    te = te_importable_here()
+    return [choose_attention_backend(par.attention_backend, device=device, te_importable=te, lora=lora,
+                                     key=f"{role}.megatron.attention_backend")
+            for role, par, lora in megatron_roles(cfg)]
+
+
+def backend_of(choices: list[AutoChoice] | tuple[AutoChoice, ...], role: str) -> str:
+    """The resolved attention backend of ``role`` (sdpa when the role has no choice: not built)."""
+    for c in choices:
+        if c.key == f"{role}.megatron.attention_backend":
+            return str(c.value)
+    return "sdpa"
+
+
+def resolve_remove_padding(cfg: MRLConfig, device: str, shared_prefix: AutoChoice,
+                           backends: list[AutoChoice]) -> AutoChoice:
+    """actor.use_remove_padding (see the module docstring); an explicit ``true`` that cannot run is
+    check_config's error, not silently turned off here."""
+    key, want = "actor.use_remove_padding", cfg.actor.use_remove_padding
+    if want != "auto":
+        return AutoChoice(key, bool(want), "set in the config")
+    other = [c for c in backends if c.value != "sdpa"]
+    if other:
+        return AutoChoice(key, False, f"auto: off, {other[0].key}={other[0].value} (packed rows need the sdpa "
+                          "attention backend)")
+    if shared_prefix.value:
+        return AutoChoice(key, False, "auto: off, actor.shared_prefix is on (its rows share each prompt instead)")
+    return AutoChoice(key, True, "auto: on, each micro-batch one row of whole sequences (no padding; attention "
+                      "and RoPE restart at every sequence)")
+
+
+def resolve_all(cfg: MRLConfig, device: str) -> tuple[AutoChoice, ...]:
+    """Every auto-resolvable setting of ``cfg`` on ``device``, in the order ``mrl plan`` prints them."""
+    transport, shared = resolve_transport(cfg, device), resolve_shared_prefix(cfg, device)
+    backends = resolve_attention_backends(cfg, device)
+    return (transport, shared, *backends, resolve_remove_padding(cfg, device, shared, backends))
 
 
 def planned_device(cfg: MRLConfig) -> str:

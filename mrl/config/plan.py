@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mrl.config.auto import planned_device, resolve_shared_prefix, resolve_transport
+from mrl.config.auto import planned_device, resolve_all, resolve_transport
 from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.judge import judge_plan_lines
 from mrl.config.layout import RoleLayout, compute_layout
@@ -289,7 +289,7 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
                 + ("(0 bytes)" if cfg.ref.placement == "colocated" else "(separate copy)"))
     lines.append(f"  chosen for cluster.device={device}" + (" (auto: as this host sees it)" if cfg.cluster.device == "auto"
                                                              else "") + ":")
-    lines.extend(f"    {c.line()}" for c in (resolve_transport(cfg, device), resolve_shared_prefix(cfg, device)))
+    lines.extend(f"    {c.line()}" for c in resolve_all(cfg, device))
     if plan.notes:
         lines.append("  notes:")
         lines.extend(f"    - {n}" for n in plan.notes)

@@ -14,7 +14,8 @@ prints the same arithmetic (:mod:`mrl.config.plan`) from the same functions.
     LR-schedule length       = (<role>.optim.total_training_steps or run length) * optimizer steps / step
     samples / mini-batch     = <role>.ppo_mini_batch_size * rollout.n
 
-Settings left at ``auto`` (rollout.weight_sync.transport, actor.shared_prefix) are resolved here for the
+Settings left at ``auto`` (rollout.weight_sync.transport, actor.shared_prefix, <role>.megatron.attention_backend,
+actor.use_remove_padding) are resolved here for the
 device (mrl/config/auto.py): components read the plan's value, never the config's ``auto``.
 
 The critic's ``ppo_mini_batch_size`` / ``ppo_epochs`` fall back to the actor's when unset (verl).
@@ -24,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mrl.config.auto import AutoChoice, resolve_shared_prefix, resolve_transport
+from mrl.config.auto import AutoChoice, backend_of, resolve_all, resolve_transport
 from mrl.config.layout import RoleLayout, compute_layout
 from mrl.config.root import MRLConfig
 
@@ -82,9 +83,15 @@ class RunPlan:
     push_with_update: bool = False  # the update call also loads the in-process engines (push_with_update())
     transport: str = "distributed"  # rollout.weight_sync.transport, auto resolved (mrl/config/auto.py)
     shared_prefix: bool = False  # actor.shared_prefix, auto resolved
+    remove_padding: bool = False  # actor.use_remove_padding, auto resolved: packed micro-batches in every role
+    attention: tuple[AutoChoice, ...] = ()  # <role>.megatron.attention_backend of each built role, auto resolved
     phases: StepPhases = StepPhases()  # the step's optional phases
     choices: tuple[AutoChoice, ...] = ()  # each auto-resolvable setting: the value used and why (mrl plan prints them)
     total_steps: int | None = None  # run length (run_length()); None only where the training rows are unknown
+
+    def attention_backend(self, role: str) -> str:
+        """``te`` | ``sdpa`` | ``local`` of ``role`` (actor, ref, critic, reward_model, teacher)."""
+        return backend_of(self.attention, role)
 
 
 def on_policy_blockers(cfg: MRLConfig) -> list[str]:
@@ -161,7 +168,9 @@ def plan_run(cfg: MRLConfig, device: str, batches_per_epoch: int | None = None) 
         raise ValueError(f"plan_run needs a resolved device ('cuda' or 'cpu'), got {device!r}")
     a, c, d = cfg.actor, cfg.critic, cfg.data
     layout = compute_layout(cfg)
-    transport, shared_prefix = resolve_transport(cfg, device), resolve_shared_prefix(cfg, device)
+    choices = resolve_all(cfg, device)
+    transport, shared_prefix, remove_padding = choices[0], choices[1], choices[-1]
+    attention = choices[2:-1]
     rm, teacher = layout.get("reward_model"), layout.get("teacher")
     steps = run_length(cfg, batches_per_epoch)
     critic = None
@@ -185,7 +194,9 @@ def plan_run(cfg: MRLConfig, device: str, batches_per_epoch: int | None = None) 
         push_with_update=push_with_update(cfg, device),
         transport=transport.value,
         shared_prefix=shared_prefix.value,
-        choices=(transport, shared_prefix),
+        remove_padding=remove_padding.value,
+        attention=attention,
+        choices=choices,
         phases=step_phases(cfg),
         total_steps=steps,
     )

@@ -23,6 +23,7 @@ from mrl.config.root import MRLConfig
 from mrl.config.run_plan import on_policy_blockers
 from mrl.config.validate_async import check_async
 from mrl.config.validate_extensions import check_extension_points
+from mrl.config.validate_attention import check_attention
 from mrl.config.validate_moe import check_moe
 from mrl.config.validate_parallel import (
     GROUP_KEYS,
@@ -225,19 +226,6 @@ def _check_losses(cfg: MRLConfig, errors: list[str]) -> None:
         errors.append(f"actor.tis_imp_ratio_cap and algorithm.rollout_correction.rollout_is are both set: the weights "
                       f"would be applied twice; fix: keep one (tis_imp_ratio_cap={a.tis_imp_ratio_cap} is "
                       f"rollout_is=token, rollout_is_threshold={a.tis_imp_ratio_cap})")
-
-
-def _check_shared_prefix(cfg: MRLConfig, errors: list[str]) -> None:
-    """The shared-prefix layout masks each sample's segment off the others: attention must apply the
-    mask. Megatron's local attention does; Transformer Engine's fused causal kernels (what the actor
-    builds on CUDA when TE is installed) take the causal mask only."""
-    if cfg.actor.shared_prefix is not True:  # auto turns it on on CPU only (mrl/config/auto.py)
-        return
-    cuda = _on_cuda(cfg)
-    if cuda and not cfg.actor.lora.enabled and importlib.util.find_spec("transformer_engine") is not None:
-        errors.append("actor.shared_prefix=true needs Megatron's local attention, but on CUDA with Transformer "
-                      "Engine installed the actor runs TE's causal attention, which ignores the per-sample mask; "
-                      "fix: actor.shared_prefix=false")
 
 
 def _check_algorithm(cfg: MRLConfig, errors: list[str], notes: list[str]) -> None:
@@ -585,7 +573,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     if cfg.critic_enabled:
         _check_critic_shares_the_actor(cfg, errors)
     _check_lora(cfg, shape, errors)
-    _check_shared_prefix(cfg, errors)
+    check_attention(cfg, _on_cuda(cfg), errors)
     _check_algorithm(cfg, errors, notes)
     _check_rollout(cfg, shape, errors)
     _check_inprocess_engines(cfg, errors)

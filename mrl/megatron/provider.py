@@ -11,8 +11,10 @@ and SwiGLU::
 
 The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by * TP`` (Megatron's rule;
 the padded rows are zero on load and dropped on export, see :mod:`mrl.megatron.mapping`).
-Layer spec: Transformer Engine when it is importable and CUDA is in use, Megatron's local spec
-otherwise (always on CPU); :mod:`mrl.megatron.mapping` knows both namings.
+Layer spec (``megatron.attention_backend``): Transformer Engine's (``te``), or Megatron's local spec with
+torch SDPA as its core attention (``sdpa``, :mod:`mrl.megatron.sdpa_attention`) or with its unfused
+``DotProductAttention`` (``local``); ``auto`` = ``te`` where TE is importable on CUDA, else ``sdpa``.
+:mod:`mrl.megatron.mapping` knows both namings (TE's and the local spec's).
 """
 from __future__ import annotations
 
@@ -180,12 +182,37 @@ def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float3
     return TransformerConfig(**kw)
 
 
-def layer_spec(hf_config: Any, *, use_te: bool | None = None):
-    """TE spec when TE is importable on CUDA (or ``use_te=True``), local spec otherwise."""
+def te_usable() -> bool:
+    """Transformer Engine's layers can run here: TE importable (megatron-core found it) and CUDA in use."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if use_te is None:
-        use_te = torch.cuda.is_available() and specs.HAVE_TE
+    return torch.cuda.is_available() and bool(specs.HAVE_TE)
+
+
+def resolve_attention_backend(want: str = "auto", *, lora: bool = False) -> str:
+    """``te`` | ``sdpa`` | ``local`` for ``megatron.attention_backend`` on this host (the rule and its reasons:
+    :func:`mrl.config.auto.choose_attention_backend`, which ``mrl plan`` prints)."""
+    from mrl.config.auto import choose_attention_backend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    choice = choose_attention_backend(want, device=device, te_importable=te_usable(), lora=lora)
+    if choice.value == "te" and not te_usable():
+        raise ValueError("megatron.attention_backend=te needs Transformer Engine on CUDA, which this process does "
+                         "not have; fix: attention_backend=sdpa (or auto), or run in the image with TE (docs/gpus.md)")
+    if choice.value == "te" and lora:
+        raise ValueError("megatron.attention_backend=te with LoRA: the adapters need Megatron's local layer spec "
+                         "(unfused norm + linear); fix: attention_backend=sdpa (or auto)")
+    return choice.value
+
+
+def layer_spec(hf_config: Any, *, backend: str = "sdpa"):
+    """The decoder layer spec: Transformer Engine's (``te``), or Megatron's local spec whose core attention is
+    :class:`~mrl.megatron.sdpa_attention.SDPAAttention` (``sdpa``) or its unfused ``DotProductAttention``
+    (``local``). ``sdpa`` and ``local`` have the same parameters (core attention has none)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if backend not in ("te", "sdpa", "local"):
+        raise ValueError(f"attention backend {backend!r}: expected te, sdpa or local (resolve auto first)")
     family = model_family(hf_config)
     qk = family in _QK_NORM_FAMILIES
     experts = None
@@ -194,13 +221,18 @@ def layer_spec(hf_config: Any, *, use_te: bool | None = None):
 
         ensure_megatron_moe_importable()
         experts = num_experts(hf_config)
-    if use_te:
+    if backend == "te":
         # Experts as a SequentialMLP of TE linears (names as on the local spec; grouped GEMM would
         # store them as linear_fc1.weight<j>, which mapping.py does not know yet).
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk)
-    return specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk,
+    spec = specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk,
                                           normalization="RMSNorm")
+    if backend == "sdpa":
+        from mrl.megatron.sdpa_attention import SDPAAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAAttention
+    return spec
 
 
 def build_model_chunks(
@@ -212,7 +244,7 @@ def build_model_chunks(
     make_vocab_size_divisible_by: int = 128,
     share_embeddings_and_output_weights: bool | None = None,
     config_overrides: dict[str, Any] | None = None,
-    use_te: bool | None = None,
+    attention_backend: str = "sdpa",
 ) -> list:
     """One ``GPTModel`` per virtual pipeline stage of this rank (a list of length VPP or 1).
 
@@ -233,7 +265,7 @@ def build_model_chunks(
         else share_embeddings_and_output_weights
     )
     vocab = padded_vocab_size(hf_config.vocab_size, tcfg.tensor_model_parallel_size, make_vocab_size_divisible_by)
-    spec = layer_spec(hf_config, use_te=use_te)  # LoRA passes False: its adapters need the unfused norm
+    spec = layer_spec(hf_config, backend=attention_backend)  # te | sdpa | local (resolve_attention_backend)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     chunks = []
     for vp_stage in range(vpp):

@@ -2,7 +2,8 @@
 
 ``GPTModel`` rotates column ``t`` of a row by position ``t`` and ignores ``position_ids``, which is
 right for compact left-aligned rows. The shared-prefix layout (:func:`mrl.workers.minibatch.build_shared_prefix_inputs`)
-puts several samples' continuations in one row, each at the positions it has in its own sequence,
+puts several samples' continuations in one row, each at the positions it has in its own sequence, and a
+packed row (:func:`mrl.workers.minibatch.build_packed_inputs`) several whole sequences, each from position 0,
 so the rotation must follow ``position_ids``. :func:`enable_rope_positions` wraps the model's
 ``rotary_pos_emb`` once; :func:`set_rope_positions` sets the positions of the next forward (``None``:
 Megatron's own behaviour). Megatron's unfused RoPE broadcasts a per-sample ``[L, b, 1, d]`` table
@@ -27,9 +28,11 @@ def enable_rope_positions(model: torch.nn.Module) -> None:
         pos = getattr(rope, _ATTR)
         if pos is None:
             return inner(max_seq_len, offset, packed_seq, cp_group)
-        if offset or packed_seq or int(pos.shape[1]) != max_seq_len:
-            raise ValueError(f"RoPE at positions: {tuple(pos.shape)} position ids for a sequence of {max_seq_len} "
-                             f"(offset {offset}, packed {packed_seq}) — only unpacked BSHD rows are supported")
+        # max_seq_len is the row's length, or with mrl's packed rows (PackedSeqParams, qkv_format "sbhd") the
+        # longest sequence of the row: the table below covers whatever positions are asked for.
+        if offset or packed_seq:
+            raise ValueError(f"RoPE at positions: {tuple(pos.shape)} position ids (offset {offset}, THD packing "
+                             f"{packed_seq}) — only BSHD rows are supported")
         table = inner(int(pos.max()) + 1)  # [S, 1, 1, d]: angle of position s
         return table[:, 0][pos.t()]  # [L, b, 1, d]
 

@@ -71,6 +71,9 @@ class ActorWorker(TrainableState):
         shared_prefix: ``actor.shared_prefix`` as the run plan resolved it (``auto`` decided there); None:
             ``cfg.shared_prefix`` when it is a boolean, off for ``auto`` (a worker built without a plan).
         init_parallel: initialise torch.distributed/Megatron groups for ``cfg.megatron``.
+        remove_padding: ``actor.use_remove_padding`` as the run plan resolved it; None: ``cfg``'s when a boolean,
+            off for ``auto`` (a worker built without a plan).
+        attention_backend: ``actor.megatron.attention_backend`` as the run plan resolved it (None: resolved here).
         distill: ``algorithm.distill``; with mode=kl_loss the loss gets its teacher-KL term.
     """
 
@@ -89,6 +92,8 @@ class ActorWorker(TrainableState):
         init_parallel: bool = True,
         shared_prefix: bool | None = None,
         distill: DistillConfig | None = None,
+        remove_padding: bool | None = None,
+        attention_backend: str | None = None,
     ) -> None:
         check_norm_constant(cfg.loss_agg_mode, max_response_length, "actor")
         self.cfg = cfg
@@ -100,6 +105,8 @@ class ActorWorker(TrainableState):
             model_path, cfg.megatron, device=device, dtype=dtype, seed=seed, train=True,
             use_distributed_optimizer=cfg.use_distributed_optimizer,
             init_parallel=init_parallel, lora=cfg.lora, moe=cfg.moe,
+            remove_padding=cfg.use_remove_padding is True if remove_padding is None else remove_padding,
+            attention_backend=attention_backend,
         )
         e = self.model
         if mini_batch_size_samples % e.dp_size != 0:
@@ -168,7 +175,9 @@ class ActorWorker(TrainableState):
 
         Returns verl's metric names, averaged over the optimizer steps of this call:
         ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
-        ``actor/entropy``, ``actor/kl_loss``, ``actor/kl_coef``, ``actor/grad_norm``, ``actor/lr``.
+        ``actor/entropy``, ``actor/kl_loss``, ``actor/kl_coef``, ``actor/grad_norm``, ``actor/lr``; and
+        ``perf/pad_fraction``: padded positions / positions the update's forwards computed (0 when packed rows
+        need no alignment padding).
         """
         e = self.model
         local = e.dp_shard(batch)
@@ -178,6 +187,7 @@ class ActorWorker(TrainableState):
                          use_teacher_kl=bool(self.loss_spec.distill_coef))
         acc: dict[str, float] = {}
         steps = 0
+        e.positions.zero_()  # perf/pad_fraction counts the update's forwards only
         for mb in make_minibatch_iterator(
             local, mini_batch_size=self.mini_batch_size_samples // e.dp_size, epochs=self.cfg.ppo_epochs,
             shuffle=self.cfg.shuffle, seed=self.seed + self.global_step, select_keys=keys,
@@ -206,6 +216,7 @@ class ActorWorker(TrainableState):
         keys = loss_keys(use_kl_loss=self.cfg.use_kl_loss, use_rollout_log_probs=self.cfg.tis_imp_ratio_cap is not None,
                          use_teacher_kl=bool(self.loss_spec.distill_coef))
         spec = dataclasses.replace(self.loss_spec, on_policy=True)
+        e.positions.zero_()  # perf/pad_fraction counts the update's forwards only
         metrics, out, parts = self._forward_backward(local.select([k for k in keys if k != "old_log_probs"]), spec)
         acc: dict[str, float] = {}
         self.optimizer_step(metrics, acc)
@@ -223,6 +234,7 @@ class ActorWorker(TrainableState):
             out["distill/kl_loss"] = distill_loss
         out["actor/kl_coef"] = self.cfg.kl_loss_coef if self.cfg.use_kl_loss else 0.0
         out["actor/lr"] = current_lr(self.optimizer)
+        out["perf/pad_fraction"] = self.model.pad_fraction()  # padded / computed positions of this update (all DP)
         if self.model.router_probes:
             out.update(self._moe_metrics())
         return out

@@ -42,13 +42,14 @@ class CriticWorker(TrainableState):
         mini_batch_size_samples: samples per optimizer step, global over DP.
         max_response_length: ``rollout.max_response_length``, Dr.GRPO's fixed ``C`` of
             ``critic.loss_agg_mode=seq-mean-token-sum-norm`` (required there, unused otherwise).
+        remove_padding: ``actor.use_remove_padding`` as the run plan resolved it (packed micro-batches).
     """
 
     def __init__(
         self, cfg: CriticConfig, *, model_path: str | os.PathLike, device: str = "cpu",
         mini_batch_size_samples: int, epochs: int = 1, total_optimizer_steps: int | None = None,
         seed: int, dtype: torch.dtype | None = None, init_parallel: bool = True,
-        max_response_length: int | None = None, moe: Any = None,
+        max_response_length: int | None = None, moe: Any = None, remove_padding: bool = False,
     ) -> None:
         check_norm_constant(cfg.loss_agg_mode, max_response_length, "critic")
         self.norm_constant = max_response_length
@@ -58,7 +59,8 @@ class CriticWorker(TrainableState):
         self.seed = seed
         self.model = MegatronModel(cfg.model_path or model_path, cfg.megatron, device=device, dtype=dtype,
                                      seed=seed, train=True, value_head=True, init_parallel=init_parallel,
-                                     use_distributed_optimizer=cfg.use_distributed_optimizer, moe=moe)
+                                     use_distributed_optimizer=cfg.use_distributed_optimizer, moe=moe,
+                                     remove_padding=remove_padding)
         if mini_batch_size_samples % self.model.dp_size:
             raise ValueError(
                 f"critic mini-batch of {mini_batch_size_samples} samples is not divisible by its DP "

@@ -15,7 +15,7 @@ from mrl.workers.minibatch import restore_order, split_by_length
 def response_embedding(model, batch: TrainBatch, *, micro_batch_size: int) -> torch.Tensor:
     local = model.dp_shard(batch)
     parts = split_by_length(local.seq_lengths().tolist(), micro_batch_size)  # similar lengths together
-    mbs = model.make_micro_batches(local, parts)
+    mbs = model.make_micro_batches(local, parts, packed=False)  # loss_func reads compact columns
     H = model.hf_config.hidden_size
     captured: dict[int, torch.Tensor] = {}
 

@@ -6,7 +6,8 @@ and runs ``get_forward_backward_func()`` over a list of micro-batches; what happ
 output on the last pipeline stage is the caller's ``loss_func``.
 
 Attention layout: compact BSHD with a causal mask (:func:`mrl.workers.minibatch.build_model_inputs`),
-which every attention backend runs (CPU local spec included). With PP > 1 all micro-batches of one
+which every attention backend runs; packed rows of whole sequences with ``remove_padding`` (sdpa backend,
+:func:`mrl.workers.minibatch.build_packed_inputs`); one row per prompt with ``shared_prefix``. With PP > 1 all micro-batches of one
 schedule call are padded to the same length (stages exchange one activation shape); with PP = 1 each
 keeps its own (the fixed split groups samples of similar length). Their sample counts may differ
 (dynamic micro-batching), so ``variable_seq_lengths`` is on whenever pipeline stages exchange activations. Megatron's RoPE
@@ -30,6 +31,7 @@ from mrl.workers.batch import TrainBatch
 from mrl.workers.minibatch import (
     ModelInputs,
     build_model_inputs,
+    build_packed_inputs,
     build_shared_prefix_inputs,
 )
 
@@ -80,6 +82,10 @@ class MegatronModel:
             (:mod:`mrl.megatron.lora`) before DDP, on Megatron's local layer spec.
         moe: ``actor.moe`` (token dispatcher, aux-loss weight, routing replay) for MoE models; the
             reference and critic pass the actor's so that their routing matches (ignored by dense models).
+        remove_padding: ``actor.use_remove_padding`` as the run plan resolved it: micro-batches are packed rows
+            of whole sequences (:func:`~mrl.workers.minibatch.build_packed_inputs`); needs the sdpa backend.
+        attention_backend: ``te`` | ``sdpa`` | ``local`` as the run plan resolved it; None: ``parallel``'s
+            ``attention_backend`` resolved on this host (:func:`mrl.megatron.provider.resolve_attention_backend`).
     """
 
     def __init__(
@@ -99,11 +105,13 @@ class MegatronModel:
         lora: Any = None,
         score_head: bool = False,
         moe: Any = None,
+        remove_padding: bool = False,
+        attention_backend: str | None = None,
     ) -> None:
         from megatron.core import parallel_state as ps
 
         from mrl.megatron import parallel as mpar
-        from mrl.megatron.provider import build_model_chunks, load_hf_config
+        from mrl.megatron.provider import build_model_chunks, load_hf_config, resolve_attention_backend
 
         if parallel.context_parallel_size != 1:
             raise NotImplementedError(
@@ -140,10 +148,16 @@ class MegatronModel:
             if moe.aux_loss_coef is not None:
                 overrides["moe_aux_loss_coeff"] = moe.aux_loss_coef
         self.lora = lora if lora is not None and lora.enabled else None
+        self.attention_backend = resolve_attention_backend(attention_backend or parallel.attention_backend,
+                                                           lora=self.lora is not None)
+        if remove_padding and self.attention_backend != "sdpa":
+            raise ValueError(f"packed micro-batches (actor.use_remove_padding) need the sdpa attention backend, this "
+                             f"model runs {self.attention_backend}; fix: megatron.attention_backend=sdpa")
+        self.remove_padding = remove_padding
         chunks = build_model_chunks(
             self.hf_config, dtype=dtype, wrap_ddp=False, config_overrides=overrides,
             share_embeddings_and_output_weights=False if value_head else None,
-            use_te=False if self.lora else None,
+            attention_backend=self.attention_backend,
         )
         if self.device.type == "cuda":
             # As Megatron-LM's get_model: modules Megatron does not place itself (torch norms without
@@ -193,7 +207,7 @@ class MegatronModel:
         self.config = unwrap(chunks[0]).config
         from mrl.megatron.rope_positions import enable_rope_positions
 
-        for c in chunks:  # the shared-prefix layout rotates by position_ids (off until a batch sets them)
+        for c in chunks:  # shared-prefix and packed rows rotate by position_ids (off until a batch sets them)
             enable_rope_positions(unwrap(c))
         # Set after construction: the config validator refuses it with the (unused, dense) MoE
         # allgather dispatcher, but the p2p shape exchange it enables is all we need.
@@ -214,6 +228,7 @@ class MegatronModel:
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.pad_to_multiple = ps.get_tensor_model_parallel_world_size() if parallel.sequence_parallel else 1
         self.router_probes: list = []
+        self.positions = torch.zeros(2, dtype=torch.long)  # [computed, padding] positions since reset_pad_count()
         if self.is_moe:  # routing statistics always; the engine's expert choice replayed when routing_replay is on
             from mrl.workers.routing_replay import install_probes
 
@@ -282,18 +297,23 @@ class MegatronModel:
                     handles.append(m.decoder.final_layernorm.register_forward_hook(
                         lambda _mod, _inp, out: hidden_hook(current[-1], out)))
 
+        for mb in micro_batches:
+            self.positions += torch.tensor([mb.inputs.tokens.numel(), mb.inputs.padding()])
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             current.append(mb)
             inp = mb.inputs
             pos = inp.position_ids.to(self.device)
             shared = inp.attention_mask is not None  # shared-prefix rows: RoPE at position_ids, block mask
-            set_rope_positions(unwrap(model), pos if shared else None)
+            packed = inp.cu_seqlens is not None  # packed rows: RoPE at position_ids, attention within sequences
+            set_rope_positions(unwrap(model), pos if shared or packed else None)
             if self.router_probes:
                 self._route(inp)
             out = model(
                 input_ids=inp.tokens.to(self.device), position_ids=pos,
                 attention_mask=inp.attention_mask.to(self.device) if shared else None,
+                packed_seq_params=_packed_seq_params(inp, self.device) if packed else None,
             )
             return out, partial(loss_func, mb)
 
@@ -328,6 +348,14 @@ class MegatronModel:
         sp = self.parallel.sequence_parallel
         set_targets(self.router_probes, routed, sp_rank=ps.get_tensor_model_parallel_rank() if sp else 0,
                     sp_size=ps.get_tensor_model_parallel_world_size() if sp else 1)
+
+    def pad_fraction(self, *, reset: bool = True) -> float:
+        """``perf/pad_fraction``: padded positions / positions computed by this DP group's forwards since the last
+        reset (summed over DP ranks; 0.0 when nothing ran)."""
+        t = self.all_reduce_dp(self.positions.to(self.device).clone()).cpu()
+        if reset:
+            self.positions.zero_()
+        return float(t[1]) / float(t[0]) if int(t[0]) else 0.0
 
     def set_train(self, mode: bool) -> None:
         for c in self.chunks:
@@ -365,14 +393,20 @@ class MegatronModel:
         per = B // self.dp_size
         return batch.slice(self.dp_rank * per, (self.dp_rank + 1) * per)
 
-    def make_micro_batches(self, data: TrainBatch, parts: list[list[int]], *, shared_prefix: bool = False
-                           ) -> list[MicroBatch]:
-        """The micro-batches of ``parts``: compact rows, or with ``shared_prefix`` one row per prompt
-        (:func:`~mrl.workers.minibatch.build_shared_prefix_inputs`; outputs per position, read through
-        ``gather_response``)."""
+    def make_micro_batches(self, data: TrainBatch, parts: list[list[int]], *, shared_prefix: bool = False,
+                           packed: bool | None = None) -> list[MicroBatch]:
+        """The micro-batches of ``parts``: with ``shared_prefix`` one row per prompt
+        (:func:`~mrl.workers.minibatch.build_shared_prefix_inputs`), else with ``packed`` (None: this model's
+        ``remove_padding``) one packed row per part (:func:`~mrl.workers.minibatch.build_packed_inputs`), else
+        compact right-padded rows. Outputs are per position, read through ``gather_response``; callers that
+        read compact columns themselves (reward-model scores, response embeddings) pass ``packed=False``."""
         if shared_prefix:
             self.check_shared_prefix()
-        build = build_shared_prefix_inputs if shared_prefix else build_model_inputs
+            build = build_shared_prefix_inputs
+        elif self.remove_padding if packed is None else packed:
+            build = build_packed_inputs
+        else:
+            build = build_model_inputs
         out = []
         for p in parts:
             sub = data.index(p)
@@ -380,13 +414,15 @@ class MegatronModel:
         return out
 
     def check_shared_prefix(self) -> None:
-        """The shared-prefix layout needs attention that applies an arbitrary mask: Megatron's local
-        ``DotProductAttention`` (unfused softmax); Transformer Engine's causal kernels ignore the mask."""
+        """The shared-prefix layout needs attention that applies an arbitrary mask: mrl's SDPA module or Megatron's
+        local ``DotProductAttention`` (unfused softmax); Transformer Engine's causal kernels ignore the mask."""
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+        from mrl.megatron.sdpa_attention import SDPAAttention
+
         core = unwrap(self.chunks[0]).decoder.layers[0].self_attention.core_attention
-        if not isinstance(core, DotProductAttention) or self.config.masked_softmax_fusion:
-            raise ValueError(f"actor.shared_prefix needs Megatron's local attention, this model runs "
+        if not isinstance(core, (DotProductAttention, SDPAAttention)) or self.config.masked_softmax_fusion:
+            raise ValueError(f"actor.shared_prefix needs the sdpa or local attention backend, this model runs "
                              f"{type(core).__name__}; fix: actor.shared_prefix=false")
 
 
@@ -401,9 +437,22 @@ class _ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden_states, self.weight), None
 
 
+def _packed_seq_params(inp: ModelInputs, device: torch.device):
+    """Megatron's ``PackedSeqParams`` of a packed row, as :class:`~mrl.megatron.sdpa_attention.SDPAAttention` reads
+    it: ``qkv_format="sbhd"`` keeps Megatron on the ``[s, b]`` layout (its THD path is Transformer Engine's)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = inp.cu_seqlens.to(device, torch.int32)  # type: ignore[union-attr]
+    longest = int((inp.cu_seqlens[1:] - inp.cu_seqlens[:-1]).max())  # type: ignore[index]
+    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
 def _pad_inputs(inp: ModelInputs, length: int) -> None:
     extra = length - int(inp.tokens.shape[1])
     if extra > 0:
+        if inp.cu_seqlens is not None:  # new columns: one more (padding) sequence of the packed row
+            inp.cu_seqlens = torch.cat([inp.cu_seqlens, inp.cu_seqlens[-1:] + extra])
         pad = lambda t: torch.nn.functional.pad(t, (0, extra))
         inp.tokens, inp.position_ids, inp.labels = pad(inp.tokens), pad(inp.position_ids), pad(inp.labels)
         if inp.routed_experts is not None:  # new columns: no engine ids

@@ -15,9 +15,10 @@ trainer's rollout correction computed them.
 
 Model inputs are the *compact* BSHD layout: each sample's valid tokens (prompt then response,
 padding removed) start at column 0 and are right-padded, so the causal mask alone is correct and
-no padding token is attended. THD packing (``PackedSeqParams``) would remove the right padding
-too, but needs Transformer Engine's fused attention; this module builds the BSHD layout that runs
-everywhere (CPU local spec included).
+no padding token is attended; it runs on every attention backend. With ``actor.use_remove_padding`` a
+micro-batch is instead one *packed* row of whole sequences (:func:`build_packed_inputs`: no right padding,
+sequence boundaries applied by mrl's SDPA attention), and with ``actor.shared_prefix`` one row per prompt
+(:func:`build_shared_prefix_inputs`).
 """
 from __future__ import annotations
 
@@ -165,8 +166,15 @@ class ModelInputs:
     first_col: Tensor | None = None  # [b] int64
     first_label: Tensor | None = None  # [b] int64
     resp_first: Tensor | None = None  # [b, R] bool
-    # Routing replay (compact layout): [b, L, layers, K] engine expert ids of each column (-1: none).
+    # Routing replay: [rows, L, layers, K] engine expert ids of each column (-1: none).
     routed_experts: Tensor | None = None
+    # Packed layout only (:func:`build_packed_inputs`): [k + 1] int64 sequence boundaries of the one row (the last
+    # sequence may be padding); attention and RoPE restart at each.
+    cu_seqlens: Tensor | None = None
+
+    def padding(self) -> int:
+        """Positions of ``tokens`` that hold no token of any sample (right padding, alignment padding)."""
+        return int(self.tokens.numel() - self.num_tokens.sum())
 
     def first_token_logits(self, logits: Tensor) -> Tensor:
         """[rows, L, V] → [b, V]: the logits that predict each sample's first response token."""
@@ -227,6 +235,44 @@ def build_model_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1) -> ModelInpu
         idx = order[:, :, None, None].expand(b, L, *re.shape[2:]).to(re.device)
         routed = torch.where(keep[:, :, None, None], re.gather(1, idx), -1)  # -1: no engine id (padding)
     return ModelInputs(tokens, pos, labels, resp_index, resp_valid, n_tok, routed_experts=routed)
+
+
+def build_packed_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1) -> ModelInputs:
+    """One row of whole sequences, no padding between them (verl's ``use_remove_padding``)::
+
+        [s^1_0 … s^1_{n1-1} | s^2_0 … s^2_{n2-1} | … | pad to a multiple of pad_to_multiple]
+
+    Sample i's valid tokens (prompt then response, as in :func:`build_model_inputs`) start at column
+    ``o_i = n_1 + … + n_{i-1}`` at positions ``0 … n_i − 1``; ``cu_seqlens = [0, o_2, …, Σ n, (L)]`` bounds the
+    sequences for the attention (none attends across a boundary). Column ``o_i + t`` then sees exactly what
+    compact column ``t`` of sample i sees, so log-probs, values and gradients equal the compact layout's up to
+    the float order of the kernels. Labels are the next token within the sample (a sample's last column
+    predicts nothing: label 0, never read); ``resp_row`` is 0 for every sample and ``resp_index`` the packed
+    column. Positions computed: Σ n_i (+ alignment) instead of b · max n_i.
+    """
+    c = build_model_inputs(mb)  # compact rows: [b, Lc], valid tokens from column 0
+    b, Lc = c.tokens.shape
+    n = c.num_tokens
+    keep = torch.arange(Lc)[None, :] < n[:, None]
+    offset = torch.cumsum(n, 0) - n  # [b] first column of each sample
+    T = int(n.sum())
+    L = ((T + pad_to_multiple - 1) // pad_to_multiple) * pad_to_multiple
+    tokens = torch.zeros(1, L, dtype=torch.long)
+    pos = torch.zeros(1, L, dtype=torch.long)
+    labels = torch.zeros(1, L, dtype=torch.long)
+    tokens[0, :T] = c.tokens[keep]
+    pos[0, :T] = torch.arange(Lc).expand(b, Lc)[keep]
+    # the compact label of column t is token t + 1 of the same row: the sample's last column gets 0 there
+    labels[0, :T] = torch.where(torch.arange(Lc)[None, :] < (n - 1)[:, None], c.labels, 0)[keep]
+    resp_index = torch.where(c.resp_valid, c.resp_index + offset[:, None], 0)
+    bounds = [0, *torch.cumsum(n, 0).tolist()] + ([L] if L > T else [])
+    routed = None
+    if c.routed_experts is not None:
+        re = c.routed_experts
+        routed = torch.full((1, L, *re.shape[2:]), -1, dtype=re.dtype)
+        routed[0, :T] = re[keep]
+    return ModelInputs(tokens, pos, labels, resp_index, c.resp_valid, n, routed_experts=routed,
+                       resp_row=torch.zeros(b, dtype=torch.long), cu_seqlens=torch.tensor(bounds, dtype=torch.long))
 
 
 def prompt_group_ids(mb: TrainBatch) -> Tensor:

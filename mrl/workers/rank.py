@@ -50,7 +50,8 @@ class TrainRank:
             temperature=cfg.rollout.temperature, max_response_length=cfg.rollout.max_response_length,
             total_optimizer_steps=plan.actor.total_optimizer_steps,
             seed=cfg.trainer.seed, dtype=torch_dtype(plan.dtype), shared_prefix=plan.shared_prefix,
-            distill=cfg.algorithm.distill,
+            distill=cfg.algorithm.distill, remove_padding=plan.remove_padding,
+            attention_backend=plan.attention_backend("actor"),
         )
         # Snapshot of the start weights, before any update (verl's ref = initial policy).
         self.ref = ColocatedReference(self.actor) if cfg.ref_enabled else None
@@ -76,7 +77,7 @@ class TrainRank:
                                          temperature=cfg.rollout.temperature, device=self.actor.model.device.type,
                                          seed=cfg.trainer.seed, dtype=torch_dtype(plan.dtype), init_parallel=False,
                                          logits_chunk_size=cfg.actor.logits_chunk_size,
-                                         shared_prefix=plan.shared_prefix)
+                                         shared_prefix=plan.shared_prefix, remove_padding=plan.remove_padding)
             if t.offload:  # on the device only during phase teacher_log_prob
                 self.teacher.offload()
         self.syncer = None
@@ -267,6 +268,7 @@ def _build_critic(cfg: MRLConfig, plan: RunPlan, device: str) -> CriticWorker:
         seed=cfg.trainer.seed, init_parallel=False, max_response_length=cfg.rollout.max_response_length,
         # the actor's dispatcher and aux loss; never the policy's routing replayed in the value model's router
         dtype=torch_dtype(plan.dtype), moe=cfg.actor.moe.model_copy(update={"routing_replay": "none"}),
+        remove_padding=plan.remove_padding,
     )
     if c.offload_param or c.offload_grad or c.offload_optimizer:
         critic.offload()

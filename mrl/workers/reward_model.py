@@ -112,7 +112,7 @@ class RewardModelWorker:
             batch = batch.index(list(range(B)) + [B - 1] * extra)
         local = e.dp_shard(batch)
         parts = split_by_length(local.seq_lengths().tolist(), self.micro_batch_size)  # similar lengths together
-        mbs = e.make_micro_batches(local, parts)
+        mbs = e.make_micro_batches(local, parts, packed=False)  # fn reads compact columns
 
         def fn(mb, out):  # out [b, L, 1] on the last stage
             last = (mb.inputs.num_tokens - 1).to(out.device).long()

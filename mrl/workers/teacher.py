@@ -21,9 +21,11 @@ from mrl.workers.megatron_model import MegatronModel
 class TeacherWorker:
     def __init__(self, model_path: str | os.PathLike, parallel: ParallelConfig, *, micro_batch_size: int,
                  temperature: float, device: str = "cpu", dtype: torch.dtype | None = None, seed: int,
-                 init_parallel: bool = True, logits_chunk_size: int | None = None, shared_prefix: bool = False) -> None:
+                 init_parallel: bool = True, logits_chunk_size: int | None = None, shared_prefix: bool = False,
+                 remove_padding: bool = False) -> None:
         """``shared_prefix``: the run plan's ``actor.shared_prefix`` (each prompt computed once for its n samples,
-        as the actor's forwards do); batches padded for DP divisibility use the compact layout."""
+        as the actor's forwards do); batches padded for DP divisibility use the compact layout. ``remove_padding``:
+        the run plan's ``actor.use_remove_padding`` (packed rows, as the actor's forwards)."""
         if micro_batch_size < 1:
             raise ValueError(f"teacher micro_batch_size must be >= 1, got {micro_batch_size}")
         self.micro_batch_size = micro_batch_size
@@ -32,7 +34,7 @@ class TeacherWorker:
         self.shared_prefix = shared_prefix
         self.model = MegatronModel(model_path, parallel, device=device,
                                    dtype=dtype or (torch.float32 if device == "cpu" else torch.bfloat16),
-                                   seed=seed, train=False, init_parallel=init_parallel)
+                                   seed=seed, train=False, init_parallel=init_parallel, remove_padding=remove_padding)
         self._offloaded = None
 
     def offload(self, *, force: bool = False) -> None:

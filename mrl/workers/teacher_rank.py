@@ -38,7 +38,7 @@ class TeacherRank:
         self.teacher = TeacherWorker(t.path, plan.layout["teacher"].parallel, micro_batch_size=t.micro_batch_size_per_gpu,
                                      temperature=cfg.rollout.temperature, device=plan.device, seed=cfg.trainer.seed,
                                      dtype=torch_dtype(plan.dtype), logits_chunk_size=cfg.actor.logits_chunk_size,
-                                     shared_prefix=plan.shared_prefix)
+                                     shared_prefix=plan.shared_prefix, remove_padding=plan.remove_padding)
 
     def compute_teacher_log_prob(self, batch: TrainBatch) -> torch.Tensor:
         """[B, R] teacher log-probs of the full batch (the worker splits it over this group's DP ranks)."""

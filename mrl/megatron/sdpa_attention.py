@@ -1,0 +1,140 @@
+"""Megatron core attention over ``torch.nn.functional.scaled_dot_product_attention`` (``attention_backend: sdpa``).
+
+Megatron-Core's local ``DotProductAttention`` (the only core attention without Transformer Engine)
+materialises every head's ``[s, s]`` score matrix (baddbmm, masked_fill, softmax, bmm): memory and time
+quadratic in the sequence, and the largest kernels after the GEMMs on a GPU. This module computes the same
+function through SDPA, which picks a fused kernel (CUDA: flash / memory-efficient / cuDNN; CPU: the flash
+kernel), so no score matrix is kept::
+
+    O_h = softmax(scale · Q_h K_{g(h)}^T + M) V_{g(h)},   g(h) = h // (heads / groups)   (GQA)
+
+with ``scale`` the model's softmax scale (default ``1/sqrt(d_k)``), ``M`` the causal mask, or a sliding
+window (Megatron's ``window_size = (left, right)``: key ``k`` is seen by query ``q`` iff
+``q - left <= k <= q + right``), or the boolean ``attention_mask`` the caller passes (Megatron's convention,
+True = masked; the shared-prefix layout's block mask). Query/key head dim ``d_k`` and value head dim
+``d_v`` may differ (``k_channels``/``v_channels``: multi-latent attention).
+
+Packed rows (``use_remove_padding``, :func:`mrl.workers.minibatch.build_packed_inputs`): the caller passes
+``PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=...)`` for a ``[T, 1, heads, d]`` row of whole sequences;
+attention never crosses ``cu_seqlens`` boundaries. On CUDA that is one ``varlen_attn`` call (flash attention
+over variable lengths) when torch has it; elsewhere one causal SDPA call per sequence (each uses the flash
+kernel: memory linear in the row). Megatron itself reads ``qkv_format="sbhd"`` as "not THD", so it keeps the
+``[s, b]`` layout and leaves RoPE to :mod:`mrl.megatron.rope_positions` (positions restart per sequence).
+
+Interface: megatron-core 0.16's core attention ``forward(query, key, value, attention_mask, attn_mask_type,
+attention_bias, packed_seq_params)`` on ``[s, b, heads, dim]`` tensors, returning ``[s, b, heads · d_v]``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
+
+Tensor = torch.Tensor
+
+
+def _varlen_attn():
+    """torch's packed variable-length flash attention (CUDA), or None where this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.9
+        return None
+    return varlen_attn
+
+
+class SDPAAttention(MegatronModule):
+    """Drop-in for Megatron's ``DotProductAttention`` in the local layer spec's ``core_attention`` slot."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None, cp_comm_type: str | None = None,
+                 pg_collection: Any = None, **_unused: Any) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("attention_backend=sdpa does not implement context parallelism; set "
+                             "megatron.context_parallel_size=1")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"attention_backend=sdpa: softmax_type={config.softmax_type!r} (attention sinks) is not "
+                             "implemented; use a model without sinks or attention_backend=te")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.k_channels = k_channels or config.kv_channels
+        self.v_channels = v_channels or config.kv_channels
+        # Megatron's apply_query_key_layer_scaling divides by layer_number and multiplies back inside its fp32
+        # softmax: the net scale is this one.
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        window = config.window_size if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None
+        self.window: tuple[int, int] | None = tuple(window) if window else None  # (left, right)
+
+    # ---- masks -------------------------------------------------------------------------------
+    def _window_mask(self, sq: int, sk: int, device: torch.device) -> Tensor:
+        """[sq, sk] bool, True = attended: ``q - left <= k <= q + right`` (keys aligned to the queries' end)."""
+        left, right = self.window  # type: ignore[misc]
+        q = torch.arange(sq, device=device)[:, None] + (sk - sq)
+        k = torch.arange(sk, device=device)[None, :]
+        keep = k <= q + right
+        if left >= 0:
+            keep &= k >= q - left
+        return keep
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        """[b, h, s, d] SDPA with GQA and this layer's scale/dropout (mask: True = attended)."""
+        if mask is None and self.window is not None:
+            mask = self._window_mask(q.shape[-2], k.shape[-2], q.device)
+            causal = False
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+            dropout_p=self.dropout_p if self.training else 0.0, scale=self.softmax_scale,
+            enable_gqa=q.shape[1] != k.shape[1])
+
+    # ---- forward -----------------------------------------------------------------------------
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type: AttnMaskType | None = None, attention_bias: Tensor | None = None,
+                packed_seq_params: Any = None) -> Tensor:
+        """``[sq, b, np, dk]``, ``[sk, b, ng, dk]``, ``[sk, b, ng, dv]`` -> ``[sq, b, np · dv]``."""
+        if attention_bias is not None:
+            raise ValueError("attention_backend=sdpa: attention_bias is not supported")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type == AttnMaskType.causal
+        sq, b, heads = query.shape[:3]
+        if packed_seq_params is not None:
+            out = self._packed(query, key, value, packed_seq_params, causal)
+        else:
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+            mask = None if attention_mask is None else ~attention_mask.to(torch.bool)
+            if causal and mask is None and sq != key.shape[0]:
+                raise ValueError(f"attention_backend=sdpa: causal attention with {sq} queries and "
+                                 f"{key.shape[0]} keys (no KV cache in training)")
+            out = self._sdpa(q, k, v, mask, causal and sq > 1).permute(2, 0, 1, 3)  # [sq, b, h, dv]
+        return out.reshape(sq, b, heads * value.shape[-1])
+
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, params: Any, causal: bool) -> Tensor:
+        """One ``[T, 1, h, d]`` row of whole sequences (``params.cu_seqlens_q``) -> ``[T, 1, h, dv]``."""
+        if params.qkv_format != "sbhd" or query.shape[1] != 1:
+            raise ValueError(f"attention_backend=sdpa: packed rows come as qkv_format='sbhd' with one row, got "
+                             f"{params.qkv_format!r} and {query.shape[1]} rows")
+        if not causal:
+            raise ValueError("attention_backend=sdpa: packed rows are causal language-model rows")
+        cu = params.cu_seqlens_q
+        q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [T, h, d]
+        fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not (self.training and self.dropout_p)
+        varlen = _varlen_attn() if fused else None
+        if varlen is not None:
+            left, right = self.window if self.window is not None else (-1, 0)
+            cu32 = cu.to(q.device, torch.int32)
+            out = varlen(q, k, v, cu32, cu32, int(params.max_seqlen_q), int(params.max_seqlen_kv),
+                         scale=self.softmax_scale, window_size=(left, right), enable_gqa=q.shape[1] != k.shape[1])
+            return out[:, None]
+        bounds = cu.tolist()
+        outs = []
+        for s, e in zip(bounds[:-1], bounds[1:]):  # each sequence alone: causal within it, nothing across
+            seg = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))  # [1, h, len, d]
+            outs.append(self._sdpa(*seg, None, e - s > 1)[0].transpose(0, 1))
+        return torch.cat(outs, 0)[:, None]
