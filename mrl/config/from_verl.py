@@ -59,16 +59,17 @@ KEYS: dict[str, str] = {
         "total_training_steps")},
     **{A + "megatron." + k: "actor.megatron." + k for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "context_parallel_size", "expert_model_parallel_size", "sequence_parallel", "use_distributed_optimizer")},
+        "expert_model_parallel_size", "sequence_parallel", "use_distributed_optimizer")},
     A + "megatron.param_offload": "actor.offload_param",
     A + "megatron.grad_offload": "actor.offload_grad",
     A + "megatron.optimizer_offload": "actor.offload_optimizer",
+    # (*.megatron.context_parallel_size: CONVERTERS, 1 carried over, > 1 reported and left out)
     # reference
     REF + "log_prob_micro_batch_size_per_gpu": "ref.log_prob_micro_batch_size_per_gpu",
     REF + "megatron.param_offload": "ref.offload",
     **{REF + "megatron." + k: "ref.megatron." + k for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "context_parallel_size", "expert_model_parallel_size", "sequence_parallel")},
+        "expert_model_parallel_size", "sequence_parallel")},
     # rollout
     **{R + k: "rollout." + k for k in ("n", "temperature", "top_p", "top_k", "free_cache_engine", "max_num_seqs")},
     R + "tensor_model_parallel_size": "rollout.engine_tp_size",
@@ -85,7 +86,7 @@ KEYS: dict[str, str] = {
         "lr", "betas", "eps", "weight_decay", "lr_warmup_steps", "lr_warmup_steps_ratio", "min_lr_ratio", "clip_grad")},
     **{"critic.megatron." + k: "critic.megatron." + k for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "context_parallel_size", "expert_model_parallel_size", "sequence_parallel")},
+        "expert_model_parallel_size", "sequence_parallel")},
     "critic.megatron.param_offload": "critic.offload_param",
     "critic.megatron.grad_offload": "critic.offload_grad",
     "critic.megatron.optimizer_offload": "critic.offload_optimizer",
@@ -112,6 +113,16 @@ KEYS: dict[str, str] = {
         "project_name", "experiment_name")},
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
 }
+
+
+def _long_sequences(role: str) -> str:
+    """What mrl offers for long sequences instead of splitting them over ranks (Ulysses SP, context parallelism)."""
+    return ("for long sequences use actor.use_remove_padding (padding-free packed micro-batches, on by default with "
+            "sdpa attention) with actor.megatron.attention_backend=sdpa and activation recompute "
+            f"(actor.recompute_granularity), and TP with {role}.megatron.sequence_parallel=true to split activations")
+
+
+_ULYSSES = "Ulysses SP is FSDP's, and mrl splits no sequence over ranks (context parallelism is refused); "
 
 # Known verl keys with no mrl equivalent: key (or key prefix ending in '.') -> why.
 _FSDP = "FSDP settings: mrl trains with Megatron-Core (set actor.megatron.* / actor.offload_* instead)"
@@ -151,9 +162,9 @@ UNMAPPED: dict[str, str] = {
     R + "log_prob_max_token_len_per_gpu": "mrl's log-prob passes use actor.ppo_max_token_len_per_gpu",
     REF + "log_prob_use_dynamic_bsz": "the reference uses the actor's micro-batching (actor.use_dynamic_bsz)",
     REF + "log_prob_max_token_len_per_gpu": "the reference uses actor.ppo_max_token_len_per_gpu",
-    A + "ulysses_sequence_parallel_size": "Ulysses SP is FSDP's; use actor.megatron.context_parallel_size",
-    REF + "ulysses_sequence_parallel_size": "Ulysses SP is FSDP's; use ref.megatron.context_parallel_size",
-    "critic.ulysses_sequence_parallel_size": "Ulysses SP is FSDP's; use critic.megatron.context_parallel_size",
+    A + "ulysses_sequence_parallel_size": _ULYSSES + _long_sequences("actor"),
+    REF + "ulysses_sequence_parallel_size": _ULYSSES + _long_sequences("ref"),
+    "critic.ulysses_sequence_parallel_size": _ULYSSES + _long_sequences("critic"),
     A + "megatron.seed": "the seed is trainer.seed", A + "megatron.use_mbridge": "mrl maps HF <-> Megatron weights itself",
     REF + "megatron.seed": "the seed is trainer.seed", REF + "megatron.use_mbridge": "mrl maps HF <-> Megatron weights itself",
     A + "megatron.override_transformer_config.": "Megatron TransformerConfig overrides are not passed through",
@@ -280,12 +291,24 @@ def _rm_pool_devices(t: Translation, v: Any, key: str) -> None:
         t.set("reward_model.num_devices", v)
 
 
+def _context_parallel(t: Translation, v: Any, role: str) -> None:
+    # mrl plan refuses context_parallel_size > 1 (not implemented in mrl's workers): the YAML keeps the default 1
+    if isinstance(v, int) and not isinstance(v, bool) and v > 1:
+        raise Unmappable(f"context parallelism is not implemented in mrl's workers on any backend yet (mrl plan refuses "
+                         f"{role}.megatron.context_parallel_size > 1), so the YAML keeps the default 1; "
+                         + _long_sequences(role))
+    t.set(f"{role}.megatron.context_parallel_size", v)
+
+
 CONVERTERS: dict[str, Callable[[Translation, Any], None]] = {
     A + "optim.warmup_style": _warmup_style,
     A + "optim.lr_scheduler_type": _warmup_style,
     "critic.optim.warmup_style": _critic_warmup_style,
     "critic.optim.lr_scheduler_type": _critic_warmup_style,
     R + "name": _rollout_name,
+    A + "megatron.context_parallel_size": lambda t, v: _context_parallel(t, v, "actor"),
+    REF + "megatron.context_parallel_size": lambda t, v: _context_parallel(t, v, "ref"),
+    "critic.megatron.context_parallel_size": lambda t, v: _context_parallel(t, v, "critic"),
     A + "clip_ratio": _clip_ratio,
     "trainer.logger": _logger,
     "custom_reward_function.path": _custom_reward_path,

@@ -1,6 +1,10 @@
 """Layout rules every Megatron role shares: its TP*PP*CP against its devices and flags, and its TP/PP/EP
 against the model's own config.json (heads, KV heads, layers, experts). Used by validate.py for the actor,
-reference, critic and reward model and by validate_teacher.py for the teacher."""
+reference, critic and reward model and by validate_teacher.py for the teacher.
+
+Context parallelism (CP > 1) is refused for every role's ``megatron`` section: mrl's workers build no
+CP-sharded inputs on any attention backend (mrl/workers/megatron_model.py keeps a runtime guard as the last
+defence); :func:`check_context_parallel` says so before anything starts."""
 from __future__ import annotations
 
 from mrl.config.hf import ModelShape
@@ -11,6 +15,30 @@ from mrl.config.root import MRLConfig
 #: The sizes that define Megatron's process groups: a role sharing the actor's groups must match them.
 GROUP_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
               "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")
+
+#: The sections that hold a Megatron layout (teacher's and reward_model's may be null: the actor's sizes).
+MEGATRON_ROLES = ("actor", "ref", "critic", "teacher", "reward_model")
+
+
+def context_parallel_refused(role: str, cp: int) -> str:
+    """The one message refusing ``<role>.megatron.context_parallel_size=cp`` (cp > 1), with the fix and what
+    to use for long sequences instead."""
+    key = f"{role}.megatron.context_parallel_size"
+    return (f"{key}={cp}: context parallelism is not implemented in mrl's workers on any backend yet (Transformer "
+            f"Engine included); fix: {key}=1; for long sequences use actor.use_remove_padding (padding-free packed "
+            "micro-batches, on by default with sdpa attention) with actor.megatron.attention_backend=sdpa "
+            f"and activation recompute (actor.recompute_granularity), and TP with {role}.megatron.sequence_parallel="
+            "true to split activations")
+
+
+def check_context_parallel(cfg: MRLConfig, errors: list[str]) -> None:
+    """One error per ``<role>.megatron`` section the config holds with context_parallel_size > 1, enabled or
+    not and whatever its placement (a null teacher/reward_model section takes the actor's sizes, which the
+    actor's own error covers)."""
+    for role in MEGATRON_ROLES:
+        par = getattr(cfg, role).megatron
+        if par is not None and par.context_parallel_size > 1:
+            errors.append(context_parallel_refused(role, par.context_parallel_size))
 
 
 def check_separate_layout(role: str, what: str, megatron: ParallelConfig | None, lay: RoleLayout, cfg: MRLConfig,
@@ -33,6 +61,10 @@ def check_separate_layout(role: str, what: str, megatron: ParallelConfig | None,
 
 def check_parallel(role: str, par: ParallelConfig, lay: RoleLayout, cfg: MRLConfig,
                     shape: ModelShape | None, errors: list[str]) -> None:
+    if role == "actor":
+        # check_config runs this for the actor whenever the actor has devices (a config that leaves it none is
+        # refused for that already): the whole config's CP rule, once, for every role's section
+        check_context_parallel(cfg, errors)
     mp = par.model_parallel_size
     key = f"{role}.megatron"
     if lay.count and lay.count % mp:

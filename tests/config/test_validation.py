@@ -415,3 +415,50 @@ def test_shared_prefix_refused_with_transformer_engine_attention(base_overrides:
 def test_inprocess_engines_fit_a_cpu_colocated_run(base_overrides: list[str]) -> None:
     cfg = load_config(None, base_overrides + ["rollout.weight_sync.transport=inprocess"])
     assert cfg.rollout.weight_sync.transport == "inprocess" and not check_config(cfg)[0]
+
+
+# issue 43: context parallelism is not implemented in mrl's workers; every role's section is refused at plan time
+_CP_ROLES = [
+    ("actor", []),
+    ("ref", []),  # actor.use_kl_loss builds the (colocated) reference: its own section is refused too
+    ("critic", ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=2"]),
+    ("teacher", ["algorithm.distill.mode=kl_loss", "teacher.enable=true", "teacher.placement=separate",
+                 "teacher.num_devices=2"]),  # + teacher.path (the tiny model), below
+    ("reward_model", [*_RM_SEP, "reward_model.num_devices=2"]),
+]
+
+
+@pytest.mark.parametrize("role, extra", _CP_ROLES, ids=[r for r, _ in _CP_ROLES])
+def test_context_parallel_is_refused_for_every_role(role: str, extra: list[str], base_overrides: list[str],
+                                                    tiny_model: Path) -> None:
+    key = f"{role}.megatron.context_parallel_size"
+    extra = [*extra, f"teacher.path={tiny_model}"] if role == "teacher" else extra
+    errors = _errors(base_overrides + extra + [f"{key}=2"])
+    cp = [e for e in errors if "context parallelism is not implemented" in e]
+    assert len(cp) == 1 and cp[0].startswith(f"{key}=2: "), errors  # one line, for the key that was set
+    for s in ("on any backend yet", f"fix: {key}=1", "actor.use_remove_padding", "actor.megatron.attention_backend=sdpa",
+              "actor.recompute_granularity", f"{role}.megatron.sequence_parallel=true"):
+        assert s in cp[0], (s, cp[0])
+    assert "\n" not in cp[0]
+    assert check_config(load_config(None, base_overrides + extra))[0] == []  # the same config at CP=1 plans
+
+
+def test_context_parallel_taken_from_the_actor_is_said_once(base_overrides: list[str]) -> None:
+    """A colocated reference and a separate reward model with reward_model.megatron null run at the actor's
+    sizes: the actor's key is the one to change, and it is the only CP line."""
+    errors = _errors(base_overrides + [*_RM_SEP, "reward_model.num_devices=2", "actor.megatron.context_parallel_size=2"])
+    cp = [e for e in errors if "context_parallel_size=2" in e]
+    assert len(cp) == 1 and cp[0].startswith("actor.megatron.context_parallel_size=2: "), errors
+
+
+@pytest.mark.parametrize("cmd", ["plan", "train"])
+def test_cli_refuses_context_parallel_before_anything_starts(cmd: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from mrl.cli import EXIT_CONFIG, main
+
+    quickstart = Path(__file__).resolve().parents[2] / "mrl_configs" / "quickstart.yaml"  # 2 ranks: CP=2 divides them
+    assert main([cmd, str(quickstart), "actor.megatron.context_parallel_size=2"]) == EXIT_CONFIG
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and "nothing was started" in err
+    lines = [ln for ln in err.splitlines() if "actor.megatron.context_parallel_size" in ln]
+    assert len(lines) == 1 and "fix: actor.megatron.context_parallel_size=1" in lines[0], err
+    assert "more characters" not in lines[0]  # the whole message fits the CLI's per-error limit
