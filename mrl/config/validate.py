@@ -27,6 +27,7 @@ from mrl.config.validate_attention import check_attention
 from mrl.config.validate_moe import check_moe
 from mrl.config.validate_parallel import (
     GROUP_KEYS,
+    check_context_parallel,
     check_model_fits,
     check_parallel,
     check_separate_layout,
@@ -561,6 +562,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     for role in ("actor", "ref", "critic"):
         if role in roles and roles[role].count > 0:
             check_parallel(role, roles[role].parallel, roles[role], cfg, shape, errors)
+    check_context_parallel(cfg, errors)
     _check_reward_model_layout(cfg, roles, shape, errors)
     check_moe(cfg, roles, shape, errors)
     check_teacher(cfg, roles, shape, errors, notes)

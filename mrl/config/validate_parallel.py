@@ -61,10 +61,6 @@ def check_separate_layout(role: str, what: str, megatron: ParallelConfig | None,
 
 def check_parallel(role: str, par: ParallelConfig, lay: RoleLayout, cfg: MRLConfig,
                     shape: ModelShape | None, errors: list[str]) -> None:
-    if role == "actor":
-        # check_config runs this for the actor whenever the actor has devices (a config that leaves it none is
-        # refused for that already): the whole config's CP rule, once, for every role's section
-        check_context_parallel(cfg, errors)
     mp = par.model_parallel_size
     key = f"{role}.megatron"
     if lay.count and lay.count % mp:

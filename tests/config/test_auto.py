@@ -78,3 +78,67 @@ def test_mrl_plan_prints_what_auto_chose_and_why(tmp_path) -> None:
 def test_push_with_update_follows_the_resolved_transport(tmp_path) -> None:
     assert plan_run(_cfg(tmp_path), "cpu").push_with_update  # auto -> inprocess with the on-policy shortcut
     assert not plan_run(_cfg(tmp_path, "rollout.weight_sync.transport=tensor"), "cpu").push_with_update
+
+
+@pytest.mark.parametrize("device, te, lora, want, why", [
+    ("cpu", False, False, "sdpa", "auto: cpu"),
+    ("cpu", True, False, "sdpa", "auto: cpu"),  # TE installed but no CUDA: its kernels cannot run
+    ("cuda", False, False, "sdpa", "not importable"),
+    ("cuda", True, False, "te", "Transformer Engine on CUDA"),
+    ("cuda", True, True, "sdpa", "LoRA"),
+])
+def test_attention_backend_auto_is_te_only_where_it_runs(device, te, lora, want, why) -> None:
+    from mrl.config.auto import choose_attention_backend
+
+    choice = choose_attention_backend("auto", device=device, te_importable=te, lora=lora)
+    assert choice.value == want and why in choice.why, choice
+    assert choose_attention_backend("local", device=device, te_importable=te, lora=lora).value == "local"
+
+
+@pytest.mark.parametrize("overrides, want, why", [
+    ([], False, "actor.shared_prefix is on"),  # quickstart: shared rows win on CPU (measured)
+    (["actor.shared_prefix=false"], True, "auto: on"),
+    (["actor.shared_prefix=false", "actor.megatron.attention_backend=local"], False,
+     "actor.megatron.attention_backend=local"),
+    (["actor.shared_prefix=false", "ref.megatron.attention_backend=local"], False, "ref.megatron.attention_backend"),
+    (["actor.use_remove_padding=true"], True, "set in the config"),  # and shared_prefix auto steps aside
+])
+def test_remove_padding_auto_packs_when_every_role_runs_sdpa(tmp_path, overrides, want, why) -> None:
+    plan = plan_run(_cfg(tmp_path, *overrides), "cpu")
+    choice = plan.choices[-1]
+    assert choice.key == "actor.use_remove_padding" and choice.value is want and why in choice.why, choice
+    assert plan.remove_padding is want
+    assert not (plan.remove_padding and plan.shared_prefix)
+    assert plan.attention_backend("actor") in ("sdpa", "local")
+
+
+def test_mrl_plan_prints_the_attention_backend_of_every_role_and_the_packing(tmp_path) -> None:
+    text = plan_text(_cfg(tmp_path, "cluster.device=cpu"))
+    assert "actor.megatron.attention_backend=sdpa: auto: cpu" in text
+    assert "ref.megatron.attention_backend=sdpa: auto: cpu" in text  # the quickstart's KL loss builds a reference
+    assert "critic.megatron.attention_backend" not in text  # GRPO builds no critic
+    assert "actor.use_remove_padding=false: auto: off, actor.shared_prefix is on" in text
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["actor.megatron.attention_backend=te"], "actor.megatron.attention_backend=te: Transformer Engine runs on CUDA"),
+    (["actor.use_remove_padding=true", "actor.megatron.attention_backend=local"],
+     "actor.use_remove_padding=true needs every Megatron role on the sdpa attention backend, but "
+     "actor.megatron.attention_backend resolves to local"),
+    (["actor.use_remove_padding=true", "actor.shared_prefix=true"],
+     "actor.use_remove_padding=true with actor.shared_prefix=true"),
+])
+def test_settings_that_cannot_run_are_refused_before_anything_starts(tmp_path, overrides, key) -> None:
+    from mrl.config.validate import check_config
+
+    cfg = _cfg(tmp_path, "cluster.device=cpu")
+    cfg = cfg.model_copy(deep=True)
+    for o in overrides:  # past load_config, which would raise on the first error
+        dotted, value = o.split("=")
+        section, *mid, leaf = dotted.split(".")
+        obj = getattr(cfg, section)
+        for m in mid:
+            obj = getattr(obj, m)
+        setattr(obj, leaf, {"true": True, "false": False}.get(value, value))
+    errors, _ = check_config(cfg)
+    assert any(key in e for e in errors), errors

@@ -406,7 +406,8 @@ def test_shared_prefix_refused_with_transformer_engine_attention(base_overrides:
     real = importlib.util.find_spec
     te = object()
     monkeypatch.setattr(validate.importlib.util, "find_spec", lambda name, *a: te if name == "transformer_engine" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"actor.shared_prefix=true .*Transformer Engine.*fix: actor.shared_prefix=false"):
+    with pytest.raises(ConfigError, match=r"actor.shared_prefix=true .*Transformer Engine.*fix: actor.megatron.attention_backend=sdpa, "
+                       r"or actor.shared_prefix=false"):
         load_config(None, base_overrides + ["cluster.device=cuda", "actor.shared_prefix=true"])
     cpu = load_config(None, base_overrides + ["cluster.device=cpu", "actor.shared_prefix=true"])
     assert not [e for e in check_config(cpu)[0] if "shared_prefix" in e]
