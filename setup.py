@@ -35,8 +35,10 @@ setup(
     ],
     extras_require={
         # THE supported SGLang release (one pin everywhere: docker/Dockerfile, requirements-sglang-cpu.txt,
-        # mrl.rollout.sglang_launcher.SGLANG_VERSION; tests/rollout/conformance/test_version_pins.py checks)
-        "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23"],
+        # mrl.rollout.sglang_launcher.SGLANG_VERSION; tests/rollout/conformance/test_launch_and_pins.py checks)
+        # and the image's Transformer Engine (docker/Dockerfile's TRANSFORMER_ENGINE_VERSION; its PyTorch
+        # extension builds against the installed torch: pip install --no-build-isolation; tests/test_docker_pins.py)
+        "gpu": ["transformer-engine[pytorch]==2.18.0", "sglang==0.5.23"],
         # benchmarks/vs_trl.py's other side (TRL's GRPOTrainer); `make bench-deps` installs the same pins
         # --no-deps into .venv/bench-trl where accelerate/pyarrow/pandas are already there
         "bench": ["trl==1.16.0", "datasets==5.2.0"],
