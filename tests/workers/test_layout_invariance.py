@@ -3,8 +3,12 @@
 One fixed ragged batch (8 samples, prompts 2..6 and responses 1..7 tokens, one masked response
 token). Truth: the full-batch loss and gradient of the same loss on the HF model in one process
 (``reference_impl``: TP1×PP1, one micro-batch). One 4-rank launch re-initialises Megatron for
-each layout — TP1PP1 (DP4), TP2 (DP2), PP2 (DP2, 2 micro-batches/rank, 1F1B), TP2PP2 (DP1,
-4 micro-batches), PP2 with dynamic micro-batching — and loops over the 4 loss_agg_modes × {plain
+each layout — TP1PP1 (DP4), TP2 (DP2), PP2 (DP2, 2 micro-batches/rank, 1F1B),
+TP2PP2 (DP1, 4 micro-batches), PP2 with dynamic micro-batching — each with an attention backend and row
+layout: packed rows (``use_remove_padding``, sdpa) at TP1, TP2 and PP2-dynamic, the padded rows on
+sdpa at TP2PP2 and on Megatron's unfused ``local`` attention at PP2. Packed layouts also run the padded
+rows on the same model (one spec) and compare log-probs, loss and gradients with them directly.
+Each layout loops over the 4 loss_agg_modes × {plain
 PG, PG − 0.05·H + 0.1·KL(k3)} plus ``kl_loss_coef=0``; ``seq-mean-token-sum-norm`` uses Dr.GRPO's
 C = max_response_length = 16 (wider than R = 7) and is run once more on the same batch padded to
 R = 11, which must not change loss or gradient. Then one optimizer step per layout.
@@ -31,6 +35,14 @@ LAYOUTS = [  # (tp, pp, micro_batch_size, dynamic max tokens)
     (2, 2, 2, None),
     (1, 2, None, 24),
 ]
+ROWS = [  # per layout: (attention backend, packed rows)
+    ("sdpa", True),
+    ("sdpa", True),
+    ("local", False),
+    ("sdpa", False),
+    ("sdpa", True),
+]
+PACKED_KEY = ("token-mean", "pg+ent+kl")  # the spec packed layouts also run on padded rows
 TEMPERATURE = 0.7
 MAX_RESPONSE_LENGTH = 16  # Dr.GRPO's C (rollout.max_response_length); the batch's R is 7
 WIDE_R = 11  # the same batch with more response padding: C must not follow it
@@ -80,9 +92,11 @@ def _rank(rank, world, path):
 
     batch = ragged_batch()
     results = []
-    for tp, pp, mbs, max_tok in LAYOUTS:
+    for (tp, pp, mbs, max_tok), (backend, packed) in zip(LAYOUTS, ROWS):
         cfg = ActorConfig(
-            megatron={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+            megatron={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                      "attention_backend": backend},
+            use_remove_padding=packed,
             ppo_micro_batch_size_per_gpu=mbs, use_dynamic_bsz=max_tok is not None,
             ppo_max_token_len_per_gpu=max_tok or 16384, use_distributed_optimizer=False,
             # eps=1e-2 makes Adam's first step lr*g/(|g|+eps): smooth in g, so weights after one
@@ -107,6 +121,15 @@ def _rank(rank, world, path):
         m = actor.forward_backward(e.dp_shard(with_response_width(batch, WIDE_R)))
         grads = _grads_by_hf_name(actor)
         per_spec["wide"] = (m["loss"], grads if keep else None)
+        padded = None
+        if packed:  # the same model on padded rows: the packed rows' direct baseline
+            e.remove_padding = False
+            p_lp, p_ent = actor.compute_log_prob(batch)
+            actor.loss_spec = _specs()[PACKED_KEY]
+            m = actor.forward_backward(local)
+            grads = _grads_by_hf_name(actor)  # collective over TP: every rank takes part
+            padded = (p_lp, p_ent, m["loss"], grads if keep else None)
+            e.remove_padding = True
         # micro-batches this rank ran (from the split the worker uses)
         from mrl.workers.actor import micro_batch_parts
 
@@ -117,7 +140,8 @@ def _rank(rank, world, path):
         weights = {n: t.clone() for n, t in actor.export_hf_weights()}
         weights = weights if keep else None
         results.append({"layout": (tp, pp, mbs, max_tok), "dp": e.dp_size, "n_micro": n_micro, "lp": lp, "ent": ent,
-                            "per_spec": per_spec, "metrics": metrics, "weights": weights})
+                        "per_spec": per_spec, "metrics": metrics, "weights": weights, "padded": padded,
+                        "backend": e.attention_backend})
         del actor
     from tests.workers.batches import portable
 
@@ -154,6 +178,24 @@ def test_loss_and_grads_equal_full_batch_reference_under_every_layout(tmp_path):
         pp = layout[1]
         if pp == 2:  # at least two micro-batches per rank so 1F1B really pipelines
             assert res[0][li]["n_micro"] >= 2, layout
+        assert res[0][li]["backend"] == ROWS[li][0]
+        if ROWS[li][1]:  # packed rows == padded rows of the same model (fp32, 1e-5)
+            for r in res:
+                p_lp, p_ent, p_loss, _ = r[li]["padded"]
+                torch.testing.assert_close(r[li]["lp"], p_lp, rtol=0, atol=1e-5)
+                torch.testing.assert_close(r[li]["ent"], p_ent, rtol=0, atol=1e-5)
+                assert r[li]["per_spec"][PACKED_KEY][0] == pytest.approx(p_loss, rel=1e-5, abs=1e-7), layout
+            g_pad = _merge(res, li, lambda x: x["padded"][3])
+            g_pack = _merge(res, li, lambda x: x["per_spec"][PACKED_KEY][1])
+            assert set(g_pad) == set(g_pack)
+            for name, g in g_pad.items():
+                torch.testing.assert_close(g_pack[name], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()),
+                                           msg=lambda m, n=name, lay=layout: f"packed vs padded {lay} {n}: {m}")
+            # packed: no padding but, with PP, the columns that give every micro-batch one length
+            assert res[0][li]["metrics"]["perf/pad_fraction"] == 0.0 if pp == 1 else \
+                res[0][li]["metrics"]["perf/pad_fraction"] < 0.1
+        else:
+            assert res[0][li]["metrics"]["perf/pad_fraction"] > 0.2  # this ragged batch, right-padded
         for r in res:  # identical on every rank, caller's order, equal to transformers
             torch.testing.assert_close(r[li]["lp"], ref_lp, rtol=0, atol=1e-5)
             torch.testing.assert_close(r[li]["ent"], ref_ent, rtol=0, atol=1e-5)
