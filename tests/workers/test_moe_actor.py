@@ -1,6 +1,8 @@
 """The MoE actor: log-probs equal transformers', loss and gradients do not depend on the layout
 (DP/EP/PP), the load-balancing loss is reported and reaches the router, and routing replay
-(R3) makes the trainer's log-probs equal the engine's when the trainer's own routing would differ.
+(R3) makes the trainer's log-probs equal the engine's when the trainer's own routing would differ, on
+padded and on packed rows (``use_remove_padding``: the EP2 and EP2 x PP2 layouts and one replay run; their
+loss and gradients equal the padded DP4 layout's).
 
 Replay case: the "engine" model and the trainer's weights differ only in a near-tie of two experts'
 router rows (engine: row3 = row2 + δ·r, trainer: row3 = row2 − δ·r, δ = 1e-6): every token where
@@ -22,7 +24,8 @@ LAYOUTS = [  # (tp, pp, ep, etp, micro-batch size)
     (1, 1, 1, 1, 2),   # DP4
     (1, 1, 2, 1, 2),   # EP2 (DP4, experts split over pairs of ranks)
     (1, 2, 2, 1, 2),   # EP2 x PP2
-]  # TP > 1 trains MoE layers only with sequence parallelism (Megatron), which needs TE/Apex norms: GPU only
+]
+PACKED = [False, True, True]  # per layout: packed rows (use_remove_padding, sdpa) or padded rows  # TP > 1 trains MoE layers only with sequence parallelism (Megatron), which needs TE/Apex norms: GPU only
 # (forward parity at TP2 and TP2+EP2 is in tests/megatron/test_moe_parity.py)
 DELTA = 1e-6
 
@@ -49,8 +52,8 @@ def _rank(rank, world, path, engine_path, routed, ckpt):
 
     batch = ragged_batch(vocab=300)
     out = {"layouts": []}
-    for lay in LAYOUTS:
-        actor = ActorWorker(_cfg(*lay), model_path=path, mini_batch_size_samples=8, seed=1234)
+    for lay, packed in zip(LAYOUTS, PACKED):
+        actor = ActorWorker(_cfg(*lay), model_path=path, mini_batch_size_samples=8, seed=1234, remove_padding=packed)
         keep = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
         lp, _ = actor.compute_log_prob(batch)
         m = actor.forward_backward(actor.model.dp_shard(batch))
@@ -92,9 +95,9 @@ def _rank(rank, world, path, engine_path, routed, ckpt):
     del actor
     # Routing replay against the engine's ids, trainer weights with the flipped near-tie.
     rb = batch.replace(routed_experts=torch.as_tensor(routed))
-    for replay in ("none", "rollout"):
-        actor = ActorWorker(_cfg(1, 1, 2, 1, 2, replay=replay), model_path=engine_path + "_trainer",
-                            mini_batch_size_samples=8, seed=1234)
+    for replay, packed in (("none", False), ("rollout", False), ("rollout_packed", True)):
+        actor = ActorWorker(_cfg(1, 1, 2, 1, 2, replay=replay.split("_")[0]), model_path=engine_path + "_trainer",
+                            mini_batch_size_samples=8, seed=1234, remove_padding=packed)
         lp, _ = actor.compute_log_prob(rb)
         out[f"replay_{replay}_lp"] = lp
         out[f"replay_{replay}_metrics"] = actor.update_policy(rb)
@@ -185,10 +188,15 @@ def test_moe_actor_layouts_aux_loss_and_routing_replay(tmp_path):
     for r in res:
         off = float((r["replay_none_lp"] - engine_lp).abs().max())
         on = float((r["replay_rollout_lp"] - engine_lp).abs().max())
+        on_packed = float((r["replay_rollout_packed_lp"] - engine_lp).abs().max())
         assert off > 1e-3, f"the near-tie did not flip any expert (max |Δ| {off:.2e}): the test lost its power"
         assert on <= 1e-5, f"with routing replay the trainer's log-probs differ from the engine's by {on:.2e}"
+        assert on_packed <= 1e-5, f"packed rows with routing replay: {on_packed:.2e} from the engine's log-probs"
     assert res[0]["replay_none_metrics"].get("moe/replay_mismatch") is None
     mismatch = res[0]["replay_rollout_metrics"]["moe/replay_mismatch"]
+    # packed rows hold the same tokens: the same routed tokens compared, the same mismatches
+    assert res[0]["replay_rollout_packed_metrics"]["moe/replay_mismatch"] == pytest.approx(mismatch, abs=1e-12)
+    assert res[0]["replay_rollout_packed_metrics"]["perf/pad_fraction"] == 0.0
     assert 0.05 < mismatch < 0.9, mismatch
     print(f"replay: mismatch {mismatch:.3f}; max |Δlp| vs engine without/with replay "
           f"{float((res[0]['replay_none_lp'] - engine_lp).abs().max()):.2e} / "
