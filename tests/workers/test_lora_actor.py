@@ -1,5 +1,6 @@
 """LoRA actor at TP2×PP2 (DistributedOptimizer): only adapters train and hold optimizer state, the
-reference is the base model exactly, checkpoints resume exactly, and the PEFT export (loaded by
+reference is the base model exactly, checkpoints resume exactly (also resharded to TP1×PP1 on packed rows:
+same log-probs, gradient norm and next step as the padded TP2×PP2 run), and the PEFT export (loaded by
 ``peft`` onto the HF base) and the merged HF export reproduce the actor's log-probs."""
 from __future__ import annotations
 
@@ -74,8 +75,9 @@ def _rank(rank, world, path, ckpt, peft_dir, hf_out):
     out["lp2_resumed"] = resumed.compute_log_prob(b_batch)[0]
     del resumed
 
-    # resharded: TP1×PP1 (DP4) loads the TP2×PP2 adapters and their Adam state
-    flat = ActorWorker(_cfg(1, 1), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4, seed=1234)
+    # resharded: TP1×PP1 (DP4) loads the TP2×PP2 adapters and their Adam state, on packed rows (use_remove_padding)
+    flat = ActorWorker(_cfg(1, 1), model_path=path, mini_batch_size_samples=8, total_optimizer_steps=4, seed=1234,
+                       remove_padding=True)
     flat.load_checkpoint(ckpt, ["model", "optimizer", "extra"])
     out["lp1_flat"] = flat.compute_log_prob(b_batch)[0]
     out["m2_flat"] = flat.update_policy(b_batch)
