@@ -132,12 +132,11 @@ UNMAPPED: dict[str, str] = {
     AR + "model.enable_gradient_checkpointing": "Megatron recompute is actor.recompute_granularity=full|selective; "
                                                 "set it if memory needs it (verl's flag has no one-to-one equivalent)",
     "critic.model.enable_gradient_checkpointing": "set critic.recompute_granularity=full|selective if memory needs it",
-    AR + "model.use_remove_padding": "an FSDP/HF model switch with no Megatron-Core counterpart in mrl",
     AR + "model.use_fused_kernels": "no fused-kernel switch in mrl",
     AR + "model.override_config.": "HF config overrides are not supported: the model's config.json is used as it is",
     AR + "model.lora.": "mrl's LoRA is peft's: rank, alpha, dropout and target_modules (actor.lora.*; docs/lora.md)",
     AR + "model.external_lib": "custom model libraries are not loaded; mrl builds Megatron models from HF configs",
-    "critic.model.use_remove_padding": "an FSDP/HF model switch with no Megatron-Core counterpart in mrl",
+    "critic.model.use_remove_padding": "the critic follows actor.use_remove_padding (one row layout per run)",
     AR + "hybrid_engine": "always the case with rollout.placement=colocated",
     "data.truncation": "mrl drops prompts over data.max_prompt_length (data.filter_overlong_prompts) or refuses them",
     "data.return_raw_chat": "mrl renders chat prompts with the model's template itself (nothing to set)",
@@ -180,7 +179,7 @@ UNMAPPED: dict[str, str] = {
     "reward_model.reward_manager": "mrl's reward manager is one (reward.function, reward.workers, reward.overlong_buffer)",
     "reward_model.strategy": "the reward model runs on Megatron-Core", "reward_model.model.fsdp_config.": _FSDP,
     "reward_model.launch_reward_fn_async": "reward functions run in mrl's process pool (reward.workers)",
-    "reward_model.model.use_remove_padding": "nothing to set",
+    "reward_model.model.use_remove_padding": "the reward model scores padded rows (nothing to set)",
     "reward_model.model.trust_remote_code": "set model.trust_remote_code",
     "reward_model.reward_kwargs.": "extra reward-manager arguments are not passed through",
     "custom_reward_function.reward_kwargs.": "extra reward-function arguments are not passed through",
@@ -300,7 +299,20 @@ def _context_parallel(t: Translation, v: Any, role: str) -> None:
     t.set(f"{role}.megatron.context_parallel_size", v)
 
 
+def _remove_padding(t: Translation, v: Any) -> None:
+    # verl's flag (FSDP's packed varlen rows) is mrl's actor.use_remove_padding for every Megatron forward. true
+    # becomes auto: mrl packs wherever its attention can (sdpa) and says why not elsewhere (TE's attention, shared
+    # prompts), where an explicit true would be refused by mrl plan.
+    if v is True:
+        t.set("actor.use_remove_padding", "auto")
+        t.notes.append("actor_rollout_ref.model.use_remove_padding=True -> actor.use_remove_padding: auto (packed rows "
+                       "wherever the attention backend is sdpa; mrl plan prints the choice)")
+    else:
+        t.set("actor.use_remove_padding", v)
+
+
 CONVERTERS: dict[str, Callable[[Translation, Any], None]] = {
+    AR + "model.use_remove_padding": _remove_padding,
     A + "optim.warmup_style": _warmup_style,
     A + "optim.lr_scheduler_type": _warmup_style,
     "critic.optim.warmup_style": _critic_warmup_style,

@@ -198,3 +198,12 @@ def test_context_parallel_is_reported_and_left_out(capsys: pytest.CaptureFixture
     # CP=1 is verl's default and carried over as written
     assert translate_overrides(["actor_rollout_ref.actor.megatron.context_parallel_size=1"]).get(
         "actor.megatron.context_parallel_size") == 1
+
+
+def test_use_remove_padding_becomes_mrls_packed_rows() -> None:
+    """verl's use_remove_padding=True -> auto (packed wherever the attention is sdpa, said in a note); False stays."""
+    on = translate_overrides(["actor_rollout_ref.model.use_remove_padding=True"])
+    assert on.get("actor.use_remove_padding") == "auto" and not on.unmapped
+    assert any("use_remove_padding" in n and "auto" in n for n in on.notes)
+    off = translate_overrides(["actor_rollout_ref.model.use_remove_padding=False"])
+    assert off.get("actor.use_remove_padding") is False
