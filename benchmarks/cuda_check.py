@@ -2,6 +2,7 @@
 
     python benchmarks/cuda_check.py                      # fp32 and bf16, every check; exit 1 on any FAIL
     python benchmarks/cuda_check.py --dtypes float32 --no-probe --json /tmp/cuda_check.json
+    python benchmarks/cuda_check.py --dtypes bfloat16 --only attention    # sdpa + packed rows (varlen_attn), seconds
 
 Prints a PASS/FAIL/SKIP/INFO table with the measured numbers (and writes it as JSON to --json, default
 $OUT/cuda_check.json when $OUT is set). Without a visible CUDA device it says so and exits 0 with nothing
@@ -25,10 +26,16 @@ Engine) on a tiny Qwen2 (tests/helpers/tiny_models.py) runs, in order:
   offload     actor.offload()/onload() on CUDA: device memory freed, bitwise the same policy, update after
   checkpoint  Megatron dist-checkpoint save/load on CUDA
   critic / rm / lora   the critic, the reward model (vs Qwen2ForSequenceClassification) and a LoRA actor
+  attention   megatron.attention_backend=sdpa (mrl's SDPA core attention): one forward+backward, its log-probs and
+              gradients vs the local backend's (Megatron's unfused attention); packed rows
+              (actor.use_remove_padding: one row of whole sequences, on CUDA in bf16 through
+              torch.nn.attention.varlen.varlen_attn, whose calls are counted) vs padded rows: log-probs (max |diff|)
+              and gradients (relative L2 difference); ``--only attention`` runs just this block (seconds)
 Then two single-purpose processes: the engine's memory release at a ~40M-parameter size (device-visible
 free memory, what a colocated trainer in another process could use), and a probe of two NCCL ranks in two
 processes on the one GPU (the shape of a colocated engine + trainer rank in one weight-sync group).
-Tolerances (max |difference| of log-probs): fp32 1e-4 with TF32 off; bf16 0.1 (reward scores: 1e-4 / 0.25).
+Tolerances (max |difference| of log-probs): fp32 1e-4 with TF32 off; bf16 0.1 (reward scores: 1e-4 / 0.25;
+gradients of two attention paths, |g1 - g2| / |g2|: fp32 1e-4, bf16 0.05).
 """
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ PROMPTS = [[5, 17, 33, 101, 7, 9], [44, 12], [250, 3, 77, 8, 19, 120, 64, 31, 90
 N_PER_PROMPT = 4
 TOL_LP = {"float32": 1e-4, "bfloat16": 0.1}
 TOL_RM = {"float32": 1e-4, "bfloat16": 0.25}
+TOL_GRAD = {"float32": 1e-4, "bfloat16": 0.05}  # |g1 - g2| / |g2| of the accumulated gradients of two attention paths
 
 
 # ---- result rows -----------------------------------------------------------------------------------
@@ -497,8 +505,119 @@ def trainer_worker(a) -> list[dict]:
                   f"init = base model within {base:.3g}; update moved log-probs by {mv:.3g}")
             del la, hm
 
+    if "actor" in S:
+        attention_checks(C, model, dt, dev)
+
     if "server" in S:
         S["server"].should_exit = True
+    return C.rows
+
+
+# ---- attention backends: sdpa vs local, packed rows (varlen_attn on CUDA) vs padded rows ------------------------
+def attention_checks(C: Checks, model: str, dt: str, dev: str) -> None:
+    """Rows ``attention: ...`` (the module docstring); parallel state already initialised (world size 1)."""
+    import torch
+
+    import mrl.megatron.sdpa_attention as sdpa_mod
+    from mrl.config.actor import ActorConfig
+    from mrl.workers.actor import ActorWorker
+    from tests.workers.batches import ragged_batch
+
+    tdt, tol, gtol = getattr(torch, dt), TOL_LP[dt], TOL_GRAD[dt]
+    rb = ragged_batch()  # 8 samples, ragged prompts and responses: padded rows carry padding, packed rows none
+    cfg = ActorConfig(ppo_micro_batch_size_per_gpu=4, optim={"lr": 1e-3, "clip_grad": 1.0})
+    calls = [0]
+    real = sdpa_mod._varlen_attn
+
+    def counting():  # SDPAAttention looks varlen_attn up per call: count the calls that reach it
+        fn = real()
+        if fn is None:
+            return None
+
+        def varlen(*args, **kw):
+            calls[0] += 1
+            return fn(*args, **kw)
+        return varlen
+
+    def build(backend: str, packed: bool):
+        return ActorWorker(cfg, model_path=model, device=dev, mini_batch_size_samples=8, seed=1234, dtype=tdt,
+                           init_parallel=False, attention_backend=backend, remove_padding=packed)
+
+    def core(actor) -> str:
+        return ",".join(sorted({type(m).__name__ for n, m in actor.model.chunks[0].named_modules()
+                                if n.endswith("core_attention")}))
+
+    def fwd_bwd(actor):
+        """(loss terms, the accumulated gradient as one fp32 vector, pad fraction of the forwards)"""
+        actor.model.pad_fraction()
+        m = actor.forward_backward(rb)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        g = torch.cat([p.main_grad.detach().float().flatten().cpu() for c in actor.model.chunks
+                       for p in c.parameters() if p.requires_grad])
+        return m, g, actor.model.pad_fraction()
+
+    def rel(g1, g2) -> float:
+        return float((g1 - g2).norm() / g2.norm().clamp_min(1e-30))
+
+    S: dict = {}
+    name = "attention: sdpa forward+backward = local backend"
+    with C.guard(name):
+        sa = build("sdpa", False)
+        m, g, pad = fwd_bwd(sa)
+        lp = sa.compute_log_prob(rb)[0]
+        S.update(lp=lp, g=g, pad=pad, core=core(sa))
+        del sa
+        la = build("local", False)
+        _, gl, _ = fwd_bwd(la)
+        lpl = la.compute_log_prob(rb)[0]
+        lcore = core(la)
+        del la
+        d, r = maxdiff(lp, lpl, rb.response_mask), rel(g, gl)
+        fin = all(math.isfinite(v) for v in m.values()) and bool(torch.isfinite(g).all()) and float(g.norm()) > 0
+        C.add(name, d <= tol and r <= gtol and fin and S["core"] == "SDPAAttention", d, tol,
+              f"log-probs max |sdpa - local|; gradients |g_sdpa - g_local| / |g_local| = {r:.3g} (limit {gtol}); "
+              f"|g| {float(g.norm()):.4g}, loss terms finite: {fin}; core attention {S['core']} vs {lcore}; "
+              f"ragged batch {tuple(rb.input_ids.shape)}, {dt} on {dev}")
+
+    name = "attention: packed rows (varlen_attn) = padded rows"
+    if "lp" not in S:
+        C.skip(name, "the sdpa forward+backward above failed")
+        return
+    with C.guard(name):
+        sdpa_mod._varlen_attn = counting
+        try:
+            pa = build("sdpa", True)
+            lpp = pa.compute_log_prob(rb)[0]
+            fwd_calls = calls[0]
+            _, gp, ppad = fwd_bwd(pa)
+            del pa
+        finally:
+            sdpa_mod._varlen_attn = real
+        d, r = maxdiff(lpp, S["lp"], rb.response_mask), rel(gp, S["g"])
+        fused = dev == "cuda" and dt in ("bfloat16", "float16")
+        have = real() is not None
+        path = (f"varlen_attn called {calls[0]} times ({fwd_calls} in the log-prob forward)" if calls[0] else
+                "per-sequence SDPA (varlen_attn is used on CUDA in bf16/fp16 only)" if not fused else
+                "varlen_attn NOT called" + ("" if have else " (this torch has no torch.nn.attention.varlen)"))
+        ok = d <= tol and r <= gtol and ppad == 0 and (calls[0] > 0 or not fused)
+        C.add(name, ok, d, tol,
+              f"log-probs max |packed - padded|; gradients |g_packed - g_padded| / |g_padded| = {r:.3g} (limit "
+              f"{gtol}); pad fraction packed {ppad:.3g} vs padded {S['pad']:.3g}; {path}; {dt} on {dev}")
+
+
+def attention_worker(a) -> list[dict]:
+    """``--only attention``: the attention rows alone, in their own process (NCCL world 1 on CUDA)."""
+    import torch
+
+    from mrl.megatron.parallel import init_parallel
+    C = Checks(a.dtype, a.result)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    with C.guard("attention: parallel state (world size 1)"):
+        init_parallel(device=a.device, seed=1234)
+        attention_checks(C, a.model, a.dtype, a.device)
     return C.rows
 
 
@@ -617,8 +736,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=240, help="seconds per worker process")
     ap.add_argument("--allow-cpu", action="store_true", help="run the checks on CPU/gloo (developing this script)")
     ap.add_argument("--verbose", action="store_true", help="print each worker's log")
+    ap.add_argument("--only", choices=["attention"], help="run only this block (per dtype; no memory or NCCL probe)")
     # internal: worker processes
-    ap.add_argument("--worker", choices=["trainer", "engine_memory", "nccl_rank"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["trainer", "attention", "engine_memory", "nccl_rank"], help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -632,7 +752,8 @@ def main() -> int:
         nccl_probe_rank(a)
         return 0
     if a.worker:
-        rows = trainer_worker(a) if a.worker == "trainer" else engine_memory_worker(a)
+        rows = {"trainer": trainer_worker, "attention": attention_worker, "engine_memory": engine_memory_worker}[
+            a.worker](a)
         pathlib.Path(a.result).write_text(json.dumps(rows))
         return 0
 
@@ -658,16 +779,16 @@ def main() -> int:
     print("cuda_check:", json.dumps(env), flush=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="cuda_check_"))
     model = str(make_tiny_hf(tmp / "tiny-qwen2", "qwen2"))
-    rm = str(make_tiny_rm(tmp / "tiny-rm", "qwen2"))
+    rm = "" if a.only else str(make_tiny_rm(tmp / "tiny-rm", "qwen2"))
     rows, logs = [], {}
     for dt in [d for d in a.dtypes.split(",") if d]:
-        r, logs[dt] = run_worker(["--worker", "trainer", "--dtype", dt, "--device", device, "--model", model,
+        r, logs[dt] = run_worker(["--worker", a.only or "trainer", "--dtype", dt, "--device", device, "--model", model,
                                   "--rm", rm, "--port", str(free_port("127.0.0.1"))], a.timeout)
         rows += r
-    if not a.no_memory:
+    if not a.no_memory and not a.only:
         r, logs["memory"] = run_worker(["--worker", "engine_memory", "--device", device], a.timeout)
         rows += r
-    if not a.no_probe and device == "cuda":
+    if not a.no_probe and device == "cuda" and not a.only:
         rows += nccl_probe(a)
     if a.verbose:
         for k, v in logs.items():
