@@ -42,7 +42,11 @@ def _setup(device: str, tp: int, pp: int, vpp: int | None, timeout_s: int, ep: i
 
 def _build(cfg_dir: str, dtype: torch.dtype, lora_ckpt: str | None = None) -> tuple[Any, list]:
     from mrl.megatron.lora_io import LORA_META
-    from mrl.megatron.provider import build_model_chunks, load_hf_config, resolve_attention_backend
+    from mrl.megatron.provider import (
+        build_model_chunks,
+        load_hf_config,
+        resolve_attention_backend,
+    )
 
     cfg = load_hf_config(cfg_dir)
     lora = lora_ckpt is not None and (Path(lora_ckpt) / LORA_META).is_file()

@@ -128,7 +128,9 @@ class ActorConfig(Section):
         None, ge=1, description="SAMPLES per forward when recomputing old log-probs; null = ppo_micro_batch_size_per_gpu."
     )
     recompute_granularity: Literal["full", "selective"] | None = Field(
-        None, description="Megatron activation recomputation: full|selective; null disables."
+        None, description="Megatron activation recomputation: full (every layer's activations recomputed in the "
+        "backward, one layer at a time: the long-sequence setting) | selective (the core attention only) | null "
+        "(keep every activation)."
     )
     offload_param: bool = Field(False, description="Move actor weights to CPU while the engines generate.")
     offload_grad: bool = Field(False, description="Move actor gradients to CPU outside the update.")

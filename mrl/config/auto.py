@@ -47,6 +47,7 @@ from typing import Any
 
 from mrl.config.layout import compute_layout
 from mrl.config.root import MRLConfig
+from mrl.megatron.backends import choose_attention_backend as choose_backend
 
 SHARED_ROW_MAX = 512  # tokens: the longest shared-prefix row `auto` accepts
 
@@ -136,18 +137,10 @@ def resolve_shared_prefix(cfg: MRLConfig, device: str) -> AutoChoice:
 
 def choose_attention_backend(want: str, *, device: str, te_importable: bool, lora: bool,
                              key: str = "actor.megatron.attention_backend") -> AutoChoice:
-    """``<role>.megatron.attention_backend`` on ``device`` (see the module docstring); ``te_importable``: TE's
-    PyTorch extension imports where the ranks run."""
-    if want != "auto":
-        return AutoChoice(key, want, "set in the config")
-    if device != "cuda":
-        return AutoChoice(key, "sdpa", f"auto: {device}, torch SDPA (flash kernel, no s x s scores)")
-    if not te_importable:
-        return AutoChoice(key, "sdpa", "auto: Transformer Engine is not importable, torch SDPA (flash / "
-                          "memory-efficient / cuDNN kernels)")
-    if lora:
-        return AutoChoice(key, "sdpa", "auto: LoRA adapters need Megatron's local layer spec, torch SDPA in it")
-    return AutoChoice(key, "te", "auto: Transformer Engine on CUDA, its fused attention")
+    """``<role>.megatron.attention_backend`` on ``device`` (the rule: :mod:`mrl.megatron.backends`, which the ranks
+    apply too); ``te_importable``: TE's PyTorch extension imports where the ranks run."""
+    value, why = choose_backend(want, device=device, te_importable=te_importable, lora=lora)
+    return AutoChoice(key, value, why)
 
 
 def te_importable_here() -> bool:

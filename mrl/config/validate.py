@@ -22,8 +22,8 @@ from mrl.config.preflight import check_checkpoints
 from mrl.config.root import MRLConfig
 from mrl.config.run_plan import on_policy_blockers
 from mrl.config.validate_async import check_async
-from mrl.config.validate_extensions import check_extension_points
 from mrl.config.validate_attention import check_attention
+from mrl.config.validate_extensions import check_extension_points
 from mrl.config.validate_moe import check_moe
 from mrl.config.validate_parallel import (
     GROUP_KEYS,

@@ -191,18 +191,18 @@ def te_usable() -> bool:
 
 def resolve_attention_backend(want: str = "auto", *, lora: bool = False) -> str:
     """``te`` | ``sdpa`` | ``local`` for ``megatron.attention_backend`` on this host (the rule and its reasons:
-    :func:`mrl.config.auto.choose_attention_backend`, which ``mrl plan`` prints)."""
-    from mrl.config.auto import choose_attention_backend
+    :mod:`mrl.megatron.backends`, the rule ``mrl plan`` prints)."""
+    from mrl.megatron.backends import choose_attention_backend
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    choice = choose_attention_backend(want, device=device, te_importable=te_usable(), lora=lora)
-    if choice.value == "te" and not te_usable():
+    backend, _why = choose_attention_backend(want, device=device, te_importable=te_usable(), lora=lora)
+    if backend == "te" and not te_usable():
         raise ValueError("megatron.attention_backend=te needs Transformer Engine on CUDA, which this process does "
                          "not have; fix: attention_backend=sdpa (or auto), or run in the image with TE (docs/gpus.md)")
-    if choice.value == "te" and lora:
+    if backend == "te" and lora:
         raise ValueError("megatron.attention_backend=te with LoRA: the adapters need Megatron's local layer spec "
                          "(unfused norm + linear); fix: attention_backend=sdpa (or auto)")
-    return choice.value
+    return backend
 
 
 def layer_spec(hf_config: Any, *, backend: str = "sdpa"):

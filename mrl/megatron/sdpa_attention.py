@@ -26,6 +26,9 @@ attention_bias, packed_seq_params)`` on ``[s, b, heads, dim]`` tensors, returnin
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import itertools
 import math
 from typing import Any
 
@@ -38,13 +41,15 @@ from megatron.core.transformer.utils import is_layer_window_attention
 Tensor = torch.Tensor
 
 
-def _varlen_attn():
-    """torch's packed variable-length flash attention (CUDA), or None where this torch lacks it."""
+@functools.cache
+def _varlen_attn() -> tuple[Any, bool] | None:
+    """(torch's packed variable-length flash attention (CUDA), whether it takes ``enable_gqa``), or None where this
+    torch lacks it. ``enable_gqa`` came after the function itself (torch 2.12 lists it, 2.11 may not)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch < 2.9
         return None
-    return varlen_attn
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 class SDPAAttention(MegatronModule):
@@ -127,14 +132,21 @@ class SDPAAttention(MegatronModule):
         fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not (self.training and self.dropout_p)
         varlen = _varlen_attn() if fused else None
         if varlen is not None:
+            fn, takes_gqa = varlen
             left, right = self.window if self.window is not None else (-1, 0)
             cu32 = cu.to(q.device, torch.int32)
-            out = varlen(q, k, v, cu32, cu32, int(params.max_seqlen_q), int(params.max_seqlen_kv),
-                         scale=self.softmax_scale, window_size=(left, right), enable_gqa=q.shape[1] != k.shape[1])
+            kw: dict[str, Any] = {"scale": self.softmax_scale, "window_size": (left, right)}
+            if q.shape[1] != k.shape[1]:
+                if takes_gqa:
+                    kw["enable_gqa"] = True
+                else:  # each KV head repeated for its query heads (what GQA computes, in more memory)
+                    rep = q.shape[1] // k.shape[1]
+                    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            out = fn(q, k, v, cu32, cu32, int(params.max_seqlen_q), int(params.max_seqlen_kv), **kw)
             return out[:, None]
         bounds = cu.tolist()
         outs = []
-        for s, e in zip(bounds[:-1], bounds[1:]):  # each sequence alone: causal within it, nothing across
+        for s, e in itertools.pairwise(bounds):  # each sequence alone: causal within it, nothing across
             seg = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))  # [1, h, len, d]
             outs.append(self._sdpa(*seg, None, e - s > 1)[0].transpose(0, 1))
         return torch.cat(outs, 0)[:, None]

@@ -41,6 +41,7 @@ KL_PENALTY_COEF = "actor/reward_kl_penalty_coeff"
 VAL_SCORE = "val-core/{data_source}/reward/mean@{n}"  # verl's validation score name
 PERF_THROUGHPUT = "perf/throughput"  # tokens / s / device
 PERF_TOTAL_TOKENS = "perf/total_num_tokens"
+PERF_PAD_FRACTION = "perf/pad_fraction"  # padded / computed positions of the actor update (mrl; 0 with packed rows)
 
 
 def timing(phase: str) -> str:

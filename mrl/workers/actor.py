@@ -15,6 +15,7 @@ import torch
 
 from mrl.config.actor import ActorConfig
 from mrl.config.algorithm import DistillConfig
+from mrl.observability import names as N
 from mrl.workers.batch import TrainBatch
 from mrl.workers.loss import (
     ActorLossSpec,
@@ -106,7 +107,7 @@ class ActorWorker(TrainableState):
             use_distributed_optimizer=cfg.use_distributed_optimizer,
             init_parallel=init_parallel, lora=cfg.lora, moe=cfg.moe,
             remove_padding=cfg.use_remove_padding is True if remove_padding is None else remove_padding,
-            attention_backend=attention_backend,
+            attention_backend=attention_backend, recompute=cfg.recompute_granularity,
         )
         e = self.model
         if mini_batch_size_samples % e.dp_size != 0:
@@ -234,7 +235,7 @@ class ActorWorker(TrainableState):
             out["distill/kl_loss"] = distill_loss
         out["actor/kl_coef"] = self.cfg.kl_loss_coef if self.cfg.use_kl_loss else 0.0
         out["actor/lr"] = current_lr(self.optimizer)
-        out["perf/pad_fraction"] = self.model.pad_fraction()  # padded / computed positions of this update (all DP)
+        out[N.PERF_PAD_FRACTION] = self.model.pad_fraction()  # padded / computed positions of this update (all DP)
         if self.model.router_probes:
             out.update(self._moe_metrics())
         return out

@@ -60,7 +60,7 @@ class CriticWorker(TrainableState):
         self.model = MegatronModel(cfg.model_path or model_path, cfg.megatron, device=device, dtype=dtype,
                                      seed=seed, train=True, value_head=True, init_parallel=init_parallel,
                                      use_distributed_optimizer=cfg.use_distributed_optimizer, moe=moe,
-                                     remove_padding=remove_padding)
+                                     remove_padding=remove_padding, recompute=cfg.recompute_granularity)
         if mini_batch_size_samples % self.model.dp_size:
             raise ValueError(
                 f"critic mini-batch of {mini_batch_size_samples} samples is not divisible by its DP "

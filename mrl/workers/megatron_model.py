@@ -86,6 +86,9 @@ class MegatronModel:
             of whole sequences (:func:`~mrl.workers.minibatch.build_packed_inputs`); needs the sdpa backend.
         attention_backend: ``te`` | ``sdpa`` | ``local`` as the run plan resolved it; None: ``parallel``'s
             ``attention_backend`` resolved on this host (:func:`mrl.megatron.provider.resolve_attention_backend`).
+        recompute: ``<role>.recompute_granularity``: ``full`` recomputes every layer's activations in the backward
+            (Megatron's uniform method, one layer per checkpoint: activation memory of one layer plus the layer
+            inputs), ``selective`` only the core attention; None keeps every activation.
     """
 
     def __init__(
@@ -107,11 +110,16 @@ class MegatronModel:
         moe: Any = None,
         remove_padding: bool = False,
         attention_backend: str | None = None,
+        recompute: str | None = None,
     ) -> None:
         from megatron.core import parallel_state as ps
 
         from mrl.megatron import parallel as mpar
-        from mrl.megatron.provider import build_model_chunks, load_hf_config, resolve_attention_backend
+        from mrl.megatron.provider import (
+            build_model_chunks,
+            load_hf_config,
+            resolve_attention_backend,
+        )
 
         if parallel.context_parallel_size != 1:
             raise NotImplementedError(
@@ -136,7 +144,7 @@ class MegatronModel:
             self.hf_config = as_causal_lm_config(self.hf_config, hf_path)
         self.parallel = parallel
         self.value_head = value_head
-        overrides: dict[str, Any] = {"sequence_parallel": parallel.sequence_parallel}
+        overrides: dict[str, Any] = {"sequence_parallel": parallel.sequence_parallel, **_recompute_overrides(recompute)}
         from mrl.megatron.moe import is_moe_family
         from mrl.megatron.provider import model_family
 
@@ -435,6 +443,17 @@ class _ValueHead(torch.nn.Module):
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden_states, self.weight), None
+
+
+def _recompute_overrides(recompute: str | None) -> dict[str, Any]:
+    """TransformerConfig fields of ``recompute_granularity`` (Megatron-LM's ``--recompute-*`` flags)."""
+    if recompute is None:
+        return {}
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective"}  # Megatron's default module list: core attention
+    raise ValueError(f"recompute_granularity={recompute!r}: expected full, selective or null")
 
 
 def _packed_seq_params(inp: ModelInputs, device: torch.device):

@@ -44,7 +44,7 @@ def _naive(q, k, v, scale, allowed):
 
 def _qkv(s, b=2, heads=4, groups=2, dk=16, dv=16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    mk = lambda h, d: torch.randn(s, b, h, d, generator=g, requires_grad=True)  # noqa: E731
+    mk = lambda h, d: torch.randn(s, b, h, d, generator=g, requires_grad=True)
     return mk(heads, dk), mk(groups, dk), mk(groups, dv)
 
 

@@ -6,7 +6,8 @@ token). Truth: the full-batch loss and gradient of the same loss on the HF model
 each layout — TP1PP1 (DP4), TP2 (DP2), PP2 (DP2, 2 micro-batches/rank, 1F1B),
 TP2PP2 (DP1, 4 micro-batches), PP2 with dynamic micro-batching — each with an attention backend and row
 layout: packed rows (``use_remove_padding``, sdpa) at TP1, TP2 and PP2-dynamic, the padded rows on
-sdpa at TP2PP2 and on Megatron's unfused ``local`` attention at PP2. Packed layouts also run the padded
+sdpa at TP2PP2 and on Megatron's unfused ``local`` attention at PP2; activation recompute (full at TP2PP2
+and PP2-dynamic, selective at TP2) must not change a value. Packed layouts also run the padded
 rows on the same model (one spec) and compare log-probs, loss and gradients with them directly.
 Each layout loops over the 4 loss_agg_modes × {plain
 PG, PG − 0.05·H + 0.1·KL(k3)} plus ``kl_loss_coef=0``; ``seq-mean-token-sum-norm`` uses Dr.GRPO's
@@ -35,12 +36,12 @@ LAYOUTS = [  # (tp, pp, micro_batch_size, dynamic max tokens)
     (2, 2, 2, None),
     (1, 2, None, 24),
 ]
-ROWS = [  # per layout: (attention backend, packed rows)
-    ("sdpa", True),
-    ("sdpa", True),
-    ("local", False),
-    ("sdpa", False),
-    ("sdpa", True),
+ROWS = [  # per layout: (attention backend, packed rows, activation recompute)
+    ("sdpa", True, None),
+    ("sdpa", True, "selective"),
+    ("local", False, None),
+    ("sdpa", False, "full"),
+    ("sdpa", True, "full"),
 ]
 PACKED_KEY = ("token-mean", "pg+ent+kl")  # the spec packed layouts also run on padded rows
 TEMPERATURE = 0.7
@@ -92,11 +93,11 @@ def _rank(rank, world, path):
 
     batch = ragged_batch()
     results = []
-    for (tp, pp, mbs, max_tok), (backend, packed) in zip(LAYOUTS, ROWS):
+    for (tp, pp, mbs, max_tok), (backend, packed, recompute) in zip(LAYOUTS, ROWS):
         cfg = ActorConfig(
             megatron={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                       "attention_backend": backend},
-            use_remove_padding=packed,
+            use_remove_padding=packed, recompute_granularity=recompute,
             ppo_micro_batch_size_per_gpu=mbs, use_dynamic_bsz=max_tok is not None,
             ppo_max_token_len_per_gpu=max_tok or 16384, use_distributed_optimizer=False,
             # eps=1e-2 makes Adam's first step lr*g/(|g|+eps): smooth in g, so weights after one
@@ -141,7 +142,7 @@ def _rank(rank, world, path):
         weights = weights if keep else None
         results.append({"layout": (tp, pp, mbs, max_tok), "dp": e.dp_size, "n_micro": n_micro, "lp": lp, "ent": ent,
                         "per_spec": per_spec, "metrics": metrics, "weights": weights, "padded": padded,
-                        "backend": e.attention_backend})
+                        "backend": e.attention_backend, "recompute": e.config.recompute_granularity})
         del actor
     from tests.workers.batches import portable
 
@@ -178,7 +179,7 @@ def test_loss_and_grads_equal_full_batch_reference_under_every_layout(tmp_path):
         pp = layout[1]
         if pp == 2:  # at least two micro-batches per rank so 1F1B really pipelines
             assert res[0][li]["n_micro"] >= 2, layout
-        assert res[0][li]["backend"] == ROWS[li][0]
+        assert (res[0][li]["backend"], res[0][li]["recompute"]) == (ROWS[li][0], ROWS[li][2])
         if ROWS[li][1]:  # packed rows == padded rows of the same model (fp32, 1e-5)
             for r in res:
                 p_lp, p_ent, p_loss, _ = r[li]["padded"]
