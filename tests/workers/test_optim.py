@@ -94,5 +94,10 @@ def test_cpu_adam_is_fused_reproducible_and_equal_to_the_single_tensor_loop(tmp_
     # One step from the same weights and gradients: the loop's arithmetic in another order, float32
     # rounding (weights are O(0.1), one step moves them by up to lr = 1e-2). Later steps feed those
     # last-bit differences back through the gradients, and Adam's normalised update amplifies them.
+    # The bound is in units in the last place of each weight: RMSNorm weights sit at 1.0, where one float32
+    # ulp is 1.19e-7 (an absolute 1e-7 held for one gradient and not for the sdpa backend's, rounded differently).
     step = np.abs(out["loop_1"] - out["start"]).max()
-    assert step > 1e-3 and np.abs(out["fused_1"] - out["loop_1"]).max() < 1e-7
+    # Near 0 the update's own rounding dominates: one step is at most lr = 1e-2, whose float32 ulp is 9.3e-10.
+    ulp = np.maximum(np.spacing(np.abs(out["loop_1"]).astype(np.float32)), np.spacing(np.float32(1e-2)))
+    ulps = np.abs(out["fused_1"] - out["loop_1"]) / ulp
+    assert step > 1e-3 and ulps.max() <= 2, ulps.max()
