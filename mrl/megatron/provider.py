@@ -1,7 +1,8 @@
 """Hugging Face ``config.json`` → Megatron-Core ``TransformerConfig`` + ``GPTModel`` chunks.
 
 Supported dense decoder families (``architectures`` in config.json): Llama 2/3 (incl. llama3
-rope scaling), Qwen2/2.5 (qkv bias, tied embeddings), Qwen3 (per-head q/k RMSNorm), Mistral; and the
+rope scaling), Qwen2/2.5 (qkv bias, tied embeddings), Qwen3 (per-head q/k RMSNorm), Mistral (with its
+``sliding_window``: every layer windowed, on the sdpa and te backends); and the
 Mixture-of-Experts families Qwen3-MoE, Qwen2-MoE and Mixtral (:mod:`mrl.megatron.moe`, where the
 MLP below becomes a routed sum of SwiGLU experts). All are pre-norm RMSNorm decoders with RoPE, GQA
 and SwiGLU::
@@ -31,6 +32,7 @@ from mrl.megatron.moe import REFUSED_MOE, is_moe_family
 
 _QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")
 _QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+_SLIDING_WINDOW_FAMILIES = ("mistral", "mixtral")  # every layer windowed when config.json sets sliding_window
 
 
 def load_hf_config(path: str | os.PathLike) -> Any:
@@ -107,12 +109,6 @@ def _check_supported(hf_config: Any, family: str) -> None:
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json hidden_act={act!r} is not supported (SwiGLU/silu only)")
-    window = getattr(hf_config, "sliding_window", None)
-    if family in ("mistral", "mixtral") and window is not None:
-        raise ValueError(
-            f"config.json sliding_window={window}: sliding-window attention is not supported; set "
-            "it to null if your sequences never exceed the window"
-        )
     if getattr(hf_config, "use_sliding_window", False):
         raise ValueError("config.json use_sliding_window=true is not supported; set it to false")
     if is_moe_family(family):
@@ -171,6 +167,10 @@ def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float3
         "fp16": dtype == torch.float16,
         "use_cpu_initialization": not on_cuda,
     }
+    window = getattr(hf_config, "sliding_window", None) if family in _SLIDING_WINDOW_FAMILIES else None
+    if window:
+        # transformers: key k is seen by query q iff q - W < k <= q; Megatron's (left, right) = (W - 1, 0)
+        kw["window_size"] = (int(window) - 1, 0)
     if is_moe_family(family):
         from mrl.megatron.moe import moe_transformer_kwargs
 
@@ -264,6 +264,9 @@ def build_model_chunks(
         if share_embeddings_and_output_weights is None
         else share_embeddings_and_output_weights
     )
+    if tcfg.window_size and attention_backend == "local" and not torch.cuda.is_available():
+        raise ValueError(f"config.json sliding_window: Megatron's local attention builds its window mask on CUDA only; "
+                         "fix: megatron.attention_backend=sdpa (or auto)")
     vocab = padded_vocab_size(hf_config.vocab_size, tcfg.tensor_model_parallel_size, make_vocab_size_divisible_by)
     spec = layer_spec(hf_config, backend=attention_backend)  # te | sdpa | local (resolve_attention_backend)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1

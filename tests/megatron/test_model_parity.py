@@ -25,11 +25,13 @@ FAMILIES = {  # case -> (family, config overrides)
     "qwen3": ("qwen3", {}),                       # q/k norm, explicit head_dim
     "llama3_rope": ("llama", LLAMA3_ROPE),        # llama 3.x rope scaling
     "mistral": ("mistral", {}),
+    "mistral_swa": ("mistral", {"sliding_window": 5}),  # windows of 5 in rows of 16: sdpa's window mask
 }
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
 CASES = {name: LAYOUTS for name in ("llama", "qwen2", "qwen3")}
 CASES["llama3_rope"] = [(1, 1, None), (2, 2, None)]
 CASES["mistral"] = [(2, 1, None)]
+CASES["mistral_swa"] = [(2, 2, None)]
 CASES["qwen2@bfloat16"] = [(2, 2, None)]  # bf16 weights, fp32 logits (Float16Module)
 TOLS = {"qwen2@bfloat16": 0.1}  # bf16 rounding of weights/activations; a wrong mapping gives O(1)
 PARAMS = [(name, lay) for name, lays in CASES.items() for lay in lays]
