@@ -35,6 +35,8 @@ from typing import Any
 _PKG = Path(__file__).resolve().parent
 FORMS = "<registry name> | pkg.module:fn | path/to/file.py:fn"
 IMPORT_TIMEOUT_S = 60.0  # a plugin importing torch takes ~2 s; one that takes a minute is stuck
+#: overrides IMPORT_TIMEOUT_S (seconds) for a plugin whose import is slow but sound (a large dependency, a slow disk)
+TIMEOUT_ENV = "MRL_PLUGIN_IMPORT_TIMEOUT_S"
 
 
 def is_spec(value: str) -> bool:
@@ -61,6 +63,18 @@ def closest(name: str, valid: Iterable[str]) -> str:
     near = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
     hint = f"did you mean {' or '.join(repr(n) for n in near)}? " if near else ""
     return f"{hint}valid names: {', '.join(valid)}"
+
+
+def _stamp(target: str) -> float:
+    """What a probe's verdict is keyed by besides the target: a file's mtime (an edited plugin is checked again)."""
+    path = Path(target)
+    return path.stat().st_mtime if target.endswith(".py") and path.is_file() else 0.0
+
+
+def _refused(target: str) -> str | None:
+    """The child-process check's verdict against ``target`` (as it is now) if it refused it (a timeout, sys.exit, a
+    crash): that verdict stands, so the module is not imported in this process after all."""
+    return _probed.get((target, _stamp(target)))
 
 
 def _load_file(path: Path, key: str, spec: str):
@@ -107,21 +121,48 @@ os._exit(0)
 _probed: dict[tuple[str, float], str | None] = {}
 
 
+def import_timeout_s() -> float:
+    """The child-process check's timeout: ``$MRL_PLUGIN_IMPORT_TIMEOUT_S`` when set, else IMPORT_TIMEOUT_S."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return IMPORT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; fix: e.g. {TIMEOUT_ENV}=300, "
+                         f"or unset it for the default {IMPORT_TIMEOUT_S:g} s")
+    return value
+
+
 def probe_import(spec: str, key: str, timeout_s: float | None = None) -> None:
     """Import ``spec``'s module in a child process first (``mrl plan`` runs this before importing a plugin
     itself): a module that calls ``sys.exit``, raises ``KeyboardInterrupt``, hangs or crashes the
     interpreter at import time becomes a ValueError naming the key, instead of ending or freezing the
-    caller. The child runs in its own session and its whole group is killed at the timeout."""
+    caller. The child runs in its own session and its whole group is killed at the timeout. A refusal
+    stands: :func:`load_callable` raises it again instead of importing the module in this process."""
     target = spec.rpartition(":")[0]
     if not target:
         return
-    path = Path(target)
-    stamp = path.stat().st_mtime if target.endswith(".py") and path.is_file() else 0.0
+    stamp = _stamp(target)
     if (target, stamp) not in _probed:
-        _probed[(target, stamp)] = _probe(target, key, spec, IMPORT_TIMEOUT_S if timeout_s is None else timeout_s)
+        _probed[(target, stamp)] = _probe(target, key, spec, import_timeout_s() if timeout_s is None else timeout_s)
     err = _probed[(target, stamp)]
     if err:
         raise ValueError(err)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill the child's whole group and reap the child, without waiting on its stderr: a process the import
+    started in a session of its own may hold that pipe open for as long as it likes."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # anything the import left running
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    proc.wait()
+    if proc.stderr is not None:
+        proc.stderr.close()
 
 
 def _probe(target: str, key: str, spec: str, timeout_s: float) -> str | None:
@@ -132,14 +173,11 @@ def _probe(target: str, key: str, spec: str, timeout_s: float) -> str | None:
     try:
         _, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return (f"{where} did not finish within {timeout_s:g} s (a blocking call, input(), a server or a download at "
-                f"import time?); {fix}")
+        return (f"{where} did not finish within {timeout_s:g} s, the import check's timeout (a blocking call, input(), "
+                f"a server or a download at import time?); {fix}; or, if the import is slow but sound, raise the "
+                f"timeout: {TIMEOUT_ENV}=<seconds> (now {timeout_s:g})")
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # anything the import left running
+        _stop(proc)
     tail = err.decode(errors="replace").rsplit("MRL-PROBE ", 1)
     if proc.returncode == 90:
         return f"{where} called {tail[-1].strip()}, which would end mrl itself; {fix}"
@@ -157,6 +195,8 @@ def load_callable(spec: str, key: str, registered: Mapping[str, Any] | None = No
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
         raise ValueError(f"{key}={spec!r} is not {FORMS}; fix: e.g. {key}=my_plugins.py:my_fn")
+    if (verdict := _refused(target)) is not None:
+        raise ValueError(verdict)
     if target.endswith(".py"):
         module = _load_file(Path(target), key, spec)
     else:

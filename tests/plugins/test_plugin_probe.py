@@ -3,6 +3,10 @@ one that calls sys.exit, raises KeyboardInterrupt, hangs or crashes the interpre
 config error naming the key, not a silent exit 0, a traceback or a frozen plan (issue 33)."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -62,3 +66,50 @@ def test_the_in_process_import_turns_sys_exit_into_an_error(tmp_path: Path) -> N
     f.write_text(BAD["exit0"][0] + GOOD)
     with pytest.raises(ValueError, match="SystemExit"):
         mrl.plugins.load_callable(f"{f}:score", "reward.function")
+
+
+def test_a_plugin_slower_than_the_check_is_refused_and_not_imported_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 45 item 5: the child-process check's timeout is a verdict. `mrl plan` refuses (exit 2, the key, the
+    timeout, the fix) and nothing imports the module in-process afterwards: the check's child is its one import."""
+    marker = tmp_path / "imports.txt"
+    f = tmp_path / "slow.py"
+    f.write_text(f"import os, time\nwith open({str(marker)!r}, 'a') as m:\n    m.write(f'{{os.getpid()}}\\n')\n"
+                 "time.sleep(3)\n" + GOOD)
+    monkeypatch.setenv(mrl.plugins.TIMEOUT_ENV, "0.5")
+    (tmp_path / "run.yaml").write_text("")
+    assert main(["plan", str(tmp_path / "run.yaml"), "model.path=/nonexistent", "data.train_files=[/nonexistent/t.jsonl]",
+                 f"reward.function={f}:score"]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert f"reward.function='{f}:score': importing '{f}' did not finish within 0.5 s" in err, err
+    assert "fix:" in err and f"{mrl.plugins.TIMEOUT_ENV}=<seconds>" in err and "Traceback" not in err, err
+    with pytest.raises(ValueError, match="did not finish within 0.5 s"):  # a later in-process load: same verdict
+        mrl.plugins.load_callable(f"{f}:score", "reward.function")
+    pids = marker.read_text().split()
+    assert len(pids) == 1 and int(pids[0]) != os.getpid(), pids  # imported once, in the check's child
+
+
+def test_a_timed_out_check_does_not_wait_for_a_process_the_import_set_loose(tmp_path: Path) -> None:
+    """A plugin that starts a process in a session of its own (out of reach of the group kill) holding the check's
+    stderr pipe: the check still returns at its timeout, instead of waiting for that process to end."""
+    pid_file = tmp_path / "pid"
+    f = tmp_path / "loose.py"
+    f.write_text(f"import subprocess, time\np = subprocess.Popen(['sleep', '30'], start_new_session=True)\n"
+                 f"open({str(pid_file)!r}, 'w').write(str(p.pid))\ntime.sleep(600)\n" + GOOD)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ValueError, match="did not finish within 0.5 s"):
+            mrl.plugins.probe_import(f"{f}:score", "reward.function", timeout_s=0.5)
+        assert time.monotonic() - t0 < 10
+    finally:
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_a_bad_timeout_setting_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(mrl.plugins.TIMEOUT_ENV, "soon")
+    f = tmp_path / "good2.py"
+    f.write_text(GOOD)
+    with pytest.raises(ValueError, match=f"{mrl.plugins.TIMEOUT_ENV}='soon' is not a positive number"):
+        mrl.plugins.probe_import(f"{f}:score", "reward.function")
