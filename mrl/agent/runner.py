@@ -55,11 +55,19 @@ class ToolRunner:
     """``await runner.call(spec, arguments)``: at most ``workers`` calls run at once, each within
     ``timeout_s`` seconds and ``memory_mb`` MiB of address space. Use on one event loop; ``close()`` ends it."""
 
-    def __init__(self, *, workers: int = 4, timeout_s: float = 10.0, memory_mb: int = 1024) -> None:
-        if workers < 1 or timeout_s <= 0 or memory_mb < 64:
-            raise ValueError(f"ToolRunner(workers={workers}, timeout_s={timeout_s}, memory_mb={memory_mb}): "
-                             "need workers >= 1, timeout_s > 0, memory_mb >= 64")
+    def __init__(self, *, workers: int = 4, timeout_s: float = 10.0, memory_mb: int = 1024,
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        from mrl.agent.worker import memory_limit_problem
+
+        if workers < 1 or timeout_s <= 0 or memory_mb < 64 or startup_timeout_s <= 0:
+            raise ValueError(f"ToolRunner(workers={workers}, timeout_s={timeout_s}, memory_mb={memory_mb}, "
+                             f"startup_timeout_s={startup_timeout_s}): need workers >= 1, timeout_s > 0, "
+                             "memory_mb >= 64, startup_timeout_s > 0")
+        if (why := memory_limit_problem(memory_mb)) is not None:  # every worker would die at its setrlimit
+            raise ValueError(f"agent.tool_memory_mb={memory_mb} (ToolRunner memory_mb): a tool worker cannot set this "
+                             f"memory limit (RLIMIT_AS): {why}; fix: a smaller agent.tool_memory_mb")
         self.workers, self.timeout_s, self.memory_mb = workers, timeout_s, memory_mb
+        self.startup_timeout_s = startup_timeout_s
         self._idle: list[_Worker] = []
         self._sem: asyncio.Semaphore | None = None
         self._all: set[_Worker] = set()
@@ -78,15 +86,29 @@ class ToolRunner:
         w = _Worker(proc, cwd)
         self._all.add(w)
         assert proc.stdout is not None
+        timed_out = False
         try:  # generous: a loaded host starts an interpreter slowly, and the call's timeout starts after
-            ready = await asyncio.wait_for(proc.stdout.readline(), STARTUP_TIMEOUT_S)
+            ready = await asyncio.wait_for(proc.stdout.readline(), self.startup_timeout_s)
         except TimeoutError:
-            ready = b""
-        if not ready.startswith(b'{"ready"'):
-            self._all.discard(w)
+            ready, timed_out = b"", True
+        if ready.startswith(b'{"ready"'):
+            return w
+        self._all.discard(w)
+        if timed_out:
             await w.kill()
-            raise RuntimeError(f"a tool worker did not start within {STARTUP_TIMEOUT_S:.0f} s (exit code {proc.returncode})")
-        return w
+            raise RuntimeError(f"a tool worker did not start within {self.startup_timeout_s:g} s (a loaded host?)")
+        # it ended (or said why it could not start) before it was ready: no waiting out the timeout
+        try:
+            code = await asyncio.wait_for(proc.wait(), 5.0)
+        except TimeoutError:
+            code = None
+        await w.kill()
+        why = ""
+        with contextlib.suppress(ValueError, AttributeError):
+            why = json.loads(ready).get("startup_error", "")
+        if not why:
+            why = f"its first line was {ready[:200]!r}" if ready else "it wrote nothing"
+        raise RuntimeError(f"a tool worker exited at start with exit code {code}: {why}")
 
     async def call(self, spec: str, arguments: dict[str, Any], timeout_s: float | None = None) -> ToolOutcome:
         """Run tool ``spec`` with ``arguments`` (keywords); the outcome, never an exception."""

@@ -19,6 +19,17 @@ from typing import Any
 ERROR_CHARS = 1000
 
 
+def memory_limit_problem(mb: int) -> str | None:
+    """Why RLIMIT_AS cannot be set to ``mb`` MiB in this process (and so in a worker it starts), or None."""
+    soft = mb * 1024 * 1024
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    if soft >= 1 << 63:  # rlim_t's range as Python's resource module takes it
+        return f"{mb} MiB = {soft} bytes does not fit an rlimit (at most {((1 << 63) - 1) >> 20} MiB)"
+    if hard != resource.RLIM_INFINITY and soft > hard:
+        return f"{mb} MiB is above this process's hard RLIMIT_AS of {hard >> 20} MiB (ulimit -v)"
+    return None
+
+
 def _limit_memory(mb: int) -> None:
     soft = mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (soft, resource.getrlimit(resource.RLIMIT_AS)[1]))
@@ -57,7 +68,12 @@ def main() -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     import mrl.agent.tools  # noqa: F401 - imported before the limit: the limit is for the tool's own memory
-    _limit_memory(args.memory_mb)
+    try:
+        _limit_memory(args.memory_mb)
+    except (OSError, ValueError, OverflowError) as e:  # the runner reports this line instead of "did not start"
+        proto.write(json.dumps({"startup_error": f"its memory limit agent.tool_memory_mb={args.memory_mb} failed in "
+                                                 f"setrlimit(RLIMIT_AS): {type(e).__name__}: {e}"}) + "\n")
+        return 3
     cache: dict[str, Any] = {}
     proto.write('{"ready": true}\n')  # the runner times calls from here, not from the interpreter's start
     for line in sys.stdin:

@@ -1,7 +1,10 @@
 """Tool worker pool: results, and every fault (raise, hang, junk, memory, death) as an error message
 for the model that leaves the pool serving (docs/agent.md, "Tool contract")."""
 import asyncio
+import time
 from pathlib import Path
+
+import pytest
 
 from mrl.agent.runner import ERROR, OK, TIMEOUT, ToolRunner
 
@@ -64,3 +67,26 @@ def test_builtin_calculator_in_a_worker():
     assert (ok.status, ok.text) == (OK, "178377") and half.text == "3.5"
     assert big.status == ERROR and "exponent" in big.text
     assert evil.status == ERROR and "unsupported syntax" in evil.text
+
+
+def test_an_out_of_range_memory_limit_is_refused_up_front():
+    """Issue 45 item 5: a limit setrlimit cannot take is named when the runner is built, not as "a tool worker did
+    not start within 120 s" at every call."""
+    with pytest.raises(ValueError) as e:
+        ToolRunner(workers=1, timeout_s=5.0, memory_mb=10**13)
+    msg = str(e.value)
+    assert "agent.tool_memory_mb=10000000000000" in msg and "RLIMIT_AS" in msg and "does not fit" in msg, msg
+    assert "fix:" in msg
+
+
+def test_a_worker_that_dies_at_start_is_reported_at_once_with_its_error():
+    """A worker whose setrlimit fails (the limit reached it without the runner's check) exits before it is ready: the
+    call says so at once, with the key, the value and the OS error, instead of waiting out the startup timeout."""
+    runner = ToolRunner(workers=1, timeout_s=5.0, memory_mb=256, startup_timeout_s=60.0)
+    runner.memory_mb = 10**13
+    t0 = time.monotonic()
+    (out,) = _run(runner, [("echo", {"text": "hi"}, {})])
+    assert time.monotonic() - t0 < 30
+    assert out.status == ERROR and "exited at start with exit code 3" in out.text, out.text
+    assert "agent.tool_memory_mb=10000000000000" in out.text and "OverflowError" in out.text, out.text
+    assert "did not start within" not in out.text and "Traceback" not in out.text
