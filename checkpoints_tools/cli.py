@@ -12,7 +12,8 @@ The command starts pp × lcm(tp, ep×etp) ranks itself (gloo on
 CPU, NCCL when enough GPUs are visible; ``--device`` overrides), writes into a hidden temp
 directory next to ``--out`` and renames it at the end, so a failed run leaves no half checkpoint.
 A non-empty ``--out`` is refused unless ``--force``. Exit status: 0 ok, 1 conversion error,
-2 usage error.
+2 usage or input error (a flag, a path, a layout the model cannot take, an input checkpoint whose
+tensors are missing or do not fit its config.json): one sentence naming what to fix.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import sys
 from pathlib import Path
 
 from checkpoints_tools.preflight import (
+    CheckpointInputError,
     PreflightError,
     check_hf_weights,
     check_host,
@@ -105,9 +107,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_MCORE_FILES = ("metadata.json", "common.pt", ".metadata")
+
+
+def _input_dir(flag: str, path: Path, kind: str) -> None:
+    """``path`` given for ``flag`` is a file: say so and what to pass (``kind``: "mcore" or "hf")."""
+    if not path.is_file():
+        return
+    parent = path.resolve().parent
+    if kind == "mcore" and all((parent / f).exists() for f in _MCORE_FILES):
+        hint = f"pass the checkpoint directory that holds it: {parent}"
+    elif kind == "mcore" and (path.suffix == ".safetensors" or path.name.endswith(".json")):
+        hint = ("that is a Hugging Face file; pass a Megatron checkpoint directory (metadata.json, common.pt, "
+                "*.distcp: what `mrl-ckpt hf-to-mcore --out` or a training run's checkpoints/global_step_N/actor holds)")
+    elif kind == "hf" and (parent / "config.json").is_file():
+        hint = f"pass the Hugging Face checkpoint directory that holds it: {parent}"
+    else:
+        hint = ("pass a Megatron checkpoint directory (metadata.json, common.pt, *.distcp)" if kind == "mcore"
+                else "pass a Hugging Face checkpoint directory (config.json + *.safetensors)")
+    where = flag if flag.startswith("--") else f"{flag} was given"
+    raise UsageError(f"{where} {path}: that is a file, not a checkpoint directory; fix: {hint}")
+
+
 def _prepare_out(out: Path, force: bool, inputs: list[Path]) -> Path:
     """Check ``out`` and return a fresh temp dir beside it (renamed onto ``out`` at the end)."""
-    out = out.resolve()
+    given, out = out, out.resolve()
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a directory")
     for inp in inputs:
@@ -121,8 +145,24 @@ def _prepare_out(out: Path, force: bool, inputs: list[Path]) -> Path:
     sweep_stale_tmp(out)  # left by a conversion that was killed (SIGKILL runs no clean-up)
     tmp = out.parent / f".{out.name}.mrl-ckpt-tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise UsageError(f"--out {given} cannot be written: {_unwritable(out.parent, e)}; fix: an --out under a "
+                         "directory you can write to (it is created with its missing parents)") from None
     return tmp
+
+
+def _unwritable(parent: Path, e: OSError) -> str:
+    """Why a directory cannot be created under ``parent`` (its nearest existing ancestor, and the OS's reason)."""
+    anc = parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        return f"{anc} is a file, not a directory"
+    if anc == parent:
+        return f"a directory cannot be created in {parent} ({e.strerror})"
+    return f"{parent} does not exist and cannot be created in {anc} ({e.strerror})"
 
 
 def _finish(tmp: Path, out: Path) -> None:
@@ -159,6 +199,7 @@ def _hf_to_mcore(args: argparse.Namespace) -> None:
     from mrl.megatron.provider import load_hf_config, model_family
 
     world = _check_sizes(args)
+    _input_dir("--hf", args.hf, "hf")
     if not (args.hf / "config.json").is_file():
         raise UsageError(f"--hf {args.hf} has no config.json; point it at a Hugging Face checkpoint directory")
     try:
@@ -215,6 +256,7 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
     from mrl.megatron.checkpoint import verify_checkpoint
 
     world = _check_sizes(args)
+    _input_dir("--mcore", args.ckpt, "mcore")
     info = verify_checkpoint(args.ckpt)  # missing/truncated shard files fail here, by name
     meta = info["metadata"]
     model_dtype = str(meta.get("params_dtype", "float32"))
@@ -247,6 +289,7 @@ def _mcore_to_peft(args: argparse.Namespace) -> None:
     from mrl.megatron.lora_io import read_lora_meta, write_peft
 
     world = _check_sizes(args)
+    _input_dir("--mcore", args.ckpt, "mcore")
     lora = read_lora_meta(args.ckpt)
     if lora is None:
         raise UsageError(f"{args.ckpt} has no lora_config.json: not a LoRA checkpoint (actor.lora.rank was 0); "
@@ -278,6 +321,7 @@ def _reshard(args: argparse.Namespace) -> None:
     from mrl.megatron.checkpoint import verify_checkpoint
 
     world = _check_sizes(args)
+    _input_dir("--in", args.ckpt, "mcore")
     info = verify_checkpoint(args.ckpt)
     meta = info["metadata"]
     if meta.get("has_optimizer"):
@@ -335,6 +379,7 @@ def _run(args: argparse.Namespace) -> int:
         else:
             from checkpoints_tools.inspect_ckpt import inspect_checkpoint
 
+            _input_dir("inspect", args.ckpt, "mcore")
             print(inspect_checkpoint(args.ckpt, checksums=not args.no_checksums))
     except (UsageError, PreflightError) as e:
         print(f"mrl-ckpt: error: {e}", file=sys.stderr)
@@ -342,6 +387,10 @@ def _run(args: argparse.Namespace) -> int:
     except RankError as e:
         if args.debug:
             print(e.details, file=sys.stderr)
+        prefix = f"{CheckpointInputError.__name__}: "
+        if e.message.startswith(prefix):  # the input's problem, found by a rank: a sentence, as a usage error
+            print(f"mrl-ckpt: error: {e.message.removeprefix(prefix)}", file=sys.stderr)
+            return 2
         print(f"mrl-ckpt {args.command}: error: {e.message}  [rank {e.rank}; --debug for the traceback]",
               file=sys.stderr)
         return 1

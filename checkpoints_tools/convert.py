@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from checkpoints_tools.preflight import CheckpointInputError
 from mrl.dtypes import torch_dtype
 
 
@@ -102,22 +103,75 @@ def hf_to_mcore_rank(
     names = hf_names_for_stage(chunks, cfg)
     missing = [n for n in names if n not in reader]
     if missing:
-        raise KeyError(
-            f"tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} missing from the HF "
-            f"checkpoint {hf_dir} ({len(reader.names())} tensors present): the checkpoint is "
-            "incomplete or config.json names another architecture"
+        raise CheckpointInputError(
+            f"--hf {hf_dir}: tensor(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} are missing from "
+            f"{_weight_files(hf_dir)} ({len(reader.names())} tensors there), and its config.json "
+            f"({_describe(cfg)}) needs them; fix: re-download or re-save the complete checkpoint, or put the "
+            "config.json these weights were saved with next to them"
         )
     bar = iter(_progress(names, total=len(names), desc="hf -> mcore (stage of rank 0)"))
+    read: list[tuple[str, tuple[int, ...]]] = []
 
     def get_tensor(name: str) -> torch.Tensor:
         next(bar, None)
-        return reader.get(name)
+        t = reader.get(name)
+        read.append((name, tuple(t.shape)))
+        return t
 
-    load_hf_weights(chunks, cfg, get_tensor)
+    try:
+        load_hf_weights(chunks, cfg, get_tensor)
+    except (ValueError, RuntimeError, IndexError) as e:  # every name is present: the shapes do not fit config.json
+        raise CheckpointInputError(_shape_problem(hf_dir, cfg, read, e)) from e
     for _ in bar:  # finish the bar (tied weights are read twice, some names once)
         pass
     save_checkpoint(out_dir, chunks, hf_config=cfg)
     return {"rank": rank}
+
+
+def _weight_files(hf_dir: str, names: list[str] | None = None) -> str:
+    """The safetensors file(s) holding ``names`` (all of the checkpoint's without names), for a message."""
+    from mrl.megatron.hf_io import INDEX_NAME, SINGLE_NAME
+
+    index = Path(hf_dir) / INDEX_NAME
+    if not index.is_file():
+        return str(Path(hf_dir) / SINGLE_NAME)
+    where = json.loads(index.read_text()).get("weight_map", {})
+    files = sorted({where[n] for n in names if n in where}) if names else sorted(set(where.values()))
+    return ", ".join(str(Path(hf_dir) / f) for f in files[:4]) + (" ..." if len(files) > 4 else "")
+
+
+def _describe(cfg: Any) -> str:
+    arch = (getattr(cfg, "architectures", None) or ["?"])[0]
+    return (f"{arch}, {getattr(cfg, 'num_hidden_layers', '?')} layers, hidden {getattr(cfg, 'hidden_size', '?')}, "
+            f"{getattr(cfg, 'num_attention_heads', '?')} heads")
+
+
+def _culprits(cfg: Any, last: str) -> list[str]:
+    """The HF tensors of the one Megatron parameter whose conversion read ``last`` last (q/k/v, gate/up or one):
+    the mapping table's rule that names ``last``, formatted with its layer/expert index."""
+    import re
+
+    from mrl.megatron.mapping import FAMILY_TABLES
+    from mrl.megatron.provider import model_family
+
+    for rule in FAMILY_TABLES.get(model_family(cfg), ()):
+        for pattern in rule.hf:
+            regex = re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+            if (m := re.fullmatch(regex, last)) is not None:
+                return [p.format(**m.groupdict()) for p in rule.hf]
+    return [last]
+
+
+def _shape_problem(hf_dir: str, cfg: Any, read: list[tuple[str, tuple[int, ...]]], e: Exception) -> str:
+    """One sentence for a tensor whose shape does not fit config.json: the tensors of the parameter whose
+    conversion failed (read just before it is filled), their shapes and file, and what went wrong."""
+    shapes = dict(read)
+    last = [n for n in _culprits(cfg, read[-1][0]) if n in shapes] if read else []
+    text = str(e).removesuffix(": config.json does not match the weights")
+    detail = text if text.startswith("HF tensor") else f"{type(e).__name__}: {text}"
+    return (f"--hf {hf_dir}: the weights do not fit config.json ({_describe(cfg)}): tensor(s) "
+            f"{', '.join(f'{n} {list(shapes[n])}' for n in last)} in {_weight_files(hf_dir, last)} ({detail}); "
+            "fix: put the config.json these weights were saved with next to them, or re-save the checkpoint")
 
 
 def mcore_to_hf_rank(

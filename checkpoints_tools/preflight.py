@@ -20,6 +20,12 @@ class PreflightError(ValueError):
     """A layout, host or input problem found before any rank starts (``mrl-ckpt`` exits 2)."""
 
 
+class CheckpointInputError(ValueError):
+    """An input checkpoint a rank found unusable (a tensor missing, a tensor whose shape does not fit config.json):
+    a user's file to fix, not a conversion failure, so ``mrl-ckpt`` exits 2 with the message alone. Raised in a rank;
+    the parent recognises it by the ``CheckpointInputError: `` prefix of the rank's error line."""
+
+
 def check_layout(args: argparse.Namespace, model_dir: Path) -> None:
     """``--tp/--pp/--vpp`` (and ``--ep`` where the command has it) shard the model of ``model_dir/config.json``."""
     from mrl.config.hf import read_model_shape

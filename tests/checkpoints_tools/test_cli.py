@@ -143,7 +143,28 @@ def test_missing_hf_tensor_is_named(tmp_path: Path) -> None:
     save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
     proc = _cli("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "m"), "--tp", "1", "--pp", "1",
                 "--device", "cpu", "--timeout", "240")
-    assert proc.returncode == 1, proc.stderr
-    assert "model.layers.1.mlp.up_proj.weight" in proc.stderr and "missing" in proc.stderr, proc.stderr
+    # the input's fault: exit 2 and one sentence (tensor, file, fix), as every other refusal (issue 45 item 5)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"mrl-ckpt: error: --hf {hf}: tensor(s) model.layers.1.mlp.up_proj.weight are "
+                                  f"missing from {hf / 'model.safetensors'}"), proc.stderr
+    assert "fix:" in proc.stderr and "KeyError" not in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "m").exists()
     assert not [p for p in tmp_path.iterdir() if "mrl-ckpt-tmp" in p.name]  # temp dir cleaned up
+
+
+def test_a_tensor_of_the_wrong_shape_is_named(tmp_path: Path) -> None:
+    """A down_proj stored transposed: exit 2, the tensor, its shape and file, the fix; not `ValueError: ...`, exit 1."""
+    from safetensors.torch import load_file, save_file
+
+    hf = make_tiny_hf(tmp_path / "hf", "qwen2")
+    tensors = load_file(str(hf / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name].t().contiguous()
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    proc = _cli("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "m"), "--device", "cpu", "--timeout", "240")
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr
+    assert err.startswith(f"mrl-ckpt: error: --hf {hf}: the weights do not fit config.json"), err
+    assert f"{name} {list(tensors[name].shape)} in {hf / 'model.safetensors'}" in err, err
+    assert "fix:" in err and "ValueError" not in err and "Traceback" not in err, err
+    assert not (tmp_path / "m").exists() and not [p for p in tmp_path.iterdir() if "mrl-ckpt-tmp" in p.name]

@@ -56,6 +56,46 @@ def test_a_truncated_safetensors_is_named(hf: Path, tmp_path: Path, capsys: pyte
     assert str(f) in err and ("truncated" in err or "header length" in err) and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("where", ["under_a_file", "in_proc"])
+def test_an_out_that_cannot_be_written_is_named_not_the_temp_dir(
+        where: str, hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 45 item 5: --out under a file, or where no directory can be made (/proc/<pid>: ENOENT even for root),
+    is a usage error naming --out and why; before, a raw `[Errno 2]` on the hidden temp directory, exit 1."""
+    if where == "under_a_file":
+        (tmp_path / "afile").write_text("")
+        out, why = tmp_path / "afile" / "sub" / "out", f"{tmp_path / 'afile'} is a file, not a directory"
+    else:
+        out, why = Path(f"/proc/{os.getpid()}/out"), f"a directory cannot be created in /proc/{os.getpid()}"
+    assert main(["hf-to-mcore", "--hf", str(hf), "--out", str(out), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mrl-ckpt: error: --out {out} cannot be written: {why}"), err
+    assert "fix:" in err and "mrl-ckpt-tmp" not in err and "Errno" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("given, hint", [
+    ("config.json", "that is a Hugging Face file; pass a Megatron checkpoint directory"),  # not what inspect reads
+    ("notes.txt", "pass a Megatron checkpoint directory"),
+])
+def test_inspect_given_a_file_says_it_is_a_file(given: str, hint: str, hf: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    f = hf / given if given == "config.json" else tmp_path / given
+    f.touch()
+    assert main(["inspect", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mrl-ckpt: error: inspect was given {f}: that is a file, not a checkpoint directory"), err
+    assert f"fix: {hint}" in err and "does not exist" not in err and "Traceback" not in err, err
+
+
+def test_a_file_inside_a_checkpoint_directory_points_at_the_directory(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("metadata.json", "common.pt", ".metadata", "__0_0.distcp"):
+        (tmp_path / name).write_text("")
+    assert main(["inspect", str(tmp_path / "__0_0.distcp")]) == 2
+    assert f"pass the checkpoint directory that holds it: {tmp_path}" in capsys.readouterr().err
+    assert main(["mcore-to-hf", "--mcore", str(tmp_path / "common.pt"), "--out", str(tmp_path / "o")]) == 2
+    assert f"--mcore {tmp_path / 'common.pt'}: that is a file" in capsys.readouterr().err
+
+
 def test_stale_temp_dirs_of_dead_runs_are_swept(tmp_path: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
