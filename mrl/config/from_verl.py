@@ -169,7 +169,6 @@ UNMAPPED: dict[str, str] = {
     A + "megatron.override_transformer_config.": "Megatron TransformerConfig overrides are not passed through",
     REF + "megatron.override_transformer_config.": "Megatron TransformerConfig overrides are not passed through",
     A + "profiler.": "profiling is not configurable in mrl", "trainer.profile_steps": "profiling is not configurable in mrl",
-    "trainer.device": "set cluster.device (auto|cuda|cpu)",
     "trainer.balance_batch": "no switch in mrl",
     "trainer.ray_wait_register_center_timeout": "not needed by mrl's Ray setup",
     "trainer.log_freq": "mrl logs every step",
@@ -290,6 +289,14 @@ def _rm_pool_devices(t: Translation, v: Any, key: str) -> None:
         t.set("reward_model.num_devices", v)
 
 
+def _device(t: Translation, v: Any) -> None:
+    device = {"cuda": "cuda", "gpu": "cuda", "cpu": "cpu"}.get(str(v).lower())
+    if device is None:
+        raise Unmappable(f"mrl runs on CUDA GPUs (cluster.device=cuda) or, for development, on CPU "
+                         f"(cluster.device=cpu with rollout.engine=torch); not on {v}")
+    t.set("cluster.device", device)
+
+
 def _context_parallel(t: Translation, v: Any, role: str) -> None:
     # mrl plan refuses context_parallel_size > 1 (not implemented in mrl's workers): the YAML keeps the default 1
     if isinstance(v, int) and not isinstance(v, bool) and v > 1:
@@ -312,6 +319,7 @@ def _remove_padding(t: Translation, v: Any) -> None:
 
 
 CONVERTERS: dict[str, Callable[[Translation, Any], None]] = {
+    "trainer.device": _device,
     AR + "model.use_remove_padding": _remove_padding,
     A + "optim.warmup_style": _warmup_style,
     A + "optim.lr_scheduler_type": _warmup_style,
@@ -411,6 +419,12 @@ def _finish(t: Translation) -> None:
                             "re-renders them; only then does a length bound apply")))
     if t.get("actor.use_dynamic_bsz") is not None and t.get("critic.use_dynamic_bsz") is None and t.config.get("critic"):
         t.set("critic.use_dynamic_bsz", t.get("actor.use_dynamic_bsz"))  # verl's critic default follows the actor's
+    if t.config and t.get("cluster.device") is None and not any(k == "trainer.device" for k, _, _ in t.unmapped):
+        # verl's trainer.device defaults to cuda; `auto` would make the plan depend on the host it runs on
+        t.set("cluster.device", "cuda")
+        t.notes.append("cluster.device=cuda: a verl launch is a GPU run (verl's trainer.device defaults to cuda), so "
+                       "`mrl plan` plans it for GPUs on any host; to try it on a CPU host instead: cluster.device=cpu "
+                       "rollout.engine=torch (and a small model)")
     nnodes = t.get("cluster.nnodes")
     if isinstance(nnodes, int) and nnodes > 1:
         t.set("rollout.host", "0.0.0.0")

@@ -32,8 +32,8 @@ def _has(d: dict, sub: dict) -> bool:
 
 
 def _plan(capsys: pytest.CaptureFixture[str], path: Path) -> tuple[int, str]:
-    # cluster.device=cuda: verl's scripts are GPU runs (SGLang engines); `auto` on this CPU host refuses SGLang
-    rc = main(["plan", str(path), "cluster.device=cuda"])
+    # as written: the translation says cluster.device=cuda (verl's scripts are GPU runs), so this CPU host plans it
+    rc = main(["plan", str(path)])
     return rc, capsys.readouterr().err
 
 
@@ -45,7 +45,7 @@ def test_grpo_megatron(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> No
     assert _has(cfg["rollout"], {"engine": "sglang", "engine_tp_size": 2, "n": 8, "max_response_length": 1536,
                                  "mem_fraction_static": 0.55, "placement": "colocated"})
     assert cfg["rollout"]["weight_sync"] == {"transport": "tensor"}
-    assert cfg["cluster"] == {"n_gpus_per_node": 8, "nnodes": 1} and cfg["trainer"]["logger"] == ["console"]
+    assert cfg["cluster"] == {"n_gpus_per_node": 8, "nnodes": 1, "device": "cuda"} and cfg["trainer"]["logger"] == ["console"]
     text = out.read_text()
     assert "$HOME is not defined in the script" in text and "trainer.logger=[console,wandb]: mrl logs to console and mlflow only" in text
     assert "not mapped: data.truncation=error" in err
@@ -98,7 +98,7 @@ def test_lora(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert "not mapped: actor_rollout_ref.rollout.layered_summon=True" in err
     rc, perr = _plan(capsys, out)
     assert rc == 0, perr
-    assert load_config(str(out), ["cluster.device=cuda"]).actor.lora.targets[0] == "q_proj"
+    assert load_config(str(out)).actor.lora.targets[0] == "q_proj"
 
 
 def test_overrides_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -207,3 +207,30 @@ def test_use_remove_padding_becomes_mrls_packed_rows() -> None:
     assert any("use_remove_padding" in n and "auto" in n for n in on.notes)
     off = translate_overrides(["actor_rollout_ref.model.use_remove_padding=False"])
     assert off.get("actor.use_remove_padding") is False
+
+
+def test_readme_dapo_line_then_plan_on_any_host(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's `mrl from-verl tests/config/verl_scripts/dapo.sh -o dapo.yaml`, then the natural `mrl plan dapo.yaml`
+    with no override: a verl script is a GPU run, so the YAML says cluster.device: cuda (with a note) and the plan
+    does not depend on this host having a GPU (issue 45 item 5)."""
+    monkeypatch.chdir(tmp_path)
+    script = Path(__file__).resolve().parents[2] / "tests/config/verl_scripts/dapo.sh"
+    assert main(["from-verl", str(script), "-o", "dapo.yaml"]) == 0
+    capsys.readouterr()
+    text = (tmp_path / "dapo.yaml").read_text()
+    assert yaml.safe_load(text)["cluster"]["device"] == "cuda"
+    assert "# note: cluster.device=cuda: a verl launch is a GPU run" in text and "cluster.device=cpu" in text
+    monkeypatch.setattr("mrl.config.validate._gpu_visible", lambda: False)  # what a CPU host shows
+    assert main(["plan", "dapo.yaml"]) == 0, capsys.readouterr().err
+    assert "needs CUDA devices" not in capsys.readouterr().err
+
+
+def test_trainer_device_is_carried_over() -> None:
+    """verl's trainer.device: cuda/cpu set cluster.device (no note); npu is reported (mrl has no NPU support)."""
+    assert translate_overrides(["data.seed=1", "trainer.device=cpu"]).get("cluster.device") == "cpu"
+    gpu = translate_overrides(["data.seed=1", "trainer.device=cuda"])
+    assert gpu.get("cluster.device") == "cuda" and not [n for n in gpu.notes if "cluster.device" in n]
+    npu = translate_overrides(["data.seed=1", "trainer.device=npu"])
+    assert npu.get("cluster.device") is None and npu.unmapped[0][0] == "trainer.device"
+    assert "CUDA GPUs" in npu.unmapped[0][2]
