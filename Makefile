@@ -24,7 +24,8 @@ $(VENV)/.installed: setup.py requirements-sglang-cpu.txt requirements-oracles.tx
 	@# SGLang's own code for the conformance tests, off the venv's import path (see the file's header)
 	rm -rf $(VENV)/sglang-cpu
 	$(INSTALL) -q --no-deps --target $(VENV)/sglang-cpu -r requirements-sglang-cpu.txt
-	@# verl's code, the oracle of tests/algorithms/oracle/, likewise off the import path (tests/helpers/verl_oracle.py)
+	@# verl's and TRL's code, the oracles of tests/algorithms/oracle/ and tests/workers/test_trl_loss.py, likewise off
+	@# the import path (tests/helpers/verl_oracle.py, trl_oracle.py)
 	rm -rf $(VENV)/oracles
 	$(INSTALL) -q --no-deps --target $(VENV)/oracles -r requirements-oracles.txt
 	@touch $@

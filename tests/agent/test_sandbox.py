@@ -63,9 +63,11 @@ def test_runs_as_nobody_without_capabilities() -> None:
 def test_host_files_are_out_of_sight(tmp_path: Path) -> None:
     secret = tmp_path / "secret.txt"
     secret.write_text("the user's key")
+    checkout_file = REPO / "setup.py"
+    assert checkout_file.is_file(), f"{checkout_file} is missing on the host: the probe would pass vacuously"
     code, out, err = run(f"""
         import os
-        for path in [{str(secret)!r}, {str(REPO / 'pyproject.toml')!r}, '/etc/shadow', '/root/.bashrc', '/work']:
+        for path in [{str(secret)!r}, {str(checkout_file)!r}, '/etc/shadow', '/root/.bashrc', '/work']:
             try:
                 open(path).read()
                 print('READ', path)

@@ -1,8 +1,8 @@
 """mrl's actor loss and gradient on one GRPO batch equal TRL's own ``GRPOTrainer._compute_loss``.
 
-Runs where TRL is importable: installed, or put off the import path by ``make bench-deps``
-(``.venv/bench-trl``, as benchmarks/vs_trl.py uses it; ``MRL_TRL_PATH`` names another directory);
-skipped otherwise. TRL's side is a real ``GRPOTrainer`` (tiny Llama, CPU, ``loss_type="dapo"``, the
+TRL is the pinned release that ``make install`` puts in ``.venv/oracles`` (requirements-oracles.txt,
+reached through tests/helpers/trl_oracle.py, as verl's oracle is); a missing install fails the test,
+it never skips. TRL's side is a real ``GRPOTrainer`` (tiny Llama, CPU, ``loss_type="dapo"``, the
 benchmark's setting: Σ_t m_t ℓ_t over the generation batch's token count, i.e. token-mean; PPO clip
 ε = 0.2, no KL). The same batch (left-padded prompts, right-padded completions, one advantage per
 sample, log π_old = the policy's own log-probs plus noise so that ρ ≠ 1 and some tokens clip) goes to
@@ -14,28 +14,17 @@ relative, the gradient of every weight to 1e-5 of its largest entry. The batch h
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import trl_oracle
 from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_models import make_tiny_hf
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[2]
-TRL_PATH = Path(os.environ.get("MRL_TRL_PATH", REPO / ".venv" / "bench-trl"))
 B, P, R = 8, 5, 6
-
-
-def _trl_importable() -> bool:
-    import importlib.util
-
-    if importlib.util.find_spec("trl") is not None:
-        return True
-    return (TRL_PATH / "trl" / "__init__.py").exists()
 
 
 def _batch(path: str) -> dict:
@@ -70,7 +59,7 @@ def _hf_log_probs(model, d) -> torch.Tensor:
 def _trl_side(rank, world, path, d):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)  # one plain process for accelerate, not a distributed launch
-    sys.path.append(str(TRL_PATH))
+    trl_oracle.require()
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -122,9 +111,10 @@ def _mrl_side(rank, world, path, d, old):
     return portable({"loss": m["loss"], "clipfrac": m["pg_clipfrac"], "grads": _grads_by_hf_name(actor)})
 
 
-@pytest.mark.skipif(not _trl_importable(), reason="TRL is not installed (make bench-deps, or MRL_TRL_PATH)")
 def test_actor_loss_and_grads_equal_trl_grpo_loss(tmp_path):
     from tests.workers.batches import portable, tensors
+
+    trl_oracle.check_installed()  # fails (never skips) without the pinned TRL in .venv/oracles
 
     path = str(make_tiny_hf(tmp_path / "llama", "llama"))
     d = _batch(path)
@@ -140,3 +130,19 @@ def test_actor_loss_and_grads_equal_trl_grpo_loss(tmp_path):
         worst = max(worst, diff / scale)
         assert diff <= 1e-5 * scale, f"{name}: |Δg| {diff:.3g} > 1e-5 × {scale:.3g}"
     print(f"loss mrl {mrl['loss']:.8f} trl {trl['loss']:.8f}; worst relative grad difference {worst:.3g}")
+
+
+def test_oracle_pins_are_the_benchmarks():
+    """The TRL this test compares against is the one benchmarks/vs_trl.py runs (requirements-bench.txt, setup.py's
+    bench extra): same trl and datasets pins."""
+    import re
+
+    repo = trl_oracle.REQUIREMENTS.parent
+
+    def pins(text: str) -> dict[str, str]:
+        return dict(re.findall(r"""["']?\b(trl|datasets)==([\w.]+)""", text))
+
+    oracle = pins(trl_oracle.REQUIREMENTS.read_text())
+    assert set(oracle) == {"trl", "datasets"}, oracle
+    assert pins((repo / "requirements-bench.txt").read_text()) == oracle
+    assert pins((repo / "setup.py").read_text()) == oracle
