@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH_DEPS = Path(os.environ.get("MRL_TRL_PATH", REPO / ".venv" / "bench-trl"))  # `make bench-deps` (as tests/workers/test_trl_loss.py)
+BENCH_DEPS = Path(os.environ.get("MRL_TRL_PATH", REPO / ".venv" / "bench-trl"))  # `make bench-deps` (the tests use .venv/oracles)
 SIZES = {  # name: (hidden, layers, new tokens)
     "tiny": (128, 4, 4),
     "compute": (512, 8, 64),
