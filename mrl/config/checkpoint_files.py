@@ -26,9 +26,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenize
 
 
 def supported_architectures() -> dict[str, str]:
-    """The architectures mrl trains (architecture -> family), from the torch-free table the provider builds
-    from: ``mrl plan`` reads it without importing the model code (docs/performance.md)."""
-    from mrl.megatron.architectures import SUPPORTED_ARCHITECTURES
+    """The architectures mrl trains (architecture -> family), from the torch-free family registry the provider
+    builds from (:mod:`mrl.families`): ``mrl plan`` reads it without importing the model code (docs/performance.md)."""
+    from mrl.families import SUPPORTED_ARCHITECTURES
 
     return SUPPORTED_ARCHITECTURES
 

@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}
-_QK_NORM_TYPES = {"qwen3", "qwen3_moe"}
+from mrl.families import FAMILIES
+
+# model_type -> the family's q/k/v bias and q/k norm (mrl/families/<name>.py); other types: neither
+_QKV_BIAS_TYPES = {name for name, fam in FAMILIES.items() if fam.qkv_bias}
+_QK_NORM_TYPES = {name for name, fam in FAMILIES.items() if fam.qk_norm}
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
 """Hugging Face ↔ Megatron-Core weight mapping for any TP/PP(/VPP) layout, table driven.
 
-Each family is a tuple of :class:`Rule`\\ s: a Megatron parameter name (relative to the
-``GPTModel`` for model-level rules, to a ``TransformerLayer`` for per-layer rules), the HF
-name(s) it is made of (``{i}`` is the *global* layer index) and how it is split over TP:
+Each family's table is its ``weight_rules``, declared in its module (``mrl/families/<name>.py``)
+from the building blocks of :mod:`mrl.families.rules`: a tuple of :class:`Rule`\\ s, each a Megatron
+parameter name (relative to the ``GPTModel`` for model-level rules, to a ``TransformerLayer`` for
+per-layer rules), the HF name(s) it is made of (``{i}`` is the *global* layer index) and how it
+is split over TP:
 
 ``replicated``  same tensor on every TP rank (norms, q/k norms).
 ``column``      split along dim 0 (output features).
@@ -30,86 +32,19 @@ yields the whole layer (the weight sync and HF export then treat an MoE model li
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mrl.megatron.provider import head_dim, model_family
+from mrl.families import FAMILIES, family_of
+from mrl.families.rules import EMBED, LM_HEAD, SPLITS, Rule
+from mrl.megatron.provider import head_dim
 from mrl.megatron.unwrap import unwrap
 
-SPLITS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
-
-
-@dataclass(frozen=True)
-class Rule:
-    mcore: str
-    hf: tuple[str, ...]
-    split: str
-    # "model" rules live on the GPTModel (pre/post process stages only), "layer" rules per layer.
-    scope: str = "layer"
-    # One routed expert's tensor: {j} local / {e} global expert index, split over ETP, spread over EP.
-    expert: bool = False
-
-
-_EMBED = Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "model")
-_FINAL_NORM = Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", "model")
-_LM_HEAD = Rule("output_layer.weight", ("lm_head.weight",), "vocab", "model")
-_L = "model.layers.{i}."
-_DENSE_LAYER = (
-    Rule("input_layernorm.weight", (_L + "input_layernorm.weight",), "replicated"),
-    Rule(
-        "self_attention.linear_qkv.weight",
-        (_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"),
-        "qkv",
-    ),
-    Rule("self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",), "row"),
-    Rule("pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",), "replicated"),
-    Rule("mlp.linear_fc1.weight", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), "gate_up"),
-    Rule("mlp.linear_fc2.weight", (_L + "mlp.down_proj.weight",), "row"),
-)
-_QKV_BIAS = Rule(
-    "self_attention.linear_qkv.bias",
-    (_L + "self_attn.q_proj.bias", _L + "self_attn.k_proj.bias", _L + "self_attn.v_proj.bias"),
-    "qkv",
-)
-_QK_NORM = (
-    Rule("self_attention.q_layernorm.weight", (_L + "self_attn.q_norm.weight",), "replicated"),
-    Rule("self_attention.k_layernorm.weight", (_L + "self_attn.k_norm.weight",), "replicated"),
-)
-_MODEL_RULES = (_EMBED, _FINAL_NORM, _LM_HEAD)
-_ATTN_LAYER = tuple(r for r in _DENSE_LAYER if not r.mcore.startswith("mlp."))
-
-
-def _moe_rules(prefix: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
-    """Router + routed experts under HF ``model.layers.{i}.<prefix>``; ``gate/up/down``: expert names."""
-    x = _L + prefix + ".experts.{e}."
-    return (
-        Rule("mlp.router.weight", (_L + prefix + ".gate.weight",), "replicated"),
-        Rule("mlp.experts.local_experts.{j}.linear_fc1.weight", (x + gate + ".weight", x + up + ".weight"),
-             "gate_up", expert=True),
-        Rule("mlp.experts.local_experts.{j}.linear_fc2.weight", (x + down + ".weight",), "row", expert=True),
-    )
-
-
-_QWEN_MOE = _moe_rules("mlp", "gate_proj", "up_proj", "down_proj")
-_SHARED_EXPERT = (
-    Rule("mlp.shared_experts.linear_fc1.weight",
-         (_L + "mlp.shared_expert.gate_proj.weight", _L + "mlp.shared_expert.up_proj.weight"), "gate_up"),
-    Rule("mlp.shared_experts.linear_fc2.weight", (_L + "mlp.shared_expert.down_proj.weight",), "row"),
-    Rule("mlp.shared_experts.gate_weight", (_L + "mlp.shared_expert_gate.weight",), "replicated"),
-)
-
-FAMILY_TABLES: dict[str, tuple[Rule, ...]] = {
-    "llama": _MODEL_RULES + _DENSE_LAYER,
-    "mistral": _MODEL_RULES + _DENSE_LAYER,
-    "qwen2": _MODEL_RULES + _DENSE_LAYER + (_QKV_BIAS,),
-    "qwen3": _MODEL_RULES + _DENSE_LAYER + _QK_NORM,
-    "qwen3_moe": _MODEL_RULES + _ATTN_LAYER + _QK_NORM + _QWEN_MOE,
-    "qwen2_moe": _MODEL_RULES + _ATTN_LAYER + (_QKV_BIAS,) + _QWEN_MOE + _SHARED_EXPERT,
-    "mixtral": _MODEL_RULES + _ATTN_LAYER + _moe_rules("block_sparse_moe", "w1", "w3", "w2"),
-}
+_EMBED, _LM_HEAD = EMBED, LM_HEAD
+# Each family's table, declared in its module (mrl/families/<name>.py, ``weight_rules``).
+FAMILY_TABLES: dict[str, tuple[Rule, ...]] = {name: fam.weight_rules for name, fam in FAMILIES.items()}
 
 TE_RENAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -145,7 +80,8 @@ def _ep() -> tuple[int, int, Any]:
 
 def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tuple[Rule, dict[str, str], torch.Tensor]]:
     """(rule, format args, local Megatron parameter) for every mapped tensor of this rank."""
-    table = FAMILY_TABLES[model_family(hf_config)]
+    family = family_of(hf_config)
+    table = family.weight_rules
     for chunk in map(unwrap, chunks):
         tied = chunk.share_embeddings_and_output_weights
         chunk_params = dict(chunk.named_parameters())
@@ -168,8 +104,8 @@ def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tup
                     if p is None:
                         raise KeyError(
                             f"Megatron layer {i} has no parameter {rule.mcore.format(**fmt)!r} (or its TE name); "
-                            f"the {model_family(hf_config)} table in mrl/megatron/mapping.py does not match "
-                            "the layer spec"
+                            f"the {family.name} table (weight_rules in mrl/families/{family.name}.py) does not "
+                            "match the layer spec"
                         )
                     yield rule, fmt, p
 

@@ -4,7 +4,9 @@ Supported dense decoder families (``architectures`` in config.json): Llama 2/3 (
 rope scaling), Qwen2/2.5 (qkv bias, tied embeddings), Qwen3 (per-head q/k RMSNorm), Mistral (with its
 ``sliding_window``: every layer windowed, on the sdpa and te backends); and the
 Mixture-of-Experts families Qwen3-MoE, Qwen2-MoE and Mixtral (:mod:`mrl.megatron.moe`, where the
-MLP below becomes a routed sum of SwiGLU experts). All are pre-norm RMSNorm decoders with RoPE, GQA
+MLP below becomes a routed sum of SwiGLU experts). What differs per family (qkv bias, q/k norm, window,
+MoE settings, refusals) is declared in its module under :mod:`mrl.families`; this module adds the
+settings common to all of them. All are pre-norm RMSNorm decoders with RoPE, GQA
 and SwiGLU::
 
     h = x + o_proj(attn(rope(q), rope(k), v)),  q, k, v = proj(rmsnorm(x))
@@ -27,12 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mrl.megatron.architectures import SUPPORTED_ARCHITECTURES
-from mrl.megatron.moe import REFUSED_MOE, is_moe_family
-
-_QKV_BIAS_FAMILIES = ("qwen2", "qwen2_moe")
-_QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
-_SLIDING_WINDOW_FAMILIES = ("mistral", "mixtral")  # every layer windowed when config.json sets sliding_window
+# SUPPORTED_ARCHITECTURES (architecture -> family key) is re-exported for the provider's callers
+from mrl.families import FAMILIES, SUPPORTED_ARCHITECTURES, family_of  # noqa: F401
 
 
 def load_hf_config(path: str | os.PathLike) -> Any:
@@ -49,21 +47,8 @@ def load_hf_config(path: str | os.PathLike) -> Any:
 
 
 def model_family(hf_config: Any) -> str:
-    """Family key (``llama``/``qwen2``/``qwen3``/``mistral``) or a clear error listing them."""
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return SUPPORTED_ARCHITECTURES[arch]
-        if arch in REFUSED_MOE:
-            raise ValueError(f"config.json architectures {archs}: not supported yet: {REFUSED_MOE[arch]}")
-    # Configs built in code (not read from disk) carry no architectures: fall back to model_type.
-    if not archs and getattr(hf_config, "model_type", None) in SUPPORTED_ARCHITECTURES.values():
-        return hf_config.model_type
-    raise ValueError(
-        f"unsupported model architectures {archs} in config.json; mrl supports "
-        f"{sorted(SUPPORTED_ARCHITECTURES)}. Convert the checkpoint to one of these, or add a "
-        "family table to mrl/megatron/mapping.py"
-    )
+    """Family key (``llama``/``qwen2``/...: :data:`mrl.families.FAMILIES`) or a clear error listing them."""
+    return family_of(hf_config).name
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -102,7 +87,9 @@ def _rope_params(hf_config: Any) -> tuple[float, bool, float]:
 
 
 def _check_supported(hf_config: Any, family: str) -> None:
-    if getattr(hf_config, "attention_bias", False) and family in ("llama", "qwen3", "mistral", "qwen3_moe", "mixtral"):
+    """The checks common to every family, then the family's own (:meth:`mrl.families.Family.check`)."""
+    fam = FAMILIES[family]
+    if getattr(hf_config, "attention_bias", False) and not fam.qkv_bias:
         raise ValueError("config.json attention_bias=true is not supported for this family")
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("config.json mlp_bias=true is not supported")
@@ -111,10 +98,7 @@ def _check_supported(hf_config: Any, family: str) -> None:
         raise ValueError(f"config.json hidden_act={act!r} is not supported (SwiGLU/silu only)")
     if getattr(hf_config, "use_sliding_window", False):
         raise ValueError("config.json use_sliding_window=true is not supported; set it to false")
-    if is_moe_family(family):
-        from mrl.megatron.moe import check_moe_supported
-
-        check_moe_supported(hf_config, family)
+    fam.check(hf_config)
 
 
 def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float32, **overrides: Any):
@@ -127,8 +111,8 @@ def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float3
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
-    family = model_family(hf_config)
-    _check_supported(hf_config, family)
+    family = family_of(hf_config)
+    _check_supported(hf_config, family.name)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"model dtype {dtype} is not supported; use float32, bfloat16 or float16")
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -145,8 +129,6 @@ def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float3
         "gated_linear_unit": True,
         "activation_func": F.silu,
         "add_bias_linear": False,
-        "add_qkv_bias": family in _QKV_BIAS_FAMILIES,
-        "qk_layernorm": family in _QK_NORM_FAMILIES,
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
         # Fusions need CUDA kernels (apex/TE); the unfused paths are exact in fp32.
@@ -167,17 +149,12 @@ def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float3
         "fp16": dtype == torch.float16,
         "use_cpu_initialization": not on_cuda,
     }
-    window = getattr(hf_config, "sliding_window", None) if family in _SLIDING_WINDOW_FAMILIES else None
-    if window:
-        # transformers: key k is seen by query q iff q - W < k <= q; Megatron's (left, right) = (W - 1, 0)
-        kw["window_size"] = (int(window) - 1, 0)
-    if is_moe_family(family):
-        from mrl.megatron.moe import moe_transformer_kwargs
-
-        kw.update(moe_transformer_kwargs(
-            hf_config, family, ep=ps.get_expert_model_parallel_world_size(),
-            etp=ps.get_expert_tensor_parallel_world_size(),
-        ))
+    if family.is_moe:
+        ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    else:
+        ep = etp = 1
+    # the family's own: add_qkv_bias, qk_layernorm, window_size, the MoE router and experts
+    kw.update(family.transformer_kwargs(hf_config, ep=ep, etp=etp))
     kw.update(overrides)
     return TransformerConfig(**kw)
 
@@ -213,14 +190,13 @@ def layer_spec(hf_config: Any, *, backend: str = "sdpa"):
 
     if backend not in ("te", "sdpa", "local"):
         raise ValueError(f"attention backend {backend!r}: expected te, sdpa or local (resolve auto first)")
-    family = model_family(hf_config)
-    qk = family in _QK_NORM_FAMILIES
-    experts = None
-    if is_moe_family(family):
-        from mrl.megatron.moe import ensure_megatron_moe_importable, num_experts
+    family = family_of(hf_config)
+    need = family.layer_spec_kwargs(hf_config)  # qk_layernorm, num_experts (None: dense)
+    qk, experts = need["qk_layernorm"], need["num_experts"]
+    if family.is_moe:
+        from mrl.megatron.moe import ensure_megatron_moe_importable
 
         ensure_megatron_moe_importable()
-        experts = num_experts(hf_config)
     if backend == "te":
         # Experts as a SequentialMLP of TE linears (names as on the local spec; grouped GEMM would
         # store them as linear_fc1.weight<j>, which mapping.py does not know yet).

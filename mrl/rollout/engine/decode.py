@@ -2,8 +2,9 @@
 
 Two implementations behind one call, chosen once per model:
 
-* :class:`LlamaFamilyDecoder` for the families the model layer supports (llama, qwen2, qwen3,
-  mistral without an active sliding window): the step is written out over the ``transformers``
+* :class:`LlamaFamilyDecoder` for the families the model layer supports (:mod:`mrl.families`: llama,
+  qwen2, qwen3, mistral, the MoE ones, without an active sliding window where the family declares
+  ``engine_refuses_sliding_window``): the step is written out over the ``transformers``
   model's own modules (norms, projections, rotary embedding, MLP), so every weight update by HF
   name is seen at once and rope variants (llama3 scaling) come from the model's rotary module.
   What it does differently from calling the model: K/V of the new token go straight into the
@@ -23,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from mrl.families import FAMILIES
 from mrl.rollout.engine.kv_cache import RunningBatch
 
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED_TYPES = tuple(FAMILIES)  # every family's model_type (mrl/families/)
 LM_HEAD_CHUNK = 1024  # vocabulary rows per LM-head GEMM
 
 
@@ -37,7 +39,7 @@ def fast_path_refusal(config) -> str | None:
     types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in types):
         return "sliding-window attention layers"
-    if mt in ("mistral", "mixtral", "qwen3_moe") and getattr(config, "sliding_window", None) is not None:
+    if FAMILIES[mt].engine_refuses_sliding_window and getattr(config, "sliding_window", None) is not None:
         return f"{mt} sliding_window is set"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"

@@ -28,11 +28,12 @@ import re
 
 import torch
 
-#: ``model_type`` -> (checkpoint module of the MoE block, names of (gate, up, down) per expert)
+from mrl.families import FAMILIES
+
+#: ``model_type`` -> (checkpoint module of the MoE block, names of (gate, up, down) per expert), as each MoE
+#: family declares them (``MoE.block``/``MoE.expert_names`` in mrl/families/<name>.py)
 EXPERT_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
-    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    name: (fam.moe.block, fam.moe.expert_names) for name, fam in FAMILIES.items() if fam.moe is not None
 }
 _FUSED = re.compile(r"^(?P<pre>.*\.layers\.\d+\.)mlp\.experts\.(?P<kind>gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"^(?P<pre>.*\.layers\.\d+\.)mlp\.gate\.weight$")

@@ -1,0 +1,144 @@
+"""What a model family declares (:class:`Family`, :class:`MoE`) and the generic rules that turn those
+declarations into Megatron settings. No torch or Megatron here: ``mrl plan`` and the rollout engine
+read the same objects the trainer builds from.
+
+A family module (``mrl/families/<name>.py``) defines one ``FAMILY = Family(...)`` holding, side by side:
+
+* ``name`` (the family key, which is also the HF ``model_type``) and the HF ``architectures`` it owns;
+* the config facts: ``qkv_bias`` (Megatron ``add_qkv_bias``; ``attention_bias=true`` is refused without
+  it), ``qk_norm`` (per-head q/k RMSNorm: ``qk_layernorm`` in the config and the layer spec),
+  ``sliding_window`` (a set ``sliding_window`` windows every layer: Megatron ``window_size=(W-1, 0)``),
+  ``moe`` (an :class:`MoE`: router, experts, shared expert);
+* ``weight_rules``: its HF ↔ Megatron table (:mod:`mrl.families.rules`, applied by
+  :mod:`mrl.megatron.mapping`);
+* ``engine_refuses_sliding_window``: the embedded engine's fast decode path hands a config with
+  ``sliding_window`` set to transformers' forward (:mod:`mrl.rollout.engine.decode`);
+* ``refuse``: its own refusals, run after the common decoder checks of the provider.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mrl.families.rules import Rule
+
+
+def _zero(_hf_config: Any) -> int:
+    return 0
+
+
+def _accept(_hf_config: Any) -> None:
+    return None
+
+
+def num_experts(hf_config: Any) -> int:
+    n = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    if not n:
+        raise ValueError("config.json of an MoE model has no num_experts / num_local_experts")
+    return int(n)
+
+
+def router_topk(hf_config: Any) -> int:
+    return int(hf_config.num_experts_per_tok)
+
+
+def refuse_mixed_dense_moe(hf_config: Any) -> None:
+    """Qwen's ``decoder_sparse_step`` / ``mlp_only_layers``: mrl builds every layer as an MoE layer."""
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    dense = list(getattr(hf_config, "mlp_only_layers", None) or [])
+    if step != 1 or dense:
+        raise ValueError(
+            f"config.json decoder_sparse_step={step}, mlp_only_layers={dense}: mrl builds every layer "
+            "as an MoE layer; models mixing dense and MoE layers are not supported yet (set "
+            "decoder_sparse_step=1 and mlp_only_layers=[] if the checkpoint really is all-MoE)"
+        )
+
+
+@dataclass(frozen=True)
+class MoE:
+    """A routed-experts family: the HF checkpoint layout of its MoE block and its router settings."""
+
+    block: str                              # HF module of the MoE block: model.layers.{i}.<block>
+    expert_names: tuple[str, str, str]      # one expert's (gate, up, down) names in the checkpoint
+    expert_ffn_size: Callable[[Any], int]   # width of one routed expert's MLP
+    norm_topk: Callable[[Any], bool]        # top-k weights renormalised (softmax over the top-k logits)
+    shared_expert_size: Callable[[Any], int] = _zero  # 0 = no shared expert; else one with a sigmoid gate
+    refuse: Callable[[Any], None] = _accept  # family-specific MoE refusals
+
+    def check(self, hf_config: Any) -> None:
+        """Refuse what Megatron's local MoE layer would compute differently from transformers."""
+        e, k = num_experts(hf_config), router_topk(hf_config)
+        if not 1 <= k <= e:
+            raise ValueError(f"config.json num_experts_per_tok={k} must be in [1, num_experts={e}]")
+        self.refuse(hf_config)
+
+    def transformer_kwargs(self, hf_config: Any, *, ep: int, etp: int) -> dict[str, Any]:
+        """``TransformerConfig`` keywords of the MoE layer (dropless, no grouped GEMM on the local spec;
+        callers may override the dispatcher, the aux-loss coefficient and replay)."""
+        e = num_experts(hf_config)
+        if e % ep:
+            raise ValueError(f"num_experts={e} is not divisible by expert_model_parallel_size={ep}")
+        kw: dict[str, Any] = {
+            "num_moe_experts": e,
+            "moe_ffn_hidden_size": self.expert_ffn_size(hf_config),
+            "moe_router_topk": router_topk(hf_config),
+            # norm_topk: softmax over the top-k logits == renormalised full softmax; else softmax first.
+            "moe_router_pre_softmax": not self.norm_topk(hf_config),
+            "moe_router_score_function": "softmax",
+            "moe_router_load_balancing_type": "aux_loss",
+            "moe_aux_loss_coeff": float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
+            "moe_token_dispatcher_type": "alltoall",
+            "moe_grouped_gemm": False,
+            "moe_permute_fusion": False,
+            "moe_router_fusion": False,
+            "moe_expert_capacity_factor": None,  # dropless, as transformers and SGLang
+            "expert_model_parallel_size": ep,
+            "expert_tensor_parallel_size": etp,
+        }
+        shared = self.shared_expert_size(hf_config)
+        if shared:
+            kw["moe_shared_expert_intermediate_size"] = shared
+            kw["moe_shared_expert_gate"] = True
+            kw["moe_shared_expert_overlap"] = False
+        return kw
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family (see the module docstring for what each field declares)."""
+
+    name: str
+    architectures: tuple[str, ...]
+    weight_rules: tuple[Rule, ...]
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: bool = False
+    moe: MoE | None = None
+    engine_refuses_sliding_window: bool = False
+    refuse: Callable[[Any], None] = _accept
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def check(self, hf_config: Any) -> None:
+        """The family's own refusals (the MoE checks included); the provider runs the common ones first."""
+        self.refuse(hf_config)
+        if self.moe is not None:
+            self.moe.check(hf_config)
+
+    def transformer_kwargs(self, hf_config: Any, *, ep: int = 1, etp: int = 1) -> dict[str, Any]:
+        """The family's ``TransformerConfig`` keywords (the provider adds the common decoder ones)."""
+        kw: dict[str, Any] = {"add_qkv_bias": self.qkv_bias, "qk_layernorm": self.qk_norm}
+        window = getattr(hf_config, "sliding_window", None) if self.sliding_window else None
+        if window:
+            # transformers: key k is seen by query q iff q - W < k <= q; Megatron's (left, right) = (W - 1, 0)
+            kw["window_size"] = (int(window) - 1, 0)
+        if self.moe is not None:
+            kw.update(self.moe.transformer_kwargs(hf_config, ep=ep, etp=etp))
+        return kw
+
+    def layer_spec_kwargs(self, hf_config: Any) -> dict[str, Any]:
+        """What Megatron's layer-spec builders need: ``qk_layernorm`` and ``num_experts`` (None = dense)."""
+        return {"qk_layernorm": self.qk_norm, "num_experts": num_experts(hf_config) if self.moe else None}

@@ -1,0 +1,67 @@
+"""HF ↔ Megatron weight rules: the :class:`Rule` record and the building blocks the family modules
+assemble their tables from (no torch: :mod:`mrl.megatron.mapping` applies them).
+
+A rule names a Megatron parameter (relative to the ``GPTModel`` for ``scope="model"``, to a
+``TransformerLayer`` for ``scope="layer"``), the HF tensor(s) it is made of (``{i}`` the *global* layer
+index; for a routed expert ``{j}`` the local and ``{e}`` the global expert index) and how it is split over
+TP (ETP for experts); the splits are described in :mod:`mrl.megatron.mapping`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SPLITS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
+
+
+@dataclass(frozen=True)
+class Rule:
+    mcore: str
+    hf: tuple[str, ...]
+    split: str
+    # "model" rules live on the GPTModel (pre/post process stages only), "layer" rules per layer.
+    scope: str = "layer"
+    # One routed expert's tensor: {j} local / {e} global expert index, split over ETP, spread over EP.
+    expert: bool = False
+
+
+EMBED = Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "model")
+FINAL_NORM = Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", "model")
+LM_HEAD = Rule("output_layer.weight", ("lm_head.weight",), "vocab", "model")
+MODEL_RULES = (EMBED, FINAL_NORM, LM_HEAD)
+
+L = "model.layers.{i}."
+ATTENTION = (
+    Rule("input_layernorm.weight", (L + "input_layernorm.weight",), "replicated"),
+    Rule(
+        "self_attention.linear_qkv.weight",
+        (L + "self_attn.q_proj.weight", L + "self_attn.k_proj.weight", L + "self_attn.v_proj.weight"),
+        "qkv",
+    ),
+    Rule("self_attention.linear_proj.weight", (L + "self_attn.o_proj.weight",), "row"),
+    Rule("pre_mlp_layernorm.weight", (L + "post_attention_layernorm.weight",), "replicated"),
+)
+DENSE_MLP = (
+    Rule("mlp.linear_fc1.weight", (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"), "gate_up"),
+    Rule("mlp.linear_fc2.weight", (L + "mlp.down_proj.weight",), "row"),
+)
+DENSE_LAYER = ATTENTION + DENSE_MLP
+QKV_BIAS = (Rule(
+    "self_attention.linear_qkv.bias",
+    (L + "self_attn.q_proj.bias", L + "self_attn.k_proj.bias", L + "self_attn.v_proj.bias"),
+    "qkv",
+),)
+QK_NORM = (
+    Rule("self_attention.q_layernorm.weight", (L + "self_attn.q_norm.weight",), "replicated"),
+    Rule("self_attention.k_layernorm.weight", (L + "self_attn.k_norm.weight",), "replicated"),
+)
+
+
+def moe_rules(block: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    """Router + routed experts under HF ``model.layers.{i}.<block>``; ``gate/up/down``: one expert's names."""
+    x = L + block + ".experts.{e}."
+    return (
+        Rule("mlp.router.weight", (L + block + ".gate.weight",), "replicated"),
+        Rule("mlp.experts.local_experts.{j}.linear_fc1.weight", (x + gate + ".weight", x + up + ".weight"),
+             "gate_up", expert=True),
+        Rule("mlp.experts.local_experts.{j}.linear_fc2.weight", (x + down + ".weight",), "row", expert=True),
+    )
