@@ -241,7 +241,7 @@ def build_model_chunks(
         else share_embeddings_and_output_weights
     )
     if tcfg.window_size and attention_backend == "local" and not torch.cuda.is_available():
-        raise ValueError(f"config.json sliding_window: Megatron's local attention builds its window mask on CUDA only; "
+        raise ValueError("config.json sliding_window: Megatron's local attention builds its window mask on CUDA only; "
                          "fix: megatron.attention_backend=sdpa (or auto)")
     vocab = padded_vocab_size(hf_config.vocab_size, tcfg.tensor_model_parallel_size, make_vocab_size_divisible_by)
     spec = layer_spec(hf_config, backend=attention_backend)  # te | sdpa | local (resolve_attention_backend)
