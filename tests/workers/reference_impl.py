@@ -46,3 +46,25 @@ def hf_loss_and_grads(model, batch: TrainBatch, spec: ActorLossSpec) -> tuple[fl
     if "lm_head.weight" in grads and model.config.tie_word_embeddings:
         grads.pop("lm_head.weight")
     return float(loss.detach()), grads
+
+
+def hf_padded_log_probs(model, batch: TrainBatch, temperature: float = 1.0, **forward_kwargs):
+    """([B, R] log-probs, [B, R] entropies) of the response tokens from one plain transformers forward of the
+    batch as stored — left-padded prompts, right-padded responses, its own ``attention_mask`` and
+    ``position_ids`` — with no mrl input builder (``build_model_inputs`` is what the worker tests test).
+
+    Index arithmetic: with P prompt columns, response token j of sample i is ``input_ids[i, P + j]`` and the
+    logits at column ``P + j − 1`` score it (column P − 1 is the prompt's last token, never padding: prompts
+    are left-padded and non-empty). Columns where ``attention_mask`` is 0 (response padding) give 0, as the
+    workers report them. ``forward_kwargs`` go to the model's forward (e.g. ``output_router_logits=True``);
+    the model's output comes back as a third value when any are given."""
+    ids, am = batch.input_ids, batch.attention_mask
+    P = ids.shape[1] - batch.responses.shape[1]
+    out = model(input_ids=ids, attention_mask=am, position_ids=batch.position_ids, **forward_kwargs)
+    logp = torch.log_softmax(out.logits[:, P - 1:-1].float() / temperature, -1)  # [B, R, V]: column P-1+j
+    lp = logp.gather(-1, ids[:, P:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    valid = am[:, P:].bool()
+    zero = torch.zeros((), dtype=lp.dtype)
+    res = (torch.where(valid, lp, zero), torch.where(valid, ent, zero))
+    return (*res, out) if forward_kwargs else res

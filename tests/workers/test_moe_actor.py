@@ -9,6 +9,27 @@ router rows (engine: row3 = row2 + δ·r, trainer: row3 = row2 − δ·r, δ = 1
 those experts straddle the top-k boundary flips expert, as a kernel's rounding difference would
 flip it between SGLang and Megatron. The engine's top-k ids come from the engine model's own router
 logits (transformers, output_router_logits). One 4-rank gloo launch covers all of it.
+
+Independent figures (computed here, in the test process, from transformers' router logits — no mrl code):
+
+* log-probs: transformers on the left/right-padded batch with its attention_mask and position_ids
+  (``reference_impl.hf_padded_log_probs``, no mrl input builder).
+* ``moe/load_entropy``, ``moe/max_load_frac``, ``moe/layer<i>/max_load_frac``: the token set is every position the
+  trainer's routers run — mrl passes Megatron no padding mask, so padding counts (docs/moe.md says so): the DP4
+  padded layout's micro-batch (a rank's 2 samples) holds each sample's valid tokens from column 0, right-padded
+  with token 0 to the longer one, RoPE at the column index, causal attention only; the EP2 packed layout holds
+  the valid tokens only; EP2 x PP2 packs 2 samples (sorted by length) per row and pads the shorter row of a
+  rank with a sequence of its own of token 0 at position 0 (its positions each route as a lone token 0). Each
+  forward since the last update (old log-probs, the test's forward_backward, the update) runs the same set,
+  so the shares are one pass's. Counts are exact: the shares agree to 1e-12, the entropy to 1e-8.
+* ``moe/load_balancing_loss`` (aux run: EP2, DP4, padded micro-batches of 2 samples): per layer and micro-batch,
+  transformers' ``load_balancing_loss_func`` (qwen3_moe) over the micro-batch's positions (padding included, as
+  Megatron counts them), divided by top-k (transformers' token share is per top-k slot, Megatron's
+  ``f_e = count_e / (T·k)``), averaged over layers and ranks; ``moe/aux_loss`` = 0.05 × that figure.
+* ``moe/replay_mismatch``: the engine's top-k sets (its router logits) against the trainer's own, from the
+  trainer checkpoint's router rows applied to the router inputs of the engine's forward (replay makes the
+  trainer's hidden states the engine's up to the δ in one softmax row), over the positions carrying engine
+  ids (valid tokens but each sample's last), all layers: the exact count of flipped tokens (0.309 of them).
 """
 from __future__ import annotations
 
@@ -120,40 +141,126 @@ def _near_tie(path, sign):
     save_file(sd, str(f), metadata={"format": "pt"})
 
 
+def _in_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[..., E] router logits -> [..., E] bool, expert among the top-k of softmax (as both routers pick)."""
+    idx = torch.softmax(logits.float(), -1).topk(k, dim=-1).indices
+    return torch.zeros(logits.shape, dtype=torch.bool).scatter_(-1, idx, True)
+
+
+def _compact_routing(model, batch):
+    """Each sample's valid tokens from column 0, right-padded with token 0 to the longest sample, position ids
+    = column index, no attention mask (causal only): Megatron's compact padded rows. Returns (sel [B, L, layers,
+    E] bool: expert chosen, logits [B, L, layers, E], n [B] valid tokens)."""
+    am = batch.attention_mask.bool()
+    n = am.sum(-1)
+    B, L = len(n), int(n.max())
+    rows = torch.zeros(B, L, dtype=torch.long)
+    for i in range(B):
+        rows[i, : n[i]] = batch.input_ids[i][am[i]]
+    with torch.no_grad():
+        rl = model(input_ids=rows, output_router_logits=True).router_logits
+    logits = torch.stack([x.reshape(B, L, -1) for x in rl], dim=2)
+    return _in_topk(logits, model.config.num_experts_per_tok), logits, n
+
+
+def _load_metrics(load: torch.Tensor) -> dict[str, float]:
+    """[layers, E] assignment counts -> the moe/* load metrics as docs/moe.md defines them."""
+    f = load / load.sum(-1, keepdim=True)
+    ent = -torch.xlogy(f, f).sum(-1) / torch.log(torch.tensor(float(load.shape[-1]), dtype=torch.float64))
+    out = {"moe/load_entropy": float(ent.mean()), "moe/max_load_frac": float(f.max(-1).values.mean())}
+    out.update({f"moe/layer{i}/max_load_frac": float(f[i].max()) for i in range(load.shape[0])})
+    return out
+
+
+def _expected_loads(model, batch) -> list[dict[str, float]]:
+    """The load metrics of each of LAYOUTS over the positions its routers run (module docstring)."""
+    sel, _, n = _compact_routing(model, batch)
+    sel = sel.double()
+    L = sel.shape[1]
+    col = torch.arange(L)[None, :]
+    valid = (col < n[:, None]).double()  # [B, L]
+    pair_max = n.reshape(-1, 2).max(-1).values.repeat_interleave(2)  # DP4, 2 samples per rank
+    padded = (col < pair_max[:, None]).double()
+    with torch.no_grad():  # a padding sequence of the packed rows: token 0 at position 0, attending to itself
+        lone = _in_topk(torch.stack(model(input_ids=torch.zeros(1, 1, dtype=torch.long),
+                                          output_router_logits=True).router_logits), model.config.num_experts_per_tok)
+    pads = 0  # EP2 x PP2: DP2, 4 samples per rank, micro-batches of 2 sorted by length, rows padded to the longest
+    for r in range(2):
+        lens = sorted(n[4 * r: 4 * r + 4].tolist())
+        rows = [lens[0] + lens[1], lens[2] + lens[3]]
+        pads += sum(max(rows) - t for t in rows)
+    count = lambda w: torch.einsum("bl,blke->ke", w, sel)
+    return [_load_metrics(count(padded)), _load_metrics(count(valid)),
+            _load_metrics(count(valid) + pads * lone[:, 0].double())]
+
+
+def _expected_lb_loss(model, batch) -> float:
+    """moe/load_balancing_loss of the aux run (EP2, DP4, one padded micro-batch of 2 samples per rank) from
+    transformers' load_balancing_loss_func, per layer and micro-batch, / top-k (module docstring)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+        load_balancing_loss_func,
+    )
+
+    _, logits, n = _compact_routing(model, batch)
+    E, k = model.config.num_experts, model.config.num_experts_per_tok
+    vals = []
+    for r in range(len(n) // 2):
+        mb = logits[2 * r: 2 * r + 2, : int(n[2 * r: 2 * r + 2].max())]  # [2, pair max, layers, E]
+        for layer in range(mb.shape[2]):
+            vals.append(float(load_balancing_loss_func((mb[:, :, layer].reshape(-1, E),), E, k)) / k)
+    return sum(vals) / len(vals)
+
+
 def test_moe_actor_layouts_aux_loss_and_routing_replay(tmp_path):
     import shutil
 
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from tests.workers.batches import ragged_batch, tensors
-    from tests.workers.reference_impl import hf_log_probs
+    from tests.workers.reference_impl import hf_padded_log_probs
 
     path = make_tiny_hf(tmp_path / "qwen3_moe", "qwen3_moe")
     engine_path = tmp_path / "engine"
     shutil.copytree(path, engine_path)
     _near_tie(engine_path, +1.0)
-    shutil.copytree(path, str(engine_path) + "_trainer")
-    _near_tie(type(engine_path)(str(engine_path) + "_trainer"), -1.0)
+    trainer_path = tmp_path / "engine_trainer"
+    shutil.copytree(path, trainer_path)
+    _near_tie(trainer_path, -1.0)
 
     batch = ragged_batch(vocab=300)
     engine = AutoModelForCausalLM.from_pretrained(str(engine_path), dtype=torch.float32).eval()
+    gate_in = {}  # router inputs of the engine's forward, per layer
+    hooks = [layer.mlp.gate.register_forward_pre_hook(
+        lambda _m, args, i=i: gate_in.__setitem__(i, args[0].reshape(-1, args[0].shape[-1])))
+        for i, layer in enumerate(engine.model.layers)]
     with torch.no_grad():
-        out = engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                     position_ids=batch.position_ids, output_router_logits=True)
-        engine_lp, _ = hf_log_probs(engine, batch)
+        engine_lp, _, out = hf_padded_log_probs(engine, batch, output_router_logits=True)
+    for h in hooks:
+        h.remove()
     B, S = batch.input_ids.shape
     k = engine.config.num_experts_per_tok
     routed = torch.stack([rl.reshape(B, S, -1).topk(k, dim=-1).indices for rl in out.router_logits], dim=2)
-    # The engine never runs a response's last token: no ids there.
+    # The engine never runs padding nor a response's last token: no ids there.
     last_col = (batch.attention_mask * torch.arange(S)).argmax(-1)
     routed[torch.arange(B), last_col] = -1
+    routed[~batch.attention_mask.bool()] = -1
+    # the flipped tokens, independently: the trainer's router rows on the engine's router inputs
+    trainer_sd = load_file(str(trainer_path / "model.safetensors"))
+    engine_sel = torch.stack([_in_topk(rl.reshape(B, S, -1), k) for rl in out.router_logits], dim=2)
+    own_sel = torch.stack([_in_topk((gate_in[i] @ trainer_sd[f"model.layers.{i}.mlp.gate.weight"].T).reshape(B, S, -1), k)
+                           for i in range(len(gate_in))], dim=2)
+    has_ids = (routed[..., 0] >= 0)  # [B, S, layers]
+    flipped = int(((own_sel != engine_sel).any(-1) & has_ids).sum())
+    want_mismatch = flipped / int(has_ids.sum())
 
     res = tensors(run_ranks(_rank, 4, args=(str(path), str(engine_path), routed.numpy(), str(tmp_path / "ckpt")),
                             timeout_s=840))
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
-        ref_lp, _ = hf_log_probs(model, batch)
+        ref_lp, _ = hf_padded_log_probs(model, batch)
+    want_loads = _expected_loads(model, batch)
     base = res[0]["layouts"][0]
     g0 = {n: t for r in res for n, t in (r["layouts"][0]["grads"] or {}).items()}
     w0 = {n: t for r in res for n, t in (r["layouts"][0]["weights"] or {}).items()}
@@ -170,12 +277,18 @@ def test_moe_actor_layouts_aux_loss_and_routing_replay(tmp_path):
                                        msg=lambda m, n=name, lay=lay: f"{lay} {n}: {m}")
             torch.testing.assert_close(weights[name], w0[name], rtol=0, atol=1e-6)
         m = res[0]["layouts"][li]["metrics"]
-        assert 0.0 < m["moe/load_entropy"] <= 1.0 and 0.25 <= m["moe/max_load_frac"] <= 1.0
+        for key, want in want_loads[li].items():  # exact counts, from transformers' router logits
+            # (the entropy's 1/log E is a float32 constant in mrl: 2.7e-9 off; one count moved is > 1e-4)
+            assert m[key] == pytest.approx(want, abs=1e-8 if key == "moe/load_entropy" else 1e-12), (lay, key, m[key], want)
         assert "moe/replay_mismatch" not in m  # no engine ids, nothing to compare
-    # aux loss: reported as coef x load-balancing loss; changes only the router gradients
+    # the padded layout's padding columns route and count: its shares differ from the valid tokens' alone
+    assert abs(want_loads[0]["moe/load_entropy"] - want_loads[1]["moe/load_entropy"]) > 1e-4, want_loads
+    # aux loss: transformers' load-balancing loss on the same micro-batches; changes only the router gradients
     m0, m1 = res[0]["aux_metrics_0.0"], res[0]["aux_metrics_0.05"]
-    assert "moe/aux_loss" not in m0 and m1["moe/load_balancing_loss"] > 0.9  # coef 0: Megatron computes none  # Switch loss is >= 1 when tokens spread
-    assert m1["moe/aux_loss"] == pytest.approx(0.05 * m1["moe/load_balancing_loss"], rel=1e-9)
+    lb = _expected_lb_loss(model, batch)
+    assert "moe/aux_loss" not in m0  # coef 0: Megatron computes none
+    assert m1["moe/load_balancing_loss"] == pytest.approx(lb, rel=1e-6), (m1["moe/load_balancing_loss"], lb)
+    assert m1["moe/aux_loss"] == pytest.approx(0.05 * lb, rel=1e-6)
     ga = {n: t for r in res for n, t in (r["aux_grads"] or {}).get(0.0, {}).items()}
     gb = {n: t for r in res for n, t in (r["aux_grads"] or {}).get(0.05, {}).items()}
     changed = {n for n in ga if not torch.equal(ga[n], gb[n])}
@@ -197,7 +310,8 @@ def test_moe_actor_layouts_aux_loss_and_routing_replay(tmp_path):
     # packed rows hold the same tokens: the same routed tokens compared, the same mismatches
     assert res[0]["replay_rollout_packed_metrics"]["moe/replay_mismatch"] == pytest.approx(mismatch, abs=1e-12)
     assert res[0]["replay_rollout_packed_metrics"]["perf/pad_fraction"] == 0.0
-    assert 0.05 < mismatch < 0.9, mismatch
-    print(f"replay: mismatch {mismatch:.3f}; max |Δlp| vs engine without/with replay "
+    # the flipped tokens counted here: exactly the same ones
+    assert mismatch == pytest.approx(want_mismatch, abs=1e-12), (mismatch, want_mismatch, flipped)
+    print(f"replay: mismatch {mismatch:.3f} ({flipped} flips); max |Δlp| vs engine without/with replay "
           f"{float((res[0]['replay_none_lp'] - engine_lp).abs().max()):.2e} / "
-          f"{float((res[0]['replay_rollout_lp'] - engine_lp).abs().max()):.2e}")
+          f"{float((res[0]['replay_rollout_lp'] - engine_lp).abs().max()):.2e}; loads {want_loads}; lb {lb:.6f}")

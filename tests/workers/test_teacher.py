@@ -1,5 +1,6 @@
 """The teacher of on-policy distillation: its log-probs equal transformers' at TP2, PP2 and DP2 (a batch
-that does not divide by DP included), a teacher equal to the student gives a reverse KL of 0, and the
+that does not divide by DP included; the reference is one transformers forward of the left/right-padded batch
+with its attention_mask and position_ids, no mrl input builder: tests/workers/reference_impl.py), a teacher equal to the student gives a reverse KL of 0, and the
 actor's distillation loss term (algorithm.distill.mode=kl_loss) is its formula, the same at every layout.
 
 One 2-rank launch; the student is a tiny Qwen2, the teacher a tiny Llama of another width and depth with
@@ -63,7 +64,7 @@ def test_teacher_log_probs_self_distillation_and_loss_term(tmp_path):
 
     from mrl.algorithms import reverse_kl_reward
     from tests.workers.batches import grouped_batch, ragged_batch, tensors
-    from tests.workers.reference_impl import hf_log_probs
+    from tests.workers.reference_impl import hf_padded_log_probs
 
     student = make_tiny_hf(tmp_path / "student", "qwen2")
     teacher = make_tiny_hf(tmp_path / "teacher", "llama", seed=7, hidden_size=96, intermediate_size=160,
@@ -71,10 +72,10 @@ def test_teacher_log_probs_self_distillation_and_loss_term(tmp_path):
     res = tensors(run_ranks(_rank, 2, args=(str(student), str(teacher)), timeout_s=840))
     hf = AutoModelForCausalLM.from_pretrained(str(teacher), dtype=torch.float32)
     batch, odd, grouped = ragged_batch(B=8), ragged_batch(B=7, seed=3), grouped_batch(groups=2, n=4)
-    with torch.no_grad():
-        want_grouped, _ = hf_log_probs(hf, grouped, temperature=0.7)
-        want, _ = hf_log_probs(hf, batch, temperature=0.7)
-        want_odd, _ = hf_log_probs(hf, odd, temperature=0.7)
+    with torch.no_grad():  # the reference: transformers on the padded batch as stored (no mrl input builder)
+        want_grouped, _ = hf_padded_log_probs(hf, grouped, temperature=0.7)
+        want, _ = hf_padded_log_probs(hf, batch, temperature=0.7)
+        want_odd, _ = hf_padded_log_probs(hf, odd, temperature=0.7)
     for r in res:
         for name in LAYOUTS:
             torch.testing.assert_close(r[f"teacher_{name}"] * batch.response_mask, want * batch.response_mask,
