@@ -120,8 +120,8 @@ class ActorConfig(Section):
     use_remove_padding: bool | Literal["auto"] = Field(
         "auto", description="Padding-free packed micro-batches (verl's use_remove_padding): each micro-batch is one row "
         "of whole sequences, positions restarting at 0 for each, attention never crossing a sequence (mrl's sdpa "
-        "attention). Applies to every Megatron forward of the run (actor, reference, critic, teacher). auto: on when "
-        "every Megatron role's attention_backend resolves to sdpa and actor.shared_prefix resolves off (mrl plan says "
+        "attention). Applies to every Megatron forward of the run (actor, reference, critic, teacher; the reward model "
+        "scores padded rows). auto: on when each of those roles' attention_backend resolves to sdpa and actor.shared_prefix resolves off (mrl plan says "
         "which and why). Same log-probs and gradients as the padded rows up to float rounding (docs/megatron.md).",
     )
     log_prob_micro_batch_size_per_gpu: int | None = Field(

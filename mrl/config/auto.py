@@ -35,7 +35,7 @@ choice with its reason. A value other than ``auto`` is taken as given (``check_c
 
 ``actor.use_remove_padding: auto`` -- padding-free packed micro-batches, on when all hold:
 
-    every Megatron role's attention resolves to sdpa  (the packed rows' sequence boundaries are
+    every packing role's attention resolves to sdpa   (actor, ref, critic, teacher; the packed rows' boundaries are
                                                        applied by mrl's SDPA module; TE's THD path is not
                                                        wired yet)
     actor.shared_prefix resolves off                  (its rows already hold several masked segments)
@@ -50,6 +50,7 @@ from mrl.config.root import MRLConfig
 from mrl.megatron.backends import choose_attention_backend as choose_backend
 
 SHARED_ROW_MAX = 512  # tokens: the longest shared-prefix row `auto` accepts
+PADDED_ROLES = ("reward_model.",)  # roles whose forwards read compact columns and never pack
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,8 @@ def resolve_remove_padding(cfg: MRLConfig, device: str, shared_prefix: AutoChoic
     key, want = "actor.use_remove_padding", cfg.actor.use_remove_padding
     if want != "auto":
         return AutoChoice(key, bool(want), "set in the config")
-    other = [c for c in backends if c.value != "sdpa"]
+    # the reward model scores compact rows (it never packs): its backend does not matter here
+    other = [c for c in backends if c.value != "sdpa" and not c.key.startswith(PADDED_ROLES)]
     if other:
         return AutoChoice(key, False, f"auto: off, {other[0].key}={other[0].value} (packed rows need the sdpa "
                           "attention backend)")

@@ -4,7 +4,8 @@
 What each setting needs (the ``auto`` rules: :mod:`mrl.config.auto`):
 
 * ``<role>.megatron.attention_backend=te``: CUDA, Transformer Engine installed, no LoRA on that role.
-* ``actor.use_remove_padding=true``: every Megatron role on ``sdpa`` (mrl's SDPA module applies the packed
+* ``actor.use_remove_padding=true``: every packing role (actor, ref, critic, teacher; the reward model scores
+  compact rows) on ``sdpa`` (mrl's SDPA module applies the packed
   rows' sequence boundaries; the ``local`` attention takes dense masks only and TE's THD path is not wired),
   and not together with ``actor.shared_prefix=true`` (two row layouts).
 * ``actor.shared_prefix=true``: the actor's attention applies an arbitrary mask (``sdpa`` or ``local``, not
@@ -12,7 +13,12 @@ What each setting needs (the ``auto`` rules: :mod:`mrl.config.auto`):
 """
 from __future__ import annotations
 
-from mrl.config.auto import choose_attention_backend, megatron_roles, te_importable_here
+from mrl.config.auto import (
+    PADDED_ROLES,
+    choose_attention_backend,
+    megatron_roles,
+    te_importable_here,
+)
 from mrl.config.root import MRLConfig
 
 
@@ -41,7 +47,7 @@ def check_attention(cfg: MRLConfig, cuda: bool, errors: list[str]) -> None:
                           "micro-batches; fix: keep one (shared_prefix computes each prompt once, packing removes "
                           "padding)")
         for role, c in resolved.items():
-            if c.value != "sdpa":
+            if c.value != "sdpa" and not c.key.startswith(PADDED_ROLES):
                 errors.append(f"actor.use_remove_padding=true needs every Megatron role on the sdpa attention backend, "
                               f"but {c.key} resolves to {c.value} ({c.why}); fix: {c.key}=sdpa, or "
                               "actor.use_remove_padding=false")

@@ -122,9 +122,9 @@ class MegatronModel:
         )
 
         if parallel.context_parallel_size != 1:
-            raise NotImplementedError(
-                "megatron.context_parallel_size > 1 needs THD packing with Transformer Engine, "
-                "which mrl's workers do not implement yet; set it to 1"
+            raise NotImplementedError(  # mrl plan refuses it first (mrl/config/validate_parallel.py); a last defence
+                "megatron.context_parallel_size > 1: context parallelism is not implemented in mrl's workers; "
+                "set it to 1 (long sequences: actor.use_remove_padding with the sdpa backend, recompute)"
             )
         if init_parallel:
             mpar.init_parallel(
@@ -236,7 +236,7 @@ class MegatronModel:
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.pad_to_multiple = ps.get_tensor_model_parallel_world_size() if parallel.sequence_parallel else 1
         self.router_probes: list = []
-        self.positions = torch.zeros(2, dtype=torch.long)  # [computed, padding] positions since reset_pad_count()
+        self.positions = torch.zeros(2, dtype=torch.long)  # [computed, padding] positions since pad_fraction()
         if self.is_moe:  # routing statistics always; the engine's expert choice replayed when routing_replay is on
             from mrl.workers.routing_replay import install_probes
 

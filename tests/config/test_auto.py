@@ -142,3 +142,16 @@ def test_settings_that_cannot_run_are_refused_before_anything_starts(tmp_path, o
         setattr(obj, leaf, {"true": True, "false": False}.get(value, value))
     errors, _ = check_config(cfg)
     assert any(key in e for e in errors), errors
+
+
+def test_only_the_roles_that_pack_decide_the_packing(tmp_path) -> None:
+    """The reward model scores compact rows: its backend does not turn packing off; the reference's does."""
+    from mrl.config.auto import AutoChoice, resolve_remove_padding
+
+    cfg = _cfg(tmp_path, "actor.shared_prefix=false")
+    off = AutoChoice("actor.shared_prefix", False, "set in the config")
+    actor = AutoChoice("actor.megatron.attention_backend", "sdpa", "auto")
+    rm = AutoChoice("reward_model.megatron.attention_backend", "local", "set in the config")
+    ref = AutoChoice("ref.megatron.attention_backend", "local", "set in the config")
+    assert resolve_remove_padding(cfg, "cpu", off, [actor, rm]).value is True
+    assert resolve_remove_padding(cfg, "cpu", off, [actor, ref]).value is False
