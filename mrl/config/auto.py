@@ -42,10 +42,12 @@ choice with its reason. A value other than ``auto`` is taken as given (``check_c
 """
 from __future__ import annotations
 
+import glob
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
-from mrl.config.layout import compute_layout
+from mrl.config.layout import compute_layout, reward_model_parallel, teacher_parallel
 from mrl.config.root import MRLConfig
 from mrl.megatron.backends import choose_attention_backend as choose_backend
 
@@ -153,9 +155,6 @@ def te_importable_here() -> bool:
 
 def megatron_roles(cfg: MRLConfig) -> list[tuple[str, Any, bool]]:
     """(role, its ParallelConfig, LoRA on) of every Megatron model the run builds."""
-    from mrl.config.reward_model import reward_model_parallel
-    from mrl.config.teacher import teacher_parallel
-
     roles: list[tuple[str, Any, bool]] = [("actor", cfg.actor.megatron, cfg.actor.lora.enabled)]
     if cfg.ref_enabled:
         roles.append(("ref", cfg.ref.megatron, False))
@@ -209,8 +208,17 @@ def resolve_all(cfg: MRLConfig, device: str) -> tuple[AutoChoice, ...]:
     return (transport, shared, *backends, resolve_remove_padding(cfg, device, shared, backends))
 
 
+def _gpu_visible() -> bool:
+    # No torch import at config time: look for the NVIDIA device nodes / tool instead.
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
+
+
+def _on_cuda(cfg: MRLConfig) -> bool:
+    """cluster.device resolved as the workers will resolve it on this host (auto: a visible NVIDIA GPU)."""
+    c = cfg.cluster
+    return c.device == "cuda" or (c.device == "auto" and _gpu_visible())
+
+
 def planned_device(cfg: MRLConfig) -> str:
     """cluster.device as ``mrl plan`` assumes it (auto: cuda when an NVIDIA GPU is visible here)."""
-    from mrl.config.validate import _on_cuda
-
     return "cuda" if _on_cuda(cfg) else "cpu"

@@ -15,9 +15,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mrl.config.parallel import ParallelConfig
-from mrl.config.reward_model import reward_model_parallel
 from mrl.config.root import MRLConfig
-from mrl.config.teacher import teacher_parallel
+
+
+def reward_model_parallel(cfg: MRLConfig) -> ParallelConfig:
+    """The RM's Megatron layout: a colocated RM runs in the actor's groups (actor.megatron); a separate one
+    in its own (reward_model.megatron, null = the actor's sizes)."""
+    rm = cfg.reward_model
+    if rm.placement == "separate" and rm.megatron is not None:
+        return rm.megatron
+    return cfg.actor.megatron
+
+
+def teacher_parallel(cfg: MRLConfig) -> ParallelConfig:
+    """The teacher's Megatron layout: the actor's when colocated, teacher.megatron (null: the actor's) when separate."""
+    t = cfg.teacher
+    if t.placement == "separate" and t.megatron is not None:
+        return t.megatron
+    return cfg.actor.megatron
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 from mrl.config.auto import planned_device, resolve_all, resolve_transport
 from mrl.config.hf import ModelShape, read_model_shape
-from mrl.config.judge import judge_plan_lines
 from mrl.config.layout import RoleLayout, compute_layout
 from mrl.config.parallel import ParallelConfig
 from mrl.config.root import MRLConfig
 from mrl.config.run_plan import on_policy_shortcut, push_with_update, update_plan
 from mrl.config.validate import check_config, load_shape
+from mrl.config.validate_judge import judge_plan_lines
 from mrl.dtypes import itemsize
 
 GiB = 1024**3

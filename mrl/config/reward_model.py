@@ -14,15 +14,12 @@ function, which receives it as ``extra_info["rm_score"]`` (``combine: function``
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field
 
 from mrl.config.base import Section
 from mrl.config.parallel import ParallelConfig
-
-if TYPE_CHECKING:
-    from mrl.config.root import MRLConfig
 
 
 class RewardModelPathConfig(Section):
@@ -64,22 +61,3 @@ class RewardModelConfig(Section):
         "rm", description="rm: the RM score is the reward (reward.function is not called; verl's default); "
         "rule+rm: reward.function's score + the RM score; function: reward.function's score alone, which "
         "sees the RM score as extra_info['rm_score'] (as in the other modes that call it).")
-
-
-
-
-def reward_model_parallel(cfg: MRLConfig) -> ParallelConfig:
-    """The RM's Megatron layout: a colocated RM runs in the actor's groups (actor.megatron); a separate one
-    in its own (reward_model.megatron, null = the actor's sizes)."""
-    rm = cfg.reward_model
-    if rm.placement == "separate" and rm.megatron is not None:
-        return rm.megatron
-    return cfg.actor.megatron
-
-
-
-
-
-
-
-

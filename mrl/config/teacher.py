@@ -39,11 +39,3 @@ class TeacherConfig(Section):
     offload: bool = Field(False, description="Colocated only: keep the teacher's weights in host memory outside phase "
                           "teacher_log_prob (a no-op on CPU).")
     micro_batch_size_per_gpu: int = Field(8, ge=1, description="SAMPLES per teacher forward on one DP rank.")
-
-
-def teacher_parallel(cfg) -> ParallelConfig:
-    """The teacher's Megatron layout: the actor's when colocated, teacher.megatron (null: the actor's) when separate."""
-    t = cfg.teacher
-    if t.placement == "separate" and t.megatron is not None:
-        return t.megatron
-    return cfg.actor.megatron

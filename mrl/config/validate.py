@@ -10,12 +10,10 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-import shutil
 from pathlib import Path
 
-from mrl.config.auto import inprocess_blockers
+from mrl.config.auto import _gpu_visible, _on_cuda, inprocess_blockers
 from mrl.config.hf import ModelShape, read_model_shape
-from mrl.config.judge import check_judge
 from mrl.config.layout import RoleLayout, compute_layout, num_engines, separate_devices
 from mrl.config.parallel import ParallelConfig
 from mrl.config.preflight import check_checkpoints
@@ -24,6 +22,7 @@ from mrl.config.run_plan import on_policy_blockers
 from mrl.config.validate_async import check_async
 from mrl.config.validate_attention import check_attention
 from mrl.config.validate_extensions import check_extension_points
+from mrl.config.validate_judge import check_judge
 from mrl.config.validate_moe import check_moe
 from mrl.config.validate_parallel import (
     GROUP_KEYS,
@@ -38,17 +37,6 @@ from mrl.net import is_loopback
 
 _GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk"}
 _DATA_SUFFIXES = (".parquet", ".jsonl")
-
-
-def _gpu_visible() -> bool:
-    # No torch import at config time: look for the NVIDIA device nodes / tool instead.
-    return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
-
-
-def _on_cuda(cfg: MRLConfig) -> bool:
-    """cluster.device resolved as the workers will resolve it on this host (auto: a visible NVIDIA GPU)."""
-    c = cfg.cluster
-    return c.device == "cuda" or (c.device == "auto" and _gpu_visible())
 
 
 def _check_batches(cfg: MRLConfig, actor: RoleLayout, errors: list[str]) -> None:

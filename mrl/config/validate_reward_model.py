@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mrl.config.layout import reward_model_parallel
 from mrl.config.parallel import ParallelConfig
-from mrl.config.reward_model import reward_model_parallel
 
 if TYPE_CHECKING:
     from mrl.config.root import MRLConfig

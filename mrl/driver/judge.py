@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from mrl.config import MRLConfig
-from mrl.config.judge import judge_port_base
+from mrl.config.validate_judge import judge_port_base
 from mrl.errors import UnsupportedConfigError
 from mrl.rewards.judge import JudgeResult, JudgeScorer
 from mrl.rewards.manager import RewardResult

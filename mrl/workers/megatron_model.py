@@ -16,6 +16,7 @@ aligned samples need; batches with custom position ids (e.g. multimodal RoPE) ar
 """
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -139,8 +140,6 @@ class MegatronModel:
         self.hf_config = load_hf_config(hf_path)
         value_head = value_head or score_head
         if score_head:
-            from mrl.workers.reward_model import as_causal_lm_config
-
             self.hf_config = as_causal_lm_config(self.hf_config, hf_path)
         self.parallel = parallel
         self.value_head = value_head
@@ -173,8 +172,6 @@ class MegatronModel:
             # (the reward model) kept CPU norm weights — found by the first run on a GPU.
             chunks = [c.cuda(self.device) for c in chunks]
         if score_head:
-            from mrl.workers.reward_model import load_reward_model
-
             load_reward_model(self, chunks, hf_tensor_getter(hf_path))
         else:
             self.load_hf(hf_path, chunks)
@@ -481,3 +478,45 @@ def _pad_inputs(inp: ModelInputs, length: int) -> None:
             idx = torch.arange(length - extra, length)
             m[:, :, idx, idx] = False
             inp.attention_mask = m
+
+
+_SEQ_CLS = "ForSequenceClassification"
+
+
+def as_causal_lm_config(hf_config: Any, path: str | os.PathLike) -> Any:
+    """A copy of an RM's config naming the causal-LM architecture of the same body (for the
+    model builder's family table); anything but a one-label sequence classifier is refused."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if len(archs) != 1 or not archs[0].endswith(_SEQ_CLS):
+        raise ValueError(
+            f"reward model {str(path)!r} has architectures {archs}, not a *{_SEQ_CLS} checkpoint; fix: point "
+            f"the reward model path at e.g. a Qwen2{_SEQ_CLS} / Llama{_SEQ_CLS} checkpoint with num_labels=1")
+    if getattr(hf_config, "num_labels", 1) != 1:
+        raise ValueError(f"reward model {str(path)!r} has num_labels={hf_config.num_labels}; a reward model "
+                         "outputs one scalar (num_labels=1)")
+    out = copy.deepcopy(hf_config)
+    out.architectures = [archs[0][: -len(_SEQ_CLS)] + "ForCausalLM"]
+    return out
+
+
+def load_reward_model(mm: MegatronModel, chunks: list, get: Callable[[str], torch.Tensor]) -> None:
+    """Body weights from ``model.*``, then ``score.weight`` as the last stage's scalar head."""
+    from mrl.megatron.mapping import load_hf_weights
+
+    def body(name: str) -> torch.Tensor:
+        # The builder makes an LM head (untied: value heads never share the embedding) that the
+        # score head replaces below; the RM has none, so the embedding fills it meanwhile.
+        return get("model.embed_tokens.weight" if name == "lm_head.weight" else name)
+
+    load_hf_weights(chunks, mm.hf_config, body)
+    score = get("score.weight")
+    hidden = mm.hf_config.hidden_size
+    if tuple(score.shape) != (1, hidden):
+        raise ValueError(f"reward model score.weight has shape {tuple(score.shape)}, expected (1, {hidden})")
+    for c in chunks:
+        model = unwrap(c)
+        if model.post_process:
+            head = _ValueHead(hidden, mm.dtype)
+            with torch.no_grad():
+                head.weight.copy_(score)
+            model.output_layer = head.to(mm.device)

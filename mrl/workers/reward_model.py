@@ -14,58 +14,17 @@ the micro-batch inputs are compacted, so it is column ``num_tokens - 1``) — th
 """
 from __future__ import annotations
 
-import copy
 import os
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from mrl.config.parallel import ParallelConfig
 from mrl.workers.batch import TrainBatch
-from mrl.workers.megatron_model import MegatronModel, _ValueHead, unwrap
+from mrl.workers.megatron_model import MegatronModel, as_causal_lm_config  # noqa: F401 (re-exported, see below)
 from mrl.workers.minibatch import restore_order, split_by_length
 
-_SEQ_CLS = "ForSequenceClassification"
-
-
-def as_causal_lm_config(hf_config: Any, path: str | os.PathLike) -> Any:
-    """A copy of an RM's config naming the causal-LM architecture of the same body (for the
-    model builder's family table); anything but a one-label sequence classifier is refused."""
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    if len(archs) != 1 or not archs[0].endswith(_SEQ_CLS):
-        raise ValueError(
-            f"reward model {str(path)!r} has architectures {archs}, not a *{_SEQ_CLS} checkpoint; fix: point "
-            f"the reward model path at e.g. a Qwen2{_SEQ_CLS} / Llama{_SEQ_CLS} checkpoint with num_labels=1")
-    if getattr(hf_config, "num_labels", 1) != 1:
-        raise ValueError(f"reward model {str(path)!r} has num_labels={hf_config.num_labels}; a reward model "
-                         "outputs one scalar (num_labels=1)")
-    out = copy.deepcopy(hf_config)
-    out.architectures = [archs[0][: -len(_SEQ_CLS)] + "ForCausalLM"]
-    return out
-
-
-def load_reward_model(mm: MegatronModel, chunks: list, get: Callable[[str], torch.Tensor]) -> None:
-    """Body weights from ``model.*``, then ``score.weight`` as the last stage's scalar head."""
-    from mrl.megatron.mapping import load_hf_weights
-
-    def body(name: str) -> torch.Tensor:
-        # The builder makes an LM head (untied: value heads never share the embedding) that the
-        # score head replaces below; the RM has none, so the embedding fills it meanwhile.
-        return get("model.embed_tokens.weight" if name == "lm_head.weight" else name)
-
-    load_hf_weights(chunks, mm.hf_config, body)
-    score = get("score.weight")
-    hidden = mm.hf_config.hidden_size
-    if tuple(score.shape) != (1, hidden):
-        raise ValueError(f"reward model score.weight has shape {tuple(score.shape)}, expected (1, {hidden})")
-    for c in chunks:
-        model = unwrap(c)
-        if model.post_process:
-            head = _ValueHead(hidden, mm.dtype)
-            with torch.no_grad():
-                head.weight.copy_(score)
-            model.output_layer = head.to(mm.device)
+# The RM's config check (as_causal_lm_config) and weight loader (load_reward_model) are MegatronModel's score-head
+# path (score_head=True), so they live in megatron_model.py: no import cycle between the two files.
 
 
 class RewardModelWorker:
