@@ -173,9 +173,10 @@ def _probe(target: str, key: str, spec: str, timeout_s: float) -> str | None:
     try:
         _, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return (f"{where} did not finish within {timeout_s:g} s, the import check's timeout (a blocking call, input(), "
-                f"a server or a download at import time?); {fix}; or, if the import is slow but sound, raise the "
-                f"timeout: {TIMEOUT_ENV}=<seconds> (now {timeout_s:g})")
+        # the fix first: the CLI cuts an error line at 500 characters, and long plugin paths come before it
+        return (f"{where} did not finish within {timeout_s:g} s, the import check's timeout; fix: a slow but sound "
+                f"import: {TIMEOUT_ENV}=<seconds> (now {timeout_s:g}); a blocking call, input(), a server or a "
+                f"download at import time: {fix.removeprefix('fix: ')}")
     finally:
         _stop(proc)
     tail = err.decode(errors="replace").rsplit("MRL-PROBE ", 1)
