@@ -19,7 +19,7 @@ from mrl.families import (
     MoE,
     family_of,
 )
-from mrl.families.rules import SPLITS, Rule
+from mrl.families.rules import LAYER_KINDS, SPLITS, Rule
 from tests.helpers.tiny_models import hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +47,7 @@ def test_family_module_declares_every_piece(module):
     # weight rules: well formed, the model-level ones, and one per declared config fact
     rules = fam.weight_rules
     assert rules and all(isinstance(r, Rule) and r.split in SPLITS and r.scope in ("model", "layer") for r in rules)
+    assert all(r.layers in LAYER_KINDS and (r.scope == "layer" or r.layers == "all") for r in rules)
     mcore = [r.mcore for r in rules]
     assert len(mcore) == len(set(mcore)), f"{module}: duplicate Megatron name"
     hf = [n for r in rules for n in r.hf]
@@ -59,13 +60,20 @@ def test_family_module_declares_every_piece(module):
     experts = [r for r in rules if r.expert]
     if fam.moe is None:
         assert not experts and "mlp.linear_fc1.weight" in mcore and "mlp.router.weight" not in mcore
+        assert all(r.layers == "all" for r in rules)
     else:
         assert isinstance(fam.moe, MoE) and "mlp.router.weight" in mcore
         assert all("{j}" in r.mcore and all("{e}" in n for n in r.hf) for r in experts) and len(experts) == 2
         names = fam.moe.expert_names
         assert len(names) == 3 and all(f".{fam.moe.block}.experts.{{e}}.{n}.weight" in " ".join(hf) for n in names)
-        for fn in (fam.moe.expert_ffn_size, fam.moe.norm_topk, fam.moe.shared_expert_size, fam.moe.refuse):
+        for fn in (fam.moe.expert_ffn_size, fam.moe.norm_topk, fam.moe.shared_expert_size, fam.moe.refuse,
+                   fam.moe.layers):
             assert callable(fn)
+        # the MLP's rules say which layers hold them: router/experts/shared expert on MoE layers only, a dense
+        # MLP (a family whose config can make layers dense) on dense layers only; the tiny configs are all-MoE
+        assert all(r.layers == ("dense" if r.mcore.startswith("mlp.linear_fc") else "moe")
+                   for r in rules if r.mcore.startswith("mlp."))
+        assert fam.moe.layers(hf_config(fam.name)) == [1] * hf_config(fam.name).num_hidden_layers
         has_shared = any(r.mcore.startswith("mlp.shared_experts.") for r in rules)
         assert has_shared is bool(fam.moe.shared_expert_size(hf_config(fam.name)))
 

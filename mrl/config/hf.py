@@ -8,12 +8,17 @@ heads n_h, KV heads n_kv, head dim d, MLP width I, vocab V (gated MLP, RMSNorm):
                + 3*h*I                             (gate, up, down; MoE: E experts of 3*h*I_moe + router h*E)
                + 2*h                               (input / post-attention norms) [+ 2*d if q/k norm]
     total      = V*h (embedding) + L*per_layer + h (final norm) + V*h (lm head, unless tied)
+
+An MoE model whose config makes some layers dense (Qwen's ``decoder_sparse_step`` / ``mlp_only_layers``)
+counts those with the dense 3*h*I MLP in :meth:`ModelShape.param_count`; the plan's per-device estimate
+(``layer_params`` per layer) still counts every layer as an MoE layer, an upper bound.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from mrl.families import FAMILIES
@@ -43,6 +48,9 @@ class ModelShape:
     moe_intermediate_size: int = 0
     experts_per_token: int = 0
     shared_expert_size: int = 0
+    # MoE layers among num_layers (Qwen's decoder_sparse_step / mlp_only_layers make the others dense MLPs of
+    # intermediate_size); None: every layer (or, for a dense model, none)
+    moe_layers: int | None = None
 
     @property
     def expert_ffn_size(self) -> int:
@@ -70,7 +78,13 @@ class ModelShape:
         if active and self.num_experts:
             experts = experts * self.experts_per_token // self.num_experts
         head = 0 if self.tie_word_embeddings else v * self.hidden_size
-        return v * self.hidden_size + self.num_layers * (dense + experts) + self.hidden_size + head
+        layers = self.num_layers * (dense + experts)
+        if self.num_experts and self.moe_layers is not None:  # the dense layers: a SwiGLU MLP, no router/experts
+            h = self.hidden_size
+            dense_mlp = (dense - h * self.num_experts - 3 * h * self.shared_expert_size
+                         - (h if self.shared_expert_size else 0) + 3 * h * self.intermediate_size)
+            layers = self.moe_layers * (dense + experts) + (self.num_layers - self.moe_layers) * dense_mlp
+        return v * self.hidden_size + layers + self.hidden_size + head
 
 
 def _get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -102,7 +116,18 @@ def shape_from_dict(cfg: dict[str, Any]) -> ModelShape:
         moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", default=0)),
         experts_per_token=int(_get(cfg, "num_experts_per_tok", default=0)),
         shared_expert_size=int(_get(cfg, "shared_expert_intermediate_size", default=0)),
+        moe_layers=_moe_layers(cfg),
     )
+
+
+def _moe_layers(cfg: dict[str, Any]) -> int | None:
+    """How many layers are MoE when the family's rule (``MoE.layers``: Qwen's decoder_sparse_step /
+    mlp_only_layers) makes some dense, else None."""
+    fam = FAMILIES.get(str(cfg.get("model_type")))
+    if fam is None or fam.moe is None:
+        return None
+    pattern = fam.moe.layers(SimpleNamespace(**cfg))
+    return None if all(pattern) else sum(pattern)
 
 
 def read_model_shape(path: str) -> ModelShape | None:

@@ -8,7 +8,9 @@ A family module (``mrl/families/<name>.py``) defines one ``FAMILY = Family(...)`
 * the config facts: ``qkv_bias`` (Megatron ``add_qkv_bias``; ``attention_bias=true`` is refused without
   it), ``qk_norm`` (per-head q/k RMSNorm: ``qk_layernorm`` in the config and the layer spec),
   ``sliding_window`` (a set ``sliding_window`` windows every layer: Megatron ``window_size=(W-1, 0)``),
-  ``moe`` (an :class:`MoE`: router, experts, shared expert);
+  ``moe`` (an :class:`MoE`: router, experts, shared expert, and which layers are MoE: ``layers`` gives
+  1/0 per decoder layer, Megatron's ``moe_layer_freq`` list when some are dense, whose MLP the family's
+  ``layers="dense"`` weight rules map);
 * ``weight_rules``: its HF ↔ Megatron table (:mod:`mrl.families.rules`, applied by
   :mod:`mrl.megatron.mapping`);
 * ``engine_refuses_sliding_window``: the embedded engine's fast decode path hands a config with
@@ -43,16 +45,20 @@ def router_topk(hf_config: Any) -> int:
     return int(hf_config.num_experts_per_tok)
 
 
-def refuse_mixed_dense_moe(hf_config: Any) -> None:
-    """Qwen's ``decoder_sparse_step`` / ``mlp_only_layers``: mrl builds every layer as an MoE layer."""
+def all_moe_layers(hf_config: Any) -> list[int]:
+    """Every decoder layer an MoE layer (Mixtral)."""
+    return [1] * int(hf_config.num_hidden_layers)
+
+
+def qwen_moe_layers(hf_config: Any) -> list[int]:
+    """Qwen2-MoE / Qwen3-MoE (transformers' ``*DecoderLayer``): layer ``i`` is an MoE layer iff
+    ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``; the others are dense SwiGLU MLPs
+    of ``intermediate_size`` (``model.layers.{i}.mlp.{gate,up,down}_proj``, no shared expert)."""
     step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-    dense = list(getattr(hf_config, "mlp_only_layers", None) or [])
-    if step != 1 or dense:
-        raise ValueError(
-            f"config.json decoder_sparse_step={step}, mlp_only_layers={dense}: mrl builds every layer "
-            "as an MoE layer; models mixing dense and MoE layers are not supported yet (set "
-            "decoder_sparse_step=1 and mlp_only_layers=[] if the checkpoint really is all-MoE)"
-        )
+    if step < 1:
+        raise ValueError(f"config.json decoder_sparse_step={step} must be >= 1")
+    dense = {int(i) for i in (getattr(hf_config, "mlp_only_layers", None) or [])}
+    return [int(i not in dense and (i + 1) % step == 0) for i in range(int(hf_config.num_hidden_layers))]
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,20 @@ class MoE:
     norm_topk: Callable[[Any], bool]        # top-k weights renormalised (softmax over the top-k logits)
     shared_expert_size: Callable[[Any], int] = _zero  # 0 = no shared expert; else one with a sigmoid gate
     refuse: Callable[[Any], None] = _accept  # family-specific MoE refusals
+    # 1/0 per decoder layer: MoE or dense MLP (of intermediate_size: the family's dense-layer weight rules)
+    layers: Callable[[Any], list[int]] = all_moe_layers
+
+    def layer_pattern(self, hf_config: Any) -> list[int] | None:
+        """Megatron's ``moe_layer_freq`` list when some layers are dense, None when every layer is MoE."""
+        pattern = self.layers(hf_config)
+        if len(pattern) != int(hf_config.num_hidden_layers) or set(pattern) - {0, 1}:
+            raise ValueError(f"MoE layer pattern {pattern}: expected one 0/1 per decoder layer")
+        if not any(pattern):
+            raise ValueError(
+                "config.json makes every layer dense (decoder_sparse_step / mlp_only_layers / first dense layers "
+                "cover all num_hidden_layers): an MoE architecture without an MoE layer is not supported; "
+                "convert it to its dense family's architecture")
+        return pattern if 0 in pattern else None
 
     def check(self, hf_config: Any) -> None:
         """Refuse what Megatron's local MoE layer would compute differently from transformers."""
@@ -72,6 +92,7 @@ class MoE:
         if not 1 <= k <= e:
             raise ValueError(f"config.json num_experts_per_tok={k} must be in [1, num_experts={e}]")
         self.refuse(hf_config)
+        self.layer_pattern(hf_config)
 
     def transformer_kwargs(self, hf_config: Any, *, ep: int, etp: int) -> dict[str, Any]:
         """``TransformerConfig`` keywords of the MoE layer (dropless, no grouped GEMM on the local spec;
@@ -96,6 +117,9 @@ class MoE:
             "expert_model_parallel_size": ep,
             "expert_tensor_parallel_size": etp,
         }
+        pattern = self.layer_pattern(hf_config)
+        if pattern is not None:  # mixed dense/MoE: dense layers are SwiGLU MLPs of ffn_hidden_size
+            kw["moe_layer_freq"] = pattern
         shared = self.shared_expert_size(hf_config)
         if shared:
             kw["moe_shared_expert_intermediate_size"] = shared
@@ -140,5 +164,12 @@ class Family:
         return kw
 
     def layer_spec_kwargs(self, hf_config: Any) -> dict[str, Any]:
-        """What Megatron's layer-spec builders need: ``qk_layernorm`` and ``num_experts`` (None = dense)."""
-        return {"qk_layernorm": self.qk_norm, "num_experts": num_experts(hf_config) if self.moe else None}
+        """What Megatron's layer-spec builders need: ``qk_layernorm``, ``num_experts`` (None = dense) and
+        ``moe_layers`` (1/0 per global layer when an MoE model mixes in dense layers, else None)."""
+        return {"qk_layernorm": self.qk_norm, "num_experts": num_experts(hf_config) if self.moe else None,
+                "moe_layers": self.moe.layer_pattern(hf_config) if self.moe else None}
+
+    def moe_layers(self, hf_config: Any) -> list[int]:
+        """1/0 per decoder layer: an MoE layer or a dense MLP (all 0 for a dense family)."""
+        n = int(hf_config.num_hidden_layers)
+        return (self.moe.layer_pattern(hf_config) or [1] * n) if self.moe else [0] * n

@@ -4,13 +4,16 @@ assemble their tables from (no torch: :mod:`mrl.megatron.mapping` applies them).
 A rule names a Megatron parameter (relative to the ``GPTModel`` for ``scope="model"``, to a
 ``TransformerLayer`` for ``scope="layer"``), the HF tensor(s) it is made of (``{i}`` the *global* layer
 index; for a routed expert ``{j}`` the local and ``{e}`` the global expert index) and how it is split over
-TP (ETP for experts); the splits are described in :mod:`mrl.megatron.mapping`.
+TP (ETP for experts); the splits are described in :mod:`mrl.megatron.mapping`. In a model mixing dense and
+MoE layers (:meth:`mrl.families.base.MoE.layer_pattern`) a rule's ``layers`` says which layers have it:
+``"all"`` (attention, norms), ``"moe"`` (router, experts, shared expert) or ``"dense"`` (the dense MLP).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 SPLITS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
+LAYER_KINDS = ("all", "moe", "dense")
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,12 @@ class Rule:
     scope: str = "layer"
     # One routed expert's tensor: {j} local / {e} global expert index, split over ETP, spread over EP.
     expert: bool = False
+    # Which decoder layers hold it (LAYER_KINDS): every one, MoE layers only or dense-MLP layers only.
+    layers: str = "all"
+
+    def on_layer(self, moe_layer: bool) -> bool:
+        """Whether a decoder layer (an MoE layer or not) has this rule's parameter."""
+        return self.layers == "all" or (self.layers == "moe") is moe_layer
 
 
 EMBED = Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "model")
@@ -45,6 +54,8 @@ DENSE_MLP = (
     Rule("mlp.linear_fc2.weight", (L + "mlp.down_proj.weight",), "row"),
 )
 DENSE_LAYER = ATTENTION + DENSE_MLP
+# The dense MLP of the dense layers of an MoE model (Qwen's mlp_only_layers / decoder_sparse_step).
+DENSE_MLP_OF_MIXED = tuple(Rule(r.mcore, r.hf, r.split, layers="dense") for r in DENSE_MLP)
 QKV_BIAS = (Rule(
     "self_attention.linear_qkv.bias",
     (L + "self_attn.q_proj.bias", L + "self_attn.k_proj.bias", L + "self_attn.v_proj.bias"),
@@ -60,8 +71,9 @@ def moe_rules(block: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
     """Router + routed experts under HF ``model.layers.{i}.<block>``; ``gate/up/down``: one expert's names."""
     x = L + block + ".experts.{e}."
     return (
-        Rule("mlp.router.weight", (L + block + ".gate.weight",), "replicated"),
+        Rule("mlp.router.weight", (L + block + ".gate.weight",), "replicated", layers="moe"),
         Rule("mlp.experts.local_experts.{j}.linear_fc1.weight", (x + gate + ".weight", x + up + ".weight"),
-             "gate_up", expert=True),
-        Rule("mlp.experts.local_experts.{j}.linear_fc2.weight", (x + down + ".weight",), "row", expert=True),
+             "gate_up", expert=True, layers="moe"),
+        Rule("mlp.experts.local_experts.{j}.linear_fc2.weight", (x + down + ".weight",), "row", expert=True,
+             layers="moe"),
     )

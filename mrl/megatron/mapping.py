@@ -23,6 +23,10 @@ Engine spec fuses them into ``linear_qkv.layer_norm_weight``/``linear_fc1.layer_
 stages) hold consecutive layers; ``TransformerLayer.layer_number`` (1-based, global) gives the HF
 index, so any PP/VPP layout maps without offset arithmetic here.
 
+A model mixing dense and MoE layers (Qwen's ``mlp_only_layers`` / ``decoder_sparse_step``) gives each
+global layer the rules of its kind (``Rule.layers``: ``moe`` rules on MoE layers, ``dense`` ones on the
+others, by :meth:`mrl.families.Family.moe_layers`); a layer whose built MLP is not of that kind raises.
+
 MoE layers (:mod:`mrl.megatron.moe`): the router is replicated; an *expert* rule names the local
 expert ``{j}`` on the Megatron side and the global expert ``{e} = ep_rank · (E/EP) + j`` on the HF
 side, and splits over the expert-tensor-parallel group (ETP) instead of TP. On load each EP rank
@@ -82,6 +86,7 @@ def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tup
     """(rule, format args, local Megatron parameter) for every mapped tensor of this rank."""
     family = family_of(hf_config)
     table = family.weight_rules
+    moe_layers = family.moe_layers(hf_config)  # 1/0 per global layer: which rules a layer has
     for chunk in map(unwrap, chunks):
         tied = chunk.share_embeddings_and_output_weights
         chunk_params = dict(chunk.named_parameters())
@@ -96,8 +101,9 @@ def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tup
         for layer in chunk.decoder.layers:
             i = str(layer.layer_number - 1)
             layer_params = dict(layer.named_parameters())
+            moe_layer = bool(moe_layers[layer.layer_number - 1])
             for rule in table:
-                if rule.scope != "layer":
+                if rule.scope != "layer" or not rule.on_layer(moe_layer):
                     continue
                 for fmt in _expert_fmts(layer, i) if rule.expert else ({"i": i},):
                     p = _param(layer_params, rule.mcore.format(**fmt))

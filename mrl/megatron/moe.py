@@ -2,8 +2,9 @@
 
 Each family declares its router and experts in its module (:class:`mrl.families.MoE` in
 ``mrl/families/{qwen3_moe,qwen2_moe,mixtral}.py``); this module answers by family key for the
-trainer and holds the Megatron import fix. Supported (every decoder layer is an MoE layer, dropless
-top-k routing, SwiGLU experts)::
+trainer and holds the Megatron import fix. Supported (dropless top-k routing, SwiGLU experts; every
+decoder layer an MoE layer, or, where Qwen's ``decoder_sparse_step`` / ``mlp_only_layers`` say so, some of
+them dense SwiGLU MLPs of ``intermediate_size``: Megatron's ``moe_layer_freq`` list, ``MoE.layers``)::
 
     family      architectures          router                                 extras
     qwen3_moe   Qwen3MoeForCausalLM    softmax → top-k, renorm if norm_topk   q/k RMSNorm
@@ -27,7 +28,7 @@ its gradient in the backward of the router (``MoEAuxLossAutoScaler``) and tracks
 Expert parallelism: expert ``e`` lives on EP rank ``e // (E / EP)`` as ``local_experts.{e % (E/EP)}``;
 inside an expert, the expert-tensor-parallel group (ETP) splits fc1 by columns and fc2 by rows
 like TP does for a dense MLP. DeepSeek-V3-style models (multi-latent attention, sigmoid router
-with a score-correction bias, group-limited top-k, dense first layers) are refused with the reason
+with a score-correction bias, group-limited top-k) are refused with the reason
 (:mod:`mrl.families.refused`): mrl's HF table has no MLA mapping and its tests have no transformers
 parity for them yet.
 """

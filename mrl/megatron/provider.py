@@ -4,8 +4,9 @@ Supported dense decoder families (``architectures`` in config.json): Llama 2/3 (
 rope scaling), Qwen2/2.5 (qkv bias, tied embeddings), Qwen3 (per-head q/k RMSNorm), Mistral (with its
 ``sliding_window``: every layer windowed, on the sdpa and te backends); and the
 Mixture-of-Experts families Qwen3-MoE, Qwen2-MoE and Mixtral (:mod:`mrl.megatron.moe`, where the
-MLP below becomes a routed sum of SwiGLU experts). What differs per family (qkv bias, q/k norm, window,
-MoE settings, refusals) is declared in its module under :mod:`mrl.families`; this module adds the
+MLP below becomes a routed sum of SwiGLU experts; layers a Qwen MoE config makes dense keep the MLP:
+Megatron's ``moe_layer_freq`` list and one layer spec per layer, :func:`decoder_spec`). What differs per
+family (qkv bias, q/k norm, window, MoE settings, refusals) is declared in its module under :mod:`mrl.families`; this module adds the
 settings common to all of them. All are pre-norm RMSNorm decoders with RoPE, GQA
 and SwiGLU::
 
@@ -182,10 +183,11 @@ def resolve_attention_backend(want: str = "auto", *, lora: bool = False) -> str:
     return backend
 
 
-def layer_spec(hf_config: Any, *, backend: str = "sdpa"):
+def layer_spec(hf_config: Any, *, backend: str = "sdpa", moe: bool | None = None):
     """The decoder layer spec: Transformer Engine's (``te``), or Megatron's local spec whose core attention is
     :class:`~mrl.megatron.sdpa_attention.SDPAAttention` (``sdpa``) or its unfused ``DotProductAttention``
-    (``local``). ``sdpa`` and ``local`` have the same parameters (core attention has none)."""
+    (``local``). ``sdpa`` and ``local`` have the same parameters (core attention has none). ``moe=False``:
+    the dense layer of an MoE family (its MLP of ``intermediate_size``); None: the family's layer."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if backend not in ("te", "sdpa", "local"):
@@ -193,7 +195,9 @@ def layer_spec(hf_config: Any, *, backend: str = "sdpa"):
     family = family_of(hf_config)
     need = family.layer_spec_kwargs(hf_config)  # qk_layernorm, num_experts (None: dense)
     qk, experts = need["qk_layernorm"], need["num_experts"]
-    if family.is_moe:
+    if moe is False:
+        experts = None
+    if experts:
         from mrl.megatron.moe import ensure_megatron_moe_importable
 
         ensure_megatron_moe_importable()
@@ -209,6 +213,30 @@ def layer_spec(hf_config: Any, *, backend: str = "sdpa"):
 
         spec.submodules.self_attention.submodules.core_attention = SDPAAttention
     return spec
+
+
+def decoder_spec(hf_config: Any, tcfg: Any, *, backend: str = "sdpa", vp_stage: int | None = None):
+    """What ``GPTModel`` gets as ``transformer_layer_spec`` for this rank's (virtual) pipeline stage: the one
+    :func:`layer_spec` when every layer is alike; for an MoE model with dense layers (``moe_layer_freq`` a
+    list, :meth:`mrl.families.base.MoE.layer_pattern`) a ``TransformerBlockSubmodules`` with the stage's
+    layers, each the MoE or the dense spec of its *global* index (as megatron's ``get_gpt_decoder_block_spec``
+    slices them, with mrl's backend choice in every layer)."""
+    pattern = family_of(hf_config).layer_spec_kwargs(hf_config)["moe_layers"]
+    if pattern is None:
+        return layer_spec(hf_config, backend=backend)
+    from megatron.core.transformer import transformer_block as tb
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if not isinstance(tcfg.moe_layer_freq, list) or list(tcfg.moe_layer_freq) != pattern:
+        raise ValueError(f"TransformerConfig moe_layer_freq={tcfg.moe_layer_freq} differs from config.json's "
+                         f"dense/MoE layers {pattern}")
+    if tcfg.pipeline_model_parallel_layout is not None:
+        raise ValueError("a custom pipeline_model_parallel_layout with mixed dense/MoE layers is not supported")
+    kinds = {1: layer_spec(hf_config, backend=backend, moe=True), 0: layer_spec(hf_config, backend=backend, moe=False)}
+    offset = get_transformer_layer_offset(tcfg, vp_stage=vp_stage)
+    count = tb.get_num_layers_to_build(tcfg, vp_stage=vp_stage)
+    return tb.TransformerBlockSubmodules(layer_specs=[kinds[pattern[g]] for g in range(offset, offset + count)],
+                                         layer_norm=tb.LayerNormImpl)
 
 
 def build_model_chunks(
@@ -244,11 +272,12 @@ def build_model_chunks(
         raise ValueError("config.json sliding_window: Megatron's local attention builds its window mask on CUDA only; "
                          "fix: megatron.attention_backend=sdpa (or auto)")
     vocab = padded_vocab_size(hf_config.vocab_size, tcfg.tensor_model_parallel_size, make_vocab_size_divisible_by)
-    spec = layer_spec(hf_config, backend=attention_backend)  # te | sdpa | local (resolve_attention_backend)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     chunks = []
     for vp_stage in range(vpp):
         stage_kw = {"ignore_virtual": False, "vp_stage": vp_stage} if vpp > 1 else {}
+        # te | sdpa | local (resolve_attention_backend); per layer when dense and MoE layers mix
+        spec = decoder_spec(hf_config, tcfg, backend=attention_backend, vp_stage=vp_stage if vpp > 1 else None)
         model = GPTModel(
             config=tcfg,
             transformer_layer_spec=spec,

@@ -16,11 +16,17 @@ MOE_LAYOUTS = [
     (1, 2, 2, 1, False),  # EP2 x PP2 on 4 ranks
     (2, 1, 2, 1, False),  # TP2 with EP2 folded over it (ETP1)
 ]
+# Models mixing dense and MoE layers run on these (the first dispatcher only); EP2 x PP2 for the round trip.
+MIXED_LAYOUTS = [(1, 1, 1, 1, False), (1, 1, 2, 1, False), (1, 2, 1, 1, False), (1, 2, 2, 1, False)]
+ROUNDTRIP = (1, 2, 2)  # (tp, pp, ep) at which every stage exports its HF tensors
 
 
-def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispatchers: list[str]) -> dict:
-    """For each layout, family and dispatcher: max |Δlogits| against ref.pt; at EP2×PP2 each stage
-    exports its HF tensors into ``root/rt_<family>/stage<pp>`` (experts gathered over EP)."""
+def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispatchers: list[str],
+                    mixed: list[str] = ()) -> dict:
+    """For each layout, case and dispatcher: max |Δlogits| against ref.pt (a case is a checkpoint directory
+    under ``root``: the ``families`` on every layout and dispatcher, the ``mixed`` ones on
+    :data:`MIXED_LAYOUTS` with the first dispatcher); at EP2×PP2 each stage exports its HF tensors into
+    ``root/rt_<case>/stage<pp>`` (experts gathered over EP)."""
     from megatron.core import parallel_state as ps
 
     from mrl.megatron.hf_io import HFCheckpointReader, write_hf_checkpoint
@@ -33,11 +39,15 @@ def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispa
     from mrl.megatron.provider import build_model_chunks, load_hf_config
 
     out: dict = {}
-    for tp, pp, ep, etp, sp in MOE_LAYOUTS:
+    for layout in MOE_LAYOUTS:
+        tp, pp, ep, etp, sp = layout
         init_parallel(device="cpu", tp=tp, pp=pp, ep=ep, etp=etp)
-        for fam in families:
-            for disp in dispatchers:
-                path = Path(root) / fam
+        cases = [(f, dispatchers) for f in families]
+        if layout in MIXED_LAYOUTS:
+            cases += [(m, dispatchers[:1]) for m in mixed]
+        for case, disps in cases:
+            for disp in disps:
+                path = Path(root) / case
                 ref = torch.load(path / "ref.pt", weights_only=True)
                 cfg = load_hf_config(path)
                 chunks = build_model_chunks(cfg, config_overrides={
@@ -45,9 +55,9 @@ def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispa
                 load_hf_weights(chunks, cfg, HFCheckpointReader(path))
                 logits = pipeline_logits(chunks, cfg, ref["ids"])
                 if logits is not None:
-                    out[(fam, disp, tp, pp, ep, etp)] = (logits - ref["logits"]).abs().max().item()
-                if (tp, pp, ep) == (1, 2, 2) and disp == dispatchers[0]:
-                    stage_dir = Path(root) / f"rt_{fam}" / f"stage{ps.get_pipeline_model_parallel_rank()}"
+                    out[(case, disp, tp, pp, ep, etp)] = (logits - ref["logits"]).abs().max().item()
+                if (tp, pp, ep) == ROUNDTRIP and disp == dispatchers[0]:
+                    stage_dir = Path(root) / f"rt_{case}" / f"stage{ps.get_pipeline_model_parallel_rank()}"
                     names = hf_names_for_stage(chunks, cfg)
                     tensors = list(export_hf_weights(chunks, cfg))  # collective over EP: every rank iterates
                     assert sorted(n for n, _ in tensors) == sorted(names), "export and name list disagree"

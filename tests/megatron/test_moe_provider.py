@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from mrl.config.hf import shape_from_dict
+from mrl.families import FAMILIES
 from mrl.megatron.moe import check_moe_supported, moe_transformer_kwargs
 from mrl.megatron.provider import _check_supported, model_family
 from tests.helpers.tiny_models import hf_config
@@ -26,9 +29,36 @@ def test_router_settings_from_config(family, pre_softmax, ffn, shared):
         moe_transformer_kwargs(cfg, family, ep=3, etp=1)
 
 
+@pytest.mark.parametrize("family,overrides,pattern", [
+    ("qwen3_moe", {}, None),                                           # all MoE: moe_layer_freq stays 1
+    ("qwen3_moe", {"mlp_only_layers": [0]}, [0, 1, 1, 1]),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, [0, 1, 0, 1]),           # MoE iff (i + 1) % step == 0
+    ("qwen2_moe", {"decoder_sparse_step": 3}, [0, 0, 1, 0]),
+    ("qwen2_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [3, 7]}, [0, 1, 0, 0]),  # 7: no such layer
+    ("qwen3_moe", {"decoder_sparse_step": 1, "mlp_only_layers": [1, 2]}, [1, 0, 0, 1]),
+])
+def test_moe_layer_freq_from_config(family, overrides, pattern):
+    """Qwen's decoder_sparse_step / mlp_only_layers -> Megatron's moe_layer_freq (a 0/1 list per layer), the
+    rule transformers' Qwen{2,3}MoeDecoderLayer applies; checked against the transformers model's own layers."""
+    import transformers as tf
+
+    cfg = hf_config(family, **overrides)
+    _check_supported(cfg, family)
+    kw = moe_transformer_kwargs(cfg, family, ep=1, etp=1)
+    assert kw.get("moe_layer_freq") == pattern
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(cfg)
+    assert [int(hasattr(layer.mlp, "experts")) for layer in model.model.layers] == (pattern or [1, 1, 1, 1])
+    # mrl plan's shape (mrl/config/hf.py, plain json) counts the dense layers' MLPs as transformers builds them
+    shape = shape_from_dict(cfg.to_dict())
+    assert shape.param_count() == sum(p.numel() for p in model.parameters())
+    fam = FAMILIES[family]
+    assert fam.layer_spec_kwargs(cfg)["moe_layers"] == pattern and fam.moe_layers(cfg) == (pattern or [1] * 4)
+
+
 def test_unsupported_moe_layouts_are_refused_with_the_fix():
-    cfg = hf_config("qwen3_moe", mlp_only_layers=[0])
-    with pytest.raises(ValueError, match="mlp_only_layers=\\[0\\].*not supported yet"):
+    cfg = hf_config("qwen3_moe", mlp_only_layers=[0, 1, 2, 3])
+    with pytest.raises(ValueError, match="every layer dense.*dense family"):
         _check_supported(cfg, "qwen3_moe")
     cfg = hf_config("mixtral", router_jitter_noise=0.1)
     with pytest.raises(ValueError, match="router_jitter_noise.*set it to 0.0"):
