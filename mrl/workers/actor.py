@@ -243,11 +243,16 @@ class ActorWorker(TrainableState):
     def _moe_metrics(self) -> dict[str, float]:
         """moe/*: routing statistics of every forward since the last update (old log-probs, reference,
         update; replay mismatch vs the engine's ids) and the update's load-balancing loss."""
-        from mrl.workers.routing_replay import aux_loss_metrics, routing_metrics
+        from mrl.workers.routing_replay import (
+            aux_loss_metrics,
+            moe_layer_mask,
+            routing_metrics,
+        )
 
-        m = routing_metrics(self.model.router_probes)
+        layers = moe_layer_mask(self.model.router_probes)  # a mixed dense/MoE model's dense layers route nothing
+        m = routing_metrics(self.model.router_probes, moe_layers=layers)
         m.update(aux_loss_metrics(float(self.model.config.moe_aux_loss_coeff or 0.0),
-                                  self._update_micro_batches))
+                                  self._update_micro_batches, layers))
         self._update_micro_batches = 0
         return m
 

@@ -114,10 +114,27 @@ def set_targets(probes: list[RouterProbe], routed: torch.Tensor | None, *, sp_ra
         p.target = t.reshape(-1, t.shape[-1])
 
 
-def routing_metrics(probes: list[RouterProbe], *, reset: bool = True) -> dict[str, float]:
-    """``moe/*`` metrics over every rank (collective over the world: call on all ranks together)."""
+def moe_layer_mask(probes: list[RouterProbe]) -> torch.Tensor:
+    """[num_layers] bool: the global layers that route (a probe on some rank). Models mixing dense and MoE layers
+    (``moe_layer_freq``) have dense layers without a router, which the ``moe/*`` means must leave out. Collective
+    over the world when torch.distributed is initialised."""
+    total_layers = probes[0].router.config.num_layers
+    mask = torch.zeros(total_layers, dtype=torch.float64)
+    for p in probes:
+        mask[p.layer] = 1.0
+    if dist.is_initialized():
+        dist.all_reduce(mask)
+    return mask > 0
+
+
+def routing_metrics(probes: list[RouterProbe], *, reset: bool = True,
+                    moe_layers: torch.Tensor | None = None) -> dict[str, float]:
+    """``moe/*`` metrics over every rank (collective over the world: call on all ranks together), averaged over the
+    MoE layers (``moe_layers``, :func:`moe_layer_mask`; None: computed here)."""
     if not probes:
         return {}
+    if moe_layers is None:
+        moe_layers = moe_layer_mask(probes)
     num_experts = probes[0].load.numel()
     stats = torch.stack([sum(p.mismatch for p in probes), sum(p.compared for p in probes)]).double().cpu()
     # Layers differ across pipeline stages: per-layer loads by global layer index (config.num_layers is global).
@@ -134,19 +151,20 @@ def routing_metrics(probes: list[RouterProbe], *, reset: bool = True) -> dict[st
     frac = per_layer / per_layer.sum(-1, keepdim=True).clamp_min(1)
     ent = -(frac * frac.clamp_min(1e-30).log()).sum(-1) / torch.log(torch.tensor(float(num_experts)))
     out = {
-        "moe/load_entropy": float(ent.mean()),
-        "moe/max_load_frac": float(frac.max(-1).values.mean()),
+        "moe/load_entropy": float(ent[moe_layers].mean()),
+        "moe/max_load_frac": float(frac.max(-1).values[moe_layers].mean()),
     }
-    for i in range(total_layers):
+    for i in torch.nonzero(moe_layers).flatten().tolist():
         out[f"moe/layer{i}/max_load_frac"] = float(frac[i].max())
     if stats[1] > 0:
         out["moe/replay_mismatch"] = float(stats[0] / stats[1])
     return out
 
 
-def aux_loss_metrics(coef: float, num_micro_batches: int) -> dict[str, float]:
+def aux_loss_metrics(coef: float, num_micro_batches: int, moe_layers: torch.Tensor | None = None) -> dict[str, float]:
     """``moe/aux_loss``: coef × the load-balancing loss Megatron tracked in the last update, averaged over
-    layers, micro-batches and data-parallel ranks (collective over the world); clears the tracker."""
+    the MoE layers (``moe_layers``; None: every layer), micro-batches and data-parallel ranks (collective over the
+    world); clears the tracker."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import (
         clear_aux_losses_tracker,
@@ -163,6 +181,8 @@ def aux_loss_metrics(coef: float, num_micro_batches: int) -> dict[str, float]:
             ps.get_context_parallel_world_size()
     clear_aux_losses_tracker()
     per_mb = values / max(num_micro_batches, 1)
+    if moe_layers is not None and moe_layers.numel() == per_mb.numel():  # a slot per layer; dense ones stay 0
+        per_mb = per_mb[moe_layers]
     return {"moe/aux_loss": float(coef * per_mb.mean()), "moe/load_balancing_loss": float(per_mb.mean())}
 
 
