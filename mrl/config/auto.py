@@ -183,6 +183,12 @@ def backend_of(choices: list[AutoChoice] | tuple[AutoChoice, ...], role: str) ->
     return "sdpa"
 
 
+def packing_blockers(backends: list[AutoChoice] | tuple[AutoChoice, ...]) -> list[AutoChoice]:
+    """The resolved backends that keep packed rows from running: a role that packs (not the reward model, which
+    scores compact rows) on an attention other than sdpa."""
+    return [c for c in backends if c.value != "sdpa" and not c.key.startswith(PADDED_ROLES)]
+
+
 def resolve_remove_padding(cfg: MRLConfig, device: str, shared_prefix: AutoChoice,
                            backends: list[AutoChoice]) -> AutoChoice:
     """actor.use_remove_padding (see the module docstring); an explicit ``true`` that cannot run is
@@ -190,8 +196,7 @@ def resolve_remove_padding(cfg: MRLConfig, device: str, shared_prefix: AutoChoic
     key, want = "actor.use_remove_padding", cfg.actor.use_remove_padding
     if want != "auto":
         return AutoChoice(key, bool(want), "set in the config")
-    # the reward model scores compact rows (it never packs): its backend does not matter here
-    other = [c for c in backends if c.value != "sdpa" and not c.key.startswith(PADDED_ROLES)]
+    other = packing_blockers(backends)
     if other:
         return AutoChoice(key, False, f"auto: off, {other[0].key}={other[0].value} (packed rows need the sdpa "
                           "attention backend)")

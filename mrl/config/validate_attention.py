@@ -14,9 +14,9 @@ What each setting needs (the ``auto`` rules: :mod:`mrl.config.auto`):
 from __future__ import annotations
 
 from mrl.config.auto import (
-    PADDED_ROLES,
     choose_attention_backend,
     megatron_roles,
+    packing_blockers,
     te_importable_here,
 )
 from mrl.config.root import MRLConfig
@@ -46,11 +46,10 @@ def check_attention(cfg: MRLConfig, cuda: bool, errors: list[str]) -> None:
             errors.append("actor.use_remove_padding=true with actor.shared_prefix=true: two row layouts for the same "
                           "micro-batches; fix: keep one (shared_prefix computes each prompt once, packing removes "
                           "padding)")
-        for role, c in resolved.items():
-            if c.value != "sdpa" and not c.key.startswith(PADDED_ROLES):
-                errors.append(f"actor.use_remove_padding=true needs every Megatron role on the sdpa attention backend, "
-                              f"but {c.key} resolves to {c.value} ({c.why}); fix: {c.key}=sdpa, or "
-                              "actor.use_remove_padding=false")
+        for c in packing_blockers(list(resolved.values())):
+            errors.append(f"actor.use_remove_padding=true needs every packing role on the sdpa attention backend, "
+                          f"but {c.key} resolves to {c.value} ({c.why}); fix: {c.key}=sdpa, or "
+                          "actor.use_remove_padding=false")
     if a.shared_prefix is True and resolved["actor"].value == "te":
         errors.append("actor.shared_prefix=true needs attention that applies the per-sample mask, but "
                       f"actor.megatron.attention_backend resolves to te ({resolved['actor'].why}), whose causal "

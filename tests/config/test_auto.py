@@ -123,7 +123,7 @@ def test_mrl_plan_prints_the_attention_backend_of_every_role_and_the_packing(tmp
 @pytest.mark.parametrize("overrides, key", [
     (["actor.megatron.attention_backend=te"], "actor.megatron.attention_backend=te: Transformer Engine runs on CUDA"),
     (["actor.use_remove_padding=true", "actor.megatron.attention_backend=local"],
-     ("actor.use_remove_padding=true needs every Megatron role on the sdpa attention backend, but "
+     ("actor.use_remove_padding=true needs every packing role on the sdpa attention backend, but "
       "actor.megatron.attention_backend resolves to local")),
     (["actor.use_remove_padding=true", "actor.shared_prefix=true"],
      "actor.use_remove_padding=true with actor.shared_prefix=true"),

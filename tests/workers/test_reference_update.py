@@ -208,6 +208,10 @@ def _grads_by_hf_name(actor) -> dict[str, torch.Tensor]:
     import torch.distributed as dist
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
+    from tests.workers.test_layout_invariance import (
+        _grads_by_hf_name as main_grads_by_hf_name,
+    )
+
     for c in actor.model.chunks:
         for group in c.bucket_groups + c.expert_parallel_bucket_groups:
             size = group.intra_distributed_optimizer_instance_size
@@ -216,15 +220,7 @@ def _grads_by_hf_name(actor) -> dict[str, torch.Tensor]:
             for bucket in group.buckets:
                 mine = shard_buffer(bucket.grad_data, size)[group.intra_distributed_optimizer_instance_rank].clone()
                 dist.all_gather_into_tensor(bucket.grad_data, mine, group=group.intra_distributed_optimizer_instance_group)
-    params = [p for c in actor.model.chunks for p in c.parameters()]
-    saved = [p.data for p in params]
-    try:  # export_hf_weights gathers TP shards of p.data: swap in main_grad
-        for p in params:
-            p.data = p.main_grad
-        return {n: t.clone() for n, t in actor.export_hf_weights()}
-    finally:
-        for p, d in zip(params, saved):
-            p.data = d
+    return main_grads_by_hf_name(actor)  # main_grad swapped into p.data, TP-gathered under HF names
 
 
 def _run_actor(path, tp, shared_prefix, steps, optim: dict, keep: bool, grads_of_step_1: bool) -> list[dict]:
