@@ -21,6 +21,20 @@ over variable lengths) when torch has it; elsewhere one causal SDPA call per seq
 kernel: memory linear in the row). Megatron itself reads ``qkv_format="sbhd"`` as "not THD", so it keeps the
 ``[s, b]`` layout and leaves RoPE to :mod:`mrl.megatron.rope_positions` (positions restart per sequence).
 
+Attention sinks (gpt-oss; Megatron ``softmax_type="learnable"``, or ``"off-by-one"``: a sink fixed at 0): each head
+``h`` has a sink logit ``s_h`` that joins every query's softmax denominator and carries no value::
+
+    O_h = sum_k exp(z_k) V_k / (sum_k exp(z_k) + exp(s_h)),   z = scale · Q_h K^T + M
+
+(transformers' ``GptOssAttention``: the sink column is appended to the scores and dropped after the softmax).
+SDPA has no sink input, so the sink enters as one extra key that every query sees: the query gets one more
+component ``s_h / scale`` and the keys one more, 0 for the real keys and 1 for the sink key, whose value is
+zero; its score is exactly ``s_h``, so SDPA's softmax is the one above, with gradients for ``s_h`` through
+autograd. The sink key needs an explicit boolean mask (``[sq, sk + 1]``: the causal/window mask plus an
+always-attended column), and packed rows on CUDA run per sequence (``varlen_attn`` has no sink). The
+sink is ``core_attention.softmax_offset`` as in Megatron's ``DotProductAttention``: one logit per local head,
+split over TP along the heads.
+
 Interface: megatron-core 0.16's core attention ``forward(query, key, value, attention_mask, attn_mask_type,
 attention_bias, packed_seq_params)`` on ``[s, b, heads, dim]`` tensors, returning ``[s, b, heads · d_v]``.
 """
@@ -63,9 +77,6 @@ class SDPAAttention(MegatronModule):
         if config.context_parallel_size != 1:
             raise ValueError("attention_backend=sdpa does not implement context parallelism; set "
                              "megatron.context_parallel_size=1")
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ValueError(f"attention_backend=sdpa: softmax_type={config.softmax_type!r} (attention sinks) is not "
-                             "implemented; use a model without sinks or attention_backend=te")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.k_channels = k_channels or config.kv_channels
@@ -77,6 +88,38 @@ class SDPAAttention(MegatronModule):
         window = config.window_size if is_layer_window_attention(
             config.window_size, config.window_attn_skip_freq, layer_number) else None
         self.window: tuple[int, int] | None = tuple(window) if window else None  # (left, right)
+        self.softmax_type = getattr(config, "softmax_type", "vanilla")
+        self.softmax_offset: Tensor | None = self._make_sinks(config, pg_collection)
+
+    def _make_sinks(self, config: Any, pg_collection: Any) -> Tensor | None:
+        """Megatron's ``softmax_offset``: None (vanilla), zeros (off-by-one) or a learnable logit per local head."""
+        if self.softmax_type == "vanilla":
+            return None
+        if self.softmax_type not in ("off-by-one", "learnable"):
+            raise ValueError(f"attention_backend=sdpa: softmax_type={self.softmax_type!r} is not one of "
+                             "'vanilla', 'off-by-one', 'learnable'")
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.layers import (
+            set_tensor_model_parallel_attributes,
+        )
+
+        if pg_collection is not None and hasattr(pg_collection, "tp"):
+            tp = pg_collection.tp.size()
+        else:
+            tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+        heads = config.num_attention_heads // tp
+        device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
+        sinks = torch.zeros(heads, dtype=config.params_dtype, device=device)
+        if self.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", sinks, persistent=False)
+            return self.softmax_offset
+        param = torch.nn.Parameter(sinks)
+        if config.perform_initialization:
+            config.init_method(param.data)
+        # split over TP along the heads: the grad-norm and the checkpoint treat it as a TP shard, not a duplicate
+        set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
+        self.register_parameter("softmax_offset", param)
+        return param
 
     # ---- masks -------------------------------------------------------------------------------
     def _window_mask(self, sq: int, sk: int, device: torch.device) -> Tensor:
@@ -94,10 +137,33 @@ class SDPAAttention(MegatronModule):
         if mask is None and self.window is not None:
             mask = self._window_mask(q.shape[-2], k.shape[-2], q.device)
             causal = False
+        if self.softmax_offset is not None:
+            q, k, v, mask = self._with_sink_key(q, k, v, mask, causal)
+            causal = False
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal and mask is None,
             dropout_p=self.dropout_p if self.training else 0.0, scale=self.softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1])
+
+    def _with_sink_key(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """q, k, v and the mask with the sink key appended (see the module docstring): query component
+        ``s_h / scale``, key component 1 on the sink key and 0 on the others, zero value; q/k padded with zeros to a
+        multiple of 8 components (the fused CUDA kernels' alignment), which changes no dot product."""
+        (b, h, sq, d), (g, sk) = q.shape, k.shape[1:3]
+        if mask is None:
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+            if causal:  # queries aligned to the keys' end, as SDPA's is_causal with sq == sk
+                mask = mask.tril(sk - sq)
+        mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], 1)], dim=-1)
+        width = -(-(d + 1) // 8) * 8
+        sink = (self.softmax_offset.to(q.dtype) / self.softmax_scale).view(1, h, 1, 1).expand(b, h, sq, 1)
+        q = torch.cat([q, sink, q.new_zeros(b, h, sq, width - d - 1)], dim=-1)
+        sink_key = k.new_zeros(b, g, 1, width)
+        sink_key[..., d] = 1.0
+        k = torch.cat([F.pad(k, (0, width - d)), sink_key], dim=-2)
+        v = torch.cat([v, v.new_zeros(b, g, 1, v.shape[-1])], dim=-2)
+        return q, k, v, mask
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -130,7 +196,7 @@ class SDPAAttention(MegatronModule):
         cu = params.cu_seqlens_q
         q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [T, h, d]
         fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not (self.training and self.dropout_p)
-        varlen = _varlen_attn() if fused else None
+        varlen = _varlen_attn() if fused and self.softmax_offset is None else None
         if varlen is not None:
             fn, takes_gqa = varlen
             left, right = self.window if self.window is not None else (-1, 0)
