@@ -14,8 +14,10 @@ A family module (``mrl/families/<name>.py``) defines one ``FAMILY = Family(...)`
 * ``weight_rules``: its HF ↔ Megatron table (:mod:`mrl.families.rules`, applied by
   :mod:`mrl.megatron.mapping`);
 * ``engine_refuses_sliding_window``: the embedded engine's fast decode path hands a config with
-  ``sliding_window`` set to transformers' forward (:mod:`mrl.rollout.engine.decode`);
-* ``refuse``: its own refusals, run after the common decoder checks of the provider.
+  ``sliding_window`` set to transformers' forward (:mod:`mrl.rollout.engine.decode`); ``attention_sinks`` too;
+* ``refuse``: its own refusals, run after the common decoder checks of the provider;
+* ``config_kwargs``: any further ``TransformerConfig`` keywords of the family (gpt-oss: biases on every linear,
+  attention sinks, per-layer windows, the clamped SwiGLU), applied after the ones above.
 """
 from __future__ import annotations
 
@@ -32,6 +34,10 @@ def _zero(_hf_config: Any) -> int:
 
 def _accept(_hf_config: Any) -> None:
     return None
+
+
+def _no_kwargs(_hf_config: Any) -> dict[str, Any]:
+    return {}
 
 
 def num_experts(hf_config: Any) -> int:
@@ -73,6 +79,12 @@ class MoE:
     refuse: Callable[[Any], None] = _accept  # family-specific MoE refusals
     # 1/0 per decoder layer: MoE or dense MLP (of intermediate_size: the family's dense-layer weight rules)
     layers: Callable[[Any], list[int]] = all_moe_layers
+    router: str = "gate"                    # HF module of the router: model.layers.{i}.<block>.<router>
+    # The checkpoint holds a layer's experts as fused tensors under transformers' own parameter names (gpt-oss):
+    # the engine splits nothing (expert_names then only name the fused tensors).
+    fused_experts: bool = False
+    # Experts with biases (gpt-oss): Megatron supports them only with expert_tensor_parallel_size=1.
+    expert_linear_bias: bool = False
 
     def layer_pattern(self, hf_config: Any) -> list[int] | None:
         """Megatron's ``moe_layer_freq`` list when some layers are dense, None when every layer is MoE."""
@@ -100,6 +112,9 @@ class MoE:
         e = num_experts(hf_config)
         if e % ep:
             raise ValueError(f"num_experts={e} is not divisible by expert_model_parallel_size={ep}")
+        if self.expert_linear_bias and etp != 1:
+            raise ValueError(f"expert_tensor_parallel_size={etp}: this model's experts have biases, which Megatron "
+                             "supports only with expert_tensor_parallel_size=1; fix: set it to 1")
         kw: dict[str, Any] = {
             "num_moe_experts": e,
             "moe_ffn_hidden_size": self.expert_ffn_size(hf_config),
@@ -140,7 +155,10 @@ class Family:
     sliding_window: bool = False
     moe: MoE | None = None
     engine_refuses_sliding_window: bool = False
+    # per-head attention sinks (gpt-oss): the engine's fast decode path has none, transformers' forward runs it
+    attention_sinks: bool = False
     refuse: Callable[[Any], None] = _accept
+    config_kwargs: Callable[[Any], dict[str, Any]] = _no_kwargs
 
     @property
     def is_moe(self) -> bool:
@@ -161,6 +179,7 @@ class Family:
             kw["window_size"] = (int(window) - 1, 0)
         if self.moe is not None:
             kw.update(self.moe.transformer_kwargs(hf_config, ep=ep, etp=etp))
+        kw.update(self.config_kwargs(hf_config))
         return kw
 
     def layer_spec_kwargs(self, hf_config: Any) -> dict[str, Any]:

@@ -9,6 +9,4 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
         "and no transformers parity test for it yet"
     ),
     "DeepseekV2ForCausalLM": "DeepSeek-V2 needs multi-latent attention, which mrl does not map yet",
-    "GptOssForCausalLM": "gpt-oss needs attention sinks, biased experts and a clamped SwiGLU, which "
-                         "Megatron's local spec does not implement",
 }

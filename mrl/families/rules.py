@@ -4,7 +4,8 @@ assemble their tables from (no torch: :mod:`mrl.megatron.mapping` applies them).
 A rule names a Megatron parameter (relative to the ``GPTModel`` for ``scope="model"``, to a
 ``TransformerLayer`` for ``scope="layer"``), the HF tensor(s) it is made of (``{i}`` the *global* layer
 index; for a routed expert ``{j}`` the local and ``{e}`` the global expert index) and how it is split over
-TP (ETP for experts); the splits are described in :mod:`mrl.megatron.mapping`. In a model mixing dense and
+TP (ETP for experts); the splits are described in :mod:`mrl.megatron.mapping`. A ``fused`` expert rule names one HF tensor holding all
+the layer's experts (transformers' own layout, as gpt-oss checkpoints store them). In a model mixing dense and
 MoE layers (:meth:`mrl.families.base.MoE.layer_pattern`) a rule's ``layers`` says which layers have it:
 ``"all"`` (attention, norms), ``"moe"`` (router, experts, shared expert) or ``"dense"`` (the dense MLP).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPLITS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
+SPLITS = ("replicated", "column", "row", "vocab", "qkv", "gate_up", "gate_up_interleaved", "row_t")
 LAYER_KINDS = ("all", "moe", "dense")
 
 
@@ -27,6 +28,9 @@ class Rule:
     expert: bool = False
     # Which decoder layers hold it (LAYER_KINDS): every one, MoE layers only or dense-MLP layers only.
     layers: str = "all"
+    # An expert rule whose HF tensor holds every expert of the layer stacked along dim 0 (no {e} in the name;
+    # gpt-oss): expert e's part is hf[e].
+    fused: bool = False
 
     def on_layer(self, moe_layer: bool) -> bool:
         """Whether a decoder layer (an MoE layer or not) has this rule's parameter."""

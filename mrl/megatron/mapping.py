@@ -16,6 +16,10 @@ is split over TP:
                 rank owns ``ng/TP`` whole groups). Biases ``[.]`` follow the same layout.
 ``gate_up``     HF ``gate [F, H]``, ``up [F, H]`` → ``linear_fc1``; TP rank r holds
                 ``cat(gate_r, up_r)`` with ``gate_r = gate.chunk(TP)[r]`` (SwiGLU's fused fc1).
+``gate_up_interleaved``  one HF tensor in ``x @ W`` layout with gate and up columns alternating,
+                ``W [H, 2F] = [g0, u0, g1, u1, ...]`` (a bias ``[2F]`` alike; gpt-oss) → ``gate = W[:, 0::2]ᵀ``,
+                ``up = W[:, 1::2]ᵀ``, then as ``gate_up``.
+``row_t``       HF ``[F, H]`` in ``x @ W`` layout → Megatron ``[H, F]`` (transposed), split along dim 1.
 
 Spec namings: the local spec keeps ``input_layernorm``/``pre_mlp_layernorm``; the Transformer
 Engine spec fuses them into ``linear_qkv.layer_norm_weight``/``linear_fc1.layer_norm_weight``
@@ -26,6 +30,10 @@ index, so any PP/VPP layout maps without offset arithmetic here.
 A model mixing dense and MoE layers (Qwen's ``mlp_only_layers`` / ``decoder_sparse_step``) gives each
 global layer the rules of its kind (``Rule.layers``: ``moe`` rules on MoE layers, ``dense`` ones on the
 others, by :meth:`mrl.families.Family.moe_layers`); a layer whose built MLP is not of that kind raises.
+
+Fused experts (``Rule.fused``, gpt-oss): one HF tensor ``[E, ...]`` per layer holds every expert; load reads
+it once per layer and gives expert ``e`` its slice ``[e]``; export stacks the local experts and gathers them
+over EP into the whole tensor.
 
 MoE layers (:mod:`mrl.megatron.moe`): the router is replicated; an *expert* rule names the local
 expert ``{j}`` on the Megatron side and the global expert ``{e} = ep_rank · (E/EP) + j`` on the HF
@@ -131,10 +139,17 @@ def _all_experts(fmt: dict[str, str]) -> list[dict[str, str]]:
     return [{**fmt, "e": str(r * n_local + j)} for r in range(ep)]
 
 
+def _hf_fmts(rule: Rule, fmt: dict[str, str]) -> list[dict[str, str]]:
+    """Format args of the HF tensors one local parameter contributes to (a fused tensor: once per layer)."""
+    if rule.fused:
+        return [fmt] if fmt["j"] == "0" else []
+    return _all_experts(fmt) if rule.expert else [fmt]
+
+
 def hf_names_for_stage(model_chunks: list[torch.nn.Module], hf_config: Any) -> list[str]:
     """HF tensor names this rank's pipeline stage exports / needs to load (global layer ids)."""
     names = [hf.format(**f) for rule, fmt, _ in _stage_params(model_chunks, hf_config)
-             for f in (_all_experts(fmt) if rule.expert else (fmt,)) for hf in rule.hf]
+             for f in _hf_fmts(rule, fmt) for hf in rule.hf]
     for chunk in map(unwrap, model_chunks):
         # The last stage of a tied model keeps its own copy of the embedding as output_layer.
         if chunk.share_embeddings_and_output_weights and chunk.post_process and not chunk.pre_process:
@@ -185,6 +200,14 @@ def _to_local(rule: Rule, full: list[torch.Tensor], hf_config: Any, local_shape:
         return _merge_qkv(*full, hf_config).chunk(tp, dim=0)[rank]
     if rule.split == "gate_up":
         return torch.cat([full[0].chunk(tp, dim=0)[rank], full[1].chunk(tp, dim=0)[rank]])
+    if rule.split == "gate_up_interleaved":
+        w = full[0]
+        gate, up = w[..., 0::2], w[..., 1::2]
+        if w.dim() == 2:  # x @ W layout -> Megatron's [out, in]
+            gate, up = gate.t(), up.t()
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
+    if rule.split == "row_t":
+        return full[0].t().chunk(tp, dim=1)[rank]
     raise ValueError(f"unknown split {rule.split!r}; expected one of {SPLITS}")
 
 
@@ -203,6 +226,8 @@ def _to_hf(rule: Rule, local: torch.Tensor, hf_config: Any) -> list[torch.Tensor
         return [local.detach().clone()]
     if rule.split == "row":
         return [torch.cat(_gather(local.detach(), 1, rule.expert), dim=1)]
+    if rule.split == "row_t":
+        return [torch.cat(_gather(local.detach(), 1, rule.expert), dim=1).t().contiguous()]
     full = torch.cat(_gather(local.detach(), 0, rule.expert), dim=0)
     if rule.split == "column":
         return [full]
@@ -210,9 +235,14 @@ def _to_hf(rule: Rule, local: torch.Tensor, hf_config: Any) -> list[torch.Tensor
         return [full[: hf_config.vocab_size].clone()]
     if rule.split == "qkv":
         return [t.contiguous() for t in _split_qkv(full, hf_config)]
-    if rule.split == "gate_up":
+    if rule.split in ("gate_up", "gate_up_interleaved"):
         halves = [p.chunk(2, dim=0) for p in full.chunk(_tp(rule.expert)[0], dim=0)]
-        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        gate, up = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
+        if rule.split == "gate_up":
+            return [gate, up]
+        if gate.dim() == 2:
+            gate, up = gate.t(), up.t()
+        return [torch.stack([gate, up], dim=-1).reshape(*gate.shape[:-1], -1)]  # [g0, u0, g1, u1, ...]
     raise ValueError(f"unknown split {rule.split!r}; expected one of {SPLITS}")
 
 
@@ -229,11 +259,15 @@ def export_hf_weights(model_chunks: list[torch.nn.Module], hf_config: Any, *, on
     e.g. ``q_proj``/``v_proj`` but not ``k_proj`` of a fused ``linear_qkv`` with q,v targets).
     """
     with torch.no_grad():
+        fused: dict[str, list[list[torch.Tensor]]] = {}  # a fused rule's local experts, until the last one
         for rule, fmt, p in _stage_params(model_chunks, hf_config):
             adapter = getattr(p, "_lora_adapter", None)
             if adapter is not None:
                 p = adapter.merged_weight(p)
             elif only_lora:
+                continue
+            if rule.fused:
+                yield from _export_fused(rule, fmt, p, hf_config, fused)
                 continue
             if rule.expert:
                 yield from _export_expert(rule, fmt, p, hf_config)
@@ -259,6 +293,27 @@ def _export_expert(rule: Rule, fmt: dict[str, str], p: torch.Tensor, hf_config: 
             yield name.format(**f), part
 
 
+def _export_fused(rule: Rule, fmt: dict[str, str], p: torch.Tensor, hf_config: Any,
+                  pending: dict[str, list[list[torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collect local expert ``j``'s HF-layout tensors; after the last local expert, stack them, gather the
+    stacks over EP (expert ``e = ep_rank · n_local + j``) and yield each fused ``[E, ...]`` tensor."""
+    names = [n.format(**fmt) for n in rule.hf]
+    parts = pending.setdefault(names[0], [[] for _ in names])
+    for acc, tensor in zip(parts, _to_hf(rule, p, hf_config)):
+        acc.append(tensor)
+    if int(fmt["j"]) < int(fmt["n_local"]) - 1:
+        return
+    del pending[names[0]]
+    ep, _, group = _ep()
+    for name, acc in zip(names, parts):
+        local = torch.stack(acc)
+        if ep > 1:
+            gathered = [torch.empty_like(local) for _ in range(ep)]
+            dist.all_gather(gathered, local.contiguous(), group=group)
+            local = torch.cat(gathered)
+        yield name, local
+
+
 def load_hf_weights(
     model_chunks: list[torch.nn.Module], hf_config: Any, get_tensor: Callable[[str], torch.Tensor]
 ) -> None:
@@ -269,9 +324,19 @@ def load_hf_weights(
     ``output_layer`` (pipeline parallel), as Megatron keeps one copy per end of the pipeline.
     """
     with torch.no_grad():
+        fused: dict[str, torch.Tensor] = {}  # one layer's fused expert tensors, read once for its local experts
+        fused_layer = None
         for rule, fmt, p in _stage_params(model_chunks, hf_config):
             names = [n.format(**fmt) for n in rule.hf]  # a routed expert: this rank's global e
-            full = [get_tensor(n) for n in names]
+            if rule.fused:
+                if fused_layer != fmt["i"]:
+                    fused, fused_layer = {}, fmt["i"]
+                for n in names:
+                    if n not in fused:
+                        fused[n] = get_tensor(n)
+                full = [fused[n][int(fmt["e"])] for n in names]
+            else:
+                full = [get_tensor(n) for n in names]
             local = _to_local(rule, full, hf_config, p.shape)
             if local.shape != p.shape:
                 raise ValueError(

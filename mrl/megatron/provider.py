@@ -3,7 +3,8 @@
 Supported dense decoder families (``architectures`` in config.json): Llama 2/3 (incl. llama3
 rope scaling), Qwen2/2.5 (qkv bias, tied embeddings), Qwen3 (per-head q/k RMSNorm), Mistral (with its
 ``sliding_window``: every layer windowed, on the sdpa and te backends); and the
-Mixture-of-Experts families Qwen3-MoE, Qwen2-MoE and Mixtral (:mod:`mrl.megatron.moe`, where the
+Mixture-of-Experts families Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss (attention sinks, per-layer windows,
+biased clamped-SwiGLU experts, YaRN RoPE: :mod:`mrl.families.gpt_oss`) (:mod:`mrl.megatron.moe`, where the
 MLP below becomes a routed sum of SwiGLU experts; layers a Qwen MoE config makes dense keep the MLP:
 Megatron's ``moe_layer_freq`` list and one layer spec per layer, :func:`decoder_spec`). What differs per
 family (qkv bias, q/k norm, window, MoE settings, refusals) is declared in its module under :mod:`mrl.families`; this module adds the
@@ -23,6 +24,7 @@ torch SDPA as its core attention (``sdpa``, :mod:`mrl.megatron.sdpa_attention`) 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -70,7 +72,7 @@ def _rope_params(hf_config: Any) -> tuple[float, bool, float]:
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     src = params if params.get("rope_type") else scaling
-    if rope_type == "default":
+    if rope_type in ("default", "yarn"):  # yarn: GPTModel's YaRN embedding, configured by yarn_params
         return float(theta), False, 1.0
     if rope_type == "llama3":
         # Megatron's llama3 scaling hard-codes low/high freq factors 1/4 and 8192 original positions.
@@ -83,8 +85,51 @@ def _rope_params(hf_config: Any) -> tuple[float, bool, float]:
                 )
         return float(theta), True, float(src.get("factor", 8.0))
     raise ValueError(
-        f"config.json rope type {rope_type!r} is not supported; supported: 'default', 'llama3'"
+        f"config.json rope type {rope_type!r} is not supported; supported: 'default', 'llama3', 'yarn'"
     )
+
+
+def yarn_params(hf_config: Any) -> dict[str, Any] | None:
+    """The ``yarn_*`` attributes Megatron's ``GPTModel(position_embedding_type="yarn")`` reads from its config, for a
+    config.json with YaRN RoPE (gpt-oss); None for other rope types.
+
+    transformers' YaRN (``_compute_yarn_parameters``) and Megatron's ``YarnRotaryEmbedding`` compute the same
+    inverse frequencies (``factor``, ``beta_fast``/``beta_slow`` ramp over ``original_max_position_embeddings``;
+    transformers' ``truncate`` is Megatron's ``correction_range_round_to_int``) and the same attention factor
+    on cos/sin (``0.1·ln(factor) + 1``, or the ``mscale``/``mscale_all_dim`` ratio when both are set). Refused: an
+    explicit ``attention_factor`` that differs from that rule, and ``partial_rotary_factor`` != 1."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    src = params if params.get("rope_type") else scaling
+    if (src.get("rope_type") or src.get("type")) != "yarn":
+        return None
+    partial = float(src.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        raise ValueError(f"config.json partial_rotary_factor={partial} with YaRN RoPE is not supported (1.0 only)")
+    orig = src.get("original_max_position_embeddings")
+    if not orig:
+        raise ValueError("config.json YaRN rope parameters lack original_max_position_embeddings")
+    factor = float(src.get("factor") or hf_config.max_position_embeddings / orig)
+    mscale, mscale_all_dim = src.get("mscale"), src.get("mscale_all_dim")
+    ratio = bool(mscale and mscale_all_dim)  # transformers' test (truthiness), Megatron's is "both not None"
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    expected = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) if ratio else get_mscale(factor)
+    given = src.get("attention_factor")
+    if given is not None and not math.isclose(float(given), expected, rel_tol=1e-9):
+        raise ValueError(f"config.json YaRN attention_factor={given}: Megatron derives it from factor/mscale "
+                         f"({expected}); a checkpoint with another attention factor is not supported")
+    return {
+        "yarn_rotary_scaling_factor": factor,
+        "yarn_original_max_position_embeddings": int(orig),
+        "yarn_beta_fast": float(src.get("beta_fast") or 32.0),
+        "yarn_beta_slow": float(src.get("beta_slow") or 1.0),
+        "yarn_mscale": float(mscale) if ratio else None,
+        "yarn_mscale_all_dim": float(mscale_all_dim) if ratio else None,
+        "yarn_correction_range_round_to_int": bool(src.get("truncate", True)),
+    }
 
 
 def _check_supported(hf_config: Any, family: str) -> None:
@@ -157,7 +202,11 @@ def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float3
     # the family's own: add_qkv_bias, qk_layernorm, window_size, the MoE router and experts
     kw.update(family.transformer_kwargs(hf_config, ep=ep, etp=etp))
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    tcfg = TransformerConfig(**kw)
+    # YaRN: not TransformerConfig fields; GPTModel and the attention's rotary step read them off the config
+    for key, value in (yarn_params(hf_config) or {}).items():
+        setattr(tcfg, key, value)
+    return tcfg
 
 
 def te_usable() -> bool:
@@ -287,7 +336,7 @@ def build_model_chunks(
             post_process=ps.is_pipeline_last_stage(**stage_kw),
             parallel_output=True,
             share_embeddings_and_output_weights=tied,
-            position_embedding_type="rope",
+            position_embedding_type="yarn" if hasattr(tcfg, "yarn_rotary_scaling_factor") else "rope",
             rotary_base=theta,
             rope_scaling=rope_scaling,
             rope_scaling_factor=rope_factor,

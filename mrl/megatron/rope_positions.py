@@ -17,7 +17,8 @@ _ATTR = "_mrl_rope_positions"
 
 
 def enable_rope_positions(model: torch.nn.Module) -> None:
-    """Let ``model.rotary_pos_emb`` (Megatron ``RotaryEmbedding``) follow :func:`set_rope_positions`."""
+    """Let ``model.rotary_pos_emb`` (Megatron ``RotaryEmbedding``, or ``YarnRotaryEmbedding`` whose forward returns
+    the table with its attention factor) follow :func:`set_rope_positions`."""
     rope = getattr(model, "rotary_pos_emb", None)
     if rope is None or hasattr(rope, _ATTR):
         return
@@ -34,6 +35,8 @@ def enable_rope_positions(model: torch.nn.Module) -> None:
             raise ValueError(f"RoPE at positions: {tuple(pos.shape)} position ids (offset {offset}, THD packing "
                              f"{packed_seq}) — only BSHD rows are supported")
         table = inner(int(pos.max()) + 1)  # [S, 1, 1, d]: angle of position s
+        if isinstance(table, tuple):  # YaRN's embedding returns (table, attention factor)
+            return table[0][:, 0][pos.t()], *table[1:]
         return table[:, 0][pos.t()]  # [L, b, 1, d]
 
     rope.forward = forward

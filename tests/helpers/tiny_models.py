@@ -3,7 +3,9 @@
 ``make_tiny_hf(path, family)`` writes config.json, model.safetensors and a tokenizer into
 ``path`` and returns it. Families: llama (GQA, untied), qwen2 (qkv bias, tied embeddings,
 vocab not a multiple of 4*TP), qwen3 (q/k norm), mistral; MoE: qwen3_moe (4 experts, top-2,
-normalised top-k), qwen2_moe (un-normalised top-k, shared expert with its gate), mixtral. Weights are random with a fixed seed
+normalised top-k), qwen2_moe (un-normalised top-k, shared expert with its gate), mixtral, gpt_oss (attention
+sinks, alternating 5-token windows and full layers, YaRN RoPE, biased router and experts with a clamp low enough
+to bite). Weights are random with a fixed seed
 and scaled so that logits are O(1) (useful for parity tests in fp32).
 """
 from __future__ import annotations
@@ -63,6 +65,14 @@ def hf_config(family: str, **overrides):
         cls = tf.MixtralConfig
         kw.update(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
                   sliding_window=None, router_aux_loss_coef=0.01)
+    elif family == "gpt_oss":
+        cls = tf.GptOssConfig
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 64}
+        kw.update(tie_word_embeddings=False, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                  intermediate_size=48, sliding_window=5, swiglu_limit=0.4, router_aux_loss_coef=0.01,
+                  rope_parameters=rope, attention_bias=True)
+        kw.pop("rope_theta")
     else:
         raise ValueError(f"unknown tiny family {family!r}")
     kw.update(overrides)
@@ -81,6 +91,8 @@ def build_tiny_model(family: str, seed: int = 0, **overrides):
                 # Norm weights around 1, biases small and non-zero so bias mapping is tested.
                 if "norm" in name:
                     p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                elif name.endswith(("sinks", "router.bias")):  # O(1): they change the result
+                    p.copy_(torch.randn_like(p))
                 else:
                     p.copy_(0.05 * torch.randn_like(p))
             else:

@@ -18,15 +18,19 @@ MOE_LAYOUTS = [
 ]
 # Models mixing dense and MoE layers run on these (the first dispatcher only); EP2 x PP2 for the round trip.
 MIXED_LAYOUTS = [(1, 1, 1, 1, False), (1, 1, 2, 1, False), (1, 2, 1, 1, False), (1, 2, 2, 1, False)]
+# Models whose experts have biases (gpt-oss: Megatron needs ETP=1) run on these, with both dispatchers.
+ETP1_LAYOUTS = [(1, 1, 1, 1, False), (2, 1, 1, 1, False), (1, 1, 2, 1, False), (1, 2, 1, 1, False),
+                (1, 2, 2, 1, False), (2, 1, 2, 1, False)]
 ROUNDTRIP = (1, 2, 2)  # (tp, pp, ep) at which every stage exports its HF tensors
 
 
 def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispatchers: list[str],
-                    mixed: list[str] = ()) -> dict:
+                    mixed: list[str] = (), etp1: list[str] = ()) -> dict:
     """For each layout, case and dispatcher: max |Δlogits| against ref.pt (a case is a checkpoint directory
     under ``root``: the ``families`` on every layout and dispatcher, the ``mixed`` ones on
-    :data:`MIXED_LAYOUTS` with the first dispatcher); at EP2×PP2 each stage exports its HF tensors into
-    ``root/rt_<case>/stage<pp>`` (experts gathered over EP)."""
+    :data:`MIXED_LAYOUTS` with the first dispatcher, the ``etp1`` ones on :data:`ETP1_LAYOUTS` with every
+    dispatcher); at EP2×PP2 each stage exports its HF tensors into ``root/rt_<case>/stage<pp>`` (experts
+    gathered over EP)."""
     from megatron.core import parallel_state as ps
 
     from mrl.megatron.hf_io import HFCheckpointReader, write_hf_checkpoint
@@ -39,12 +43,17 @@ def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispa
     from mrl.megatron.provider import build_model_chunks, load_hf_config
 
     out: dict = {}
-    for layout in MOE_LAYOUTS:
+    layouts = MOE_LAYOUTS + [lay for lay in ETP1_LAYOUTS if lay not in MOE_LAYOUTS]
+    for layout in layouts:
         tp, pp, ep, etp, sp = layout
-        init_parallel(device="cpu", tp=tp, pp=pp, ep=ep, etp=etp)
-        cases = [(f, dispatchers) for f in families]
+        cases = [(f, dispatchers) for f in families] if layout in MOE_LAYOUTS else []
         if layout in MIXED_LAYOUTS:
             cases += [(m, dispatchers[:1]) for m in mixed]
+        if layout in ETP1_LAYOUTS:
+            cases += [(c, dispatchers) for c in etp1]
+        if not cases:
+            continue
+        init_parallel(device="cpu", tp=tp, pp=pp, ep=ep, etp=etp)
         for case, disps in cases:
             for disp in disps:
                 path = Path(root) / case

@@ -2,8 +2,9 @@
 expert with its gate, un-normalised top-k) and Mixtral at TP2, EP2, PP2, EP2×PP2 and TP2 with EP2
 folded over it, with both token dispatchers; models mixing dense and MoE layers (Qwen3-MoE with
 ``mlp_only_layers=[0]``, Qwen2-MoE with ``decoder_sparse_step=2``: Megatron ``moe_layer_freq``) at TP1, EP2, PP2
-and EP2×PP2; HF → Megatron(EP2×PP2) → HF is bit-exact per tensor for all of them. One 4-rank gloo launch
-covers all of it."""
+and EP2×PP2; gpt-oss (attention sinks, alternating windows, YaRN, biased router and clamped-SwiGLU experts
+stored fused) at TP1, TP2, EP2, PP2, EP2×PP2 and TP2×EP2 (ETP1: Megatron's expert biases) with both dispatchers;
+HF → Megatron(EP2×PP2) → HF is bit-exact per tensor for all of them. One 4-rank gloo launch covers all of it."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,12 @@ import torch
 from mrl.families import FAMILIES as FAMILY_OF
 from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_models import hf_config, make_tiny_hf
-from tests.megatron._moe_ranks import MIXED_LAYOUTS, MOE_LAYOUTS, moe_parity_rank
+from tests.megatron._moe_ranks import (
+    ETP1_LAYOUTS,
+    MIXED_LAYOUTS,
+    MOE_LAYOUTS,
+    moe_parity_rank,
+)
 from tests.megatron._ranks import (
     assert_stages_export_the_checkpoint,
     write_reference_logits,
@@ -29,6 +35,8 @@ MIXED = {
     "qwen2_moe_sparse_step_2": ("qwen2_moe", {"decoder_sparse_step": 2}),
 }
 MIXED_PARAMS = [(c, DISPATCHERS[0], lay) for c in MIXED for lay in MIXED_LAYOUTS]
+BIASED = ["gpt_oss"]  # experts with biases: ETP1 layouts
+BIASED_PARAMS = [(c, d, lay) for c in BIASED for d in DISPATCHERS for lay in ETP1_LAYOUTS]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +47,10 @@ def launched(tmp_path_factory):
         write_reference_logits(make_tiny_hf(root / fam, fam), gen)
     for case, (fam, overrides) in MIXED.items():
         write_reference_logits(make_tiny_hf(root / case, fam, **overrides), gen)
-    results = run_ranks(moe_parity_rank, 4, args=(str(root), FAMILIES, DISPATCHERS, list(MIXED)), timeout_s=300,
-                        init_process_group=False)
+    for fam in BIASED:
+        write_reference_logits(make_tiny_hf(root / fam, fam), gen)
+    results = run_ranks(moe_parity_rank, 4, args=(str(root), FAMILIES, DISPATCHERS, list(MIXED), BIASED),
+                        timeout_s=360, init_process_group=False)
     merged: dict = {}
     for r in results:
         merged.update(r)
@@ -64,6 +74,24 @@ def test_mixed_dense_moe_logits_match_transformers(launched, case, dispatcher, l
     _, diffs = launched
     diff = diffs[(case, dispatcher, *layout[:4])]
     assert diff <= TOL, f"{case} {dispatcher} {layout}: max |Δlogits| = {diff:.3g} > {TOL}"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case,dispatcher,layout", BIASED_PARAMS,
+                         ids=[f"{c}-{d}-tp{l[0]}pp{l[1]}ep{l[2]}etp{l[3]}" for c, d, l in BIASED_PARAMS])
+def test_gpt_oss_logits_match_transformers(launched, case, dispatcher, layout):
+    _, diffs = launched
+    diff = diffs[(case, dispatcher, *layout[:4])]
+    assert diff <= TOL, f"{case} {dispatcher} {layout}: max |Δlogits| = {diff:.3g} > {TOL}"
+
+
+@pytest.mark.multirank
+def test_gpt_oss_roundtrip_ep2_pp2_bit_exact(launched):
+    """The fused [E, ...] expert tensors come back whole: each stage gathers its layers' experts over EP."""
+    root, _ = launched
+    stages = assert_stages_export_the_checkpoint(root / "gpt_oss", [root / "rt_gpt_oss" / f"stage{s}" for s in range(2)])
+    fused = [st.get(n) for st in stages for n in st.names() if n.endswith("mlp.experts.gate_up_proj")]
+    assert len(fused) == 4 and all(t.shape[0] == 4 for t in fused)
 
 
 @pytest.mark.multirank
