@@ -63,9 +63,16 @@ def test_family_module_declares_every_piece(module):
         assert all(r.layers == "all" for r in rules)
     else:
         assert isinstance(fam.moe, MoE) and "mlp.router.weight" in mcore
-        assert all("{j}" in r.mcore and all("{e}" in n for n in r.hf) for r in experts) and len(experts) == 2
         names = fam.moe.expert_names
-        assert len(names) == 3 and all(f".{fam.moe.block}.experts.{{e}}.{n}.weight" in " ".join(hf) for n in names)
+        if fam.moe.fused_experts:  # one HF tensor per layer holds every expert (no {e}); weights and biases
+            assert all("{j}" in r.mcore and r.fused and not any("{e}" in n for n in r.hf) for r in experts)
+            assert len(experts) == (4 if fam.moe.expert_linear_bias else 2)
+            assert len(names) == 3 and all(f".{fam.moe.block}.experts.{n}" in " ".join(hf) for n in names)
+        else:
+            assert all("{j}" in r.mcore and all("{e}" in n for n in r.hf) for r in experts) and len(experts) == 2
+            assert not any(r.fused for r in rules) and not fam.moe.expert_linear_bias
+            assert len(names) == 3 and all(f".{fam.moe.block}.experts.{{e}}.{n}.weight" in " ".join(hf) for n in names)
+        assert f".{fam.moe.block}.{fam.moe.router}.weight" in " ".join(hf)
         for fn in (fam.moe.expert_ffn_size, fam.moe.norm_topk, fam.moe.shared_expert_size, fam.moe.refuse,
                    fam.moe.layers):
             assert callable(fn)

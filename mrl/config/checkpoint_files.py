@@ -134,6 +134,12 @@ def model_dir_problems(key: str, path: str, *, strict: bool, architectures: str 
         if not by_type and (not isinstance(archs, list) or not any(a in supported for a in archs)):
             errors.append(f"{key}={path!r}: config.json names architectures {archs}, which mrl cannot train; "
                           f"fix: a checkpoint of one of {', '.join(sorted(supported))}")
+        quant = cfg.get("quantization_config")
+        if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
+            errors.append(f"{key}={path!r}: config.json quantization_config.quant_method='mxfp4' (gpt-oss as "
+                          "published): mrl trains unquantised weights; fix: a bf16 checkpoint, e.g. dequantised by "
+                          "transformers: from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True), "
+                          "dtype=torch.bfloat16).save_pretrained(out)")
     try:
         files = weight_files(p)
         if files is not None:

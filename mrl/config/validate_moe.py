@@ -12,6 +12,7 @@ from mrl.config.hf import ModelShape
 from mrl.config.layout import RoleLayout
 from mrl.config.moe import MoEConfig
 from mrl.config.root import MRLConfig
+from mrl.families import FAMILIES
 
 
 def check_moe(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelShape | None, errors: list[str]) -> None:
@@ -38,6 +39,13 @@ def check_moe(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelShape | 
                 f"{key}: the expert grid ETP*EP*PP = {etp}*{ep}*{pp} = {grid} does not divide the {lay.count} devices of "
                 f"the {role}; fix: choose expert_model_parallel_size / expert_tensor_parallel_size so that their "
                 f"product times PP divides {lay.count}"
+            )
+        fam = FAMILIES.get(shape.model_type) if shape is not None else None
+        if fam is not None and fam.moe is not None and fam.moe.expert_linear_bias and etp > 1:
+            errors.append(
+                f"{key}.expert_tensor_parallel_size={etp} (it defaults to tensor_model_parallel_size): "
+                f"{cfg.model.path}'s experts have biases ({shape.model_type}), which Megatron supports only with "
+                f"expert_tensor_parallel_size=1; fix: {key}.expert_tensor_parallel_size=1"
             )
         if shape is not None and shape.num_experts and etp > 1 and shape.expert_ffn_size % etp:
             errors.append(

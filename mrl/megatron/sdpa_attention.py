@@ -89,6 +89,7 @@ class SDPAAttention(MegatronModule):
             config.window_size, config.window_attn_skip_freq, layer_number) else None
         self.window: tuple[int, int] | None = tuple(window) if window else None  # (left, right)
         self.softmax_type = getattr(config, "softmax_type", "vanilla")
+        self._tp_group: Any = None
         self.softmax_offset: Tensor | None = self._make_sinks(config, pg_collection)
 
     def _make_sinks(self, config: Any, pg_collection: Any) -> Tensor | None:
@@ -104,9 +105,10 @@ class SDPAAttention(MegatronModule):
         )
 
         if pg_collection is not None and hasattr(pg_collection, "tp"):
-            tp = pg_collection.tp.size()
-        else:
-            tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+            self._tp_group = pg_collection.tp
+        elif ps.model_parallel_is_initialized():
+            self._tp_group = ps.get_tensor_model_parallel_group()
+        tp = self._tp_group.size() if self._tp_group is not None else 1
         heads = config.num_attention_heads // tp
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
         sinks = torch.zeros(heads, dtype=config.params_dtype, device=device)
@@ -120,6 +122,21 @@ class SDPAAttention(MegatronModule):
         set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
         self.register_parameter("softmax_offset", param)
         return param
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """As Megatron's ``DotProductAttention``: the learnable sink is a TP shard along the heads (axis 0), so a
+        checkpoint saved at one TP loads at another (the default would save it as a replicated tensor)."""
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+        )
+
+        if self.softmax_type != "learnable":
+            return {}  # no parameters (an off-by-one sink is a fixed buffer)
+        state = self.state_dict(prefix="", keep_vars=True)
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"])
 
     # ---- masks -------------------------------------------------------------------------------
     def _window_mask(self, sq: int, sk: int, device: torch.device) -> Tensor:

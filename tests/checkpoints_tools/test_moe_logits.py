@@ -12,6 +12,10 @@
 
 A mapping bug that both directions share (gate and up swapped, experts permuted) passes the round trip of
 test_cli_moe.py; here the slices and the logits both fail.
+
+gpt-oss (fused expert tensors with gate/up interleaved, biases everywhere, attention sinks): converted at TP2×EP2
+(ETP1; 2 ranks, EP folded over TP), its mcore tensors checked against the HF slices, exported back at EP2 bit-exact
+(the TP-split sinks resharded through the checkpoint), and its logits at TP1/EP1 equal transformers'.
 """
 from __future__ import annotations
 
@@ -93,3 +97,48 @@ def test_converted_moe_checkpoint_holds_the_hf_experts_and_gives_transformers_lo
                                        init_process_group=False)[0])
     diff = float((logits - want).abs().max())
     assert diff <= 1e-5, f"Megatron logits of the converted checkpoint vs transformers' of the original: {diff:.3g}"
+
+
+def test_converted_gpt_oss_checkpoint_holds_the_hf_tensors_round_trips_and_gives_transformers_logits(
+        tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.checkpoints_tools.test_cli import _hf_tensors
+    from tests.megatron._ranks import MICRO_BATCH, NUM_MICRO, SEQ
+
+    hf = make_tiny_hf(tmp_path / "hf", "gpt_oss")
+    m = tmp_path / "m_tp2ep2"
+    _ok(_cli("hf-to-mcore", "--hf", str(hf), "--out", str(m), "--tp", "2", "--ep", "2", "--etp", "1", "--device", "cpu",
+             "--timeout", "240"))
+    ref = load_file(str(hf / "model.safetensors"))
+    keys = {k: f"decoder.layers.mlp.experts.experts.{k}" for k in
+            ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")}
+    sinks, rbias = "decoder.layers.self_attention.core_attention.softmax_offset", "decoder.layers.mlp.router.bias"
+    got = _mcore_tensors(m, [*keys.values(), sinks, rbias])
+    for li in range(4):
+        x = f"model.layers.{li}."
+        assert torch.equal(got[sinks][li], ref[x + "self_attn.sinks"]), li
+        assert torch.equal(got[rbias][li], ref[x + "mlp.router.bias"]), li
+        for e in range(4):
+            gate_up, gu_bias = ref[x + "mlp.experts.gate_up_proj"][e], ref[x + "mlp.experts.gate_up_proj_bias"][e]
+            # transformers: gate_up = h @ W + b, gate = [..., ::2], up = [..., 1::2]; Megatron: fc1 = [gate; up] rows
+            assert torch.equal(got[keys["linear_fc1.weight"]][li, e], torch.cat([gate_up[:, ::2].t(), gate_up[:, 1::2].t()]))
+            assert torch.equal(got[keys["linear_fc1.bias"]][li, e], torch.cat([gu_bias[::2], gu_bias[1::2]]))
+            assert torch.equal(got[keys["linear_fc2.weight"]][li, e], ref[x + "mlp.experts.down_proj"][e].t())
+            assert torch.equal(got[keys["linear_fc2.bias"]][li, e], ref[x + "mlp.experts.down_proj_bias"][e])
+    back = tmp_path / "hf_back"
+    _ok(_cli("mcore-to-hf", "--mcore", str(m), "--out", str(back), "--ep", "2", "--device", "cpu", "--timeout", "240"))
+    src, out = ref, _hf_tensors(back)
+    assert sorted(src) == sorted(out)
+    for name, t in src.items():
+        assert out[name].dtype == t.dtype and torch.equal(out[name], t), name
+
+    ids = torch.randint(0, 300, (NUM_MICRO * MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    logits = torch.as_tensor(run_ranks(_megatron_logits_rank, 1, args=(str(m), ids.numpy()), timeout_s=240,
+                                       init_process_group=False)[0])
+    diff = float((logits - want).abs().max())
+    assert diff <= 1e-5, f"gpt-oss: Megatron logits of the converted checkpoint vs transformers' of the original: {diff:.3g}"

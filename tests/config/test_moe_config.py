@@ -76,3 +76,26 @@ def test_bundled_hub_shape_of_the_gpu_recipe():
     assert s is not None and s.num_experts == 128 and s.experts_per_token == 8
     assert round(s.param_count() / 1e9, 1) == 30.5 and 3.3 <= s.param_count(active=True) / 1e9 < 3.4  # "30B-A3B"
     assert bundled_hub_shape("Qwen/not-a-bundled-model") is None
+
+
+GPT_OSS = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 300, "hidden_size": 64,
+           "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "max_position_embeddings": 256, "num_local_experts": 8, "num_experts_per_tok": 2,
+           "sliding_window": 8, "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("extra_cfg,extra,must", [
+    ({}, ["actor.megatron.tensor_model_parallel_size=2", "actor.megatron.sequence_parallel=true"],
+     ["expert_tensor_parallel_size=2", "experts have biases", "fix: actor.megatron.expert_tensor_parallel_size=1"]),
+    ({"quantization_config": {"quant_method": "mxfp4"}}, [], ["mxfp4", "Mxfp4Config(dequantize=True)"]),
+])
+def test_gpt_oss_refusals_before_anything_starts(base_overrides, tmp_path, extra_cfg, extra, must):
+    d = tmp_path / "gpt_oss"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(GPT_OSS | extra_cfg))
+    overrides = [o for o in base_overrides if not o.startswith("model.path=")] + [f"model.path={d}"]
+    errors = _errors(overrides + extra)
+    assert any(all(s in e for s in must) for e in errors), errors
+    ok = _errors(overrides + ["actor.megatron.tensor_model_parallel_size=2", "actor.megatron.sequence_parallel=true",
+                              "actor.megatron.expert_tensor_parallel_size=1"])
+    assert not any("experts have biases" in e for e in ok), ok

@@ -72,3 +72,63 @@ def test_deepseek_v3_is_refused_with_the_reason():
     cfg.architectures = ["DeepseekV3ForCausalLM"]
     with pytest.raises(ValueError, match="multi-latent attention"):
         model_family(cfg)
+
+
+def test_gpt_oss_settings_from_config():
+    """gpt-oss: the router (top-k over biased logits, softmax over k), biases everywhere, sinks, the clamped GLU
+    ``quick_gelu(min(g, L)) * (clamp(u, ±L) + 1)`` and windows on the layers layer_types marks sliding."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    fam, cfg = FAMILIES["gpt_oss"], hf_config("gpt_oss")
+    _check_supported(cfg, "gpt_oss")
+    kw = fam.transformer_kwargs(cfg, ep=2, etp=1)
+    assert kw["moe_router_pre_softmax"] is False and kw["moe_ffn_hidden_size"] == 48 and kw["num_moe_experts"] == 4
+    assert kw["add_bias_linear"] is True and kw["softmax_type"] == "learnable"
+    assert kw["activation_func"] is quick_gelu and kw["glu_linear_offset"] == 1.0
+    assert kw["activation_func_clamp_value"] == 0.4
+    assert kw["window_size"] == (4, 0) and kw["window_attn_skip_freq"] == [1, 0, 1, 0]  # sliding, full, ...
+    assert "window_size" not in fam.transformer_kwargs(hf_config("gpt_oss", layer_types=["full_attention"] * 4))
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2.*set it to 1"):
+        fam.transformer_kwargs(cfg, ep=1, etp=2)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "mxfp4.*bf16 checkpoint.*Mxfp4Config\\(dequantize=True\\)"),
+    ({"swiglu_alpha": 1.5}, "swiglu_alpha=1.5"),
+    ({"attention_bias": False}, "attention_bias=false"),
+    ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]},
+     "chunked_attention"),
+])
+def test_gpt_oss_refusals_name_the_fix(overrides, match):
+    cfg = hf_config("gpt_oss")
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    with pytest.raises(ValueError, match=match):
+        _check_supported(cfg, "gpt_oss")
+
+
+def test_yarn_params_follow_transformers():
+    """YaRN settings Megatron gets: transformers' own rule for the attention factor and its ``truncate`` flag; the
+    frequencies themselves are compared through the model in test_moe_parity (gpt_oss uses YaRN)."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor,
+    )
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from mrl.megatron.provider import yarn_params
+
+    assert yarn_params(hf_config("llama")) is None
+    cfg = hf_config("gpt_oss")
+    y = yarn_params(cfg)
+    assert y["yarn_rotary_scaling_factor"] == 4.0 and y["yarn_original_max_position_embeddings"] == 64
+    assert y["yarn_correction_range_round_to_int"] is False and (y["yarn_beta_fast"], y["yarn_beta_slow"]) == (8.0, 1.0)
+    _, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg)
+    assert _yarn_get_concentration_factor(4.0, y["yarn_mscale"], y["yarn_mscale_all_dim"]) == pytest.approx(hf_factor)
+    rope = dict(cfg.rope_parameters, mscale=2.0, mscale_all_dim=1.0)
+    cfg2 = hf_config("gpt_oss", rope_parameters=rope)
+    y2 = yarn_params(cfg2)
+    _, hf_factor2 = ROPE_INIT_FUNCTIONS["yarn"](cfg2)
+    assert hf_factor2 != hf_factor
+    assert _yarn_get_concentration_factor(4.0, y2["yarn_mscale"], y2["yarn_mscale_all_dim"]) == pytest.approx(hf_factor2)
+    with pytest.raises(ValueError, match="attention_factor=3.0"):
+        yarn_params(hf_config("gpt_oss", rope_parameters=dict(cfg.rope_parameters, attention_factor=3.0)))
