@@ -3,7 +3,9 @@
 ``make_tiny_moe_hf(path, family)`` writes config.json + model.safetensors (transformers' ``save_pretrained``,
 which stores the experts per expert under the checkpoint names) for ``qwen3_moe``, ``mixtral`` or
 ``qwen2_moe`` (shared expert + its sigmoid gate; ``mlp_only_layers=[0]`` makes layer 0 dense, so the
-routed-experts rows of a dense layer are exercised). 2 layers, hidden 32, 4 experts, top-2, vocab 96.
+routed-experts rows of a dense layer are exercised); ``gpt_oss`` (:data:`GPT_OSS`, not in :data:`FAMILIES`: its
+checkpoint holds the experts fused; attention sinks, a 4-token window on layer 0, a clamp that bites).
+2 layers, hidden 32, 4 experts, top-2, vocab 96.
 Router weights are scaled up so that top-2 choices are well separated (no near-ties between the engine's
 batched forward and an unbatched reference).
 """
@@ -14,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")  # per-expert checkpoint names
+GPT_OSS = "gpt_oss"
 NUM_EXPERTS, TOP_K, LAYERS = 4, 2, 2
 _COMMON = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": LAYERS,
            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
@@ -36,8 +39,11 @@ def moe_config(family: str, **overrides):
         cls = tf.Qwen2MoeConfig
         kw.update(num_experts=NUM_EXPERTS, moe_intermediate_size=16, shared_expert_intermediate_size=24,
                   mlp_only_layers=[0])
+    elif family == GPT_OSS:
+        cls = tf.GptOssConfig
+        kw.update(num_local_experts=NUM_EXPERTS, head_dim=8, sliding_window=4, swiglu_limit=0.5)
     else:
-        raise ValueError(f"unknown tiny MoE family {family!r}; one of {FAMILIES}")
+        raise ValueError(f"unknown tiny MoE family {family!r}; one of {FAMILIES + (GPT_OSS,)}")
     kw.update(overrides)
     return cls(**kw)
 
@@ -51,9 +57,11 @@ def build_tiny_moe(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn_like(p))
             elif p.dim() == 1:
                 p.copy_(0.05 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 p.copy_(1.0 * torch.randn_like(p))  # routers: well-separated logits
             else:
                 p.copy_(0.1 * torch.randn_like(p))

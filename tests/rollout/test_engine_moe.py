@@ -199,3 +199,36 @@ def test_update_from_distributed_gives_the_logits_of_the_loaded_model(tmp_path):
     a, b = make_tiny_moe_hf(tmp_path / "a", "qwen3_moe", seed=0), make_tiny_moe_hf(tmp_path / "b", "qwen3_moe", seed=1)
     _, logits = run_ranks(_dist_rank, 2, args=(free_port(), a, b), timeout_s=150, init_process_group=False)
     torch.testing.assert_close(logits, _reference_logits(b, PROMPTS), rtol=0, atol=1e-5)
+
+
+def test_gpt_oss_serves_updates_and_returns_routed_experts(tmp_path):
+    """gpt-oss (fused experts under the parameters' own names, router ``mlp.router``, attention sinks, a 4-token
+    window on layer 0): a disk update gives the loaded model's logits and checksums; greedy generation past the
+    window (the transformers-forward decode path) gives transformers' own greedy tokens, and the routed experts of
+    every fed token match the oracle."""
+    import transformers as tf
+
+    from tests.helpers.tiny_moe_checkpoints import GPT_OSS
+
+    a, b = make_tiny_moe_hf(tmp_path / "a", GPT_OSS, seed=0), make_tiny_moe_hf(tmp_path / "b", GPT_OSS, seed=1)
+    src = load_file(str(b / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in src and "model.layers.0.mlp.router.bias" in src
+    ref = _reference_logits(b, PROMPTS)
+    engine = Engine(str(a), enable_return_routed_experts=True)
+    assert engine.runner.decode_path.startswith("transformers forward (")
+    with TestClient(build_app(engine)) as c:
+        assert not torch.allclose(_engine_logits(engine, PROMPTS), ref, atol=1e-3)
+        r = c.post("/update_weights_from_disk", json={"model_path": str(b)}).json()
+        assert r["success"], r
+        _assert_holds(engine, src)
+        torch.testing.assert_close(_engine_logits(engine, PROMPTS), ref, rtol=0, atol=1e-5)
+        sums = c.post("/weights_checksum", json={"names": list(src)}).json()["checksums"]
+        assert sums == {n: tensor_checksum(t) for n, t in src.items()}
+        model = tf.AutoModelForCausalLM.from_pretrained(b, dtype=torch.float32).eval()
+        for prompt in PROMPTS:
+            out = c.post("/generate", json={"input_ids": prompt, "return_routed_experts": True, "sampling_params": {
+                "temperature": 0, "max_new_tokens": 10, "ignore_eos": True}}).json()
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10)
+            assert out["output_ids"] == want[0, len(prompt):].tolist()
+            tokens = prompt + out["output_ids"]
+            assert torch.equal(_decode(out["meta_info"]["routed_experts"]), reference_topk(model, tokens[:-1]))

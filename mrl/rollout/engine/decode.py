@@ -4,7 +4,7 @@ Two implementations behind one call, chosen once per model:
 
 * :class:`LlamaFamilyDecoder` for the families the model layer supports (:mod:`mrl.families`: llama,
   qwen2, qwen3, mistral, the MoE ones, without an active sliding window where the family declares
-  ``engine_refuses_sliding_window``): the step is written out over the ``transformers``
+  ``engine_refuses_sliding_window``; not gpt-oss, whose attention sinks it lacks): the step is written out over the ``transformers``
   model's own modules (norms, projections, rotary embedding, MLP), so every weight update by HF
   name is seen at once and rope variants (llama3 scaling) come from the model's rotary module.
   What it does differently from calling the model: K/V of the new token go straight into the
@@ -41,6 +41,8 @@ def fast_path_refusal(config) -> str | None:
         return "sliding-window attention layers"
     if FAMILIES[mt].engine_refuses_sliding_window and getattr(config, "sliding_window", None) is not None:
         return f"{mt} sliding_window is set"
+    if FAMILIES[mt].attention_sinks:
+        return "attention sinks"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
     return None

@@ -16,9 +16,13 @@ transformers 5 holds a layer's experts fused (its ``conversion_mapping``: ``Merg
 and Mixtral's ``block_sparse_moe`` is its ``mlp``. :func:`checkpoint_views` gives every parameter under its
 checkpoint name(s) as a *view* of the fused parameter, so a weight update copies each expert straight into its
 slice and ``/weights_checksum`` / ``/get_weights_by_name`` answer per checkpoint name (the inverse map).
+gpt-oss checkpoints hold the experts fused as transformers does (``mlp.experts.gate_up_proj`` ``[E, H, 2I]`` with
+gate/up interleaved, ``down_proj``, their biases; router ``mlp.router``): its names are the parameters' own
+(``MoE.fused_experts``).
 
-**Routed experts.** :class:`RoutingCapture` hooks every layer's top-k router (``*TopKRouter``, whose forward
-returns ``(router_logits, router_scores, router_indices)``) and keeps the ``router_indices`` the experts
+**Routed experts.** :class:`RoutingCapture` hooks every layer's top-k router (``*TopKRouter`` at
+``mlp.<MoE.router>``: ``gate``, gpt-oss ``router``; its forward returns ``(router_logits, router_scores,
+router_indices)``) and keeps the ``router_indices`` the experts
 then consumed, in prefill and decode alike. A layer without a router (Qwen2-MoE's ``mlp_only_layers``) keeps
 0s, as SGLang's capture buffer does (it is sized for every hidden layer and zero-initialised).
 """
@@ -35,6 +39,10 @@ from mrl.families import FAMILIES
 EXPERT_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
     name: (fam.moe.block, fam.moe.expert_names) for name, fam in FAMILIES.items() if fam.moe is not None
 }
+#: ``model_type`` -> the router's module name under ``mlp`` (``MoE.router``)
+ROUTER_NAMES: dict[str, str] = {name: fam.moe.router for name, fam in FAMILIES.items() if fam.moe is not None}
+#: the families whose checkpoints hold fused experts under the parameters' own names (nothing to map)
+FUSED_CHECKPOINTS = frozenset(name for name, fam in FAMILIES.items() if fam.moe is not None and fam.moe.fused_experts)
 _FUSED = re.compile(r"^(?P<pre>.*\.layers\.\d+\.)mlp\.experts\.(?P<kind>gate_up_proj|down_proj)$")
 _ROUTER = re.compile(r"^(?P<pre>.*\.layers\.\d+\.)mlp\.gate\.weight$")
 
@@ -50,7 +58,7 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     ``ModelRunner.release``/``resume`` the parameters hold new storage, and old views would write nowhere."""
     mt = getattr(model.config, "model_type", None)
     named = dict(model.named_parameters(remove_duplicate=False))
-    if mt not in EXPERT_NAMES:
+    if mt not in EXPERT_NAMES or mt in FUSED_CHECKPOINTS:
         return named
     block, (gate, up, down) = EXPERT_NAMES[mt]
     out: dict[str, torch.Tensor] = {}
@@ -86,8 +94,9 @@ class RoutingCapture:
         self.armed = False
         self._ids: dict[int, torch.Tensor] = {}
         self.layers: list[int] = []
+        router_name = ROUTER_NAMES.get(text.model_type, "gate")
         for i, layer in enumerate(model.model.layers):
-            router = getattr(getattr(layer, "mlp", None), "gate", None)
+            router = getattr(getattr(layer, "mlp", None), router_name, None)
             if router is None or not type(router).__name__.endswith("TopKRouter"):
                 continue  # a dense layer (Qwen2-MoE mlp_only_layers / decoder_sparse_step)
             router.register_forward_hook(self._hook(i))
