@@ -99,3 +99,28 @@ def test_gpt_oss_refusals_before_anything_starts(base_overrides, tmp_path, extra
     ok = _errors(overrides + ["actor.megatron.tensor_model_parallel_size=2", "actor.megatron.sequence_parallel=true",
                               "actor.megatron.expert_tensor_parallel_size=1"])
     assert not any("experts have biases" in e for e in ok), ok
+
+
+@pytest.mark.parametrize("hub,recipe,total,active", [
+    ("lmsys/gpt-oss-20b-bf16", "gpt-oss-20b_grpo_1x8_ep8.yaml", 20.9, 4.19),
+    ("lmsys/gpt-oss-120b-bf16", "gpt-oss-120b_grpo_6x8_ep32.yaml", 116.8, 5.71),
+])
+def test_gpt_oss_recipes_plan_from_their_bundled_shapes(hub, recipe, total, active):
+    """The bundled config.json is transformers' model: its parameters, counted by transformers on the meta device,
+    are the plan's up to the biases and sinks the plan leaves out (< 0.1 %); the recipe plans with no error."""
+    import torch
+    import transformers as tf
+
+    from mrl.config.hf import HUB_SHAPES
+
+    s = bundled_hub_shape(hub)
+    assert s is not None and s.model_type == "gpt_oss" and s.experts_per_token == 4
+    assert round(s.param_count() / 1e9, 1) == total and round(s.param_count(active=True) / 1e9, 2) == active
+    raw = json.loads((HUB_SHAPES / f"{hub.replace('/', '--')}.json").read_text())
+    assert "quantization_config" not in raw
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(**raw))
+    exact = sum(p.numel() for p in model.parameters())
+    assert 0 <= exact - s.param_count() < 1e-3 * exact
+    cfg = load_config(Path(__file__).resolve().parents[2] / "mrl_configs" / recipe)
+    assert check_config(cfg)[0] == []
