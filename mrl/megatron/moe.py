@@ -1,7 +1,7 @@
 """Mixture-of-Experts families: HF ``config.json`` → Megatron-Core MoE settings.
 
 Each family declares its router and experts in its module (:class:`mrl.families.MoE` in
-``mrl/families/{qwen3_moe,qwen2_moe,mixtral}.py``); this module answers by family key for the
+``mrl/families/{qwen3_moe,qwen2_moe,mixtral,gpt_oss}.py``); this module answers by family key for the
 trainer and holds the Megatron import fix. Supported (dropless top-k routing, SwiGLU experts; every
 decoder layer an MoE layer, or, where Qwen's ``decoder_sparse_step`` / ``mlp_only_layers`` say so, some of
 them dense SwiGLU MLPs of ``intermediate_size``: Megatron's ``moe_layer_freq`` list, ``MoE.layers``)::
@@ -11,6 +11,8 @@ them dense SwiGLU MLPs of ``intermediate_size``: Megatron's ``moe_layer_freq`` l
     qwen2_moe   Qwen2MoeForCausalLM    softmax → top-k, renorm if norm_topk   qkv bias, shared expert
                                                                               with a sigmoid gate
     mixtral     MixtralForCausalLM     softmax → top-k → renorm (always)
+    gpt_oss     GptOssForCausalLM      top-k of biased logits → softmax      sinks, windows, biases,
+                                                                              clamped SwiGLU (gpt_oss.py)
 
 One MoE layer (``x`` the pre-MLP-normed hidden state of one token, ``E`` experts, top-``k``)::
 
