@@ -14,8 +14,9 @@ A mapping bug that both directions share (gate and up swapped, experts permuted)
 test_cli_moe.py; here the slices and the logits both fail.
 
 gpt-oss (fused expert tensors with gate/up interleaved, biases everywhere, attention sinks): converted at TP2×EP2
-(ETP1; 2 ranks, EP folded over TP), its mcore tensors checked against the HF slices, exported back at EP2 bit-exact
-(the TP-split sinks resharded through the checkpoint), and its logits at TP1/EP1 equal transformers'.
+(ETP1; 2 ranks, EP folded over TP), its mcore tensors (the TP-split sinks whole again) checked against the HF
+slices, and its logits at TP1/EP1 equal transformers'. (HF → Megatron(EP2×PP2) → HF of the fused experts is
+bit-exact in tests/megatron/test_moe_parity.py; mrl-ckpt's mcore-to-hf at EP2 in test_cli_moe.py.)
 """
 from __future__ import annotations
 
@@ -99,12 +100,11 @@ def test_converted_moe_checkpoint_holds_the_hf_experts_and_gives_transformers_lo
     assert diff <= 1e-5, f"Megatron logits of the converted checkpoint vs transformers' of the original: {diff:.3g}"
 
 
-def test_converted_gpt_oss_checkpoint_holds_the_hf_tensors_round_trips_and_gives_transformers_logits(
+def test_converted_gpt_oss_checkpoint_holds_the_hf_tensors_and_gives_transformers_logits(
         tmp_path: Path) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from tests.checkpoints_tools.test_cli import _hf_tensors
     from tests.megatron._ranks import MICRO_BATCH, NUM_MICRO, SEQ
 
     hf = make_tiny_hf(tmp_path / "hf", "gpt_oss")
@@ -127,12 +127,6 @@ def test_converted_gpt_oss_checkpoint_holds_the_hf_tensors_round_trips_and_gives
             assert torch.equal(got[keys["linear_fc1.bias"]][li, e], torch.cat([gu_bias[::2], gu_bias[1::2]]))
             assert torch.equal(got[keys["linear_fc2.weight"]][li, e], ref[x + "mlp.experts.down_proj"][e].t())
             assert torch.equal(got[keys["linear_fc2.bias"]][li, e], ref[x + "mlp.experts.down_proj_bias"][e])
-    back = tmp_path / "hf_back"
-    _ok(_cli("mcore-to-hf", "--mcore", str(m), "--out", str(back), "--ep", "2", "--device", "cpu", "--timeout", "240"))
-    src, out = ref, _hf_tensors(back)
-    assert sorted(src) == sorted(out)
-    for name, t in src.items():
-        assert out[name].dtype == t.dtype and torch.equal(out[name], t), name
 
     ids = torch.randint(0, 300, (NUM_MICRO * MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
