@@ -65,3 +65,23 @@ def ensure_megatron_moe_importable() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def expert_row_parallel_linear() -> type:
+    """Megatron's ``RowParallelLinear`` for the experts' ``linear_fc2`` of a model whose experts have biases
+    (gpt-oss), on the local spec.
+
+    megatron-core 0.16.1's expert MLP adds its bias in place (``output += output_bias · probs``). At EP1 with
+    ETP1 the fc2 output comes out of ``reduce_from_tensor_model_parallel_region`` over a group of one, which
+    returns its input as a view of a custom autograd function, and autograd forbids the in-place add: the
+    backward of a training step raises. An expert's fc2 never needs that reduce (with ETP > 1 or EP > 1 Megatron
+    already skips it: ``explicit_expert_comm``; with ETP1 it is the identity), so this class skips it always."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    class ExpertRowParallelLinear(RowParallelLinear):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if self.is_expert:  # ETP1: the reduce over the expert-TP group is the identity
+                self.explicit_expert_comm = True
+
+    return ExpertRowParallelLinear

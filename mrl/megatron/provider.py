@@ -257,6 +257,11 @@ def layer_spec(hf_config: Any, *, backend: str = "sdpa", moe: bool | None = None
             num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk)
     spec = specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk,
                                           normalization="RMSNorm")
+    if experts and family.moe is not None and family.moe.expert_linear_bias:
+        from mrl.megatron.moe import expert_row_parallel_linear
+
+        # biased experts: fc2 without the identity reduce whose view the in-place bias add trips over in backward
+        spec.submodules.mlp.submodules.experts.submodules.linear_fc2 = expert_row_parallel_linear()
     if backend == "sdpa":
         from mrl.megatron.sdpa_attention import SDPAAttention
 

@@ -65,6 +65,8 @@ def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispa
                 logits = pipeline_logits(chunks, cfg, ref["ids"])
                 if logits is not None:
                     out[(case, disp, tp, pp, ep, etp)] = (logits - ref["logits"]).abs().max().item()
+                if case in etp1 and layout == ETP1_LAYOUTS[0] and disp == dispatchers[0]:
+                    out[(case, "grads")] = _grads_vs_reference(path, cfg)
                 if (tp, pp, ep) == ROUNDTRIP and disp == dispatchers[0]:
                     stage_dir = Path(root) / f"rt_{case}" / f"stage{ps.get_pipeline_model_parallel_rank()}"
                     names = hf_names_for_stage(chunks, cfg)
@@ -73,3 +75,32 @@ def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispa
                     if ps.get_expert_model_parallel_rank() == 0:
                         write_hf_checkpoint(stage_dir, tensors)
     return out
+
+
+def _grads_vs_reference(path: Path, cfg) -> float:
+    """TP1/EP1 (every rank alone): gradients of ``sum(logits · w)`` for every HF tensor, in HF layout (each grad
+    exported through the weight rules in place of its parameter), against ``grads.pt`` (transformers' autograd);
+    max |Δ| over all tensors divided by the largest reference gradient. The aux loss is off: transformers'
+    gradient of the logits has none."""
+    from mrl.megatron.hf_io import HFCheckpointReader
+    from mrl.megatron.mapping import export_hf_weights, load_hf_weights
+    from mrl.megatron.provider import build_model_chunks
+
+    ref = torch.load(path / "grads.pt", weights_only=True)
+    chunks = build_model_chunks(cfg, config_overrides={"moe_aux_loss_coeff": 0.0})
+    load_hf_weights(chunks, cfg, HFCheckpointReader(path))
+    model = chunks[0]
+    ids = ref["ids"]
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    logits = model(ids, pos, None)[..., : cfg.vocab_size]
+    (logits * ref["w"]).sum().backward()
+    params = list(model.parameters())
+    saved = [p.data for p in params]
+    for p in params:
+        p.data = p.grad if p.grad is not None else torch.zeros_like(p)
+    grads = dict(export_hf_weights(chunks, cfg))
+    for p, data in zip(params, saved):
+        p.data = data
+    assert sorted(grads) == sorted(ref["grads"]), "the exported gradients do not cover the checkpoint's tensors"
+    scale = max(float(g.abs().max()) for g in ref["grads"].values())
+    return max(float((grads[n] - g).abs().max()) for n, g in ref["grads"].items()) / scale

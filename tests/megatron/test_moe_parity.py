@@ -3,7 +3,8 @@ expert with its gate, un-normalised top-k) and Mixtral at TP2, EP2, PP2, EP2×PP
 folded over it, with both token dispatchers; models mixing dense and MoE layers (Qwen3-MoE with
 ``mlp_only_layers=[0]``, Qwen2-MoE with ``decoder_sparse_step=2``: Megatron ``moe_layer_freq``) at TP1, EP2, PP2
 and EP2×PP2; gpt-oss (attention sinks, alternating windows, YaRN, biased router and clamped-SwiGLU experts
-stored fused) at TP1, TP2, EP2, PP2, EP2×PP2 and TP2×EP2 (ETP1: Megatron's expert biases) with both dispatchers;
+stored fused) at TP1, TP2, EP2, PP2, EP2×PP2 and TP2×EP2 (ETP1: Megatron's expert biases) with both dispatchers,
+and its gradients at TP1 vs transformers' for every tensor;
 HF → Megatron(EP2×PP2) → HF is bit-exact per tensor for all of them. One 4-rank gloo launch covers all of it."""
 from __future__ import annotations
 
@@ -39,6 +40,18 @@ BIASED = ["gpt_oss"]  # experts with biases: ETP1 layouts
 BIASED_PARAMS = [(c, d, lay) for c in BIASED for d in DISPATCHERS for lay in ETP1_LAYOUTS]
 
 
+def _write_reference_grads(path, gen: torch.Generator) -> None:
+    """``path/grads.pt``: transformers' fp32 gradients of ``sum(logits · w)`` (w random) for every parameter."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.load(path / "ref.pt", weights_only=True)["ids"]
+    w = torch.randn(*ids.shape, model.config.vocab_size, generator=gen) / ids.numel()
+    (model(ids).logits * w).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    torch.save({"ids": ids, "w": w, "grads": grads}, path / "grads.pt")
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_parity")
@@ -49,6 +62,7 @@ def launched(tmp_path_factory):
         write_reference_logits(make_tiny_hf(root / case, fam, **overrides), gen)
     for fam in BIASED:
         write_reference_logits(make_tiny_hf(root / fam, fam), gen)
+        _write_reference_grads(root / fam, gen)
     results = run_ranks(moe_parity_rank, 4, args=(str(root), FAMILIES, DISPATCHERS, list(MIXED), BIASED),
                         timeout_s=360, init_process_group=False)
     merged: dict = {}
@@ -83,6 +97,15 @@ def test_gpt_oss_logits_match_transformers(launched, case, dispatcher, layout):
     _, diffs = launched
     diff = diffs[(case, dispatcher, *layout[:4])]
     assert diff <= TOL, f"{case} {dispatcher} {layout}: max |Δlogits| = {diff:.3g} > {TOL}"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", BIASED)
+def test_gpt_oss_gradients_match_transformers(launched, case):
+    """Every parameter's gradient (sinks, biases, router bias, fused experts through the clamps) at TP1, in HF
+    layout, vs transformers' autograd: max |Δ| relative to the largest gradient."""
+    _, diffs = launched
+    assert diffs[(case, "grads")] <= TOL, f"{case}: gradients differ by {diffs[(case, 'grads')]:.3g} (relative)"
 
 
 @pytest.mark.multirank
