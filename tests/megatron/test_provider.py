@@ -61,8 +61,13 @@ def test_rope_unsupported_variants_are_errors():
                "original_max_position_embeddings": 8192}
     with pytest.raises(ValueError, match="low_freq_factor"):
         _rope_params(hf_config("llama", max_position_embeddings=16384, rope_scaling=bad))
-    with pytest.raises(ValueError, match="'yarn'"):
-        _rope_params(hf_config("llama", rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="'dynamic' is not supported"):
+        _rope_params(hf_config("llama", rope_scaling={"rope_type": "dynamic", "factor": 4.0}))
+    # YaRN is read for every family (Megatron's YaRN embedding; gpt-oss's parity test runs it)
+    from mrl.megatron.provider import yarn_params
+
+    yarn = hf_config("llama", rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    assert _rope_params(yarn) == (10000.0, False, 1.0) and yarn_params(yarn)["yarn_rotary_scaling_factor"] == 4.0
 
 
 def test_unsupported_features_are_errors():
