@@ -530,14 +530,15 @@ def attention_checks(C: Checks, model: str, dt: str, dev: str) -> None:
     real = sdpa_mod._varlen_attn
 
     def counting():  # SDPAAttention looks varlen_attn up per call: count the calls that reach it
-        fn = real()
-        if fn is None:
+        found = real()  # (varlen_attn, whether it takes enable_gqa) or None
+        if found is None:
             return None
+        fn, takes_gqa = found
 
         def varlen(*args, **kw):
             calls[0] += 1
             return fn(*args, **kw)
-        return varlen
+        return varlen, takes_gqa
 
     def build(backend: str, packed: bool):
         return ActorWorker(cfg, model_path=model, device=dev, mini_batch_size_samples=8, seed=1234, dtype=tdt,
