@@ -3,7 +3,8 @@
 Megatron lays experts out on a second grid over the same ranks: ETP × EP × expert-DP × PP, so EP may
 fold over TP and DP ranks alike (mrl/megatron/parallel.py). Checked here, before anything starts:
 the grid fits the role's devices, EP divides the experts, ETP divides the expert MLP, the
-dispatcher handles the layout, routing replay has what it needs, and MoE settings are not given to
+dispatcher handles the layout, routing replay has what it needs (R2's old-log-prob forward: the on-policy
+shortcut's blockers, mrl/config/run_plan.py), and MoE settings are not given to
 a dense model (where they would silently do nothing).
 """
 from __future__ import annotations
@@ -63,10 +64,11 @@ def check_moe(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelShape | 
     if cfg.actor.lora.enabled:
         errors.append("actor.lora with a Mixture-of-Experts model: adapters on routed experts are not supported yet; "
                       "fix: actor.lora.rank=0 (full fine-tuning) or a dense model")
-    if moe.routing_replay == "rollout":
-        if cfg.actor.shared_prefix is True:  # auto resolves to off with replay (mrl/config/auto.py)
-            errors.append("actor.moe.routing_replay=rollout with actor.shared_prefix=true: the replayed expert ids follow "
-                          "each sample's own tokens, which the shared-prefix layout merges; fix: actor.shared_prefix=false")
-        if cfg.agent.enable:
-            errors.append("actor.moe.routing_replay=rollout with agent.enable: tool-output tokens were never routed by "
-                          "the engine as part of the trajectory; fix: actor.moe.routing_replay=none for agent runs")
+    if moe.routing_replay != "none" and cfg.actor.shared_prefix is True:  # auto: off with replay (config/auto.py)
+        errors.append(f"actor.moe.routing_replay={moe.routing_replay} with actor.shared_prefix=true: the replayed expert "
+                      "ids follow each sample's own tokens, which the shared-prefix layout merges; fix: "
+                      "actor.shared_prefix=false")
+    if moe.routing_replay == "rollout" and cfg.agent.enable:
+        errors.append("actor.moe.routing_replay=rollout with agent.enable: tool-output tokens were never routed by "
+                      "the engine as part of the trajectory; fix: actor.moe.routing_replay=old (R2: the trainer's own "
+                      "routing, recorded) or none for agent runs")

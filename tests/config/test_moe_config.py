@@ -39,6 +39,10 @@ CASES = [  # (overrides, substrings of one error)
     (["actor.megatron.expert_tensor_parallel_size=5"], ["expert_tensor_parallel_size=5", "does not divide the expert MLP"]),
     (["actor.moe.routing_replay=rollout", "actor.shared_prefix=true"], ["routing_replay=rollout", "shared_prefix=false"]),
     (["actor.lora.rank=8"], ["actor.lora", "Mixture-of-Experts"]),
+    (["actor.moe.routing_replay=old", "actor.shared_prefix=true"], ["routing_replay=old", "shared_prefix=false"]),
+    # R2 records in the old-log-prob forward, which the on-policy shortcut skips
+    (["actor.moe.routing_replay=old", "actor.on_policy_shortcut=true"],
+     ["actor.on_policy_shortcut=true", "actor.moe.routing_replay=old", "old-log-prob forward"]),
 ]
 
 
@@ -76,3 +80,21 @@ def test_bundled_hub_shape_of_the_gpu_recipe():
     assert s is not None and s.num_experts == 128 and s.experts_per_token == 8
     assert round(s.param_count() / 1e9, 1) == 30.5 and 3.3 <= s.param_count(active=True) / 1e9 < 3.4  # "30B-A3B"
     assert bundled_hub_shape("Qwen/not-a-bundled-model") is None
+
+
+def test_plan_prints_the_routing_replay_mode(moe_overrides):
+    """R2 (old) needs the old-log-prob forward: the shortcut's null resolves to off and the plan says so."""
+    from mrl.config.run_plan import on_policy_blockers, on_policy_shortcut
+
+    texts = {}
+    for mode in ("none", "rollout", "old"):
+        cfg = load_config(None, moe_overrides + [f"actor.moe.routing_replay={mode}"])
+        texts[mode] = format_plan(cfg, build_plan(cfg))
+        assert f"(actor.moe.routing_replay={mode})" in texts[mode]
+        assert cfg.actor.moe.engine_routed_experts is (mode == "rollout")  # R2 asks nothing of the engines
+    assert "routing replay: R2, the old-log-prob forward's expert choice recorded" in texts["old"]
+    assert "routing replay: R3" in texts["rollout"] and "routing replay: off" in texts["none"]
+    old = load_config(None, moe_overrides + ["actor.moe.routing_replay=old"])
+    blockers = lambda c: [b for b in on_policy_blockers(c) if "routing_replay" in b]
+    assert blockers(old) and not blockers(load_config(None, moe_overrides)) and not on_policy_shortcut(old)
+    assert "old-log-prob forward: recomputed before the update" in texts["old"]

@@ -123,7 +123,61 @@ def _rank(rank, world, path, engine_path, routed, ckpt):
         out[f"replay_{replay}_lp"] = lp
         out[f"replay_{replay}_metrics"] = actor.update_policy(rb)
         del actor
+    out["offpolicy"] = {mode: _two_mini_batches(engine_path + "_trainer", batch, rb, mode, packed)
+                        for mode, packed in (("rollout", False), ("old", True))}
     return portable(out)
+
+
+def _mismatch(actor) -> list[float]:
+    """[tokens whose own top-k differs from the replayed ids, tokens compared] summed over layers and ranks since
+    the last call (the probes' moe/replay_mismatch counters)."""
+    import torch.distributed as dist
+
+    probes = actor.model.router_probes
+    t = torch.stack([sum(p.mismatch for p in probes), sum(p.compared for p in probes)]).double()
+    dist.all_reduce(t)
+    for p in probes:
+        p.reset()
+    return t.tolist()
+
+
+def _two_mini_batches(path, batch, rb, mode, packed):
+    """Two mini-batches of 1 sample per rank (global samples r·2 + i in mini-batch i), the second after an optimizer
+    step: each forward's routing as used (recorded), its log-probs and its own-vs-replayed mismatch count. R3
+    replays ``rb``'s engine ids; R2 (``old``) records in compute_log_prob and replays through with_old_routing."""
+    import dataclasses
+
+    from mrl.workers.actor import ActorWorker, gather_log_probs
+
+    actor = ActorWorker(_cfg(1, 1, 2, 1, 2, replay=mode), model_path=path, mini_batch_size_samples=4, seed=1234,
+                        remove_padding=packed)
+    r = {}
+    src = rb
+    if mode == "old":
+        r["old_lp"], _ = actor.compute_log_prob(batch)
+        r["recorded"] = actor.old_routing.routing.clone()
+        src = actor.with_old_routing(batch)
+        try:  # one update per recording
+            actor.with_old_routing(batch)
+            r["second_use"] = "no error"
+        except RuntimeError as err:
+            r["second_use"] = str(err)
+        _mismatch(actor)  # the old-log-prob forward compared nothing (no ids yet): start the counts here
+    local = actor.model.dp_shard(src)
+    # on_policy only adds the forward's log-probs to the micro-batch outputs (and makes the ratio 1): the forward,
+    # its replay and the optimizer step are the update's
+    spec = dataclasses.replace(actor.loss_spec, on_policy=True)
+    acc: dict = {}
+    for i in range(2):
+        mb = local.slice(i, i + 1)
+        with actor.model.recording_routing() as rec:
+            metrics, o, parts = actor._forward_backward(mb, spec)
+        r[f"used{i}"] = actor.model.all_gather_dp(rec.local(parts))
+        r[f"lp{i}"] = gather_log_probs(actor.model, o, parts, 1, mb.response_length)[0]
+        r[f"mismatch{i}"] = _mismatch(actor)
+        actor.optimizer_step(metrics, acc)
+    del actor
+    return r
 
 
 def _near_tie(path, sign):
@@ -312,6 +366,66 @@ def test_moe_actor_layouts_aux_loss_and_routing_replay(tmp_path):
     assert res[0]["replay_rollout_packed_metrics"]["perf/pad_fraction"] == 0.0
     # the flipped tokens counted here: exactly the same ones
     assert mismatch == pytest.approx(want_mismatch, abs=1e-12), (mismatch, want_mismatch, flipped)
+    _check_off_policy(res, batch, routed, engine_lp, own_sel, engine_sel, AutoModelForCausalLM.from_pretrained(
+        str(trainer_path), dtype=torch.float32).eval())
     print(f"replay: mismatch {mismatch:.3f} ({flipped} flips); max |Δlp| vs engine without/with replay "
           f"{float((res[0]['replay_none_lp'] - engine_lp).abs().max()):.2e} / "
           f"{float((res[0]['replay_rollout_lp'] - engine_lp).abs().max()):.2e}; loads {want_loads}; lb {lb:.6f}")
+
+
+def _same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[..., K] ids -> [...] bool: the same set of experts."""
+    return (a.long().sort(-1).values == b.long().sort(-1).values).all(-1)
+
+
+def _check_off_policy(res, batch, routed, engine_lp, own_sel, engine_sel, trainer) -> None:
+    """Mini-batch 0 runs the weights the ids were chosen under, mini-batch 1 runs after an optimizer step (module
+    docstring of the two runs: _two_mini_batches)."""
+    routed = torch.as_tensor(routed)
+    k = routed.shape[-1]
+    am = batch.attention_mask.bool()
+    with torch.no_grad():  # the trainer checkpoint's own routing, from transformers
+        rl = trainer(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                     output_router_logits=True).router_logits
+    B, S = am.shape
+    own_hf = torch.stack([x.reshape(B, S, -1).topk(k, dim=-1).indices for x in rl], dim=2)  # [B, S, layers, K]
+    top = torch.stack([torch.softmax(x.reshape(B, S, -1), -1).topk(k + 1, dim=-1).values for x in rl], dim=2)
+    margin = top[..., k - 1] - top[..., k]  # [B, S, layers]: how far the k-th expert is from the next one
+    flips = ((own_sel != engine_sel).any(-1) & (routed[..., 0] >= 0)).sum((1, 2))  # [B] near-tie flips per sample
+    for r in res:
+        for mode in ("rollout", "old"):
+            o = r["offpolicy"][mode]
+            ref = routed if mode == "rollout" else o["recorded"]
+            has = ref[..., 0] >= 0  # [B, S, layers]
+            for i in range(2):
+                idx = torch.arange(i, B, 2)
+                used = o[f"used{i}"]
+                # replay applied: every position with ids routed to exactly those experts in the update's forward
+                assert bool(_same_sets(used, ref[idx])[has[idx]].all()), (mode, i)
+                # and the tokens without ids still routed (the trainer's own choice), padding did not
+                assert bool((used[..., 0] >= 0)[am[idx]].all()) and bool((used[..., 0] < 0)[~am[idx]].all()), (mode, i)
+        r3, r2 = r["offpolicy"]["rollout"], r["offpolicy"]["old"]
+        idx0 = torch.arange(0, B, 2)
+        # R3, first mini-batch: the engine's log-probs although 7 of its samples' routings are flipped near-ties
+        assert float((r3["lp0"] - engine_lp[idx0]).abs().max()) <= 1e-5
+        assert r3["mismatch0"][0] == float(flips[idx0].sum()) > 0, (r3["mismatch0"], flips)
+        # R3, second mini-batch, after a step: its own routing still differs from the engine's, and not on the
+        # near-tie tokens alone any more (the step moved it), while it ran the engine's experts (asserted above)
+        assert 0 < r3["mismatch1"][0] != float(flips[1::2].sum()), (r3["mismatch1"], flips)
+        # R2: the record is the old policy's own routing (transformers' top-k of the same weights) at every token
+        # (up to float order: the trainer's rows hold a 1e-6 near-tie of experts 2 and 3, which Megatron's and
+        # transformers' kernels may order differently; any difference must be such a tie, k-th vs (k+1)-th prob)
+        differ = ~_same_sets(r2["recorded"], own_hf) & am[..., None]
+        assert int(differ.sum()) <= 2 and bool((margin[differ] < 1e-5).all()), (int(differ.sum()), margin[differ])
+        assert bool((r2["recorded"][~am] == -1).all())
+        assert "routing_replay=old" in r2["second_use"]
+        # first mini-batch: the old policy's routing and weights, so log pi_old itself
+        assert float((r2["lp0"] - r2["old_lp"][idx0]).abs().max()) <= 1e-6
+        assert r2["mismatch0"][0] == 0 and r2["mismatch0"][1] == float(am[idx0].sum()) * own_hf.shape[2]
+        # second mini-batch: the step moved the free routing of some tokens; they still ran the recorded experts
+        assert r2["mismatch1"][0] > 0, r2["mismatch1"]
+    o3, o2 = res[0]["offpolicy"]["rollout"], res[0]["offpolicy"]["old"]
+    print(f"off-policy R3: own-vs-engine mismatch {o3['mismatch0']} (near-tie flips {int(flips[0::2].sum())}) then "
+          f"{o3['mismatch1']} (flips {int(flips[1::2].sum())}); |lp0 - engine| "
+          f"{float((o3['lp0'] - engine_lp[0::2]).abs().max()):.2e}. R2: mismatch {o2['mismatch0']} then "
+          f"{o2['mismatch1']}; |lp0 - old| {float((o2['lp0'] - o2['old_lp'][0::2]).abs().max()):.2e}")
