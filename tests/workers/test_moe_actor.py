@@ -124,7 +124,7 @@ def _rank(rank, world, path, engine_path, routed, ckpt):
         out[f"replay_{replay}_metrics"] = actor.update_policy(rb)
         del actor
     out["offpolicy"] = {mode: _two_mini_batches(engine_path + "_trainer", batch, rb, mode, packed)
-                        for mode, packed in (("rollout", False), ("old", True))}
+                        for mode, packed in (("rollout", True), ("old", False))}
     return portable(out)
 
 
@@ -154,6 +154,10 @@ def _two_mini_batches(path, batch, rb, mode, packed):
     r = {}
     src = rb
     if mode == "old":
+        actor.model.remove_padding = not packed  # the record of the other row layout too (the update ignores it)
+        actor.compute_log_prob(batch)
+        r["recorded_other"] = actor.old_routing.routing.clone()
+        actor.model.remove_padding = packed
         r["old_lp"], _ = actor.compute_log_prob(batch)
         r["recorded"] = actor.old_routing.routing.clone()
         src = actor.with_old_routing(batch)
@@ -415,9 +419,10 @@ def _check_off_policy(res, batch, routed, engine_lp, own_sel, engine_sel, traine
         # R2: the record is the old policy's own routing (transformers' top-k of the same weights) at every token
         # (up to float order: the trainer's rows hold a 1e-6 near-tie of experts 2 and 3, which Megatron's and
         # transformers' kernels may order differently; any difference must be such a tie, k-th vs (k+1)-th prob)
-        differ = ~_same_sets(r2["recorded"], own_hf) & am[..., None]
-        assert int(differ.sum()) <= 2 and bool((margin[differ] < 1e-5).all()), (int(differ.sum()), margin[differ])
-        assert bool((r2["recorded"][~am] == -1).all())
+        for rec in (r2["recorded"], r2["recorded_other"]):  # padded rows (2 samples a row), packed rows
+            differ = ~_same_sets(rec, own_hf) & am[..., None]
+            assert int(differ.sum()) <= 2 and bool((margin[differ] < 1e-5).all()), (int(differ.sum()), margin[differ])
+            assert bool((rec[~am] == -1).all())
         assert "routing_replay=old" in r2["second_use"]
         # first mini-batch: the old policy's routing and weights, so log pi_old itself
         assert float((r2["lp0"] - r2["old_lp"][idx0]).abs().max()) <= 1e-6
