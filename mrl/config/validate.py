@@ -193,9 +193,6 @@ def _check_lora(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) -> 
                       "local layer spec, whose torch norms refuse sequence parallelism); fix: "
                       "actor.megatron.sequence_parallel=false")
     if shape is not None:
-        if shape.num_experts:
-            errors.append(f"actor.lora on a mixture-of-experts model ({shape.num_experts} experts) is not supported "
-                          "(adapters exist for dense attention/MLP projections only); fix: actor.lora.rank=0")
         if lo.rank > shape.hidden_size:
             errors.append(f"actor.lora.rank={lo.rank} exceeds the model's hidden size {shape.hidden_size} (no longer "
                           f"low-rank); fix: choose actor.lora.rank <= {shape.hidden_size}, typically 8-64")
@@ -552,7 +549,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
             check_parallel(role, roles[role].parallel, roles[role], cfg, shape, errors)
     check_context_parallel(cfg, errors)
     _check_reward_model_layout(cfg, roles, shape, errors)
-    check_moe(cfg, roles, shape, errors)
+    check_moe(cfg, roles, shape, errors, notes)
     check_teacher(cfg, roles, shape, errors, notes)
     if roles["actor"].count > 0:
         _check_batches(cfg, roles["actor"], errors)

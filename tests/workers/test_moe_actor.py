@@ -38,6 +38,7 @@ import torch
 
 from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_models import make_tiny_hf
+from tests.helpers.tiny_moe_checkpoints import make_tiny_moe_hf
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(900)]
 
@@ -64,7 +65,7 @@ def _cfg(tp, pp, ep, etp, mbs, *, replay="none", aux=0.0, dist_opt=False):
     )
 
 
-def _rank(rank, world, path, engine_path, routed, ckpt):
+def _rank(rank, world, path, engine_path, routed, ckpt, lora_path):
     from megatron.core import parallel_state as ps
 
     from mrl.workers.actor import ActorWorker
@@ -125,7 +126,38 @@ def _rank(rank, world, path, engine_path, routed, ckpt):
         del actor
     out["offpolicy"] = {mode: _two_mini_batches(engine_path + "_trainer", batch, rb, mode, packed)
                         for mode, packed in (("rollout", True), ("old", False))}
+    out["lora"] = _lora_moe(lora_path)
     return portable(out)
+
+
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["all-linear"]}
+
+
+def _lora_moe(path):
+    """LoRA on a Qwen2-MoE (layer 0 dense, layer 1 MoE with a shared expert) at EP2 (DP4): one update."""
+    from mrl.config.actor import ActorConfig
+    from mrl.megatron.lora import export_peft_tensors
+    from mrl.workers.actor import ActorWorker
+    from mrl.workers.reference import ColocatedReference
+    from tests.workers.batches import ragged_batch
+
+    b = ragged_batch(vocab=96)
+    cfg = ActorConfig(megatron={"expert_model_parallel_size": 2}, lora=LORA, ppo_micro_batch_size_per_gpu=2,
+                      optim={"lr": 5e-2, "eps": 1e-2, "clip_grad": 1.0}, loss_agg_mode="token-mean")
+    actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8, seed=1234)
+    ref = ColocatedReference(actor)
+    named = lambda: {n: p for c in actor.model.chunks for n, p in c.named_parameters()}
+    before = {n: p.detach().clone() for n, p in named().items()}
+    r = {"lp0": actor.compute_log_prob(b)[0], "metrics": actor.update_policy(b),
+         "trainable": sorted(n for n, p in named().items() if p.requires_grad)}
+    r["changed"] = sorted(n for n, p in named().items() if not torch.equal(p, before[n]))
+    r["lp1"], r["ref1"] = actor.compute_log_prob(b)[0], ref.compute_ref_log_prob(b)
+    r["merged"] = {n: t.clone() for n, t in actor.export_hf_weights()}  # EP-gathered experts on every rank
+    r["peft"] = dict(export_peft_tensors(actor.model.chunks))
+    r["meta"] = {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "dropout": cfg.lora.dropout,
+                 "targets": list(cfg.lora.targets)}
+    del actor, ref
+    return r
 
 
 def _mismatch(actor) -> list[float]:
@@ -312,8 +344,9 @@ def test_moe_actor_layouts_aux_loss_and_routing_replay(tmp_path):
     flipped = int(((own_sel != engine_sel).any(-1) & has_ids).sum())
     want_mismatch = flipped / int(has_ids.sum())
 
-    res = tensors(run_ranks(_rank, 4, args=(str(path), str(engine_path), routed.numpy(), str(tmp_path / "ckpt")),
-                            timeout_s=840))
+    lora_path = make_tiny_moe_hf(tmp_path / "qwen2_moe", "qwen2_moe")
+    res = tensors(run_ranks(_rank, 4, args=(str(path), str(engine_path), routed.numpy(), str(tmp_path / "ckpt"),
+                                            str(lora_path)), timeout_s=840))
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -370,6 +403,7 @@ def test_moe_actor_layouts_aux_loss_and_routing_replay(tmp_path):
     assert res[0]["replay_rollout_packed_metrics"]["perf/pad_fraction"] == 0.0
     # the flipped tokens counted here: exactly the same ones
     assert mismatch == pytest.approx(want_mismatch, abs=1e-12), (mismatch, want_mismatch, flipped)
+    _check_lora(res, lora_path, tmp_path / "peft")
     _check_off_policy(res, batch, routed, engine_lp, own_sel, engine_sel, AutoModelForCausalLM.from_pretrained(
         str(trainer_path), dtype=torch.float32).eval())
     print(f"replay: mismatch {mismatch:.3f} ({flipped} flips); max |Δlp| vs engine without/with replay "
@@ -434,3 +468,67 @@ def _check_off_policy(res, batch, routed, engine_lp, own_sel, engine_sel, traine
           f"{o3['mismatch1']} (flips {int(flips[1::2].sum())}); |lp0 - engine| "
           f"{float((o3['lp0'] - engine_lp[0::2]).abs().max()):.2e}. R2: mismatch {o2['mismatch0']} then "
           f"{o2['mismatch1']}; |lp0 - old| {float((o2['lp0'] - o2['old_lp'][0::2]).abs().max()):.2e}")
+
+
+def _check_lora(res, path, peft_dir) -> None:
+    """LoRA on the MoE model: only adapters train (attention both layers, layer 0's dense MLP, layer 1's shared
+    expert; none on the routed experts or the router), the reference is the base model, and the merged export
+    equals peft's own merge of the exported adapters onto the transformers base, tensor by tensor."""
+    import math
+
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from mrl.megatron.lora_io import write_peft
+    from tests.workers.batches import ragged_batch
+    from tests.workers.reference_impl import hf_padded_log_probs
+
+    b = ragged_batch(vocab=96)
+    base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    base_sd = {n: t.clone() for n, t in base.state_dict().items()}
+    with torch.no_grad():
+        lp_base, _ = hf_padded_log_probs(base, b)
+    r = res[0]["lora"]
+    m = r["metrics"]
+    assert math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0, m
+    assert r["trainable"] and all("_lora." in n for n in r["trainable"]), r["trainable"]
+    assert r["changed"] and set(r["changed"]) <= set(r["trainable"]), r["changed"]  # the base did not move
+    homes = {n.split("_lora.")[0].split("layers.")[1] for n in r["trainable"]}
+    assert homes == {"0.self_attention.linear_qkv", "0.self_attention.linear_proj", "0.mlp.linear_fc1",
+                     "0.mlp.linear_fc2", "1.self_attention.linear_qkv", "1.self_attention.linear_proj",
+                     "1.mlp.shared_experts.linear_fc1", "1.mlp.shared_experts.linear_fc2"}, homes
+    for x in res:
+        lo = x["lora"]
+        assert float((lo["lp0"] - lp_base).abs().max()) <= 1e-5  # B = 0: the policy starts as the base model
+        assert float((lo["ref1"] - lp_base).abs().max()) <= 1e-5  # the reference is the base model
+        assert float((lo["lp1"] - lp_base).abs().max()) > 1e-3  # the update moved the policy
+    write_peft(peft_dir, r["peft"], r["meta"], base_model=str(path))
+    pm = peft.PeftModel.from_pretrained(base, str(peft_dir)).eval()
+    with torch.no_grad():
+        lp_peft, _ = hf_padded_log_probs(pm, b)
+    merged_peft = pm.merge_and_unload().state_dict()
+    merged = r["merged"]
+    fused = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}  # transformers fuses the experts in memory
+    gate_up, down = base_sd["model.layers.1.mlp.experts.gate_up_proj"], base_sd["model.layers.1.mlp.experts.down_proj"]
+    half = gate_up.shape[1] // 2
+    for e in range(gate_up.shape[0]):  # the routed experts (one tensor each in the export): frozen, the base's
+        x = f"model.layers.1.mlp.experts.{e}."
+        assert torch.equal(merged[x + "gate_proj.weight"], gate_up[e, :half]), e
+        assert torch.equal(merged[x + "up_proj.weight"], gate_up[e, half:]), e
+        assert torch.equal(merged[x + "down_proj.weight"], down[e]), e
+    diffs = {}
+    for name, t in merged_peft.items():
+        if any(name.endswith(f) for f in fused):
+            continue
+        diffs[name] = float((merged[name] - t).abs().max())
+    changed = {n for n in diffs if not torch.equal(merged_peft[n], base_sd[n])}
+    assert max(diffs.values()) <= 1e-6, max(diffs.items(), key=lambda kv: kv[1])
+    want = {f"model.layers.{i}.{m}.weight" for i in (0, 1) for m in ("self_attn.q_proj", "self_attn.k_proj",
+                                                                    "self_attn.v_proj", "self_attn.o_proj")}
+    want |= {f"model.layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    want |= {f"model.layers.1.mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    assert changed == want, changed ^ want  # peft adapted exactly the projections mrl did
+    d_lp = float((lp_peft - res[0]["lora"]["lp1"]).abs().max())
+    assert d_lp <= 1e-5, d_lp
+    print(f"lora on MoE: merged export vs peft merge max |Δ| {max(diffs.values()):.2e} over {len(diffs)} tensors "
+          f"({len(changed)} adapted); peft model vs actor log-probs {d_lp:.2e}")
