@@ -192,10 +192,9 @@ def _check_lora(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) -> 
         errors.append("actor.megatron.sequence_parallel=true is not supported with actor.lora (LoRA builds Megatron's "
                       "local layer spec, whose torch norms refuse sequence parallelism); fix: "
                       "actor.megatron.sequence_parallel=false")
-    if shape is not None:
-        if lo.rank > shape.hidden_size:
-            errors.append(f"actor.lora.rank={lo.rank} exceeds the model's hidden size {shape.hidden_size} (no longer "
-                          f"low-rank); fix: choose actor.lora.rank <= {shape.hidden_size}, typically 8-64")
+    if shape is not None and lo.rank > shape.hidden_size:  # MoE models: config/validate_moe.py
+        errors.append(f"actor.lora.rank={lo.rank} exceeds the model's hidden size {shape.hidden_size} (no longer "
+                      f"low-rank); fix: choose actor.lora.rank <= {shape.hidden_size}, typically 8-64")
 
 
 # verl aggregates these per sequence whatever loss_agg_mode says; mrl refuses the other modes instead.

@@ -21,6 +21,11 @@ group ``[q_g (nh/ng heads), k_g, v_g]`` over this rank's ``ng/T`` groups, ``line
 ``[gate_t, up_t]``. A projection that is not targeted contributes zero. Pipeline stages only see
 their own layers; ``layer_number`` gives the global HF index.
 
+Mixture-of-Experts models: a layer gets adapters on the linears it has — attention always, ``mlp.linear_fc*`` on a
+dense layer, ``mlp.shared_experts.linear_fc*`` (HF ``mlp.shared_expert.*``, width
+``shared_expert_intermediate_size``) on an MoE layer with a shared expert; the routed experts and the router stay
+frozen (docs/lora.md).
+
 The adapters are sibling modules of the linear (``self_attention.linear_qkv_lora``), applied by a
 forward hook on the linear, so the base parameter names, the HF mapping and Megatron's checkpoint
 keys of the base model are unchanged; their ``sharded_state_dict`` stores global ``A``/``B``

@@ -146,11 +146,12 @@ def _lora_moe(path):
                       optim={"lr": 5e-2, "eps": 1e-2, "clip_grad": 1.0}, loss_agg_mode="token-mean")
     actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8, seed=1234)
     ref = ColocatedReference(actor)
-    named = lambda: {n: p for c in actor.model.chunks for n, p in c.named_parameters()}
-    before = {n: p.detach().clone() for n, p in named().items()}
-    r = {"lp0": actor.compute_log_prob(b)[0], "metrics": actor.update_policy(b),
-         "trainable": sorted(n for n, p in named().items() if p.requires_grad)}
-    r["changed"] = sorted(n for n, p in named().items() if not torch.equal(p, before[n]))
+    before = {n: p.detach().clone() for c in actor.model.chunks for n, p in c.named_parameters()}
+    r = {"lp0": actor.compute_log_prob(b)[0], "metrics": actor.update_policy(b)}
+    after = {n: p for c in actor.model.chunks for n, p in c.named_parameters()}
+    r["trainable"] = sorted(n for n, p in after.items() if p.requires_grad)
+    r["changed"] = sorted(n for n, p in after.items() if not torch.equal(p, before[n]))
+    del after
     r["lp1"], r["ref1"] = actor.compute_log_prob(b)[0], ref.compute_ref_log_prob(b)
     r["merged"] = {n: t.clone() for n, t in actor.export_hf_weights()}  # EP-gathered experts on every rank
     r["peft"] = dict(export_peft_tensors(actor.model.chunks))
