@@ -27,13 +27,10 @@ each TP rank holds a contiguous chunk of ``s``).
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from mrl.workers.megatron_model import MegatronModel, MicroBatch
 
 
 class RouterProbe:
@@ -227,9 +224,9 @@ class RoutingRecord:
     and the layers a model without a router there leaves dense), the layout of ``TrainBatch.routed_experts``.
     """
 
-    def __init__(self, model: MegatronModel) -> None:
+    def __init__(self, model: Any) -> None:  # a MegatronModel (which imports this module)
         self.model = model
-        self.micro_batches: list[MicroBatch] = []
+        self.micro_batches: list[Any] = []  # MicroBatch
         self.per_layer: dict[int, list[torch.Tensor]] = {}
 
     def local(self, parts: list[list[int]] | None = None) -> torch.Tensor:
@@ -243,7 +240,7 @@ class RoutingRecord:
             return torch.cat(per_mb, 0)
         return restore_order(per_mb, parts)
 
-    def _micro_batch(self, i: int, mb: MicroBatch) -> torch.Tensor:
+    def _micro_batch(self, i: int, mb: Any) -> torch.Tensor:
         from megatron.core import parallel_state as ps
 
         from mrl.workers.minibatch import build_model_inputs, build_packed_inputs
