@@ -2,7 +2,9 @@
 (DP/EP/PP), the load-balancing loss is reported and reaches the router, and routing replay
 (R3) makes the trainer's log-probs equal the engine's when the trainer's own routing would differ, on
 padded and on packed rows (``use_remove_padding``: the EP2 and EP2 x PP2 layouts and one replay run; their
-loss and gradients equal the padded DP4 layout's).
+loss and gradients equal the padded DP4 layout's). Also: off-policy mini-batches under R3 and R2 (the second after an
+optimizer step) run exactly the replayed experts (_two_mini_batches, _check_off_policy), and LoRA on a Qwen2-MoE
+(dense layer 0, shared expert) at EP2 trains only its adapters and merges as peft does (_lora_moe, _check_lora).
 
 Replay case: the "engine" model and the trainer's weights differ only in a near-tie of two experts'
 router rows (engine: row3 = row2 + δ·r, trainer: row3 = row2 − δ·r, δ = 1e-6): every token where
