@@ -228,6 +228,13 @@ def _gib(b: int) -> str:
     return f"{b / GiB:.2f} GiB"
 
 
+REPLAY_LINES = {  # docs/moe.md, "Routing replay"
+    "none": "off, every forward routes on its own",
+    "rollout": "R3, the engines' expert choice replayed in the old-log-prob, reference and update forwards",
+    "old": "R2, the old-log-prob forward's expert choice recorded and replayed in the update's forwards",
+}
+
+
 def format_plan(cfg: MRLConfig, plan: Plan) -> str:
     """Human-readable plan (the second half of ``mrl plan``'s output)."""
     a, r = cfg.actor, cfg.rollout
@@ -244,6 +251,8 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
         "  old-log-prob forward: " + ("skipped, the update's own log-probs stand in (actor.on_policy_shortcut)"
                                       if on_policy_shortcut(cfg) else "recomputed before the update"),
         f"  samples per actor DP rank per mini-batch: {plan.samples_per_dp_rank}",
+        *([f"  routing replay: {REPLAY_LINES[a.moe.routing_replay]} (actor.moe.routing_replay={a.moe.routing_replay})"]
+          if plan.num_experts else []),
         (f"  micro-batches per actor DP rank per mini-batch: {'<= ' if plan.micro_batches_is_bound else ''}"
          f"{plan.micro_batches_per_dp_rank}" + (" (dynamic bsz, token budget)" if plan.micro_batches_is_bound else "")),
         "  roles:",

@@ -58,8 +58,8 @@ class TeacherWorker:
         extra = -B % self.model.dp_size
         if extra:
             batch = batch.index(list(range(B)) + [B - 1] * extra)
-        lp, _ = forward_log_probs(
+        lp = forward_log_probs(
             self.model, batch, temperature=self.temperature, micro_batch_size=self.micro_batch_size,
             use_dynamic_bsz=False, max_tokens=0, vocab_size=int(self.model.hf_config.vocab_size),
-            chunk_size=self.chunk_size, shared_prefix=self.shared_prefix and not extra)
+            chunk_size=self.chunk_size, shared_prefix=self.shared_prefix and not extra).log_probs
         return lp[:B]
