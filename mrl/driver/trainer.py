@@ -37,7 +37,6 @@ from mrl.driver.dumps import GenerationRows, dump_generations
 from mrl.driver.dynamic_sampling import kept_prompts, merge_rounds
 from mrl.driver.finite import stop_if_not_finite
 from mrl.driver.ranks import TrainRanks
-from mrl.driver.rm_ranks import RewardModelRanks, reward_scorer
 from mrl.driver.rm_reward import combine_rm, rm_rule_metrics
 from mrl.driver.rollout_controller import RolloutController
 from mrl.driver.rollout_correction import apply_rollout_correction
@@ -49,6 +48,7 @@ from mrl.driver.shaping import (
     ref_blend,
     repr_align,
 )
+from mrl.driver.side_ranks import side_model
 from mrl.driver.state import (
     find_resume_dir,
     prune_checkpoints,
@@ -56,7 +56,6 @@ from mrl.driver.state import (
     step_dir,
     write_trainer_state,
 )
-from mrl.driver.teacher_ranks import TeacherRanks, teacher_scorer
 from mrl.driver.validation import run_validation
 from mrl.observability.data_metrics import (
     compute_data_metrics,
@@ -106,8 +105,9 @@ class RLTrainer:
     def __init__(self, cfg: MRLConfig, services: Services) -> None:
         self.cfg, self.s = cfg, services
         self.ranks = TrainRanks(services.workers)  # typed calls to every trainer rank
-        self.rm = reward_scorer(services.rm_workers, self.ranks)  # phase rm_score: trainer ranks or the RM's own
-        self.teacher = teacher_scorer(services.teacher_workers, self.ranks)  # phase teacher_log_prob: likewise
+        # the side models' phases (rm_score, teacher_log_prob): answered by the trainer ranks or their own groups
+        self.rm = side_model("reward_model", services.rm_workers, self.ranks)
+        self.teacher = side_model("teacher", services.teacher_workers, self.ranks)
         self.rollout = RolloutController(services.pool, services.client, self.ranks,
                                          startup_timeout_s=cfg.rollout.engine_startup_timeout_s,
                                          log_dir=services.log_dir)
@@ -243,7 +243,7 @@ class RLTrainer:
         rm = self.cfg.reward_model
         if rm.enable:  # verl: rm_scores reach the reward manager, which returns them (combine=rm)
             with timer("rm_score", m):
-                d.rm_scores = self.rm.compute_rm_score(self.s.rm_inputs(d.batch, d.prompts)).float()
+                d.rm_scores = self.rm(self.s.rm_inputs(d.batch, d.prompts)).float()
             for stat in ("mean", "max", "min"):
                 m[f"critic/rm_score/{stat}"] = float(getattr(d.rm_scores, stat)())
 
@@ -381,7 +381,7 @@ class RLTrainer:
     def teacher_log_prob(self, d: StepData) -> None:
         """log π_teacher [B, R] of the sampled tokens (on-policy distillation, docs/distillation.md); distill/* are
         logged at the end of the step, against log π_old (which the on-policy shortcut computes in the update)."""
-        d.batch = d.batch.replace(teacher_log_prob=self.teacher.compute_teacher_log_prob(d.batch))
+        d.batch = d.batch.replace(teacher_log_prob=self.teacher(d.batch))
 
     def distill_reward(self, d: StepData) -> None:
         """Distilling: the task's score weighed by task_reward_coef (a KL-in-reward penalty is left as it is), and with
@@ -491,7 +491,7 @@ class RLTrainer:
         """Validation's RM scores (reward_model.enable), scored and combined as in training."""
         if not self.cfg.reward_model.enable:
             return None
-        return lambda batch, prompts: self.rm.compute_rm_score(self.s.rm_inputs(batch, prompts))
+        return lambda batch, prompts: self.rm(self.s.rm_inputs(batch, prompts))
 
     @functools.cached_property
     def base_model(self) -> dict:
@@ -557,9 +557,7 @@ class RLTrainer:
         self.maybe_resume()
         total = self.total_steps()
         # verl: val_before_train validates whatever test_freq says; val_only then stops (nothing trained)
-        fallbacks = summary_line(self.ranks.fallbacks()
-                                 + (self.rm.fallbacks() if isinstance(self.rm, RewardModelRanks) else [])
-                                 + (self.teacher.fallbacks() if isinstance(self.teacher, TeacherRanks) else []))
+        fallbacks = summary_line(self.ranks.fallbacks() + self.rm.fallbacks() + self.teacher.fallbacks())
         if fallbacks:
             log.info("%s", fallbacks)
         progress, curves = Progress(total, start_step=self.global_step), Curves()

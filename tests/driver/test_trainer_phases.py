@@ -32,12 +32,12 @@ class RecordingWorkers:
     def execute_all(self, method: str, *args, **kwargs):
         self.calls.append((method, args))
         self.kwargs[method] = kwargs
-        b = args[0] if args else None
+        b = args[-1] if method == "compute_side" else args[0] if args else None  # compute_side(role, batch)
         out = {
             "compute_log_prob": lambda: (b.old_log_probs, torch.ones(b.response_mask.shape)),
             "compute_ref_log_prob": lambda: b.old_log_probs - 0.1 * b.response_mask,
             "compute_values": lambda: self.values,
-            "compute_teacher_log_prob": lambda: b.old_log_probs - 0.3 * b.response_mask,
+            "compute_side": lambda: b.old_log_probs - 0.3 * b.response_mask,  # the teacher's log-probs
             "update_critic": lambda: {"critic/vf_loss": 0.25, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.1},
             "update_policy": lambda: {"actor/pg_loss": 0.5},
             # the on-policy shortcut: the update's own (here: made-up) log-probs and entropies come back
@@ -53,7 +53,7 @@ class RecordingWorkers:
 
     def names(self) -> list[str]:
         """The phases' calls (not ``fallbacks``, the console's one query per run)."""
-        return [c[0] for c in self.calls if c[0] != "fallbacks"]
+        return [f"{c[0]}:{c[1][0]}" if c[0] == "compute_side" else c[0] for c in self.calls if c[0] != "fallbacks"]
 
 
 class RecordingPool:
@@ -168,7 +168,7 @@ def test_distillation_phase_and_reward(tmp_path) -> None:
     tr, w, _ = _trainer(tmp_path, *on, "algorithm.distill.mode=reverse_kl_reward", "algorithm.distill.coef=2.0",
                         "algorithm.distill.task_reward_coef=0.5", "algorithm.adv_estimator=reinforce_plus_plus")
     m = tr.step()
-    assert w.names() == ["compute_log_prob", "compute_teacher_log_prob", "update_policy", "sync_weights"]
+    assert w.names() == ["compute_log_prob", "compute_side:teacher", "update_policy", "sync_weights"]
     b = w.calls[2][1][0]  # what the update trained on
     mask = b.response_mask.float()
     rewards = 0.5 * _scores(b) - 2.0 * (0.3 * mask)  # log pi_old - log pi_teacher = 0.3 on every response token
@@ -472,8 +472,8 @@ def test_a_separate_reward_model_scores_on_its_own_group(tmp_path) -> None:
     d = StepData(batch, prompts, ["x"] * batch.batch_size, torch.zeros(batch.response_mask.shape))
     m: dict[str, float] = {}
     RLTrainer.reward(tr, d, m)  # the real phase (_trainer stubs it for the other tests)
-    assert [c[0] for c in group.calls] == ["compute_rm_score"] and group.calls[0][1][0] is batch
-    assert "compute_rm_score" not in w.names()
+    assert [c[0] for c in group.calls] == ["compute_side"] and group.calls[0][1][0] == "reward_model"
+    assert group.calls[0][1][1] is batch and "compute_side:reward_model" not in w.names()
     assert m["critic/rm_score/mean"] == pytest.approx(float(rm_scores.mean()))
     assert (m["critic/rm_score/min"], m["critic/rm_score/max"]) == (-1.0, 2.0) and "timing_s/rm_score" in m
     # combine=rm: the RM score is the reward, on one (the last response) token
