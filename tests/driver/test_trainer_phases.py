@@ -16,6 +16,8 @@ from mrl.algorithms import get_adv_estimator
 from mrl.config import load_config
 from mrl.config.run_plan import plan_run
 from mrl.data.sampler import ResumableSampler
+from mrl.driver.rm_reward import RewardModelInputs
+from mrl.driver.scoring import Samples
 from mrl.driver.trainer import RLTrainer, StepData
 from tests.workers.batches import ragged_batch
 
@@ -109,7 +111,8 @@ def _trainer(tmp_path, *overrides: str, rm_workers=None) -> tuple[RLTrainer, Rec
     workers = RecordingWorkers(values)
     plan = plan_run(cfg, "cpu", batches_per_epoch=64 // cfg.data.train_batch_size)
     services = SimpleNamespace(train_ds=list(range(64)), sampler=ResumableSampler(64, plan.gen_batch_size), workers=workers, rm_workers=rm_workers, teacher_workers=None, pool=RecordingPool(workers.calls),
-                               client=None, log_dir=tmp_path, plan=plan, tracking=None, judge=None)  # no metric sinks (Services.tracking may be None)
+                               client=None, log_dir=tmp_path, plan=plan, tracking=None, judge=None,  # no metric sinks
+                               rm_inputs=RewardModelInputs(None))  # (Services.tracking may be None); an RM reads the batch as it is
     tr = RLTrainer(cfg, services)
     scores = _scores(batch)
 
@@ -449,7 +452,6 @@ def test_on_policy_shortcut_keeps_the_old_log_prob_phase_while_the_critic_warms_
 def test_a_separate_reward_model_scores_on_its_own_group(tmp_path) -> None:
     """reward_model.placement=separate: phase rm_score (and validation's RM) calls the RM's group, never the
     trainer ranks; the metrics and the reward (combine=rm) are the colocated path's."""
-    from mrl.driver.rm_reward import RewardModelInputs
     from tests.workers.batches import ragged_batch
 
     batch = ragged_batch()
@@ -467,7 +469,6 @@ def test_a_separate_reward_model_scores_on_its_own_group(tmp_path) -> None:
     tr, w, _ = _trainer(tmp_path, "cluster.n_gpus_per_node=3", "reward_model.enable=true",
                         f"reward_model.model.path={tmp_path}/rm", "reward_model.placement=separate",
                         "reward_model.num_devices=1", rm_workers=group)
-    tr.s.rm_inputs = RewardModelInputs(None)  # the RM shares the actor's tokenizer: the batch as it is
     prompts = [SimpleNamespace(ground_truth="1", data_source="toy", extra_info={}) for _ in range(batch.batch_size)]
     d = StepData(batch, prompts, ["x"] * batch.batch_size, torch.zeros(batch.response_mask.shape))
     m: dict[str, float] = {}
@@ -479,5 +480,7 @@ def test_a_separate_reward_model_scores_on_its_own_group(tmp_path) -> None:
     # combine=rm: the RM score is the reward, on one (the last response) token
     torch.testing.assert_close(d.token_level_scores.sum(-1), rm_scores)
     assert bool(((d.token_level_scores != 0).sum(-1) <= 1).all())
-    torch.testing.assert_close(tr.val_rm()(batch, prompts), rm_scores)
+    val, own = tr.scorer.validate(Samples(prompts, d.texts, lambda: batch), rule=lambda extra: pytest.fail("combine=rm"))
+    torch.testing.assert_close(val.scores, rm_scores)  # validation: the same call, the same reward
+    torch.testing.assert_close(own["rm_score"], rm_scores)
     assert len(group.calls) == 2
