@@ -14,7 +14,7 @@ function, which receives it as ``extra_info["rm_score"]`` (``combine: function``
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -38,6 +38,7 @@ class RewardModelConfig(RankSideModelConfig):
     """Model-based reward: on the actor's ranks (colocated) or on devices of its own (separate); its placement,
     layout, offload and micro-batch keys are the side-model base's (mrl/config/side_model.py)."""
 
+    score_head: ClassVar[bool] = True  # *ForSequenceClassification: score.weight [1, H]
     enable: bool = Field(False, description="Score every sample with the reward model (phase rm_score).")
     model: RewardModelPathConfig = Field(default_factory=RewardModelPathConfig, description="Reward model checkpoint.")
     max_length: int | None = Field(

@@ -16,7 +16,7 @@ A new model-judged signal is one section deriving from one of these plus one sco
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -40,6 +40,8 @@ class SideModelConfig(Section):
 
 class RankSideModelConfig(SideModelConfig):
     """A side model on Megatron ranks: the actor's (colocated) or a group of its own (separate)."""
+
+    score_head: ClassVar[bool] = False  # a [1, H] score head in place of the LM head (a sequence classifier)
 
     placement: Literal["colocated", "separate"] = Field(
         "colocated", description="colocated: on the actor's ranks with actor.megatron's layout and groups (devices "
