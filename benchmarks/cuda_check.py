@@ -473,7 +473,7 @@ def trainer_worker(a) -> list[dict]:
             from mrl.workers.reward_model import RewardModelWorker
             w = RewardModelWorker(a.rm, ParallelConfig(), micro_batch_size=3, seed=1234, device=dev, dtype=tdt,
                                   init_parallel=False)
-            got = w.compute_rm_score(b).float().cpu()
+            got = w.compute(b).float().cpu()
             rm = hf(a.rm, tf.AutoModelForSequenceClassification)
             am = b.attention_mask.bool()
             with torch.no_grad():
