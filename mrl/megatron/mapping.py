@@ -85,7 +85,7 @@ def _ep() -> tuple[int, int, Any]:
 def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tuple[Rule, dict[str, str], torch.Tensor]]:
     """(rule, format args, local Megatron parameter) for every mapped tensor of this rank."""
     family = family_of(hf_config)
-    table = family.weight_rules
+    table = tuple(r for r in family.weight_rules if r.applies(hf_config))
     moe_layers = family.moe_layers(hf_config)  # 1/0 per global layer: which rules a layer has
     for chunk in map(unwrap, chunks):
         tied = chunk.share_embeddings_and_output_weights
@@ -100,7 +100,8 @@ def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tup
                 yield rule, {}, p
         for layer in chunk.decoder.layers:
             i = str(layer.layer_number - 1)
-            layer_params = dict(layer.named_parameters())
+            # buffers too: the router's expert_bias (a score-correction bias, not trained) is a checkpoint tensor
+            layer_params = {**dict(layer.named_buffers()), **dict(layer.named_parameters())}
             moe_layer = bool(moe_layers[layer.layer_number - 1])
             for rule in table:
                 if rule.scope != "layer" or not rule.on_layer(moe_layer):
