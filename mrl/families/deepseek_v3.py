@@ -172,8 +172,8 @@ def mtp_layers(hf_config: Any) -> int:
 
 
 def _plan_notes(hf_config: Any) -> list[str]:
-    notes = ["router score-correction bias (e_score_correction_bias): loaded and frozen during RL "
-             "(moe_router_bias_update_rate=0, no aux-loss-free update; docs/moe.md)"]
+    notes = [("router score-correction bias (e_score_correction_bias): loaded and frozen during RL "
+             "(moe_router_bias_update_rate=0, no aux-loss-free update; docs/moe.md)")]
     n = mtp_layers(hf_config)
     if n:
         first = int(hf_config.num_hidden_layers)

@@ -196,7 +196,9 @@ def _redirects() -> list[tuple[Any, str, Any]]:
     """(owner, attribute, CPU stand-in) of every process-wide redirect (1, 5, 6, 7, 10 of the docstring)."""
     import megatron.core.tensor_parallel.random as mrandom
     from megatron.core.models.common.embeddings import rope_utils
-    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
     from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import token_dispatcher
 

@@ -23,7 +23,11 @@ def deepseek_parity_rank(rank: int, world: int, root: str) -> dict:
     from megatron.core import parallel_state as ps
 
     from mrl.megatron.hf_io import HFCheckpointReader, write_hf_checkpoint
-    from mrl.megatron.mapping import export_hf_weights, hf_names_for_stage, load_hf_weights
+    from mrl.megatron.mapping import (
+        export_hf_weights,
+        hf_names_for_stage,
+        load_hf_weights,
+    )
     from mrl.megatron.parallel import init_parallel
     from mrl.megatron.provider import build_model_chunks, load_hf_config
 

@@ -14,7 +14,10 @@ from safetensors.torch import load_file, save_file
 from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_deepseek import make_tiny_deepseek_hf
 from tests.megatron._deepseek_ranks import DS_RUNS, deepseek_parity_rank
-from tests.megatron._ranks import assert_stages_export_the_checkpoint, write_reference_logits
+from tests.megatron._ranks import (
+    assert_stages_export_the_checkpoint,
+    write_reference_logits,
+)
 
 pytestmark = pytest.mark.multirank
 TOL = 1e-5  # fp32: same maths, other summation order
