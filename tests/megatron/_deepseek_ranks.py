@@ -61,7 +61,9 @@ def _expert_bias_after_a_step(chunks: list, ids: torch.Tensor) -> dict:
     """One training forward + backward, then Megatron's end-of-step expert-bias update (the part of
     ``finalize_model_grads`` that touches it): with mrl's ``moe_router_bias_update_rate=0`` and, as a control,
     with Megatron's default rate."""
-    from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
+    from megatron.core.distributed.finalize_model_grads import (
+        _update_router_expert_bias,
+    )
 
     model = chunks[0]
     routers = [m for m in model.modules() if getattr(m, "expert_bias", None) is not None]
