@@ -117,7 +117,7 @@ def _get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
 def shape_from_dict(cfg: dict[str, Any]) -> ModelShape:
     """Build a ModelShape from a parsed config.json; KeyError names a missing required key."""
     model_type = str(cfg.get("model_type", "unknown"))
-    fam = FAMILIES.get(model_type)
+    fam = family_of_dict(cfg)
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     return ModelShape(
@@ -143,10 +143,20 @@ def shape_from_dict(cfg: dict[str, Any]) -> ModelShape:
     )
 
 
+def family_of_dict(cfg: dict[str, Any]) -> Any:
+    """The family of a config.json: by architectures (Kimi-K2 names DeepSeek-V3's), else by model_type."""
+    from mrl.families import SUPPORTED_ARCHITECTURES
+
+    for arch in cfg.get("architectures") or []:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return FAMILIES[SUPPORTED_ARCHITECTURES[arch]]
+    return FAMILIES.get(str(cfg.get("model_type")))
+
+
 def _shared_expert_size(cfg: dict[str, Any]) -> int:
     """The family's shared-expert width (``MoE.shared_expert_size``: Qwen2-MoE's shared_expert_intermediate_size,
     DeepSeek's n_shared_experts * moe_intermediate_size); 0 without one."""
-    fam = FAMILIES.get(str(cfg.get("model_type")))
+    fam = family_of_dict(cfg)
     if fam is None or fam.moe is None:
         return int(_get(cfg, "shared_expert_intermediate_size", default=0))
     return int(fam.moe.shared_expert_size(SimpleNamespace(**cfg)))
@@ -160,7 +170,7 @@ def _mla(cfg: dict[str, Any]) -> tuple[int, int, int, int, int]:
 def _moe_layers(cfg: dict[str, Any]) -> int | None:
     """How many layers are MoE when the family's rule (``MoE.layers``: Qwen's decoder_sparse_step /
     mlp_only_layers) makes some dense, else None."""
-    fam = FAMILIES.get(str(cfg.get("model_type")))
+    fam = family_of_dict(cfg)
     if fam is None or fam.moe is None:
         return None
     pattern = fam.moe.layers(SimpleNamespace(**cfg))

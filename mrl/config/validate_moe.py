@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from mrl.config.hf import HUB_SHAPES, ModelShape
+from mrl.config.hf import HUB_SHAPES, ModelShape, family_of_dict
 from mrl.config.layout import RoleLayout
 from mrl.config.moe import MoEConfig
 from mrl.config.root import MRLConfig
@@ -91,8 +91,6 @@ def family_plan_notes(model_path: str | None, notes: list[str]) -> None:
         raw = json.loads(f.read_text())
     except (OSError, ValueError):
         return  # load_shape reports an unreadable config.json
-    from mrl.families import FAMILIES
-
-    fam = FAMILIES.get(str(raw.get("model_type"))) if isinstance(raw, dict) else None
+    fam = family_of_dict(raw) if isinstance(raw, dict) else None
     if fam is not None:
         notes.extend(f"model ({fam.name}): {line}" for line in fam.plan_notes(SimpleNamespace(**raw)))

@@ -87,8 +87,12 @@ def test_plan_notes_of_a_deepseek_v3_checkpoint(base_overrides, tmp_path):
     d.mkdir()
     raw = {**deepseek_config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"], "num_nextn_predict_layers": 1}
     (d / "config.json").write_text(json.dumps(raw))
-    cfg = load_config(None, [o for o in base_overrides if not o.startswith("model.path=")] + [f"model.path={d}"])
+    overrides = [o for o in base_overrides if not o.startswith("model.path=")] + [f"model.path={d}"]
+    cfg = load_config(None, overrides)
     text = format_plan(cfg, build_plan(cfg))
+    assert "multi-latent attention runs on Megatron's local spec with torch SDPA" in text, text
+    errors = _errors(overrides + ["actor.megatron.attention_backend=local"])
+    assert any("attention_backend=local" in e and "multi-latent" in e and "fix" in e for e in errors), errors
     assert "score-correction bias (e_score_correction_bias): loaded and frozen during RL" in text, text
     assert "multi-token-prediction layers (1: model.layers.4) in the checkpoint are skipped on load" in text, text
     raw["num_nextn_predict_layers"] = 0
