@@ -121,7 +121,9 @@ def _check_thread_local() -> None:
 def _check_yarn_rope() -> None:
     """Redirect 10: MLA's YaRN rotary embedding builds (it passes no use_cpu_initialization) and gives the
     frequencies of its formula on CPU."""
-    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
 
     yarn = YarnRotaryEmbedding(8, rotary_base=10000.0, scaling_factor=1.0, original_max_position_embeddings=16)
     emb, mscale = yarn(4)
