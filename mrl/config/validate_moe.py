@@ -66,7 +66,11 @@ def check_moe(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelShape | 
             )
     if shape is None or not shape.num_experts:
         return
-    if cfg.actor.lora.enabled:
+    if cfg.actor.lora.enabled and shape.mla is not None:
+        errors.append(f"actor.lora with {cfg.model.path}'s multi-latent attention (DeepSeek-V3): mrl's adapters wrap "
+                      "q/k/v/o and MLP projections, not MLA's latent projections; fix: actor.lora.rank=0 (full "
+                      "fine-tuning)")
+    elif cfg.actor.lora.enabled:
         _check_moe_lora(cfg, shape, errors, notes if notes is not None else [])
     if moe.routing_replay != "none" and cfg.actor.shared_prefix is True:  # auto: off with replay (config/auto.py)
         errors.append(f"actor.moe.routing_replay={moe.routing_replay} with actor.shared_prefix=true: the replayed expert "

@@ -131,6 +131,8 @@ def test_plan_notes_of_a_deepseek_v3_checkpoint(base_overrides, tmp_path):
     assert "multi-latent attention runs on Megatron's local spec with torch SDPA" in text, text
     errors = _errors(overrides + ["actor.megatron.attention_backend=local"])
     assert any("attention_backend=local" in e and "multi-latent" in e and "fix" in e for e in errors), errors
+    errors = _errors(overrides + ["actor.lora.rank=8"])
+    assert any("actor.lora" in e and "multi-latent" in e and "rank=0" in e for e in errors), errors
     assert "score-correction bias (e_score_correction_bias): loaded and frozen during RL" in text, text
     assert "multi-token-prediction layers (1: model.layers.4) in the checkpoint are skipped on load" in text, text
     raw["num_nextn_predict_layers"] = 0
