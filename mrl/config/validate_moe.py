@@ -9,7 +9,11 @@ a dense model (where they would silently do nothing).
 """
 from __future__ import annotations
 
-from mrl.config.hf import ModelShape
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from mrl.config.hf import HUB_SHAPES, ModelShape, family_of_dict
 from mrl.config.layout import RoleLayout
 from mrl.config.moe import MoEConfig
 from mrl.config.root import MRLConfig
@@ -70,7 +74,11 @@ def check_moe(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelShape | 
             )
     if shape is None or not shape.num_experts:
         return
-    if cfg.actor.lora.enabled:
+    if cfg.actor.lora.enabled and shape.mla is not None:
+        errors.append(f"actor.lora with {cfg.model.path}'s multi-latent attention (DeepSeek-V3): mrl's adapters wrap "
+                      "q/k/v/o and MLP projections, not MLA's latent projections; fix: actor.lora.rank=0 (full "
+                      "fine-tuning)")
+    elif cfg.actor.lora.enabled:
         _check_moe_lora(cfg, shape, errors, notes if notes is not None else [])
     if moe.routing_replay != "none" and cfg.actor.shared_prefix is True:  # auto: off with replay (config/auto.py)
         errors.append(f"actor.moe.routing_replay={moe.routing_replay} with actor.shared_prefix=true: the replayed expert "
@@ -102,3 +110,23 @@ def _check_moe_lora(cfg: MRLConfig, shape: ModelShape, errors: list[str], notes:
     where = [w for w in ("attention" if len(mlp) < len(targets) else "", " and ".join(homes) if mlp else "") if w]
     notes.append(f"actor.lora on a Mixture-of-Experts model: adapters on the {' and '.join(where) or 'attention'}; "
                  "the routed experts and the router stay frozen (no adapters on them)")
+
+
+def family_plan_notes(model_path: str | None, notes: list[str]) -> None:
+    """The model family's own plan lines (``Family.plan_notes``: e.g. DeepSeek-V3's frozen score-correction bias
+    and skipped multi-token-prediction layers), from model.path/config.json or mrl's bundled copy of it."""
+    if not model_path:
+        return
+    f = Path(model_path) / "config.json"
+    if not f.is_file():
+        parts = model_path.split("/")
+        f = HUB_SHAPES / f"{parts[0]}--{parts[-1]}.json"
+        if len(parts) != 2 or not f.is_file():
+            return
+    try:
+        raw = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return  # load_shape reports an unreadable config.json
+    fam = family_of_dict(raw) if isinstance(raw, dict) else None
+    if fam is not None:
+        notes.extend(f"model ({fam.name}): {line}" for line in fam.plan_notes(SimpleNamespace(**raw)))

@@ -8,10 +8,14 @@ TP (ETP for experts); the splits are described in :mod:`mrl.megatron.mapping`. A
 the layer's experts (transformers' own layout, as gpt-oss checkpoints store them). In a model mixing dense and
 MoE layers (:meth:`mrl.families.base.MoE.layer_pattern`) a rule's ``layers`` says which layers have it:
 ``"all"`` (attention, norms), ``"moe"`` (router, experts, shared expert) or ``"dense"`` (the dense MLP).
+A rule's ``when`` (a predicate on config.json) says whether the model has the tensor at all (MLA's
+``q_a_proj``/``q_b_proj`` with ``q_lora_rank``, its ``q_proj`` without).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 SPLITS = ("replicated", "column", "row", "vocab", "qkv", "gate_up", "gate_up_interleaved", "row_t")
 LAYER_KINDS = ("all", "moe", "dense")
@@ -31,6 +35,11 @@ class Rule:
     # An expert rule whose HF tensor holds every expert of the layer stacked along dim 0 (no {e} in the name;
     # gpt-oss): expert e's part is hf[e].
     fused: bool = False
+    # Whether config.json gives the model this tensor (None: always), e.g. MLA's q_a_proj only with q_lora_rank.
+    when: Callable[[Any], bool] | None = None
+
+    def applies(self, hf_config: Any) -> bool:
+        return self.when is None or bool(self.when(hf_config))
 
     def on_layer(self, moe_layer: bool) -> bool:
         """Whether a decoder layer (an MoE layer or not) has this rule's parameter."""

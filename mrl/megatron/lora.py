@@ -241,6 +241,11 @@ def apply_lora(chunks: list[torch.nn.Module], hf_config: Any, *, targets: tuple[
         RowParallelLinear,
     )
 
+    from mrl.families import family_of
+
+    if family_of(hf_config).is_mla:
+        raise ValueError("LoRA on a multi-latent-attention model (DeepSeek-V3): the adapters wrap q/k/v/o and MLP "
+                         "projections, not MLA's latent projections; fix: actor.lora.rank=0")
     adapters = []
     for chunk in map(unwrap, chunks):
         chunk.requires_grad_(False)

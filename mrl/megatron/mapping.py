@@ -55,6 +55,7 @@ from mrl.megatron.provider import head_dim
 from mrl.megatron.unwrap import unwrap
 
 _EMBED, _LM_HEAD = EMBED, LM_HEAD
+_EXPERT_BIAS = "mlp.router.expert_bias"
 # Each family's table, declared in its module (mrl/families/<name>.py, ``weight_rules``).
 FAMILY_TABLES: dict[str, tuple[Rule, ...]] = {name: fam.weight_rules for name, fam in FAMILIES.items()}
 
@@ -93,7 +94,7 @@ def _ep() -> tuple[int, int, Any]:
 def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tuple[Rule, dict[str, str], torch.Tensor]]:
     """(rule, format args, local Megatron parameter) for every mapped tensor of this rank."""
     family = family_of(hf_config)
-    table = family.weight_rules
+    table = tuple(r for r in family.weight_rules if r.applies(hf_config))
     moe_layers = family.moe_layers(hf_config)  # 1/0 per global layer: which rules a layer has
     for chunk in map(unwrap, chunks):
         tied = chunk.share_embeddings_and_output_weights
@@ -108,7 +109,8 @@ def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tup
                 yield rule, {}, p
         for layer in chunk.decoder.layers:
             i = str(layer.layer_number - 1)
-            layer_params = dict(layer.named_parameters())
+            # buffers too: the router's expert_bias (a score-correction bias, not trained) is a checkpoint tensor
+            layer_params = {**dict(layer.named_buffers()), **dict(layer.named_parameters())}
             moe_layer = bool(moe_layers[layer.layer_number - 1])
             for rule in table:
                 if rule.scope != "layer" or not rule.on_layer(moe_layer):
@@ -344,6 +346,10 @@ def load_hf_weights(
                     f"of shape {tuple(local.shape)} but Megatron {rule.mcore!r} is {tuple(p.shape)}: "
                     "config.json does not match the weights"
                 )
+            if rule.mcore == _EXPERT_BIAS and p.dtype != torch.float32:
+                # Megatron keeps the router's score-correction bias in fp32 in a bf16 model (its router restores
+                # the dtype on the next forward, after Float16Module's cast): load it unrounded
+                p.data = p.data.to(torch.float32)
             p.copy_(local)
         for chunk in map(unwrap, model_chunks):
             if chunk.share_embeddings_and_output_weights and chunk.post_process and not chunk.pre_process:

@@ -13,6 +13,8 @@ them dense SwiGLU MLPs of ``intermediate_size``: Megatron's ``moe_layer_freq`` l
     mixtral     MixtralForCausalLM     softmax → top-k → renorm (always)
     gpt_oss     GptOssForCausalLM      top-k of biased logits → softmax      sinks, windows, biases,
                                                                               clamped SwiGLU (gpt_oss.py)
+    deepseek_v3 DeepseekV3ForCausalLM  sigmoid (+bias) → group top-k → renorm  MLA, ungated shared
+                                       × routed_scaling_factor                 experts, dense first layers
 
 One MoE layer (``x`` the pre-MLP-normed hidden state of one token, ``E`` experts, top-``k``)::
 
@@ -29,10 +31,9 @@ its gradient in the backward of the router (``MoEAuxLossAutoScaler``) and tracks
 
 Expert parallelism: expert ``e`` lives on EP rank ``e // (E / EP)`` as ``local_experts.{e % (E/EP)}``;
 inside an expert, the expert-tensor-parallel group (ETP) splits fc1 by columns and fc2 by rows
-like TP does for a dense MLP. DeepSeek-V3-style models (multi-latent attention, sigmoid router
-with a score-correction bias, group-limited top-k) are refused with the reason
-(:mod:`mrl.families.refused`): mrl's HF table has no MLA mapping and its tests have no transformers
-parity for them yet.
+like TP does for a dense MLP. DeepSeek-V3 (``mrl/families/deepseek_v3.py``) declares a sigmoid router with a
+score-correction bias, group-limited top-k and routed scaling through the same :class:`mrl.families.MoE`
+fields (their maths: :class:`mrl.families.base.MoE`; docs/moe.md).
 """
 from __future__ import annotations
 

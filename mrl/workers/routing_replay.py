@@ -2,7 +2,9 @@
 
 One :class:`RouterProbe` sits on every ``TopKRouter`` of an MoE model (a forward pre-hook and a forward
 hook). When a micro-batch carries the engine's ids, the pre-hook recomputes the router's own logits with
-the router's own ``gating`` (same op, same dtype, so the same top-k the router would pick) and then:
+the router's own ``gating`` (same op, same dtype) and the experts its own rule picks from them (Megatron's
+routing function with the router's settings: a sigmoid router with a score-correction bias and group limits
+does not pick the top-k logits) and then:
 
 * **replay** (a micro-batch carries the engine's ids, ``actor.moe.routing_replay=rollout``): sets
   Megatron's ``RouterReplay`` target to the engine's top-k ids, so the router gathers *its own*
@@ -58,8 +60,7 @@ class RouterProbe:
                 replay.clear_router_replay_action()
             return
         with torch.no_grad():
-            own = torch.topk(module.gating(args[0].detach()).reshape(-1, module.config.num_moe_experts),
-                             k=module.topk, dim=1).indices
+            own = _own_topk(module, module.gating(args[0].detach()).reshape(-1, module.config.num_moe_experts))
             target = self.target.to(own.device)
             if target.shape != own.shape:
                 raise RuntimeError(f"routing replay: layer {self.layer} got {tuple(target.shape)} engine ids for "
@@ -94,6 +95,20 @@ class RouterProbe:
         self.load.zero_()
         self.mismatch.zero_()
         self.compared.zero_()
+
+
+def _own_topk(router: Any, logits: torch.Tensor) -> torch.Tensor:
+    """``[tokens, K]`` experts the router picks itself from ``logits``, by its own rule (Megatron's routing function
+    with the router's settings: softmax top-k, or DeepSeek's sigmoid + score-correction bias + group-limited top-k,
+    where the top-k logits are not the choice); no replay, no host sync (a top-k of the 0/1 routing map)."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    cfg = router.config
+    _, routing_map = topk_routing_with_score_function(
+        logits, router.topk, use_pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
+        group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
+        score_function=cfg.moe_router_score_function, expert_bias=getattr(router, "expert_bias", None))
+    return routing_map.to(logits.dtype).topk(router.topk, dim=1).indices
 
 
 def chosen_experts(routing_map: torch.Tensor, k: int) -> torch.Tensor:

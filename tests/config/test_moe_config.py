@@ -162,3 +162,35 @@ def test_gpt_oss_recipes_plan_from_their_bundled_shapes(hub, recipe, total, acti
     assert 0 <= exact - s.param_count() < 1e-3 * exact
     cfg = load_config(Path(__file__).resolve().parents[2] / "mrl_configs" / recipe)
     assert check_config(cfg)[0] == []
+def test_plan_notes_of_a_deepseek_v3_checkpoint(base_overrides, tmp_path):
+    """mrl plan says what RL does with DeepSeek-V3's score-correction bias (frozen) and that the checkpoint's
+    multi-token-prediction layer is skipped; its parameter count is MLA's."""
+    from tests.helpers.tiny_deepseek import deepseek_config
+
+    d = tmp_path / "ds"
+    d.mkdir()
+    raw = {**deepseek_config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"], "num_nextn_predict_layers": 1}
+    (d / "config.json").write_text(json.dumps(raw))
+    overrides = [o for o in base_overrides if not o.startswith("model.path=")] + [f"model.path={d}"]
+    cfg = load_config(None, overrides)
+    text = format_plan(cfg, build_plan(cfg))
+    assert "multi-latent attention runs on Megatron's local spec with torch SDPA" in text, text
+    errors = _errors(overrides + ["actor.megatron.attention_backend=local"])
+    assert any("attention_backend=local" in e and "multi-latent" in e and "fix" in e for e in errors), errors
+    errors = _errors(overrides + ["actor.lora.rank=8"])
+    assert any("actor.lora" in e and "multi-latent" in e and "rank=0" in e for e in errors), errors
+    assert "score-correction bias (e_score_correction_bias): loaded and frozen during RL" in text, text
+    assert "multi-token-prediction layers (1: model.layers.4) in the checkpoint are skipped on load" in text, text
+    raw["num_nextn_predict_layers"] = 0
+    (d / "config.json").write_text(json.dumps(raw))
+    assert "multi-token-prediction" not in format_plan(cfg, build_plan(cfg))
+
+
+def test_bundled_deepseek_v3_and_kimi_k2_shapes_count_their_published_sizes():
+    """mrl's copies of the two config.json files give the sizes their model cards state: DeepSeek-V3 671B with 37B
+    active, Kimi-K2 1T with 32B active (MTP layers not counted: mrl does not build them)."""
+    ds, kimi = bundled_hub_shape("deepseek-ai/DeepSeek-V3"), bundled_hub_shape("moonshotai/Kimi-K2-Instruct")
+    assert ds is not None and kimi is not None and ds.mla is not None and kimi.mla is not None
+    assert round(ds.param_count() / 1e9) == 671 and 37 <= ds.param_count(active=True) / 1e9 < 38
+    assert 1.02 <= kimi.param_count() / 1e12 < 1.04 and 32 <= kimi.param_count(active=True) / 1e9 < 33
+    assert (ds.moe_layers, kimi.moe_layers) == (58, 60) and not ds.shared_expert_gate

@@ -5,7 +5,7 @@
 vocab not a multiple of 4*TP), qwen3 (q/k norm), mistral; MoE: qwen3_moe (4 experts, top-2,
 normalised top-k), qwen2_moe (un-normalised top-k, shared expert with its gate), mixtral, gpt_oss (attention
 sinks, alternating 5-token windows and full layers, YaRN RoPE, biased router and experts with a clamp low enough
-to bite). Weights are random with a fixed seed
+to bite), deepseek_v3 (MLA, sigmoid router). Weights are random with a fixed seed
 and scaled so that logits are O(1) (useful for parity tests in fp32).
 """
 from __future__ import annotations
@@ -73,6 +73,11 @@ def hf_config(family: str, **overrides):
                   intermediate_size=48, sliding_window=5, swiglu_limit=0.4, router_aux_loss_coef=0.01,
                   rope_parameters=rope, attention_bias=True)
         kw.pop("rope_theta")
+    elif family == "deepseek_v3":  # every layer MoE here; tests/helpers/tiny_deepseek.py has the parity model
+        cls = tf.DeepseekV3Config
+        kw.update(tie_word_embeddings=False, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=48, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=0,
+                  kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)
     else:
         raise ValueError(f"unknown tiny family {family!r}")
     kw.update(overrides)

@@ -65,11 +65,11 @@ def test_unsupported_moe_layouts_are_refused_with_the_fix():
         check_moe_supported(cfg, "mixtral")
 
 
-def test_deepseek_v3_is_refused_with_the_reason():
+def test_deepseek_v2_is_refused_with_the_reason():
     import transformers as tf
 
-    cfg = tf.DeepseekV3Config(num_hidden_layers=2, hidden_size=64, vocab_size=100)
-    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    cfg = tf.DeepseekV2Config(num_hidden_layers=2, hidden_size=64, vocab_size=100)
+    cfg.architectures = ["DeepseekV2ForCausalLM"]
     with pytest.raises(ValueError, match="multi-latent attention"):
         model_family(cfg)
 
@@ -132,3 +132,42 @@ def test_yarn_params_follow_transformers():
     assert _yarn_get_concentration_factor(4.0, y2["yarn_mscale"], y2["yarn_mscale_all_dim"]) == pytest.approx(hf_factor2)
     with pytest.raises(ValueError, match="attention_factor=3.0"):
         yarn_params(hf_config("gpt_oss", rope_parameters=dict(cfg.rope_parameters, attention_factor=3.0)))
+@pytest.mark.parametrize("q_lora", [True, False])
+def test_deepseek_v3_plan_shape_counts_what_transformers_builds(q_lora):
+    """mrl plan's parameter count (plain json, mrl/config/hf.py) of a DeepSeek-V3 config: MLA's latent projections
+    and norms, a dense first layer, routers, routed and ungated shared experts, as transformers builds them."""
+    import transformers as tf
+
+    from tests.helpers.tiny_deepseek import deepseek_config
+
+    cfg = deepseek_config(q_lora)
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(cfg)
+    shape = shape_from_dict(cfg.to_dict())
+    assert shape.moe_layers == 3 and shape.shared_expert_size == 16 and not shape.shared_expert_gate
+    assert shape.param_count() == sum(p.numel() for p in model.parameters())
+    moe = model.model.layers[1].mlp
+    inactive = (shape.num_experts - shape.experts_per_token) * sum(p.numel() for p in moe.experts.parameters()) \
+        // shape.num_experts
+    assert shape.param_count(active=True) == shape.param_count() - 3 * inactive
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"rope_interleave": False}, "rope_interleave=false"),
+    ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config.*fp8_cast_bf16"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32,
+                          "mscale_all_dim": 0.8}}, "mscale_all_dim without mscale"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32,
+                          "truncate": False}}, "truncate=false"),
+    ({"num_experts_per_tok": 6}, "top-2 experts.*top-3"),
+    ({"norm_topk_prob": False}, "norm_topk_prob=false"),
+])
+def test_deepseek_v3_settings_megatron_computes_otherwise_are_refused(overrides, match):
+    """Each refusal names the config.json key and the fix, before Megatron starts."""
+    from tests.helpers.tiny_deepseek import deepseek_config
+
+    _check_supported(deepseek_config(), "deepseek_v3")  # the tiny parity model itself passes
+    with pytest.raises(ValueError, match=match):
+        _check_supported(deepseek_config(**overrides), "deepseek_v3")

@@ -20,9 +20,11 @@ gpt-oss checkpoints hold the experts fused as transformers does (``mlp.experts.g
 gate/up interleaved, ``down_proj``, their biases; router ``mlp.router``): its names are the parameters' own
 (``MoE.fused_experts``).
 
-**Routed experts.** :class:`RoutingCapture` hooks every layer's top-k router (``*TopKRouter`` at
-``mlp.<MoE.router>``: ``gate``, gpt-oss ``router``; its forward returns ``(router_logits, router_scores,
-router_indices)``) and keeps the ``router_indices`` the experts
+Persistent buffers a checkpoint holds (DeepSeek-V3's ``mlp.gate.e_score_correction_bias``) are named too.
+
+**Routed experts.** :class:`RoutingCapture` hooks every layer's top-k router (``*TopKRouter`` /
+``DeepseekV3TopkRouter`` at ``mlp.<MoE.router>``: ``gate``, gpt-oss ``router``; its forward returns
+``(router_logits, router_scores, router_indices)``) and keeps the ``router_indices`` the experts
 then consumed, in prefill and decode alike. A layer without a router (Qwen2-MoE's ``mlp_only_layers``) keeps
 0s, as SGLang's capture buffer does (it is sized for every hidden layer and zero-initialised).
 """
@@ -58,6 +60,9 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     ``ModelRunner.release``/``resume`` the parameters hold new storage, and old views would write nowhere."""
     mt = getattr(model.config, "model_type", None)
     named = dict(model.named_parameters(remove_duplicate=False))
+    persistent = model.state_dict(keep_vars=True)
+    # checkpoint buffers (DeepSeek-V3's router e_score_correction_bias): the trainer sends them with the weights
+    named.update({n: b for n, b in model.named_buffers() if n in persistent})
     if mt not in EXPERT_NAMES or mt in FUSED_CHECKPOINTS:
         return named
     block, (gate, up, down) = EXPERT_NAMES[mt]
@@ -97,7 +102,8 @@ class RoutingCapture:
         router_name = ROUTER_NAMES.get(text.model_type, "gate")
         for i, layer in enumerate(model.model.layers):
             router = getattr(getattr(layer, "mlp", None), router_name, None)
-            if router is None or not type(router).__name__.endswith("TopKRouter"):
+            # *TopKRouter (Qwen, Mixtral, gpt-oss), DeepseekV3TopkRouter: forward -> (logits, weights, indices)
+            if router is None or not type(router).__name__.lower().endswith("topkrouter"):
                 continue  # a dense layer (Qwen2-MoE mlp_only_layers / decoder_sparse_step)
             router.register_forward_hook(self._hook(i))
             self.layers.append(i)
