@@ -9,7 +9,7 @@ import pytest
 
 from mrl.config import check_config, load_config
 from mrl.config.hf import bundled_hub_shape, shape_from_dict
-from mrl.config.plan import build_plan, format_plan
+from mrl.config.plan_report import build_report, format_report
 
 MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 300, "hidden_size": 64,
        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -63,7 +63,7 @@ def test_moe_settings_on_a_dense_model_are_refused(base_overrides):
 
 def test_plan_prints_expert_grid_and_active_params(moe_overrides):
     cfg = load_config(None, moe_overrides + ["actor.megatron.expert_model_parallel_size=2"])
-    text = format_plan(cfg, build_plan(cfg))
+    text = format_report(cfg, build_report(cfg))
     assert "EP=2 ETP=1 EDP=2" in text and "8 experts, top-2" in text and "active per token" in text
     shape = shape_from_dict(MOE)
     total, active = shape.param_count(), shape.param_count(active=True)

@@ -1,4 +1,5 @@
-"""The derived plan of a run: batch arithmetic, role placement and a per-device memory estimate.
+"""``mrl plan``'s report: the run plan's batch arithmetic and role placement (mrl.config.run_plan, on the device
+``mrl plan`` assumes) as printed, and a per-device memory estimate.
 
 Batch arithmetic (units in docs/config.md), per training step:
     samples            = data.train_batch_size * rollout.n
@@ -101,8 +102,8 @@ def trained_memory(shape: ModelShape, par: ParallelConfig, dp: int, dtype: str, 
 
 
 @dataclass
-class Plan:
-    """Everything ``mrl plan`` prints besides the resolved config."""
+class PlanReport:
+    """Everything ``mrl plan`` prints besides the resolved config (``run``: the RunPlan it reports on)."""
 
     run: RunPlan  # the run plan on the device ``mrl plan`` assumes (auto.planned_device): the values a run uses
     samples_per_step: int
@@ -131,7 +132,7 @@ class Plan:
         return groups
 
 
-def build_plan(cfg: MRLConfig) -> Plan:
+def build_report(cfg: MRLConfig) -> PlanReport:
     """Derive the plan of a (valid) config; call after :func:`mrl.config.check_config` found no errors."""
     errors: list[str] = []
     shape = load_shape(cfg, errors, [])
@@ -148,7 +149,7 @@ def build_plan(cfg: MRLConfig) -> Plan:
         micro, bound = math.ceil(per_rank * seq / a.ppo_max_token_len_per_gpu), True
     else:
         micro, bound = per_rank // (a.ppo_micro_batch_size_per_gpu or per_rank or 1), False
-    plan = Plan(
+    plan = PlanReport(
         run=run,
         samples_per_step=run.samples_per_step,
         mini_batches_per_step=u.mini_batches_per_step,
@@ -186,7 +187,7 @@ def build_plan(cfg: MRLConfig) -> Plan:
     return plan
 
 
-def _teacher(cfg: MRLConfig, plan: Plan) -> None:
+def _teacher(cfg: MRLConfig, plan: PlanReport) -> None:
     """The teacher's frozen weights per device at its layout (the actor's when colocated, on the actor's devices;
     teacher.megatron on its own when separate) in model.dtype; no estimate when its config.json is absent."""
     lay = plan.roles.get("teacher")
@@ -201,7 +202,7 @@ def _teacher(cfg: MRLConfig, plan: Plan) -> None:
             shape, lay.parallel, cfg.model.make_vocab_size_divisible_by) * itemsize(plan_dtype(cfg)))
 
 
-def _reward_model(cfg: MRLConfig, plan: Plan) -> None:
+def _reward_model(cfg: MRLConfig, plan: PlanReport) -> None:
     """The RM's frozen weights (+ a [1, H] head) per device at its layout (the actor's when colocated, on the
     actor's devices; reward_model.megatron on its own when separate) in model.dtype (null: fp32 on CPU, bf16
     on accelerators); no estimate when its config.json is absent."""
@@ -231,7 +232,7 @@ def _gib(b: int) -> str:
     return f"{b / GiB:.2f} GiB"
 
 
-def format_plan(cfg: MRLConfig, plan: Plan) -> str:
+def format_report(cfg: MRLConfig, plan: PlanReport) -> str:
     """Human-readable plan (the second half of ``mrl plan``'s output)."""
     a, r, run = cfg.actor, cfg.rollout, plan.run
     per_node = cfg.cluster.n_gpus_per_node
@@ -304,4 +305,4 @@ def plan_text(cfg: MRLConfig) -> str:
     import yaml
 
     resolved = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
-    return "# resolved config\n" + resolved + "\n" + format_plan(cfg, build_plan(cfg))
+    return "# resolved config\n" + resolved + "\n" + format_report(cfg, build_report(cfg))
