@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from mrl.workers.critic import CriticWorker
 
 # Before Megatron is imported (by the workers below, lazily): its fallback warnings are collected
-# and the driver prints them once (fallbacks()), not ~15 lines per rank.
+# and the driver prints them once (fallbacks()), not once per rank.
 collect_fallbacks()
 
 
