@@ -269,7 +269,7 @@ def format_report(cfg: MRLConfig, plan: PlanReport) -> str:
                 desc += f" | experts: EP={p.expert_model_parallel_size} ETP={p.etp} EDP={edp}"
         share = "colocated with actor" if lay.colocated else "owns these devices"
         lines.append(f"    {name:12s} {lay.count:4d} {kind} [{where}] {desc}; {share}")
-    lines.extend(judge_plan_lines(cfg))  # reward.judge: its engines or external server (docs/judge.md)
+    lines.extend(judge_plan_lines(cfg, plan_dtype(cfg)))  # reward.judge: its engines or external server (docs/judge.md)
     if plan.memory:
         model = f"model {plan.param_count / 1e6:.1f}M params"
         if plan.num_experts:
