@@ -84,7 +84,7 @@ def _load(config: str, overrides: list[str], *, require_data: bool):
     error (``mrl train``), not a plan note."""
     from mrl.config import ConfigError, load_config
     from mrl.config.data_files import check_data_files
-    from mrl.config.plan import plan_text
+    from mrl.config.plan_report import plan_text
 
     try:
         cfg = load_config(config, overrides)

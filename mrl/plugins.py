@@ -34,7 +34,7 @@ from typing import Any
 
 _PKG = Path(__file__).resolve().parent
 FORMS = "<registry name> | pkg.module:fn | path/to/file.py:fn"
-IMPORT_TIMEOUT_S = 60.0  # a plugin importing torch takes ~2 s; one that takes a minute is stuck
+IMPORT_TIMEOUT_S = 60.0  # far above a plugin that imports torch (docs/plugins.md); one that takes a minute is stuck
 #: overrides IMPORT_TIMEOUT_S (seconds) for a plugin whose import is slow but sound (a large dependency, a slow disk)
 TIMEOUT_ENV = "MRL_PLUGIN_IMPORT_TIMEOUT_S"
 

@@ -21,7 +21,7 @@ Truncated importance sampling (TIS) for the train/rollout mismatch is an option 
 with ``rollout_log_probs`` (log-probs the inference engine reported) and ``tis_imp_ratio_cap``,
 the token losses are multiplied by ``sg(min(exp(old_log_prob - rollout_log_probs), cap))``
 (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training").
-The general form is verl's rollout correction (:mod:`mrl.algorithms.rollout_corr`): its detached
+The general form is verl's rollout correction (:mod:`mrl.algorithms.rollout_correction`): its detached
 ``rollout_is_weights`` ``[B, T]`` multiply the token losses the same way (verl's
 ``rollout_is_weights`` argument; GMPO first takes their per-sequence geometric mean).
 

@@ -8,7 +8,7 @@
 * repr_align (docs/driver.md, "Reward shaping"): ``r_t += w * cos(emb_gen, emb_gold) * mask_t / |mask|`` when batch entropy is high.
 * filter_groups (DAPO dynamic sampling): train only on groups whose metric has std > 0.
 * rollout_correction (verl's ``rollout_corr``): IS weights / rejection masks from ``pi_old / pi_rollout``
-  (decoupled PPO; mrl/algorithms/rollout_corr.py, docs/algorithms.md "Rollout correction").
+  (decoupled PPO; mrl/algorithms/rollout_correction.py, docs/algorithms.md "Rollout correction").
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 from mrl.config.actor import KLType
 from mrl.config.base import Section
 from mrl.config.extensions import PluginSpec
-from mrl.rollout_corr_spec import RS_OPTIONS, parse_is_threshold, parse_rs
+from mrl.rollout_correction_spec import RS_OPTIONS, parse_is_threshold, parse_rs
 
 Schedule = Literal["linear", "sigmoid", "cosine", "exp", "step"]
 

@@ -63,8 +63,3 @@ class MRLConfig(Section):
         """algorithm.repr_align.enable and its only term, ref_alignment.enable."""
         r = self.algorithm.repr_align
         return r.enable and r.ref_alignment.enable
-
-    @property
-    def samples_per_step(self) -> int:
-        """SAMPLES per step = data.train_batch_size (prompts) * rollout.n."""
-        return self.data.train_batch_size * self.rollout.n

@@ -1,10 +1,14 @@
 """The frozen run plan: every value derived from the config, computed once.
 
 The config says what the user asked for; the plan says what the run does with it. The driver makes
-the plan once Ray shows its devices (``cluster.device=auto`` resolved there) and hands it to the
-components that need a derived value — the trainer ranks, the engines, the step — so no two places
-compute the LR-schedule length or the device, and nothing writes back into the config. ``mrl plan``
-prints the same arithmetic (:mod:`mrl.config.plan`) from the same functions.
+the plan once (``mrl.driver.build``), when Ray shows its devices (``cluster.device=auto`` resolved
+there) and the training set's batches per epoch are known, and hands it to the components that need a
+derived value — the trainer ranks, the engines, the step — so no two places compute the LR-schedule
+length, the dtype or the device, and nothing writes back into the config. Two values are needed before
+the plan can exist, and come from the functions the plan itself uses: the prompts per generation round
+(:func:`gen_batch_size`, to batch the data before Ray starts) and the Ray actors to make room for
+(:func:`ray_actors`, to start Ray). ``mrl plan`` prints a plan made by the same function
+(:mod:`mrl.config.plan_report`).
 
     mini-batches / step      = data.train_batch_size // <role>.ppo_mini_batch_size
     optimizer steps / step   = mini-batches * <role>.ppo_epochs
@@ -12,7 +16,9 @@ prints the same arithmetic (:mod:`mrl.config.plan`) from the same functions.
                                per epoch (verl: len(train_dataloader) * total_epochs), known once the data is
                                loaded (``mrl train``; ``mrl plan`` prints it from the counted rows)
     LR-schedule length       = (<role>.optim.total_training_steps or run length) * optimizer steps / step
+    samples / step           = data.train_batch_size * rollout.n
     samples / mini-batch     = <role>.ppo_mini_batch_size * rollout.n
+    engines                  = rollout.num_engines, or (colocated, null) actor devices // rollout.engine_tp_size
 
 Settings left at ``auto`` (rollout.weight_sync.transport, actor.shared_prefix, <role>.megatron.attention_backend,
 actor.use_remove_padding) are resolved here for the
@@ -75,6 +81,9 @@ class RunPlan:
     reward_model_ranks: int  # Ray rank actors of a separate reward model (its own group); 0 = none or colocated
     teacher_ranks: int  # Ray rank actors of a separate teacher (its own group); 0 = none or colocated
     gen_batch_size: int  # prompts per generation round (DAPO's data.gen_batch_size when filtering)
+    samples_per_prompt: int  # rollout.n: one group of samples per prompt
+    samples_per_step: int  # data.train_batch_size * rollout.n
+    num_engines: int  # rollout engines (servers) of the run
     actor: UpdatePlan
     critic: UpdatePlan | None  # None without a critic
     free_cache_engine: bool  # engines release device memory while the trainer runs
@@ -144,6 +153,31 @@ def free_cache_engine(cfg: MRLConfig, device: str) -> bool:
     return r.free_cache_engine if r.free_cache_engine is not None else (r.placement == "colocated" and device == "cuda")
 
 
+def gen_batch_size(cfg: MRLConfig) -> int:
+    """Prompts per generation round: DAPO's data.gen_batch_size (null: data.train_batch_size) when
+    algorithm.filter_groups is on, else data.train_batch_size."""
+    d = cfg.data
+    return (d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable else d.train_batch_size
+
+
+def _group_ranks(layout: dict[str, RoleLayout]) -> tuple[int, int, int]:
+    """Ray rank actors of the trainer group, a separate reward model's and a separate teacher's (0: none)."""
+    rm, teacher = layout.get("reward_model"), layout.get("teacher")
+    return (layout["actor"].count, rm.count if rm is not None and not rm.colocated else 0,
+            teacher.count if teacher is not None and not teacher.colocated else 0)
+
+
+def _num_engines(cfg: MRLConfig, layout: dict[str, RoleLayout]) -> int:
+    return layout["rollout"].count // cfg.rollout.engine_tp_size
+
+
+def ray_actors(cfg: MRLConfig) -> tuple[int, int]:
+    """Ray actors that each hold a CPU: (every group's rank actors, the launcher actors of separate engines;
+    colocated engines' launchers live in the ranks' placement bundles)."""
+    layout = compute_layout(cfg)
+    return sum(_group_ranks(layout)), _num_engines(cfg, layout) if cfg.rollout.placement == "separate" else 0
+
+
 def run_length(cfg: MRLConfig, batches_per_epoch: int | None) -> int | None:
     """RL steps of the run: trainer.total_training_steps, else total_epochs x the sampler's batches per epoch
     (verl: len(train_dataloader) x total_epochs); None when the batches per epoch are not known (no data yet)."""
@@ -169,12 +203,12 @@ def plan_run(cfg: MRLConfig, device: str, batches_per_epoch: int | None = None) 
     the run length and so the LR schedules' length."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"plan_run needs a resolved device ('cuda' or 'cpu'), got {device!r}")
-    a, c, d = cfg.actor, cfg.critic, cfg.data
+    a, c = cfg.actor, cfg.critic
     layout = compute_layout(cfg)
     choices = resolve_all(cfg, device)
     transport, shared_prefix, remove_padding = choices[0], choices[1], choices[-1]
     attention = choices[2:-1]
-    rm, teacher = layout.get("reward_model"), layout.get("teacher")
+    trainer_ranks, reward_model_ranks, teacher_ranks = _group_ranks(layout)
     steps = run_length(cfg, batches_per_epoch)
     critic = None
     if cfg.critic_enabled:
@@ -184,11 +218,13 @@ def plan_run(cfg: MRLConfig, device: str, batches_per_epoch: int | None = None) 
         device=device,
         dtype=cfg.model.compute_dtype(device),
         layout=layout,
-        trainer_ranks=layout["actor"].count,
-        reward_model_ranks=rm.count if rm is not None and not rm.colocated else 0,
-        teacher_ranks=teacher.count if teacher is not None and not teacher.colocated else 0,
-        gen_batch_size=(d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable
-        else d.train_batch_size,
+        trainer_ranks=trainer_ranks,
+        reward_model_ranks=reward_model_ranks,
+        teacher_ranks=teacher_ranks,
+        gen_batch_size=gen_batch_size(cfg),
+        samples_per_prompt=cfg.rollout.n,
+        samples_per_step=cfg.data.train_batch_size * cfg.rollout.n,
+        num_engines=_num_engines(cfg, layout),
         actor=update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs, steps, a.optim.total_training_steps),
         critic=critic,
         free_cache_engine=free_cache_engine(cfg, device),

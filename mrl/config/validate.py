@@ -515,7 +515,8 @@ def _check_agent_sandbox(cfg: MRLConfig, errors: list[str]) -> None:
 
 def _check_agent(cfg: MRLConfig, errors: list[str]) -> None:
     """agent.enable: every tool loads with a schema (plugins imported here, as the other extension
-    points); the rollout modes the agent loop does not drive are refused (docs/agent.md)."""
+    points), the tool workers can take their memory limit (the hard RLIMIT_AS of this process, which the
+    driver's tool workers inherit); the rollout modes the agent loop does not drive are refused (docs/agent.md)."""
     a = cfg.agent
     if not a.enable:
         return
@@ -530,6 +531,11 @@ def _check_agent(cfg: MRLConfig, errors: list[str]) -> None:
     except ValueError as e:
         errors.append(str(e))
     _check_agent_sandbox(cfg, errors)
+    from mrl.agent.worker import memory_limit_problem
+
+    if (why := memory_limit_problem(a.tool_memory_mb)) is not None:  # every tool worker would die at its setrlimit
+        errors.append(f"agent.tool_memory_mb={a.tool_memory_mb}: a tool worker cannot set this memory limit (RLIMIT_AS): "
+                      f"{why}; fix: a smaller agent.tool_memory_mb, or a higher hard limit for mrl (ulimit -Hv, as root)")
     if cfg.trainer.async_training.max_staleness > 0 or cfg.rollout.partial_rollout:
         errors.append("agent.enable with trainer.async_training.max_staleness > 0 / rollout.partial_rollout: the agent "
                       "loop runs on-policy only (its multi-turn trajectories are not continued across weight pushes); "

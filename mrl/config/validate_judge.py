@@ -142,8 +142,8 @@ def judge_port_base(cfg: MRLConfig) -> int:
     return j.port_base if j.port_base is not None else cfg.rollout.port_base + 100
 
 
-def judge_plan_lines(cfg: MRLConfig) -> list[str]:
-    """``mrl plan``'s lines for the judge: where it runs and its engines' weights."""
+def judge_plan_lines(cfg: MRLConfig, dtype: str) -> list[str]:
+    """``mrl plan``'s lines for the judge: where it runs and its engines' weights in ``dtype`` (the plan's)."""
     j = cfg.reward.judge
     if not j.enable:
         return []
@@ -163,7 +163,6 @@ def judge_plan_lines(cfg: MRLConfig) -> list[str]:
         shape = None
     if shape is None:  # no config.json here (yet): check_judge noted it
         return lines
-    dtype = cfg.model.compute_dtype("cpu" if cfg.cluster.device == "cpu" else "cuda")
     b = shape.param_count() * itemsize(dtype)
     size = f"{b / 1024**2:.1f} MiB" if b < 1024**3 else f"{b / 1024**3:.2f} GiB"
     lines.append(f"    {'':12s} judge weights {size} per engine ({shape.param_count() / 1e6:.2f}M params, {dtype}; "

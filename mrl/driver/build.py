@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mrl.config import MRLConfig
-from mrl.config.run_plan import RunPlan, plan_run
+from mrl.config.run_plan import RunPlan, gen_batch_size, plan_run, ray_actors
 from mrl.driver.ranks import TrainRanks
 from mrl.errors import InputRefusedError, UnsupportedConfigError
 
@@ -142,10 +142,12 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
 
     check_inputs(cfg)
     _trap_sigterm()
-    inputs = read_inputs(cfg)
+    inputs = read_inputs(cfg, gen_batch_size(cfg))
     with contextlib.ExitStack() as stack:
         stack.callback(_quietly, "reward functions", inputs.reward.close)
-        plan = _start_ray(cfg, inputs.sampler.batches_per_epoch, stack)
+        device = _start_ray(cfg, stack)
+        # the run's one plan: the device Ray shows, the run length from the sampler's batches per epoch
+        plan = plan_run(cfg, device, inputs.sampler.batches_per_epoch)
         workers, rm_workers, teacher_workers, engines = _start_ranks_and_engines(cfg, plan, stack)
         judge = _start(stack, "judge", start_judge(cfg, plan, workers, engines, inputs.tokenizer))  # reward.judge
         pool, client = _start_rollout(cfg, plan, engines, inputs, stack)
@@ -156,9 +158,10 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
                        engines, pool, client, judge, tracking)
 
 
-def read_inputs(cfg: MRLConfig) -> RunInputs:
+def read_inputs(cfg: MRLConfig, gen_batch: int) -> RunInputs:
     """Stage 1: tokenizer, datasets (every row checked here, before Ray starts: DataError names
-    file:row:column and ``mrl train`` exits 2), the reward functions, the resume checkpoint and the disk room."""
+    file:row:column and ``mrl train`` exits 2), the reward functions, the resume checkpoint and the disk room.
+    ``gen_batch``: prompts per generation round (run_plan.gen_batch_size, the plan's value; DAPO: data.gen_batch_size)."""
     from transformers import AutoTokenizer
 
     from mrl.data.dataset import PromptDataset, check_batch_fits
@@ -174,7 +177,6 @@ def read_inputs(cfg: MRLConfig) -> RunInputs:
     agent_tools, schemas = _agent_tools(cfg, tok)
     d = cfg.data
     train_ds = PromptDataset.from_config(d, tok, "train", scalar_ground_truth=scalar_gt, tools=schemas)
-    gen_batch = plan_run(cfg, "cpu").gen_batch_size  # prompts per generation round (DAPO: data.gen_batch_size)
     check_batch_fits(len(train_ds), gen_batch, d.train_files, train_ds.num_filtered)
     val_ds = PromptDataset.from_config(d, tok, "val", scalar_ground_truth=scalar_gt, tools=schemas) if d.val_files else None
     sampler = sampler_for(d, gen_batch, train_ds)
@@ -185,22 +187,19 @@ def read_inputs(cfg: MRLConfig) -> RunInputs:
                      sampler, resumed_from, Path(cfg.trainer.checkpoint_dir or "outputs") / "logs")
 
 
-def _start_ray(cfg: MRLConfig, batches_per_epoch: int, stack: contextlib.ExitStack) -> RunPlan:
-    """Stage 2: Ray (a CPU per rank of every group), and the run plan on the device it shows, with the run
-    length from the sampler's batches per epoch."""
+def _start_ray(cfg: MRLConfig, stack: contextlib.ExitStack) -> str:
+    """Stage 2: Ray (a CPU per rank of every group and per separate engine); returns the device it shows
+    (``cluster.device``, ``auto`` resolved)."""
     import ray
 
     from mrl.cluster import init_ray
 
-    r = cfg.rollout
-    cpu_plan = plan_run(cfg, "cpu")  # the layout does not depend on the device
-    world = cpu_plan.trainer_ranks + cpu_plan.reward_model_ranks + cpu_plan.teacher_ranks
-    extra_cpus = r.num_engines if r.placement == "separate" and r.num_engines else 0
-    init_ray(cfg.cluster.address, cfg.cluster.cpus_per_node or max(os.cpu_count() or 1, world) + extra_cpus)
+    ranks, separate_engines = ray_actors(cfg)
+    init_ray(cfg.cluster.address, cfg.cluster.cpus_per_node or max(os.cpu_count() or 1, ranks) + separate_engines)
     stack.callback(_quietly, "Ray", ray.shutdown)
     _trap_sigterm()  # again: ray.init installed its own handler, which aborts
-    plan = plan_run(cfg, resolve_device(cfg.cluster.device), batches_per_epoch)
-    if plan.device == "cpu":
+    device = resolve_device(cfg.cluster.device)
+    if device == "cpu":
         # The ranks (and their engines) use this host's cores; the driver's tensors are small
         # ([batch, response] advantages and masks). With torch's default of one thread per core, the
         # OpenMP worker of the driver's few parallel ops spun on a core the ranks need (docs/performance.md,
@@ -208,7 +207,7 @@ def _start_ray(cfg: MRLConfig, batches_per_epoch: int, stack: contextlib.ExitSta
         import torch
 
         torch.set_num_threads(1)
-    return plan
+    return device
 
 
 def _start_ranks_and_engines(cfg: MRLConfig, plan: RunPlan, stack: contextlib.ExitStack):

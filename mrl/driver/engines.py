@@ -76,8 +76,9 @@ def run_token(cfg: MRLConfig) -> str | None:
     return secrets.token_urlsafe(32)
 
 
-def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple[list[str], dict[str, str]]:
-    """(argv, extra env) of ``slot``'s server: ``mrl.rollout.engine.server`` (torch) or SGLang's launch_server."""
+def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None, *, dtype: str) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra env) of ``slot``'s server: ``mrl.rollout.engine.server`` (torch) or SGLang's launch_server,
+    in ``dtype``: the run plan's (model.dtype, null resolved for the device), the trainer ranks' dtype."""
     from mrl.rollout.sglang_launcher import (
         SGLangLaunchSpec,
         build_embedded_command,
@@ -94,7 +95,7 @@ def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple
         return build_sglang_command(SGLangLaunchSpec(
             model_path=cfg.model.path, port=slot.port, host=r.host, tp_size=r.engine_tp_size,
             mem_fraction_static=r.mem_fraction_static, colocated=r.placement == "colocated",
-            base_gpu_id=slot.gpu_ids[0], dtype=cfg.model.compute_dtype("cuda"), random_seed=cfg.trainer.seed + slot.index,
+            base_gpu_id=slot.gpu_ids[0], dtype=dtype, random_seed=cfg.trainer.seed + slot.index,
             admin_api_key=token, enable_return_routed_experts=cfg.actor.moe.engine_routed_experts,
             extra_args=[] if r.max_num_seqs is None else
             ["--max-running-requests", str(r.max_num_seqs)])), {}
@@ -104,7 +105,7 @@ def engine_command(cfg: MRLConfig, slot: EngineSlot, token: str | None) -> tuple
     if cuda:  # the embedded engine is single-device: it sees only its GPU, as cuda:0
         env["CUDA_VISIBLE_DEVICES"] = str(slot.gpu_ids[0])
     cmd = build_embedded_command(cfg.model.path, slot.port, host=r.host, token_env=TOKEN_ENV if token else None,
-                                 device="cuda" if cuda else "cpu", dtype=cfg.model.compute_dtype("cuda" if cuda else "cpu"),
+                                 device="cuda" if cuda else "cpu", dtype=dtype,
                                  seed=cfg.trainer.seed + slot.index,
                                  enable_return_routed_experts=cfg.actor.moe.engine_routed_experts)
     if r.max_num_seqs is not None:
@@ -252,8 +253,7 @@ class EngineSet:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         r = cfg.rollout
-        # rollout.num_engines, or (colocated, null) one per engine_tp_size actor devices
-        n = max(1, plan.layout["rollout"].count // r.engine_tp_size)
+        n = max(1, plan.num_engines)
         self.token = run_token(cfg)
         self.own_pg = None
         if r.placement == "colocated":
@@ -274,7 +274,7 @@ class EngineSet:
             return
         try:
             for slot in self.slots:
-                cmd, env = engine_command(cfg, slot, self.token)
+                cmd, env = engine_command(cfg, slot, self.token, dtype=plan.dtype)
                 strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=slot.bundle)
                 # absolute: the actor's working directory is Ray's choice, not the driver's
                 e = RemoteEngine(slot, cmd, env, plan.log_dir.resolve() / f"engine_{slot.index}.log",

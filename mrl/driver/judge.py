@@ -56,7 +56,7 @@ class JudgeEngines:
                 port = judge_port_base(cfg) + i
                 slot = EngineSlot(i, near.node_id, near.node_ip, near.gpu_ids[:1], near.bundle,
                                   near.url.rsplit(":", 1)[0] + f":{port}", port)
-                cmd, env = judge_command(cfg, slot, self.token, TOKEN_ENV)
+                cmd, env = judge_command(cfg, slot, self.token, TOKEN_ENV, dtype=plan.dtype)
                 e = RemoteEngine(slot, cmd, env, plan.log_dir.resolve() / f"judge_{i}.log", r.engine_startup_timeout_s,
                                  PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                   placement_group_bundle_index=near.bundle),
@@ -82,8 +82,10 @@ class JudgeEngines:
         self.engines = []
 
 
-def judge_command(cfg: MRLConfig, slot: Any, token: str | None, token_env: str) -> tuple[list[str], dict[str, str]]:
-    """(argv, env) of one judge server: the rollout engines' command builders with the judge's model."""
+def judge_command(cfg: MRLConfig, slot: Any, token: str | None, token_env: str, *,
+                  dtype: str) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) of one judge server: the rollout engines' command builders with the judge's model, in the
+    run plan's ``dtype`` (model.dtype, null resolved for the device)."""
     from mrl.rollout.sglang_launcher import (
         SGLangLaunchSpec,
         build_embedded_command,
@@ -96,13 +98,13 @@ def judge_command(cfg: MRLConfig, slot: Any, token: str | None, token_env: str) 
     if cuda and r.engine == "sglang":
         return build_sglang_command(SGLangLaunchSpec(
             model_path=str(j.model), port=slot.port, host=r.host, mem_fraction_static=j.mem_fraction_static,
-            base_gpu_id=slot.gpu_ids[0], dtype=cfg.model.compute_dtype(device), random_seed=cfg.trainer.seed,
+            base_gpu_id=slot.gpu_ids[0], dtype=dtype, random_seed=cfg.trainer.seed,
             admin_api_key=token)), {}
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **({token_env: token} if token else {})}
     if cuda:
         env["CUDA_VISIBLE_DEVICES"] = str(slot.gpu_ids[0])
     return build_embedded_command(str(j.model), slot.port, host=r.host, token_env=token_env if token else None,
-                                  device=device, dtype=cfg.model.compute_dtype(device), seed=cfg.trainer.seed), env
+                                  device=device, dtype=dtype, seed=cfg.trainer.seed), env
 
 
 def external_token(cfg: MRLConfig) -> str | None:

@@ -1,10 +1,10 @@
 """Step-level rollout correction (verl's ``compute_rollout_correction_and_add_to_batch``): right after
 π_old is recomputed, the whole step batch gets its IS weights (``rollout_is_weights``, used by the actor
 loss) and the rejection mask folded into ``response_mask``, before advantages, as verl's trainer does.
-The math is :mod:`mrl.algorithms.rollout_corr`; the configuration ``algorithm.rollout_correction``."""
+The math is :mod:`mrl.algorithms.rollout_correction`; the configuration ``algorithm.rollout_correction``."""
 from __future__ import annotations
 
-from mrl.algorithms.rollout_corr import compute_rollout_correction
+from mrl.algorithms.rollout_correction import compute_rollout_correction
 from mrl.config.algorithm import RolloutCorrectionConfig
 from mrl.workers.batch import TrainBatch
 

@@ -233,18 +233,18 @@ class RLTrainer:
         batch = assemble_train_batch(pb, res, pad_token_id=self.s.pad_token_id, uids=idx,
                                      routed_experts=self.cfg.actor.moe.engine_routed_experts)
         # agent rollouts: each sample's prompt carries its turns and tool calls as extra_info["agent"]
-        return StepData(batch, with_agent_info(repeat_prompts(pb.prompts, self.cfg.rollout.n), res),
+        return StepData(batch, with_agent_info(repeat_prompts(pb.prompts, self.plan.samples_per_prompt), res),
                         decode_responses(self.s.tokenizer, res),
                         torch.zeros(batch.response_mask.shape), rows=list(idx), result=res)
 
     def rollout_request(self, idx: list[int], step: int, epoch: int) -> tuple[Any, RolloutRequest]:
         """The collated prompts of dataset rows ``idx`` and their request for step ``step``."""
         pb = self.s.train_ds.collate(idx)
-        r = self.cfg.rollout
-        return pb, RolloutRequest([p.prompt_ids for p in pb.prompts], n=r.n, sampling_params={
+        r, n = self.cfg.rollout, self.plan.samples_per_prompt
+        return pb, RolloutRequest([p.prompt_ids for p in pb.prompts], n=n, sampling_params={
             "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_response_length,
         }, timeout_s=r.request_timeout_s,  # per-sample seeds: reproducible and resume-exact draws (mrl/driver/seeds.py)
-            sampling_seeds=group_seeds(self.cfg.trainer.seed, "train", step, epoch, idx, r.n),
+            sampling_seeds=group_seeds(self.cfg.trainer.seed, "train", step, epoch, idx, n),
             tools_kwargs=tools_kwargs_of(pb.prompts))
 
     def reward(self, d: StepData, m: dict[str, float]) -> None:
@@ -293,7 +293,7 @@ class RLTrainer:
         (``informative_groups``); generate and score further rounds of data.gen_batch_size prompts
         until data.train_batch_size are kept (at most max_num_gen_batches rounds; 0 = no limit), then
         train on the first train_batch_size of them. ``train/num_gen_batches``: the rounds used."""
-        fg, n, want = self.cfg.algorithm.filter_groups, self.cfg.rollout.n, self.cfg.data.train_batch_size
+        fg, n, want = self.cfg.algorithm.filter_groups, self.plan.samples_per_prompt, self.cfg.data.train_batch_size
         rounds = [(d, informative_groups(self.filter_metric(d), d.batch.uid))]
         while kept_prompts(rounds, n) < want:
             if 0 < fg.max_num_gen_batches <= len(rounds):
@@ -332,7 +332,7 @@ class RLTrainer:
     def remax_baseline(self, d: StepData, m: dict[str, float]) -> None:
         """ReMax (Li et al. 2023): one greedy answer per prompt, scored like the samples; its score is
         the baseline ``b`` of the prompt's n samples (verl's ``reward_baselines``)."""
-        n = self.cfg.rollout.n
+        n = self.plan.samples_per_prompt
         prompts = d.prompts[::n]  # d.prompts is each prompt n times in a row
         res, _ = self.rollout.generate(RolloutRequest([p.prompt_ids for p in prompts], n=1, sampling_params={
             "temperature": 0.0, "max_new_tokens": self.cfg.rollout.max_response_length}, return_logprob=False,

@@ -90,8 +90,8 @@ class CpuDeviceMode(TorchFunctionMode):
     """Rewrites CUDA device arguments to CPU in every torch call (redirects 2-4)."""
 
     def __torch_function__(self, func: Callable, types, args=(), kwargs=None):  # type: ignore[override]
-        # Fast path first: the mode sees every torch call of the forward/backward (~1600 per update of
-        # the tiny benchmark model); most have no keyword it would touch.
+        # Fast path first: the mode sees every torch call of the forward/backward (docs/vs_trl.md counts
+        # them); most have no keyword it would touch.
         if func not in _REWRITTEN and (not kwargs or ("device" not in kwargs and not kwargs.get("pin_memory"))):
             return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})

@@ -59,8 +59,8 @@ CHAT_TEMPLATE = (
 )
 N_TRAIN, N_VAL = 1024, 64
 TOOL_SHARE = 0.5  # of the warm-start demonstrations; the rest answer directly (and guess)
-# 800 steps: with 300 the warm start had not taught copying well enough for GRPO to finish the job (final answer
-# right at step 24: 0.16 / 0.67 / 0.27 on seeds 0 / 1 / 2); with 800: 0.79 / 0.83 / 0.73 (docs/agent.md).
+# Long enough to teach copying (operands into the call, the result into the answer), which GRPO does not:
+# a shorter warm start left seeds short of the recipe's target (docs/agent.md, "Three asset seeds").
 WARM_START_STEPS, WARM_START_BATCH, WARM_START_LR = 800, 32, 3e-3
 
 

@@ -43,13 +43,12 @@ MAX_OPERAND = 10  # a, b in [0, 10): 100 problems, sums 0..18 -- within a 0.2M-p
 TOKENIZER_MAX_OPERAND = 30  # the tokenizer's corpus is wider: 100 problems are too little text for 300 entries
 # Warm start: supervised steps until the model answers WARM_START_TARGET of the problems greedily
 # (checked every WARM_START_CHECK steps), at most --warm-start-steps. Addition is learnt in a sudden
-# jump (greedy accuracy ~0.1 -> ~0.7 within ~50 steps, at step ~80-180 depending on seed and batch
-# order), so a fixed step count would start GRPO anywhere on that jump; a target gives every seed a
-# similar start (0.31 and 0.52 measured for seeds 0 and 1, after 85 and 100 steps).
+# jump whose step depends on the seed and batch order, so a fixed step count would start GRPO anywhere
+# on that jump; a target gives every seed a similar start (docs/rewards.md, docs/driver.md).
 WARM_START_STEPS, WARM_START_BATCH, WARM_START_LR = 400, 64, 3e-3
 WARM_START_TARGET, WARM_START_CHECK = 0.3, 5
-# Within the jump the accuracy moves ~0.1 per step: once it passes WARM_START_NEAR it is checked every
-# step, so the start lands at the target (0.30), not anywhere up to ~0.55 as with a check every 5 steps.
+# Within the jump the accuracy moves fast: once it passes WARM_START_NEAR it is checked every step, so the
+# start lands at the target, not past it as with a check every WARM_START_CHECK steps.
 WARM_START_NEAR = 0.1
 
 

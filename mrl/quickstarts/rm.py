@@ -58,17 +58,17 @@ RM_DIR = "tiny-rm"
 RM_LR, RM_BATCH, RM_MAX_STEPS, RM_TARGET, RM_CHECK = 1e-3, 64, 600, 0.97, 25
 # Phase 2, a verifier: per problem, softmax cross-entropy over all 2·MAX_OPERAND candidate sums (listwise)
 # plus a binary cross-entropy on each candidate (sigmoid(r) = P(correct)), LIST_BATCH problems a step,
-# lr LIST_LR decayed linearly to 0 over LIST_STEPS. Trials (softmax only): at a constant lr 1e-3 after
-# phase 1 top-1 swung between 0.31 and 0.86; without phase 1 it was 0.43 after 400 steps.
-# 300 steps, not 150, since the off-distribution negatives joined (LIST_NOISE): after 150 the RM accepted
-# 15 of the 1,900 wrong sums (σ > 0.5) and the policy collapsed onto them (" 11" for 10 and 12); after 300, none.
+# lr LIST_LR decayed linearly to 0 over LIST_STEPS: a constant lr, or phase 2 without phase 1, left top-1
+# unsettled. LIST_STEPS is long enough that the RM accepts no wrong sum once the off-distribution negatives
+# (LIST_NOISE) share the steps: a shorter phase left a few accepted and the policy collapsed onto them.
+# The trials behind each choice: docs/reward_model.md ("What did not work").
 LIST_LR, LIST_BATCH, LIST_STEPS = 5e-4, 16, 300
 # ... and LIST_EXTRA out-of-range wrong answers per problem (``_extra_wrong``): without them the policy
-# found answers the RM had never seen and liked (" 111", " 1111": greedy acc 0.30 -> 0.11 at step 20).
+# found answers the RM had never seen and liked (repeated digits, longer numbers).
 LIST_EXTRA = 12
 # ... and LIST_NOISE answers with tokens of the whole vocabulary in them (``_noisy_wrong``), kept only when the
 # arith rule calls them wrong: without them the policy found answers with a stray non-digit token that the
-# RM liked (" 1\x0c 12" for 18, σ = 0.98; greedy acc 0.31 -> 0.24 (step 20) -> 0.00 (step 40) on an AMD host).
+# RM liked, and its greedy accuracy fell to 0.
 LIST_NOISE = 16
 
 

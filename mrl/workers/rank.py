@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from mrl.workers.side_model import SideModelWorker
 
 # Before Megatron is imported (by the workers below, lazily): its fallback warnings are collected
-# and the driver prints them once (fallbacks()), not ~15 lines per rank.
+# and the driver prints them once (fallbacks()), not once per rank.
 collect_fallbacks()
 
 
@@ -46,6 +46,7 @@ class TrainRank:
         torch.set_num_threads(int(os.environ.get("MRL_TORCH_THREADS", "1")))
         self.cfg = cfg
         self.transport = plan.transport  # rollout.weight_sync.transport, auto resolved
+        self.dtype = plan.dtype  # model.dtype resolved for the device: the in-process engine's too
         self.actor = ActorWorker(
             cfg.actor, model_path=cfg.model.path, device=plan.device,
             mini_batch_size_samples=plan.actor.mini_batch_size_samples,
@@ -82,7 +83,7 @@ class TrainRank:
         u = urlsplit(urls[index])
         self.local_engine = InProcessEngine(
             self.cfg.model.path, host=r.host, port=int(u.port), token=token,
-            dtype=self.cfg.model.compute_dtype("cpu"), seed=self.cfg.trainer.seed + index,
+            dtype=self.dtype, seed=self.cfg.trainer.seed + index,
             max_running=r.max_num_seqs, startup_timeout_s=r.engine_startup_timeout_s,
             enable_return_routed_experts=self.cfg.actor.moe.engine_routed_experts)
 

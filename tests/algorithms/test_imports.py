@@ -28,8 +28,9 @@ def test_algorithms_import_only_torch_numpy_stdlib():
     bad = {str(f.relative_to(PKG)): sorted(_imported_roots(f) - ALLOWED) for f in files}
     # registry.py resolves plugin specs with mrl.plugins, itself stdlib-only (checked here)
     assert bad.pop("registry.py") == ["mrl"] and _imported_roots(PKG.parent / "plugins.py") <= ALLOWED
-    # rollout_corr.py shares the threshold parsing with the (torch-free) config: mrl.rollout_corr_spec, stdlib-only
-    assert bad.pop("rollout_corr.py") == ["mrl"] and _imported_roots(PKG.parent / "rollout_corr_spec.py") <= ALLOWED
+    # rollout_correction.py shares the threshold parsing with the (torch-free) config:
+    # mrl.rollout_correction_spec, stdlib-only
+    assert bad.pop("rollout_correction.py") == ["mrl"] and _imported_roots(PKG.parent / "rollout_correction_spec.py") <= ALLOWED
     assert {k: v for k, v in bad.items() if v} == {}
 
 

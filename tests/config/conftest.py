@@ -1,7 +1,7 @@
 """Fixtures: a valid base config on a tiny local HF model config (no downloads).
 
 Config checks read only ``config.json`` (plain json), so the fixture writes just that file with
-the numbers of ``tests.helpers.tiny_models`` (qwen2 family); test_plan.py checks the parameter
+the numbers of ``tests.helpers.tiny_models`` (qwen2 family); test_plan_report.py checks the parameter
 count derived from it against the real transformers model built from the same numbers.
 """
 from __future__ import annotations

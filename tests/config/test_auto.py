@@ -5,7 +5,7 @@ import pytest
 
 from mrl.config import load_config
 from mrl.config.auto import resolve_shared_prefix, resolve_transport
-from mrl.config.plan import plan_text
+from mrl.config.plan_report import plan_text
 from mrl.config.run_plan import plan_run
 
 RECIPE = "mrl_configs/quickstart.yaml"

@@ -69,7 +69,7 @@ def test_external_url_rules(base_overrides) -> None:
 
 
 def test_plan_lists_the_judge_engines_and_their_memory(judged) -> None:
-    from mrl.config.plan import plan_text
+    from mrl.config.plan_report import plan_text
 
     text = plan_text(load_config(None, [*judged, "reward.judge.engines=2"]))
     line = next(x for x in text.splitlines() if x.strip().startswith("judge "))
@@ -79,7 +79,7 @@ def test_plan_lists_the_judge_engines_and_their_memory(judged) -> None:
 
 
 def test_plan_names_an_external_judge(base_overrides) -> None:
-    from mrl.config.plan import plan_text
+    from mrl.config.plan_report import plan_text
 
     text = plan_text(load_config(None, [*base_overrides, "reward.judge.enable=true",
                                         "reward.judge.url=https://judge.example:8443", "reward.judge.token_env=JUDGE_TOKEN"]))

@@ -9,7 +9,7 @@ import pytest
 
 from mrl.config import check_config, load_config
 from mrl.config.hf import bundled_hub_shape, shape_from_dict
-from mrl.config.plan import build_plan, format_plan
+from mrl.config.plan_report import build_report, format_report
 
 MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 300, "hidden_size": 64,
        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -68,7 +68,7 @@ def test_moe_settings_on_a_dense_model_are_refused(base_overrides):
 
 def test_plan_prints_expert_grid_and_active_params(moe_overrides):
     cfg = load_config(None, moe_overrides + ["actor.megatron.expert_model_parallel_size=2"])
-    text = format_plan(cfg, build_plan(cfg))
+    text = format_report(cfg, build_report(cfg))
     assert "EP=2 ETP=1 EDP=2" in text and "8 experts, top-2" in text and "active per token" in text
     shape = shape_from_dict(MOE)
     total, active = shape.param_count(), shape.param_count(active=True)
@@ -90,7 +90,7 @@ def test_plan_prints_the_routing_replay_mode(moe_overrides):
     texts = {}
     for mode in ("none", "rollout", "old"):
         cfg = load_config(None, moe_overrides + [f"actor.moe.routing_replay={mode}"])
-        texts[mode] = format_plan(cfg, build_plan(cfg))
+        texts[mode] = format_report(cfg, build_report(cfg))
         assert f"(actor.moe.routing_replay={mode})" in texts[mode]
         assert cfg.actor.moe.engine_routed_experts is (mode == "rollout")  # R2 asks nothing of the engines
     assert "routing replay: R2, the old-log-prob forward's expert choice recorded" in texts["old"]
@@ -173,7 +173,7 @@ def test_plan_notes_of_a_deepseek_v3_checkpoint(base_overrides, tmp_path):
     (d / "config.json").write_text(json.dumps(raw))
     overrides = [o for o in base_overrides if not o.startswith("model.path=")] + [f"model.path={d}"]
     cfg = load_config(None, overrides)
-    text = format_plan(cfg, build_plan(cfg))
+    text = format_report(cfg, build_report(cfg))
     assert "multi-latent attention runs on Megatron's local spec with torch SDPA" in text, text
     errors = _errors(overrides + ["actor.megatron.attention_backend=local"])
     assert any("attention_backend=local" in e and "multi-latent" in e and "fix" in e for e in errors), errors
@@ -183,7 +183,7 @@ def test_plan_notes_of_a_deepseek_v3_checkpoint(base_overrides, tmp_path):
     assert "multi-token-prediction layers (1: model.layers.4) in the checkpoint are skipped on load" in text, text
     raw["num_nextn_predict_layers"] = 0
     (d / "config.json").write_text(json.dumps(raw))
-    assert "multi-token-prediction" not in format_plan(cfg, build_plan(cfg))
+    assert "multi-token-prediction" not in format_report(cfg, build_report(cfg))
 
 
 def test_bundled_deepseek_v3_and_kimi_k2_shapes_count_their_published_sizes():

@@ -64,7 +64,7 @@ _CLS = {**TINY_QWEN2, "architectures": ["Qwen2ForSequenceClassification"]}
 
 def test_separate_rm_is_valid_and_planned_on_its_own_devices(base_overrides, tmp_path, capsys) -> None:
     from mrl.cli import main
-    from mrl.config.plan import build_plan
+    from mrl.config.plan_report import build_report
     from mrl.config.run_plan import plan_run
 
     rm = write_hf_config(tmp_path / "rm", _CLS)
@@ -74,14 +74,14 @@ def test_separate_rm_is_valid_and_planned_on_its_own_devices(base_overrides, tmp
     cfg = load_config(None, sep)
     errors, notes = check_config(cfg)
     assert errors == [] and any("reward_model: separate, 2 device(s) of its own" in n and "TP=2 PP=1" in n for n in notes)
-    plan = build_plan(cfg)
+    plan = build_report(cfg)
     lay = plan.roles["reward_model"]
     assert (lay.first, lay.count, lay.dp, lay.colocated) == (4, 2, 1, False)
     assert (plan.roles["actor"].count, plan.roles["actor"].dp) == (4, 4)
     # its weights at its own TP2 (not the actor's TP1), fp32 on CPU, counted on its devices, not the actor's
     from mrl.config.hf import shape_from_dict
     from mrl.config.parallel import ParallelConfig
-    from mrl.config.plan import params_per_device
+    from mrl.config.plan_report import params_per_device
 
     p = params_per_device(shape_from_dict(_CLS), ParallelConfig(tensor_model_parallel_size=2), 128, value_head=True)
     assert p < params_per_device(shape_from_dict(_CLS), ParallelConfig(), 128, value_head=True)
@@ -96,7 +96,7 @@ def test_separate_rm_is_valid_and_planned_on_its_own_devices(base_overrides, tmp
     # colocated (the default) keeps the RM on the actor's devices and layout, with no devices of its own
     cfg = load_config(None, [*base_overrides, "reward_model.enable=true", f"reward_model.model.path={rm}"])
     assert plan_run(cfg, "cpu").reward_model_ranks == 0
-    assert (build_plan(cfg).roles["reward_model"].count, build_plan(cfg).roles["reward_model"].colocated) == (4, True)
+    assert (build_report(cfg).roles["reward_model"].count, build_report(cfg).roles["reward_model"].colocated) == (4, True)
 
 
 def test_rm_layout_is_checked_against_the_rms_own_config(base_overrides, tmp_path) -> None:

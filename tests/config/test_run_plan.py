@@ -68,6 +68,21 @@ def test_dynamic_sampling_draws_gen_batch_size_prompts(tmp_path) -> None:
     assert plan_run(on, "cpu").gen_batch_size == 6
 
 
+def test_samples_and_engine_counts_come_from_the_plan(tmp_path) -> None:
+    """What the step (rollout.n), mrl plan (samples per step, engines) and Ray's size read: one derivation each."""
+    from mrl.config.run_plan import ray_actors
+
+    p = plan_run(_cfg(tmp_path, "rollout.n=4", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
+                      "actor.ppo_micro_batch_size_per_gpu=4"), "cpu")
+    assert (p.samples_per_prompt, p.samples_per_step, p.actor.mini_batch_size_samples) == (4, 32, 16)
+    sep = _cfg(tmp_path, "cluster.n_gpus_per_node=4", "rollout.placement=separate", "rollout.num_engines=2",
+               "rollout.weight_sync.transport=distributed")
+    assert (plan_run(sep, "cpu").num_engines, plan_run(sep, "cpu").trainer_ranks, ray_actors(sep)) == (2, 2, (2, 2))
+    colo = _cfg(tmp_path, "cluster.n_gpus_per_node=4", "rollout.num_engines=null", "rollout.engine_tp_size=2",
+                "rollout.weight_sync.transport=tensor")
+    assert (plan_run(colo, "cpu").num_engines, ray_actors(colo)) == (2, (4, 0))  # colocated: one per engine_tp_size devices
+
+
 def test_the_plan_is_frozen_and_needs_a_resolved_device(tmp_path) -> None:
     p = plan_run(_cfg(tmp_path), "cpu")
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mrl.config import ConfigError, check_config, load_config
-from mrl.config.plan import build_plan, format_plan
+from mrl.config.plan_report import build_report, format_report
 from tests.config.conftest import TINY_QWEN2, write_hf_config
 
 
@@ -66,12 +66,12 @@ def test_plan_shows_the_teacher_role_and_its_memory(base_overrides, teacher) -> 
            "teacher.megatron.tensor_model_parallel_size=2"]
     cfg = load_config(None, sep)
     assert check_config(cfg)[0] == []
-    text = format_plan(cfg, plan := build_plan(cfg))
+    text = format_report(cfg, plan := build_report(cfg))
     assert "teacher         2 CPU ranks [node0:4-5] TP=2 PP=1 CP=1 DP=1; owns these devices" in text, text
     assert plan.roles["actor"].count == 4 and "teacher" in plan.memory and plan.memory["teacher"].weights > 0
     colo = load_config(None, [*base_overrides, "algorithm.distill.mode=kl_loss", "teacher.enable=true",
                               f"teacher.path={teacher}"])
-    text = format_plan(colo, build_plan(colo))
+    text = format_report(colo, build_report(colo))
     assert "teacher         4 CPU ranks [node0:0-3] TP=1 PP=1 CP=1 DP=4; colocated with actor" in text, text
 
 

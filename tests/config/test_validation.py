@@ -463,3 +463,28 @@ def test_cli_refuses_context_parallel_before_anything_starts(cmd: str, capsys: p
     lines = [ln for ln in err.splitlines() if "actor.megatron.context_parallel_size" in ln]
     assert len(lines) == 1 and "fix: actor.megatron.context_parallel_size=1" in lines[0], err
     assert "more characters" not in lines[0]  # the whole message fits the CLI's per-error limit
+
+
+def test_a_tool_memory_limit_above_the_hard_ulimit_is_refused_at_plan_time() -> None:
+    """Issue 45: agent.tool_memory_mb above the hard RLIMIT_AS (which the driver's tool workers inherit, so each
+    would die at its setrlimit) is refused by the config check with the key named, not at the first tool call.
+    The hard limit is lowered in a child process: no process can raise it again."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import json, resource\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))  # 16 GiB, soft = hard\n"
+            "from mrl.config import check_config, load_config\n"
+            "for mb in (32768, 16384, 8192):\n"
+            "    cfg = load_config('mrl_configs/quickstart_agent.yaml', [f'agent.tool_memory_mb={mb}'], check=False)\n"
+            "    print(json.dumps([e for e in check_config(cfg)[0] if 'tool_memory_mb' in e]))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)}, check=False)
+    assert out.returncode == 0, out.stderr
+    over, at, under = (json.loads(line) for line in out.stdout.strip().splitlines())
+    assert len(over) == 1 and over[0].startswith("agent.tool_memory_mb=32768: "), over
+    assert "hard RLIMIT_AS of 16384 MiB" in over[0] and "fix: a smaller agent.tool_memory_mb" in over[0]
+    assert at == [] and under == []  # at the hard limit and below it: the workers can take it

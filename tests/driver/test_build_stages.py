@@ -12,11 +12,15 @@ import pytest
 from mrl.config import load_config
 from mrl.driver import build as build_mod
 
+READ = "read inputs, 32 prompts per round"  # the quickstart's data.train_batch_size (no dynamic sampling)
+PLAN = "plan on cpu, 3 batches per epoch"  # once, after Ray: every stage after it takes this plan
+
 
 @pytest.fixture
 def staged(monkeypatch, tmp_path):
     events: list[str] = []
-    cfg = load_config("mrl_configs/quickstart.yaml", [f"trainer.default_local_dir={tmp_path}/ck"])
+    cfg = load_config("mrl_configs/quickstart.yaml", [f"trainer.default_local_dir={tmp_path}/ck",
+                                                      "trainer.total_training_steps=null", "trainer.total_epochs=2"])
 
     def part(name: str):
         return SimpleNamespace(close=lambda *a, **k: events.append(f"close {name}"))
@@ -25,10 +29,20 @@ def staged(monkeypatch, tmp_path):
                              rm_inputs=None, agent_tools=None, sampler=SimpleNamespace(batches_per_epoch=3),
                              resumed_from=None, log_dir=tmp_path)
 
-    def start_ray(cfg, batches_per_epoch, stack: contextlib.ExitStack):
+    def read_inputs(cfg, gen_batch: int):
+        events.append(f"read inputs, {gen_batch} prompts per round")
+        return inputs
+
+    def start_ray(cfg, stack: contextlib.ExitStack) -> str:
         events.append("start ray")
         stack.callback(events.append, "stop ray")
-        return SimpleNamespace(device="cpu")
+        return "cpu"
+
+    real_plan_run = build_mod.plan_run
+
+    def plan_run(cfg, device, batches_per_epoch=None):
+        events.append(f"plan on {device}, {batches_per_epoch} batches per epoch")
+        return real_plan_run(cfg, device, batches_per_epoch)
 
     def start_ranks(cfg, plan, stack):
         events.append("start ranks")
@@ -38,8 +52,9 @@ def staged(monkeypatch, tmp_path):
         return "workers", None, None, SimpleNamespace(urls=[], token="t", remote_nodes=False)
 
     monkeypatch.setattr(build_mod, "check_inputs", lambda cfg: None)
-    monkeypatch.setattr(build_mod, "read_inputs", lambda cfg: inputs)
+    monkeypatch.setattr(build_mod, "read_inputs", read_inputs)
     monkeypatch.setattr(build_mod, "_start_ray", start_ray)
+    monkeypatch.setattr(build_mod, "plan_run", plan_run)
     monkeypatch.setattr(build_mod, "_start_ranks_and_engines", start_ranks)
     monkeypatch.setattr("mrl.driver.judge.start_judge", lambda *a: None)
     monkeypatch.setattr(build_mod.TrainRanks, "init_weight_sync", lambda self, *a, **k: events.append("sync group"))
@@ -55,7 +70,7 @@ def test_a_failing_stage_stops_what_started_in_reverse_order(staged, monkeypatch
     monkeypatch.setattr(build_mod, "_start_rollout", start_rollout)
     with pytest.raises(RuntimeError, match="router would not start"), build_mod.build(cfg):
         pytest.fail("the body must not run when a stage failed")
-    assert events == ["start ray", "start ranks", "start engines",
+    assert events == [READ, "start ray", PLAN, "start ranks", "start engines",
                       "stop engines", "close ranks", "stop ray", "close reward"]
 
 
@@ -69,10 +84,12 @@ def test_services_are_complete_and_tracking_finishes_with_the_run_status(staged,
                         lambda *a, **k: SimpleNamespace(finish=finished.append))
     with contextlib.suppress(ValueError), build_mod.build(cfg) as s:
         assert s.workers == "workers" and s.client == "client" and s.plan.device == "cpu"
+        # the one plan: Ray's device and the run length from the sampler's batches per epoch
+        assert s.plan.total_steps == 2 * 3 and s.plan.actor.total_optimizer_steps == 2 * 3
         with pytest.raises(AttributeError):  # frozen: nothing is filled in later
             s.judge = object()
         if body_raises:
             raise ValueError("step failed")
     assert finished == ["FAILED" if body_raises else "FINISHED"]
-    assert events == ["start ray", "start ranks", "start engines", "sync group",
+    assert events == [READ, "start ray", PLAN, "start ranks", "start engines", "sync group",
                       "close pool", "stop engines", "close ranks", "stop ray", "close reward"]

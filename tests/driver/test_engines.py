@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from mrl.config import ConfigError, load_config
+from mrl.config.run_plan import plan_run
 from mrl.driver.engines import TOKEN_ENV, engine_command, plan_engines, run_token
 from mrl.errors import UnsupportedConfigError
 
@@ -15,6 +16,11 @@ GPU_RECIPE = "mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml"
 
 def _node(node: str, ip: str, gpus: list[int]) -> dict:
     return {"node_id": node, "ip": ip, "gpu_ids": gpus, "free_port": 1}
+
+
+def _dtype(cfg, device: str = "cuda") -> str:
+    """The run plan's dtype, which build hands to the engines (the trainer ranks' dtype)."""
+    return plan_run(cfg, device).dtype
 
 
 def _gpu_infos(nodes: int = 1, per_node: int = 8) -> list[dict]:
@@ -27,7 +33,7 @@ def test_sglang_engines_tp2_colocated_on_one_node() -> None:
     assert [s.gpu_ids for s in slots] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert [s.bundle for s in slots] == [0, 2, 4, 6]  # the bundle of each engine's first trainer rank
     assert [s.url for s in slots] == [f"http://127.0.0.1:{30000 + i}" for i in range(4)]
-    cmd, env = engine_command(cfg, slots[1], token=None)
+    cmd, env = engine_command(cfg, slots[1], token=None, dtype=_dtype(cfg))
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and env == {}
     flags = dict(itertools.pairwise(cmd))
     assert flags["--model-path"] == "Qwen/Qwen2.5-0.5B-Instruct" and flags["--tp-size"] == "2"
@@ -49,7 +55,7 @@ def test_two_nodes_need_a_routable_host_and_get_the_token() -> None:
     assert slots[9].url == "http://10.0.0.2:30009" and slots[9].gpu_ids == (1,)
     token = run_token(cfg)
     assert token and len(token) >= 32 and run_token(cfg) != token  # fresh per run
-    cmd, _ = engine_command(cfg, slots[9], token)
+    cmd, _ = engine_command(cfg, slots[9], token, dtype=_dtype(cfg))
     assert cmd[cmd.index("--admin-api-key") + 1] == token and cmd[cmd.index("--host") + 1] == "0.0.0.0"
     assert "--api-key" not in cmd  # it would guard /generate too
 
@@ -75,13 +81,13 @@ def test_embedded_engine_command_on_cpu_and_cuda(tmp_path) -> None:
     cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tmp_path}/m", "rollout.host=0.0.0.0"])
     slot = plan_engines(cfg, [_node("a", "10.1.1.1", []), _node("a", "10.1.1.1", [])], 2)[1]
     assert slot.url == "http://10.1.1.1:30001"
-    cmd, env = engine_command(cfg, slot, token="secret")
+    cmd, env = engine_command(cfg, slot, token="secret", dtype=_dtype(cfg, "cpu"))
     assert cmd[1:3] == ["-m", "mrl.rollout.engine.server"] and "secret" not in cmd  # argv is readable by other users
     assert env[TOKEN_ENV] == "secret" and cmd[cmd.index("--token-env") + 1] == TOKEN_ENV
     assert cmd[cmd.index("--device") + 1] == "cpu" and cmd[cmd.index("--dtype") + 1] == "float32"
     assert cmd[cmd.index("--seed") + 1] == str(cfg.trainer.seed + 1)
     gpu_cfg = load_config(GPU_RECIPE, ["rollout.engine=torch"])
-    cmd, env = engine_command(gpu_cfg, plan_engines(gpu_cfg, _gpu_infos(), 8)[5], token=None)
+    cmd, env = engine_command(gpu_cfg, plan_engines(gpu_cfg, _gpu_infos(), 8)[5], token=None, dtype=_dtype(gpu_cfg))
     assert env["CUDA_VISIBLE_DEVICES"] == "5" and cmd[cmd.index("--device") + 1] == "cuda"
     assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and TOKEN_ENV not in env
 
@@ -94,7 +100,7 @@ def test_loopback_engines_get_the_run_token_too(tmp_path) -> None:
     token = run_token(cfg)
     assert token and len(token) >= 32 and run_token(cfg) != token
     slot = plan_engines(cfg, [_node("a", "10.1.1.1", []), _node("a", "10.1.1.1", [])], 2)[0]
-    cmd, env = engine_command(cfg, slot, token)
+    cmd, env = engine_command(cfg, slot, token, dtype=_dtype(cfg, "cpu"))
     assert env[TOKEN_ENV] == token and cmd[cmd.index("--token-env") + 1] == TOKEN_ENV and token not in cmd
     gpu = load_config(GPU_RECIPE, [])
     assert run_token(gpu)  # SGLang engines: --admin-api-key (control endpoints only), sent by the pool
@@ -120,26 +126,27 @@ def test_max_num_seqs_reaches_both_engines(tmp_path) -> None:
     """rollout.max_num_seqs: SGLang's --max-running-requests (a flag its ServerArgs parses), the embedded --max-running."""
     (tmp_path / "m").mkdir()
     cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tmp_path}/m", "rollout.max_num_seqs=3"])
-    cmd, _ = engine_command(cfg, plan_engines(cfg, [_node("a", "10.1.1.1", [])] * 2, 2)[0], token=None)
+    cmd, _ = engine_command(cfg, plan_engines(cfg, [_node("a", "10.1.1.1", [])] * 2, 2)[0], token=None, dtype="float32")
     assert cmd[cmd.index("--max-running") + 1] == "3"
     gpu_cfg = load_config(GPU_RECIPE, ["rollout.max_num_seqs=256"])
-    cmd, _ = engine_command(gpu_cfg, plan_engines(gpu_cfg, _gpu_infos(), 8)[0], token=None)
+    cmd, _ = engine_command(gpu_cfg, plan_engines(gpu_cfg, _gpu_infos(), 8)[0], token=None, dtype="bfloat16")
     assert cmd[cmd.index("--max-running-requests") + 1] == "256"
-    default, _ = engine_command(load_config(GPU_RECIPE), plan_engines(gpu_cfg, _gpu_infos(), 8)[0], token=None)
+    default, _ = engine_command(load_config(GPU_RECIPE), plan_engines(gpu_cfg, _gpu_infos(), 8)[0], token=None,
+                                dtype="bfloat16")
     assert "--max-running-requests" not in default
 
 
 @pytest.mark.parametrize(("dtype", "cpu", "gpu"), [(None, "float32", "bfloat16"), ("bfloat16", "bfloat16", "bfloat16"),
                                                    ("float32", "float32", "float32")])
 def test_model_dtype_reaches_every_engine(tmp_path, dtype, cpu, gpu) -> None:
-    """model.dtype is the engines' dtype on CPU too (it was forced to float32 there); null = each device's default."""
-    from mrl.config.run_plan import plan_run
-
+    """model.dtype is the engines' dtype on CPU too (it was forced to float32 there); null = each device's default.
+    The engines get the run plan's dtype, the one the trainer ranks build their models in."""
     (tmp_path / "m").mkdir()
     over = [] if dtype is None else [f"model.dtype={dtype}"]
     cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tmp_path}/m", "model.dtype=null", *over])
-    cmd, _ = engine_command(cfg, plan_engines(cfg, [_node("a", "10.1.1.1", [])] * 2, 2)[0], token=None)
-    assert cmd[cmd.index("--dtype") + 1] == cpu and plan_run(cfg, "cpu").dtype == cpu  # the ranks' dtype
+    cmd, _ = engine_command(cfg, plan_engines(cfg, [_node("a", "10.1.1.1", [])] * 2, 2)[0], token=None,
+                            dtype=_dtype(cfg, "cpu"))
+    assert cmd[cmd.index("--dtype") + 1] == cpu
     gpu_cfg = load_config(GPU_RECIPE, ["model.dtype=null", *over])
-    cmd, _ = engine_command(gpu_cfg, plan_engines(gpu_cfg, _gpu_infos(), 8)[0], token=None)
-    assert dict(itertools.pairwise(cmd))["--dtype"] == gpu and plan_run(gpu_cfg, "cuda").dtype == gpu
+    cmd, _ = engine_command(gpu_cfg, plan_engines(gpu_cfg, _gpu_infos(), 8)[0], token=None, dtype=_dtype(gpu_cfg))
+    assert dict(itertools.pairwise(cmd))["--dtype"] == gpu

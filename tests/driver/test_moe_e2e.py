@@ -58,11 +58,11 @@ def test_moe_quickstart_trains_with_expert_parallel_and_routing_replay(tmp_path:
 
 def test_engines_return_routed_experts_when_replay_is_on(tmp_path: Path) -> None:
     cfg = load_config("mrl_configs/qwen3-30b-a3b_grpo_1x8_ep8.yaml")
-    cmd, _ = engine_command(cfg, plan_engines(cfg, _gpu_infos(), 2)[1], token=None)
+    cmd, _ = engine_command(cfg, plan_engines(cfg, _gpu_infos(), 2)[1], token=None, dtype="bfloat16")
     assert "--enable-return-routed-experts" in cmd and cmd[cmd.index("--tp-size") + 1] == "4"
     off = load_config("mrl_configs/qwen3-30b-a3b_grpo_1x8_ep8.yaml", ["actor.moe.routing_replay=none"])
-    assert "--enable-return-routed-experts" not in engine_command(off, plan_engines(off, _gpu_infos(), 2)[1], None)[0]
+    assert "--enable-return-routed-experts" not in engine_command(off, plan_engines(off, _gpu_infos(), 2)[1], None, dtype="bfloat16")[0]
     (tmp_path / "m").mkdir()
     cpu = load_config("mrl_configs/quickstart_moe.yaml", [f"model.path={tmp_path}/m"])
-    cmd, _ = engine_command(cpu, plan_engines(cpu, [_node("a", "127.0.0.1", [])] * 2, 2)[0], token=None)
+    cmd, _ = engine_command(cpu, plan_engines(cpu, [_node("a", "127.0.0.1", [])] * 2, 2)[0], token=None, dtype="float32")
     assert cmd[1:3] == ["-m", "mrl.rollout.engine.server"] and "--enable-return-routed-experts" in cmd

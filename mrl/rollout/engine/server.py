@@ -200,7 +200,7 @@ def build_app(engine: Engine, token: str | None = None, api_key: str | None = No
         # No prefix cache is kept across requests here, so there is nothing to drop; the KV buffers
         # stay allocated, as SGLang's KV pool does (/release_memory_occupation gives them back).
         # Freeing them here made every step after a weight sync (which flushes) allocate and
-        # zero-fill them again: ~54 MB per engine per quickstart step, page-faulted 4 KiB at a time.
+        # zero-fill them again, a page fault at a time (docs/vs_trl.md has the cost).
         if not sched.is_idle(ignore_waiting=sched.paused):
             return Response(f"Cache not flushed because there are pending requests. #queue-req: {sched.num_waiting}, "
                             f"#running-req: {sched.num_running}\n", status_code=400)
@@ -482,7 +482,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"mrl engine: {e}") from None
     app = build_app(engine, token=token, api_key=resolve_api_key(args))
     # SIGTERM: open requests get SHUTDOWN_GRACE_S, then are cancelled (uvicorn's default waits for every
-    # connection: a long /generate kept the engine up past SIGTERM for 20 s, until SIGKILL)
+    # connection: a long /generate kept the engine up past SIGTERM, until SIGKILL)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     server.run()

@@ -1,6 +1,6 @@
 """Markdown reference of every config key (default and description), generated from the models.
 
-``python -m mrl.config.reference`` prints it; docs/config.md embeds it between markers and a test
+``python -m mrl.config.field_reference`` prints it; docs/config.md embeds it between markers and a test
 checks that the copy is current, so the docs never drift from the defaults declared in code.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from mrl.config.loader import _section_class
 from mrl.config.root import MRLConfig
 
-BEGIN = "<!-- BEGIN GENERATED: python -m mrl.config.reference -->"
+BEGIN = "<!-- BEGIN GENERATED: python -m mrl.config.field_reference -->"
 END = "<!-- END GENERATED -->"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mrl.algorithms.rollout_corr import compute_rollout_correction
+from mrl.algorithms.rollout_correction import compute_rollout_correction
 from tests.algorithms.oracle.inputs import B, T, log_probs, prefix_mask, randn
 
 TOL = 2e-6

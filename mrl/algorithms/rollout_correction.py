@@ -33,7 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from mrl.rollout_corr_spec import IS_LEVELS, RS_OPTIONS, parse_is_threshold, parse_rs
+from mrl.rollout_correction_spec import (
+    IS_LEVELS,
+    RS_OPTIONS,
+    parse_is_threshold,
+    parse_rs,
+)
 
 __all__ = [
     "IS_LEVELS",

@@ -1,4 +1,5 @@
-"""The derived plan of a run: batch arithmetic, role placement and a per-device memory estimate.
+"""``mrl plan``'s report: the run plan's batch arithmetic and role placement (mrl.config.run_plan, on the device
+``mrl plan`` assumes) as printed, and a per-device memory estimate.
 
 Batch arithmetic (units in docs/config.md), per training step:
     samples            = data.train_batch_size * rollout.n
@@ -26,12 +27,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mrl.config.auto import planned_device, resolve_all, resolve_transport
+from mrl.config.auto import planned_device
 from mrl.config.hf import ModelShape, read_model_shape
-from mrl.config.layout import RoleLayout, compute_layout
+from mrl.config.layout import RoleLayout
 from mrl.config.parallel import ParallelConfig
 from mrl.config.root import MRLConfig
-from mrl.config.run_plan import on_policy_shortcut, push_with_update, update_plan
+from mrl.config.run_plan import RunPlan, plan_run
 from mrl.config.validate import check_config, load_shape
 from mrl.config.validate_judge import judge_plan_lines
 from mrl.dtypes import itemsize
@@ -101,9 +102,10 @@ def trained_memory(shape: ModelShape, par: ParallelConfig, dp: int, dtype: str, 
 
 
 @dataclass
-class Plan:
-    """Everything ``mrl plan`` prints besides the resolved config."""
+class PlanReport:
+    """Everything ``mrl plan`` prints besides the resolved config (``run``: the RunPlan it reports on)."""
 
+    run: RunPlan  # the run plan on the device ``mrl plan`` assumes (auto.planned_device): the values a run uses
     samples_per_step: int
     mini_batches_per_step: int
     optimizer_steps_per_step: int
@@ -130,31 +132,33 @@ class Plan:
         return groups
 
 
-def build_plan(cfg: MRLConfig) -> Plan:
+def build_report(cfg: MRLConfig) -> PlanReport:
     """Derive the plan of a (valid) config; call after :func:`mrl.config.check_config` found no errors."""
     errors: list[str] = []
     shape = load_shape(cfg, errors, [])
     notes = check_config(cfg)[1]
-    roles = compute_layout(cfg)
+    run = plan_run(cfg, planned_device(cfg))  # the arithmetic the driver and the trainer ranks use
+    roles = run.layout
     a = cfg.actor
     actor = roles["actor"]
     dp = max(actor.dp, 1)
-    u = update_plan(cfg, a.ppo_mini_batch_size, a.ppo_epochs, None)  # the arithmetic the trainer ranks use
+    u = run.actor
     per_rank = u.mini_batch_size_samples // dp
     if a.use_dynamic_bsz:
         seq = cfg.data.max_prompt_length + cfg.rollout.max_response_length
         micro, bound = math.ceil(per_rank * seq / a.ppo_max_token_len_per_gpu), True
     else:
         micro, bound = per_rank // (a.ppo_micro_batch_size_per_gpu or per_rank or 1), False
-    plan = Plan(
-        samples_per_step=cfg.samples_per_step,
+    plan = PlanReport(
+        run=run,
+        samples_per_step=run.samples_per_step,
         mini_batches_per_step=u.mini_batches_per_step,
         optimizer_steps_per_step=u.mini_batches_per_step * u.epochs,
         samples_per_dp_rank=per_rank,
         micro_batches_per_dp_rank=micro,
         micro_batches_is_bound=bound,
         roles=roles,
-        num_engines=roles["rollout"].count // cfg.rollout.engine_tp_size,
+        num_engines=run.num_engines,
         notes=notes,
     )
     if shape is None:
@@ -182,7 +186,7 @@ def build_plan(cfg: MRLConfig) -> Plan:
     return plan
 
 
-def _side_models(cfg: MRLConfig, plan: Plan) -> None:
+def _side_models(cfg: MRLConfig, plan: PlanReport) -> None:
     """Each side model's frozen weights per device at its layout (the actor's when colocated, on the actor's devices;
     <role>.megatron on its own when separate) in model.dtype (null: fp32 on CPU, bf16 on accelerators); a reward
     model has a [1, H] score head in place of the LM head. No estimate when its config.json is absent (check_config
@@ -219,21 +223,21 @@ REPLAY_LINES = {  # docs/moe.md, "Routing replay"
 }
 
 
-def format_plan(cfg: MRLConfig, plan: Plan) -> str:
+def format_report(cfg: MRLConfig, plan: PlanReport) -> str:
     """Human-readable plan (the second half of ``mrl plan``'s output)."""
-    a, r = cfg.actor, cfg.rollout
-    device = planned_device(cfg)
+    a, r, run = cfg.actor, cfg.rollout, plan.run
     per_node = cfg.cluster.n_gpus_per_node
     kind = "CPU ranks" if cfg.cluster.device == "cpu" else "devices"
     lines = [
         "plan:",
         f"  devices: {cfg.cluster.nnodes} node(s) x {per_node} {kind} = {cfg.cluster.world_size} (cluster.device={cfg.cluster.device})",
-        f"  samples per step: {plan.samples_per_step} (data.train_batch_size={cfg.data.train_batch_size} prompts x rollout.n={r.n})",
+        (f"  samples per step: {plan.samples_per_step} (data.train_batch_size={cfg.data.train_batch_size} prompts x rollout.n="
+        f"{run.samples_per_prompt})"),
         (f"  mini-batches per step: {plan.mini_batches_per_step} (actor.ppo_mini_batch_size={a.ppo_mini_batch_size} prompts"
-         f" = {a.ppo_mini_batch_size * r.n} samples each)"),
+         f" = {run.actor.mini_batch_size_samples} samples each)"),
         f"  optimizer steps per step: {plan.optimizer_steps_per_step} (x actor.ppo_epochs={a.ppo_epochs})",
         "  old-log-prob forward: " + ("skipped, the update's own log-probs stand in (actor.on_policy_shortcut)"
-                                      if on_policy_shortcut(cfg) else "recomputed before the update"),
+                                      if run.on_policy_shortcut else "recomputed before the update"),
         f"  samples per actor DP rank per mini-batch: {plan.samples_per_dp_rank}",
         *([f"  routing replay: {REPLAY_LINES[a.moe.routing_replay]} (actor.moe.routing_replay={a.moe.routing_replay})"]
           if plan.num_experts else []),
@@ -247,8 +251,8 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
             desc = f"{plan.num_engines} x {r.engine} engine(s), tp={r.engine_tp_size}" + (
                 " inside the trainer ranks (weight_sync.transport=inprocess" + (
                     "; each update call also loads the new weights)"
-                    if push_with_update(cfg, "cpu") else ")")  # inprocess runs on CPU only (validation)
-                if resolve_transport(cfg, device).value == "inprocess" else "")
+                    if run.push_with_update else ")")
+                if run.transport == "inprocess" else "")
         else:
             p = lay.parallel
             desc = (f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
@@ -258,7 +262,7 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
                 desc += f" | experts: EP={p.expert_model_parallel_size} ETP={p.etp} EDP={edp}"
         share = "colocated with actor" if lay.colocated else "owns these devices"
         lines.append(f"    {name:12s} {lay.count:4d} {kind} [{where}] {desc}; {share}")
-    lines.extend(judge_plan_lines(cfg))  # reward.judge: its engines or external server (docs/judge.md)
+    lines.extend(judge_plan_lines(cfg, plan_dtype(cfg)))  # reward.judge: its engines or external server (docs/judge.md)
     if plan.memory:
         model = f"model {plan.param_count / 1e6:.1f}M params"
         if plan.num_experts:
@@ -280,9 +284,9 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
                 f"{_gib(lo.grads + lo.optimizer)} instead of {_gib(full.grads + full.optimizer)} (full fine-tuning), "
                 f"saves {_gib(full.total - lo.total)} per actor device; reference = base model with adapters off "
                 + ("(0 bytes)" if cfg.ref.placement == "colocated" else "(separate copy)"))
-    lines.append(f"  chosen for cluster.device={device}" + (" (auto: as this host sees it)" if cfg.cluster.device == "auto"
-                                                             else "") + ":")
-    lines.extend(f"    {c.line()}" for c in resolve_all(cfg, device))
+    lines.append(f"  chosen for cluster.device={run.device}" + (" (auto: as this host sees it)"
+                                                                 if cfg.cluster.device == "auto" else "") + ":")
+    lines.extend(f"    {c.line()}" for c in run.choices)
     if plan.notes:
         lines.append("  notes:")
         lines.extend(f"    - {n}" for n in plan.notes)
@@ -294,4 +298,4 @@ def plan_text(cfg: MRLConfig) -> str:
     import yaml
 
     resolved = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
-    return "# resolved config\n" + resolved + "\n" + format_plan(cfg, build_plan(cfg))
+    return "# resolved config\n" + resolved + "\n" + format_report(cfg, build_report(cfg))

@@ -1,4 +1,4 @@
-"""Plan numbers for three layouts, memory estimates from hand arithmetic, parameter counts vs transformers."""
+"""`mrl plan`'s report: numbers for three layouts, memory estimates from hand arithmetic, parameter counts vs transformers."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 
 from mrl.config import load_config
 from mrl.config.hf import shape_from_dict
-from mrl.config.plan import build_plan, format_plan, padded_vocab, plan_text
+from mrl.config.plan_report import build_report, format_report, padded_vocab, plan_text
 from tests.config.conftest import write_hf_config
 
 # Published architectures (HF config.json values); official parameter counts 494,032,768 and 7,615,616,512.
@@ -44,7 +44,7 @@ def test_param_count_matches_transformers_models() -> None:
 def test_plan_quickstart_cpu_layout(tiny_model: Path, train_file: Path) -> None:
     cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tiny_model}", f"data.train_files=[{train_file}]",
                                                       f"data.val_files=[{train_file}]"])
-    plan = build_plan(cfg)
+    plan = build_report(cfg)
     assert (plan.samples_per_step, plan.mini_batches_per_step, plan.optimizer_steps_per_step) == (512, 1, 1)
     assert (plan.samples_per_dp_rank, plan.micro_batches_per_dp_rank, plan.micro_batches_is_bound) == (256, 4, False)
     assert {k: (v.count, v.dp, v.colocated) for k, v in plan.roles.items()} == {
@@ -65,7 +65,7 @@ def test_plan_single_node_8gpu_layout(tmp_path: Path, train_file: Path) -> None:
     model = write_hf_config(tmp_path / "q05", QWEN25_05B)
     cfg = load_config("mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml",
                       [f"model.path={model}", f"data.train_files=[{train_file}]", f"data.val_files=[{train_file}]"])
-    plan = build_plan(cfg)
+    plan = build_report(cfg)
     assert (plan.samples_per_step, plan.mini_batches_per_step, plan.optimizer_steps_per_step) == (2048, 4, 4)
     assert (plan.samples_per_dp_rank, plan.micro_batches_per_dp_rank) == (64, 4)
     assert plan.roles["actor"].dp == 8 and plan.num_engines == 8
@@ -84,7 +84,7 @@ def test_plan_two_node_tp2_pp2_layout(tmp_path: Path, train_file: Path) -> None:
                        "actor.megatron.pipeline_model_parallel_size=2", "actor.ppo_micro_batch_size_per_gpu=8",
                        "actor.ppo_epochs=2", "rollout.placement=colocated", "rollout.num_engines=null"],
                       check=False)  # the layout math only: colocated engines on 2 CUDA nodes have no transport yet
-    plan = build_plan(cfg)
+    plan = build_report(cfg)
     # 512 prompts x 5 = 2560 samples; 4 mini-batches of 640 samples; DP = 16 / (TP2*PP2) = 4 -> 160 per rank
     assert (plan.samples_per_step, plan.mini_batches_per_step, plan.optimizer_steps_per_step) == (2560, 4, 8)
     assert (plan.roles["actor"].dp, plan.samples_per_dp_rank, plan.micro_batches_per_dp_rank) == (4, 160, 20)
@@ -98,7 +98,7 @@ def test_plan_two_node_tp2_pp2_layout(tmp_path: Path, train_file: Path) -> None:
     assert plan.memory["actor"].optimizer == int(p_actor * 12 / 4)
     assert plan.memory["ref"].weights == p_actor * 2  # colocated: the actor's chunks and layout
     assert plan.memory["rollout"].weights == 7_615_616_512 * 2 // 2
-    text = format_plan(cfg, plan)
+    text = format_report(cfg, plan)
     assert "actor          16 devices [node0:0-7, node1:0-7] TP=2 PP=2 CP=1 DP=4" in text
 
 
@@ -109,7 +109,7 @@ def test_separate_roles_are_laid_out_after_the_actor(tmp_path: Path, train_file:
                        "ref.placement=separate", "ref.num_devices=2", "ref.offload=false", "rollout.placement=separate", "rollout.num_engines=3",
                        "data.train_batch_size=160", "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size_per_gpu=2"],
                       check=False)  # the layout only: check_config refuses ref.placement=separate (not wired yet)
-    plan = build_plan(cfg)
+    plan = build_report(cfg)
     lay = plan.roles
     assert (lay["actor"].first, lay["actor"].count, lay["actor"].dp) == (0, 8, 4)
     assert (lay["ref"].first, lay["ref"].count, lay["ref"].dp) == (8, 2, 1)
@@ -129,7 +129,7 @@ def test_a_separate_reward_model_is_laid_out_after_the_other_roles(tmp_path: Pat
                        "reward_model.placement=separate", "reward_model.num_devices=2",
                        "reward_model.megatron.pipeline_model_parallel_size=2"],
                       check=False)  # the layout only (ref.placement=separate is refused: not wired yet)
-    plan = build_plan(cfg)
+    plan = build_report(cfg)
     lay = plan.roles
     assert (lay["actor"].first, lay["actor"].count, lay["actor"].dp) == (0, 6, 3)
     assert (lay["ref"].first, lay["rollout"].first, lay["rollout"].count) == (6, 8, 6)
@@ -140,13 +140,13 @@ def test_a_separate_reward_model_is_laid_out_after_the_other_roles(tmp_path: Pat
     h, layer = 896, _qwen2_layer(896, 14, 2, 4864)
     assert plan.memory["reward_model"].weights == int(max(151936 * h + 12 * layer, 12 * layer + 2 * h)) * 2
     assert set(plan.device_total()) == {"actor", "ref", "rollout", "reward_model"}
-    assert "reward_model    2 devices [node1:6-7] TP=1 PP=2 CP=1 DP=1; owns these devices" in format_plan(cfg, plan)
+    assert "reward_model    2 devices [node1:6-7] TP=1 PP=2 CP=1 DP=1; owns these devices" in format_report(cfg, plan)
 
 
 def test_dynamic_bsz_reports_an_upper_bound(tiny_model: Path, train_file: Path) -> None:
     cfg = load_config("mrl_configs/quickstart.yaml", [f"model.path={tiny_model}", f"data.train_files=[{train_file}]",
                                                       "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=200"])
-    plan = build_plan(cfg)
+    plan = build_report(cfg)
     assert plan.micro_batches_is_bound and plan.micro_batches_per_dp_rank == 93  # ceil(256 * (64 + 8) / 200)
 
 
@@ -182,7 +182,7 @@ def test_lora_recipe_plan_shows_memory_saved(tmp_path: Path, train_file: Path) -
     model = write_hf_config(tmp_path / "q3b", QWEN25_3B)
     cfg = load_config("mrl_configs/qwen2.5-3b_gsm8k_grpo_lora.yaml",
                       [f"model.path={model}", f"data.train_files=[{train_file}]", f"data.val_files=[{train_file}]"])
-    plan = build_plan(cfg)
+    plan = build_report(cfg)
     with torch.device("meta"):
         hf = tf.AutoModelForCausalLM.from_config(tf.Qwen2Config(**{k: v for k, v in QWEN25_3B.items() if k != "model_type"}))
     pm = peft.get_peft_model(hf, peft.LoraConfig(r=64, lora_alpha=32, target_modules="all-linear"))
@@ -194,7 +194,7 @@ def test_lora_recipe_plan_shows_memory_saved(tmp_path: Path, train_file: Path) -
     assert plan.memory["actor"].total == (p + a) * 2 + a * 4 + a * 12 // 8
     assert plan.full_finetune_actor.total == p * 2 + p * 4 + p * 12 // 8
     assert plan.memory["ref"].total == 0
-    text = format_plan(cfg, plan)
+    text = format_report(cfg, plan)
     saved = (plan.full_finetune_actor.total - plan.memory["actor"].total) / 1024**3
     assert f"saves {saved:.2f} GiB per actor device" in text and "LoRA rank 64 (7 target projections)" in text
     print(text.split("memory per device")[1])

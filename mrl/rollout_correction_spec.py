@@ -1,5 +1,5 @@
 """Rollout-correction option names and threshold parsing (verl's rules), torch-free: shared by the
-config (errors at `mrl plan` time, mrl/config/algorithm.py) and :mod:`mrl.algorithms.rollout_corr`."""
+config (errors at `mrl plan` time, mrl/config/algorithm.py) and :mod:`mrl.algorithms.rollout_correction`."""
 from __future__ import annotations
 
 import math
