@@ -3,6 +3,7 @@
     python benchmarks/cuda_check.py                      # fp32 and bf16, every check; exit 1 on any FAIL
     python benchmarks/cuda_check.py --dtypes float32 --no-probe --json /tmp/cuda_check.json
     python benchmarks/cuda_check.py --dtypes bfloat16 --only attention    # sdpa + packed rows (varlen_attn), seconds
+    python benchmarks/cuda_check.py --dtypes float32,bfloat16 --only families  # MoE families' actors vs transformers
 
 Prints a PASS/FAIL/SKIP/INFO table with the measured numbers (and writes it as JSON to --json, default
 $OUT/cuda_check.json when $OUT is set). Without a visible CUDA device it says so and exits 0 with nothing
@@ -31,6 +32,9 @@ Engine) on a tiny Qwen2 (tests/helpers/tiny_models.py) runs, in order:
               (actor.use_remove_padding: one row of whole sequences, on CUDA in bf16 through
               torch.nn.attention.varlen.varlen_attn, whose calls are counted) vs padded rows: log-probs (max |diff|)
               and gradients (relative L2 difference); ``--only attention`` runs just this block (seconds)
+  families    ``--only families`` (not in the default run): each MoE family's tiny checkpoint (Qwen3-MoE, DeepSeek-V3
+              with MLA/YaRN/group-limited sigmoid routing, GLM-4.5, gpt-oss with sinks and windows) as the actor on
+              the device vs transformers on the device, padded and packed rows, and one forward+backward
 Then two single-purpose processes: the engine's memory release at a ~40M-parameter size (device-visible
 free memory, what a colocated trainer in another process could use), and a probe of two NCCL ranks in two
 processes on the one GPU (the shape of a colocated engine + trainer rank in one weight-sync group).
@@ -622,6 +626,79 @@ def attention_worker(a) -> list[dict]:
     return C.rows
 
 
+# ---- MoE families on the device: each family's tiny model through the actor vs transformers --------------------
+FAMILY_CHECKS = ("qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
+
+
+def family_checks(C: Checks, dt: str, dev: str) -> None:
+    """Rows ``family <name>: ...``: per MoE family (the registered ones of FAMILY_CHECKS), a tiny random checkpoint
+    (tests/helpers) built as mrl's Megatron actor on the device (world size 1, EP1, attention_backend=sdpa): its
+    log-probs of a ragged batch vs transformers' on the same device and dtype, padded and packed rows, and one
+    forward+backward with finite, non-zero gradients. DeepSeek-V3 is the parity model (MLA with q_lora, YaRN,
+    a dense first layer, group-limited sigmoid routing with the score-correction bias)."""
+    import tempfile as _tf
+
+    import torch
+    import transformers as tf
+
+    from mrl.config.actor import ActorConfig
+    from mrl.families import FAMILIES
+    from mrl.workers.actor import ActorWorker
+    from tests.workers.batches import ragged_batch
+
+    tdt, tol = getattr(torch, dt), TOL_LP[dt]
+    cfg = ActorConfig(ppo_micro_batch_size_per_gpu=4, optim={"lr": 1e-3, "clip_grad": 1.0})
+    root = pathlib.Path(_tf.mkdtemp(prefix="cuda_check_families_"))
+    for fam in FAMILY_CHECKS:
+        if fam not in FAMILIES:
+            C.skip(f"family {fam}: actor vs transformers", "not a registered family in this tree")
+            continue
+        name = f"family {fam}: actor log-probs vs transformers (padded, packed rows) + fwd/bwd"
+        with C.guard(name):
+            if fam == "deepseek_v3":
+                from tests.helpers.tiny_deepseek import make_tiny_deepseek_hf
+                path = make_tiny_deepseek_hf(root / fam)
+            else:
+                from tests.helpers.tiny_models import make_tiny_hf
+                path = make_tiny_hf(root / fam, fam)
+            hm = tf.AutoModelForCausalLM.from_pretrained(path, dtype=tdt).to(dev).eval()
+            rb = ragged_batch(vocab=int(hm.config.vocab_size))
+            ref = hf_batch_log_probs(hm, rb, dev)
+            del hm
+            diffs, grads = {}, {}
+            for packed in (False, True):
+                actor = ActorWorker(cfg, model_path=str(path), device=dev, mini_batch_size_samples=8, seed=1234,
+                                    dtype=tdt, init_parallel=False, attention_backend="sdpa", remove_padding=packed)
+                diffs[packed] = maxdiff(actor.compute_log_prob(rb)[0], ref, rb.response_mask)
+                m = actor.forward_backward(rb)
+                g = torch.cat([p.main_grad.detach().float().flatten().cpu() for c in actor.model.chunks
+                               for p in c.parameters() if p.requires_grad])
+                grads[packed] = (all(math.isfinite(v) for v in m.values()) and bool(torch.isfinite(g).all())
+                                 and float(g.norm()) > 0)
+                del actor
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+            d = max(diffs.values())
+            C.add(name, d <= tol and all(grads.values()), d, tol,
+                  f"max |actor - transformers| padded {diffs[False]:.3g}, packed {diffs[True]:.3g}; gradients finite "
+                  f"and non-zero: {grads}; ragged batch {tuple(rb.input_ids.shape)}, {dt} on {dev}")
+
+
+def families_worker(a) -> list[dict]:
+    """``--only families``: the MoE family rows alone, in their own process (NCCL world 1 on CUDA)."""
+    import torch
+
+    from mrl.megatron.parallel import init_parallel
+    C = Checks(a.dtype, a.result)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    with C.guard("families: parallel state (world size 1)"):
+        init_parallel(device=a.device, seed=1234)
+        family_checks(C, a.dtype, a.device)
+    return C.rows
+
+
 # ---- worker: the engine's memory release at a size where the allocator's granularity does not hide it --
 def engine_memory_worker(a) -> list[dict]:
     import httpx
@@ -737,9 +814,11 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=240, help="seconds per worker process")
     ap.add_argument("--allow-cpu", action="store_true", help="run the checks on CPU/gloo (developing this script)")
     ap.add_argument("--verbose", action="store_true", help="print each worker's log")
-    ap.add_argument("--only", choices=["attention"], help="run only this block (per dtype; no memory or NCCL probe)")
+    ap.add_argument("--only", choices=["attention", "families"],
+                    help="run only this block (per dtype; no memory or NCCL probe)")
     # internal: worker processes
-    ap.add_argument("--worker", choices=["trainer", "attention", "engine_memory", "nccl_rank"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["trainer", "attention", "families", "engine_memory", "nccl_rank"],
+                    help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -753,7 +832,8 @@ def main() -> int:
         nccl_probe_rank(a)
         return 0
     if a.worker:
-        rows = {"trainer": trainer_worker, "attention": attention_worker, "engine_memory": engine_memory_worker}[
+        rows = {"trainer": trainer_worker, "attention": attention_worker, "families": families_worker,
+                "engine_memory": engine_memory_worker}[
             a.worker](a)
         pathlib.Path(a.result).write_text(json.dumps(rows))
         return 0
