@@ -51,6 +51,7 @@ def deepseek_parity_rank(rank: int, world: int, root: str) -> dict:
                 out[(case, disp, tp, pp, ep)] = (logits - ref["logits"]).abs().max().item()
             if (case, disp, layout) == DS_RUNS[0]:
                 out["bias_update"] = _expert_bias_after_a_step(chunks, ref["ids"])
+                out["grads"] = _hf_named_grads(chunks, cfg)
             if (tp, pp, ep) == DS_ROUNDTRIP:
                 stage_dir = Path(root) / f"rt_{case}" / f"stage{ps.get_pipeline_model_parallel_rank()}"
                 names = hf_names_for_stage(chunks, cfg)
@@ -113,3 +114,19 @@ def _replay_check(path: Path) -> dict:
         replayed = model(ids, pos, None)[..., : cfg.vocab_size]
     return {"own": (own - ref["logits"]).abs().max().item(), "replayed": (replayed - ref["logits"]).abs().max().item(),
             "mismatch": int(sum(p.mismatch for p in probes)), "compared": int(sum(p.compared for p in probes))}
+
+
+def _hf_named_grads(chunks: list, cfg) -> dict[str, torch.Tensor]:
+    """The gradients of the last backward under their HF names (each parameter's ``.grad`` put through the export
+    mapping in place of its weight); buffers (the score-correction bias) left out."""
+    from mrl.megatron.mapping import export_hf_weights
+
+    params = [p for c in chunks for p in c.parameters()]
+    weights = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.grad if p.grad is not None else torch.zeros_like(p)
+        return {n: t.clone() for n, t in export_hf_weights(chunks, cfg) if "e_score_correction_bias" not in n}
+    finally:
+        for p, w in zip(params, weights):
+            p.data = w

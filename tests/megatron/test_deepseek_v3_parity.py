@@ -66,7 +66,7 @@ def launched(tmp_path_factory):
     merged: dict = {}
     for r in results:
         merged.update(r)
-    for key in ("bias_update", "replay"):
+    for key in ("bias_update", "replay", "grads"):
         merged.pop(key, None)
         merged[key] = results[0][key]
     print("max |Δlogits|:", {k: f"{v:.2e}" for k, v in sorted(merged.items(), key=str) if not isinstance(v, dict)},
@@ -120,3 +120,40 @@ def test_routing_replay_gives_transformers_logits_under_another_own_choice(launc
     assert r["own"] > 1e-2 and flips > 10, r
     assert r["replayed"] <= TOL, r
     assert r["mismatch"] == flips and r["compared"] == 3 * 4 * 16, (r, flips)
+
+
+def _transformers_grads(path: Path, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """d(sum of logits)/d(weight) by transformers' autograd, under checkpoint names (its fused experts split per
+    expert: gate_up_proj[e] = [gate_proj_e; up_proj_e], down_proj[e] = down_proj_e)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    model(ids).logits.sum().backward()
+    out = {}
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            half = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = p.grad[e, :half]
+                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = p.grad[e, half:]
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(p.shape[0]):
+                out[name.replace("down_proj", f"{e}.down_proj.weight")] = p.grad[e]
+        else:
+            out[name] = p.grad
+    return out
+
+
+def test_gradients_match_transformers(launched):
+    """Megatron's backward through MLA, the YaRN rotation, the sigmoid router (its weights carry the routed scaling)
+    and the shared and routed experts = transformers' autograd, per HF tensor (TP1, fp32)."""
+    root, diffs = launched
+    got = diffs["grads"]
+    want = _transformers_grads(root / "q_lora", torch.load(root / "q_lora" / "ref.pt", weights_only=True)["ids"])
+    assert sorted(got) == sorted(want)
+    # transformers' embedding has padding_idx = pad_token_id (0): that row gets no gradient there, Megatron's does
+    for d in (got, want):
+        d["model.embed_tokens.weight"] = d["model.embed_tokens.weight"][1:]
+    worst = max(((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12)).item() for n in want)
+    assert worst <= 1e-5, worst
+    assert all(want[n].abs().max() > 0 for n in want if "router" in n or "mlp.gate.weight" in n)
