@@ -191,6 +191,10 @@ class SDPAAttention(MegatronModule):
             raise ValueError("attention_backend=sdpa: attention_bias is not supported")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type == AttnMaskType.causal
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            # multi-latent attention hands packed rows over as [T, heads, d] (no batch dim) and takes [T, heads · dv]
+            out = self._packed(query[:, None], key[:, None], value[:, None], packed_seq_params, causal)
+            return out.reshape(query.shape[0], query.shape[1] * value.shape[-1])
         sq, b, heads = query.shape[:3]
         if packed_seq_params is not None:
             out = self._packed(query, key, value, packed_seq_params, causal)
@@ -205,8 +209,8 @@ class SDPAAttention(MegatronModule):
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, params: Any, causal: bool) -> Tensor:
         """One ``[T, 1, h, d]`` row of whole sequences (``params.cu_seqlens_q``) -> ``[T, 1, h, dv]``."""
-        if params.qkv_format != "sbhd" or query.shape[1] != 1:
-            raise ValueError(f"attention_backend=sdpa: packed rows come as qkv_format='sbhd' with one row, got "
+        if params.qkv_format not in ("sbhd", "thd") or query.shape[1] != 1:
+            raise ValueError(f"attention_backend=sdpa: packed rows come as qkv_format='sbhd' with one row (or 'thd'), got "
                              f"{params.qkv_format!r} and {query.shape[1]} rows")
         if not causal:
             raise ValueError("attention_backend=sdpa: packed rows are causal language-model rows")

@@ -324,7 +324,7 @@ class MegatronModel:
             out = model(
                 input_ids=inp.tokens.to(self.device), position_ids=pos,
                 attention_mask=inp.attention_mask.to(self.device) if shared else None,
-                packed_seq_params=_packed_seq_params(inp, self.device) if packed else None,
+                packed_seq_params=_packed_seq_params(inp, self.device, self.config) if packed else None,
             )
             return out, partial(loss_func, mb)
 
@@ -479,14 +479,17 @@ def _recompute_overrides(recompute: str | None) -> dict[str, Any]:
     raise ValueError(f"recompute_granularity={recompute!r}: expected full, selective or null")
 
 
-def _packed_seq_params(inp: ModelInputs, device: torch.device):
+def _packed_seq_params(inp: ModelInputs, device: torch.device, config: Any):
     """Megatron's ``PackedSeqParams`` of a packed row, as :class:`~mrl.megatron.sdpa_attention.SDPAAttention` reads
-    it: ``qkv_format="sbhd"`` keeps Megatron on the ``[s, b]`` layout (its THD path is Transformer Engine's)."""
+    it: ``qkv_format="sbhd"`` keeps Megatron on the ``[s, b]`` layout (its THD path is Transformer Engine's).
+    Multi-latent attention reads any packed row as THD (it drops the batch dim and applies RoPE per sequence by
+    ``cu_seqlens``), so MLA models get ``"thd"``; the SDPA core attention takes both."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = inp.cu_seqlens.to(device, torch.int32)  # type: ignore[union-attr]
     longest = int((inp.cu_seqlens[1:] - inp.cu_seqlens[:-1]).max())  # type: ignore[index]
-    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+    fmt = "thd" if getattr(config, "multi_latent_attention", False) else "sbhd"
+    return PackedSeqParams(qkv_format=fmt, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                            max_seqlen_kv=longest)
 
 
