@@ -229,8 +229,17 @@ class SDPAAttention(MegatronModule):
                 else:  # each KV head repeated for its query heads (what GQA computes, in more memory)
                     rep = q.shape[1] // k.shape[1]
                     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            # the flash kernel takes one head size, a multiple of 8: q/k/v zero-padded to it (no dot product or
+            # weighted sum changes; the scale is passed explicitly), the output cut back to dv. MLA's d_k != d_v
+            # (DeepSeek-V3: 192 / 128) and odd test sizes need it.
+            dk, dv = q.shape[-1], v.shape[-1]
+            width = -(-max(dk, dv) // 8) * 8
+            if dk != width:
+                q, k = F.pad(q, (0, width - dk)), F.pad(k, (0, width - dk))
+            if dv != width:
+                v = F.pad(v, (0, width - dv))
             out = fn(q, k, v, cu32, cu32, int(params.max_seqlen_q), int(params.max_seqlen_kv), **kw)
-            return out[:, None]
+            return out[..., :dv][:, None]
         bounds = cu.tolist()
         outs = []
         for s, e in itertools.pairwise(bounds):  # each sequence alone: causal within it, nothing across
