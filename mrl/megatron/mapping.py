@@ -85,7 +85,7 @@ def _ep() -> tuple[int, int, Any]:
 def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tuple[Rule, dict[str, str], torch.Tensor]]:
     """(rule, format args, local Megatron parameter) for every mapped tensor of this rank."""
     family = family_of(hf_config)
-    table = family.weight_rules
+    table = family.weight_rules_for(hf_config)  # without the pieces this config.json switches off
     moe_layers = family.moe_layers(hf_config)  # 1/0 per global layer: which rules a layer has
     for chunk in map(unwrap, chunks):
         tied = chunk.share_embeddings_and_output_weights
@@ -100,7 +100,8 @@ def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tup
                 yield rule, {}, p
         for layer in chunk.decoder.layers:
             i = str(layer.layer_number - 1)
-            layer_params = dict(layer.named_parameters())
+            # buffers too: a sigmoid router's score-correction bias is a buffer (``mlp.router.expert_bias``)
+            layer_params = {**dict(layer.named_buffers()), **dict(layer.named_parameters())}
             moe_layer = bool(moe_layers[layer.layer_number - 1])
             for rule in table:
                 if rule.scope != "layer" or not rule.on_layer(moe_layer):
