@@ -64,18 +64,94 @@ def qwen_moe_layers(hf_config: Any) -> list[int]:
     return [int(i not in dense and (i + 1) % step == 0) for i in range(int(hf_config.num_hidden_layers))]
 
 
+def _none(_hf_config: Any) -> None:
+    return None
+
+
+# transformers' group-limited routers (DeepSeek-V3, GLM-4.5) score a group by the sum of its top-2 expert
+# scores; Megatron's ``group_limited_topk`` sums the top-(topk // group_topk). They agree iff that is 2.
+HF_GROUP_SCORE_TOPK = 2
+
+IntFromConfig = int | None | Callable[[Any], int | None]
+
+
+def _resolve(value: IntFromConfig, hf_config: Any) -> int | None:
+    v = value(hf_config) if callable(value) else value
+    return None if v is None else int(v)
+
+
 @dataclass(frozen=True)
 class MoE:
-    """A routed-experts family: the HF checkpoint layout of its MoE block and its router settings."""
+    """A routed-experts family: the HF checkpoint layout of its MoE block and its router settings.
+
+    Router (one token, ``E`` experts, top-``k``; ``b`` the score-correction bias when ``expert_bias``)::
+
+        softmax:  p = softmax(l);  S = topk(p, k);  w_e = p_e / sum_S p  (norm_topk) or p_e
+        sigmoid:  s = sigmoid(l);  S = topk(s + b, k) [inside the top group_topk of num_groups groups];
+                  w_e = s_e / sum_S s  (Megatron always renormalises when k > 1: norm_topk must be true)
+        w_e *= topk_scaling  (when set: DeepSeek's routed_scaling_factor)
+    """
 
     block: str                              # HF module of the MoE block: model.layers.{i}.<block>
     expert_names: tuple[str, str, str]      # one expert's (gate, up, down) names in the checkpoint
     expert_ffn_size: Callable[[Any], int]   # width of one routed expert's MLP
     norm_topk: Callable[[Any], bool]        # top-k weights renormalised (softmax over the top-k logits)
-    shared_expert_size: Callable[[Any], int] = _zero  # 0 = no shared expert; else one with a sigmoid gate
+    shared_expert_size: Callable[[Any], int] = _zero  # 0 = no shared expert
     refuse: Callable[[Any], None] = _accept  # family-specific MoE refusals
     # 1/0 per decoder layer: MoE or dense MLP (of intermediate_size: the family's dense-layer weight rules)
     layers: Callable[[Any], list[int]] = all_moe_layers
+    # "softmax" | "sigmoid" (Megatron moe_router_score_function)
+    score_function: str = "softmax"
+    # a per-expert score-correction bias added for the choice only (HF e_score_correction_bias; Megatron
+    # moe_router_enable_expert_bias, kept frozen in RL: moe_router_bias_update_rate=0, docs/moe.md)
+    expert_bias: bool = False
+    # group-limited top-k: num_groups groups of E/num_groups experts, the token picks among group_topk of them
+    num_groups: IntFromConfig = None
+    group_topk: IntFromConfig = None
+    # a factor on the routed weights (Megatron moe_router_topk_scaling_factor), None = 1
+    topk_scaling: Callable[[Any], float | None] = _none
+    # the shared expert's output through sigmoid(g·x) (Qwen2-MoE) or added as is (DeepSeek-V3, GLM-4.5)
+    shared_expert_gate: bool = True
+
+    def router_groups(self, hf_config: Any) -> tuple[int | None, int | None]:
+        """Megatron's (moe_router_num_groups, moe_router_group_topk), (None, None) when the group choice
+        selects every group (one group, or group_topk >= num_groups: no restriction)."""
+        groups, gtopk = _resolve(self.num_groups, hf_config), _resolve(self.group_topk, hf_config)
+        if not groups or groups <= 1 or not gtopk or gtopk >= groups:
+            return None, None
+        return groups, gtopk
+
+    def _check_router(self, hf_config: Any) -> None:
+        e, k = num_experts(hf_config), router_topk(hf_config)
+        if self.score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoE score_function {self.score_function!r}: expected softmax or sigmoid")
+        if self.expert_bias and self.score_function != "sigmoid":
+            raise ValueError("an MoE expert bias needs the sigmoid score function (Megatron's rule)")
+        if self.score_function == "sigmoid" and not self.norm_topk(hf_config):
+            # Megatron's sigmoid router divides the top-k scores by their sum whenever k > 1 (and never when k = 1)
+            raise ValueError(
+                "config.json norm_topk_prob=false with a sigmoid router: Megatron always renormalises the "
+                "top-k sigmoid scores, so it would compute a different model; convert the checkpoint with "
+                "norm_topk_prob=true only if it was trained that way, else this model is not supported")
+        if self.score_function == "sigmoid" and k == 1:
+            raise ValueError(
+                "config.json num_experts_per_tok=1 with a sigmoid router and norm_topk_prob=true: transformers "
+                "renormalises the single weight to 1, Megatron keeps sigmoid(l); not supported")
+        raw_groups = _resolve(self.num_groups, hf_config)
+        if raw_groups and e % raw_groups:
+            raise ValueError(f"config.json n_group={raw_groups} does not divide the {e} routed experts")
+        groups, gtopk = self.router_groups(hf_config)
+        if groups is not None:
+            if k % gtopk or k // gtopk != HF_GROUP_SCORE_TOPK:
+                raise ValueError(
+                    f"config.json group-limited routing n_group={groups}, topk_group={gtopk}, "
+                    f"num_experts_per_tok={k}: transformers scores a group by the sum of its top-"
+                    f"{HF_GROUP_SCORE_TOPK} experts, Megatron by the sum of its top-(num_experts_per_tok // "
+                    f"topk_group) = top-{k // gtopk}; they choose different experts. Supported when "
+                    f"num_experts_per_tok = {HF_GROUP_SCORE_TOPK} * topk_group, or n_group=1 / topk_group >= n_group")
+            if k > gtopk * (e // groups):
+                raise ValueError(f"config.json num_experts_per_tok={k} exceeds the {gtopk * (e // groups)} experts "
+                                 f"of topk_group={gtopk} groups")
 
     def layer_pattern(self, hf_config: Any) -> list[int] | None:
         """Megatron's ``moe_layer_freq`` list when some layers are dense, None when every layer is MoE."""
@@ -94,6 +170,7 @@ class MoE:
         e, k = num_experts(hf_config), router_topk(hf_config)
         if not 1 <= k <= e:
             raise ValueError(f"config.json num_experts_per_tok={k} must be in [1, num_experts={e}]")
+        self._check_router(hf_config)
         self.refuse(hf_config)
         self.layer_pattern(hf_config)
 
@@ -108,8 +185,8 @@ class MoE:
             "moe_ffn_hidden_size": self.expert_ffn_size(hf_config),
             "moe_router_topk": router_topk(hf_config),
             # norm_topk: softmax over the top-k logits == renormalised full softmax; else softmax first.
-            "moe_router_pre_softmax": not self.norm_topk(hf_config),
-            "moe_router_score_function": "softmax",
+            "moe_router_pre_softmax": self.score_function == "softmax" and not self.norm_topk(hf_config),
+            "moe_router_score_function": self.score_function,
             "moe_router_load_balancing_type": "aux_loss",
             "moe_aux_loss_coeff": float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
             "moe_token_dispatcher_type": "alltoall",
@@ -120,13 +197,23 @@ class MoE:
             "expert_model_parallel_size": ep,
             "expert_tensor_parallel_size": etp,
         }
+        if self.expert_bias:
+            kw["moe_router_enable_expert_bias"] = True
+            # the bias is a checkpoint weight RL keeps frozen (docs/moe.md): no aux-loss-free update
+            kw["moe_router_bias_update_rate"] = 0.0
+        groups, gtopk = self.router_groups(hf_config)
+        if groups is not None:
+            kw["moe_router_num_groups"], kw["moe_router_group_topk"] = groups, gtopk
+        scaling = self.topk_scaling(hf_config)
+        if scaling is not None and float(scaling) != 1.0:
+            kw["moe_router_topk_scaling_factor"] = float(scaling)
         pattern = self.layer_pattern(hf_config)
         if pattern is not None:  # mixed dense/MoE: dense layers are SwiGLU MLPs of ffn_hidden_size
             kw["moe_layer_freq"] = pattern
         shared = self.shared_expert_size(hf_config)
         if shared:
             kw["moe_shared_expert_intermediate_size"] = shared
-            kw["moe_shared_expert_gate"] = True
+            kw["moe_shared_expert_gate"] = self.shared_expert_gate
             kw["moe_shared_expert_overlap"] = False
         return kw
 
