@@ -87,6 +87,19 @@ def _rope_params(hf_config: Any) -> tuple[float, bool, float]:
     )
 
 
+def rotary_percent(hf_config: Any) -> float:
+    """Share of each head's channels RoPE rotates (``partial_rotary_factor``, GLM-4.5's 0.5): transformers rotates
+    the first ``int(head_dim · f)`` channels in its half-split layout and passes the rest, as Megatron's
+    ``rotary_percent`` does (not interleaved)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    f = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None)) or 1.0)
+    d = head_dim(hf_config)
+    if not 0.0 < f <= 1.0 or int(d * f) % 2:
+        raise ValueError(f"config.json partial_rotary_factor={f}: expected 0 < f <= 1 with head_dim * f = "
+                         f"{d * f:g} rotating an even number of channels")
+    return f
+
+
 def _check_supported(hf_config: Any, family: str) -> None:
     """The checks common to every family, then the family's own (:meth:`mrl.families.Family.check`)."""
     fam = FAMILIES[family]
@@ -291,6 +304,7 @@ def build_model_chunks(
             rotary_base=theta,
             rope_scaling=rope_scaling,
             rope_scaling_factor=rope_factor,
+            rotary_percent=rotary_percent(hf_config),
             vp_stage=vp_stage if vpp > 1 else None,
         )
         if dtype in (torch.bfloat16, torch.float16):

@@ -19,14 +19,61 @@ MOE_LAYOUTS = [
 # Models mixing dense and MoE layers run on these (the first dispatcher only); EP2 x PP2 for the round trip.
 MIXED_LAYOUTS = [(1, 1, 1, 1, False), (1, 1, 2, 1, False), (1, 2, 1, 1, False), (1, 2, 2, 1, False)]
 ROUNDTRIP = (1, 2, 2)  # (tp, pp, ep) at which every stage exports its HF tensors
+FROZEN_BIAS_LAYOUT = (1, 1, 2, 1, False)  # where a sigmoid router's expert_bias goes through one train step
+
+
+def expert_bias_after_train_step(path: Path) -> float:
+    """One forward/backward through Megatron's schedule with ``finalize_model_grads`` (the trainer's grad
+    finalisation, which applies the aux-loss-free bias update) on a DDP-wrapped model of ``path``: max |Δ| of
+    every router ``expert_bias`` against the checkpoint's ``e_score_correction_bias`` (0.0: frozen, as mrl
+    sets ``moe_router_bias_update_rate=0``). The routers must have counted tokens, or nothing was tested."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from mrl.megatron.hf_io import HFCheckpointReader
+    from mrl.megatron.mapping import load_hf_weights
+    from mrl.megatron.provider import build_model_chunks, load_hf_config
+    from tests.megatron._ranks import MICRO_BATCH, SEQ
+
+    cfg = load_hf_config(path)
+    reader = HFCheckpointReader(path)
+    chunks = build_model_chunks(cfg, wrap_ddp=True)
+    load_hf_weights(chunks, cfg, reader)
+    chunks[0].module.config.finalize_model_grads_func = finalize_model_grads
+    routers = [(layer.layer_number - 1, layer.mlp.router) for layer in chunks[0].module.decoder.layers
+               if hasattr(layer.mlp, "router")]
+    assert routers and all(r.expert_bias is not None for _, r in routers)
+    counted: list[float] = []  # tokens the routers counted for the bias update (finalize_model_grads zeroes them)
+    ids = torch.randint(0, cfg.vocab_size, (MICRO_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+
+    def step(data_iter, model):
+        batch = next(data_iter)
+        out = model(batch[:, :-1], pos, None)
+
+        def loss_func(logits):
+            counted.append(sum(float(r.local_tokens_per_expert.sum()) for _, r in routers))
+            return logits.float().square().mean(), {}
+
+        return out, loss_func
+
+    for c in chunks:
+        c.train()
+        c.zero_grad_buffer()
+    get_forward_backward_func()(forward_step_func=step, data_iterator=iter([ids]), model=chunks, num_microbatches=1,
+                                seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=False)
+    assert counted and counted[0] > 0, "the routers counted no tokens: the bias update had nothing to move"
+    return max(float((r.expert_bias - reader.get(f"model.layers.{i}.mlp.gate.e_score_correction_bias")).abs().max())
+               for i, r in routers)
 
 
 def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispatchers: list[str],
-                    mixed: list[str] = ()) -> dict:
+                    mixed: list[str] = (), frozen_bias: list[str] = ()) -> dict:
     """For each layout, case and dispatcher: max |Δlogits| against ref.pt (a case is a checkpoint directory
     under ``root``: the ``families`` on every layout and dispatcher, the ``mixed`` ones on
     :data:`MIXED_LAYOUTS` with the first dispatcher); at EP2×PP2 each stage exports its HF tensors into
-    ``root/rt_<case>/stage<pp>`` (experts gathered over EP)."""
+    ``root/rt_<case>/stage<pp>`` (experts gathered over EP). At :data:`FROZEN_BIAS_LAYOUT` each ``frozen_bias``
+    case also trains one step: ``("expert_bias", case)`` -> max |Δ expert_bias| (:func:`expert_bias_after_train_step`)."""
     from megatron.core import parallel_state as ps
 
     from mrl.megatron.hf_io import HFCheckpointReader, write_hf_checkpoint
@@ -42,6 +89,9 @@ def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispa
     for layout in MOE_LAYOUTS:
         tp, pp, ep, etp, sp = layout
         init_parallel(device="cpu", tp=tp, pp=pp, ep=ep, etp=etp)
+        if layout == FROZEN_BIAS_LAYOUT:
+            for case in frozen_bias:
+                out[("expert_bias", case)] = expert_bias_after_train_step(Path(root) / case)
         cases = [(f, dispatchers) for f in families]
         if layout in MIXED_LAYOUTS:
             cases += [(m, dispatchers[:1]) for m in mixed]

@@ -1,8 +1,10 @@
 """Megatron MoE GPTModel logits == transformers logits (fp32) for Qwen3-MoE, Qwen2-MoE (shared
-expert with its gate, un-normalised top-k) and Mixtral at TP2, EP2, PP2, EP2×PP2 and TP2 with EP2
-folded over it, with both token dispatchers; models mixing dense and MoE layers (Qwen3-MoE with
-``mlp_only_layers=[0]``, Qwen2-MoE with ``decoder_sparse_step=2``: Megatron ``moe_layer_freq``) at TP1, EP2, PP2
-and EP2×PP2; HF → Megatron(EP2×PP2) → HF is bit-exact per tensor for all of them. One 4-rank gloo launch
+expert with its gate, un-normalised top-k) Mixtral and GLM-4.5 (sigmoid router with its score-correction bias,
+partial RoPE, ungated shared expert, a dense first layer) at TP2, EP2, PP2, EP2×PP2 and TP2 with EP2 folded over
+it, with both token dispatchers; models mixing dense and MoE layers (Qwen3-MoE with
+``mlp_only_layers=[0]``, Qwen2-MoE with ``decoder_sparse_step=2``, GLM-4.5 without q/k norm and qkv bias, two dense layers and
+group-limited routing: Megatron ``moe_layer_freq``) at TP1, EP2, PP2 and EP2×PP2; a GLM router's expert_bias
+unchanged by a train step's ``finalize_model_grads``; HF → Megatron(EP2×PP2) → HF is bit-exact per tensor for all of them. One 4-rank gloo launch
 covers all of it."""
 from __future__ import annotations
 
@@ -18,7 +20,10 @@ from tests.megatron._ranks import (
     write_reference_logits,
 )
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"]
+# GLM-4.5 (sigmoid router with its score-correction bias, routed_scaling_factor, partial RoPE, qkv bias, q/k norm,
+# ungated shared expert) with its first layer dense, as GLM-4.5-Air's first_k_dense_replace=1
+FAMILY_OVERRIDES = {"glm4_moe": {"first_k_dense_replace": 1}}
 DISPATCHERS = ["alltoall", "allgather"]
 TOL = 1e-5  # fp32: same maths, other summation order (expert order, TP reductions)
 PARAMS = [(f, d, lay) for f in FAMILIES for d in DISPATCHERS for lay in MOE_LAYOUTS]
@@ -27,7 +32,12 @@ PARAMS = [(f, d, lay) for f in FAMILIES for d in DISPATCHERS for lay in MOE_LAYO
 MIXED = {
     "qwen3_moe_mlp_only_0": ("qwen3_moe", {"mlp_only_layers": [0]}),
     "qwen2_moe_sparse_step_2": ("qwen2_moe", {"decoder_sparse_step": 2}),
+    # GLM-4.5-Air's attention (no q/k norm) without qkv bias, two dense first layers (pp stage 0 all dense), and
+    # group-limited routing (2 groups of 2 experts, top-2 inside the best group)
+    "glm4_moe_no_qk_norm": ("glm4_moe", {"use_qk_norm": False, "attention_bias": False, "first_k_dense_replace": 2,
+                                         "n_group": 2, "topk_group": 1}),
 }
+FROZEN_BIAS = ["glm4_moe"]  # sigmoid routers whose expert_bias must survive a train step (rate 0)
 MIXED_PARAMS = [(c, DISPATCHERS[0], lay) for c in MIXED for lay in MIXED_LAYOUTS]
 
 
@@ -36,10 +46,10 @@ def launched(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_parity")
     gen = torch.Generator().manual_seed(0)
     for fam in FAMILIES:
-        write_reference_logits(make_tiny_hf(root / fam, fam), gen)
+        write_reference_logits(make_tiny_hf(root / fam, fam, **FAMILY_OVERRIDES.get(fam, {})), gen)
     for case, (fam, overrides) in MIXED.items():
         write_reference_logits(make_tiny_hf(root / case, fam, **overrides), gen)
-    results = run_ranks(moe_parity_rank, 4, args=(str(root), FAMILIES, DISPATCHERS, list(MIXED)), timeout_s=300,
+    results = run_ranks(moe_parity_rank, 4, args=(str(root), FAMILIES, DISPATCHERS, list(MIXED), FROZEN_BIAS), timeout_s=300,
                         init_process_group=False)
     merged: dict = {}
     for r in results:
@@ -78,3 +88,12 @@ def test_moe_roundtrip_ep2_pp2_bit_exact(launched, family):
         dense = [i for i, moe in enumerate(FAMILY_OF[fam].moe_layers(hf_config(fam, **overrides))) if not moe]
         assert dense and all(f"model.layers.{i}.mlp.gate_proj.weight" in names for i in dense)
         assert not any(f"model.layers.{i}.mlp.experts." in n for i in dense for n in names)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", FROZEN_BIAS)
+def test_sigmoid_router_expert_bias_stays_frozen_through_a_train_step(launched, case):
+    """mrl keeps the score-correction bias a frozen checkpoint weight (moe_router_bias_update_rate=0):
+    Megatron's finalize_model_grads runs its aux-loss-free update on counted tokens and moves nothing."""
+    _, diffs = launched
+    assert diffs[("expert_bias", case)] == 0.0, f"{case}: expert_bias moved by {diffs[('expert_bias', case)]:.3g}"
