@@ -3,7 +3,8 @@
 ``make_tiny_moe_hf(path, family)`` writes config.json + model.safetensors (transformers' ``save_pretrained``,
 which stores the experts per expert under the checkpoint names) for ``qwen3_moe``, ``mixtral`` or
 ``qwen2_moe`` (shared expert + its sigmoid gate; ``mlp_only_layers=[0]`` makes layer 0 dense, so the
-routed-experts rows of a dense layer are exercised). 2 layers, hidden 32, 4 experts, top-2, vocab 96.
+routed-experts rows of a dense layer are exercised) or ``glm4_moe`` (GLM-4.5: sigmoid router with a non-zero
+score-correction bias, partial RoPE, qkv bias, q/k norm; ``first_k_dense_replace=1``: layer 0 dense). 2 layers, hidden 32, 4 experts, top-2, vocab 96.
 Router weights are scaled up so that top-2 choices are well separated (no near-ties between the engine's
 batched forward and an unbatched reference).
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe")
 NUM_EXPERTS, TOP_K, LAYERS = 4, 2, 2
 _COMMON = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": LAYERS,
            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
@@ -36,6 +37,11 @@ def moe_config(family: str, **overrides):
         cls = tf.Qwen2MoeConfig
         kw.update(num_experts=NUM_EXPERTS, moe_intermediate_size=16, shared_expert_intermediate_size=24,
                   mlp_only_layers=[0])
+    elif family == "glm4_moe":
+        cls = tf.Glm4MoeConfig
+        kw.update(n_routed_experts=NUM_EXPERTS, moe_intermediate_size=16, n_shared_experts=1, head_dim=8,
+                  partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True, first_k_dense_replace=1,
+                  n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5)
     else:
         raise ValueError(f"unknown tiny MoE family {family!r}; one of {FAMILIES}")
     kw.update(overrides)
@@ -57,6 +63,9 @@ def build_tiny_moe(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
                 p.copy_(1.0 * torch.randn_like(p))  # routers: well-separated logits
             else:
                 p.copy_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM's router bias: it decides some of the top-k
+                b.copy_(0.5 * torch.randn_like(b))
     return model.eval()
 
 
@@ -69,12 +78,19 @@ def make_tiny_moe_hf(path: str | os.PathLike, family: str = "qwen3_moe", seed: i
 
 def reference_topk(model, tokens: list[int]) -> torch.Tensor:
     """The routed-experts oracle: int32 ``[len(tokens), layers, top_k]``, the top-k of softmax(router logits) of
-    each MoE layer in one unbatched forward of ``tokens`` (``output_router_logits``); 0 for dense layers."""
+    each MoE layer in one unbatched forward of ``tokens`` (``output_router_logits``); 0 for dense layers. GLM-4.5
+    (one expert group): the top-k of sigmoid(router logits) + the layer's score-correction bias."""
     with torch.no_grad():
         out = model(input_ids=torch.tensor([tokens]), output_router_logits=True)
     moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
     assert len(out.router_logits) == len(moe_layers)
     ref = torch.zeros(len(tokens), len(model.model.layers), model.config.num_experts_per_tok, dtype=torch.int32)
     for i, logits in zip(moe_layers, out.router_logits):
-        ref[:, i] = torch.topk(torch.softmax(logits.float(), dim=-1), ref.shape[-1], dim=-1).indices.to(torch.int32)
+        gate = model.model.layers[i].mlp.gate
+        if model.config.model_type == "glm4_moe":
+            assert model.config.n_group == 1, "the oracle has no group-limited top-k"
+            scores = torch.sigmoid(logits.float()) + gate.e_score_correction_bias
+        else:
+            scores = torch.softmax(logits.float(), dim=-1)
+        ref[:, i] = torch.topk(scores, ref.shape[-1], dim=-1).indices.to(torch.int32)
     return ref

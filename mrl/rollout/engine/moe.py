@@ -4,6 +4,7 @@
 safetensors files hold them and as SGLang's loaders expect them::
 
     Qwen3-MoE / Qwen2-MoE: model.layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight
+    GLM-4.5:               model.layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight
     Mixtral:               model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight
                            model.layers.{i}.block_sparse_moe.gate.weight
 
@@ -17,10 +18,15 @@ and Mixtral's ``block_sparse_moe`` is its ``mlp``. :func:`checkpoint_views` give
 checkpoint name(s) as a *view* of the fused parameter, so a weight update copies each expert straight into its
 slice and ``/weights_checksum`` / ``/get_weights_by_name`` answer per checkpoint name (the inverse map).
 
-**Routed experts.** :class:`RoutingCapture` hooks every layer's top-k router (``*TopKRouter``, whose forward
+**Routed experts.** :class:`RoutingCapture` hooks every layer's top-k router (``*TopKRouter`` / GLM's
+``*TopkRouter``, whose forward
 returns ``(router_logits, router_scores, router_indices)``) and keeps the ``router_indices`` the experts
 then consumed, in prefill and decode alike. A layer without a router (Qwen2-MoE's ``mlp_only_layers``) keeps
 0s, as SGLang's capture buffer does (it is sized for every hidden layer and zero-initialised).
+
+**Buffers.** A checkpoint tensor that is a buffer in transformers (GLM-4.5's router ``e_score_correction_bias``)
+is a weight by name too: :func:`checkpoint_views` lists the model's persistent buffers, so an update writes it
+and ``/weights_checksum`` answers it (mrl keeps it frozen, so an update sends the same values).
 """
 from __future__ import annotations
 
@@ -50,6 +56,7 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     ``ModelRunner.release``/``resume`` the parameters hold new storage, and old views would write nowhere."""
     mt = getattr(model.config, "model_type", None)
     named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(_persistent_buffers(model))
     if mt not in EXPERT_NAMES:
         return named
     block, (gate, up, down) = EXPERT_NAMES[mt]
@@ -72,6 +79,16 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers a checkpoint holds (GLM-4.5's router ``e_score_correction_bias``); RoPE tables are not persistent."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, mod in model.named_modules():
+        for name, b in mod.named_buffers(recurse=False):
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
+
+
 class RoutingCapture:
     """Top-k expert ids of every layer for the tokens of one forward, from the routers' own outputs.
 
@@ -88,7 +105,8 @@ class RoutingCapture:
         self.layers: list[int] = []
         for i, layer in enumerate(model.model.layers):
             router = getattr(getattr(layer, "mlp", None), "gate", None)
-            if router is None or not type(router).__name__.endswith("TopKRouter"):
+            # Qwen3MoeTopKRouter, MixtralTopKRouter, Glm4MoeTopkRouter, ...
+            if router is None or not type(router).__name__.lower().endswith("topkrouter"):
                 continue  # a dense layer (Qwen2-MoE mlp_only_layers / decoder_sparse_step)
             router.register_forward_hook(self._hook(i))
             self.layers.append(i)
