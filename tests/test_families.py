@@ -52,11 +52,14 @@ def test_family_module_declares_every_piece(module):
     assert len(mcore) == len(set(mcore)), f"{module}: duplicate Megatron name"
     hf = [n for r in rules for n in r.hf]
     assert len(hf) == len(set(hf)), f"{module}: duplicate HF name"
+    attention = (("self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.weight")
+                 if fam.is_mla else ("self_attention.linear_qkv.weight",))
     for name in ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight",
-                 "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight"):
+                 "self_attention.linear_proj.weight", *attention):
         assert name in mcore, f"{module}: no rule for {name}"
     assert ("self_attention.linear_qkv.bias" in mcore) is fam.qkv_bias
-    assert ("self_attention.q_layernorm.weight" in mcore) is fam.qk_norm
+    # MLA's q_layernorm is its query-latent norm (q_a_layernorm), not a per-head q/k norm
+    assert ("self_attention.q_layernorm.weight" in mcore) is (fam.qk_norm or fam.is_mla)
     experts = [r for r in rules if r.expert]
     if fam.moe is None:
         assert not experts and "mlp.linear_fc1.weight" in mcore and "mlp.router.weight" not in mcore
@@ -92,6 +95,7 @@ def test_family_config_kwargs_and_layer_spec_needs(name):
     assert ("num_moe_experts" in kw) is fam.is_moe
     spec = fam.layer_spec_kwargs(cfg)
     assert spec["qk_layernorm"] is fam.qk_norm and (spec["num_experts"] is not None) is fam.is_moe
+    assert spec["multi_latent_attention"] is fam.is_mla and ("kv_lora_rank" in kw) is fam.is_mla
     if fam.sliding_window:
         cfg.sliding_window = 5
         assert fam.transformer_kwargs(cfg)["window_size"] == (4, 0)

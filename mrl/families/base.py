@@ -16,6 +16,8 @@ A family module (``mrl/families/<name>.py``) defines one ``FAMILY = Family(...)`
   :meth:`Family.weight_rules_for` drops the rules of a switched-off piece;
 * ``weight_rules``: its HF ↔ Megatron table (:mod:`mrl.families.rules`, applied by
   :mod:`mrl.megatron.mapping`);
+* ``mla``: multi-latent attention (DeepSeek-V3): config.json -> ``MLATransformerConfig`` keywords;
+* ``plan_notes``: lines ``mrl plan`` prints for a checkpoint of the family (what it skips or freezes);
 * ``engine_refuses_sliding_window``: the embedded engine's fast decode path hands a config with
   ``sliding_window`` set to transformers' forward (:mod:`mrl.rollout.engine.decode`);
 * ``refuse``: its own refusals, run after the common decoder checks of the provider.
@@ -66,6 +68,10 @@ def qwen_moe_layers(hf_config: Any) -> list[int]:
 
 def _none(_hf_config: Any) -> None:
     return None
+
+
+def _no_notes(_hf_config: Any) -> list[str]:
+    return []
 
 
 # transformers' group-limited routers (DeepSeek-V3, GLM-4.5) score a group by the sum of its top-2 expert
@@ -233,10 +239,18 @@ class Family:
     moe: MoE | None = None
     engine_refuses_sliding_window: bool = False
     refuse: Callable[[Any], None] = _accept
+    # multi-latent attention (DeepSeek-V3): config.json -> MLATransformerConfig keywords; None = GQA attention
+    mla: Callable[[Any], dict[str, Any]] | None = None
+    # lines ``mrl plan`` prints for this checkpoint (what the family does that a user should know)
+    plan_notes: Callable[[Any], list[str]] = _no_notes
 
     @property
     def is_moe(self) -> bool:
         return self.moe is not None
+
+    @property
+    def is_mla(self) -> bool:
+        return self.mla is not None
 
     def has_qkv_bias(self, hf_config: Any) -> bool:
         """This checkpoint's attention has a q/k/v bias (the family's, switched by ``qkv_bias_key``)."""
@@ -247,14 +261,14 @@ class Family:
         return self.qk_norm and (self.qk_norm_key is None or bool(getattr(hf_config, self.qk_norm_key, False)))
 
     def weight_rules_for(self, hf_config: Any) -> tuple[Rule, ...]:
-        """The weight rules of this checkpoint: those of a qkv bias / q/k norm its config.json switches off
-        are dropped (the layer has no such parameter)."""
+        """The weight rules of this checkpoint: those whose ``Rule.when`` config.json does not meet and those of a
+        qkv bias / q/k norm it switches off are dropped (the layer has no such parameter)."""
         off: set[Rule] = set()
         if not self.has_qkv_bias(hf_config):
             off.update(QKV_BIAS)
         if not self.has_qk_norm(hf_config):
             off.update(QK_NORM)
-        return tuple(r for r in self.weight_rules if r not in off)
+        return tuple(r for r in self.weight_rules if r not in off and r.applies(hf_config))
 
     def check(self, hf_config: Any) -> None:
         """The family's own refusals (the MoE checks included); the provider runs the common ones first."""
@@ -269,15 +283,19 @@ class Family:
         if window:
             # transformers: key k is seen by query q iff q - W < k <= q; Megatron's (left, right) = (W - 1, 0)
             kw["window_size"] = (int(window) - 1, 0)
+        if self.mla is not None:
+            kw.update(self.mla(hf_config))
         if self.moe is not None:
             kw.update(self.moe.transformer_kwargs(hf_config, ep=ep, etp=etp))
         return kw
 
     def layer_spec_kwargs(self, hf_config: Any) -> dict[str, Any]:
-        """What Megatron's layer-spec builders need: ``qk_layernorm``, ``num_experts`` (None = dense) and
-        ``moe_layers`` (1/0 per global layer when an MoE model mixes in dense layers, else None)."""
+        """What Megatron's layer-spec builders need: ``qk_layernorm``, ``num_experts`` (None = dense),
+        ``moe_layers`` (1/0 per global layer when an MoE model mixes in dense layers, else None) and
+        ``multi_latent_attention``."""
         return {"qk_layernorm": self.has_qk_norm(hf_config), "num_experts": num_experts(hf_config) if self.moe else None,
-                "moe_layers": self.moe.layer_pattern(hf_config) if self.moe else None}
+                "moe_layers": self.moe.layer_pattern(hf_config) if self.moe else None,
+                "multi_latent_attention": self.is_mla}
 
     def moe_layers(self, hf_config: Any) -> list[int]:
         """1/0 per decoder layer: an MoE layer or a dense MLP (all 0 for a dense family)."""

@@ -3,11 +3,6 @@ them; :func:`mrl.families.family_of` raises with the reason)."""
 from __future__ import annotations
 
 REFUSED_ARCHITECTURES: dict[str, str] = {
-    "DeepseekV3ForCausalLM": (
-        "DeepSeek-V3 needs multi-latent attention, a sigmoid router with a score-correction bias, "
-        "group-limited top-k and dense first layers; mrl's HF<->Megatron table has no MLA mapping "
-        "and no transformers parity test for it yet"
-    ),
     "DeepseekV2ForCausalLM": "DeepSeek-V2 needs multi-latent attention, which mrl does not map yet",
     "GptOssForCausalLM": "gpt-oss needs attention sinks, biased experts and a clamped SwiGLU, which "
                          "Megatron's local spec does not implement",

@@ -7,10 +7,14 @@ index; for a routed expert ``{j}`` the local and ``{e}`` the global expert index
 TP (ETP for experts); the splits are described in :mod:`mrl.megatron.mapping`. In a model mixing dense and
 MoE layers (:meth:`mrl.families.base.MoE.layer_pattern`) a rule's ``layers`` says which layers have it:
 ``"all"`` (attention, norms), ``"moe"`` (router, experts, shared expert) or ``"dense"`` (the dense MLP).
+A rule's ``when`` (a predicate on config.json) says whether the model has the tensor at all (MLA's
+``q_a_proj``/``q_b_proj`` with ``q_lora_rank``, its ``q_proj`` without).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 SPLITS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
 LAYER_KINDS = ("all", "moe", "dense")
@@ -27,6 +31,11 @@ class Rule:
     expert: bool = False
     # Which decoder layers hold it (LAYER_KINDS): every one, MoE layers only or dense-MLP layers only.
     layers: str = "all"
+    # Whether config.json gives the model this tensor (None: always), e.g. MLA's q_a_proj only with q_lora_rank.
+    when: Callable[[Any], bool] | None = None
+
+    def applies(self, hf_config: Any) -> bool:
+        return self.when is None or bool(self.when(hf_config))
 
     def on_layer(self, moe_layer: bool) -> bool:
         """Whether a decoder layer (an MoE layer or not) has this rule's parameter."""

@@ -37,6 +37,10 @@ Redirects (each has its own test in ``tests/megatron/test_cpu_support.py``):
    inside the handler of ``torch.autograd.backward``, where a function mode is switched off, so
    redirect 2 cannot rewrite the ``device=`` they allocate with there.
 
+10. Multi-latent attention's ``YarnRotaryEmbedding`` is built with ``use_cpu_initialization=True``: MLA does
+   not pass the config's flag, so it would build its frequency tables under ``torch.device(<CUDA ordinal>)``,
+   a device context the function mode of redirect 2 cannot rewrite (:func:`_cpu_yarn_init`).
+
 Scope: :func:`cpu_support` is a reversible context (the patches are undone when the last user
 leaves); :func:`enable_cpu_support` enters it for a thread's lifetime and is called only when
 ``device == "cpu"`` (by :func:`mrl.megatron.parallel.init_parallel` and the trainer rank's
@@ -178,10 +182,23 @@ class _DropSameGeneratorWarning(logging.Filter):
         return record.getMessage() != "CPU RNG state changed within GPU RNG context"
 
 
+def _cpu_yarn_init(original: Callable) -> Callable:
+    """Redirect 10: ``YarnRotaryEmbedding.__init__`` with ``use_cpu_initialization=True``."""
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["use_cpu_initialization"] = True
+        original(self, *args, **kwargs)
+
+    return init
+
+
 def _redirects() -> list[tuple[Any, str, Any]]:
-    """(owner, attribute, CPU stand-in) of every process-wide redirect (1, 5, 6, 7 of the docstring)."""
+    """(owner, attribute, CPU stand-in) of every process-wide redirect (1, 5, 6, 7, 10 of the docstring)."""
     import megatron.core.tensor_parallel.random as mrandom
     from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
     from megatron.core.tensor_parallel import mappings
     from megatron.core.transformer.moe import token_dispatcher
 
@@ -203,6 +220,7 @@ def _redirects() -> list[tuple[Any, str, Any]]:
         (mrandom, "_get_cuda_rng_state", lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()),
         (mrandom, "_set_cuda_rng_state", lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)),
         (rope_utils, "_apply_rotary_pos_emb_bshd", make_rope_bshd(rope_utils._apply_rotary_pos_emb_bshd)),
+        (YarnRotaryEmbedding, "__init__", _cpu_yarn_init(YarnRotaryEmbedding.__init__)),
     ]
 
 

@@ -85,7 +85,7 @@ def _ep() -> tuple[int, int, Any]:
 def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tuple[Rule, dict[str, str], torch.Tensor]]:
     """(rule, format args, local Megatron parameter) for every mapped tensor of this rank."""
     family = family_of(hf_config)
-    table = family.weight_rules_for(hf_config)  # without the pieces this config.json switches off
+    table = family.weight_rules_for(hf_config)  # the rules config.json gives this model (Rule.when, switches)
     moe_layers = family.moe_layers(hf_config)  # 1/0 per global layer: which rules a layer has
     for chunk in map(unwrap, chunks):
         tied = chunk.share_embeddings_and_output_weights
@@ -100,7 +100,7 @@ def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tup
                 yield rule, {}, p
         for layer in chunk.decoder.layers:
             i = str(layer.layer_number - 1)
-            # buffers too: a sigmoid router's score-correction bias is a buffer (``mlp.router.expert_bias``)
+            # buffers too: the router's expert_bias (a score-correction bias, not trained) is a checkpoint tensor
             layer_params = {**dict(layer.named_buffers()), **dict(layer.named_parameters())}
             moe_layer = bool(moe_layers[layer.layer_number - 1])
             for rule in table:

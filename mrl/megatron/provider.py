@@ -123,7 +123,7 @@ def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float3
     ``TransformerConfig`` (e.g. ``recompute_granularity``, ``variable_seq_lengths``).
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     family = family_of(hf_config)
     _check_supported(hf_config, family.name)
@@ -170,7 +170,7 @@ def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float3
     # the family's own: add_qkv_bias, qk_layernorm, window_size, the MoE router and experts
     kw.update(family.transformer_kwargs(hf_config, ep=ep, etp=etp))
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    return (MLATransformerConfig if family.is_mla else TransformerConfig)(**kw)
 
 
 def te_usable() -> bool:
@@ -206,8 +206,12 @@ def layer_spec(hf_config: Any, *, backend: str = "sdpa", moe: bool | None = None
     if backend not in ("te", "sdpa", "local"):
         raise ValueError(f"attention backend {backend!r}: expected te, sdpa or local (resolve auto first)")
     family = family_of(hf_config)
-    need = family.layer_spec_kwargs(hf_config)  # qk_layernorm, num_experts (None: dense)
-    qk, experts = need["qk_layernorm"], need["num_experts"]
+    need = family.layer_spec_kwargs(hf_config)  # qk_layernorm, num_experts (None: dense), multi_latent_attention
+    qk, experts, mla = need["qk_layernorm"], need["num_experts"], need["multi_latent_attention"]
+    if mla and backend != "sdpa":
+        # local: DotProductAttention refuses MLA's d_k != d_v; te: the mapping has no names for TE's fused MLA norms
+        raise ValueError(f"megatron.attention_backend={backend} with multi-latent attention ({family.name}): only "
+                         "attention_backend=sdpa builds it; fix: megatron.attention_backend=sdpa")
     if moe is False:
         experts = None
     if experts:
@@ -219,8 +223,13 @@ def layer_spec(hf_config: Any, *, backend: str = "sdpa", moe: bool | None = None
         # store them as linear_fc1.weight<j>, which mapping.py does not know yet).
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk)
-    spec = specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk,
-                                          normalization="RMSNorm")
+    if mla:
+        from mrl.megatron.mla_support import ensure_megatron_mla_importable
+
+        ensure_megatron_mla_importable()
+    # MLA: the local spec's q/kv latent RMSNorms exist only with qk_layernorm=True
+    spec = specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk or mla,
+                                          normalization="RMSNorm", multi_latent_attention=mla)
     if backend == "sdpa":
         from mrl.megatron.sdpa_attention import SDPAAttention
 
@@ -275,7 +284,8 @@ def build_model_chunks(
     from megatron.core.models.gpt import GPTModel
 
     tcfg = make_transformer_config(hf_config, dtype=dtype, **(config_overrides or {}))
-    theta, rope_scaling, rope_factor = _rope_params(hf_config)
+    # MLA attention builds its own (YaRN) rotary embedding from the config; GPTModel's is unused then
+    theta, rope_scaling, rope_factor = (10000.0, False, 1.0) if family_of(hf_config).is_mla else _rope_params(hf_config)
     tied = (
         bool(getattr(hf_config, "tie_word_embeddings", False))
         if share_embeddings_and_output_weights is None

@@ -3,8 +3,9 @@
 ``make_tiny_hf(path, family)`` writes config.json, model.safetensors and a tokenizer into
 ``path`` and returns it. Families: llama (GQA, untied), qwen2 (qkv bias, tied embeddings,
 vocab not a multiple of 4*TP), qwen3 (q/k norm), mistral; MoE: qwen3_moe (4 experts, top-2,
-normalised top-k), qwen2_moe (un-normalised top-k, shared expert with its gate), mixtral, glm4_moe
-(GLM-4.5: partial RoPE, sigmoid router with a score-correction bias, ungated shared expert). Weights are random with a fixed seed
+normalised top-k), qwen2_moe (un-normalised top-k, shared expert with its gate), mixtral, deepseek_v3
+(MLA, sigmoid router), glm4_moe (GLM-4.5: partial RoPE, sigmoid router with a score-correction bias, ungated
+shared expert). Weights are random with a fixed seed
 and scaled so that logits are O(1) (useful for parity tests in fp32).
 """
 from __future__ import annotations
@@ -64,6 +65,11 @@ def hf_config(family: str, **overrides):
         cls = tf.MixtralConfig
         kw.update(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
                   sliding_window=None, router_aux_loss_coef=0.01)
+    elif family == "deepseek_v3":  # every layer MoE here; tests/helpers/tiny_deepseek.py has the parity model
+        cls = tf.DeepseekV3Config
+        kw.update(tie_word_embeddings=False, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=48, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=0,
+                  kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)
     elif family == "glm4_moe":
         # GLM-4.5's pieces: partial RoPE, qkv bias, q/k norm, sigmoid router with a score-correction bias (set
         # non-zero by build_tiny_model), routed_scaling_factor, an ungated shared expert; all layers MoE here

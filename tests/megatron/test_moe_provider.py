@@ -65,10 +65,10 @@ def test_unsupported_moe_layouts_are_refused_with_the_fix():
         check_moe_supported(cfg, "mixtral")
 
 
-def test_deepseek_v3_is_refused_with_the_reason():
+def test_deepseek_v2_is_refused_with_the_reason():
     import transformers as tf
 
-    cfg = tf.DeepseekV3Config(num_hidden_layers=2, hidden_size=64, vocab_size=100)
-    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    cfg = tf.DeepseekV2Config(num_hidden_layers=2, hidden_size=64, vocab_size=100)
+    cfg.architectures = ["DeepseekV2ForCausalLM"]
     with pytest.raises(ValueError, match="multi-latent attention"):
         model_family(cfg)

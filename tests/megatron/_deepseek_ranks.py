@@ -1,0 +1,55 @@
+"""Rank body of the DeepSeek-V3 parity test (module-level so spawn can pickle it)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.megatron._ranks import pipeline_logits
+
+# (tp, pp, ep, etp): 4 ranks. TP2 splits MLA's projections by heads (and the latent down-projections by rows,
+# gathered right after) and the experts over ETP=TP; EP2 x PP2 also exports the HF tensors (round trip).
+DS_LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 1), (1, 2, 2, 1)]
+DS_ROUNDTRIP = (1, 2, 2)
+# (case, dispatcher, layout) runs: the q_lora model everywhere with the all-to-all dispatcher and at EP2 with the
+# allgather one; the model without q_lora (its attention differs, its experts do not) at TP1, TP2 and EP2 x PP2.
+DS_RUNS = ([("q_lora", "alltoall", lay) for lay in DS_LAYOUTS] + [("q_lora", "allgather", (1, 1, 2, 1))]
+           + [("no_q_lora_mtp", "alltoall", lay) for lay in ((1, 1, 1, 1), (2, 1, 1, 2), (1, 2, 2, 1))])
+
+
+def deepseek_parity_rank(rank: int, world: int, root: str) -> dict:
+    """max |Δlogits| against each case's ref.pt per (case, dispatcher, tp, pp, ep); at EP2×PP2 each stage
+    exports its HF tensors into ``root/rt_<case>/stage<pp>``."""
+    from megatron.core import parallel_state as ps
+
+    from mrl.megatron.hf_io import HFCheckpointReader, write_hf_checkpoint
+    from mrl.megatron.mapping import (
+        export_hf_weights,
+        hf_names_for_stage,
+        load_hf_weights,
+    )
+    from mrl.megatron.parallel import init_parallel
+    from mrl.megatron.provider import build_model_chunks, load_hf_config
+
+    out: dict = {}
+    for tp, pp, ep, etp in DS_LAYOUTS:
+        init_parallel(device="cpu", tp=tp, pp=pp, ep=ep, etp=etp)
+        for case, disp, layout in DS_RUNS:
+            if layout != (tp, pp, ep, etp):
+                continue
+            path = Path(root) / case
+            ref = torch.load(path / "ref.pt", weights_only=True)
+            cfg = load_hf_config(path)
+            chunks = build_model_chunks(cfg, config_overrides={"moe_token_dispatcher_type": disp})
+            load_hf_weights(chunks, cfg, HFCheckpointReader(path))
+            logits = pipeline_logits(chunks, cfg, ref["ids"])
+            if logits is not None:
+                out[(case, disp, tp, pp, ep)] = (logits - ref["logits"]).abs().max().item()
+            if (tp, pp, ep) == DS_ROUNDTRIP:
+                stage_dir = Path(root) / f"rt_{case}" / f"stage{ps.get_pipeline_model_parallel_rank()}"
+                names = hf_names_for_stage(chunks, cfg)
+                tensors = list(export_hf_weights(chunks, cfg))  # collective over EP: every rank iterates
+                assert sorted(n for n, _ in tensors) == sorted(names), "export and name list disagree"
+                if ps.get_expert_model_parallel_rank() == 0:
+                    write_hf_checkpoint(stage_dir, tensors)
+    return out

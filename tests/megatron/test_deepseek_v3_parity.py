@@ -1,0 +1,81 @@
+"""DeepSeek-V3 (MLA with and without q_lora_rank, YaRN with mscale, interleaved rotary pairs, sigmoid router with
+score-correction bias and group-limited top-k, routed scaling, an ungated shared expert, a dense first layer):
+Megatron logits == transformers' ``DeepseekV3ForCausalLM`` (fp32, <= 1e-5) at TP1, TP2, EP2, PP2 and EP2×PP2
+(the model without q_lora_rank at TP1, TP2 and EP2×PP2; the all-to-all dispatcher, and the allgather one at EP2); HF → Megatron(EP2×PP2) → HF is bit-exact per tensor; the checkpoint's
+multi-token-prediction layer is never read (its tensors are not exported back). One 4-rank gloo launch."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.helpers.dist import run_ranks
+from tests.helpers.tiny_deepseek import make_tiny_deepseek_hf
+from tests.megatron._deepseek_ranks import DS_RUNS, deepseek_parity_rank
+from tests.megatron._ranks import (
+    assert_stages_export_the_checkpoint,
+    write_reference_logits,
+)
+
+pytestmark = pytest.mark.multirank
+TOL = 1e-5  # fp32: same maths, other summation order
+CASES = {"q_lora": True, "no_q_lora_mtp": False}  # case -> q_lora_rank set; the second also holds an MTP layer
+PARAMS = DS_RUNS
+
+
+def _mtp_names(n_layers: int) -> list[str]:
+    return [f"model.layers.{n_layers}.{s}" for s in ("eh_proj.weight", "enorm.weight", "hnorm.weight",
+                                                       "self_attn.kv_b_proj.weight", "shared_head.norm.weight")]
+
+
+def _add_mtp_layer(path: Path) -> None:
+    """What a DeepSeek-V3 checkpoint stores after its decoder: ``model.layers.{num_hidden_layers}.*``."""
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in _mtp_names(4):
+        tensors[name] = torch.randn(8, 8)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek_parity")
+    gen = torch.Generator().manual_seed(0)
+    for case, q_lora in CASES.items():
+        write_reference_logits(make_tiny_deepseek_hf(root / case, seed=1, q_lora=q_lora), gen)
+    _add_mtp_layer(root / "no_q_lora_mtp")
+    results = run_ranks(deepseek_parity_rank, 4, args=(str(root),), timeout_s=300,
+                        init_process_group=False)
+    merged: dict = {}
+    for r in results:
+        merged.update(r)
+    print("max |Δlogits|:", {k: f"{v:.2e}" for k, v in sorted(merged.items(), key=str)})
+    return root, merged
+
+
+@pytest.mark.parametrize("case,dispatcher,layout", PARAMS,
+                         ids=[f"{c}-{d}-tp{l[0]}pp{l[1]}ep{l[2]}" for c, d, l in PARAMS])
+def test_deepseek_v3_logits_match_transformers(launched, case, dispatcher, layout):
+    _, diffs = launched
+    diff = diffs[(case, dispatcher, *layout[:3])]
+    assert diff <= TOL, f"{case} {dispatcher} {layout}: max |Δlogits| = {diff:.3g} > {TOL}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_deepseek_v3_roundtrip_ep2_pp2_bit_exact(launched, case):
+    root, _ = launched
+    src = root / case
+    stage_dirs = [root / f"rt_{case}" / f"stage{s}" for s in range(2)]
+    if case == "no_q_lora_mtp":  # compare against the checkpoint without its MTP layer, which nobody read
+        tensors = load_file(str(src / "model.safetensors"))
+        assert all(n in tensors for n in _mtp_names(4))
+        src = root / "no_mtp"
+        src.mkdir(exist_ok=True)
+        save_file({n: t for n, t in tensors.items() if not n.startswith("model.layers.4.")},
+                  str(src / "model.safetensors"), metadata={"format": "pt"})
+    stages = assert_stages_export_the_checkpoint(src, stage_dirs)
+    names = [n for st in stages for n in st.names()]
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names and "model.layers.0.mlp.gate_proj.weight" in names
+    assert any(".experts.7." in n for n in names), "EP rank 1's experts missing from the export"
+    assert any("q_a_proj" in n for n in names) is CASES[case]
