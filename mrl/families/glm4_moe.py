@@ -26,26 +26,20 @@ from __future__ import annotations
 from typing import Any
 
 from mrl.families.base import Family, MoE
+from mrl.families.deepseek_v3 import ROUTER_BIAS, UNGATED_SHARED_EXPERT
+from mrl.families.deepseek_v3 import (
+    _plan_notes as _sigmoid_router_notes,  # the bias frozen, MTP layers skipped
+)
 from mrl.families.rules import (
     ATTENTION,
     DENSE_MLP_OF_MIXED,
     MODEL_RULES,
     QK_NORM,
     QKV_BIAS,
-    L,
-    Rule,
     moe_rules,
 )
 
 _EXPERTS = ("gate_proj", "up_proj", "down_proj")
-
-_SHARED_AND_BIAS = (
-    Rule("mlp.router.expert_bias", (L + "mlp.gate.e_score_correction_bias",), "replicated", layers="moe"),
-    Rule("mlp.shared_experts.linear_fc1.weight",
-         (L + "mlp.shared_experts.gate_proj.weight", L + "mlp.shared_experts.up_proj.weight"), "gate_up",
-         layers="moe"),
-    Rule("mlp.shared_experts.linear_fc2.weight", (L + "mlp.shared_experts.down_proj.weight",), "row", layers="moe"),
-)
 
 
 def _expert_ffn(hf_config: Any) -> int:
@@ -83,8 +77,8 @@ def _topk_scaling(hf_config: Any) -> float:
 FAMILY = Family(
     name="glm4_moe",
     architectures=("Glm4MoeForCausalLM",),
-    weight_rules=MODEL_RULES + ATTENTION + QKV_BIAS + QK_NORM + moe_rules("mlp", *_EXPERTS) + _SHARED_AND_BIAS
-    + DENSE_MLP_OF_MIXED,
+    weight_rules=MODEL_RULES + ATTENTION + QKV_BIAS + QK_NORM + moe_rules("mlp", *_EXPERTS) + ROUTER_BIAS
+    + UNGATED_SHARED_EXPERT + DENSE_MLP_OF_MIXED,
     qkv_bias=True,
     qkv_bias_key="attention_bias",
     qk_norm=True,
@@ -93,4 +87,5 @@ FAMILY = Family(
             shared_expert_size=_shared_expert_size, layers=first_dense_layers,
             score_function="sigmoid", expert_bias=True, num_groups=_n_group, group_topk=_topk_group,
             topk_scaling=_topk_scaling, shared_expert_gate=False),
+    plan_notes=_sigmoid_router_notes,
 )
