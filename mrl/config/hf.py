@@ -23,9 +23,8 @@ from typing import Any
 
 from mrl.families import FAMILIES
 
-# model_type -> the family's q/k/v bias and q/k norm (mrl/families/<name>.py); other types: neither
+# model_type -> the family's q/k/v bias (mrl/families/<name>.py); other types: none unless attention_bias
 _QKV_BIAS_TYPES = {name for name, fam in FAMILIES.items() if fam.qkv_bias}
-_QK_NORM_TYPES = {name for name, fam in FAMILIES.items() if fam.qk_norm}
 
 
 @dataclass(frozen=True)
@@ -48,6 +47,7 @@ class ModelShape:
     moe_intermediate_size: int = 0
     experts_per_token: int = 0
     shared_expert_size: int = 0
+    shared_expert_gate: bool = True  # the shared expert's sigmoid gate (Qwen2-MoE); GLM-4.5 / DeepSeek-V3 have none
     # MoE layers among num_layers (Qwen's decoder_sparse_step / mlp_only_layers make the others dense MLPs of
     # intermediate_size); None: every layer (or, for a dense model, none)
     moe_layers: int | None = None
@@ -66,7 +66,7 @@ class ModelShape:
         norms = 2 * h + (2 * d if self.qk_norm else 0)
         if self.num_experts:
             experts = self.num_experts * 3 * h * self.expert_ffn_size
-            shared = 3 * h * self.shared_expert_size + (h if self.shared_expert_size else 0)
+            shared = 3 * h * self.shared_expert_size + (h if self.shared_expert_size and self.shared_expert_gate else 0)
             return attn + norms + h * self.num_experts + shared, experts
         return attn + norms + 3 * h * self.intermediate_size, 0
 
@@ -82,7 +82,8 @@ class ModelShape:
         if self.num_experts and self.moe_layers is not None:  # the dense layers: a SwiGLU MLP, no router/experts
             h = self.hidden_size
             dense_mlp = (dense - h * self.num_experts - 3 * h * self.shared_expert_size
-                         - (h if self.shared_expert_size else 0) + 3 * h * self.intermediate_size)
+                         - (h if self.shared_expert_size and self.shared_expert_gate else 0)
+                         + 3 * h * self.intermediate_size)
             layers = self.moe_layers * (dense + experts) + (self.num_layers - self.moe_layers) * dense_mlp
         return v * self.hidden_size + layers + self.hidden_size + head
 
@@ -97,6 +98,7 @@ def _get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
 def shape_from_dict(cfg: dict[str, Any]) -> ModelShape:
     """Build a ModelShape from a parsed config.json; KeyError names a missing required key."""
     model_type = str(cfg.get("model_type", "unknown"))
+    fam, ns = FAMILIES.get(model_type), SimpleNamespace(**cfg)  # the family's facts, read as from a config object
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     return ModelShape(
@@ -111,11 +113,13 @@ def shape_from_dict(cfg: dict[str, Any]) -> ModelShape:
         max_positions=_get(cfg, "max_position_embeddings"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", model_type in _QKV_BIAS_TYPES)),
-        qk_norm=model_type in _QK_NORM_TYPES,
+        qk_norm=fam is not None and fam.has_qk_norm(ns),
         num_experts=int(_get(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0)),
         moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", default=0)),
         experts_per_token=int(_get(cfg, "num_experts_per_tok", default=0)),
-        shared_expert_size=int(_get(cfg, "shared_expert_intermediate_size", default=0)),
+        # the family's rule (Qwen2-MoE's shared_expert_intermediate_size, GLM's n_shared_experts x expert width)
+        shared_expert_size=int(fam.moe.shared_expert_size(ns)) if fam is not None and fam.moe is not None else 0,
+        shared_expert_gate=fam is None or fam.moe is None or fam.moe.shared_expert_gate,
         moe_layers=_moe_layers(cfg),
     )
 
