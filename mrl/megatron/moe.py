@@ -11,6 +11,9 @@ them dense SwiGLU MLPs of ``intermediate_size``: Megatron's ``moe_layer_freq`` l
     qwen2_moe   Qwen2MoeForCausalLM    softmax → top-k, renorm if norm_topk   qkv bias, shared expert
                                                                               with a sigmoid gate
     mixtral     MixtralForCausalLM     softmax → top-k → renorm (always)
+    glm4_moe    Glm4MoeForCausalLM     sigmoid + frozen bias → top-k          partial RoPE, qkv bias / q/k
+                                       (→ groups) → renorm × scaling          norm per config, ungated
+                                                                              shared expert, dense first layers
 
 One MoE layer (``x`` the pre-MLP-normed hidden state of one token, ``E`` experts, top-``k``)::
 

@@ -3,14 +3,15 @@
 Supported dense decoder families (``architectures`` in config.json): Llama 2/3 (incl. llama3
 rope scaling), Qwen2/2.5 (qkv bias, tied embeddings), Qwen3 (per-head q/k RMSNorm), Mistral (with its
 ``sliding_window``: every layer windowed, on the sdpa and te backends); and the
-Mixture-of-Experts families Qwen3-MoE, Qwen2-MoE and Mixtral (:mod:`mrl.megatron.moe`, where the
+Mixture-of-Experts families Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5 (:mod:`mrl.megatron.moe`, where the
 MLP below becomes a routed sum of SwiGLU experts; layers a Qwen MoE config makes dense keep the MLP:
 Megatron's ``moe_layer_freq`` list and one layer spec per layer, :func:`decoder_spec`). What differs per
 family (qkv bias, q/k norm, window, MoE settings, refusals) is declared in its module under :mod:`mrl.families`; this module adds the
 settings common to all of them. All are pre-norm RMSNorm decoders with RoPE, GQA
 and SwiGLU::
 
-    h = x + o_proj(attn(rope(q), rope(k), v)),  q, k, v = proj(rmsnorm(x))
+    h = x + o_proj(attn(rope(q), rope(k), v)),  q, k, v = proj(rmsnorm(x))   (RoPE on the first
+                                                                        partial_rotary_factor of each head)
     y = h + down(silu(gate(rmsnorm(h))) * up(rmsnorm(h)))
 
 The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by * TP`` (Megatron's rule;
