@@ -42,6 +42,7 @@ def _setup(device: str, tp: int, pp: int, vpp: int | None, timeout_s: int, ep: i
 
 
 def _build(cfg_dir: str, dtype: torch.dtype, lora_ckpt: str | None = None) -> tuple[Any, list]:
+    from mrl.families import family_of
     from mrl.megatron.lora_io import LORA_META
     from mrl.megatron.provider import (
         build_model_chunks,
@@ -52,7 +53,8 @@ def _build(cfg_dir: str, dtype: torch.dtype, lora_ckpt: str | None = None) -> tu
     cfg = load_hf_config(cfg_dir)
     lora = lora_ckpt is not None and (Path(lora_ckpt) / LORA_META).is_file()
     # the layer spec the trainer picks on this host (TE's parameter names differ from the local spec's)
-    return cfg, build_model_chunks(cfg, dtype=dtype, attention_backend=resolve_attention_backend("auto", lora=lora))
+    backend = resolve_attention_backend("auto", lora=lora, mla=family_of(cfg).is_mla)
+    return cfg, build_model_chunks(cfg, dtype=dtype, attention_backend=backend)
 
 
 def _maybe_lora(ckpt_dir: str, cfg: Any, chunks: list) -> dict | None:

@@ -139,11 +139,28 @@ def resolve_shared_prefix(cfg: MRLConfig, device: str) -> AutoChoice:
 
 
 def choose_attention_backend(want: str, *, device: str, te_importable: bool, lora: bool,
-                             key: str = "actor.megatron.attention_backend") -> AutoChoice:
+                             key: str = "actor.megatron.attention_backend", mla: bool = False) -> AutoChoice:
     """``<role>.megatron.attention_backend`` on ``device`` (the rule: :mod:`mrl.megatron.backends`, which the ranks
-    apply too); ``te_importable``: TE's PyTorch extension imports where the ranks run."""
-    value, why = choose_backend(want, device=device, te_importable=te_importable, lora=lora)
+    apply too); ``te_importable``: TE's PyTorch extension imports where the ranks run; ``mla``: the role's model has
+    multi-latent attention."""
+    value, why = choose_backend(want, device=device, te_importable=te_importable, lora=lora, mla=mla)
     return AutoChoice(key, value, why)
+
+
+# the roles built from model.path (the reward model and the teacher have their own checkpoints)
+POLICY_ROLES = ("actor", "ref", "critic")
+
+
+def model_is_mla(cfg: MRLConfig) -> bool:
+    """model.path (or mrl's bundled copy of its config.json) is a multi-latent-attention model (DeepSeek-V3)."""
+    from mrl.config.hf import bundled_hub_shape, read_model_shape
+
+    try:
+        shape = read_model_shape(cfg.model.path) if cfg.model.path else None
+    except ValueError:
+        return False  # load_shape reports it
+    shape = shape or (bundled_hub_shape(cfg.model.path) if cfg.model.path else None)
+    return shape is not None and shape.mla is not None
 
 
 def te_importable_here() -> bool:
@@ -169,9 +186,9 @@ def megatron_roles(cfg: MRLConfig) -> list[tuple[str, Any, bool]]:
 
 def resolve_attention_backends(cfg: MRLConfig, device: str) -> list[AutoChoice]:
     """Each Megatron role's attention backend (see the module docstring)."""
-    te = te_importable_here()
+    te, mla = te_importable_here(), model_is_mla(cfg)
     return [choose_attention_backend(par.attention_backend, device=device, te_importable=te, lora=lora,
-                                     key=f"{role}.megatron.attention_backend")
+                                     key=f"{role}.megatron.attention_backend", mla=mla and role in POLICY_ROLES)
             for role, par, lora in megatron_roles(cfg)]
 
 

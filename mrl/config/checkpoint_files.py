@@ -134,6 +134,22 @@ def model_dir_problems(key: str, path: str, *, strict: bool, architectures: str 
         if not by_type and (not isinstance(archs, list) or not any(a in supported for a in archs)):
             errors.append(f"{key}={path!r}: config.json names architectures {archs}, which mrl cannot train; "
                           f"fix: a checkpoint of one of {', '.join(sorted(supported))}")
+        else:
+            family = next((supported[a] for a in archs if a in supported), None) if isinstance(archs, list) else None
+            if family is not None and cfg.get("model_type") != family:
+                # transformers picks the config class by model_type (Kimi-K2 ships model_type kimi_k2 with
+                # remote code for DeepSeek-V3's architecture); mrl loads configs without remote code
+                errors.append(f"{key}={path!r}: config.json model_type={cfg.get('model_type')!r} with architectures "
+                              f"{archs}: mrl reads it as transformers' {family!r} config; fix: set \"model_type\": "
+                              f"\"{family}\" in {conf} (same architecture)")
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        # mrl reads each tensor as the model's weight: block-scaled fp8 (DeepSeek-V3, Kimi-K2) would load unscaled
+        errors.append(f"{key}={path!r}: config.json has a quantization_config (quant_method={method}); mrl trains "
+                      "from bf16/fp32 weights and would read quantized tensors without their scales; fix: a bf16 copy "
+                      "of the checkpoint (DeepSeek-V3/Kimi-K2: dequantise with the model's fp8_cast_bf16.py, then "
+                      "remove quantization_config from config.json)")
     try:
         files = weight_files(p)
         if files is not None:

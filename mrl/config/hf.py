@@ -9,7 +9,9 @@ heads n_h, KV heads n_kv, head dim d, MLP width I, vocab V (gated MLP, RMSNorm):
                + 2*h                               (input / post-attention norms) [+ 2*d if q/k norm]
     total      = V*h (embedding) + L*per_layer + h (final norm) + V*h (lm head, unless tied)
 
-An MoE model whose config makes some layers dense (Qwen's ``decoder_sparse_step`` / ``mlp_only_layers``)
+Multi-latent attention (DeepSeek-V3) replaces q, k, v by its latent projections (:meth:`ModelShape._attention_params`).
+An MoE model whose config makes some layers dense (Qwen's ``decoder_sparse_step`` / ``mlp_only_layers``,
+DeepSeek's ``first_k_dense_replace``)
 counts those with the dense 3*h*I MLP in :meth:`ModelShape.param_count`; the plan's per-device estimate
 (``layer_params`` per layer) still counts every layer as an MoE layer, an upper bound.
 """
@@ -47,27 +49,45 @@ class ModelShape:
     moe_intermediate_size: int = 0
     experts_per_token: int = 0
     shared_expert_size: int = 0
-    shared_expert_gate: bool = True  # the shared expert's sigmoid gate (Qwen2-MoE); GLM-4.5 / DeepSeek-V3 have none
     # MoE layers among num_layers (Qwen's decoder_sparse_step / mlp_only_layers make the others dense MLPs of
     # intermediate_size); None: every layer (or, for a dense model, none)
     moe_layers: int | None = None
+    # the shared expert's output through a sigmoid gate (a [h] weight: Qwen2-MoE) or added as is (DeepSeek-V3)
+    shared_expert_gate: bool = True
+    # multi-latent attention (DeepSeek-V3): (q_lora_rank or 0, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+    # v_head_dim); None: GQA attention of num_heads/num_kv_heads x head_dim
+    mla: tuple[int, int, int, int, int] | None = None
 
     @property
     def expert_ffn_size(self) -> int:
         """MLP width of one routed expert (Mixtral keeps it in intermediate_size)."""
         return self.moe_intermediate_size or self.intermediate_size
 
+    def _attention_params(self) -> int:
+        h, d, nh = self.hidden_size, self.head_dim, self.num_heads
+        if self.mla is not None:
+            # q_a_proj + q_a_layernorm + q_b_proj (or q_proj), kv_a_proj_with_mqa + kv_a_layernorm, kv_b_proj, o_proj
+            q_lora, kv_lora, nope, rope, v = self.mla
+            q = h * q_lora + q_lora + q_lora * nh * (nope + rope) if q_lora else h * nh * (nope + rope)
+            return q + h * (kv_lora + rope) + kv_lora + kv_lora * nh * (nope + v) + nh * v * h
+        attn = h * nh * d + 2 * h * self.num_kv_heads * d + nh * d * h
+        if self.qkv_bias:
+            attn += nh * d + 2 * self.num_kv_heads * d
+        return attn
+
+    def _shared_params(self) -> int:
+        """Shared expert (SwiGLU of shared_expert_size) and its gate, on each MoE layer."""
+        h = self.hidden_size
+        return 3 * h * self.shared_expert_size + (h if self.shared_expert_size and self.shared_expert_gate else 0)
+
     def layer_params(self) -> tuple[int, int]:
         """(dense params, expert params) of one decoder layer; expert params are 0 for dense models."""
         h, d = self.hidden_size, self.head_dim
-        attn = h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
-        if self.qkv_bias:
-            attn += self.num_heads * d + 2 * self.num_kv_heads * d
+        attn = self._attention_params()
         norms = 2 * h + (2 * d if self.qk_norm else 0)
         if self.num_experts:
             experts = self.num_experts * 3 * h * self.expert_ffn_size
-            shared = 3 * h * self.shared_expert_size + (h if self.shared_expert_size and self.shared_expert_gate else 0)
-            return attn + norms + h * self.num_experts + shared, experts
+            return attn + norms + h * self.num_experts + self._shared_params(), experts
         return attn + norms + 3 * h * self.intermediate_size, 0
 
     def param_count(self, vocab: int | None = None, *, active: bool = False) -> int:
@@ -81,9 +101,7 @@ class ModelShape:
         layers = self.num_layers * (dense + experts)
         if self.num_experts and self.moe_layers is not None:  # the dense layers: a SwiGLU MLP, no router/experts
             h = self.hidden_size
-            dense_mlp = (dense - h * self.num_experts - 3 * h * self.shared_expert_size
-                         - (h if self.shared_expert_size and self.shared_expert_gate else 0)
-                         + 3 * h * self.intermediate_size)
+            dense_mlp = dense - h * self.num_experts - self._shared_params() + 3 * h * self.intermediate_size
             layers = self.moe_layers * (dense + experts) + (self.num_layers - self.moe_layers) * dense_mlp
         return v * self.hidden_size + layers + self.hidden_size + head
 
@@ -98,7 +116,7 @@ def _get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
 def shape_from_dict(cfg: dict[str, Any]) -> ModelShape:
     """Build a ModelShape from a parsed config.json; KeyError names a missing required key."""
     model_type = str(cfg.get("model_type", "unknown"))
-    fam, ns = FAMILIES.get(model_type), SimpleNamespace(**cfg)  # the family's facts, read as from a config object
+    fam = family_of_dict(cfg)
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     return ModelShape(
@@ -113,21 +131,46 @@ def shape_from_dict(cfg: dict[str, Any]) -> ModelShape:
         max_positions=_get(cfg, "max_position_embeddings"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", model_type in _QKV_BIAS_TYPES)),
-        qk_norm=fam is not None and fam.has_qk_norm(ns),
+        # the family's q/k norm, switched per checkpoint where it says so (GLM-4.5's use_qk_norm)
+        qk_norm=fam is not None and fam.has_qk_norm(SimpleNamespace(**cfg)),
         num_experts=int(_get(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0)),
         moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", default=0)),
         experts_per_token=int(_get(cfg, "num_experts_per_tok", default=0)),
-        # the family's rule (Qwen2-MoE's shared_expert_intermediate_size, GLM's n_shared_experts x expert width)
-        shared_expert_size=int(fam.moe.shared_expert_size(ns)) if fam is not None and fam.moe is not None else 0,
-        shared_expert_gate=fam is None or fam.moe is None or fam.moe.shared_expert_gate,
+        shared_expert_size=_shared_expert_size(cfg),
         moe_layers=_moe_layers(cfg),
+        shared_expert_gate=fam.moe.shared_expert_gate if fam is not None and fam.moe is not None else True,
+        mla=_mla(cfg) if fam is not None and fam.is_mla else None,
     )
+
+
+def family_of_dict(cfg: dict[str, Any]) -> Any:
+    """The family of a config.json: by architectures (Kimi-K2 names DeepSeek-V3's), else by model_type."""
+    from mrl.families import SUPPORTED_ARCHITECTURES
+
+    for arch in cfg.get("architectures") or []:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return FAMILIES[SUPPORTED_ARCHITECTURES[arch]]
+    return FAMILIES.get(str(cfg.get("model_type")))
+
+
+def _shared_expert_size(cfg: dict[str, Any]) -> int:
+    """The family's shared-expert width (``MoE.shared_expert_size``: Qwen2-MoE's shared_expert_intermediate_size,
+    DeepSeek's n_shared_experts * moe_intermediate_size); 0 without one."""
+    fam = family_of_dict(cfg)
+    if fam is None or fam.moe is None:
+        return int(_get(cfg, "shared_expert_intermediate_size", default=0))
+    return int(fam.moe.shared_expert_size(SimpleNamespace(**cfg)))
+
+
+def _mla(cfg: dict[str, Any]) -> tuple[int, int, int, int, int]:
+    return (int(cfg.get("q_lora_rank") or 0), int(cfg["kv_lora_rank"]), int(cfg["qk_nope_head_dim"]),
+            int(cfg["qk_rope_head_dim"]), int(cfg["v_head_dim"]))
 
 
 def _moe_layers(cfg: dict[str, Any]) -> int | None:
     """How many layers are MoE when the family's rule (``MoE.layers``: Qwen's decoder_sparse_step /
     mlp_only_layers) makes some dense, else None."""
-    fam = FAMILIES.get(str(cfg.get("model_type")))
+    fam = family_of_dict(cfg)
     if fam is None or fam.moe is None:
         return None
     pattern = fam.moe.layers(SimpleNamespace(**cfg))

@@ -14,8 +14,10 @@ What each setting needs (the ``auto`` rules: :mod:`mrl.config.auto`):
 from __future__ import annotations
 
 from mrl.config.auto import (
+    POLICY_ROLES,
     choose_attention_backend,
     megatron_roles,
+    model_is_mla,
     packing_blockers,
     te_importable_here,
 )
@@ -24,10 +26,14 @@ from mrl.config.root import MRLConfig
 
 def check_attention(cfg: MRLConfig, cuda: bool, errors: list[str]) -> None:
     device = "cuda" if cuda else "cpu"
-    te = te_importable_here()
+    te, model_mla = te_importable_here(), model_is_mla(cfg)
     resolved = {}
     for role, par, lora in megatron_roles(cfg):
         key = f"{role}.megatron.attention_backend"
+        mla = model_mla and role in POLICY_ROLES
+        if mla and par.attention_backend in ("te", "local"):
+            errors.append(f"{key}={par.attention_backend} with {cfg.model.path}'s multi-latent attention: mrl builds "
+                          f"it on Megatron's local spec with SDPA only; fix: {key}=sdpa (or auto)")
         if par.attention_backend == "te":
             if not cuda:
                 errors.append(f"{key}=te: Transformer Engine runs on CUDA only, this run is on {device}; fix: "
@@ -39,7 +45,7 @@ def check_attention(cfg: MRLConfig, cuda: bool, errors: list[str]) -> None:
                 errors.append(f"{key}=te with actor.lora: the adapters need Megatron's local layer spec; fix: "
                               f"{key}=sdpa (or auto)")
         resolved[role] = choose_attention_backend(par.attention_backend, device=device, te_importable=te,
-                                                  lora=lora, key=key)
+                                                  lora=lora, key=key, mla=mla)
     a = cfg.actor
     if a.use_remove_padding is True:
         if a.shared_prefix is True:

@@ -8,7 +8,11 @@ a dense model (where they would silently do nothing).
 """
 from __future__ import annotations
 
-from mrl.config.hf import ModelShape
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from mrl.config.hf import HUB_SHAPES, ModelShape, family_of_dict
 from mrl.config.layout import RoleLayout
 from mrl.config.moe import MoEConfig
 from mrl.config.root import MRLConfig
@@ -70,3 +74,23 @@ def check_moe(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelShape | 
         if cfg.agent.enable:
             errors.append("actor.moe.routing_replay=rollout with agent.enable: tool-output tokens were never routed by "
                           "the engine as part of the trajectory; fix: actor.moe.routing_replay=none for agent runs")
+
+
+def family_plan_notes(model_path: str | None, notes: list[str]) -> None:
+    """The model family's own plan lines (``Family.plan_notes``: e.g. DeepSeek-V3's frozen score-correction bias
+    and skipped multi-token-prediction layers), from model.path/config.json or mrl's bundled copy of it."""
+    if not model_path:
+        return
+    f = Path(model_path) / "config.json"
+    if not f.is_file():
+        parts = model_path.split("/")
+        f = HUB_SHAPES / f"{parts[0]}--{parts[-1]}.json"
+        if len(parts) != 2 or not f.is_file():
+            return
+    try:
+        raw = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return  # load_shape reports an unreadable config.json
+    fam = family_of_dict(raw) if isinstance(raw, dict) else None
+    if fam is not None:
+        notes.extend(f"model ({fam.name}): {line}" for line in fam.plan_notes(SimpleNamespace(**raw)))

@@ -117,6 +117,11 @@ def mla_kwargs(hf_config: Any) -> dict[str, Any]:
 
 
 def _refuse(hf_config: Any) -> None:
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant:
+        raise ValueError("config.json has a quantization_config (DeepSeek-V3/Kimi-K2 ship block-scaled fp8 weights): "
+                         "mrl loads bf16/fp32 tensors; fix: dequantise to bf16 (the model's fp8_cast_bf16.py) and "
+                         "remove quantization_config from config.json")
     heads = int(hf_config.num_attention_heads)
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if int(kv_heads) != heads:

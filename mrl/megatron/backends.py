@@ -8,17 +8,23 @@ Its own module so that ``mrl plan`` (mrl/config/auto.py) prints the very choice 
                                                              (mrl/megatron/sdpa_attention.py)
     local  only when asked for                               Megatron's unfused DotProductAttention
 
-LoRA's adapters wrap the local spec's unfused norm + linear, hence sdpa there.
+LoRA's adapters wrap the local spec's unfused norm + linear, hence sdpa there. Multi-latent attention
+(DeepSeek-V3) is built on the local spec with SDPA only (``local``'s DotProductAttention rejects its
+d_k != d_v; TE's MLA layers fuse norms mrl's weight table does not name), hence sdpa there too.
 """
 from __future__ import annotations
 
 BACKENDS = ("te", "sdpa", "local")
 
 
-def choose_attention_backend(want: str, *, device: str, te_importable: bool, lora: bool) -> tuple[str, str]:
-    """(backend, why) for ``want`` (auto | te | sdpa | local) on ``device``; an explicit value is kept as given."""
+def choose_attention_backend(want: str, *, device: str, te_importable: bool, lora: bool,
+                             mla: bool = False) -> tuple[str, str]:
+    """(backend, why) for ``want`` (auto | te | sdpa | local) on ``device``; an explicit value is kept as given
+    (``mla``: the model has multi-latent attention)."""
     if want != "auto":
         return want, "set in the config"
+    if mla:
+        return "sdpa", "auto: multi-latent attention runs on Megatron's local spec with torch SDPA"
     if device != "cuda":
         return "sdpa", f"auto: {device}, torch SDPA (flash kernel, no s x s scores)"
     if not te_importable:

@@ -47,6 +47,7 @@ from mrl.megatron.provider import head_dim
 from mrl.megatron.unwrap import unwrap
 
 _EMBED, _LM_HEAD = EMBED, LM_HEAD
+_EXPERT_BIAS = "mlp.router.expert_bias"
 # Each family's table, declared in its module (mrl/families/<name>.py, ``weight_rules``).
 FAMILY_TABLES: dict[str, tuple[Rule, ...]] = {name: fam.weight_rules for name, fam in FAMILIES.items()}
 
@@ -280,6 +281,10 @@ def load_hf_weights(
                     f"of shape {tuple(local.shape)} but Megatron {rule.mcore!r} is {tuple(p.shape)}: "
                     "config.json does not match the weights"
                 )
+            if rule.mcore == _EXPERT_BIAS and p.dtype != torch.float32:
+                # Megatron keeps the router's score-correction bias in fp32 in a bf16 model (its router restores
+                # the dtype on the next forward, after Float16Module's cast): load it unrounded
+                p.data = p.data.to(torch.float32)
             p.copy_(local)
         for chunk in map(unwrap, model_chunks):
             if chunk.share_embeddings_and_output_weights and chunk.post_process and not chunk.pre_process:

@@ -181,13 +181,13 @@ def te_usable() -> bool:
     return torch.cuda.is_available() and bool(specs.HAVE_TE)
 
 
-def resolve_attention_backend(want: str = "auto", *, lora: bool = False) -> str:
+def resolve_attention_backend(want: str = "auto", *, lora: bool = False, mla: bool = False) -> str:
     """``te`` | ``sdpa`` | ``local`` for ``megatron.attention_backend`` on this host (the rule and its reasons:
-    :mod:`mrl.megatron.backends`, the rule ``mrl plan`` prints)."""
+    :mod:`mrl.megatron.backends`, the rule ``mrl plan`` prints); ``mla``: the model has multi-latent attention."""
     from mrl.megatron.backends import choose_attention_backend
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    backend, _why = choose_attention_backend(want, device=device, te_importable=te_usable(), lora=lora)
+    backend, _why = choose_attention_backend(want, device=device, te_importable=te_usable(), lora=lora, mla=mla)
     if backend == "te" and not te_usable():
         raise ValueError("megatron.attention_backend=te needs Transformer Engine on CUDA, which this process does "
                          "not have; fix: attention_backend=sdpa (or auto), or run in the image with TE (docs/gpus.md)")

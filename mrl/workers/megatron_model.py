@@ -144,6 +144,7 @@ class MegatronModel:
         self.parallel = parallel
         self.value_head = value_head
         overrides: dict[str, Any] = {"sequence_parallel": parallel.sequence_parallel, **_recompute_overrides(recompute)}
+        from mrl.families import family_of
         from mrl.megatron.moe import is_moe_family
         from mrl.megatron.provider import model_family
 
@@ -156,7 +157,8 @@ class MegatronModel:
                 overrides["moe_aux_loss_coeff"] = moe.aux_loss_coef
         self.lora = lora if lora is not None and lora.enabled else None
         self.attention_backend = resolve_attention_backend(attention_backend or parallel.attention_backend,
-                                                           lora=self.lora is not None)
+                                                           lora=self.lora is not None,
+                                                           mla=family_of(self.hf_config).is_mla)
         if remove_padding and self.attention_backend != "sdpa":
             raise ValueError(f"packed micro-batches (actor.use_remove_padding) need the sdpa attention backend, this "
                              f"model runs {self.attention_backend}; fix: megatron.attention_backend=sdpa")

@@ -66,6 +66,12 @@ def _bad_config(d: Path) -> None:
     (d / "config.json").write_text("{")
 
 
+def _fp8(d: Path) -> None:
+    c = json.loads((d / "config.json").read_text())
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (d / "config.json").write_text(json.dumps({**c, "quantization_config": quant}))
+
+
 # (case, how the copy is broken, substrings of one error)
 BROKEN = [
     ("truncated_weights", _truncate, ["model.path", "model.safetensors is truncated", "fix:"]),
@@ -76,6 +82,7 @@ BROKEN = [
     ("index_lists_missing_shard", _missing_shard, ["model.safetensors.index.json", "model-00002-of-00002", "download"]),
     ("bin_only", _bin_only, ["model.path", ".bin", "safe_serialization=True"]),
     ("config_not_json", _bad_config, ["model.path", "config.json", "fix:"]),
+    ("fp8_quantized", _fp8, ["model.path", "quant_method=fp8", "fix: a bf16 copy"]),
 ]
 
 
@@ -196,3 +203,14 @@ def test_mrl_train_exits_2_without_traceback(broken: str, real_model: Path, tiny
 
 def test_tiny_config_is_qwen2() -> None:
     assert TINY_QWEN2["architectures"][0] in supported_architectures()
+
+
+def test_a_kimi_k2_style_model_type_is_refused_with_the_fix(real_model: Path, tmp_path: Path,
+                                                            base_overrides: list[str]) -> None:
+    """Kimi-K2 names DeepSeek-V3's architecture with model_type kimi_k2 (remote code); transformers reads a config
+    by model_type, so mrl asks for the family's."""
+    d = _copy(real_model, tmp_path / "kimi")
+    c = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**c, "model_type": "kimi_k2"}))
+    errors, _ = _errors([*base_overrides, f"model.path={d}"])
+    assert any("model_type='kimi_k2'" in e and '"model_type": "qwen2"' in e for e in errors), errors

@@ -76,3 +76,25 @@ def test_bundled_hub_shape_of_the_gpu_recipe():
     assert s is not None and s.num_experts == 128 and s.experts_per_token == 8
     assert round(s.param_count() / 1e9, 1) == 30.5 and 3.3 <= s.param_count(active=True) / 1e9 < 3.4  # "30B-A3B"
     assert bundled_hub_shape("Qwen/not-a-bundled-model") is None
+
+
+def test_plan_notes_of_a_deepseek_v3_checkpoint(base_overrides, tmp_path):
+    """mrl plan says what RL does with DeepSeek-V3's score-correction bias (frozen) and that the checkpoint's
+    multi-token-prediction layer is skipped; its parameter count is MLA's."""
+    from tests.helpers.tiny_deepseek import deepseek_config
+
+    d = tmp_path / "ds"
+    d.mkdir()
+    raw = {**deepseek_config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"], "num_nextn_predict_layers": 1}
+    (d / "config.json").write_text(json.dumps(raw))
+    overrides = [o for o in base_overrides if not o.startswith("model.path=")] + [f"model.path={d}"]
+    cfg = load_config(None, overrides)
+    text = format_plan(cfg, build_plan(cfg))
+    assert "multi-latent attention runs on Megatron's local spec with torch SDPA" in text, text
+    errors = _errors(overrides + ["actor.megatron.attention_backend=local"])
+    assert any("attention_backend=local" in e and "multi-latent" in e and "fix" in e for e in errors), errors
+    assert "score-correction bias (e_score_correction_bias): loaded and frozen during RL" in text, text
+    assert "multi-token-prediction layers (1: model.layers.4) in the checkpoint are skipped on load" in text, text
+    raw["num_nextn_predict_layers"] = 0
+    (d / "config.json").write_text(json.dumps(raw))
+    assert "multi-token-prediction" not in format_plan(cfg, build_plan(cfg))

@@ -45,6 +45,8 @@ def deepseek_parity_rank(rank: int, world: int, root: str) -> dict:
             logits = pipeline_logits(chunks, cfg, ref["ids"])
             if logits is not None:
                 out[(case, disp, tp, pp, ep)] = (logits - ref["logits"]).abs().max().item()
+            if (case, disp, layout) == DS_RUNS[0]:
+                out["bias_update"] = _expert_bias_after_a_step(chunks, ref["ids"])
             if (tp, pp, ep) == DS_ROUNDTRIP:
                 stage_dir = Path(root) / f"rt_{case}" / f"stage{ps.get_pipeline_model_parallel_rank()}"
                 names = hf_names_for_stage(chunks, cfg)
@@ -53,3 +55,28 @@ def deepseek_parity_rank(rank: int, world: int, root: str) -> dict:
                 if ps.get_expert_model_parallel_rank() == 0:
                     write_hf_checkpoint(stage_dir, tensors)
     return out
+
+
+def _expert_bias_after_a_step(chunks: list, ids: torch.Tensor) -> dict:
+    """One training forward + backward, then Megatron's end-of-step expert-bias update (the part of
+    ``finalize_model_grads`` that touches it): with mrl's ``moe_router_bias_update_rate=0`` and, as a control,
+    with Megatron's default rate."""
+    from megatron.core.distributed.finalize_model_grads import (
+        _update_router_expert_bias,
+    )
+
+    model = chunks[0]
+    routers = [m for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+    before = [r.expert_bias.clone() for r in routers]
+    model.train()
+    model(ids, torch.arange(ids.shape[1]).expand_as(ids), None).sum().backward()
+    counted = int(sum(r.local_tokens_per_expert.sum() for r in routers))
+    rate = model.config.moe_router_bias_update_rate
+    _update_router_expert_bias(chunks, model.config)
+    frozen = all(torch.equal(b, r.expert_bias) for b, r in zip(before, routers))
+    model.config.moe_router_bias_update_rate = 1e-3  # Megatron's default: the aux-loss-free update
+    _update_router_expert_bias(chunks, model.config)
+    moved = not any(torch.equal(b, r.expert_bias) for b, r in zip(before, routers))
+    model.config.moe_router_bias_update_rate = rate
+    return {"rate": rate, "routers": len(routers), "tokens_counted": counted, "frozen": frozen,
+            "moved_at_default_rate": moved, "fp32": all(r.expert_bias.dtype == torch.float32 for r in routers)}

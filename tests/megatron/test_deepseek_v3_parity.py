@@ -50,7 +50,9 @@ def launched(tmp_path_factory):
     merged: dict = {}
     for r in results:
         merged.update(r)
-    print("max |Δlogits|:", {k: f"{v:.2e}" for k, v in sorted(merged.items(), key=str)})
+    merged.pop("bias_update", None)
+    merged["bias_update"] = results[0]["bias_update"]
+    print("max |Δlogits|:", {k: f"{v:.2e}" for k, v in sorted(merged.items(), key=str) if k != "bias_update"})
     return root, merged
 
 
@@ -79,3 +81,12 @@ def test_deepseek_v3_roundtrip_ep2_pp2_bit_exact(launched, case):
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in names and "model.layers.0.mlp.gate_proj.weight" in names
     assert any(".experts.7." in n for n in names), "EP rank 1's experts missing from the export"
     assert any("q_a_proj" in n for n in names) is CASES[case]
+
+
+def test_score_correction_bias_stays_frozen_in_training(launched):
+    """RL keeps the checkpoint's e_score_correction_bias (docs/moe.md): after a training step's forward/backward,
+    Megatron's expert-bias update leaves it bit-identical; Megatron's default rate would have moved every router's."""
+    _, diffs = launched
+    b = diffs["bias_update"]
+    assert b["rate"] == 0.0 and b["routers"] == 3 and b["tokens_counted"] > 0, b
+    assert b["frozen"] and b["moved_at_default_rate"] and b["fp32"], b

@@ -72,3 +72,23 @@ def test_deepseek_v2_is_refused_with_the_reason():
     cfg.architectures = ["DeepseekV2ForCausalLM"]
     with pytest.raises(ValueError, match="multi-latent attention"):
         model_family(cfg)
+
+
+@pytest.mark.parametrize("q_lora", [True, False])
+def test_deepseek_v3_plan_shape_counts_what_transformers_builds(q_lora):
+    """mrl plan's parameter count (plain json, mrl/config/hf.py) of a DeepSeek-V3 config: MLA's latent projections
+    and norms, a dense first layer, routers, routed and ungated shared experts, as transformers builds them."""
+    import transformers as tf
+
+    from tests.helpers.tiny_deepseek import deepseek_config
+
+    cfg = deepseek_config(q_lora)
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(cfg)
+    shape = shape_from_dict(cfg.to_dict())
+    assert shape.moe_layers == 3 and shape.shared_expert_size == 16 and not shape.shared_expert_gate
+    assert shape.param_count() == sum(p.numel() for p in model.parameters())
+    moe = model.model.layers[1].mlp
+    inactive = (shape.num_experts - shape.experts_per_token) * sum(p.numel() for p in moe.experts.parameters()) \
+        // shape.num_experts
+    assert shape.param_count(active=True) == shape.param_count() - 3 * inactive
