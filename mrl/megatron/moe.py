@@ -11,6 +11,8 @@ them dense SwiGLU MLPs of ``intermediate_size``: Megatron's ``moe_layer_freq`` l
     qwen2_moe   Qwen2MoeForCausalLM    softmax → top-k, renorm if norm_topk   qkv bias, shared expert
                                                                               with a sigmoid gate
     mixtral     MixtralForCausalLM     softmax → top-k → renorm (always)
+    deepseek_v3 DeepseekV3ForCausalLM  sigmoid (+bias) → group top-k → renorm  MLA, ungated shared
+                                       × routed_scaling_factor                 experts, dense first layers
     glm4_moe    Glm4MoeForCausalLM     sigmoid + frozen bias → top-k          partial RoPE, qkv bias / q/k
                                        (→ groups) → renorm × scaling          norm per config, ungated
                                                                               shared expert, dense first layers
@@ -30,10 +32,9 @@ its gradient in the backward of the router (``MoEAuxLossAutoScaler``) and tracks
 
 Expert parallelism: expert ``e`` lives on EP rank ``e // (E / EP)`` as ``local_experts.{e % (E/EP)}``;
 inside an expert, the expert-tensor-parallel group (ETP) splits fc1 by columns and fc2 by rows
-like TP does for a dense MLP. DeepSeek-V3-style models (multi-latent attention, sigmoid router
-with a score-correction bias, group-limited top-k) are refused with the reason
-(:mod:`mrl.families.refused`): mrl's HF table has no MLA mapping and its tests have no transformers
-parity for them yet.
+like TP does for a dense MLP. DeepSeek-V3 (``mrl/families/deepseek_v3.py``) declares a sigmoid router with a
+score-correction bias, group-limited top-k and routed scaling through the same :class:`mrl.families.MoE`
+fields (their maths: :class:`mrl.families.base.MoE`; docs/moe.md).
 """
 from __future__ import annotations
 

@@ -98,3 +98,13 @@ def test_plan_notes_of_a_deepseek_v3_checkpoint(base_overrides, tmp_path):
     raw["num_nextn_predict_layers"] = 0
     (d / "config.json").write_text(json.dumps(raw))
     assert "multi-token-prediction" not in format_plan(cfg, build_plan(cfg))
+
+
+def test_bundled_deepseek_v3_and_kimi_k2_shapes_count_their_published_sizes():
+    """mrl's copies of the two config.json files give the sizes their model cards state: DeepSeek-V3 671B with 37B
+    active, Kimi-K2 1T with 32B active (MTP layers not counted: mrl does not build them)."""
+    ds, kimi = bundled_hub_shape("deepseek-ai/DeepSeek-V3"), bundled_hub_shape("moonshotai/Kimi-K2-Instruct")
+    assert ds is not None and kimi is not None and ds.mla is not None and kimi.mla is not None
+    assert round(ds.param_count() / 1e9) == 671 and 37 <= ds.param_count(active=True) / 1e9 < 38
+    assert 1.02 <= kimi.param_count() / 1e12 < 1.04 and 32 <= kimi.param_count(active=True) / 1e9 < 33
+    assert (ds.moe_layers, kimi.moe_layers) == (58, 60) and not ds.shared_expert_gate

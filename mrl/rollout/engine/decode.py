@@ -4,7 +4,7 @@ Two implementations behind one call, chosen once per model:
 
 * :class:`LlamaFamilyDecoder` for the families the model layer supports (:mod:`mrl.families`: llama,
   qwen2, qwen3, mistral, the MoE ones, without an active sliding window where the family declares
-  ``engine_refuses_sliding_window``): the step is written out over the ``transformers``
+  ``engine_refuses_sliding_window``; not multi-latent attention: DeepSeek-V3 runs :func:`hf_decode`): the step is written out over the ``transformers``
   model's own modules (norms, projections, rotary embedding, MLP), so every weight update by HF
   name is seen at once and rope variants (llama3 scaling) come from the model's rotary module.
   What it does differently from calling the model: K/V of the new token go straight into the
@@ -36,6 +36,8 @@ def fast_path_refusal(config) -> str | None:
     mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_TYPES:
         return f"model_type {mt!r} is not one of {SUPPORTED_TYPES}"
+    if FAMILIES[mt].is_mla:
+        return f"{mt} multi-latent attention"
     types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in types):
         return "sliding-window attention layers"

@@ -1,6 +1,8 @@
 """KV cache of the running set: preallocated per-layer buffers, right-aligned rows.
 
-Layout: layer ``i`` holds ``k[i]``, ``v[i]`` of shape ``[rows_cap, kv_heads, cols_cap, head_dim]``.
+Layout: layer ``i`` holds ``k[i]``, ``v[i]`` of shape ``[rows_cap, kv_heads, cols_cap, head_dim]`` (``v``'s last
+dim ``value_dim`` when it differs: transformers' DeepSeek-V3 caches its MLA latent ``[.., 1, .., kv_lora_rank]``
+as keys and the rotated shared key ``[.., 1, .., qk_rope_head_dim]`` as values).
 The ``B`` running sequences are rows ``0..B-1``; every row is right-aligned so that all of them
 end at column ``end`` and the next token of every row is written into the same column. That is
 what makes a decode step one batched forward of ``[B, 1]`` tokens whose linear layers see no
@@ -44,8 +46,9 @@ class RunningBatch:
     """Cache and per-row state of the running set (``B`` rows in the owner's request order)."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, value_dim: int | None = None) -> None:
         self.shape = (num_layers, kv_heads, head_dim)
+        self.value_dim = head_dim if value_dim is None else value_dim
         self.dtype, self.device = dtype, device
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -97,7 +100,7 @@ class RunningBatch:
         new_start = new_end - live
         b = self.size
         k = [torch.zeros(rows, kvh, cols, hd, dtype=self.dtype, device=self.device) for _ in range(n_layers)]
-        v = [torch.zeros(rows, kvh, cols, hd, dtype=self.dtype, device=self.device) for _ in range(n_layers)]
+        v = [torch.zeros(rows, kvh, cols, self.value_dim, dtype=self.dtype, device=self.device) for _ in range(n_layers)]
         bias = torch.full((rows, cols), float("-inf"), dtype=self.dtype, device=self.device)
         if b and live:
             for i in range(n_layers):

@@ -33,6 +33,17 @@ def parse_dtype(name: str) -> torch.dtype:
     return torch_dtype(key)  # one dtype table for the whole project (mrl.dtypes)
 
 
+def kv_cache_shape(cfg) -> tuple[int, int, int, int]:
+    """(layers, kv heads, key dim, value dim) of what transformers' cache holds per token and layer: K and V per
+    KV head; for multi-latent attention (DeepSeek-V3) one "head" holding the latent (kv_lora_rank) as keys and
+    the rotated shared key (qk_rope_head_dim) as values."""
+    if getattr(cfg, "kv_lora_rank", None) and getattr(cfg, "qk_rope_head_dim", None):
+        return int(cfg.num_hidden_layers), 1, int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return (int(cfg.num_hidden_layers), int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads),
+            int(head_dim), int(head_dim))
+
+
 class ModelRunner:
     """Loads ``model_path`` (config, safetensors, optional tokenizer) and runs prefill/decode.
 
@@ -74,8 +85,7 @@ class ModelRunner:
         self.routing = RoutingCapture(self.model) if capture_routing else None
         self.last_routing: list[torch.Tensor] | torch.Tensor | None = None
         cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        self._kv_shape = (cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                          getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self._kv_shape = kv_cache_shape(cfg)
         # The written-out decode step for the families it knows; the model's own forward otherwise.
         self.decode_path = fast_path_refusal(self.config)
         self._decoder = LlamaFamilyDecoder(self.model) if self.decode_path is None else None
@@ -83,7 +93,8 @@ class ModelRunner:
 
     def new_batch(self) -> RunningBatch:
         """An empty running set whose cache fits this model."""
-        return RunningBatch(*self._kv_shape, dtype=self.dtype, device=self.device)
+        layers, heads, key_dim, value_dim = self._kv_shape
+        return RunningBatch(layers, heads, key_dim, dtype=self.dtype, device=self.device, value_dim=value_dim)
 
     # ---- weights by HF name -------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:

@@ -18,15 +18,14 @@ and Mixtral's ``block_sparse_moe`` is its ``mlp``. :func:`checkpoint_views` give
 checkpoint name(s) as a *view* of the fused parameter, so a weight update copies each expert straight into its
 slice and ``/weights_checksum`` / ``/get_weights_by_name`` answer per checkpoint name (the inverse map).
 
-**Routed experts.** :class:`RoutingCapture` hooks every layer's top-k router (``*TopKRouter`` / GLM's
-``*TopkRouter``, whose forward
+Persistent buffers a checkpoint holds (DeepSeek-V3's and GLM-4.5's ``mlp.gate.e_score_correction_bias``) are named
+too.
+
+**Routed experts.** :class:`RoutingCapture` hooks every layer's top-k router (``*TopKRouter``,
+``DeepseekV3TopkRouter``, ``Glm4MoeTopkRouter``, whose forward
 returns ``(router_logits, router_scores, router_indices)``) and keeps the ``router_indices`` the experts
 then consumed, in prefill and decode alike. A layer without a router (Qwen2-MoE's ``mlp_only_layers``) keeps
 0s, as SGLang's capture buffer does (it is sized for every hidden layer and zero-initialised).
-
-**Buffers.** A checkpoint tensor that is a buffer in transformers (GLM-4.5's router ``e_score_correction_bias``)
-is a weight by name too: :func:`checkpoint_views` lists the model's persistent buffers, so an update writes it
-and ``/weights_checksum`` answers it (mrl keeps it frozen, so an update sends the same values).
 """
 from __future__ import annotations
 
@@ -56,7 +55,9 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     ``ModelRunner.release``/``resume`` the parameters hold new storage, and old views would write nowhere."""
     mt = getattr(model.config, "model_type", None)
     named = dict(model.named_parameters(remove_duplicate=False))
-    named.update(_persistent_buffers(model))
+    persistent = model.state_dict(keep_vars=True)
+    # checkpoint buffers (DeepSeek-V3's router e_score_correction_bias): the trainer sends them with the weights
+    named.update({n: b for n, b in model.named_buffers() if n in persistent})
     if mt not in EXPERT_NAMES:
         return named
     block, (gate, up, down) = EXPERT_NAMES[mt]
@@ -79,16 +80,6 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Buffers a checkpoint holds (GLM-4.5's router ``e_score_correction_bias``); RoPE tables are not persistent."""
-    out: dict[str, torch.Tensor] = {}
-    for prefix, mod in model.named_modules():
-        for name, b in mod.named_buffers(recurse=False):
-            if b is not None and name not in mod._non_persistent_buffers_set:
-                out[f"{prefix}.{name}" if prefix else name] = b
-    return out
-
-
 class RoutingCapture:
     """Top-k expert ids of every layer for the tokens of one forward, from the routers' own outputs.
 
@@ -105,7 +96,7 @@ class RoutingCapture:
         self.layers: list[int] = []
         for i, layer in enumerate(model.model.layers):
             router = getattr(getattr(layer, "mlp", None), "gate", None)
-            # Qwen3MoeTopKRouter, MixtralTopKRouter, Glm4MoeTopkRouter, ...
+            # *TopKRouter (Qwen, Mixtral), DeepseekV3TopkRouter, Glm4MoeTopkRouter: forward -> (logits, weights, indices)
             if router is None or not type(router).__name__.lower().endswith("topkrouter"):
                 continue  # a dense layer (Qwen2-MoE mlp_only_layers / decoder_sparse_step)
             router.register_forward_hook(self._hook(i))
