@@ -70,3 +70,23 @@ def test_bundled_glm_shapes_of_the_gpu_recipes():
     # "355B-A32B" / "106B-A12B" (the names count the MTP layer, mrl does not; active includes the embeddings)
     assert round(big.param_count() / 1e9, 1) == 352.8 and 33.5 < big.param_count(active=True) / 1e9 < 33.7
     assert round(air.param_count() / 1e9, 1) == 106.9 and 13.3 < air.param_count(active=True) / 1e9 < 13.5
+
+
+def test_plan_refuses_what_the_family_refuses_before_anything_starts(tmp_path):
+    """``mrl plan`` / ``check_config`` run the family's own refusals on config.json (as the ranks would, later)."""
+    import json
+
+    from mrl.config import load_config
+    from mrl.config.validate import check_config
+
+    def errors(path: str) -> list[str]:
+        cfg = load_config("mrl_configs/quickstart_moe.yaml", [f"model.path={path}"], check=False)
+        return [e for e in check_config(cfg)[0] if "model.path" in e]
+
+    cfg = hf_config("glm4_moe").to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "norm_topk_prob": False}))
+    (bad,) = errors(str(tmp_path))
+    assert f"{tmp_path}/config.json" in bad and "norm_topk_prob=false" in bad
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert errors(str(tmp_path)) == []
+    assert errors("zai-org/GLM-4.5") == errors("zai-org/GLM-4.5-Air") == []  # the recipes' bundled shapes
