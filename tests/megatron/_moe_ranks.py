@@ -67,13 +67,46 @@ def expert_bias_after_train_step(path: Path) -> float:
                for i, r in routers)
 
 
+def replayed_logits(path: Path) -> dict[str, float]:
+    """Routing replay (R3) through mrl's router probes: Megatron (this layout, ``moe_enable_routing_replay``) fed the
+    engine's expert ids of ``path/replay.pt`` (a transformers model whose routers' score-correction bias differs
+    from the checkpoint's: the bias only chooses, so the same weights with the engine's choice give the engine's
+    logits) -> max |Δ| to the engine's logits with the ids replayed (``replay``) and without (``own``)."""
+    from mrl.megatron.hf_io import HFCheckpointReader
+    from mrl.megatron.mapping import load_hf_weights
+    from mrl.megatron.provider import build_model_chunks, load_hf_config
+    from mrl.workers.routing_replay import install_probes, set_targets
+    from tests.megatron._ranks import MICRO_BATCH, SEQ
+
+    cfg = load_hf_config(path)
+    ref, engine = torch.load(path / "ref.pt", weights_only=True), torch.load(path / "replay.pt", weights_only=True)
+    chunks = build_model_chunks(cfg, config_overrides={"moe_enable_routing_replay": True})
+    load_hf_weights(chunks, cfg, HFCheckpointReader(path))
+    model = chunks[0].eval()
+    probes = install_probes(chunks)
+    pos = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+    out = {}
+    with torch.no_grad():
+        for mode in ("replay", "own"):
+            diffs = []
+            for ids, routed, want in zip(ref["ids"].split(MICRO_BATCH), engine["routed"].split(MICRO_BATCH),
+                                         engine["logits"].split(MICRO_BATCH)):
+                set_targets(probes, routed if mode == "replay" else None)
+                logits = model(ids, pos, None)[..., : cfg.vocab_size]
+                diffs.append(float((logits - want).abs().max()))
+            out[mode] = max(diffs)
+    set_targets(probes, None)
+    return out
+
+
 def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispatchers: list[str],
                     mixed: list[str] = (), frozen_bias: list[str] = ()) -> dict:
     """For each layout, case and dispatcher: max |Δlogits| against ref.pt (a case is a checkpoint directory
     under ``root``: the ``families`` on every layout and dispatcher, the ``mixed`` ones on
     :data:`MIXED_LAYOUTS` with the first dispatcher); at EP2×PP2 each stage exports its HF tensors into
     ``root/rt_<case>/stage<pp>`` (experts gathered over EP). At :data:`FROZEN_BIAS_LAYOUT` each ``frozen_bias``
-    case also trains one step: ``("expert_bias", case)`` -> max |Δ expert_bias| (:func:`expert_bias_after_train_step`)."""
+    case also trains one step: ``("expert_bias", case)`` -> max |Δ expert_bias| (:func:`expert_bias_after_train_step`),
+    and replays an engine's routing: ``("replay" | "own", case)`` -> max |Δlogits| (:func:`replayed_logits`)."""
     from megatron.core import parallel_state as ps
 
     from mrl.megatron.hf_io import HFCheckpointReader, write_hf_checkpoint
@@ -92,6 +125,8 @@ def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispa
         if layout == FROZEN_BIAS_LAYOUT:
             for case in frozen_bias:
                 out[("expert_bias", case)] = expert_bias_after_train_step(Path(root) / case)
+                for mode, diff in replayed_logits(Path(root) / case).items():
+                    out[(mode, case)] = diff
         cases = [(f, dispatchers) for f in families]
         if layout in MIXED_LAYOUTS:
             cases += [(m, dispatchers[:1]) for m in mixed]

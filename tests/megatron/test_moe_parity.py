@@ -41,12 +41,36 @@ FROZEN_BIAS = ["glm4_moe"]  # sigmoid routers whose expert_bias must survive a t
 MIXED_PARAMS = [(c, DISPATCHERS[0], lay) for c in MIXED for lay in MIXED_LAYOUTS]
 
 
+def write_engine_routing(path, gen: torch.Generator) -> None:
+    """``path/replay.pt``: an "engine" = the checkpoint's model with other score-correction biases (they only choose
+    the experts); its expert ids of ref.pt's tokens, by the independent formula top-k(sigmoid(router logits) + bias)
+    (one expert group), and its logits."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.load(path / "ref.pt", weights_only=True)["ids"]
+    moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+    k = model.config.num_experts_per_tok
+    with torch.no_grad():
+        for i in moe:
+            bias = model.model.layers[i].mlp.gate.e_score_correction_bias
+            bias.copy_(0.2 * torch.randn(bias.shape, generator=gen))
+        out = model(ids, output_router_logits=True)
+    routed = torch.zeros(*ids.shape, len(model.model.layers), k, dtype=torch.long)
+    for i, logits in zip(moe, out.router_logits):
+        scores = torch.sigmoid(logits.float()) + model.model.layers[i].mlp.gate.e_score_correction_bias
+        routed[:, :, i] = torch.topk(scores, k, dim=-1).indices.view(*ids.shape, k)
+    torch.save({"routed": routed, "logits": out.logits}, path / "replay.pt")
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_parity")
     gen = torch.Generator().manual_seed(0)
     for fam in FAMILIES:
         write_reference_logits(make_tiny_hf(root / fam, fam, **FAMILY_OVERRIDES.get(fam, {})), gen)
+    for case in FROZEN_BIAS:
+        write_engine_routing(root / case, gen)
     for case, (fam, overrides) in MIXED.items():
         write_reference_logits(make_tiny_hf(root / case, fam, **overrides), gen)
     results = run_ranks(moe_parity_rank, 4, args=(str(root), FAMILIES, DISPATCHERS, list(MIXED), FROZEN_BIAS), timeout_s=300,
@@ -97,3 +121,13 @@ def test_sigmoid_router_expert_bias_stays_frozen_through_a_train_step(launched, 
     Megatron's finalize_model_grads runs its aux-loss-free update on counted tokens and moves nothing."""
     _, diffs = launched
     assert diffs[("expert_bias", case)] == 0.0, f"{case}: expert_bias moved by {diffs[('expert_bias', case)]:.3g}"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", FROZEN_BIAS)
+def test_routing_replay_gives_the_engines_logits(launched, case):
+    """R3 with a sigmoid router: the engine's routers carry other score-correction biases, so they choose other
+    experts; replaying its ids (mrl's router probes, Megatron's RouterReplay) at EP2 gives the engine's logits."""
+    _, diffs = launched
+    assert diffs[("replay", case)] <= TOL, f"{case}: replayed logits differ from the engine's by {diffs[('replay', case)]:.3g}"
+    assert diffs[("own", case)] > 1e-3, "the engine's biases changed no routing: the test cannot tell replay from none"
