@@ -2,10 +2,9 @@
 
 One :class:`RouterProbe` sits on every ``TopKRouter`` of an MoE model (a forward pre-hook and a forward
 hook). When a micro-batch carries the engine's ids, the pre-hook recomputes the router's own logits with
-the router's own ``gating`` (same op, same dtype, so the same top-k the router would pick) and then:
-
-The router's own choice (:func:`own_topk`) is the top-k of its logits for a softmax router; a sigmoid router
-with a score-correction bias or group limits (GLM-4.5, DeepSeek-V3) selects by Megatron's own routing function.
+the router's own ``gating`` (same op, same dtype) and the experts its own rule picks from them (Megatron's
+routing function with the router's settings: a sigmoid router with a score-correction bias and group limits
+does not pick the top-k logits) and then:
 
 * **replay** (a micro-batch carries the engine's ids, ``actor.moe.routing_replay=rollout``): sets
   Megatron's ``RouterReplay`` target to the engine's top-k ids, so the router gathers *its own*
@@ -54,7 +53,7 @@ class RouterProbe:
                 replay.clear_router_replay_action()
             return
         with torch.no_grad():
-            own = own_topk(module, module.gating(args[0].detach()).reshape(-1, module.config.num_moe_experts))
+            own = _own_topk(module, module.gating(args[0].detach()).reshape(-1, module.config.num_moe_experts))
             target = self.target.to(own.device)
             if target.shape != own.shape:
                 raise RuntimeError(f"routing replay: layer {self.layer} got {tuple(target.shape)} engine ids for "
@@ -89,22 +88,18 @@ class RouterProbe:
         self.compared.zero_()
 
 
-def own_topk(router: Any, logits: torch.Tensor) -> torch.Tensor:
-    """``[tokens, k]`` ids of the experts ``router`` picks for ``logits`` by itself: the top-k of the logits for a
-    softmax router without groups (softmax is monotone); otherwise Megatron's own selection with the router's
-    score function, score-correction bias and group limits (GLM-4.5, DeepSeek-V3: sigmoid + bias, whose top-k is
-    not the logits'). Ids in ascending order there (replay and the mismatch count use the set)."""
-    cfg = router.config
-    if router.score_function == "softmax" and getattr(router, "expert_bias", None) is None \
-            and not cfg.moe_router_group_topk:
-        return torch.topk(logits, k=router.topk, dim=1).indices
+def _own_topk(router: Any, logits: torch.Tensor) -> torch.Tensor:
+    """``[tokens, K]`` experts the router picks itself from ``logits``, by its own rule (Megatron's routing function
+    with the router's settings: softmax top-k, or DeepSeek's sigmoid + score-correction bias + group-limited top-k,
+    where the top-k logits are not the choice); no replay, no host sync (a top-k of the 0/1 routing map)."""
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
-    _, chosen = topk_routing_with_score_function(
+    cfg = router.config
+    _, routing_map = topk_routing_with_score_function(
         logits, router.topk, use_pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
         group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
-        score_function=router.score_function, expert_bias=router.expert_bias)
-    return torch.topk(chosen.to(torch.int8), k=router.topk, dim=1, sorted=True).indices.sort(-1).values
+        score_function=cfg.moe_router_score_function, expert_bias=getattr(router, "expert_bias", None))
+    return routing_map.to(logits.dtype).topk(router.topk, dim=1).indices
 
 
 def install_probes(chunks: list) -> list[RouterProbe]:

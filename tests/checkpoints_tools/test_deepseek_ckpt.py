@@ -1,4 +1,4 @@
-"""``mrl-ckpt`` on a tiny DeepSeek-V3 (MLA with q_lora_rank, dense first layer, 8 experts, sigmoid router with its
+"""``mrl-ckpt`` on a tiny DeepSeek-V3 (MLA with q_lora_rank, dense first layer, 16 experts, sigmoid router with its
 score-correction bias, one MTP layer in the checkpoint): HF → mcore at EP2 → HF at EP2 is bit-exact per tensor
 (the MTP layer, never read, is not written back); the mcore checkpoint holds each MoE layer's HF
 ``e_score_correction_bias`` as the router's ``expert_bias`` (read with torch's distributed-checkpoint reader, not
@@ -12,7 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.checkpoints_tools.test_cli import _cli, _hf_tensors, _ok
-from tests.checkpoints_tools.test_moe_logits import _mcore_tensors, _megatron_logits_rank
+from tests.checkpoints_tools.test_moe_logits import (
+    _mcore_tensors,
+    _megatron_logits_rank,
+)
 from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_deepseek import make_tiny_deepseek_hf
 

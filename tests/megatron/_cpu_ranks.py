@@ -118,6 +118,20 @@ def _check_thread_local() -> None:
     assert sum(isinstance(m, CpuDeviceMode) for m in _get_current_function_mode_stack()) == 1
 
 
+def _check_yarn_rope() -> None:
+    """Redirect 10: MLA's YaRN rotary embedding builds (it passes no use_cpu_initialization) and gives the
+    frequencies of its formula on CPU."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
+
+    yarn = YarnRotaryEmbedding(8, rotary_base=10000.0, scaling_factor=1.0, original_max_position_embeddings=16)
+    emb, mscale = yarn(4)
+    want = torch.outer(torch.arange(4.0), 1.0 / 10000.0 ** (torch.arange(0, 8, 2) / 8))  # factor 1: plain RoPE
+    assert emb.device.type == "cpu" and mscale == 1.0
+    torch.testing.assert_close(emb[:, 0, 0, :4], want)
+
+
 CHECKS: dict[str, Callable[[], None]] = {
     "current_device": _check_current_device,
     "device_mode": _check_device_mode,
@@ -126,6 +140,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "rng_tracker": _check_rng_tracker,
     "streams": _check_streams,
     "thread_local": _check_thread_local,
+    "yarn_rope": _check_yarn_rope,
 }
 
 

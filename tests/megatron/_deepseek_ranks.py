@@ -11,6 +11,8 @@ from tests.megatron._ranks import pipeline_logits
 # gathered right after) and the experts over ETP=TP; EP2 x PP2 also exports the HF tensors (round trip).
 DS_LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 1), (1, 2, 2, 1)]
 DS_ROUNDTRIP = (1, 2, 2)
+# added to the trainer's score-correction bias in the replay check: moves many choices, none of the weights
+BIAS_SHIFT = 0.3 * torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, -1.0, 1.0, -1.0] * 2).roll(3)
 # (case, dispatcher, layout) runs: the q_lora model everywhere with the all-to-all dispatcher and at EP2 with the
 # allgather one; the model without q_lora (its attention differs, its experts do not) at TP1, TP2 and EP2 x PP2.
 DS_RUNS = ([("q_lora", "alltoall", lay) for lay in DS_LAYOUTS] + [("q_lora", "allgather", (1, 1, 2, 1))]
@@ -34,6 +36,8 @@ def deepseek_parity_rank(rank: int, world: int, root: str) -> dict:
     out: dict = {}
     for tp, pp, ep, etp in DS_LAYOUTS:
         init_parallel(device="cpu", tp=tp, pp=pp, ep=ep, etp=etp)
+        if (tp, pp, ep, etp) == (1, 1, 1, 1):
+            out["replay"] = _replay_check(Path(root) / "q_lora")
         for case, disp, layout in DS_RUNS:
             if layout != (tp, pp, ep, etp):
                 continue
@@ -80,3 +84,32 @@ def _expert_bias_after_a_step(chunks: list, ids: torch.Tensor) -> dict:
     model.config.moe_router_bias_update_rate = rate
     return {"rate": rate, "routers": len(routers), "tokens_counted": counted, "frozen": frozen,
             "moved_at_default_rate": moved, "fp32": all(r.expert_bias.dtype == torch.float32 for r in routers)}
+
+
+def _replay_check(path: Path) -> dict:
+    """Routing replay (R3) on DeepSeek-V3's router: the trainer's score-correction bias shifted by
+    :data:`BIAS_SHIFT` (its own choice then differs from transformers'); with transformers' expert ids
+    (``ref.pt["routed"]``) replayed through mrl's router probes, the logits are transformers' again, because the
+    bias steers only the choice, never the weights."""
+    from mrl.megatron.hf_io import HFCheckpointReader
+    from mrl.megatron.mapping import load_hf_weights
+    from mrl.megatron.provider import build_model_chunks, load_hf_config
+    from mrl.workers.routing_replay import install_probes, set_targets
+
+    cfg = load_hf_config(path)
+    ref = torch.load(path / "ref.pt", weights_only=True)
+    chunks = build_model_chunks(cfg, config_overrides={"moe_enable_routing_replay": True})
+    load_hf_weights(chunks, cfg, HFCheckpointReader(path))
+    model = chunks[0].eval()
+    ids = ref["ids"]
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        for m in model.modules():
+            if getattr(m, "expert_bias", None) is not None:
+                m.expert_bias += BIAS_SHIFT
+        own = model(ids, pos, None)[..., : cfg.vocab_size]
+        probes = install_probes(chunks)
+        set_targets(probes, ref["routed"].long())
+        replayed = model(ids, pos, None)[..., : cfg.vocab_size]
+    return {"own": (own - ref["logits"]).abs().max().item(), "replayed": (replayed - ref["logits"]).abs().max().item(),
+            "mismatch": int(sum(p.mismatch for p in probes)), "compared": int(sum(p.compared for p in probes))}

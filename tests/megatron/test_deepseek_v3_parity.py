@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.dist import run_ranks
-from tests.helpers.tiny_deepseek import make_tiny_deepseek_hf
-from tests.megatron._deepseek_ranks import DS_RUNS, deepseek_parity_rank
+from tests.helpers.tiny_deepseek import make_tiny_deepseek_hf, reference_routing
+from tests.megatron._deepseek_ranks import BIAS_SHIFT, DS_RUNS, deepseek_parity_rank
 from tests.megatron._ranks import (
     assert_stages_export_the_checkpoint,
     write_reference_logits,
@@ -38,6 +38,21 @@ def _add_mtp_layer(path: Path) -> None:
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _add_reference_routing(path: Path) -> None:
+    """ref.pt gains transformers' expert choice of its ids (the "engine's", for replay) and how many
+    token-layer choices the bias shift of the replay check changes (computed here from transformers)."""
+    from transformers import AutoModelForCausalLM
+
+    ref = torch.load(path / "ref.pt", weights_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    routed = reference_routing(model, ref["ids"])
+    shifted = reference_routing(model, ref["ids"], BIAS_SHIFT)
+    moe = [1, 2, 3]
+    ref["routed"] = routed
+    ref["flips"] = int((routed[:, :, moe] != shifted[:, :, moe]).any(-1).sum())
+    torch.save(ref, path / "ref.pt")
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek_parity")
@@ -45,14 +60,17 @@ def launched(tmp_path_factory):
     for case, q_lora in CASES.items():
         write_reference_logits(make_tiny_deepseek_hf(root / case, seed=1, q_lora=q_lora), gen)
     _add_mtp_layer(root / "no_q_lora_mtp")
+    _add_reference_routing(root / "q_lora")
     results = run_ranks(deepseek_parity_rank, 4, args=(str(root),), timeout_s=300,
                         init_process_group=False)
     merged: dict = {}
     for r in results:
         merged.update(r)
-    merged.pop("bias_update", None)
-    merged["bias_update"] = results[0]["bias_update"]
-    print("max |Δlogits|:", {k: f"{v:.2e}" for k, v in sorted(merged.items(), key=str) if k != "bias_update"})
+    for key in ("bias_update", "replay"):
+        merged.pop(key, None)
+        merged[key] = results[0][key]
+    print("max |Δlogits|:", {k: f"{v:.2e}" for k, v in sorted(merged.items(), key=str) if not isinstance(v, dict)},
+          "replay:", merged["replay"], "bias update:", merged["bias_update"])
     return root, merged
 
 
@@ -79,7 +97,7 @@ def test_deepseek_v3_roundtrip_ep2_pp2_bit_exact(launched, case):
     stages = assert_stages_export_the_checkpoint(src, stage_dirs)
     names = [n for st in stages for n in st.names()]
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in names and "model.layers.0.mlp.gate_proj.weight" in names
-    assert any(".experts.7." in n for n in names), "EP rank 1's experts missing from the export"
+    assert any(".experts.15." in n for n in names), "EP rank 1's experts missing from the export"
     assert any("q_a_proj" in n for n in names) is CASES[case]
 
 
@@ -90,3 +108,15 @@ def test_score_correction_bias_stays_frozen_in_training(launched):
     b = diffs["bias_update"]
     assert b["rate"] == 0.0 and b["routers"] == 3 and b["tokens_counted"] > 0, b
     assert b["frozen"] and b["moved_at_default_rate"] and b["fp32"], b
+
+
+def test_routing_replay_gives_transformers_logits_under_another_own_choice(launched):
+    """R3 with DeepSeek-V3's router: the trainer's score-correction bias shifted, its own choice differs from
+    transformers' on many token-layers (counted here from transformers' router logits; mrl's
+    moe/replay_mismatch counts the same ones); replaying transformers' ids restores transformers' logits."""
+    root, diffs = launched
+    r = diffs["replay"]
+    flips = torch.load(root / "q_lora" / "ref.pt", weights_only=True)["flips"]
+    assert r["own"] > 1e-2 and flips > 10, r
+    assert r["replayed"] <= TOL, r
+    assert r["mismatch"] == flips and r["compared"] == 3 * 4 * 16, (r, flips)

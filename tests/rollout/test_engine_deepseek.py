@@ -15,28 +15,10 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load_file
 
 from mrl.rollout.engine.server import Engine, build_app
-from tests.helpers.tiny_deepseek import make_tiny_deepseek_hf
+from tests.helpers.tiny_deepseek import make_tiny_deepseek_hf, reference_routing
 
 PROMPTS = [[5, 17, 33, 41, 7, 9], [11, 3, 70]]
 NEW = 10
-
-
-def _oracle_experts(model, tokens: list[int]) -> torch.Tensor:
-    """int32 [len(tokens), layers, top_k], sorted per token: DeepSeek-V3's routing computed here from the router
-    logits transformers reports (not from its router's own top-k); 0 for the dense first layers."""
-    cfg = model.config
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([tokens]), output_router_logits=True)
-    moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
-    ref = torch.zeros(len(tokens), len(model.model.layers), cfg.num_experts_per_tok, dtype=torch.int32)
-    for i, logits in zip(moe, out.router_logits):
-        s = torch.sigmoid(logits.float()) + model.model.layers[i].mlp.gate.e_score_correction_bias
-        groups = s.view(len(tokens), cfg.n_group, -1)
-        group_score = groups.topk(2, dim=-1).values.sum(-1)                      # [T, n_group]
-        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, group_score.topk(cfg.topk_group).indices, True)
-        masked = s.masked_fill(~keep.repeat_interleave(groups.shape[-1], dim=1), float("-inf"))
-        ref[:, i] = masked.topk(cfg.num_experts_per_tok).indices.sort(-1).values.to(torch.int32)
-    return ref
 
 
 def _decode(s: str, layers: int, k: int) -> torch.Tensor:
@@ -67,7 +49,7 @@ def test_engine_generates_like_transformers_and_returns_deepseek_routing(tmp_pat
         assert outs[i]["output_ids"] == want[0, len(prompt):].tolist(), i
         tokens = prompt + outs[i]["output_ids"]
         got = _decode(outs[i]["meta_info"]["routed_experts"], cfg.num_hidden_layers, cfg.num_experts_per_tok)
-        oracle = _oracle_experts(model, tokens[:-1])
+        oracle = reference_routing(model, torch.tensor([tokens[:-1]]))[0]
         assert torch.equal(got.sort(-1).values, oracle), i
         assert (oracle[:, 0] == 0).all() and oracle[:, 1:].max() > 0  # layer 0 dense, the others routed
 

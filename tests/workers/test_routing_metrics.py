@@ -79,7 +79,7 @@ def test_own_choice_of_a_biased_sigmoid_router_is_transformers_glm_choice(groups
             self.weight = torch.nn.Parameter(hf.weight.data.clone())
             self.register_buffer("expert_bias", hf.e_score_correction_bias.data.clone())
             self.topk, self.score_function, self.router_replay = k, "sigmoid", None
-            self.config = SimpleNamespace(num_moe_experts=e, moe_router_pre_softmax=False,
+            self.config = SimpleNamespace(num_moe_experts=e, moe_router_pre_softmax=False, moe_router_score_function="sigmoid",
                                           moe_router_num_groups=groups if groups > 1 else None,
                                           moe_router_group_topk=1 if groups > 1 else None,
                                           moe_router_topk_scaling_factor=2.5)
