@@ -15,7 +15,8 @@ layout: Megatron's ``rotary_percent`` (read for every family by the provider). M
 ``b`` is ``e_score_correction_bias`` (a buffer: Megatron's router ``expert_bias``, frozen during RL, see
 docs/moe.md); the first ``first_k_dense_replace`` layers are dense SwiGLU MLPs of ``intermediate_size``
 (``mlp.{gate,up,down}_proj``). Multi-token-prediction layers (``num_nextn_predict_layers``, stored as
-``model.layers.{num_hidden_layers + k}``) are not loaded: transformers ignores them too.
+``model.layers.{num_hidden_layers + k}``) are not loaded and not exported (transformers ignores them too;
+``mrl plan`` says so).
 Refused (the sigmoid router's common checks, :class:`~mrl.families.base.MoE`): ``norm_topk_prob=false`` or
 top-1 (Megatron renormalises the top-k sigmoid scores exactly when k > 1), group-limited routing whose group
 score Megatron computes differently (it sums each group's top ``k / topk_group`` scores, transformers the top 2;
