@@ -473,7 +473,7 @@ def trainer_worker(a) -> list[dict]:
             from mrl.workers.reward_model import RewardModelWorker
             w = RewardModelWorker(a.rm, ParallelConfig(), micro_batch_size=3, seed=1234, device=dev, dtype=tdt,
                                   init_parallel=False)
-            got = w.compute_rm_score(b).float().cpu()
+            got = w.compute(b).float().cpu()
             rm = hf(a.rm, tf.AutoModelForSequenceClassification)
             am = b.attention_mask.bool()
             with torch.no_grad():
@@ -530,14 +530,15 @@ def attention_checks(C: Checks, model: str, dt: str, dev: str) -> None:
     real = sdpa_mod._varlen_attn
 
     def counting():  # SDPAAttention looks varlen_attn up per call: count the calls that reach it
-        fn = real()
-        if fn is None:
+        found = real()  # (varlen_attn, whether it takes enable_gqa) or None
+        if found is None:
             return None
+        fn, takes_gqa = found
 
         def varlen(*args, **kw):
             calls[0] += 1
             return fn(*args, **kw)
-        return varlen
+        return varlen, takes_gqa
 
     def build(backend: str, packed: bool):
         return ActorWorker(cfg, model_path=model, device=dev, mini_batch_size_samples=8, seed=1234, dtype=tdt,

@@ -41,6 +41,45 @@ FIGURES = [
     ("docs/performance.md", "hidden-128 2-layer", "docs/data/packing_cpu.json", ("args", "samples"), " {} samples"),
 ]
 
+_GPU = "docs/data/gpu_bench_h200_2026-11-28.json"
+_GPU_ROWS = {  # gpu.md's attention-backend table: (row anchor) -> (section path, variant)
+    f"| {shape} | `{v}`": (sec, v)
+    for shape, sec in (("8 × 1024, micro-batch 2", ("actor_fwd_bwd",)), ("8 × 4096, micro-batch 1", ("long_context", "mfu")))
+    for v in ("local", "sdpa", "sdpa+packed")
+}
+FIGURES += [
+    entry
+    for anchor, (sec, v) in _GPU_ROWS.items()
+    for entry in (
+        ("docs/gpu.md", anchor, _GPU, (*sec, "by_variant", v, "seconds_per_minibatch"), "| {:.3f} |"),
+        ("docs/gpu.md", anchor, _GPU, (*sec, "by_variant", v, "tflops"), "| {:.0f} |"),
+        ("docs/gpu.md", anchor, _GPU, (*sec, "by_variant", v, "mfu"), lambda m: f"{m * 100:.1f} %"),
+        ("docs/gpu.md", anchor, _GPU, (*sec, "by_variant", v, "peak_gib"), "| {:.1f} |"),
+    )
+] + [
+    (doc, row, _GPU, ("long_context", "longest", run, "by_length", n, key), fmt)
+    for doc, row in (("docs/gpu.md", "| 65536 | not tried |"),)
+    for run, n, key, fmt in (("with_recompute", "65536", "seconds", "{:.2f} s"),
+                             ("with_recompute", "65536", "peak_gib", "{:.1f} GiB"),
+                             ("with_recompute", "65536", "mfu", lambda m: f"{m * 100:.1f} %"))
+] + [
+    ("docs/gpu.md", "| 16384 | 0.67 s", _GPU, ("long_context", "longest", "no_recompute", "by_length", "16384", k), f)
+    for k, f in (("seconds", "{:.2f} s"), ("peak_gib", "{:.1f} GiB"))
+] + [
+    ("docs/benchmarks.md", "2026-11-28, one NVIDIA H200", _GPU, ("long_context", "mfu", "by_variant", "sdpa",
+                                                                 "speedup_vs_local"), "{:.2f}× at 8 × 4096"),
+    ("docs/benchmarks.md", "2026-11-28, one NVIDIA H200", _GPU, ("long_context", "longest", "with_recompute",
+                                                                 "longest"), "**{} with full recompute"),
+    ("docs/benchmarks.md", "2026-11-28, one NVIDIA H200", _GPU, ("long_context", "longest", "no_recompute",
+                                                                 "longest"), "{} tokens without recompute"),
+]
+FIGURES.append(("docs/gpu.md", "on the CPU benchmark (docs/data/packing_cpu.json)", "docs/data/packing_cpu.json",
+                ("results", {"backend": "sdpa", "packed": True}, "cpu_ratio_vs_padded_sdpa"), "that was {:.2f}×"))
+_CUDA = "docs/data/cuda_check_bf16_h200_2026-11-28.json"
+FIGURES += [("docs/gpu.md", "`cuda_check.py --dtypes bfloat16` (second call)", _CUDA, ("rows",),
+             lambda rows: f"**{sum(r['status'] == 'PASS' for r in rows)} PASS, {sum(r['status'] == 'FAIL' for r in rows)} "
+                          f"FAIL, {sum(r['status'] == 'SKIP' for r in rows)} SKIP**")]
+
 _CITE = re.compile(r"(?:docs/data/|\(data/)([A-Za-z0-9_.\-]+)")
 
 

@@ -15,7 +15,7 @@ FORBIDDEN = {
     "net": HEAVY, "dtypes": HEAVY, "quiet_stop": HEAVY,
     "cluster": ("megatron", "mrl.megatron", "mrl.workers", "mrl.driver"),
     "rollout": ("mrl.workers", "mrl.megatron", "mrl.driver", "mrl.cluster"),
-    # what runs in rank processes (workers/rank.py, rm_rank.py included) knows no driver
+    # what runs in rank processes (workers/rank.py, side_rank.py included) knows no driver
     "workers": ("mrl.driver",), "megatron": ("mrl.driver",),
     "quickstarts": ("ray", "megatron", "mrl.driver", "mrl.workers"),
 }

@@ -47,7 +47,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Any
 
-from mrl.config.layout import compute_layout, reward_model_parallel, teacher_parallel
+from mrl.config.layout import compute_layout
 from mrl.config.root import MRLConfig
 from mrl.megatron.backends import choose_attention_backend as choose_backend
 
@@ -177,10 +177,9 @@ def megatron_roles(cfg: MRLConfig) -> list[tuple[str, Any, bool]]:
         roles.append(("ref", cfg.ref.megatron, False))
     if cfg.critic_enabled:
         roles.append(("critic", cfg.critic.megatron, False))
-    if cfg.reward_model.enable:
-        roles.append(("reward_model", reward_model_parallel(cfg), False))
-    if cfg.teacher.enable:
-        roles.append(("teacher", teacher_parallel(cfg), False))
+    for role, side in cfg.rank_side_models().items():
+        if side.enable:
+            roles.append((role, side.parallel(cfg.actor.megatron), False))
     return roles
 
 

@@ -49,13 +49,13 @@ KEYS: dict[str, str] = {
     **{A + k: "actor." + k for k in (
         "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
         "ppo_epochs", "shuffle", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "entropy_coeff", "use_kl_loss",
-        "kl_loss_coef", "kl_loss_type", "loss_agg_mode", "use_distributed_optimizer", "tis_imp_ratio_cap")},
+        "kl_loss_coef", "kl_loss_type", "loss_agg_mode", "tis_imp_ratio_cap")},
     A + "policy_loss.loss_mode": "actor.policy_loss",
     A + "grad_clip": "actor.optim.clip_grad",
     A + "checkpoint.save_contents": "actor.checkpoint.save_contents",
     A + "checkpoint.load_contents": "actor.checkpoint.load_contents",
     **{A + "optim." + k: "actor.optim." + k for k in (
-        "lr", "betas", "eps", "weight_decay", "lr_warmup_steps", "lr_warmup_steps_ratio", "min_lr_ratio", "clip_grad",
+        "lr", "betas", "weight_decay", "lr_warmup_steps", "lr_warmup_steps_ratio", "min_lr_ratio", "clip_grad",
         "total_training_steps")},
     **{A + "megatron." + k: "actor.megatron." + k for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
@@ -83,7 +83,7 @@ KEYS: dict[str, str] = {
         "ppo_epochs", "cliprange_value", "loss_agg_mode")},
     "critic.grad_clip": "critic.optim.clip_grad",
     **{"critic.optim." + k: "critic.optim." + k for k in (
-        "lr", "betas", "eps", "weight_decay", "lr_warmup_steps", "lr_warmup_steps_ratio", "min_lr_ratio", "clip_grad")},
+        "lr", "betas", "weight_decay", "lr_warmup_steps", "lr_warmup_steps_ratio", "min_lr_ratio", "clip_grad")},
     **{"critic.megatron." + k: "critic.megatron." + k for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "expert_model_parallel_size", "sequence_parallel")},
@@ -99,7 +99,14 @@ KEYS: dict[str, str] = {
     **{f"reward_model.overlong_buffer.{k}": f"reward.overlong_buffer.{k}" for k in ("enable", "len", "penalty_factor")},
     **{f"reward_model.reward_kwargs.overlong_buffer_cfg.{k}": f"reward.overlong_buffer.{k}"
        for k in ("enable", "len", "penalty_factor")},
+    # verl 0.9's reward section (the legacy reward_model.* keys above still parse there)
+    "reward.reward_model.enable": "reward_model.enable",
+    "reward.reward_model.model_path": "reward_model.model.path",
+    "reward.num_workers": "reward.workers",
     # algorithm
+    **{f"algorithm.rollout_correction.{k}": f"algorithm.rollout_correction.{k}" for k in (
+        "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold",
+        "bypass_mode", "loss_type")},
     **{f"algorithm.{k}": f"algorithm.{k}" for k in (
         "adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty")},
     **{f"algorithm.kl_ctrl.{k}": f"algorithm.kl_ctrl.{k}" for k in ("type", "kl_coef", "target_kl", "horizon")},
@@ -128,7 +135,7 @@ _ULYSSES = "Ulysses SP is FSDP's, and mrl splits no sequence over ranks (context
 _FSDP = "FSDP settings: mrl trains with Megatron-Core (set actor.megatron.* / actor.offload_* instead)"
 UNMAPPED: dict[str, str] = {
     A + "fsdp_config.": _FSDP, REF + "fsdp_config.": _FSDP, "critic.model.fsdp_config.": _FSDP, AR + "model.use_shm": _FSDP,
-    "critic.fsdp_config.": _FSDP,
+    "critic.fsdp.": _FSDP,
     AR + "model.enable_gradient_checkpointing": "Megatron recompute is actor.recompute_granularity=full|selective; "
                                                 "set it if memory needs it (verl's flag has no one-to-one equivalent)",
     "critic.model.enable_gradient_checkpointing": "set critic.recompute_granularity=full|selective if memory needs it",
@@ -171,7 +178,6 @@ UNMAPPED: dict[str, str] = {
     A + "profiler.": "profiling is not configurable in mrl", "trainer.profile_steps": "profiling is not configurable in mrl",
     "trainer.balance_batch": "no switch in mrl",
     "trainer.ray_wait_register_center_timeout": "not needed by mrl's Ray setup",
-    "trainer.log_freq": "mrl logs every step",
     "trainer.max_critic_ckpt_to_keep": "trainer.max_ckpt_to_keep covers every role",
     "trainer.del_local_ckpt_after_load": "not supported", "trainer.esi_redundant_time": "not supported",
     "trainer.default_hdfs_dir": "HDFS is not supported; checkpoints go to trainer.default_local_dir",
@@ -189,6 +195,37 @@ UNMAPPED: dict[str, str] = {
     "reward_model.rollout.": "generative reward models (an LLM judge on engines of its own) are not supported; use "
                              "reward.function or a *ForSequenceClassification reward model (reward_model.*)",
     "reward_model.use_reward_loop": "verl's reward loop has no counterpart: rewards come from reward.function / reward_model",
+    "reward.reward_model.rollout.": "generative reward models (an LLM judge on engines of its own) are translated by "
+                                    "hand: mrl's reward.judge section (docs/judge.md)",
+    "reward.reward_manager.": "mrl's reward manager is one (reward.function, reward.workers, reward.overlong_buffer)",
+    "reward.sandbox_fusion.": "code execution rewards run in mrl's tool sandbox (agent.tools; docs/agent.md)",
+    "reward.custom_reward_function.reward_kwargs.": "extra reward-function arguments are not passed through",
+}
+
+# Keys the tables above take that verl 0.9.1's own config schema (verl/trainer/config/_generated_*.yaml) does not
+# have, each with where launch scripts still carry it; tests/config/test_from_verl_schema.py checks every other
+# key against that schema, and that each key here is indeed absent from it.
+OLDER_VERL = "verl <= 0.5's ppo_trainer.yaml (legacy FSDP reward-model worker)"
+OUTSIDE_VERL_0_9_1: dict[str, str] = {
+    **{k: OLDER_VERL for k in (
+        "reward_model.strategy", "reward_model.model.input_tokenizer", "reward_model.micro_batch_size_per_gpu",
+        "reward_model.max_length", "reward_model.model.use_remove_padding", "reward_model.model.fsdp_config.",
+        "reward_model.launch_reward_fn_async", "reward_model.reward_kwargs.")},
+    "critic.model.fsdp_config.": "verl <= 0.5's ppo_trainer.yaml (critic.model.fsdp_config)",
+    "ray_init.": "verl <= 0.5's ppo_trainer.yaml (top-level ray_init.num_cpus)",
+    "trainer.profile_steps": "verl 0.4-0.5's trainer section (before global_profiler)",
+    "reward_model.use_reward_loop": "verl 0.6-0.8 (the reward loop switch)",
+    **{f"reward_model.overlong_buffer.{k}": "verl 0.3's DAPO recipe (recipe/dapo scripts)"
+       for k in ("enable", "len", "penalty_factor")},
+    **{f"reward_model.reward_kwargs.overlong_buffer_cfg.{k}": "verl 0.4+'s DAPO recipe (+reward_model.reward_kwargs...)"
+       for k in ("enable", "len", "penalty_factor")},
+    "custom_reward_function.reward_kwargs.": "user scripts' +custom_reward_function.reward_kwargs.* (verl passes them "
+                                             "to the reward function)",
+    "reward.custom_reward_function.reward_kwargs.": "user scripts' +reward.custom_reward_function.reward_kwargs.* "
+                                                    "(verl 0.9 passes them to the reward function)",
+    AR + "actor.tis_imp_ratio_cap": "verl 0.5-0.6's actor section (TIS, before algorithm.rollout_correction)",
+    **{f"{role}megatron.grad_offload": "verl <= 0.4's Megatron config (param/grad/optimizer offload)"
+       for role in (A, "critic.")},
 }
 
 
@@ -333,9 +370,14 @@ CONVERTERS: dict[str, Callable[[Translation, Any], None]] = {
     "trainer.logger": _logger,
     "custom_reward_function.path": _custom_reward_path,
     "custom_reward_function.name": _custom_reward_name,
+    "reward.custom_reward_function.path": _custom_reward_path,
+    "reward.custom_reward_function.name": _custom_reward_name,
     "reward_model.n_gpus_per_node": lambda t, v: _rm_pool_devices(t, v, "reward_model.n_gpus_per_node"),
     "reward_model.enable_resource_pool": lambda t, v: _rm_pool_devices(t, v, "reward_model.enable_resource_pool")
     if v else None,
+    "reward.reward_model.n_gpus_per_node": lambda t, v: _rm_pool_devices(t, v, "reward.reward_model.n_gpus_per_node"),
+    "reward.reward_model.enable_resource_pool": lambda t, v: _rm_pool_devices(
+        t, v, "reward.reward_model.enable_resource_pool") if v else None,
 }
 
 

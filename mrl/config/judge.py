@@ -26,6 +26,7 @@ from typing import Literal
 from pydantic import Field
 
 from mrl.config.base import Section
+from mrl.config.side_model import SideModelConfig
 
 PLACEHOLDERS = ("prompt", "response", "ground_truth")
 DEFAULT_TEMPLATE = ("Question:\n{prompt}\n\nReference answer: {ground_truth}\n\nStudent answer:\n{response}\n\n"
@@ -46,8 +47,9 @@ class JudgeParseConfig(Section):
         description="verdict -> score (compared after strip() and lower()); null = the verdict is a number.")
 
 
-class JudgeConfig(Section):
-    """The judge model, its prompt, its parser, its engines and how its score becomes the reward."""
+class JudgeConfig(SideModelConfig):
+    """The judge model (a side model served by engines, mrl/config/side_model.py), its prompt, its parser, its
+    engines and how its score becomes the reward."""
 
     enable: bool = Field(False, description="Score every sample with the judge (phase judge, in training and validation).")
     model: str | None = Field(None, description="HF causal-LM checkpoint directory of the judge, served by "
@@ -85,6 +87,10 @@ class JudgeConfig(Section):
     report_rule: bool = Field(True, description="combine=judge: reward.function is still called, its score logged "
                               "as rule_score (and as acc when it returns no acc), never trained on; false = not "
                               "called (tasks without a rule).")
+
+
+    def model_dir(self) -> str | None:
+        return self.model  # None behind an external url
 
 
 def template_fields(template: str) -> list[str]:

@@ -18,23 +18,6 @@ from mrl.config.parallel import ParallelConfig
 from mrl.config.root import MRLConfig
 
 
-def reward_model_parallel(cfg: MRLConfig) -> ParallelConfig:
-    """The RM's Megatron layout: a colocated RM runs in the actor's groups (actor.megatron); a separate one
-    in its own (reward_model.megatron, null = the actor's sizes)."""
-    rm = cfg.reward_model
-    if rm.placement == "separate" and rm.megatron is not None:
-        return rm.megatron
-    return cfg.actor.megatron
-
-
-def teacher_parallel(cfg: MRLConfig) -> ParallelConfig:
-    """The teacher's Megatron layout: the actor's when colocated, teacher.megatron (null: the actor's) when separate."""
-    t = cfg.teacher
-    if t.placement == "separate" and t.megatron is not None:
-        return t.megatron
-    return cfg.actor.megatron
-
-
 @dataclass(frozen=True)
 class RoleLayout:
     """Devices [first, first + count) of one role; ``parallel`` is None for the engines."""
@@ -76,10 +59,9 @@ def separate_devices(cfg: MRLConfig) -> dict[str, int]:
         out["critic"] = cfg.critic.num_devices or 0
     if cfg.rollout.placement == "separate":
         out["rollout"] = (cfg.rollout.num_engines or 0) * cfg.rollout.engine_tp_size
-    if cfg.reward_model.enable and cfg.reward_model.placement == "separate":
-        out["reward_model"] = cfg.reward_model.num_devices or 0
-    if cfg.teacher.enable and cfg.teacher.placement == "separate":
-        out["teacher"] = cfg.teacher.num_devices or 0
+    for role, side in cfg.rank_side_models().items():
+        if side.enable and not side.colocated:
+            out[role] = side.num_devices or 0
     return out
 
 
@@ -101,10 +83,11 @@ def compute_layout(cfg: MRLConfig) -> dict[str, RoleLayout]:
     nxt = actor_n
     # A colocated reference runs in the actor's model chunks (mrl/workers/reference.py): the actor's layout.
     ref_par = cfg.ref.megatron if cfg.ref.placement == "separate" else cfg.actor.megatron
+    sides = cfg.rank_side_models()
     for name, par in (("ref", ref_par), ("critic", cfg.critic.megatron), ("rollout", None),
-                      ("reward_model", reward_model_parallel(cfg)), ("teacher", teacher_parallel(cfg))):
+                      *((role, side.parallel(cfg.actor.megatron)) for role, side in sides.items())):
         enabled = {"ref": cfg.ref_enabled, "critic": cfg.critic_enabled, "rollout": True,
-                   "reward_model": cfg.reward_model.enable, "teacher": cfg.teacher.enable}[name]
+                   **{role: side.enable for role, side in sides.items()}}[name]
         if not enabled:
             continue
         if name in sep:

@@ -13,6 +13,11 @@ Routing replay (``routing_replay``), docs/moe.md:
   *choice* is the engine's, so gradients still reach the router through the chosen experts.
   Needs the engine to return them (SGLang ``--enable-return-routed-experts``; the embedded engine
   always can).
+* ``old``     (R2, verl's ``router_replay.mode: R2``, slime's ``--use-routing-replay``) the actor's
+  old-log-prob forward records the experts it chose for every token and the update's forwards replay
+  them: every mini-batch and epoch routes as the policy that computed log π_old did, however far the
+  weights have moved since. Needs that forward (not the on-policy shortcut); the reference and critic
+  route on their own; nothing is asked of the engines.
 """
 from __future__ import annotations
 
@@ -26,9 +31,10 @@ from mrl.config.base import Section
 class MoEConfig(Section):
     """Trainer-side MoE knobs (verl ``actor.megatron`` / slime MoE flags)."""
 
-    routing_replay: Literal["none", "rollout"] = Field(
+    routing_replay: Literal["none", "rollout", "old"] = Field(
         "none", description="none | rollout (R3: replay the engine's expert choice of every token in the trainer's "
-        "old-log-prob, reference and update forwards); docs/moe.md.",
+        "old-log-prob, reference and update forwards) | old (R2: record the old-log-prob forward's expert choice and "
+        "replay it in the update's forwards); docs/moe.md.",
     )
     token_dispatcher: Literal["alltoall", "allgather"] = Field(
         "alltoall", description="Megatron token dispatcher for expert parallelism: alltoall (Megatron-LM's default "
@@ -37,7 +43,7 @@ class MoEConfig(Section):
     @property
     def engine_routed_experts(self) -> bool:
         """The engines must return each token's routed experts (SGLang ``--enable-return-routed-experts``)."""
-        return self.routing_replay != "none"
+        return self.routing_replay == "rollout"
 
     aux_loss_coef: float | None = Field(
         None, ge=0, description="Load-balancing (Switch) loss weight added to the actor loss; null = the model's "

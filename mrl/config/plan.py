@@ -178,43 +178,27 @@ def build_plan(cfg: MRLConfig) -> Plan:
         plan.memory["critic"] = trained_memory(shape, c.megatron, max(roles["critic"].dp, 1), dt,
                                                c.use_distributed_optimizer, div, value_head=True)
     plan.memory["rollout"] = RoleMemory(weights=int(plan.param_count * itemsize(dt) / cfg.rollout.engine_tp_size))
-    _reward_model(cfg, plan)
-    _teacher(cfg, plan)
+    _side_models(cfg, plan)
     return plan
 
 
-def _teacher(cfg: MRLConfig, plan: Plan) -> None:
-    """The teacher's frozen weights per device at its layout (the actor's when colocated, on the actor's devices;
-    teacher.megatron on its own when separate) in model.dtype; no estimate when its config.json is absent."""
-    lay = plan.roles.get("teacher")
-    if lay is None or not cfg.teacher.path:
-        return
-    try:
-        shape = read_model_shape(cfg.teacher.path)
-    except ValueError:
-        return  # check_teacher reported it
-    if shape is not None:
-        plan.memory["teacher"] = RoleMemory(weights=params_per_device(
-            shape, lay.parallel, cfg.model.make_vocab_size_divisible_by) * itemsize(plan_dtype(cfg)))
-
-
-def _reward_model(cfg: MRLConfig, plan: Plan) -> None:
-    """The RM's frozen weights (+ a [1, H] head) per device at its layout (the actor's when colocated, on the
-    actor's devices; reward_model.megatron on its own when separate) in model.dtype (null: fp32 on CPU, bf16
-    on accelerators); no estimate when its config.json is absent."""
-    rm = cfg.reward_model
-    lay = plan.roles.get("reward_model")
-    if lay is None or not rm.model.path:
-        return
-    try:
-        shape = read_model_shape(rm.model.path)
-    except ValueError:
-        shape = None  # check_config reported it
-    if shape is None:
-        return
-    w = itemsize(plan_dtype(cfg))
-    plan.memory["reward_model"] = RoleMemory(
-        weights=params_per_device(shape, lay.parallel, cfg.model.make_vocab_size_divisible_by, value_head=True) * w)
+def _side_models(cfg: MRLConfig, plan: Plan) -> None:
+    """Each side model's frozen weights per device at its layout (the actor's when colocated, on the actor's devices;
+    <role>.megatron on its own when separate) in model.dtype (null: fp32 on CPU, bf16 on accelerators); a reward
+    model has a [1, H] score head in place of the LM head. No estimate when its config.json is absent (check_config
+    reports an unreadable one)."""
+    for role, side in cfg.rank_side_models().items():
+        lay, path = plan.roles.get(role), side.model_dir()
+        if lay is None or not path:
+            continue
+        try:
+            shape = read_model_shape(path)
+        except ValueError:
+            continue
+        if shape is not None:
+            plan.memory[role] = RoleMemory(weights=params_per_device(
+                shape, lay.parallel, cfg.model.make_vocab_size_divisible_by, value_head=side.score_head)
+                * itemsize(plan_dtype(cfg)))
 
 
 def plan_dtype(cfg: MRLConfig) -> str:
@@ -226,6 +210,13 @@ def _gib(b: int) -> str:
     if b < GiB:
         return f"{b / 1024**2:.1f} MiB"
     return f"{b / GiB:.2f} GiB"
+
+
+REPLAY_LINES = {  # docs/moe.md, "Routing replay"
+    "none": "off, every forward routes on its own",
+    "rollout": "R3, the engines' expert choice replayed in the old-log-prob, reference and update forwards",
+    "old": "R2, the old-log-prob forward's expert choice recorded and replayed in the update's forwards",
+}
 
 
 def format_plan(cfg: MRLConfig, plan: Plan) -> str:
@@ -244,6 +235,8 @@ def format_plan(cfg: MRLConfig, plan: Plan) -> str:
         "  old-log-prob forward: " + ("skipped, the update's own log-probs stand in (actor.on_policy_shortcut)"
                                       if on_policy_shortcut(cfg) else "recomputed before the update"),
         f"  samples per actor DP rank per mini-batch: {plan.samples_per_dp_rank}",
+        *([f"  routing replay: {REPLAY_LINES[a.moe.routing_replay]} (actor.moe.routing_replay={a.moe.routing_replay})"]
+          if plan.num_experts else []),
         (f"  micro-batches per actor DP rank per mini-batch: {'<= ' if plan.micro_batches_is_bound else ''}"
          f"{plan.micro_batches_per_dp_rank}" + (" (dynamic bsz, token budget)" if plan.micro_batches_is_bound else "")),
         "  roles:",

@@ -14,12 +14,12 @@ function, which receives it as ``extra_info["rm_score"]`` (``combine: function``
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
 from mrl.config.base import Section
-from mrl.config.parallel import ParallelConfig
+from mrl.config.side_model import RankSideModelConfig
 
 
 class RewardModelPathConfig(Section):
@@ -34,30 +34,21 @@ class RewardModelPathConfig(Section):
         "null = the RM shares the actor's tokenizer and scores the batch's token ids as they are.")
 
 
-class RewardModelConfig(Section):
-    """Model-based reward: on the actor's ranks (colocated) or on devices of its own (separate)."""
+class RewardModelConfig(RankSideModelConfig):
+    """Model-based reward: on the actor's ranks (colocated) or on devices of its own (separate); its placement,
+    layout, offload and micro-batch keys are the side-model base's (mrl/config/side_model.py)."""
 
+    score_head: ClassVar[bool] = True  # *ForSequenceClassification: score.weight [1, H]
     enable: bool = Field(False, description="Score every sample with the reward model (phase rm_score).")
     model: RewardModelPathConfig = Field(default_factory=RewardModelPathConfig, description="Reward model checkpoint.")
-    micro_batch_size_per_gpu: int = Field(8, ge=1, description="SAMPLES per reward-model forward on one DP rank.")
     max_length: int | None = Field(
         None, ge=1, description="Tokens of a re-rendered RM input (model.input_tokenizer set), longer ones cut on the "
         "right (verl's truncation; the RM then reads the cut's last token); null = not cut (verl cuts at the actor "
         "batch's padded length, which loses the end of conversations the RM's tokenizer spells in more tokens).")
-    placement: Literal["colocated", "separate"] = Field(
-        "colocated", description="colocated: on the actor's ranks with its Megatron layout and groups (its devices "
-        "shared, phase by phase); separate: on reward_model.num_devices devices of its own after the actor's (verl's "
-        "reward_model resource pool): its own Ray worker group, torch.distributed world and reward_model.megatron layout.")
-    num_devices: int | None = Field(None, ge=1, description="Devices of a separate reward model (taken from "
-                                    "cluster.nnodes*n_gpus_per_node, the actor gets the rest); required with "
-                                    "placement=separate, refused with colocated.")
-    megatron: ParallelConfig | None = Field(
-        None, description="Megatron layout of a separate reward model (DP = num_devices / (TP*PP)); null = "
-        "actor.megatron's sizes (once set, its unset keys take the defaults below, not the actor's). A colocated RM "
-        "runs in the actor's groups: null or equal to actor.megatron.")
-    offload: bool = Field(False, description="Colocated only: keep the RM's weights in host memory outside phase "
-                          "rm_score (moved to the device for its forward; a no-op on CPU).")
     combine: Literal["rm", "rule+rm", "function"] = Field(
         "rm", description="rm: the RM score is the reward (reward.function is not called; verl's default); "
         "rule+rm: reward.function's score + the RM score; function: reward.function's score alone, which "
         "sees the RM score as extra_info['rm_score'] (as in the other modes that call it).")
+
+    def model_dir(self) -> str | None:
+        return self.model.path

@@ -15,6 +15,7 @@ from mrl.config.ref import RefConfig
 from mrl.config.reward import RewardConfig
 from mrl.config.reward_model import RewardModelConfig
 from mrl.config.rollout import RolloutConfig
+from mrl.config.side_model import RankSideModelConfig
 from mrl.config.teacher import TeacherConfig
 from mrl.config.trainer import TrainerConfig
 
@@ -35,6 +36,11 @@ class MRLConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt datasets and batch size.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Run length, checkpoints, logging.")
     agent: AgentConfig = Field(default_factory=AgentConfig, description="Multi-turn, tool-calling rollouts (docs/agent.md).")
+
+    def rank_side_models(self) -> dict[str, RankSideModelConfig]:
+        """The side models that run on Megatron ranks, by role (= their section's key), in layout order
+        (mrl/config/side_model.py); each enabled one is a role of the layout."""
+        return {"reward_model": self.reward_model, "teacher": self.teacher}
 
     @property
     def critic_enabled(self) -> bool:

@@ -116,6 +116,9 @@ def on_policy_blockers(cfg: MRLConfig) -> list[str]:
         out.append("algorithm.distill.mode=reverse_kl_reward (its reward reads log pi_old before the update)")
     if al.rollout_correction.enabled:
         out.append("algorithm.rollout_correction (its weights and rejection mask read log pi_old before the update)")
+    if a.moe.routing_replay == "old":
+        out.append("actor.moe.routing_replay=old (records the routing in the old-log-prob forward for the update "
+                   "to replay)")
     if cfg.trainer.async_training.max_staleness:
         out.append(f"trainer.async_training.max_staleness={cfg.trainer.async_training.max_staleness} "
                    "(samples of older policies: pi_old is not pi_theta)")

@@ -12,30 +12,18 @@ reward model. Phase ``teacher_log_prob`` runs after ``old_log_prob``.
 """
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field
 
-from mrl.config.base import Section
-from mrl.config.parallel import ParallelConfig
+from mrl.config.side_model import RankSideModelConfig
 
 
-class TeacherConfig(Section):
-    """Frozen teacher model of on-policy distillation (``algorithm.distill``)."""
+class TeacherConfig(RankSideModelConfig):
+    """Frozen teacher model of on-policy distillation (``algorithm.distill``); its placement, layout, offload and
+    micro-batch keys are the side-model base's (mrl/config/side_model.py)."""
 
     enable: bool = Field(False, description="Build the teacher and run phase teacher_log_prob (needs algorithm.distill.mode).")
     path: str | None = Field(None, description="HF causal-LM checkpoint directory of the teacher; its tokenizer must "
                              "have the student's vocabulary (model.path's), id for id.")
-    placement: Literal["colocated", "separate"] = Field(
-        "colocated", description="colocated: on the actor's ranks with actor.megatron's layout (devices shared phase by "
-        "phase); separate: on teacher.num_devices devices of its own after the actor's, with its own Ray worker group, "
-        "torch.distributed world and teacher.megatron layout.")
-    num_devices: int | None = Field(None, ge=1, description="Devices of a separate teacher (taken from "
-                                    "cluster.nnodes*n_gpus_per_node, the actor gets the rest); required with "
-                                    "placement=separate, refused with colocated.")
-    megatron: ParallelConfig | None = Field(
-        None, description="Megatron layout of a separate teacher (DP = num_devices / (TP*PP)); null = actor.megatron's "
-        "sizes. A colocated teacher runs in the actor's groups: null or equal to actor.megatron.")
-    offload: bool = Field(False, description="Colocated only: keep the teacher's weights in host memory outside phase "
-                          "teacher_log_prob (a no-op on CPU).")
-    micro_batch_size_per_gpu: int = Field(8, ge=1, description="SAMPLES per teacher forward on one DP rank.")
+
+    def model_dir(self) -> str | None:
+        return self.path

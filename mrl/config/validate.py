@@ -192,13 +192,9 @@ def _check_lora(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) -> 
         errors.append("actor.megatron.sequence_parallel=true is not supported with actor.lora (LoRA builds Megatron's "
                       "local layer spec, whose torch norms refuse sequence parallelism); fix: "
                       "actor.megatron.sequence_parallel=false")
-    if shape is not None:
-        if shape.num_experts:
-            errors.append(f"actor.lora on a mixture-of-experts model ({shape.num_experts} experts) is not supported "
-                          "(adapters exist for dense attention/MLP projections only); fix: actor.lora.rank=0")
-        if lo.rank > shape.hidden_size:
-            errors.append(f"actor.lora.rank={lo.rank} exceeds the model's hidden size {shape.hidden_size} (no longer "
-                          f"low-rank); fix: choose actor.lora.rank <= {shape.hidden_size}, typically 8-64")
+    if shape is not None and lo.rank > shape.hidden_size:  # MoE models: config/validate_moe.py
+        errors.append(f"actor.lora.rank={lo.rank} exceeds the model's hidden size {shape.hidden_size} (no longer "
+                      f"low-rank); fix: choose actor.lora.rank <= {shape.hidden_size}, typically 8-64")
 
 
 # verl aggregates these per sequence whatever loss_agg_mode says; mrl refuses the other modes instead.
@@ -552,7 +548,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
             check_parallel(role, roles[role].parallel, roles[role], cfg, shape, errors)
     check_context_parallel(cfg, errors)
     _check_reward_model_layout(cfg, roles, shape, errors)
-    check_moe(cfg, roles, shape, errors)
+    check_moe(cfg, roles, shape, errors, notes)
     family_plan_notes(cfg.model.path, notes)
     family_refusals(cfg.model.path, errors)
     check_teacher(cfg, roles, shape, errors, notes)

@@ -3,7 +3,8 @@
 Megatron lays experts out on a second grid over the same ranks: ETP × EP × expert-DP × PP, so EP may
 fold over TP and DP ranks alike (mrl/megatron/parallel.py). Checked here, before anything starts:
 the grid fits the role's devices, EP divides the experts, ETP divides the expert MLP, the
-dispatcher handles the layout, routing replay has what it needs, and MoE settings are not given to
+dispatcher handles the layout, routing replay has what it needs (R2's old-log-prob forward: the on-policy
+shortcut's blockers, mrl/config/run_plan.py), and MoE settings are not given to
 a dense model (where they would silently do nothing).
 """
 from __future__ import annotations
@@ -19,7 +20,8 @@ from mrl.config.moe import MoEConfig
 from mrl.config.root import MRLConfig
 
 
-def check_moe(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelShape | None, errors: list[str]) -> None:
+def check_moe(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelShape | None, errors: list[str],
+              notes: list[str] | None = None) -> None:
     moe = cfg.actor.moe
     dense = shape is not None and not shape.num_experts
     if dense:
@@ -65,16 +67,42 @@ def check_moe(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelShape | 
             )
     if shape is None or not shape.num_experts:
         return
-    if cfg.actor.lora.enabled:
-        errors.append("actor.lora with a Mixture-of-Experts model: adapters on routed experts are not supported yet; "
-                      "fix: actor.lora.rank=0 (full fine-tuning) or a dense model")
-    if moe.routing_replay == "rollout":
-        if cfg.actor.shared_prefix is True:  # auto resolves to off with replay (mrl/config/auto.py)
-            errors.append("actor.moe.routing_replay=rollout with actor.shared_prefix=true: the replayed expert ids follow "
-                          "each sample's own tokens, which the shared-prefix layout merges; fix: actor.shared_prefix=false")
-        if cfg.agent.enable:
-            errors.append("actor.moe.routing_replay=rollout with agent.enable: tool-output tokens were never routed by "
-                          "the engine as part of the trajectory; fix: actor.moe.routing_replay=none for agent runs")
+    if cfg.actor.lora.enabled and shape.mla is not None:
+        errors.append(f"actor.lora with {cfg.model.path}'s multi-latent attention (DeepSeek-V3): mrl's adapters wrap "
+                      "q/k/v/o and MLP projections, not MLA's latent projections; fix: actor.lora.rank=0 (full "
+                      "fine-tuning)")
+    elif cfg.actor.lora.enabled:
+        _check_moe_lora(cfg, shape, errors, notes if notes is not None else [])
+    if moe.routing_replay != "none" and cfg.actor.shared_prefix is True:  # auto: off with replay (config/auto.py)
+        errors.append(f"actor.moe.routing_replay={moe.routing_replay} with actor.shared_prefix=true: the replayed expert "
+                      "ids follow each sample's own tokens, which the shared-prefix layout merges; fix: "
+                      "actor.shared_prefix=false")
+    if moe.routing_replay == "rollout" and cfg.agent.enable:
+        errors.append("actor.moe.routing_replay=rollout with agent.enable: tool-output tokens were never routed by "
+                      "the engine as part of the trajectory; fix: actor.moe.routing_replay=old (R2: the trainer's own "
+                      "routing, recorded) or none for agent runs")
+
+
+MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _check_moe_lora(cfg: MRLConfig, shape: ModelShape, errors: list[str], notes: list[str]) -> None:
+    """LoRA on an MoE model adapts the attention, the dense MLP layers and the shared experts; the routed experts
+    and the router stay frozen (mrl/megatron/lora.py), as peft leaves transformers' fused expert tensors."""
+    targets = cfg.actor.lora.targets
+    dense = shape.num_layers - (shape.moe_layers if shape.moe_layers is not None else shape.num_layers)
+    homes = [f"{dense} dense MLP layer(s)"] if dense else []
+    if shape.shared_expert_size:
+        homes.append("the shared experts")
+    mlp = [t for t in targets if t in MLP_PROJS]
+    if targets and len(mlp) == len(targets) and not homes:
+        errors.append(f"actor.lora.target_modules={list(cfg.actor.lora.target_modules)} name MLP projections only, "
+                      f"and every MLP of {cfg.model.path}/config.json is a layer of routed experts, which take no "
+                      "adapters; fix: add attention projections (q_proj,k_proj,v_proj,o_proj) or use [all-linear]")
+        return
+    where = [w for w in ("attention" if len(mlp) < len(targets) else "", " and ".join(homes) if mlp else "") if w]
+    notes.append(f"actor.lora on a Mixture-of-Experts model: adapters on the {' and '.join(where) or 'attention'}; "
+                 "the routed experts and the router stay frozen (no adapters on them)")
 
 
 def _family_config(model_path: str | None) -> tuple[Any, dict[str, Any], str] | None:

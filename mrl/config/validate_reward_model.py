@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mrl.config.layout import reward_model_parallel
 from mrl.config.parallel import ParallelConfig
 
 if TYPE_CHECKING:
@@ -74,7 +73,7 @@ def _check_rm_placement(cfg: MRLConfig, errors: list[str], notes: list[str]) -> 
         errors.append("reward_model.offload=true is not supported with reward_model.placement=separate (the RM owns "
                       "its devices, nothing else uses them between phases); fix: reward_model.offload=false, or "
                       "reward_model.placement=colocated to share the actor's devices and offload between phases")
-    par = reward_model_parallel(cfg)
+    par = rm.parallel(cfg.actor.megatron)
     # context_parallel_size > 1 (its own or, when reward_model.megatron is null, the actor's) is refused for
     # every role by validate_parallel.check_context_parallel, in one wording
     notes.append(f"reward_model: separate, {rm.num_devices} device(s) of its own after the actor's, "

@@ -125,8 +125,8 @@ class Services:
     log_dir: Path
     plan: RunPlan  # the derived values, with the device Ray shows and the run length
     workers: WorkerGroup  # the trainer ranks
-    rm_workers: WorkerGroup | None  # reward_model.placement=separate: the RM's own ranks (driver/rm_ranks.py)
-    teacher_workers: WorkerGroup | None  # teacher.placement=separate: its own ranks (driver/teacher_ranks.py)
+    rm_workers: WorkerGroup | None  # reward_model.placement=separate: the RM's own ranks (driver/side_ranks.py)
+    teacher_workers: WorkerGroup | None  # teacher.placement=separate: its own ranks (driver/side_ranks.py)
     engines: EngineSet
     pool: EnginePool  # the engines: health, restarts, control calls, weight sync
     client: RolloutClient | AgentClient  # what generates (through the router, the agent loop when agent.enable)
@@ -216,15 +216,14 @@ def _start_ranks_and_engines(cfg: MRLConfig, plan: RunPlan, stack: contextlib.Ex
     ranks' nodes (colocated: in their ranks' placement bundles) and load while the ranks build their models."""
     from mrl.cluster import WorkerGroup
     from mrl.driver.engines import EngineSet
-    from mrl.driver.rm_ranks import start_reward_model_group
-    from mrl.driver.teacher_ranks import start_teacher_group
+    from mrl.driver.side_ranks import start_side_group
 
     workers = WorkerGroup("mrl.workers.rank.TrainRank", {"cfg": cfg, "plan": plan}, world_size=plan.trainer_ranks,
                           device=plan.device, extra_env={"OMP_NUM_THREADS": "1"}, wait=False)
     stack.callback(_quietly, "trainer ranks", _close_ranks, workers)
     groups = []
-    for what, start in (("reward model ranks", start_reward_model_group), ("teacher ranks", start_teacher_group)):
-        group = start(cfg, plan)  # None unless that role is separate: its own ranks, world and layout
+    for role, what in (("reward_model", "reward model ranks"), ("teacher", "teacher ranks")):
+        group = start_side_group(cfg, plan, role)  # None unless that role is separate: its own ranks, world, layout
         if group is not None:
             stack.callback(_quietly, what, group.close, "close", timeout_s=30.0)
         groups.append(group)

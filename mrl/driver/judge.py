@@ -6,7 +6,8 @@ place in the reward phase, in training and validation.
   placement bundle of rollout engine ``i mod n`` — on its node and, on GPU, its device. The embedded
   engine on CPU (and with rollout.engine=torch), SGLang on GPU with rollout.engine=sglang; bound to
   rollout.host (loopback by default) with the run's control token, as the rollout engines.
-* :class:`Judge` — per batch: decode each sample's prompt, render, ask the judge (concurrently, with
+* :class:`Judge` — the run's reward scorer (``SampleScorer``, mrl/driver/scoring.py: the step and validation
+  call it as they call any other); per batch: decode each sample's prompt, render, ask the judge (concurrently, with
   timeouts and retries), parse, then combine per ``reward.judge.combine``:
 
       combine=judge:    reward_i = judge_score_i   (reward.function only reported: rule_score, acc, and
@@ -28,7 +29,9 @@ import torch
 
 from mrl.config import MRLConfig
 from mrl.config.validate_judge import judge_port_base
+from mrl.driver.scoring import Rule, Samples, SampleScorer
 from mrl.errors import UnsupportedConfigError
+from mrl.observability.timer import timer
 from mrl.rewards.judge import JudgeResult, JudgeScorer
 from mrl.rewards.manager import RewardResult
 
@@ -115,11 +118,21 @@ def external_token(cfg: MRLConfig) -> str | None:
     return token
 
 
-class Judge:
-    """The judge phase of the reward (module doc); ``engines`` None for an external url."""
+class Judge(SampleScorer):
+    """The judge phase of the reward (module doc), the run's reward scorer (mrl/driver/scoring.py) when
+    reward.judge.enable; ``engines`` None for an external url."""
 
     def __init__(self, cfg: MRLConfig, scorer: JudgeScorer, tokenizer: Any, engines: JudgeEngines | None = None) -> None:
         self.cfg, self.scorer, self.tokenizer, self.engines = cfg, scorer, tokenizer, engines
+
+    def train(self, samples: Samples, rule: Rule, metrics: dict[str, float]) -> RewardResult:
+        with timer("judge", metrics):
+            out = self(samples.prompts, samples.texts, rule, samples.extra_infos, metrics)
+        metrics.update(out.fault_metrics())  # reward/errors, reward/timeouts, reward/zeroed_samples
+        return out
+
+    def validate(self, samples: Samples, rule: Rule) -> tuple[RewardResult, dict[str, torch.Tensor]]:
+        return self(samples.prompts, samples.texts, rule, samples.extra_infos), {}
 
     def __call__(self, prompts: Sequence[Any], texts: Sequence[str], rule: Callable[[list], RewardResult],
                  extra_infos: Sequence[dict | None], m: dict[str, float] | None = None) -> RewardResult:

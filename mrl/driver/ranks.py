@@ -53,11 +53,8 @@ class TrainRanks:
     def compute_repr_similarity(self, batch: TrainBatch, gold: TrainBatch) -> torch.Tensor:
         return self._first("compute_repr_similarity", batch, gold)
 
-    def compute_rm_score(self, batch: TrainBatch) -> torch.Tensor:
-        return self._first("compute_rm_score", batch)
-
-    def compute_teacher_log_prob(self, batch: TrainBatch) -> torch.Tensor:
-        return self._first("compute_teacher_log_prob", batch)
+    def compute_side(self, role: str, batch: TrainBatch) -> torch.Tensor:
+        return self._first("compute_side", role, batch)
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         return self._first("compute_values", batch)

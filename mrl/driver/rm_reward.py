@@ -17,6 +17,8 @@
   which sees ``extra_info["rm_score"]`` whenever it is called).
 * :func:`rm_rule_agreement` — where ``reward.function`` also reports a rule verdict (its ``acc`` key),
   how often the RM's verdict agrees with it: reward hacking made visible while it happens.
+* :class:`RewardModelScorer` — the reward phase's scorer (mrl/driver/scoring.py) with a reward model, in
+  training and validation: RM inputs, the RM's call, combine, its metrics and validation variables.
 
 No Ray, no Megatron: the ranks' call is passed in.
 """
@@ -31,6 +33,8 @@ import torch
 
 from mrl.data.dataset import Prompt
 from mrl.data.tokenize import pad_token_id_of, position_ids_from_mask
+from mrl.driver.scoring import Rule, Samples, SampleScorer
+from mrl.observability.timer import timer
 from mrl.rewards.manager import RewardResult
 from mrl.workers.batch import TrainBatch
 
@@ -148,3 +152,42 @@ def rm_rule_metrics(rm_scores: torch.Tensor, extra: dict[str, list[Any]] | None)
     n_wrong = sum(a is None or float(a) < 0.5 for a in extra["acc"])
     return {"reward/rm_rule_agreement": sum(per["agree"]) / B, "reward/rm_fooled": sum(per["fooled"]) / B,
             "reward/rm_prob_wrong": sum(per["wrong_prob"]) / n_wrong if n_wrong else 0.0}
+
+
+class RewardModelScorer(SampleScorer):
+    """``reward_model.enable``: the RM's [B] scores (``rm``: the side model's call, on the trainer ranks or its own
+    group; ``inputs``: its input batch) combined with ``reward.function`` per ``combine`` (reward_model.combine)."""
+
+    def __init__(self, rm: Callable[[TrainBatch], torch.Tensor], inputs: RewardModelInputs, combine: str) -> None:
+        self.rm, self.inputs, self.combine = rm, inputs, combine
+
+    def rm_scores(self, samples: Samples) -> torch.Tensor:
+        return self.rm(self.inputs(samples.batch, samples.prompts)).float()
+
+    def train(self, samples: Samples, rule: Rule, metrics: dict[str, float]) -> RewardResult:
+        with timer("rm_score", metrics):  # verl: rm_scores reach the reward manager, which returns them (combine=rm)
+            rm_scores = self.rm_scores(samples)
+        for stat in ("mean", "max", "min"):
+            metrics[f"critic/rm_score/{stat}"] = float(getattr(rm_scores, stat)())
+        out = combine_rm(self.combine, rm_scores, rule, samples.extra_infos)
+        if self.combine != "rm":  # reward.function was called
+            metrics.update(out.fault_metrics())  # reward/errors, reward/timeouts, reward/zeroed_samples
+            # the RM's verdict vs the rule's acc, if the function reports one: hacking shows here
+            metrics.update(rm_rule_metrics(rm_scores, out.extra))
+        return out
+
+    def validate(self, samples: Samples, rule: Rule) -> tuple[RewardResult, dict[str, torch.Tensor]]:
+        rm_scores = self.rm_scores(samples)
+        return combine_rm(self.combine, rm_scores, rule, samples.extra_infos), {"rm_score": rm_scores}
+
+    def val_variables(self, infos: dict[str, list[Any]], own: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
+        """``rm_score`` (unless reward.function reports a key of that name) and, when the function reports
+        ``acc``, ``rm_rule_agree``, ``rm_fooled`` and ``rm_wrong_prob`` (:func:`rm_rule_agreement`)."""
+        rm_scores = own["rm_score"]
+        out: dict[str, list[Any]] = {}
+        if "rm_score" not in infos:
+            out["rm_score"] = [float(v) for v in rm_scores]
+        if "acc" in infos:
+            per = rm_rule_agreement(rm_scores, infos["acc"])
+            out["rm_rule_agree"], out["rm_fooled"], out["rm_wrong_prob"] = per["agree"], per["fooled"], per["wrong_prob"]
+        return out

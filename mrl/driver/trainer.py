@@ -37,10 +37,10 @@ from mrl.driver.dumps import GenerationRows, dump_generations
 from mrl.driver.dynamic_sampling import kept_prompts, merge_rounds
 from mrl.driver.finite import stop_if_not_finite
 from mrl.driver.ranks import TrainRanks
-from mrl.driver.rm_ranks import RewardModelRanks, reward_scorer
-from mrl.driver.rm_reward import combine_rm, rm_rule_metrics
+from mrl.driver.rm_reward import RewardModelScorer
 from mrl.driver.rollout_controller import RolloutController
 from mrl.driver.rollout_correction import apply_rollout_correction
+from mrl.driver.scoring import RuleScorer, Samples, SampleScorer
 from mrl.driver.seeds import group_seeds
 from mrl.driver.shaping import (
     build_gold_batch,
@@ -49,6 +49,7 @@ from mrl.driver.shaping import (
     ref_blend,
     repr_align,
 )
+from mrl.driver.side_ranks import SideModel, side_model
 from mrl.driver.state import (
     find_resume_dir,
     prune_checkpoints,
@@ -56,7 +57,6 @@ from mrl.driver.state import (
     step_dir,
     write_trainer_state,
 )
-from mrl.driver.teacher_ranks import TeacherRanks, teacher_scorer
 from mrl.driver.validation import run_validation
 from mrl.observability.data_metrics import (
     compute_data_metrics,
@@ -96,8 +96,17 @@ class StepData:
     result: RolloutResult | None = None  # the engines' answers (dynamic sampling re-assembles from them)
     scores: torch.Tensor | None = None  # [B] the scorer's scores (before the overlong penalty)
     valid: torch.Tensor | None = None  # [B] False where reward.on_error=mask dropped the sample
-    rm_scores: torch.Tensor | None = None  # [B] the reward model's scores (reward_model.enable)
     pushed: list[dict[str, float]] | None = None  # per-rank sync reports when the update call synced too
+
+
+def sample_scorer(cfg: MRLConfig, services: Services, rm: SideModel) -> SampleScorer:
+    """The run's reward scorer (mrl/driver/scoring.py): reward.judge's, the reward model's (``rm``: its side model),
+    or reward.function alone; check_config allows at most one model-judged reward."""
+    if services.judge is not None:
+        return services.judge
+    if cfg.reward_model.enable:
+        return RewardModelScorer(rm, services.rm_inputs, cfg.reward_model.combine)
+    return RuleScorer()
 
 
 class RLTrainer:
@@ -106,8 +115,10 @@ class RLTrainer:
     def __init__(self, cfg: MRLConfig, services: Services) -> None:
         self.cfg, self.s = cfg, services
         self.ranks = TrainRanks(services.workers)  # typed calls to every trainer rank
-        self.rm = reward_scorer(services.rm_workers, self.ranks)  # phase rm_score: trainer ranks or the RM's own
-        self.teacher = teacher_scorer(services.teacher_workers, self.ranks)  # phase teacher_log_prob: likewise
+        # the side models' phases (rm_score, teacher_log_prob): answered by the trainer ranks or their own groups
+        self.rm = side_model("reward_model", services.rm_workers, self.ranks)
+        self.teacher = side_model("teacher", services.teacher_workers, self.ranks)
+        self.scorer = sample_scorer(cfg, services, self.rm)  # phase reward, in training and validation
         self.rollout = RolloutController(services.pool, services.client, self.ranks,
                                          startup_timeout_s=cfg.rollout.engine_startup_timeout_s,
                                          log_dir=services.log_dir)
@@ -240,28 +251,13 @@ class RLTrainer:
         """Scores on the last response token (verl's ray_trainer step; docs/driver.md): token_level_scores [B, R], plus
         DAPO's overlong penalty when reward.overlong_buffer.enable; samples whose scoring failed
         under reward.on_error=mask leave the loss and their group's baseline."""
-        rm = self.cfg.reward_model
-        if rm.enable:  # verl: rm_scores reach the reward manager, which returns them (combine=rm)
-            with timer("rm_score", m):
-                d.rm_scores = self.rm.compute_rm_score(self.s.rm_inputs(d.batch, d.prompts)).float()
-            for stat in ("mean", "max", "min"):
-                m[f"critic/rm_score/{stat}"] = float(getattr(d.rm_scores, stat)())
-
         def rule(extra: list) -> Any:
             return self.s.reward(d.texts, [p.ground_truth for p in d.prompts], d.batch.response_mask,
                                  data_sources=[p.data_source for p in d.prompts], extra_infos=extra)
 
-        extra = [p.extra_info for p in d.prompts]  # combine_rm: reward_model.combine, RM score in extra_info
-        if self.s.judge is not None:  # reward.judge: its verdicts, combined per reward.judge.combine
-            with timer("judge", m):
-                out = self.s.judge(d.prompts, d.texts, rule, extra, m)
-        else:
-            out = combine_rm(rm.combine, d.rm_scores, rule, extra) if rm.enable else rule(extra)
+        # the run's scorer (reward.function alone, with the reward model, or with the judge: mrl/driver/scoring.py)
+        out = self.scorer.train(Samples(d.prompts, d.texts, lambda: d.batch), rule, m)
         d.scores, d.valid, d.reward_extra_info = out.scores, out.valid, out.extra
-        if not (rm.enable and rm.combine == "rm"):  # reward.function was called
-            m.update(out.fault_metrics())  # reward/errors, reward/timeouts, reward/zeroed_samples
-            if rm.enable:  # the RM's verdict vs the rule's acc, if the function reports one: hacking shows here
-                m.update(rm_rule_metrics(d.rm_scores, out.extra))
         seq = d.scores
         ob = self.cfg.reward.overlong_buffer
         if ob.enable:
@@ -381,7 +377,7 @@ class RLTrainer:
     def teacher_log_prob(self, d: StepData) -> None:
         """log π_teacher [B, R] of the sampled tokens (on-policy distillation, docs/distillation.md); distill/* are
         logged at the end of the step, against log π_old (which the on-policy shortcut computes in the update)."""
-        d.batch = d.batch.replace(teacher_log_prob=self.teacher.compute_teacher_log_prob(d.batch))
+        d.batch = d.batch.replace(teacher_log_prob=self.teacher(d.batch))
 
     def distill_reward(self, d: StepData) -> None:
         """Distilling: the task's score weighed by task_reward_coef (a KL-in-reward penalty is left as it is), and with
@@ -479,19 +475,12 @@ class RLTrainer:
                              tokenizer=self.s.tokenizer, dataset=self.s.val_ds,
                              reward=self.s.reward, rollout=self.cfg.rollout, val_batch_size=self.cfg.data.val_batch_size,
                              log_generations=self.cfg.trainer.log_val_generations, keep_samples=bool(dump_dir),
-                             seed=(self.cfg.trainer.seed, self.global_step), rm=self.val_rm(),
-                             rm_combine=self.cfg.reward_model.combine, judge=self.s.judge)
+                             seed=(self.cfg.trainer.seed, self.global_step), scorer=self.scorer)
         if res.generations and self.s.tracking is not None:
             self.s.tracking.log_generations(res.generations, self.global_step)
         if dump_dir:
             dump_generations(dump_dir, self.global_step, res.samples)
         return res.metrics
-
-    def val_rm(self) -> Any:
-        """Validation's RM scores (reward_model.enable), scored and combined as in training."""
-        if not self.cfg.reward_model.enable:
-            return None
-        return lambda batch, prompts: self.rm.compute_rm_score(self.s.rm_inputs(batch, prompts))
 
     @functools.cached_property
     def base_model(self) -> dict:
@@ -557,9 +546,7 @@ class RLTrainer:
         self.maybe_resume()
         total = self.total_steps()
         # verl: val_before_train validates whatever test_freq says; val_only then stops (nothing trained)
-        fallbacks = summary_line(self.ranks.fallbacks()
-                                 + (self.rm.fallbacks() if isinstance(self.rm, RewardModelRanks) else [])
-                                 + (self.teacher.fallbacks() if isinstance(self.teacher, TeacherRanks) else []))
+        fallbacks = summary_line(self.ranks.fallbacks() + self.rm.fallbacks() + self.teacher.fallbacks())
         if fallbacks:
             log.info("%s", fallbacks)
         progress, curves = Progress(total, start_step=self.global_step), Curves()

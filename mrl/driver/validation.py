@@ -6,13 +6,13 @@
     scorer's dict keys (verl's reward_extra_info: ``acc``, ``pred``, ...) -> process_validation_metrics
     (uid = dataset row) -> val-core/… and val-aux/… metrics
 
-With a reward model (``rm``, reward_model.enable) the answers are also scored by it and combined
-with ``reward.function`` exactly as in training (``reward_model.combine``, driver/rm_reward.py);
-its raw score is one more variable, ``rm_score`` (val-aux/<data_source>/rm_score/mean@N), and when
-the function also reports a rule verdict (``acc``), ``rm_rule_agree``, ``rm_fooled`` and ``rm_wrong_prob``
+The answers are scored by the run's scorer exactly as in training (``scorer``, mrl/driver/scoring.py:
+reward.function alone, with the reward model, or with the judge), which may add variables of its own:
+with a reward model its raw score, ``rm_score`` (val-aux/<data_source>/rm_score/mean@N), and when the
+function also reports a rule verdict (``acc``), ``rm_rule_agree``, ``rm_fooled`` and ``rm_wrong_prob``
 (per answer: the RM's verdict σ(rm_score) > 0.5 agrees with the rule's; the RM accepts an answer the
 rule rejects; σ(rm_score) if the rule rejects it, else 0 — driver/rm_reward.rm_rule_agreement): the
-RM's drift from the rule on the val answers.
+RM's drift from the rule on the val answers; with the judge, its ``judge_score`` and the rule's.
 
 A dict-returning scorer adds one metric variable per numeric key (``score`` included, as in verl),
 ``acc`` becomes the val-core variable, and ``pred`` is the vote of ``maj@k``.
@@ -38,7 +38,7 @@ from mrl.driver.batch import (
     with_agent_info,
 )
 from mrl.driver.dumps import GenerationRows
-from mrl.driver.rm_reward import combine_rm, rm_rule_agreement
+from mrl.driver.scoring import RuleScorer, Samples, SampleScorer
 from mrl.driver.seeds import group_seeds
 from mrl.observability.val_metrics import (
     process_validation_metrics,
@@ -92,8 +92,7 @@ def run_validation(*, generate: Callable[[RolloutRequest], RolloutResult], token
                    reward: Any, rollout: Any,
                    val_batch_size: int | None = None, log_generations: int = 0,
                    keep_samples: bool = False, seed: tuple[int, int] | None = None,
-                   rm: Callable[[Any, list[Any]], Any] | None = None, rm_combine: str = "rm",
-                   judge: Callable[..., RewardResult] | None = None) -> ValidationResult:
+                   scorer: SampleScorer | None = None) -> ValidationResult:
     """Answer, score and summarise every prompt of ``dataset`` (a ``PromptDataset``).
 
     ``generate``: the trainer's ``RolloutController.generate`` at the current weight version (or a
@@ -102,8 +101,7 @@ def run_validation(*, generate: Callable[[RolloutRequest], RolloutResult], token
     ``n`` answers per prompt in a row; the uid of an answer is its prompt's dataset row.
     ``keep_samples``: also return every sample's input, output, ground truth, score and scorer keys.
     ``seed``: (trainer.seed, step) of sampled answers' per-sample ``sampling_seed`` (mrl/driver/seeds.py).
-    ``rm``: (TrainBatch, prompts) -> [B] reward-model scores, combined per ``rm_combine`` (reward_model.combine).
-    ``judge``: reward.judge's ``mrl.driver.judge.Judge`` (its verdicts, combined as in training).
+    ``scorer``: the run's reward scorer (the trainer's; None = reward.function alone).
     """
     vk = rollout.val_kwargs
     params = val_sampling_params(vk, rollout.max_response_length)
@@ -113,7 +111,8 @@ def run_validation(*, generate: Callable[[RolloutRequest], RolloutResult], token
     outputs: list[str] = []
     gts: list[Any] = []
     parts: list[RewardResult] = []
-    rm_parts: list[Any] = []
+    owns: list[dict[str, torch.Tensor]] = []
+    scorer = scorer or RuleScorer()
     for rows in prompt_chunks(len(dataset), val_batch_size):
         prompts = [dataset[i] for i in rows]
         seeds = group_seeds(seed[0], "val", seed[1], 0, list(rows), vk.n) if seed and vk.do_sample else None
@@ -130,17 +129,12 @@ def run_validation(*, generate: Callable[[RolloutRequest], RolloutResult], token
             return reward(texts, [p.ground_truth for p in rep], data_sources=[p.data_source for p in rep],
                           extra_infos=extra)
 
-        extra = [p.extra_info for p in rep]
-        if judge is not None:
-            out = judge(rep, texts, rule, extra)
-        elif rm is None:
-            out = rule(extra)
-        else:
-            batch = assemble_train_batch(dataset.collate(list(rows)), res, pad_token_id=dataset.pad_token_id,
-                                         uids=list(rows))
-            rm_scores = rm(batch, rep).float()
-            out = combine_rm(rm_combine, rm_scores, rule, extra)
-            rm_parts.append(rm_scores)
+        def batch(rows: range = rows, res: RolloutResult = res) -> Any:  # only a scorer reading token ids asks
+            return assemble_train_batch(dataset.collate(list(rows)), res, pad_token_id=dataset.pad_token_id,
+                                        uids=list(rows))
+
+        out, own = scorer.validate(Samples(rep, texts, batch), rule)
+        owns.append(own)
         sources += [p.data_source for p in rep]
         uids += [r for r in rows for _ in range(vk.n)]
         outputs += texts
@@ -151,11 +145,8 @@ def run_validation(*, generate: Callable[[RolloutRequest], RolloutResult], token
     scored = RewardResult.cat(parts) if parts else None
     scores: list[float] = scored.scores.tolist() if scored is not None else []
     infos = {"reward": scores, **(scored.extra if scored is not None else {})}  # verl: "reward" first
-    if rm_parts and "rm_score" not in infos:
-        infos["rm_score"] = [float(v) for part in rm_parts for v in part]
-    if rm_parts and "acc" in infos:
-        per = rm_rule_agreement(torch.cat(rm_parts), infos["acc"])
-        infos["rm_rule_agree"], infos["rm_fooled"], infos["rm_wrong_prob"] = per["agree"], per["fooled"], per["wrong_prob"]
+    if owns:  # the scorer's variables from its own per-sample values over every chunk (the RM's rm_score, ...)
+        infos |= scorer.val_variables(infos, {k: torch.cat([o[k] for o in owns]) for k in owns[0]})
     metrics = validation_metric_dict(process_validation_metrics(sources, uids, infos))
     gens = pick_generations(inputs, outputs, scores, log_generations) if log_generations else []
     samples = GenerationRows(inputs, outputs, gts, scores, infos) if keep_samples else None

@@ -122,6 +122,12 @@ def _refuse(hf_config: Any) -> None:
         raise ValueError("config.json has a quantization_config (DeepSeek-V3/Kimi-K2 ship block-scaled fp8 weights): "
                          "mrl loads bf16/fp32 tensors; fix: dequantise to bf16 (the model's fp8_cast_bf16.py) and "
                          "remove quantization_config from config.json")
+    # keys of DeepSeek's own config class that transformers' DeepseekV3 does not read: it always routes this way
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        got = getattr(hf_config, key, want)
+        if got != want:
+            raise ValueError(f"config.json {key}={got!r}: DeepseekV3ForCausalLM (transformers and mrl) routes with "
+                             f"{key}={want!r}; a checkpoint trained otherwise is not this architecture")
     heads = int(hf_config.num_attention_heads)
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if int(kv_heads) != heads:

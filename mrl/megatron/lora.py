@@ -21,6 +21,11 @@ group ``[q_g (nh/ng heads), k_g, v_g]`` over this rank's ``ng/T`` groups, ``line
 ``[gate_t, up_t]``. A projection that is not targeted contributes zero. Pipeline stages only see
 their own layers; ``layer_number`` gives the global HF index.
 
+Mixture-of-Experts models: a layer gets adapters on the linears it has — attention always, ``mlp.linear_fc*`` on a
+dense layer, ``mlp.shared_experts.linear_fc*`` (HF ``mlp.shared_expert.*``, width
+``shared_expert_intermediate_size``) on an MoE layer with a shared expert; the routed experts and the router stay
+frozen (docs/lora.md).
+
 The adapters are sibling modules of the linear (``self_attention.linear_qkv_lora``), applied by a
 forward hook on the linear, so the base parameter names, the HF mapping and Megatron's checkpoint
 keys of the base model are unchanged; their ``sharded_state_dict`` stores global ``A``/``B``
@@ -41,12 +46,19 @@ from mrl.megatron.provider import head_dim
 from mrl.megatron.unwrap import unwrap
 
 # Megatron linear (relative to a TransformerLayer) -> (parallel kind, HF projections it fuses).
+# Mixture-of-Experts layers: the shared expert (Qwen2-MoE) is a dense MLP under ``mlp.shared_experts``; the routed
+# experts and the router get no adapters (as peft on transformers' fused expert tensors), and a model's dense
+# layers (``moe_layer_freq``) have the plain ``mlp.linear_fc*``. A layer holds only the linears it has.
 LINEARS: dict[str, tuple[str, tuple[str, ...]]] = {
     "self_attention.linear_qkv": ("column", ("q_proj", "k_proj", "v_proj")),
     "self_attention.linear_proj": ("row", ("o_proj",)),
     "mlp.linear_fc1": ("column", ("gate_proj", "up_proj")),
     "mlp.linear_fc2": ("row", ("down_proj",)),
+    "mlp.shared_experts.linear_fc1": ("column", ("gate_proj", "up_proj")),
+    "mlp.shared_experts.linear_fc2": ("row", ("down_proj",)),
 }
+# HF module (under ``model.layers.{i}.``) of a projection adapted through a Megatron linear of LINEARS.
+SHARED_EXPERT_HF = "mlp.shared_expert."
 HF_MODULE = {
     "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
     "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
@@ -55,16 +67,25 @@ HF_MODULE = {
 PEFT_PREFIX = "base_model.model."
 
 
-def peft_name(layer: int, proj: str, which: str) -> str:
-    """peft's saved tensor name: ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``."""
-    return f"{PEFT_PREFIX}model.layers.{layer}.{HF_MODULE[proj]}.lora_{which}.weight"
+def hf_module(linear: str, proj: str) -> str:
+    """HF module of projection ``proj`` adapted through Megatron linear ``linear`` (under ``model.layers.{i}.``)."""
+    if linear.startswith("mlp.shared_experts."):
+        return SHARED_EXPERT_HF + proj
+    return HF_MODULE[proj]
 
 
-def proj_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
-    """HF ``(out, in)`` of every projection."""
+def peft_name(layer: int, proj: str, which: str, linear: str = "") -> str:
+    """peft's saved tensor name: ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` (a shared
+    expert's: ``….mlp.shared_expert.gate_proj.lora_A.weight``)."""
+    return f"{PEFT_PREFIX}model.layers.{layer}.{hf_module(linear, proj)}.lora_{which}.weight"
+
+
+def proj_shapes(hf_config: Any, ffn: int | None = None) -> dict[str, tuple[int, int]]:
+    """HF ``(out, in)`` of every projection; ``ffn``: the MLP's width (None: the dense ``intermediate_size``)."""
     nh = hf_config.num_attention_heads
     ng = getattr(hf_config, "num_key_value_heads", None) or nh
-    d, h, f = head_dim(hf_config), hf_config.hidden_size, hf_config.intermediate_size
+    d, h = head_dim(hf_config), hf_config.hidden_size
+    f = ffn or hf_config.intermediate_size
     return {"q_proj": (nh * d, h), "k_proj": (ng * d, h), "v_proj": (ng * d, h), "o_proj": (h, nh * d),
             "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
 
@@ -100,7 +121,8 @@ class LoraAdapter(torch.nn.Module):
         self.ng_local = (getattr(hf_config, "num_key_value_heads", None) or nh) // tp
         self.heads_per_group = nh // (self.ng_local * tp)
         self.d = head_dim(hf_config)
-        shapes = proj_shapes(hf_config)
+        shared = linear.startswith("mlp.shared_experts.")
+        shapes = proj_shapes(hf_config, hf_config.shared_expert_intermediate_size if shared else None)
         self.out_local = {p: shapes[p][0] // tp if self.kind == "column" else shapes[p][0] for p in self.projs}
         self.A = torch.nn.ParameterDict()
         self.B = torch.nn.ParameterDict()
@@ -193,6 +215,14 @@ class LoraAdapter(torch.nn.Module):
         return make_sharded_tensors_for_checkpoint(sd, prefix, axis, sharded_offsets)
 
 
+def _has(layer: torch.nn.Module, path: str) -> bool:
+    """The layer has this linear: an MoE layer has no ``mlp.linear_fc1``, a dense one no shared expert."""
+    try:
+        return layer.get_submodule(path) is not None
+    except AttributeError:
+        return False
+
+
 def _resolve(layer: torch.nn.Module, path: str) -> tuple[torch.nn.Module, str]:
     parent_path, _, name = path.rpartition(".")
     return layer.get_submodule(parent_path), name
@@ -211,13 +241,18 @@ def apply_lora(chunks: list[torch.nn.Module], hf_config: Any, *, targets: tuple[
         RowParallelLinear,
     )
 
+    from mrl.families import family_of
+
+    if family_of(hf_config).is_mla:
+        raise ValueError("LoRA on a multi-latent-attention model (DeepSeek-V3): the adapters wrap q/k/v/o and MLP "
+                         "projections, not MLA's latent projections; fix: actor.lora.rank=0")
     adapters = []
     for chunk in map(unwrap, chunks):
         chunk.requires_grad_(False)
         for layer in chunk.decoder.layers:
             for path, (kind, projs) in LINEARS.items():
                 chosen = tuple(p for p in projs if p in targets)
-                if not chosen:
+                if not chosen or not _has(layer, path):
                     continue
                 parent, name = _resolve(layer, path)
                 linear = getattr(parent, name)
@@ -273,8 +308,8 @@ def export_peft_tensors(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, to
             a, b = ad.A[proj], ad.B[proj]
             a = gather(a, 1) if ad.kind == "row" else a.detach().clone()
             b = gather(b, 0) if ad.kind == "column" else b.detach().clone()
-            yield peft_name(ad.layer, proj, "A"), a
-            yield peft_name(ad.layer, proj, "B"), b
+            yield peft_name(ad.layer, proj, "A", ad.linear), a
+            yield peft_name(ad.layer, proj, "B", ad.linear), b
 
 
 @torch.no_grad()
@@ -284,7 +319,7 @@ def load_peft_tensors(chunks: list[torch.nn.Module], get: Callable[[str], torch.
     for ad in adapters_of(chunks):
         for proj in ad.A:
             for which, param in (("A", ad.A[proj]), ("B", ad.B[proj])):
-                name = peft_name(ad.layer, proj, which)
+                name = peft_name(ad.layer, proj, which, ad.linear)
                 full = get(name)
                 split_dim = (0 if which == "B" else None) if ad.kind == "column" else (1 if which == "A" else None)
                 local = full if split_dim is None else full.chunk(tp, dim=split_dim)[tp_rank]

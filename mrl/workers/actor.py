@@ -7,9 +7,11 @@ sample order. Units: see :mod:`mrl.workers.batch`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -125,18 +127,48 @@ class ActorWorker(TrainableState):
         self.vocab_size = int(e.hf_config.vocab_size)
         self.global_step = 0
         self._update_micro_batches = 0  # since the last update's metrics: moe/aux_loss's denominator
+        # actor.moe.routing_replay=old (R2): the old-log-prob forward's routing, replayed by the next update
+        self.old_routing: OldRouting | None = None
+
+    @property
+    def records_routing(self) -> bool:
+        """R2: compute_log_prob records the routing that update_policy replays."""
+        return self.cfg.moe.routing_replay == "old" and bool(self.model.router_probes)
 
     # ---- forward only ------------------------------------------------------------------
-    def compute_log_prob(self, batch: TrainBatch, *, temperature: float | None = None
+    def compute_log_prob(self, batch: TrainBatch, *, temperature: float | None = None, record_routing: bool = True
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(old_log_probs [B, R], entropys [B, R]) of the full batch, identical on every rank."""
+        """(old_log_probs [B, R], entropys [B, R]) of the full batch, identical on every rank.
+
+        With ``actor.moe.routing_replay=old`` (R2) this is the old policy's forward: its routing is kept
+        (:attr:`old_routing`, ``[B, S, layers, K]`` on every rank) for the next ``update_policy`` of the same batch
+        to replay. ``record_routing=False``: a forward that is not the old policy's (the colocated reference)."""
         mbs = self.cfg.log_prob_micro_batch_size_per_gpu or self.cfg.ppo_micro_batch_size_per_gpu
-        return forward_log_probs(
+        record = record_routing and self.records_routing
+        out = forward_log_probs(
             self.model, batch, temperature=self.temperature if temperature is None else temperature,
             micro_batch_size=mbs, use_dynamic_bsz=self.cfg.use_dynamic_bsz,
             max_tokens=self.cfg.ppo_max_token_len_per_gpu, vocab_size=self.vocab_size,
-            chunk_size=self.cfg.logits_chunk_size, shared_prefix=self.shared_prefix,
+            chunk_size=self.cfg.logits_chunk_size, shared_prefix=self.shared_prefix, record_routing=record,
         )
+        if record:
+            self.old_routing = OldRouting(batch.input_ids.clone(), out.routing)
+        return out.log_probs, out.entropys
+
+    def with_old_routing(self, batch: TrainBatch) -> TrainBatch:
+        """R2: ``batch`` carrying the routing its old-log-prob forward recorded, which every forward of the update
+        then replays (the engine's ids of R3 have the same layout). Other modes: ``batch`` as it is."""
+        if not self.records_routing:
+            return batch
+        rec = self.old_routing
+        if rec is None or rec.input_ids.shape != batch.input_ids.shape or not torch.equal(rec.input_ids,
+                                                                                          batch.input_ids):
+            raise RuntimeError(
+                "actor.moe.routing_replay=old: the update's batch has no recorded routing; the old-log-prob forward "
+                "(compute_log_prob of this same batch) records it and must run first (actor.on_policy_shortcut "
+                "skips that forward: set it to false)")
+        self.old_routing = None  # one update per recording
+        return batch.replace(routed_experts=rec.routing)
 
     # ---- update ------------------------------------------------------------------------
     def forward_backward(self, mini_batch: TrainBatch) -> dict[str, float]:
@@ -181,7 +213,7 @@ class ActorWorker(TrainableState):
         need no alignment padding).
         """
         e = self.model
-        local = e.dp_shard(batch)
+        local = e.dp_shard(self.with_old_routing(batch))
         keys = loss_keys(use_kl_loss=self.cfg.use_kl_loss,
                          use_rollout_log_probs=self.cfg.tis_imp_ratio_cap is not None,
                          use_rollout_is_weights=batch.rollout_is_weights is not None,
@@ -208,6 +240,9 @@ class ActorWorker(TrainableState):
         full batch as ``compute_log_prob`` would give them (the driver's old_log_probs / entropys).
         ``shuffle`` is moot: one mini-batch holds every local sample."""
         e = self.model
+        if self.records_routing:
+            raise ValueError("the on-policy shortcut runs no old-log-prob forward, which actor.moe.routing_replay=old "
+                             "records the routing in; fix: actor.on_policy_shortcut=false")
         local = e.dp_shard(batch)
         if self.cfg.ppo_epochs != 1 or local.batch_size * e.dp_size != self.mini_batch_size_samples:
             raise ValueError(
@@ -306,11 +341,28 @@ class ActorWorker(TrainableState):
         return response_embedding(self.model, batch, micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu or 1)
 
 
+@dataclasses.dataclass
+class OldRouting:
+    """R2's record: the old-log-prob forward's routing of a batch (``routing`` [B, S, layers, K], -1: no token) and
+    that batch's ``input_ids`` (the update checks that it replays the batch it recorded)."""
+
+    input_ids: torch.Tensor
+    routing: torch.Tensor
+
+
+class LogProbs(NamedTuple):
+    log_probs: torch.Tensor  # [B, R]
+    entropys: torch.Tensor  # [B, R]
+    routing: torch.Tensor | None  # [B, S, layers, K] with record_routing, else None
+
+
 def forward_log_probs(
     model: MegatronModel, batch: TrainBatch, *, temperature: float, micro_batch_size: int | None,
     use_dynamic_bsz: bool, max_tokens: int, vocab_size: int, chunk_size: int | None, shared_prefix: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward-only log-probs/entropies of the full batch (shared by actor and reference)."""
+    record_routing: bool = False,
+) -> LogProbs:
+    """Forward-only log-probs/entropies of the full batch (shared by actor and reference); ``record_routing``: also
+    the experts each router chose for every token (an MoE model), full batch in the caller's order on every rank."""
     local = model.dp_shard(batch)
     parts = micro_batch_parts(local, micro_batch_size=micro_batch_size or local.batch_size,
                               use_dynamic_bsz=use_dynamic_bsz, max_tokens=max_tokens,
@@ -319,9 +371,12 @@ def forward_log_probs(
     fn = partial(log_prob_func, temperature=temperature, tp_group=model.tp_group,
                  vocab_size=vocab_size, chunk_size=chunk_size)
     model.set_train(False)
-    with torch.no_grad():
+    with torch.no_grad(), (model.recording_routing() if record_routing else contextlib.nullcontext()) as rec:
         out = model.run(mbs, fn, forward_only=True)
-    return gather_log_probs(model, out, parts, local.batch_size, local.response_length)
+    routing = None
+    if rec is not None:
+        routing = model.all_gather_dp(rec.local(parts).to(model.device)).cpu()
+    return LogProbs(*gather_log_probs(model, out, parts, local.batch_size, local.response_length), routing)
 
 
 def gather_log_probs(model: MegatronModel, out: list[dict], parts: list[list[int]], B: int, R: int

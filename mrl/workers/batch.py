@@ -163,7 +163,7 @@ class TrainBatch:
             raise KeyError(
                 f"TrainBatch lacks {missing} needed by the loss; produce them first "
                 "(old_log_probs: actor.compute_log_prob, ref_log_prob: compute_ref_log_prob, teacher_log_prob: "
-                "compute_teacher_log_prob, "
+                "the teacher's compute_side, "
                 "advantages: the advantage estimator, rollout_log_probs: the rollout engine, "
                 "values/returns: critic.compute_values + GAE)"
             )

@@ -16,9 +16,10 @@ aligned samples need; batches with custom position ids (e.g. multimodal RoPE) ar
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -235,6 +236,7 @@ class MegatronModel:
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.pad_to_multiple = ps.get_tensor_model_parallel_world_size() if parallel.sequence_parallel else 1
         self.router_probes: list = []
+        self.routing_record: Any = None  # a RoutingRecord while recording_routing() is active
         self.positions = torch.zeros(2, dtype=torch.long)  # [computed, padding] positions since pad_fraction()
         if self.is_moe:  # routing statistics always; the engine's expert choice replayed when routing_replay is on
             from mrl.workers.routing_replay import install_probes
@@ -306,6 +308,8 @@ class MegatronModel:
 
         for mb in micro_batches:
             self.positions += torch.tensor([mb.inputs.tokens.numel(), mb.inputs.padding()])
+        if self.routing_record is not None:
+            self.routing_record.micro_batches.extend(micro_batches)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -344,6 +348,26 @@ class MegatronModel:
 
                 set_targets(self.router_probes, None)  # no stale ids for a later forward
         return list(out) if out else []
+
+    @contextlib.contextmanager
+    def recording_routing(self) -> Iterator[Any]:
+        """Inside the block every router keeps the experts it chose (``actor.moe.routing_replay=old``, R2):
+        yields a :class:`~mrl.workers.routing_replay.RoutingRecord` to read after the forwards."""
+        from mrl.workers.routing_replay import RoutingRecord
+
+        if not self.router_probes:
+            raise RuntimeError("recording the routing needs a Mixture-of-Experts model (this one has no router)")
+        rec = RoutingRecord(self)
+        for p in self.router_probes:
+            p.records = []
+        self.routing_record = rec
+        try:
+            yield rec
+        finally:
+            rec.per_layer = {p.layer: p.records for p in self.router_probes}
+            for p in self.router_probes:
+                p.records = None
+            self.routing_record = None
 
     def _route(self, inp: ModelInputs) -> None:
         """Point the router probes at this micro-batch's engine ids (replay) or at none (own routing)."""

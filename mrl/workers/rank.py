@@ -17,9 +17,11 @@ from mrl.config.run_plan import RunPlan
 from mrl.dtypes import torch_dtype
 from mrl.observability.fallbacks import collect_fallbacks, fallbacks_in_use
 from mrl.workers.batch import TrainBatch
+from mrl.workers.side_rank import build_side_worker
 
 if TYPE_CHECKING:
     from mrl.workers.critic import CriticWorker
+    from mrl.workers.side_model import SideModelWorker
 
 # Before Megatron is imported (by the workers below, lazily): its fallback warnings are collected
 # and the driver prints them once (fallbacks()), not ~15 lines per rank.
@@ -56,30 +58,15 @@ class TrainRank:
         # Snapshot of the start weights, before any update (verl's ref = initial policy).
         self.ref = ColocatedReference(self.actor) if cfg.ref_enabled else None
         self.critic = _build_critic(cfg, plan, self.actor.model.device.type) if plan.critic else None
-        self.rm = None
-        if cfg.reward_model.enable and cfg.reward_model.placement == "colocated":  # the actor's ranks and
-            # Megatron groups; a separate RM has ranks of its own (mrl/workers/rm_rank.py)
-            from mrl.workers.reward_model import RewardModelWorker
-
-            self.rm = RewardModelWorker(cfg.reward_model.model.path, cfg.actor.megatron, init_parallel=False,
-                                        micro_batch_size=cfg.reward_model.micro_batch_size_per_gpu,
-                                        device=self.actor.model.device.type, seed=cfg.trainer.seed,
-                                        dtype=torch_dtype(plan.dtype))
-            if cfg.reward_model.offload:  # on the device only during phase rm_score
-                self.rm.offload()
-        self.teacher = None
-        if cfg.teacher.enable and cfg.teacher.placement == "colocated":  # the actor's ranks and groups; a separate
-            # teacher has ranks of its own (mrl/workers/teacher_rank.py)
-            from mrl.workers.teacher import TeacherWorker
-
-            t = cfg.teacher
-            self.teacher = TeacherWorker(t.path, cfg.actor.megatron, micro_batch_size=t.micro_batch_size_per_gpu,
-                                         temperature=cfg.rollout.temperature, device=self.actor.model.device.type,
-                                         seed=cfg.trainer.seed, dtype=torch_dtype(plan.dtype), init_parallel=False,
-                                         logits_chunk_size=cfg.actor.logits_chunk_size,
-                                         shared_prefix=plan.shared_prefix, remove_padding=plan.remove_padding)
-            if t.offload:  # on the device only during phase teacher_log_prob
-                self.teacher.offload()
+        # Colocated side models (reward model, teacher: mrl/workers/side_model.py) on the actor's ranks and
+        # Megatron groups; a separate one has ranks of its own (mrl/workers/side_rank.py)
+        self.side: dict[str, SideModelWorker] = {}
+        for role, side in cfg.rank_side_models().items():
+            if side.enable and side.colocated:
+                self.side[role] = build_side_worker(role, cfg, plan, cfg.actor.megatron,
+                                                    device=self.actor.model.device.type, init_parallel=False)
+                if side.offload:  # on the device only during its phase
+                    self.side[role].offload()
         self.syncer = None
         self.local_engine = None  # rollout.weight_sync.transport=inprocess: this rank's engine (start_engine)
 
@@ -151,31 +138,20 @@ class TrainRank:
             raise RuntimeError("compute_repr_similarity called but no reference model was built (ref_enabled is false)")
         return self.ref.compute_repr_similarity(batch, gold)
 
-    def compute_rm_score(self, batch: TrainBatch) -> torch.Tensor:
-        """[B] reward-model scores (reward_model.enable with placement=colocated)."""
-        if self.rm is None:
-            raise RuntimeError("compute_rm_score called but no reward model was built on the trainer ranks "
-                               "(reward_model.enable is false, or placement=separate: its own group scores)")
-        if not self.cfg.reward_model.offload:
-            return self.rm.compute_rm_score(batch)
-        self.rm.onload()
+    def compute_side(self, role: str, batch: TrainBatch) -> torch.Tensor:
+        """What colocated side model ``role`` computes (reward_model: [B] scores; teacher: [B, R] log-probs of the
+        sampled tokens), on the device for the call when its section offloads it."""
+        worker = self.side.get(role)
+        if worker is None:
+            raise RuntimeError(f"compute_side({role!r}) called but no {role} was built on the trainer ranks "
+                               f"({role}.enable is false, or placement=separate: its own group answers)")
+        if not self.cfg.rank_side_models()[role].offload:
+            return worker.compute(batch)
+        worker.onload()
         try:
-            return self.rm.compute_rm_score(batch)
+            return worker.compute(batch)
         finally:
-            self.rm.offload()
-
-    def compute_teacher_log_prob(self, batch: TrainBatch) -> torch.Tensor:
-        """[B, R] teacher log-probs of the sampled tokens (teacher.enable with placement=colocated)."""
-        if self.teacher is None:
-            raise RuntimeError("compute_teacher_log_prob called but no teacher was built on the trainer ranks "
-                               "(teacher.enable is false, or placement=separate: its own group answers)")
-        if not self.cfg.teacher.offload:
-            return self.teacher.compute_teacher_log_prob(batch)
-        self.teacher.onload()
-        try:
-            return self.teacher.compute_teacher_log_prob(batch)
-        finally:
-            self.teacher.offload()
+            worker.offload()
 
     def update_policy(self, batch: TrainBatch) -> dict[str, float]:
         return self.actor.update_policy(batch)

@@ -52,11 +52,11 @@ class ReferenceWorker:
         """[B, R] reference log-probs of the full batch, identical on every rank."""
         from mrl.workers.actor import forward_log_probs
 
-        lp, _ = forward_log_probs(
+        lp = forward_log_probs(
             self.model, batch, temperature=self.temperature, micro_batch_size=self.micro_batch_size,
             use_dynamic_bsz=False, max_tokens=0, vocab_size=int(self.model.hf_config.vocab_size),
             chunk_size=self.chunk_size,
-        )
+        ).log_probs
         return lp
 
 
@@ -115,7 +115,7 @@ class ColocatedReference:
         from mrl.workers.routing_replay import not_measured
 
         with self._swapped_in(), not_measured(self.actor.model.router_probes):
-            lp, _ = self.actor.compute_log_prob(batch)
+            lp, _ = self.actor.compute_log_prob(batch, record_routing=False)  # not the old policy's routing (R2)
         return lp
 
     def compute_repr_similarity(self, batch: TrainBatch, gold: TrainBatch) -> torch.Tensor:

@@ -4,7 +4,8 @@ The checkpoint is a Hugging Face ``*ForSequenceClassification`` model with one l
 Qwen2, Qwen3, Mistral families): its ``model.*`` body maps to ``GPTModel`` exactly like a causal
 LM, and ``score.weight`` [1, H] becomes a scalar head in place of the LM head — the critic's
 head (:class:`mrl.workers.megatron_model._ValueHead`), loaded instead of initialised. TP/PP: the actor's on its
-ranks (colocated, ``init_parallel=False``), or the RM's own group and layout (separate, mrl/workers/rm_rank.py).
+ranks (colocated, ``init_parallel=False``), or the RM's own group and layout (separate, mrl/workers/side_rank.py);
+the frozen side model's common part (offload, DP padding) is :class:`mrl.workers.side_model.SideModelWorker`.
 
     rm_score_i = score.weight · h_i[last]     h = final-norm hidden states, [B]
 
@@ -15,20 +16,27 @@ the micro-batch inputs are compacted, so it is column ``num_tokens - 1``) — th
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from mrl.config.parallel import ParallelConfig
+from mrl.dtypes import torch_dtype
 from mrl.workers.batch import TrainBatch
 from mrl.workers.megatron_model import MegatronModel, as_causal_lm_config  # noqa: F401 (re-exported, see below)
 from mrl.workers.minibatch import restore_order, split_by_length
+from mrl.workers.side_model import SideModelWorker
+
+if TYPE_CHECKING:
+    from mrl.config import MRLConfig
+    from mrl.config.run_plan import RunPlan
 
 # The RM's config check (as_causal_lm_config) and weight loader (load_reward_model) are MegatronModel's score-head
 # path (score_head=True), so they live in megatron_model.py: no import cycle between the two files.
 
 
-class RewardModelWorker:
-    """Frozen reward model on this rank; ``compute_rm_score`` gives [B] scores on every rank.
+class RewardModelWorker(SideModelWorker):
+    """Frozen reward model on this rank; ``compute`` gives [B] scores on every rank.
 
     Args:
         model_path: HF ``*ForSequenceClassification`` checkpoint directory.
@@ -36,39 +44,31 @@ class RewardModelWorker:
         micro_batch_size: samples per forward on one DP rank.
     """
 
+    what = "reward model"
+
     def __init__(self, model_path: str | os.PathLike, parallel: ParallelConfig, *, micro_batch_size: int,
                  device: str = "cpu", dtype: torch.dtype | None = None, seed: int,
                  init_parallel: bool = True) -> None:
-        if micro_batch_size < 1:
-            raise ValueError(f"reward model micro_batch_size must be >= 1, got {micro_batch_size}")
-        self.micro_batch_size = micro_batch_size
+        super().__init__(micro_batch_size)
         self.model = MegatronModel(model_path, parallel, device=device,
-                                     dtype=dtype or (torch.float32 if device == "cpu" else torch.bfloat16),
-                                     seed=seed, train=False, score_head=True, init_parallel=init_parallel)
+                                   dtype=dtype or (torch.float32 if device == "cpu" else torch.bfloat16),
+                                   seed=seed, train=False, score_head=True, init_parallel=init_parallel)
 
-    def offload(self, *, force: bool = False) -> None:
-        """Weights to host memory until :meth:`onload` (reward_model.offload; a no-op on CPU unless
-        ``force``, which tests use to exercise the round trip)."""
-        from mrl.workers.offload import offload_state
+    @classmethod
+    def from_config(cls, cfg: MRLConfig, plan: RunPlan, parallel: ParallelConfig, *, device: str,
+                    init_parallel: bool) -> RewardModelWorker:
+        rm = cfg.reward_model
+        return cls(rm.model.path, parallel, micro_batch_size=rm.micro_batch_size_per_gpu, device=device,
+                   seed=cfg.trainer.seed, dtype=torch_dtype(plan.dtype), init_parallel=init_parallel)
 
-        self._offloaded = offload_state(self.model, force=force)
-
-    def onload(self) -> None:
-        from mrl.workers.offload import onload_state
-
-        onload_state(getattr(self, "_offloaded", None))
-        self._offloaded = None
-
-    def compute_rm_score(self, batch: TrainBatch) -> torch.Tensor:
+    def compute(self, batch: TrainBatch) -> torch.Tensor:
         """[B] float32 score of each full sequence (prompt + response), identical on every rank.
 
         A batch that does not divide by the DP size (validation chunks) is padded with copies of its
         last sample, whose scores are dropped."""
         e = self.model
         B = batch.batch_size
-        extra = -B % e.dp_size
-        if extra:
-            batch = batch.index(list(range(B)) + [B - 1] * extra)
+        batch, _ = self.dp_padded(batch)
         local = e.dp_shard(batch)
         parts = split_by_length(local.seq_lengths().tolist(), self.micro_batch_size)  # similar lengths together
         mbs = e.make_micro_batches(local, parts, packed=False)  # fn reads compact columns

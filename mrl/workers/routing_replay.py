@@ -16,6 +16,12 @@ does not pick the top-k logits) and then:
   router's ``routing_map`` (the routing the layer actually used, replayed or its own), from which ``moe/load_entropy`` (``-Σ f_e log f_e / log E`` of the assignment shares
   ``f_e``, 1 = balanced) and ``moe/max_load_frac`` (``max_e f_e``, ``1/E`` when balanced) follow.
 
+* **record** (``actor.moe.routing_replay=old``, R2): inside :meth:`MegatronModel.recording_routing
+  <mrl.workers.megatron_model.MegatronModel.recording_routing>` the forward hook keeps each forward's
+  choice (the top-k ids of the router's ``routing_map``); :class:`RoutingRecord` lays them out as
+  ``[B, S, layers, K]`` aligned with ``input_ids`` — the layout the engine's ids have — so the update replays them
+  as R3 replays the engine's.
+
 Token order: Megatron runs ``[s, b, h]`` activations and flattens them s-major, so target row
 ``t·b + i`` is column ``t`` of sample ``i`` of the compact micro-batch (with sequence parallelism
 each TP rank holds a contiguous chunk of ``s``).
@@ -41,6 +47,7 @@ class RouterProbe:
         self.mismatch = torch.zeros((), dtype=torch.long, device=device)
         self.compared = torch.zeros((), dtype=torch.long, device=device)
         self.measure = True  # off while the colocated reference borrows the model (its routing is not the policy's)
+        self.records: list[torch.Tensor] | None = None  # while recording: each forward's [tokens, K] choice
         router.register_forward_pre_hook(self._pre)
         router.register_forward_hook(self._post)
 
@@ -76,6 +83,8 @@ class RouterProbe:
         if self.measure:
             self._follow(output[1].device)
             self.load += output[1].detach().sum(0).to(self.load.dtype)
+        if self.records is not None:
+            self.records.append(chosen_experts(output[1].detach(), module.topk))
 
     def _follow(self, device: torch.device) -> None:
         """Counters on the device the router runs on (a model moved after the probe was built, or offloaded)."""
@@ -100,6 +109,13 @@ def _own_topk(router: Any, logits: torch.Tensor) -> torch.Tensor:
         group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
         score_function=cfg.moe_router_score_function, expert_bias=getattr(router, "expert_bias", None))
     return routing_map.to(logits.dtype).topk(router.topk, dim=1).indices
+
+
+def chosen_experts(routing_map: torch.Tensor, k: int) -> torch.Tensor:
+    """[tokens, E] bool routing map (k experts per token: routing is dropless) -> [tokens, k] int32 ids, ascending.
+    The set is what replay needs: Megatron scatters the ids' probabilities into the map, so their order is moot."""
+    order = torch.sort(routing_map.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :k]
+    return order.sort(dim=1).values.to(torch.int32)
 
 
 def install_probes(chunks: list) -> list[RouterProbe]:
@@ -212,3 +228,69 @@ def not_measured(probes: list[RouterProbe]):
     finally:
         for p in probes:
             p.measure = True
+
+
+class RoutingRecord:
+    """The routing every router used in the forwards run inside ``MegatronModel.recording_routing()``.
+
+    Each probe keeps one ``[tokens, K]`` choice per forward of its layer (Megatron's s-major order of the
+    micro-batch's rows); the model keeps the micro-batches it ran. :meth:`local` lays them out per sample as
+    ``[b, S, layers, K]`` int32 aligned with the samples' ``input_ids`` (-1 where no token ran: padding,
+    and the layers a model without a router there leaves dense), the layout of ``TrainBatch.routed_experts``.
+    """
+
+    def __init__(self, model: Any) -> None:  # a MegatronModel (which imports this module)
+        self.model = model
+        self.micro_batches: list[Any] = []  # MicroBatch
+        self.per_layer: dict[int, list[torch.Tensor]] = {}
+
+    def local(self, parts: list[list[int]] | None = None) -> torch.Tensor:
+        """[b, S, layers, K] of this DP rank's samples: rows of micro-batch ``i`` are samples ``parts[i]`` (None:
+        the micro-batches' samples in the order they ran). Collective over the pipeline (and, with sequence
+        parallelism, the tensor-parallel) group: each stage records its own layers."""
+        from mrl.workers.minibatch import restore_order
+
+        per_mb = [self._micro_batch(i, mb) for i, mb in enumerate(self.micro_batches)]
+        if parts is None:
+            return torch.cat(per_mb, 0)
+        return restore_order(per_mb, parts)
+
+    def _micro_batch(self, i: int, mb: Any) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        from mrl.workers.minibatch import build_model_inputs, build_packed_inputs
+
+        m = self.model
+        inp = mb.inputs
+        if inp.attention_mask is not None:
+            raise ValueError("recording the routing of shared-prefix rows: one column serves several samples; "
+                             "fix: actor.shared_prefix=false")
+        b, S = mb.data.input_ids.shape
+        layers, k = m.config.num_layers, m.config.moe_router_topk
+        # Where each computed position comes from: the builder that made the rows maps sample i's column s to
+        # it, so feed it the code i·S + s in the routed-experts slot (-1 where a position holds no token).
+        codes = (torch.arange(b)[:, None] * S + torch.arange(S)[None, :])[:, :, None, None]
+        build = build_packed_inputs if inp.cu_seqlens is not None else build_model_inputs
+        where = build(mb.data.replace(routed_experts=codes), pad_to_multiple=m.pad_to_multiple).routed_experts
+        where = where[..., 0, 0]  # [rows, L]
+        rows, width = inp.tokens.shape  # as run (a pipeline pads every micro-batch to one length)
+        sp = m.parallel.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
+        out = torch.full((b * S, layers, k), -1, dtype=torch.long)
+        valid = where >= 0
+        for layer, recs in self.per_layer.items():
+            if len(recs) != len(self.micro_batches):
+                raise RuntimeError(f"routing record: layer {layer} ran {len(recs)} forwards for "
+                                   f"{len(self.micro_batches)} micro-batches (activation recompute runs the router "
+                                   "again in the backward: record forward-only passes)")
+            ids = recs[i]
+            if sp:  # each TP rank routed a contiguous chunk of the sequence
+                parts = [torch.empty_like(ids) for _ in range(ps.get_tensor_model_parallel_world_size())]
+                dist.all_gather(parts, ids.contiguous(), group=m.tp_group)
+                ids = torch.cat(parts, 0)
+            ids = ids.cpu().long().reshape(width, rows, k).transpose(0, 1)[:, : where.shape[1]]
+            out[where[valid], layer] = ids[valid]
+        if dist.get_world_size(m.pp_group) > 1:  # each stage filled its own layers; -1 + 1 = 0 elsewhere
+            t = (out + 1).to(m.device)
+            dist.all_reduce(t, group=m.pp_group)
+            out = t.cpu() - 1
+        return out.to(torch.int32).reshape(b, S, layers, k)

@@ -38,7 +38,12 @@ CASES = [  # (overrides, substrings of one error)
     (["actor.megatron.expert_tensor_parallel_size=3"], ["ETP*EP*PP = 3*1*1", "does not divide"]),
     (["actor.megatron.expert_tensor_parallel_size=5"], ["expert_tensor_parallel_size=5", "does not divide the expert MLP"]),
     (["actor.moe.routing_replay=rollout", "actor.shared_prefix=true"], ["routing_replay=rollout", "shared_prefix=false"]),
-    (["actor.lora.rank=8"], ["actor.lora", "Mixture-of-Experts"]),
+    (["actor.lora.rank=8", "actor.lora.target_modules=[gate_proj,down_proj]"],
+     ["actor.lora.target_modules", "routed experts, which take no adapters"]),
+    (["actor.moe.routing_replay=old", "actor.shared_prefix=true"], ["routing_replay=old", "shared_prefix=false"]),
+    # R2 records in the old-log-prob forward, which the on-policy shortcut skips
+    (["actor.moe.routing_replay=old", "actor.on_policy_shortcut=true"],
+     ["actor.on_policy_shortcut=true", "actor.moe.routing_replay=old", "old-log-prob forward"]),
 ]
 
 
@@ -78,6 +83,39 @@ def test_bundled_hub_shape_of_the_gpu_recipe():
     assert bundled_hub_shape("Qwen/not-a-bundled-model") is None
 
 
+def test_plan_prints_the_routing_replay_mode(moe_overrides):
+    """R2 (old) needs the old-log-prob forward: the shortcut's null resolves to off and the plan says so."""
+    from mrl.config.run_plan import on_policy_blockers, on_policy_shortcut
+
+    texts = {}
+    for mode in ("none", "rollout", "old"):
+        cfg = load_config(None, moe_overrides + [f"actor.moe.routing_replay={mode}"])
+        texts[mode] = format_plan(cfg, build_plan(cfg))
+        assert f"(actor.moe.routing_replay={mode})" in texts[mode]
+        assert cfg.actor.moe.engine_routed_experts is (mode == "rollout")  # R2 asks nothing of the engines
+    assert "routing replay: R2, the old-log-prob forward's expert choice recorded" in texts["old"]
+    assert "routing replay: R3" in texts["rollout"] and "routing replay: off" in texts["none"]
+    old = load_config(None, moe_overrides + ["actor.moe.routing_replay=old"])
+    blockers = lambda c: [b for b in on_policy_blockers(c) if "routing_replay" in b]
+    assert blockers(old) and not blockers(load_config(None, moe_overrides)) and not on_policy_shortcut(old)
+    assert "old-log-prob forward: recomputed before the update" in texts["old"]
+
+
+def test_lora_on_moe_says_what_it_adapts(moe_overrides, tmp_path):
+    """Adapters on attention, dense MLP layers and shared experts; the routed experts and the router stay frozen."""
+    cfg = load_config(None, moe_overrides + ["actor.lora.rank=8"])
+    errors, notes = check_config(cfg)
+    assert errors == [] and any("adapters on the attention;" in n and "routed experts" in n for n in notes), notes
+    d = tmp_path / "mixed"  # a shared expert and one dense layer: MLP-only targets have somewhere to go
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**MOE, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                                               "shared_expert_intermediate_size": 32, "mlp_only_layers": [0]}))
+    over = [o for o in moe_overrides if not o.startswith("model.path=")] + [f"model.path={d}"]
+    errors, notes = check_config(load_config(None, over + ["actor.lora.rank=8", "actor.lora.target_modules=[gate_proj]"],
+                                             check=False))
+    assert errors == [] and any("adapters on the 1 dense MLP layer(s) and the shared experts;" in n for n in notes), notes
+
+
 def test_plan_notes_of_a_deepseek_v3_checkpoint(base_overrides, tmp_path):
     """mrl plan says what RL does with DeepSeek-V3's score-correction bias (frozen) and that the checkpoint's
     multi-token-prediction layer is skipped; its parameter count is MLA's."""
@@ -93,6 +131,8 @@ def test_plan_notes_of_a_deepseek_v3_checkpoint(base_overrides, tmp_path):
     assert "multi-latent attention runs on Megatron's local spec with torch SDPA" in text, text
     errors = _errors(overrides + ["actor.megatron.attention_backend=local"])
     assert any("attention_backend=local" in e and "multi-latent" in e and "fix" in e for e in errors), errors
+    errors = _errors(overrides + ["actor.lora.rank=8"])
+    assert any("actor.lora" in e and "multi-latent" in e and "rank=0" in e for e in errors), errors
     assert "score-correction bias (e_score_correction_bias): loaded and frozen during RL" in text, text
     assert "multi-token-prediction layers (1: model.layers.4) in the checkpoint are skipped on load" in text, text
     raw["num_nextn_predict_layers"] = 0

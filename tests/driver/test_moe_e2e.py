@@ -10,9 +10,10 @@ a replay that sets the engine's ids but does not apply them passes this test too
 ``REPLAY_FORWARD`` action left unset in mrl/workers/routing_replay.py, still green). Replay's effect — the
 trainer's log-probs become the engine's where its own routing differs — is shown in
 tests/workers/test_moe_actor.py (router rows in a near-tie flipped between engine and trainer: 31% of the
-routed tokens differ, log-probs off by up to 0.30 without replay, ≤ 1e-5 with it). An off-policy run here
-(a second mini-batch after an optimizer step moves 9-12% of the routing, docs/moe.md) would cost another
-end-to-end run of this length."""
+routed tokens differ, log-probs off by up to 0.30 without replay, ≤ 1e-5 with it), and its off-policy
+mini-batches (a second mini-batch after an optimizer step, R3 and R2) read the routing each forward used: the
+replayed ids at every position, where the trainer's own routing differs on 17-31% of the token-layers. That is
+the check in which replay must matter, at a worker's cost instead of another end-to-end run of this length."""
 from __future__ import annotations
 
 import os

@@ -1,5 +1,5 @@
 """A separate reward model (reward_model.placement=separate) as the driver builds it: its own Ray worker
-group (mrl/driver/rm_ranks.py -> RewardModelRank), torch.distributed world (gloo, its own master port) and
+group (mrl/driver/side_ranks.py -> SideModelRank), torch.distributed world (gloo, its own master port) and
 Megatron layout, next to the actor's ranks at another layout (TP1 x DP2). Its scores, read through the
 typed proxy, equal transformers' *ForSequenceClassification on each unpadded sequence within 1e-5
 (fp32, CPU), on every rank: a Llama RM at TP2 and a Qwen2 RM at TP1 x PP2; the actor's ranks still run
@@ -36,7 +36,7 @@ def test_separate_rm_group_matches_transformers_next_to_the_actor(tmp_path: Path
     from mrl.cluster import WorkerGroup, init_ray
     from mrl.config.run_plan import plan_run
     from mrl.driver.ranks import TrainRanks
-    from mrl.driver.rm_ranks import RewardModelRanks, start_reward_model_group
+    from mrl.driver.side_ranks import SideModelRanks, start_side_group
     from tests.helpers.tiny_models import make_tiny_hf
     from tests.workers.batches import ragged_batch
     from tests.workers.test_reward_model import _hf_scores, make_tiny_rm
@@ -56,14 +56,14 @@ def test_separate_rm_group_matches_transformers_next_to_the_actor(tmp_path: Path
         for family, tp, pp in (("llama", 2, 1), ("qwen2", 1, 2)):
             rm = rms[family]
             cfg = _config(tmp_path, actor, rm, tp, pp)
-            group = start_reward_model_group(cfg, plan_run(cfg, "cpu"))
+            group = start_side_group(cfg, plan_run(cfg, "cpu"), "reward_model")
             group.wait_constructed()
             groups.append(group)
             one, _ = _hf_scores(rm)
             assert float(one.std()) > 0.05  # scores differ between samples: the comparison means something
-            got = RewardModelRanks(group).compute_rm_score(batch)
+            got = SideModelRanks(group).compute_side("reward_model", batch)
             torch.testing.assert_close(got, one, rtol=0, atol=1e-5, msg=f"{family} TP{tp}xPP{pp}")
-            for r, s in enumerate(group.execute_all("compute_rm_score", batch)):  # every rank: the full [B]
+            for r, s in enumerate(group.execute_all("compute_side", "reward_model", batch)):  # every rank: the full [B]
                 torch.testing.assert_close(s, one, rtol=0, atol=1e-5, msg=f"{family} TP{tp}xPP{pp} rank {r}")
             print(f"{family} TP{tp}xPP{pp}: max |mrl - HF| = {float((got - one).abs().max()):.2e}")
             group.close("close", timeout_s=60)  # the next layout gets the two CPUs

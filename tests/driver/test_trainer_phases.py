@@ -16,6 +16,8 @@ from mrl.algorithms import get_adv_estimator
 from mrl.config import load_config
 from mrl.config.run_plan import plan_run
 from mrl.data.sampler import ResumableSampler
+from mrl.driver.rm_reward import RewardModelInputs
+from mrl.driver.scoring import Samples
 from mrl.driver.trainer import RLTrainer, StepData
 from tests.workers.batches import ragged_batch
 
@@ -32,12 +34,12 @@ class RecordingWorkers:
     def execute_all(self, method: str, *args, **kwargs):
         self.calls.append((method, args))
         self.kwargs[method] = kwargs
-        b = args[0] if args else None
+        b = args[-1] if method == "compute_side" else args[0] if args else None  # compute_side(role, batch)
         out = {
             "compute_log_prob": lambda: (b.old_log_probs, torch.ones(b.response_mask.shape)),
             "compute_ref_log_prob": lambda: b.old_log_probs - 0.1 * b.response_mask,
             "compute_values": lambda: self.values,
-            "compute_teacher_log_prob": lambda: b.old_log_probs - 0.3 * b.response_mask,
+            "compute_side": lambda: b.old_log_probs - 0.3 * b.response_mask,  # the teacher's log-probs
             "update_critic": lambda: {"critic/vf_loss": 0.25, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.1},
             "update_policy": lambda: {"actor/pg_loss": 0.5},
             # the on-policy shortcut: the update's own (here: made-up) log-probs and entropies come back
@@ -53,7 +55,7 @@ class RecordingWorkers:
 
     def names(self) -> list[str]:
         """The phases' calls (not ``fallbacks``, the console's one query per run)."""
-        return [c[0] for c in self.calls if c[0] != "fallbacks"]
+        return [f"{c[0]}:{c[1][0]}" if c[0] == "compute_side" else c[0] for c in self.calls if c[0] != "fallbacks"]
 
 
 class RecordingPool:
@@ -109,7 +111,8 @@ def _trainer(tmp_path, *overrides: str, rm_workers=None) -> tuple[RLTrainer, Rec
     workers = RecordingWorkers(values)
     plan = plan_run(cfg, "cpu", batches_per_epoch=64 // cfg.data.train_batch_size)
     services = SimpleNamespace(train_ds=list(range(64)), sampler=ResumableSampler(64, plan.gen_batch_size), workers=workers, rm_workers=rm_workers, teacher_workers=None, pool=RecordingPool(workers.calls),
-                               client=None, log_dir=tmp_path, plan=plan, tracking=None, judge=None)  # no metric sinks (Services.tracking may be None)
+                               client=None, log_dir=tmp_path, plan=plan, tracking=None, judge=None,  # no metric sinks
+                               rm_inputs=RewardModelInputs(None))  # (Services.tracking may be None); an RM reads the batch as it is
     tr = RLTrainer(cfg, services)
     scores = _scores(batch)
 
@@ -168,7 +171,7 @@ def test_distillation_phase_and_reward(tmp_path) -> None:
     tr, w, _ = _trainer(tmp_path, *on, "algorithm.distill.mode=reverse_kl_reward", "algorithm.distill.coef=2.0",
                         "algorithm.distill.task_reward_coef=0.5", "algorithm.adv_estimator=reinforce_plus_plus")
     m = tr.step()
-    assert w.names() == ["compute_log_prob", "compute_teacher_log_prob", "update_policy", "sync_weights"]
+    assert w.names() == ["compute_log_prob", "compute_side:teacher", "update_policy", "sync_weights"]
     b = w.calls[2][1][0]  # what the update trained on
     mask = b.response_mask.float()
     rewards = 0.5 * _scores(b) - 2.0 * (0.3 * mask)  # log pi_old - log pi_teacher = 0.3 on every response token
@@ -449,7 +452,6 @@ def test_on_policy_shortcut_keeps_the_old_log_prob_phase_while_the_critic_warms_
 def test_a_separate_reward_model_scores_on_its_own_group(tmp_path) -> None:
     """reward_model.placement=separate: phase rm_score (and validation's RM) calls the RM's group, never the
     trainer ranks; the metrics and the reward (combine=rm) are the colocated path's."""
-    from mrl.driver.rm_reward import RewardModelInputs
     from tests.workers.batches import ragged_batch
 
     batch = ragged_batch()
@@ -467,17 +469,18 @@ def test_a_separate_reward_model_scores_on_its_own_group(tmp_path) -> None:
     tr, w, _ = _trainer(tmp_path, "cluster.n_gpus_per_node=3", "reward_model.enable=true",
                         f"reward_model.model.path={tmp_path}/rm", "reward_model.placement=separate",
                         "reward_model.num_devices=1", rm_workers=group)
-    tr.s.rm_inputs = RewardModelInputs(None)  # the RM shares the actor's tokenizer: the batch as it is
     prompts = [SimpleNamespace(ground_truth="1", data_source="toy", extra_info={}) for _ in range(batch.batch_size)]
     d = StepData(batch, prompts, ["x"] * batch.batch_size, torch.zeros(batch.response_mask.shape))
     m: dict[str, float] = {}
     RLTrainer.reward(tr, d, m)  # the real phase (_trainer stubs it for the other tests)
-    assert [c[0] for c in group.calls] == ["compute_rm_score"] and group.calls[0][1][0] is batch
-    assert "compute_rm_score" not in w.names()
+    assert [c[0] for c in group.calls] == ["compute_side"] and group.calls[0][1][0] == "reward_model"
+    assert group.calls[0][1][1] is batch and "compute_side:reward_model" not in w.names()
     assert m["critic/rm_score/mean"] == pytest.approx(float(rm_scores.mean()))
     assert (m["critic/rm_score/min"], m["critic/rm_score/max"]) == (-1.0, 2.0) and "timing_s/rm_score" in m
     # combine=rm: the RM score is the reward, on one (the last response) token
     torch.testing.assert_close(d.token_level_scores.sum(-1), rm_scores)
     assert bool(((d.token_level_scores != 0).sum(-1) <= 1).all())
-    torch.testing.assert_close(tr.val_rm()(batch, prompts), rm_scores)
+    val, own = tr.scorer.validate(Samples(prompts, d.texts, lambda: batch), rule=lambda extra: pytest.fail("combine=rm"))
+    torch.testing.assert_close(val.scores, rm_scores)  # validation: the same call, the same reward
+    torch.testing.assert_close(own["rm_score"], rm_scores)
     assert len(group.calls) == 2

@@ -207,13 +207,15 @@ def test_rm_verdict_is_compared_with_the_rule_on_val(setup):
 
     client, tok, ds, _ = setup
 
-    def rm(batch, prompts):  # a scorer with spread on a random model: +1 for even response lengths
+    from mrl.driver.rm_reward import RewardModelInputs, RewardModelScorer
+
+    def rm(batch):  # a scorer with spread on a random model: +1 for even response lengths
         return torch.tensor([1.0 if int(n) % 2 == 0 else -1.0 for n in batch.response_mask.sum(-1)])
 
     rollout = RolloutConfig(max_response_length=12, val_kwargs={"do_sample": True, "n": 2, "temperature": 1.0})
     res = run_validation(generate=client.generate, tokenizer=tok, dataset=ds, reward=RewardManager(_vote_score),
-                         rollout=rollout, val_batch_size=4, keep_samples=True, seed=(1, 0), rm=rm,
-                         rm_combine="function")
+                         rollout=rollout, val_batch_size=4, keep_samples=True, seed=(1, 0),
+                         scorer=RewardModelScorer(rm, RewardModelInputs(None), "function"))
     x = res.samples.extra
     agree = [float((r > 0) == (a >= 0.5)) for r, a in zip(x["rm_score"], x["acc"], strict=True)]
     fooled = [float(r > 0 and a < 0.5) for r, a in zip(x["rm_score"], x["acc"], strict=True)]

@@ -92,3 +92,24 @@ def test_deepseek_v3_plan_shape_counts_what_transformers_builds(q_lora):
     inactive = (shape.num_experts - shape.experts_per_token) * sum(p.numel() for p in moe.experts.parameters()) \
         // shape.num_experts
     assert shape.param_count(active=True) == shape.param_count() - 3 * inactive
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"rope_interleave": False}, "rope_interleave=false"),
+    ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config.*fp8_cast_bf16"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32,
+                          "mscale_all_dim": 0.8}}, "mscale_all_dim without mscale"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32,
+                          "truncate": False}}, "truncate=false"),
+    ({"num_experts_per_tok": 6}, "top-2 experts.*top-3"),
+    ({"norm_topk_prob": False}, "norm_topk_prob=false"),
+])
+def test_deepseek_v3_settings_megatron_computes_otherwise_are_refused(overrides, match):
+    """Each refusal names the config.json key and the fix, before Megatron starts."""
+    from tests.helpers.tiny_deepseek import deepseek_config
+
+    _check_supported(deepseek_config(), "deepseek_v3")  # the tiny parity model itself passes
+    with pytest.raises(ValueError, match=match):
+        _check_supported(deepseek_config(**overrides), "deepseek_v3")

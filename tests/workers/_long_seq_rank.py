@@ -66,9 +66,9 @@ def measure(rank, world, path, backend: str, remove_padding: bool, lengths: list
         kw = {"temperature": 1.0, "use_dynamic_bsz": False, "max_tokens": 0, "vocab_size": vocab,
               "chunk_size": cfg.logits_chunk_size}
         e = actor.model
-        lp_packed, _ = forward_log_probs(e, batch, micro_batch_size=2, **kw)
+        lp_packed = forward_log_probs(e, batch, micro_batch_size=2, **kw).log_probs
         e.remove_padding = False
-        lp_alone, _ = forward_log_probs(e, batch, micro_batch_size=1, **kw)
+        lp_alone = forward_log_probs(e, batch, micro_batch_size=1, **kw).log_probs
         e.remove_padding = remove_padding
         out["lp_packed"], out["lp_alone"] = lp_packed.numpy(), lp_alone.numpy()
         out["resp_mask"] = batch.response_mask.numpy()

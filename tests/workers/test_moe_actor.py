@@ -2,7 +2,9 @@
 (DP/EP/PP), the load-balancing loss is reported and reaches the router, and routing replay
 (R3) makes the trainer's log-probs equal the engine's when the trainer's own routing would differ, on
 padded and on packed rows (``use_remove_padding``: the EP2 and EP2 x PP2 layouts and one replay run; their
-loss and gradients equal the padded DP4 layout's).
+loss and gradients equal the padded DP4 layout's). Also: off-policy mini-batches under R3 and R2 (the second after an
+optimizer step) run exactly the replayed experts (_two_mini_batches, _check_off_policy), and LoRA on a Qwen2-MoE
+(dense layer 0, shared expert) at EP2 trains only its adapters and merges as peft does (_lora_moe, _check_lora).
 
 Replay case: the "engine" model and the trainer's weights differ only in a near-tie of two experts'
 router rows (engine: row3 = row2 + δ·r, trainer: row3 = row2 − δ·r, δ = 1e-6): every token where
@@ -38,6 +40,7 @@ import torch
 
 from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_models import make_tiny_hf
+from tests.helpers.tiny_moe_checkpoints import make_tiny_moe_hf
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(900)]
 
@@ -64,7 +67,7 @@ def _cfg(tp, pp, ep, etp, mbs, *, replay="none", aux=0.0, dist_opt=False):
     )
 
 
-def _rank(rank, world, path, engine_path, routed, ckpt):
+def _rank(rank, world, path, engine_path, routed, ckpt, lora_path):
     from megatron.core import parallel_state as ps
 
     from mrl.workers.actor import ActorWorker
@@ -123,7 +126,97 @@ def _rank(rank, world, path, engine_path, routed, ckpt):
         out[f"replay_{replay}_lp"] = lp
         out[f"replay_{replay}_metrics"] = actor.update_policy(rb)
         del actor
+    out["offpolicy"] = {mode: _two_mini_batches(engine_path + "_trainer", batch, rb, mode, packed)
+                        for mode, packed in (("rollout", True), ("old", False))}
+    out["lora"] = _lora_moe(lora_path)
     return portable(out)
+
+
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["all-linear"]}
+
+
+def _lora_moe(path):
+    """LoRA on a Qwen2-MoE (layer 0 dense, layer 1 MoE with a shared expert) at EP2 (DP4): one update."""
+    from mrl.config.actor import ActorConfig
+    from mrl.megatron.lora import export_peft_tensors
+    from mrl.workers.actor import ActorWorker
+    from mrl.workers.reference import ColocatedReference
+    from tests.workers.batches import ragged_batch
+
+    b = ragged_batch(vocab=96)
+    cfg = ActorConfig(megatron={"expert_model_parallel_size": 2}, lora=LORA, ppo_micro_batch_size_per_gpu=2,
+                      optim={"lr": 5e-2, "eps": 1e-2, "clip_grad": 1.0}, loss_agg_mode="token-mean")
+    actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8, seed=1234)
+    ref = ColocatedReference(actor)
+    before = {n: p.detach().clone() for c in actor.model.chunks for n, p in c.named_parameters()}
+    r = {"lp0": actor.compute_log_prob(b)[0], "metrics": actor.update_policy(b)}
+    after = {n: p for c in actor.model.chunks for n, p in c.named_parameters()}
+    r["trainable"] = sorted(n for n, p in after.items() if p.requires_grad)
+    r["changed"] = sorted(n for n, p in after.items() if not torch.equal(p, before[n]))
+    del after
+    r["lp1"], r["ref1"] = actor.compute_log_prob(b)[0], ref.compute_ref_log_prob(b)
+    r["merged"] = {n: t.clone() for n, t in actor.export_hf_weights()}  # EP-gathered experts on every rank
+    r["peft"] = dict(export_peft_tensors(actor.model.chunks))
+    r["meta"] = {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "dropout": cfg.lora.dropout,
+                 "targets": list(cfg.lora.targets)}
+    del actor, ref
+    return r
+
+
+def _mismatch(actor) -> list[float]:
+    """[tokens whose own top-k differs from the replayed ids, tokens compared] summed over layers and ranks since
+    the last call (the probes' moe/replay_mismatch counters)."""
+    import torch.distributed as dist
+
+    probes = actor.model.router_probes
+    t = torch.stack([sum(p.mismatch for p in probes), sum(p.compared for p in probes)]).double()
+    dist.all_reduce(t)
+    for p in probes:
+        p.reset()
+    return t.tolist()
+
+
+def _two_mini_batches(path, batch, rb, mode, packed):
+    """Two mini-batches of 1 sample per rank (global samples r·2 + i in mini-batch i), the second after an optimizer
+    step: each forward's routing as used (recorded), its log-probs and its own-vs-replayed mismatch count. R3
+    replays ``rb``'s engine ids; R2 (``old``) records in compute_log_prob and replays through with_old_routing."""
+    import dataclasses
+
+    from mrl.workers.actor import ActorWorker, gather_log_probs
+
+    actor = ActorWorker(_cfg(1, 1, 2, 1, 2, replay=mode), model_path=path, mini_batch_size_samples=4, seed=1234,
+                        remove_padding=packed)
+    r = {}
+    src = rb
+    if mode == "old":
+        actor.model.remove_padding = not packed  # the record of the other row layout too (the update ignores it)
+        actor.compute_log_prob(batch)
+        r["recorded_other"] = actor.old_routing.routing.clone()
+        actor.model.remove_padding = packed
+        r["old_lp"], _ = actor.compute_log_prob(batch)
+        r["recorded"] = actor.old_routing.routing.clone()
+        src = actor.with_old_routing(batch)
+        try:  # one update per recording
+            actor.with_old_routing(batch)
+            r["second_use"] = "no error"
+        except RuntimeError as err:
+            r["second_use"] = str(err)
+        _mismatch(actor)  # the old-log-prob forward compared nothing (no ids yet): start the counts here
+    local = actor.model.dp_shard(src)
+    # on_policy only adds the forward's log-probs to the micro-batch outputs (and makes the ratio 1): the forward,
+    # its replay and the optimizer step are the update's
+    spec = dataclasses.replace(actor.loss_spec, on_policy=True)
+    acc: dict = {}
+    for i in range(2):
+        mb = local.slice(i, i + 1)
+        with actor.model.recording_routing() as rec:
+            metrics, o, parts = actor._forward_backward(mb, spec)
+        r[f"used{i}"] = actor.model.all_gather_dp(rec.local(parts))
+        r[f"lp{i}"] = gather_log_probs(actor.model, o, parts, 1, mb.response_length)[0]
+        r[f"mismatch{i}"] = _mismatch(actor)
+        actor.optimizer_step(metrics, acc)
+    del actor
+    return r
 
 
 def _near_tie(path, sign):
@@ -254,8 +347,9 @@ def test_moe_actor_layouts_aux_loss_and_routing_replay(tmp_path):
     flipped = int(((own_sel != engine_sel).any(-1) & has_ids).sum())
     want_mismatch = flipped / int(has_ids.sum())
 
-    res = tensors(run_ranks(_rank, 4, args=(str(path), str(engine_path), routed.numpy(), str(tmp_path / "ckpt")),
-                            timeout_s=840))
+    lora_path = make_tiny_moe_hf(tmp_path / "qwen2_moe", "qwen2_moe")
+    res = tensors(run_ranks(_rank, 4, args=(str(path), str(engine_path), routed.numpy(), str(tmp_path / "ckpt"),
+                                            str(lora_path)), timeout_s=840))
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -312,6 +406,132 @@ def test_moe_actor_layouts_aux_loss_and_routing_replay(tmp_path):
     assert res[0]["replay_rollout_packed_metrics"]["perf/pad_fraction"] == 0.0
     # the flipped tokens counted here: exactly the same ones
     assert mismatch == pytest.approx(want_mismatch, abs=1e-12), (mismatch, want_mismatch, flipped)
+    _check_lora(res, lora_path, tmp_path / "peft")
+    _check_off_policy(res, batch, routed, engine_lp, own_sel, engine_sel, AutoModelForCausalLM.from_pretrained(
+        str(trainer_path), dtype=torch.float32).eval())
     print(f"replay: mismatch {mismatch:.3f} ({flipped} flips); max |Δlp| vs engine without/with replay "
           f"{float((res[0]['replay_none_lp'] - engine_lp).abs().max()):.2e} / "
           f"{float((res[0]['replay_rollout_lp'] - engine_lp).abs().max()):.2e}; loads {want_loads}; lb {lb:.6f}")
+
+
+def _same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[..., K] ids -> [...] bool: the same set of experts."""
+    return (a.long().sort(-1).values == b.long().sort(-1).values).all(-1)
+
+
+def _check_off_policy(res, batch, routed, engine_lp, own_sel, engine_sel, trainer) -> None:
+    """Mini-batch 0 runs the weights the ids were chosen under, mini-batch 1 runs after an optimizer step (module
+    docstring of the two runs: _two_mini_batches)."""
+    routed = torch.as_tensor(routed)
+    k = routed.shape[-1]
+    am = batch.attention_mask.bool()
+    with torch.no_grad():  # the trainer checkpoint's own routing, from transformers
+        rl = trainer(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                     output_router_logits=True).router_logits
+    B, S = am.shape
+    own_hf = torch.stack([x.reshape(B, S, -1).topk(k, dim=-1).indices for x in rl], dim=2)  # [B, S, layers, K]
+    top = torch.stack([torch.softmax(x.reshape(B, S, -1), -1).topk(k + 1, dim=-1).values for x in rl], dim=2)
+    margin = top[..., k - 1] - top[..., k]  # [B, S, layers]: how far the k-th expert is from the next one
+    flips = ((own_sel != engine_sel).any(-1) & (routed[..., 0] >= 0)).sum((1, 2))  # [B] near-tie flips per sample
+    for r in res:
+        for mode in ("rollout", "old"):
+            o = r["offpolicy"][mode]
+            ref = routed if mode == "rollout" else o["recorded"]
+            has = ref[..., 0] >= 0  # [B, S, layers]
+            for i in range(2):
+                idx = torch.arange(i, B, 2)
+                used = o[f"used{i}"]
+                # replay applied: every position with ids routed to exactly those experts in the update's forward
+                assert bool(_same_sets(used, ref[idx])[has[idx]].all()), (mode, i)
+                # and the tokens without ids still routed (the trainer's own choice), padding did not
+                assert bool((used[..., 0] >= 0)[am[idx]].all()) and bool((used[..., 0] < 0)[~am[idx]].all()), (mode, i)
+        r3, r2 = r["offpolicy"]["rollout"], r["offpolicy"]["old"]
+        idx0 = torch.arange(0, B, 2)
+        # R3, first mini-batch: the engine's log-probs although 7 of its samples' routings are flipped near-ties
+        assert float((r3["lp0"] - engine_lp[idx0]).abs().max()) <= 1e-5
+        assert r3["mismatch0"][0] == float(flips[idx0].sum()) > 0, (r3["mismatch0"], flips)
+        # R3, second mini-batch, after a step: its own routing still differs from the engine's, and not on the
+        # near-tie tokens alone any more (the step moved it), while it ran the engine's experts (asserted above)
+        assert 0 < r3["mismatch1"][0] != float(flips[1::2].sum()), (r3["mismatch1"], flips)
+        # R2: the record is the old policy's own routing (transformers' top-k of the same weights) at every token
+        # (up to float order: the trainer's rows hold a 1e-6 near-tie of experts 2 and 3, which Megatron's and
+        # transformers' kernels may order differently; any difference must be such a tie, k-th vs (k+1)-th prob)
+        for rec in (r2["recorded"], r2["recorded_other"]):  # padded rows (2 samples a row), packed rows
+            differ = ~_same_sets(rec, own_hf) & am[..., None]
+            assert int(differ.sum()) <= 2 and bool((margin[differ] < 1e-5).all()), (int(differ.sum()), margin[differ])
+            assert bool((rec[~am] == -1).all())
+        assert "routing_replay=old" in r2["second_use"]
+        # first mini-batch: the old policy's routing and weights, so log pi_old itself
+        assert float((r2["lp0"] - r2["old_lp"][idx0]).abs().max()) <= 1e-6
+        assert r2["mismatch0"][0] == 0 and r2["mismatch0"][1] == float(am[idx0].sum()) * own_hf.shape[2]
+        # second mini-batch: the step moved the free routing of some tokens; they still ran the recorded experts
+        assert r2["mismatch1"][0] > 0, r2["mismatch1"]
+    o3, o2 = res[0]["offpolicy"]["rollout"], res[0]["offpolicy"]["old"]
+    print(f"off-policy R3: own-vs-engine mismatch {o3['mismatch0']} (near-tie flips {int(flips[0::2].sum())}) then "
+          f"{o3['mismatch1']} (flips {int(flips[1::2].sum())}); |lp0 - engine| "
+          f"{float((o3['lp0'] - engine_lp[0::2]).abs().max()):.2e}. R2: mismatch {o2['mismatch0']} then "
+          f"{o2['mismatch1']}; |lp0 - old| {float((o2['lp0'] - o2['old_lp'][0::2]).abs().max()):.2e}")
+
+
+def _check_lora(res, path, peft_dir) -> None:
+    """LoRA on the MoE model: only adapters train (attention both layers, layer 0's dense MLP, layer 1's shared
+    expert; none on the routed experts or the router), the reference is the base model, and the merged export
+    equals peft's own merge of the exported adapters onto the transformers base, tensor by tensor."""
+    import math
+
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from mrl.megatron.lora_io import write_peft
+    from tests.workers.batches import ragged_batch
+    from tests.workers.reference_impl import hf_padded_log_probs
+
+    b = ragged_batch(vocab=96)
+    base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    base_sd = {n: t.clone() for n, t in base.state_dict().items()}
+    with torch.no_grad():
+        lp_base, _ = hf_padded_log_probs(base, b)
+    r = res[0]["lora"]
+    m = r["metrics"]
+    assert math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0, m
+    assert r["trainable"] and all("_lora." in n for n in r["trainable"]), r["trainable"]
+    assert r["changed"] and set(r["changed"]) <= set(r["trainable"]), r["changed"]  # the base did not move
+    homes = {n.split("_lora.")[0].split("layers.")[1] for n in r["trainable"]}
+    assert homes == {"0.self_attention.linear_qkv", "0.self_attention.linear_proj", "0.mlp.linear_fc1",
+                     "0.mlp.linear_fc2", "1.self_attention.linear_qkv", "1.self_attention.linear_proj",
+                     "1.mlp.shared_experts.linear_fc1", "1.mlp.shared_experts.linear_fc2"}, homes
+    for x in res:
+        lo = x["lora"]
+        assert float((lo["lp0"] - lp_base).abs().max()) <= 1e-5  # B = 0: the policy starts as the base model
+        assert float((lo["ref1"] - lp_base).abs().max()) <= 1e-5  # the reference is the base model
+        assert float((lo["lp1"] - lp_base).abs().max()) > 1e-3  # the update moved the policy
+    write_peft(peft_dir, r["peft"], r["meta"], base_model=str(path))
+    pm = peft.PeftModel.from_pretrained(base, str(peft_dir)).eval()
+    with torch.no_grad():
+        lp_peft, _ = hf_padded_log_probs(pm, b)
+    merged_peft = pm.merge_and_unload().state_dict()
+    merged = r["merged"]
+    fused = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}  # transformers fuses the experts in memory
+    gate_up, down = base_sd["model.layers.1.mlp.experts.gate_up_proj"], base_sd["model.layers.1.mlp.experts.down_proj"]
+    half = gate_up.shape[1] // 2
+    for e in range(gate_up.shape[0]):  # the routed experts (one tensor each in the export): frozen, the base's
+        x = f"model.layers.1.mlp.experts.{e}."
+        assert torch.equal(merged[x + "gate_proj.weight"], gate_up[e, :half]), e
+        assert torch.equal(merged[x + "up_proj.weight"], gate_up[e, half:]), e
+        assert torch.equal(merged[x + "down_proj.weight"], down[e]), e
+    diffs = {}
+    for name, t in merged_peft.items():
+        if any(name.endswith(f) for f in fused):
+            continue
+        diffs[name] = float((merged[name] - t).abs().max())
+    changed = {n for n in diffs if not torch.equal(merged_peft[n], base_sd[n])}
+    assert max(diffs.values()) <= 1e-6, max(diffs.items(), key=lambda kv: kv[1])
+    want = {f"model.layers.{i}.{m}.weight" for i in (0, 1) for m in ("self_attn.q_proj", "self_attn.k_proj",
+                                                                    "self_attn.v_proj", "self_attn.o_proj")}
+    want |= {f"model.layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    want |= {f"model.layers.1.mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    assert changed == want, changed ^ want  # peft adapted exactly the projections mrl did
+    d_lp = float((lp_peft - res[0]["lora"]["lp1"]).abs().max())
+    assert d_lp <= 1e-5, d_lp
+    print(f"lora on MoE: merged export vs peft merge max |Δ| {max(diffs.values()):.2e} over {len(diffs)} tensors "
+          f"({len(changed)} adapted); peft model vs actor log-probs {d_lp:.2e}")

@@ -1,5 +1,5 @@
-"""The driver's typed proxies mirror their rank classes (the trainer's, a separate reward model's and teacher's):
-same method names, same parameters."""
+"""The driver's typed proxies mirror their rank classes (the trainer's, a separate side model's: reward model,
+teacher): same method names, same parameters."""
 from __future__ import annotations
 
 import inspect
@@ -7,11 +7,9 @@ import inspect
 import pytest
 
 from mrl.driver.ranks import TrainRanks
-from mrl.driver.rm_ranks import RewardModelRanks, reward_scorer
-from mrl.driver.teacher_ranks import TeacherRanks, teacher_scorer
+from mrl.driver.side_ranks import SideModelRanks, side_model
 from mrl.workers.rank import TrainRank
-from mrl.workers.rm_rank import RewardModelRank
-from mrl.workers.teacher_rank import TeacherRank
+from mrl.workers.side_rank import SideModelRank
 
 
 def _public(cls) -> dict[str, inspect.Signature]:
@@ -38,31 +36,34 @@ class _TaggedGroup:
     """A rank group whose every rank answers its tag (rank 0's answer is the tag); records the methods called."""
 
     def __init__(self, tag):
-        self.tag, self.calls = tag, []
+        self.tag, self.calls, self.args = tag, [], []
 
     def execute_all(self, method, *args, **kwargs):
         self.calls.append(method)
+        self.args.append((args, kwargs))
         return [self.tag, "other rank"]
 
 
-@pytest.mark.parametrize("rank_cls,proxy_cls,phase,route", [
-    (RewardModelRank, RewardModelRanks, "compute_rm_score", reward_scorer),
-    (TeacherRank, TeacherRanks, "compute_teacher_log_prob", teacher_scorer),
-])
-def test_a_separate_groups_proxy_mirrors_its_rank_and_routes_by_placement(rank_cls, proxy_cls, phase, route):
-    rank, proxy = _public(rank_cls), _public(proxy_cls)
+def test_a_separate_side_models_proxy_mirrors_its_rank():
+    rank, proxy = _public(SideModelRank), _public(SideModelRanks)
     assert set(rank) - {"before_call", "close"} == set(proxy)
     for name, sig in proxy.items():
         want = [(p.name, p.kind, p.default, str(p.annotation)) for p in rank[name].parameters.values()]
         got = [(p.name, p.kind, p.default, str(p.annotation)) for p in sig.parameters.values()]
-        assert got == want, f"{proxy_cls.__name__}.{name}{sig} != {rank_cls.__name__}.{name}{rank[name]}"
+        assert got == want, f"SideModelRanks.{name}{sig} != SideModelRank.{name}{rank[name]}"
     # the phase makes the same call on either placement
-    assert str(inspect.signature(getattr(TrainRanks, phase))) == str(inspect.signature(getattr(proxy_cls, phase)))
+    assert str(inspect.signature(TrainRanks.compute_side)) == str(inspect.signature(SideModelRanks.compute_side))
+
+
+@pytest.mark.parametrize("role", ["reward_model", "teacher"])
+def test_a_side_model_routes_by_placement(role):
     trainer, group = _TaggedGroup("trainer"), _TaggedGroup("group")
     ranks = TrainRanks(trainer)
-    assert route(None, ranks) is ranks  # colocated: the trainer ranks hold the model
-    assert getattr(route(group, ranks), phase)("batch") == "group"
-    assert group.calls == [phase] and trainer.calls == []
+    colocated = side_model(role, None, ranks)  # colocated: the trainer ranks hold the model
+    assert colocated("batch") == "trainer" and trainer.calls == ["compute_side"] and colocated.fallbacks() == []
+    assert side_model(role, group, ranks)("batch") == "group"
+    assert group.calls == ["compute_side"] and trainer.calls == ["compute_side"]
+    assert trainer.args[-1] == group.args[-1] == ((role, "batch"), {})  # the role travels with the batch
 
 
 def test_calls_reach_the_group_by_the_rank_method_name():

@@ -44,7 +44,7 @@ def _rank(rank, world, path, tp, pp):
 
     w = RewardModelWorker(path, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
                           micro_batch_size=3, seed=1234)
-    return w.compute_rm_score(ragged_batch())
+    return w.compute(ragged_batch())
 
 
 def _hf_scores(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +170,7 @@ def _rank_on(rank, world, path, tp, pp, batch):
 
     w = RewardModelWorker(path, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
                           micro_batch_size=3, seed=1234)
-    return w.compute_rm_score(batch)
+    return w.compute(batch)
 
 
 def _offload_rank(rank, world, path):
@@ -179,11 +179,11 @@ def _offload_rank(rank, world, path):
     from tests.workers.batches import ragged_batch
 
     w = RewardModelWorker(path, ParallelConfig(), micro_batch_size=4, seed=1234)
-    before = w.compute_rm_score(ragged_batch())
+    before = w.compute(ragged_batch())
     w.offload(force=True)  # CPU: forced, so the storages really are freed and restored
     freed = all(p.untyped_storage().nbytes() == 0 for c in w.model.chunks for p in c.parameters())
     w.onload()
-    return before, freed, w.compute_rm_score(ragged_batch())
+    return before, freed, w.compute(ragged_batch())
 
 
 def test_offload_round_trip_keeps_the_scores(tmp_path: Path) -> None:

@@ -33,12 +33,12 @@ def _rank(rank, world, student, teacher):
     odd = ragged_batch(B=7, seed=3)  # not divisible by DP2: padded, the extra rows dropped
     for name, layout in LAYOUTS.items():
         t = TeacherWorker(teacher, ParallelConfig(**layout), micro_batch_size=3, temperature=0.7, seed=1)
-        out[f"teacher_{name}"] = t.compute_teacher_log_prob(batch)
-        out[f"teacher_odd_{name}"] = t.compute_teacher_log_prob(odd)
+        out[f"teacher_{name}"] = t.compute(batch)
+        out[f"teacher_odd_{name}"] = t.compute(odd)
         t.shared_prefix = False
-        out[f"grouped_compact_{name}"] = t.compute_teacher_log_prob(grouped)
+        out[f"grouped_compact_{name}"] = t.compute(grouped)
         t.shared_prefix = True
-        out[f"grouped_shared_{name}"] = t.compute_teacher_log_prob(grouped)
+        out[f"grouped_shared_{name}"] = t.compute(grouped)
         del t  # the next worker re-initialises Megatron's groups at its layout
     # teacher == student: the reverse KL is 0 (same weights, same temperature, same kernels)
     cfg = ActorConfig(megatron=LAYOUTS["tp2"], ppo_micro_batch_size_per_gpu=4, optim={"lr": 1e-2, "clip_grad": 1.0},
@@ -48,7 +48,7 @@ def _rank(rank, world, student, teacher):
     self_teacher = TeacherWorker(student, cfg.megatron, micro_batch_size=3, temperature=0.7, seed=1,
                                  init_parallel=False)
     lp_student, _ = actor.compute_log_prob(batch)
-    out["self_metrics"] = distill_metrics(lp_student, self_teacher.compute_teacher_log_prob(batch), batch.response_mask)
+    out["self_metrics"] = distill_metrics(lp_student, self_teacher.compute(batch), batch.response_mask)
     # the loss term: coef * agg(k3(log pi_theta, log pi_teacher)) at the pre-update weights
     t_lp = out["teacher_tp2"]
     mask = batch.response_mask.float()
