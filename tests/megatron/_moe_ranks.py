@@ -99,6 +99,32 @@ def replayed_logits(path: Path) -> dict[str, float]:
     return out
 
 
+def lora_export(path: Path) -> None:
+    """LoRA (all-linear, rank 4) on this layout's model of ``path`` with random B (the merge must move): rank 0
+    writes ``path/lora.pt`` = {"peft": export_peft_tensors, "merged": the merged HF export} (experts gathered)."""
+    import torch.distributed as dist
+
+    from mrl.megatron.hf_io import HFCheckpointReader
+    from mrl.megatron.lora import apply_lora, export_peft_tensors
+    from mrl.megatron.mapping import export_hf_weights, load_hf_weights
+    from mrl.megatron.provider import build_model_chunks, load_hf_config
+
+    cfg = load_hf_config(path)
+    chunks = build_model_chunks(cfg)
+    load_hf_weights(chunks, cfg, HFCheckpointReader(path))
+    adapters = apply_lora(chunks, cfg, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"), rank=4, alpha=8.0, dropout=0.0, seed=0)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for ad in adapters:
+            for b in ad.B.values():
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+    peft = dict(export_peft_tensors(chunks))
+    merged = dict(export_hf_weights(chunks, cfg))
+    if dist.get_rank() == 0:
+        torch.save({"peft": peft, "merged": merged}, path / "lora.pt")
+
+
 def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispatchers: list[str],
                     mixed: list[str] = (), frozen_bias: list[str] = ()) -> dict:
     """For each layout, case and dispatcher: max |Δlogits| against ref.pt (a case is a checkpoint directory
@@ -106,7 +132,8 @@ def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispa
     :data:`MIXED_LAYOUTS` with the first dispatcher); at EP2×PP2 each stage exports its HF tensors into
     ``root/rt_<case>/stage<pp>`` (experts gathered over EP). At :data:`FROZEN_BIAS_LAYOUT` each ``frozen_bias``
     case also trains one step: ``("expert_bias", case)`` -> max |Δ expert_bias| (:func:`expert_bias_after_train_step`),
-    and replays an engine's routing: ``("replay" | "own", case)`` -> max |Δlogits| (:func:`replayed_logits`)."""
+    replays an engine's routing: ``("replay" | "own", case)`` -> max |Δlogits| (:func:`replayed_logits`), and
+    writes its LoRA adapters and merged export (:func:`lora_export`)."""
     from megatron.core import parallel_state as ps
 
     from mrl.megatron.hf_io import HFCheckpointReader, write_hf_checkpoint
@@ -127,6 +154,7 @@ def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispa
                 out[("expert_bias", case)] = expert_bias_after_train_step(Path(root) / case)
                 for mode, diff in replayed_logits(Path(root) / case).items():
                     out[(mode, case)] = diff
+                lora_export(Path(root) / case)
         cases = [(f, dispatchers) for f in families]
         if layout in MIXED_LAYOUTS:
             cases += [(m, dispatchers[:1]) for m in mixed]

@@ -131,3 +131,37 @@ def test_routing_replay_gives_the_engines_logits(launched, case):
     _, diffs = launched
     assert diffs[("replay", case)] <= TOL, f"{case}: replayed logits differ from the engine's by {diffs[('replay', case)]:.3g}"
     assert diffs[("own", case)] > 1e-3, "the engine's biases changed no routing: the test cannot tell replay from none"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", FROZEN_BIAS)
+def test_lora_on_glm_adapts_attention_dense_mlp_and_shared_experts(launched, case):
+    """LoRA (all-linear) on GLM-4.5 at EP2: mrl adapts attention, the dense layer's MLP and the ungated shared
+    experts (HF ``mlp.shared_experts.*``, width n_shared_experts x moe_intermediate_size), not the routed experts or
+    the router; its merged export equals peft's merge_and_unload of mrl's exported adapters on the attention.
+    peft (0.21, transformers 5) reads gate/up/down_proj targets of glm4_moe as the routed experts' fused tensors
+    and leaves the MLP adapters out (docs/moe.md), so only the attention has peft as the oracle."""
+    import peft
+    import transformers as tf
+
+    from mrl.megatron.lora_io import write_peft
+
+    root, _ = launched
+    path = root / case
+    got = torch.load(path / "lora.pt", weights_only=True)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    base = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    base_sd = {n: t.clone() for n, t in base.state_dict().items()}
+    layers = base.config.num_hidden_layers
+    attn = {f"model.layers.{i}.self_attn.{p}.weight" for i in range(layers) for p in targets[:4]}
+    mlp = {f"model.layers.0.mlp.{p}.weight" for p in targets[4:]}  # the dense layer
+    mlp |= {f"model.layers.{i}.mlp.shared_experts.{p}.weight" for i in range(1, layers) for p in targets[4:]}
+    changed = {n for n, t in got["merged"].items() if n in base_sd and not torch.equal(t, base_sd[n])}
+    assert changed == attn | mlp, changed ^ (attn | mlp)
+    assert got["peft"]["base_model.model.model.layers.1.mlp.shared_experts.down_proj.lora_A.weight"].shape == (4, 48)
+    write_peft(root / f"peft_{case}", {n: t for n, t in got["peft"].items() if "self_attn" in n},
+               {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": targets[:4]}, base_model=str(path))
+    merged = peft.PeftModel.from_pretrained(base, str(root / f"peft_{case}")).merge_and_unload().state_dict()
+    assert {n for n, t in merged.items() if not torch.equal(t, base_sd[n])} == attn
+    diff = max(float((got["merged"][n] - merged[n]).abs().max()) for n in attn)
+    assert diff <= 1e-6, f"mrl's merged export vs peft's merge: {diff:.3g}"
