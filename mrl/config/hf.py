@@ -25,9 +25,8 @@ from typing import Any
 
 from mrl.families import FAMILIES
 
-# model_type -> the family's q/k/v bias and q/k norm (mrl/families/<name>.py); other types: neither
+# model_type -> the family's q/k/v bias (mrl/families/<name>.py); other types: none unless attention_bias
 _QKV_BIAS_TYPES = {name for name, fam in FAMILIES.items() if fam.qkv_bias}
-_QK_NORM_TYPES = {name for name, fam in FAMILIES.items() if fam.qk_norm}
 
 
 @dataclass(frozen=True)
@@ -132,7 +131,8 @@ def shape_from_dict(cfg: dict[str, Any]) -> ModelShape:
         max_positions=_get(cfg, "max_position_embeddings"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", model_type in _QKV_BIAS_TYPES)),
-        qk_norm=model_type in _QK_NORM_TYPES,
+        # the family's q/k norm, switched per checkpoint where it says so (GLM-4.5's use_qk_norm)
+        qk_norm=fam is not None and fam.has_qk_norm(SimpleNamespace(**cfg)),
         num_experts=int(_get(cfg, "num_experts", "num_local_experts", "n_routed_experts", default=0)),
         moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", default=0)),
         experts_per_token=int(_get(cfg, "num_experts_per_tok", default=0)),

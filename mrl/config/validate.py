@@ -23,7 +23,7 @@ from mrl.config.validate_async import check_async
 from mrl.config.validate_attention import check_attention
 from mrl.config.validate_extensions import check_extension_points
 from mrl.config.validate_judge import check_judge
-from mrl.config.validate_moe import check_moe, family_plan_notes
+from mrl.config.validate_moe import check_moe, family_plan_notes, family_refusals
 from mrl.config.validate_parallel import (
     GROUP_KEYS,
     check_context_parallel,
@@ -556,6 +556,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     _check_reward_model_layout(cfg, roles, shape, errors)
     check_moe(cfg, roles, shape, errors, notes)
     family_plan_notes(cfg.model.path, notes)
+    family_refusals(cfg.model.path, errors)
     check_teacher(cfg, roles, shape, errors, notes)
     if roles["actor"].count > 0:
         _check_batches(cfg, roles["actor"], errors)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from mrl.config.hf import HUB_SHAPES, ModelShape, family_of_dict
 from mrl.config.layout import RoleLayout
@@ -112,21 +113,44 @@ def _check_moe_lora(cfg: MRLConfig, shape: ModelShape, errors: list[str], notes:
                  "the routed experts and the router stay frozen (no adapters on them)")
 
 
-def family_plan_notes(model_path: str | None, notes: list[str]) -> None:
-    """The model family's own plan lines (``Family.plan_notes``: e.g. DeepSeek-V3's frozen score-correction bias
-    and skipped multi-token-prediction layers), from model.path/config.json or mrl's bundled copy of it."""
+def _family_config(model_path: str | None) -> tuple[Any, dict[str, Any], str] | None:
+    """(family, raw config.json, its file) of model.path, or of mrl's bundled copy for a hub id; None when neither
+    is there, the file does not parse (load_shape reports it) or no family owns it."""
     if not model_path:
-        return
+        return None
     f = Path(model_path) / "config.json"
     if not f.is_file():
         parts = model_path.split("/")
         f = HUB_SHAPES / f"{parts[0]}--{parts[-1]}.json"
         if len(parts) != 2 or not f.is_file():
-            return
+            return None
     try:
         raw = json.loads(f.read_text())
     except (OSError, ValueError):
-        return  # load_shape reports an unreadable config.json
+        return None
     fam = family_of_dict(raw) if isinstance(raw, dict) else None
-    if fam is not None:
+    return None if fam is None else (fam, raw, str(f))
+
+
+def family_plan_notes(model_path: str | None, notes: list[str]) -> None:
+    """The model family's own plan lines (``Family.plan_notes``: e.g. DeepSeek-V3's frozen score-correction bias
+    and skipped multi-token-prediction layers), from model.path/config.json or mrl's bundled copy of it."""
+    found = _family_config(model_path)
+    if found is not None:
+        fam, raw, _ = found
         notes.extend(f"model ({fam.name}): {line}" for line in fam.plan_notes(SimpleNamespace(**raw)))
+
+
+def family_refusals(model_path: str | None, errors: list[str]) -> None:
+    """The family's own refusals (``Family.check``: a router Megatron would compute differently, GLM-4.5's
+    ``norm_topk_prob=false`` or group scoring), here before anything starts instead of on the ranks. The
+    config.json is read as transformers' attribute maps name it (``n_routed_experts`` is ``num_local_experts``)."""
+    found = _family_config(model_path)
+    if found is None:
+        return
+    fam, raw, where = found
+    cfg = SimpleNamespace(**{"num_local_experts": raw.get("n_routed_experts"), **raw})
+    try:
+        fam.check(cfg)
+    except ValueError as e:
+        errors.append(f"model.path {where}: {e}")

@@ -11,6 +11,9 @@ A family module (``mrl/families/<name>.py``) defines one ``FAMILY = Family(...)`
   ``moe`` (an :class:`MoE`: router, experts, shared expert, and which layers are MoE: ``layers`` gives
   1/0 per decoder layer, Megatron's ``moe_layer_freq`` list when some are dense, whose MLP the family's
   ``layers="dense"`` weight rules map);
+* ``qkv_bias_key`` / ``qk_norm_key``: the config.json key that switches the qkv bias / q/k norm per
+  checkpoint (GLM-4.5: ``attention_bias``, ``use_qk_norm``); None: the family always has what it declares.
+  :meth:`Family.weight_rules_for` drops the rules of a switched-off piece;
 * ``weight_rules``: its HF ↔ Megatron table (:mod:`mrl.families.rules`, applied by
   :mod:`mrl.megatron.mapping`);
 * ``mla``: multi-latent attention (DeepSeek-V3): config.json -> ``MLATransformerConfig`` keywords;
@@ -27,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mrl.families.rules import Rule
+from mrl.families.rules import QK_NORM, QKV_BIAS, Rule
 
 
 def _zero(_hf_config: Any) -> int:
@@ -245,6 +248,8 @@ class Family:
     weight_rules: tuple[Rule, ...]
     qkv_bias: bool = False
     qk_norm: bool = False
+    qkv_bias_key: str | None = None
+    qk_norm_key: str | None = None
     sliding_window: bool = False
     moe: MoE | None = None
     engine_refuses_sliding_window: bool = False
@@ -265,6 +270,24 @@ class Family:
     def is_mla(self) -> bool:
         return self.mla is not None
 
+    def has_qkv_bias(self, hf_config: Any) -> bool:
+        """This checkpoint's attention has a q/k/v bias (the family's, switched by ``qkv_bias_key``)."""
+        return self.qkv_bias and (self.qkv_bias_key is None or bool(getattr(hf_config, self.qkv_bias_key, False)))
+
+    def has_qk_norm(self, hf_config: Any) -> bool:
+        """This checkpoint's attention has per-head q/k RMSNorms (the family's, switched by ``qk_norm_key``)."""
+        return self.qk_norm and (self.qk_norm_key is None or bool(getattr(hf_config, self.qk_norm_key, False)))
+
+    def weight_rules_for(self, hf_config: Any) -> tuple[Rule, ...]:
+        """The weight rules of this checkpoint: those whose ``Rule.when`` config.json does not meet and those of a
+        qkv bias / q/k norm it switches off are dropped (the layer has no such parameter)."""
+        off: set[Rule] = set()
+        if not self.has_qkv_bias(hf_config):
+            off.update(QKV_BIAS)
+        if not self.has_qk_norm(hf_config):
+            off.update(QK_NORM)
+        return tuple(r for r in self.weight_rules if r not in off and r.applies(hf_config))
+
     def check(self, hf_config: Any) -> None:
         """The family's own refusals (the MoE checks included); the provider runs the common ones first."""
         self.refuse(hf_config)
@@ -273,7 +296,7 @@ class Family:
 
     def transformer_kwargs(self, hf_config: Any, *, ep: int = 1, etp: int = 1) -> dict[str, Any]:
         """The family's ``TransformerConfig`` keywords (the provider adds the common decoder ones)."""
-        kw: dict[str, Any] = {"add_qkv_bias": self.qkv_bias, "qk_layernorm": self.qk_norm}
+        kw: dict[str, Any] = {"add_qkv_bias": self.has_qkv_bias(hf_config), "qk_layernorm": self.has_qk_norm(hf_config)}
         window = getattr(hf_config, "sliding_window", None) if self.sliding_window else None
         if window:
             # transformers: key k is seen by query q iff q - W < k <= q; Megatron's (left, right) = (W - 1, 0)
@@ -289,7 +312,7 @@ class Family:
         """What Megatron's layer-spec builders need: ``qk_layernorm``, ``num_experts`` (None = dense),
         ``moe_layers`` (1/0 per global layer when an MoE model mixes in dense layers, else None) and
         ``multi_latent_attention``."""
-        return {"qk_layernorm": self.qk_norm, "num_experts": num_experts(hf_config) if self.moe else None,
+        return {"qk_layernorm": self.has_qk_norm(hf_config), "num_experts": num_experts(hf_config) if self.moe else None,
                 "moe_layers": self.moe.layer_pattern(hf_config) if self.moe else None,
                 "multi_latent_attention": self.is_mla}
 

@@ -23,7 +23,8 @@ their own layers; ``layer_number`` gives the global HF index.
 
 Mixture-of-Experts models: a layer gets adapters on the linears it has — attention always, ``mlp.linear_fc*`` on a
 dense layer, ``mlp.shared_experts.linear_fc*`` (HF ``mlp.shared_expert.*``, width
-``shared_expert_intermediate_size``) on an MoE layer with a shared expert; the routed experts and the router stay
+``shared_expert_intermediate_size``; GLM-4.5's ``mlp.shared_experts.*`` of ``n_shared_experts · moe_intermediate_size``:
+the family's rule and width) on an MoE layer with a shared expert; the routed experts and the router stay
 frozen (docs/lora.md).
 
 The adapters are sibling modules of the linear (``self_attention.linear_qkv_lora``), applied by a
@@ -67,17 +68,38 @@ HF_MODULE = {
 PEFT_PREFIX = "base_model.model."
 
 
-def hf_module(linear: str, proj: str) -> str:
-    """HF module of projection ``proj`` adapted through Megatron linear ``linear`` (under ``model.layers.{i}.``)."""
+def hf_module(linear: str, proj: str, shared: str = SHARED_EXPERT_HF) -> str:
+    """HF module of projection ``proj`` adapted through Megatron linear ``linear`` (under ``model.layers.{i}.``);
+    ``shared``: the family's shared-expert module (:func:`shared_expert_hf`)."""
     if linear.startswith("mlp.shared_experts."):
-        return SHARED_EXPERT_HF + proj
+        return shared + proj
     return HF_MODULE[proj]
 
 
-def peft_name(layer: int, proj: str, which: str, linear: str = "") -> str:
+def peft_name(layer: int, proj: str, which: str, linear: str = "", shared: str = SHARED_EXPERT_HF) -> str:
     """peft's saved tensor name: ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` (a shared
-    expert's: ``….mlp.shared_expert.gate_proj.lora_A.weight``)."""
-    return f"{PEFT_PREFIX}model.layers.{layer}.{hf_module(linear, proj)}.lora_{which}.weight"
+    expert's: ``….mlp.shared_expert.gate_proj.lora_A.weight``, GLM-4.5's ``….mlp.shared_experts.…``)."""
+    return f"{PEFT_PREFIX}model.layers.{layer}.{hf_module(linear, proj, shared)}.lora_{which}.weight"
+
+
+def shared_expert_hf(hf_config: Any) -> str:
+    """The family's HF shared-expert module under ``model.layers.{i}.``, read off its weight rule (Qwen2-MoE
+    ``mlp.shared_expert.``, GLM-4.5 and DeepSeek-V3 ``mlp.shared_experts.``)."""
+    from mrl.families import family_of
+
+    for rule in family_of(hf_config).weight_rules:
+        if rule.mcore == "mlp.shared_experts.linear_fc1.weight":
+            return rule.hf[0].removeprefix("model.layers.{i}.").removesuffix("gate_proj.weight")
+    return SHARED_EXPERT_HF
+
+
+def shared_expert_width(hf_config: Any) -> int:
+    """The shared expert's MLP width (the family's ``MoE.shared_expert_size``: Qwen2-MoE's
+    ``shared_expert_intermediate_size``, GLM-4.5's ``n_shared_experts · moe_intermediate_size``)."""
+    from mrl.families import family_of
+
+    moe = family_of(hf_config).moe
+    return int(moe.shared_expert_size(hf_config)) if moe is not None else 0
 
 
 def proj_shapes(hf_config: Any, ffn: int | None = None) -> dict[str, tuple[int, int]]:
@@ -122,7 +144,8 @@ class LoraAdapter(torch.nn.Module):
         self.heads_per_group = nh // (self.ng_local * tp)
         self.d = head_dim(hf_config)
         shared = linear.startswith("mlp.shared_experts.")
-        shapes = proj_shapes(hf_config, hf_config.shared_expert_intermediate_size if shared else None)
+        self.shared_hf = shared_expert_hf(hf_config)  # the family's HF module of the shared expert (peft names)
+        shapes = proj_shapes(hf_config, shared_expert_width(hf_config) if shared else None)
         self.out_local = {p: shapes[p][0] // tp if self.kind == "column" else shapes[p][0] for p in self.projs}
         self.A = torch.nn.ParameterDict()
         self.B = torch.nn.ParameterDict()
@@ -308,8 +331,8 @@ def export_peft_tensors(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, to
             a, b = ad.A[proj], ad.B[proj]
             a = gather(a, 1) if ad.kind == "row" else a.detach().clone()
             b = gather(b, 0) if ad.kind == "column" else b.detach().clone()
-            yield peft_name(ad.layer, proj, "A", ad.linear), a
-            yield peft_name(ad.layer, proj, "B", ad.linear), b
+            yield peft_name(ad.layer, proj, "A", ad.linear, ad.shared_hf), a
+            yield peft_name(ad.layer, proj, "B", ad.linear, ad.shared_hf), b
 
 
 @torch.no_grad()
@@ -319,7 +342,7 @@ def load_peft_tensors(chunks: list[torch.nn.Module], get: Callable[[str], torch.
     for ad in adapters_of(chunks):
         for proj in ad.A:
             for which, param in (("A", ad.A[proj]), ("B", ad.B[proj])):
-                name = peft_name(ad.layer, proj, which, ad.linear)
+                name = peft_name(ad.layer, proj, which, ad.linear, ad.shared_hf)
                 full = get(name)
                 split_dim = (0 if which == "B" else None) if ad.kind == "column" else (1 if which == "A" else None)
                 local = full if split_dim is None else full.chunk(tp, dim=split_dim)[tp_rank]

@@ -94,7 +94,7 @@ def _ep() -> tuple[int, int, Any]:
 def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tuple[Rule, dict[str, str], torch.Tensor]]:
     """(rule, format args, local Megatron parameter) for every mapped tensor of this rank."""
     family = family_of(hf_config)
-    table = tuple(r for r in family.weight_rules if r.applies(hf_config))
+    table = family.weight_rules_for(hf_config)  # the rules config.json gives this model (Rule.when, switches)
     moe_layers = family.moe_layers(hf_config)  # 1/0 per global layer: which rules a layer has
     for chunk in map(unwrap, chunks):
         tied = chunk.share_embeddings_and_output_weights

@@ -15,6 +15,9 @@ them dense SwiGLU MLPs of ``intermediate_size``: Megatron's ``moe_layer_freq`` l
                                                                               clamped SwiGLU (gpt_oss.py)
     deepseek_v3 DeepseekV3ForCausalLM  sigmoid (+bias) → group top-k → renorm  MLA, ungated shared
                                        × routed_scaling_factor                 experts, dense first layers
+    glm4_moe    Glm4MoeForCausalLM     sigmoid + frozen bias → top-k          partial RoPE, qkv bias / q/k
+                                       (→ groups) → renorm × scaling          norm per config, ungated
+                                                                              shared expert, dense first layers
 
 One MoE layer (``x`` the pre-MLP-normed hidden state of one token, ``E`` experts, top-``k``)::
 

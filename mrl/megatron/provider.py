@@ -3,15 +3,16 @@
 Supported dense decoder families (``architectures`` in config.json): Llama 2/3 (incl. llama3
 rope scaling), Qwen2/2.5 (qkv bias, tied embeddings), Qwen3 (per-head q/k RMSNorm), Mistral (with its
 ``sliding_window``: every layer windowed, on the sdpa and te backends); and the
-Mixture-of-Experts families Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss (attention sinks, per-layer windows,
-biased clamped-SwiGLU experts, YaRN RoPE: :mod:`mrl.families.gpt_oss`) (:mod:`mrl.megatron.moe`, where the
+Mixture-of-Experts families Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 and gpt-oss (attention sinks, per-layer
+windows, biased clamped-SwiGLU experts, YaRN RoPE: :mod:`mrl.families.gpt_oss`) (:mod:`mrl.megatron.moe`, where the
 MLP below becomes a routed sum of SwiGLU experts; layers a Qwen MoE config makes dense keep the MLP:
 Megatron's ``moe_layer_freq`` list and one layer spec per layer, :func:`decoder_spec`). What differs per
 family (qkv bias, q/k norm, window, MoE settings, refusals) is declared in its module under :mod:`mrl.families`; this module adds the
 settings common to all of them. All are pre-norm RMSNorm decoders with RoPE, GQA
 and SwiGLU::
 
-    h = x + o_proj(attn(rope(q), rope(k), v)),  q, k, v = proj(rmsnorm(x))
+    h = x + o_proj(attn(rope(q), rope(k), v)),  q, k, v = proj(rmsnorm(x))   (RoPE on the first
+                                                                        partial_rotary_factor of each head)
     y = h + down(silu(gate(rmsnorm(h))) * up(rmsnorm(h)))
 
 The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by * TP`` (Megatron's rule;
@@ -130,6 +131,17 @@ def yarn_params(hf_config: Any) -> dict[str, Any] | None:
         "yarn_mscale_all_dim": float(mscale_all_dim) if ratio else None,
         "yarn_correction_range_round_to_int": bool(src.get("truncate", True)),
     }
+def rotary_percent(hf_config: Any) -> float:
+    """Share of each head's channels RoPE rotates (``partial_rotary_factor``, GLM-4.5's 0.5): transformers rotates
+    the first ``int(head_dim · f)`` channels in its half-split layout and passes the rest, as Megatron's
+    ``rotary_percent`` does (not interleaved)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    f = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None)) or 1.0)
+    d = head_dim(hf_config)
+    if not 0.0 < f <= 1.0 or int(d * f) % 2:
+        raise ValueError(f"config.json partial_rotary_factor={f}: expected 0 < f <= 1 with head_dim * f = "
+                         f"{d * f:g} rotating an even number of channels")
+    return f
 
 
 def _check_supported(hf_config: Any, family: str) -> None:
@@ -356,6 +368,7 @@ def build_model_chunks(
             rotary_base=theta,
             rope_scaling=rope_scaling,
             rope_scaling_factor=rope_factor,
+            rotary_percent=rotary_percent(hf_config),
             vp_stage=vp_stage if vpp > 1 else None,
         )
         if dtype in (torch.bfloat16, torch.float16):

@@ -5,7 +5,8 @@
 vocab not a multiple of 4*TP), qwen3 (q/k norm), mistral; MoE: qwen3_moe (4 experts, top-2,
 normalised top-k), qwen2_moe (un-normalised top-k, shared expert with its gate), mixtral, gpt_oss (attention
 sinks, alternating 5-token windows and full layers, YaRN RoPE, biased router and experts with a clamp low enough
-to bite), deepseek_v3 (MLA, sigmoid router). Weights are random with a fixed seed
+to bite), deepseek_v3 (MLA, sigmoid router), glm4_moe (GLM-4.5: partial RoPE, sigmoid router with a
+score-correction bias, ungated shared expert). Weights are random with a fixed seed
 and scaled so that logits are O(1) (useful for parity tests in fp32).
 """
 from __future__ import annotations
@@ -78,6 +79,14 @@ def hf_config(family: str, **overrides):
         kw.update(tie_word_embeddings=False, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=48, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=0,
                   kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)
+    elif family == "glm4_moe":
+        # GLM-4.5's pieces: partial RoPE, qkv bias, q/k norm, sigmoid router with a score-correction bias (set
+        # non-zero by build_tiny_model), routed_scaling_factor, an ungated shared expert; all layers MoE here
+        cls = tf.Glm4MoeConfig
+        kw.update(tie_word_embeddings=False, head_dim=16, partial_rotary_factor=0.5, attention_bias=True,
+                  use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                  n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1, norm_topk_prob=True,
+                  routed_scaling_factor=2.5)
     else:
         raise ValueError(f"unknown tiny family {family!r}")
     kw.update(overrides)
@@ -102,6 +111,9 @@ def build_tiny_model(family: str, seed: int = 0, **overrides):
                     p.copy_(0.05 * torch.randn_like(p))
             else:
                 p.copy_(0.08 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a sigmoid router's bias: large enough to change the top-k
+                b.copy_(0.2 * torch.randn_like(b))
     model.eval()
     return model
 

@@ -232,3 +232,27 @@ def test_gpt_oss_serves_updates_and_returns_routed_experts(tmp_path):
             assert out["output_ids"] == want[0, len(prompt):].tolist()
             tokens = prompt + out["output_ids"]
             assert torch.equal(_decode(out["meta_info"]["routed_experts"]), reference_topk(model, tokens[:-1]))
+def test_glm_routed_experts_come_from_the_biased_sigmoid_router(tmp_path):
+    """GLM-4.5 (``Glm4MoeTopkRouter``: top-k of sigmoid + score-correction bias, layer 0 dense): the engine
+    captures its routers in prefill and fast-path decode, and the ids equal the oracle's top-k as sets (the
+    router's top-k is unsorted; replay uses the set); the dense layer's rows are 0."""
+    import transformers as tf
+
+    path = make_tiny_moe_hf(tmp_path / "g", "glm4_moe", seed=2)
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = Engine(str(path), enable_return_routed_experts=True)
+    assert engine.runner.decode_path == "fast"
+    with TestClient(build_app(engine)) as c:
+        out = c.post("/generate", json={"input_ids": PROMPTS[0], "return_routed_experts": True, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 8, "ignore_eos": True}}).json()
+    tokens = PROMPTS[0] + out["output_ids"]
+    got = _decode(out["meta_info"]["routed_experts"])
+    ref = reference_topk(model, tokens[:-1])
+    assert got.shape == ref.shape == (len(tokens) - 1, LAYERS, TOP_K)
+    assert torch.equal(got.sort(-1).values, ref.sort(-1).values)
+    assert not got[:, 0].any() and got[:, 1].any()
+    # the bias decides: without it the oracle's choice differs somewhere (else the test could not tell)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens[:-1]]), output_router_logits=True).router_logits[0]
+    unbiased = torch.topk(torch.sigmoid(logits.float()), TOP_K, dim=-1).indices.sort(-1).values
+    assert not torch.equal(unbiased, ref[:, 1].sort(-1).values.long())

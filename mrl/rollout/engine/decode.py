@@ -65,6 +65,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary embedding of ``x [.., hd]``; with partial RoPE (GLM-4.5's ``partial_rotary_factor``)
+    ``cos``/``sin`` cover the first channels only and the rest pass through unrotated."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    head = x[..., :rot]
+    return torch.cat((head * cos + _rotate_half(head) * sin, x[..., rot:]), dim=-1)
+
+
 class LlamaFamilyDecoder:
     """Decode step over a llama-family ``*ForCausalLM`` (see the module docstring)."""
 
@@ -74,7 +84,7 @@ class LlamaFamilyDecoder:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        # MoE blocks (Qwen3-MoE, Qwen2-MoE, Mixtral) take [batch, seq, hidden]; their routers see [B, H] tokens
+        # MoE blocks (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5) take [batch, seq, hidden]; their routers see [B, H] tokens
         # either way, so the routed-experts capture (mrl/rollout/engine/moe.py) works on this path too.
         self.moe = [hasattr(layer.mlp, "experts") for layer in model.model.layers]
 
@@ -96,10 +106,9 @@ class LlamaFamilyDecoder:
             q = attn.q_proj(x).view(B, nh, hd)
             k = attn.k_proj(x).view(B, nkv, hd)
             v = attn.v_proj(x).view(B, nkv, hd)
-            if hasattr(attn, "q_norm"):  # qwen3: RMSNorm over each head
+            if hasattr(attn, "q_norm"):  # qwen3, GLM-4.5 (use_qk_norm): RMSNorm over each head
                 q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             rb.k[i][:B, :, col] = k
             rb.v[i][:B, :, col] = v
             # GQA without repeating K/V: the g query heads of one KV head are that head's g

@@ -4,6 +4,7 @@
 safetensors files hold them and as SGLang's loaders expect them::
 
     Qwen3-MoE / Qwen2-MoE: model.layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight
+    GLM-4.5:               model.layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight
     Mixtral:               model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight
                            model.layers.{i}.block_sparse_moe.gate.weight
 
@@ -20,11 +21,12 @@ gpt-oss checkpoints hold the experts fused as transformers does (``mlp.experts.g
 gate/up interleaved, ``down_proj``, their biases; router ``mlp.router``): its names are the parameters' own
 (``MoE.fused_experts``).
 
-Persistent buffers a checkpoint holds (DeepSeek-V3's ``mlp.gate.e_score_correction_bias``) are named too.
+Persistent buffers a checkpoint holds (DeepSeek-V3's and GLM-4.5's ``mlp.gate.e_score_correction_bias``) are named
+too.
 
 **Routed experts.** :class:`RoutingCapture` hooks every layer's top-k router (``*TopKRouter`` /
-``DeepseekV3TopkRouter`` at ``mlp.<MoE.router>``: ``gate``, gpt-oss ``router``; its forward returns
-``(router_logits, router_scores, router_indices)``) and keeps the ``router_indices`` the experts
+``DeepseekV3TopkRouter`` / ``Glm4MoeTopkRouter`` at ``mlp.<MoE.router>``: ``gate``, gpt-oss ``router``; its forward
+returns ``(router_logits, router_scores, router_indices)``) and keeps the ``router_indices`` the experts
 then consumed, in prefill and decode alike. A layer without a router (Qwen2-MoE's ``mlp_only_layers``) keeps
 0s, as SGLang's capture buffer does (it is sized for every hidden layer and zero-initialised).
 """
@@ -102,7 +104,8 @@ class RoutingCapture:
         router_name = ROUTER_NAMES.get(text.model_type, "gate")
         for i, layer in enumerate(model.model.layers):
             router = getattr(getattr(layer, "mlp", None), router_name, None)
-            # *TopKRouter (Qwen, Mixtral, gpt-oss), DeepseekV3TopkRouter: forward -> (logits, weights, indices)
+            # *TopKRouter (Qwen, Mixtral, gpt-oss), DeepseekV3TopkRouter, Glm4MoeTopkRouter: forward -> (logits,
+            # weights, indices)
             if router is None or not type(router).__name__.lower().endswith("topkrouter"):
                 continue  # a dense layer (Qwen2-MoE mlp_only_layers / decoder_sparse_step)
             router.register_forward_hook(self._hook(i))
