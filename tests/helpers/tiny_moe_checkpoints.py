@@ -94,10 +94,9 @@ def reference_topk(model, tokens: list[int]) -> torch.Tensor:
     assert len(out.router_logits) == len(moe_layers)
     ref = torch.zeros(len(tokens), len(model.model.layers), model.config.num_experts_per_tok, dtype=torch.int32)
     for i, logits in zip(moe_layers, out.router_logits):
-        gate = model.model.layers[i].mlp.gate
         if model.config.model_type == "glm4_moe":
             assert model.config.n_group == 1, "the oracle has no group-limited top-k"
-            scores = torch.sigmoid(logits.float()) + gate.e_score_correction_bias
+            scores = torch.sigmoid(logits.float()) + model.model.layers[i].mlp.gate.e_score_correction_bias
         else:
             scores = torch.softmax(logits.float(), dim=-1)
         ref[:, i] = torch.topk(scores, ref.shape[-1], dim=-1).indices.to(torch.int32)
