@@ -75,6 +75,14 @@ FIGURES += [
 ]
 FIGURES.append(("docs/gpu.md", "on the CPU benchmark (docs/data/packing_cpu.json)", "docs/data/packing_cpu.json",
                 ("results", {"backend": "sdpa", "packed": True}, "cpu_ratio_vs_padded_sdpa"), "that was {:.2f}×"))
+_FAM = "docs/data/cuda_check_families_h200_2026-11-28.json"
+FIGURES += [
+    ("docs/gpu.md", f"| family {fam} |", _FAM, ("rows", {"tag": dt, "check": f"family {fam}: actor log-probs vs transformers "
+                                                        "(padded, packed rows) + fwd/bwd"}), fmt)
+    for fam in ("qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
+    for dt, fmt in (("float32", lambda r: f"{r['value']:.1e} {r['status']}".replace("e-0", "e-")),
+                    ("bfloat16", lambda r: f"{r['value']:.3f} {r['status']}"))
+]
 _CUDA = "docs/data/cuda_check_bf16_h200_2026-11-28.json"
 FIGURES += [("docs/gpu.md", "`cuda_check.py --dtypes bfloat16` (second call)", _CUDA, ("rows",),
              lambda rows: f"**{sum(r['status'] == 'PASS' for r in rows)} PASS, {sum(r['status'] == 'FAIL' for r in rows)} "
