@@ -271,7 +271,7 @@ class ActorWorker(TrainableState):
         out["actor/kl_coef"] = self.cfg.kl_loss_coef if self.cfg.use_kl_loss else 0.0
         out["actor/lr"] = current_lr(self.optimizer)
         out[N.PERF_PAD_FRACTION] = self.model.pad_fraction()  # padded / computed positions of this update (all DP)
-        if self.model.router_probes:
+        if self.model.is_moe:  # every rank: a pipeline stage of dense layers only has no probe but joins
             out.update(self._moe_metrics())
         return out
 
@@ -284,8 +284,11 @@ class ActorWorker(TrainableState):
             routing_metrics,
         )
 
-        layers = moe_layer_mask(self.model.router_probes)  # a mixed dense/MoE model's dense layers route nothing
-        m = routing_metrics(self.model.router_probes, moe_layers=layers)
+        cfg = self.model.config
+        # a mixed dense/MoE model's dense layers route nothing
+        layers = moe_layer_mask(self.model.router_probes, cfg.num_layers)
+        m = routing_metrics(self.model.router_probes, moe_layers=layers, num_layers=cfg.num_layers,
+                            num_experts=cfg.num_moe_experts)
         m.update(aux_loss_metrics(float(self.model.config.moe_aux_loss_coeff or 0.0),
                                   self._update_micro_batches, layers))
         self._update_micro_batches = 0

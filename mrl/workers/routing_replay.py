@@ -145,11 +145,12 @@ def set_targets(probes: list[RouterProbe], routed: torch.Tensor | None, *, sp_ra
         p.target = t.reshape(-1, t.shape[-1])
 
 
-def moe_layer_mask(probes: list[RouterProbe]) -> torch.Tensor:
+def moe_layer_mask(probes: list[RouterProbe], num_layers: int | None = None) -> torch.Tensor:
     """[num_layers] bool: the global layers that route (a probe on some rank). Models mixing dense and MoE layers
     (``moe_layer_freq``) have dense layers without a router, which the ``moe/*`` means must leave out. Collective
-    over the world when torch.distributed is initialised."""
-    total_layers = probes[0].router.config.num_layers
+    over the world when torch.distributed is initialised: a pipeline stage holding only dense layers has no probe
+    and still takes part (``num_layers``, the model's global layer count, is then required)."""
+    total_layers = num_layers if num_layers is not None else probes[0].router.config.num_layers
     mask = torch.zeros(total_layers, dtype=torch.float64)
     for p in probes:
         mask[p.layer] = 1.0
@@ -158,18 +159,20 @@ def moe_layer_mask(probes: list[RouterProbe]) -> torch.Tensor:
     return mask > 0
 
 
-def routing_metrics(probes: list[RouterProbe], *, reset: bool = True,
-                    moe_layers: torch.Tensor | None = None) -> dict[str, float]:
+def routing_metrics(probes: list[RouterProbe], *, reset: bool = True, moe_layers: torch.Tensor | None = None,
+                    num_layers: int | None = None, num_experts: int | None = None) -> dict[str, float]:
     """``moe/*`` metrics over every rank (collective over the world: call on all ranks together), averaged over the
-    MoE layers (``moe_layers``, :func:`moe_layer_mask`; None: computed here)."""
-    if not probes:
+    MoE layers (``moe_layers``, :func:`moe_layer_mask`; None: computed here). A rank without probes (a pipeline
+    stage of dense layers only) takes part when given the model's ``num_layers`` and ``num_experts``."""
+    if not probes and (num_layers is None or num_experts is None):
         return {}
     if moe_layers is None:
-        moe_layers = moe_layer_mask(probes)
-    num_experts = probes[0].load.numel()
-    stats = torch.stack([sum(p.mismatch for p in probes), sum(p.compared for p in probes)]).double().cpu()
+        moe_layers = moe_layer_mask(probes, num_layers)
+    num_experts = probes[0].load.numel() if probes else int(num_experts)
+    stats = torch.tensor([float(sum(p.mismatch for p in probes)), float(sum(p.compared for p in probes))],
+                         dtype=torch.float64)
     # Layers differ across pipeline stages: per-layer loads by global layer index (config.num_layers is global).
-    total_layers = probes[0].router.config.num_layers
+    total_layers = probes[0].router.config.num_layers if probes else int(num_layers)
     per_layer = torch.zeros(total_layers, num_experts, dtype=torch.float64)
     for p in probes:
         per_layer[p.layer] += p.load.cpu()
@@ -203,9 +206,11 @@ def aux_loss_metrics(coef: float, num_micro_batches: int, moe_layers: torch.Tens
     )
 
     tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
-    if tracker is None:
+    if tracker is None and (coef == 0.0 or moe_layers is None):
         return {}
-    values = tracker["values"].detach().double().cpu().clone()
+    # a pipeline stage of dense layers only tracks nothing but joins the collective (its layers' slots stay 0)
+    values = (tracker["values"].detach().double().cpu().clone() if tracker is not None
+              else torch.zeros(moe_layers.numel(), dtype=torch.float64))
     if dist.is_initialized():
         dist.all_reduce(values)
         values /= ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size() * \
