@@ -77,10 +77,10 @@ $(MOE_ASSETS): $(VENV)/.installed mrl/quickstarts/base.py mrl/quickstarts/moe.py
 	$(PY) -m mrl.quickstarts moe --out outputs/quickstart_moe --force
 	@touch $@
 
-# The DeepSeek-V3-shaped MoE quickstart (mrl_configs/quickstart_moe_deepseek.yaml): same task and data directory
-MOE_DEEPSEEK_ASSETS := outputs/quickstart_moe/.deepseek-assets-written
+# The DeepSeek-V3-shaped MoE quickstart (mrl_configs/quickstart_moe_deepseek.yaml): its own asset seed and data
+MOE_DEEPSEEK_ASSETS := outputs/quickstart_moe_deepseek/.assets-written
 $(MOE_DEEPSEEK_ASSETS): $(VENV)/.installed mrl/quickstarts/base.py mrl/quickstarts/moe.py
-	$(PY) -m mrl.quickstarts moe --family deepseek_v3 --out outputs/quickstart_moe --force
+	$(PY) -m mrl.quickstarts moe --family deepseek_v3 --out outputs/quickstart_moe_deepseek --force
 	@touch $@
 
 train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(if $(findstring quickstart_moe,$(CONFIG)),$(if $(findstring quickstart_moe_deepseek,$(CONFIG)),$(MOE_DEEPSEEK_ASSETS),$(MOE_ASSETS)),$(QUICKSTART_ASSETS))) \

@@ -1,14 +1,14 @@
-"""The MoE quickstart's assets, locally: ``python -m mrl.quickstarts moe [--family F] --out outputs/quickstart_moe``.
+"""The MoE quickstart's assets, locally: ``python -m mrl.quickstarts moe [--family F]``.
 
 The quickstart's task, tokenizer, data and warm start (:mod:`mrl.quickstarts.base`) with a tiny MoE model
-instead of the dense Qwen2, one per ``--family`` (``FAMILIES``), each in its own directory under ``<out>``
-next to the shared data, each trained by its own recipe:
+instead of the dense Qwen2, one per ``--family`` (``FAMILIES``), each with its own default output directory
+(its data too: the data's order follows the asset seed, and each family has its own) and its own recipe:
 
-* ``qwen3_moe`` (default; ``<out>/tiny-qwen3-moe/``, ``mrl_configs/quickstart_moe.yaml``): hidden 64,
+* ``qwen3_moe`` (default; ``outputs/quickstart_moe/tiny-qwen3-moe/``, ``mrl_configs/quickstart_moe.yaml``): hidden 64,
   4 layers, 4 heads / 2 KV heads (head_dim 16, q/k norm), **8 experts of width 128, top-2 routing with
   normalised top-k probabilities**, untied embeddings, vocab 300 (0.88M parameters, 0.29M active per
   token; with 8 experts of width 64 the same run learned more slowly: val 0.31 -> 0.75 at best in 400 steps).
-* ``deepseek_v3`` (``<out>/tiny-deepseek-v3/``, ``mrl_configs/quickstart_moe_deepseek.yaml``): DeepSeek-V3's
+* ``deepseek_v3`` (``outputs/quickstart_moe_deepseek/tiny-deepseek-v3/``, ``mrl_configs/quickstart_moe_deepseek.yaml``): DeepSeek-V3's
   architecture at the same width: multi-latent attention with ``q_lora_rank`` (4 heads, latent 32, nope 16 +
   rope 8 query/key dims, value 16) and YaRN RoPE, layer 0 a dense MLP (``first_k_dense_replace=1``), then
   8 routed experts of width 128 in 2 groups, top-2 inside the best group, sigmoid scores plus a
@@ -21,6 +21,7 @@ and routing replay on (docs/moe.md).
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,13 +77,15 @@ class MoEFamily:
     model_dir: str
     hf_config: Any  # () -> transformers config
     recipe: str
+    out: str  # the default --out, where the recipe reads the model and the data
+    seed: int  # the default --seed: one whose warm start lands at the target, not past it (docs/moe.md)
     init: Any = None  # (model) -> None, before the warm start
 
 
 FAMILIES = {
-    "qwen3_moe": MoEFamily(MODEL_DIR, qwen3_moe_config, "mrl_configs/quickstart_moe.yaml"),
+    "qwen3_moe": MoEFamily(MODEL_DIR, qwen3_moe_config, "mrl_configs/quickstart_moe.yaml", "outputs/quickstart_moe", 1),
     "deepseek_v3": MoEFamily(DEEPSEEK_DIR, deepseek_v3_config, "mrl_configs/quickstart_moe_deepseek.yaml",
-                             _deepseek_bias),
+                             "outputs/quickstart_moe_deepseek", 2, _deepseek_bias),
 }
 DEFAULT_FAMILY = "qwen3_moe"
 
@@ -90,15 +93,18 @@ DEFAULT_FAMILY = "qwen3_moe"
 def _arguments(p) -> None:
     _add_arguments(p)
     p.add_argument("--family", choices=sorted(FAMILIES), default=DEFAULT_FAMILY,
-                   help=f"the tiny model's architecture (default {DEFAULT_FAMILY}); each has its recipe: "
-                        + "; ".join(f"{n}: {f.recipe}" for n, f in sorted(FAMILIES.items())))
+                   help=f"the tiny model's architecture (default {DEFAULT_FAMILY}); its default --out and --seed, "
+                        "and the recipe that trains it: "
+                        + "; ".join(f"{n}: {f.out}, seed {f.seed}, {f.recipe}" for n, f in sorted(FAMILIES.items())))
 
 
 def _write(args) -> dict[str, str]:
     family = FAMILIES[args.family]  # argparse's choices refused any other name
+    args = argparse.Namespace(**{**vars(args), "out": family.out if args.out is None else args.out,
+                                 "seed": family.seed if args.seed is None else args.seed})
     return writer(family.model_dir, family.hf_config, family.init)(args)
 
 
-# Seed 1: its warm start lands on the target, where other seeds overshoot it in the jump (docs/moe.md)
+# --out and --seed default per --family (FAMILIES)
 DEMO = Demo("moe", "the MoE quickstart: a tiny Qwen3-MoE or DeepSeek-V3 (--family) on the quickstart's task",
-            "outputs/quickstart_moe", 1, _arguments, _write)
+            None, None, _arguments, _write)
