@@ -13,7 +13,7 @@ instead of the dense Qwen2, one per ``--family`` (``FAMILIES``), each with its o
   rope 8 query/key dims, value 16) and YaRN RoPE, layer 0 a dense MLP (``first_k_dense_replace=1``), then
   8 routed experts of width 128 in 2 groups, top-2 inside the best group, sigmoid scores plus a
   score-correction bias for the choice, weights renormalised × ``routed_scaling_factor``, one ungated shared
-  expert. HF initialises the bias to 0; here it is seeded random (``_deepseek_bias``), as a trained
+  expert. HF initialises the bias to 0; here it is seeded random (``_score_bias``), as a trained
   checkpoint's is, so that it takes part in the choice (it stays frozen in RL, docs/moe.md).
 
 The recipes train them with GRPO on the 2 CPU ranks with the experts split over them (expert parallel 2)
@@ -48,7 +48,15 @@ DEEPSEEK_V3_SHAPE = {
     # Megatron scores a group by its top-(k / topk_group) sum and transformers by its top-2: equal at k = 2 · 1
     "n_group": 2, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "n_shared_experts": 1,
 }
-DEEPSEEK_BIAS_STD = 0.05  # the routers' initial sigmoid scores spread by a few hundredths: the bias moves choices
+GLM4_MOE_DIR = "tiny-glm4-moe"
+GLM4_MOE_SHAPE = {
+    **{k: v for k, v in QWEN2_SHAPE.items() if k != "tie_word_embeddings"},
+    "tie_word_embeddings": False, "head_dim": 16, "partial_rotary_factor": 0.5, "attention_bias": True,
+    "use_qk_norm": True, "first_k_dense_replace": 1, "moe_intermediate_size": 128, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "n_shared_experts": 1,
+}
+SCORE_BIAS_STD = 0.05  # the routers' initial sigmoid scores spread by a few hundredths: the bias moves choices
 
 
 def qwen3_moe_config():
@@ -63,13 +71,23 @@ def deepseek_v3_config():
     return DeepseekV3Config(**DEEPSEEK_V3_SHAPE)
 
 
-def _deepseek_bias(model: Any) -> None:
+def glm4_moe_config():
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(**GLM4_MOE_SHAPE)
+
+
+def _score_bias(model: Any) -> None:
+    """A seeded random score-correction bias (HF's init leaves it at 0; a trained checkpoint's is not)."""
     import torch
 
     with torch.no_grad():
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                b.copy_(DEEPSEEK_BIAS_STD * torch.randn_like(b))
+                b.copy_(SCORE_BIAS_STD * torch.randn_like(b))
+
+
+GLM_SEED = 4
 
 
 @dataclass(frozen=True)
@@ -85,7 +103,9 @@ class MoEFamily:
 FAMILIES = {
     "qwen3_moe": MoEFamily(MODEL_DIR, qwen3_moe_config, "mrl_configs/quickstart_moe.yaml", "outputs/quickstart_moe", 1),
     "deepseek_v3": MoEFamily(DEEPSEEK_DIR, deepseek_v3_config, "mrl_configs/quickstart_moe_deepseek.yaml",
-                             "outputs/quickstart_moe_deepseek", 2, _deepseek_bias),
+                             "outputs/quickstart_moe_deepseek", 2, _score_bias),
+    "glm4_moe": MoEFamily(GLM4_MOE_DIR, glm4_moe_config, "mrl_configs/quickstart_moe_glm.yaml",
+                          "outputs/quickstart_moe_glm", GLM_SEED, _score_bias),
 }
 DEFAULT_FAMILY = "qwen3_moe"
 
