@@ -77,7 +77,22 @@ $(MOE_ASSETS): $(VENV)/.installed mrl/quickstarts/base.py mrl/quickstarts/moe.py
 	$(PY) -m mrl.quickstarts moe --out outputs/quickstart_moe --force
 	@touch $@
 
-train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(if $(findstring quickstart_moe,$(CONFIG)),$(MOE_ASSETS),$(QUICKSTART_ASSETS))) \
+# The DeepSeek-V3- and GLM-4.5-shaped MoE quickstarts (mrl_configs/quickstart_moe_{deepseek,glm}.yaml): their own
+# asset seeds and data
+MOE_DEEPSEEK_ASSETS := outputs/quickstart_moe_deepseek/.assets-written
+$(MOE_DEEPSEEK_ASSETS): $(VENV)/.installed mrl/quickstarts/base.py mrl/quickstarts/moe.py
+	$(PY) -m mrl.quickstarts moe --family deepseek_v3 --out outputs/quickstart_moe_deepseek --force
+	@touch $@
+
+MOE_GLM_ASSETS := outputs/quickstart_moe_glm/.assets-written
+$(MOE_GLM_ASSETS): $(VENV)/.installed mrl/quickstarts/base.py mrl/quickstarts/moe.py
+	$(PY) -m mrl.quickstarts moe --family glm4_moe --out outputs/quickstart_moe_glm --force
+	@touch $@
+
+# the MoE quickstart's assets of CONFIG's family
+MOE_CONFIG_ASSETS = $(if $(findstring quickstart_moe_deepseek,$(CONFIG)),$(MOE_DEEPSEEK_ASSETS),$(if $(findstring quickstart_moe_glm,$(CONFIG)),$(MOE_GLM_ASSETS),$(MOE_ASSETS)))
+
+train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(if $(findstring quickstart_moe,$(CONFIG)),$(MOE_CONFIG_ASSETS),$(QUICKSTART_ASSETS))) \
 		$(if $(findstring quickstart_rm,$(CONFIG)),$(QUICKSTART_RM)) \
 		$(if $(findstring quickstart_distill,$(CONFIG)),$(QUICKSTART_DISTILL)) \
 		$(if $(findstring quickstart_judge,$(CONFIG)),$(QUICKSTART_JUDGE)) \

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ASSET_PATH = re.compile(r"outputs/quickstart(?:_[a-z]+)?/")
+ASSET_PATH = re.compile(r"outputs/quickstart(?:_[a-z]+)*/")
 
 
 def curve(metrics_log: Path, metric: str) -> list[tuple[int, float]]:

@@ -198,7 +198,8 @@ def check_data_files(cfg: MRLConfig, *, require_present: bool) -> DataCheck:
 
 
 def _fix(key: str, path: str) -> str:
-    for name, demo in (("quickstart_agent", "agent"), ("quickstart_moe", "moe"), ("quickstart", "base")):
+    for name, demo in (("quickstart_agent", "agent"), ("quickstart_moe_deepseek", "moe --family deepseek_v3"),
+                       ("quickstart_moe_glm", "moe --family glm4_moe"), ("quickstart_moe", "moe"), ("quickstart", "base")):
         if f"outputs/{name}/" in path:
             return (f"write the quickstart's assets first (`make train` does, or `python -m mrl.quickstarts {demo} "
                     f"--out outputs/{name}`)")

@@ -154,11 +154,12 @@ def warm_start(model, tokenizer, seed: int, max_steps: int, goal: float = WARM_S
 
 
 def write_model(path: Path, seed: int, warm_start_steps: int = WARM_START_STEPS, hf_config=None,
-                target: float = WARM_START_TARGET) -> tuple[int, float] | None:
+                target: float = WARM_START_TARGET, init=None) -> tuple[int, float] | None:
     """Tokenizer + tiny Qwen2 (HF init, seeded, then ``warm_start``) as safetensors in ``path``;
     returns ``warm_start``'s (steps, greedy accuracy), None without a warm start. ``hf_config``: another
-    architecture on the same tokenizer and task (the MoE quickstart's Qwen3-MoE, mrl/quickstarts/moe.py);
-    ``target``: the warm start's greedy accuracy (the distillation demo's teacher trains further)."""
+    architecture on the same tokenizer and task (the MoE quickstart's models, mrl/quickstarts/moe.py);
+    ``target``: the warm start's greedy accuracy (the distillation demo's teacher trains further);
+    ``init``: called on the seeded model before the warm start (state HF's init leaves at zero)."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -174,6 +175,8 @@ def write_model(path: Path, seed: int, warm_start_steps: int = WARM_START_STEPS,
     fast.save_pretrained(str(path))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config or Qwen2Config(**QWEN2_SHAPE), dtype=torch.float32)
+    if init is not None:
+        init(model)
     warm = None
     if warm_start_steps > 0:
         # The tokenizer as the trainer and the engines load it: with config.json present, AutoTokenizer
@@ -199,11 +202,11 @@ def write_data(data_dir: Path, seed: int, n_val: int) -> None:
 
 
 def write_assets(out: str | Path, *, seed: int = 0, n_val: int = MAX_OPERAND ** 2, force: bool = False,
-                 warm_start_steps: int = WARM_START_STEPS, model_dir_name: str = MODEL_DIR, hf_config=None
-                 ) -> dict[str, str]:
+                 warm_start_steps: int = WARM_START_STEPS, model_dir_name: str = MODEL_DIR, hf_config=None,
+                 init=None) -> dict[str, str]:
     """Write what is missing (everything with ``force``); returns {asset: 'written…' | 'kept'}
     (a warm-started model's entry says how many steps it took and the accuracy it reached).
-    ``model_dir_name``/``hf_config``: another model on the same task (:func:`write_model`)."""
+    ``model_dir_name``/``hf_config``/``init``: another model on the same task (:func:`write_model`)."""
     out = Path(out)
     model_dir, data_dir = out / model_dir_name, out / "data"
     status = {}
@@ -211,7 +214,7 @@ def write_assets(out: str | Path, *, seed: int = 0, n_val: int = MAX_OPERAND ** 
         and (model_dir / "tokenizer.json").is_file()
     if force or not model_done:
         shutil.rmtree(model_dir, ignore_errors=True)
-        warm = write_model(model_dir, seed, warm_start_steps, hf_config)
+        warm = write_model(model_dir, seed, warm_start_steps, hf_config, init=init)
         status[str(model_dir)] = "written" + (f" (warm start: {warm[0]} steps, greedy accuracy {warm[1]:.2f})"
                                               if warm else "")
     else:
@@ -233,7 +236,7 @@ def _add_arguments(p) -> None:
                         f"{WARM_START_TARGET} (default {WARM_START_STEPS}; 0: random weights)")
 
 
-def writer(model_dir_name: str = MODEL_DIR, hf_config=None):
+def writer(model_dir_name: str = MODEL_DIR, hf_config=None, init=None):
     """``Demo.write`` for this task with a given model (the MoE demo passes its own)."""
     def write(args) -> dict[str, str]:
         from mrl.quickstarts.cli import UsageError
@@ -244,7 +247,7 @@ def writer(model_dir_name: str = MODEL_DIR, hf_config=None):
             raise UsageError("--warm-start-steps must be >= 0")
         return write_assets(args.out, seed=args.seed, n_val=args.n_val, force=args.force,
                             warm_start_steps=args.warm_start_steps, model_dir_name=model_dir_name,
-                            hf_config=hf_config() if callable(hf_config) else hf_config)
+                            hf_config=hf_config() if callable(hf_config) else hf_config, init=init)
     return write
 
 

@@ -31,8 +31,8 @@ class DemoFailed(RuntimeError):
 class Demo:
     name: str
     summary: str
-    default_out: str
-    default_seed: int
+    default_out: str | None  # None (both): the demo picks them from its other flags (the MoE demo: per --family)
+    default_seed: int | None
     add_arguments: Callable[[argparse.ArgumentParser], None]
     write: Callable[[argparse.Namespace], dict[str, str]]
 
@@ -45,9 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, module in DEMOS.items():
         demo = demos[name] = importlib.import_module(module).DEMO  # stdlib-only at import: torch loads in write()
         sp = parsers[name] = sub.add_parser(name, help=demo.summary, description=demo.summary)
-        sp.add_argument("--out", default=demo.default_out, help=f"output directory (default: {demo.default_out})")
+        sp.add_argument("--out", default=demo.default_out, help="output directory (default: " + (
+            "per the demo's flags, see below)" if demo.default_out is None else f"{demo.default_out})"))
         sp.add_argument("--seed", type=int, default=demo.default_seed,
-                        help=f"seed of the weights and data (default {demo.default_seed})")
+                        help="seed of the weights and data (default " + (
+                            "per the demo's flags, see below)" if demo.default_seed is None else f"{demo.default_seed})"))
         sp.add_argument("--force", action="store_true", help="rewrite assets that are already present")
         demo.add_arguments(sp)
     args = p.parse_args(argv)
