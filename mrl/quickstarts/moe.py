@@ -15,6 +15,10 @@ instead of the dense Qwen2, one per ``--family`` (``FAMILIES``), each with its o
   score-correction bias for the choice, weights renormalised × ``routed_scaling_factor``, one ungated shared
   expert. HF initialises the bias to 0; here it is seeded random (``_score_bias``), as a trained
   checkpoint's is, so that it takes part in the choice (it stays frozen in RL, docs/moe.md).
+* ``glm4_moe`` (``outputs/quickstart_moe_glm/tiny-glm4-moe/``, ``mrl_configs/quickstart_moe_glm.yaml``): GLM-4.5's
+  architecture on the Qwen3-MoE demo's attention shape: partial RoPE (0.5), qkv bias, q/k norm, layer 0 dense,
+  8 routed experts of width 128, top-2, the sigmoid router with its (seeded) score-correction bias, weights
+  × ``routed_scaling_factor``, one ungated shared expert.
 
 The recipes train them with GRPO on the 2 CPU ranks with the experts split over them (expert parallel 2)
 and routing replay on (docs/moe.md).
@@ -126,5 +130,5 @@ def _write(args) -> dict[str, str]:
 
 
 # --out and --seed default per --family (FAMILIES)
-DEMO = Demo("moe", "the MoE quickstart: a tiny Qwen3-MoE or DeepSeek-V3 (--family) on the quickstart's task",
+DEMO = Demo("moe", "the MoE quickstart: a tiny Qwen3-MoE, DeepSeek-V3 or GLM-4.5 (--family) on the quickstart's task",
             None, None, _arguments, _write)
