@@ -611,8 +611,9 @@ def attention_checks(C: Checks, model: str, dt: str, dev: str) -> None:
               f"{gtol}); pad fraction packed {ppad:.3g} vs padded {S['pad']:.3g}; {path}; {dt} on {dev}")
 
 
-def attention_worker(a) -> list[dict]:
-    """``--only attention``: the attention rows alone, in their own process (NCCL world 1 on CUDA)."""
+def _single_rank_worker(a, label: str, checks) -> list[dict]:
+    """One ``--only`` block alone, in its own process: parallel state of world size 1 (NCCL on CUDA), TF32 off,
+    then ``checks(C)``."""
     import torch
 
     from mrl.megatron.parallel import init_parallel
@@ -620,10 +621,15 @@ def attention_worker(a) -> list[dict]:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    with C.guard("attention: parallel state (world size 1)"):
+    with C.guard(f"{label}: parallel state (world size 1)"):
         init_parallel(device=a.device, seed=1234)
-        attention_checks(C, a.model, a.dtype, a.device)
+        checks(C)
     return C.rows
+
+
+def attention_worker(a) -> list[dict]:
+    """``--only attention``: the attention rows alone."""
+    return _single_rank_worker(a, "attention", lambda C: attention_checks(C, a.model, a.dtype, a.device))
 
 
 # ---- MoE families on the device: each family's tiny model through the actor vs transformers --------------------
@@ -687,18 +693,8 @@ def family_checks(C: Checks, dt: str, dev: str) -> None:
 
 
 def families_worker(a) -> list[dict]:
-    """``--only families``: the MoE family rows alone, in their own process (NCCL world 1 on CUDA)."""
-    import torch
-
-    from mrl.megatron.parallel import init_parallel
-    C = Checks(a.dtype, a.result)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    with C.guard("families: parallel state (world size 1)"):
-        init_parallel(device=a.device, seed=1234)
-        family_checks(C, a.dtype, a.device)
-    return C.rows
+    """``--only families``: the MoE family rows alone."""
+    return _single_rank_worker(a, "families", lambda C: family_checks(C, a.dtype, a.device))
 
 
 # ---- worker: the engine's memory release at a size where the allocator's granularity does not hide it --

@@ -18,9 +18,8 @@ import torch
 from tests.checkpoints_tools.test_cli import _cli, _hf_tensors, _ok
 from tests.checkpoints_tools.test_moe_logits import (
     _mcore_tensors,
-    _megatron_logits_rank,
+    converted_logits_diff,
 )
-from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_models import make_tiny_hf
 
 pytestmark = pytest.mark.multirank
@@ -45,7 +44,6 @@ def _glm_with_mtp(path: Path) -> Path:
 
 
 def test_glm_checkpoint_converts_with_its_router_bias_and_shared_expert_and_skips_mtp(tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
 
     from tests.megatron._ranks import MICRO_BATCH, NUM_MICRO, SEQ
 
@@ -65,12 +63,7 @@ def test_glm_checkpoint_converts_with_its_router_bias_and_shared_expert_and_skip
         assert torch.equal(got[_SHARED_FC2.format(li)], ref[x + "shared_experts.down_proj.weight"]), li
 
     ids = torch.randint(0, 300, (NUM_MICRO * MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = model(ids).logits
-    logits = torch.as_tensor(run_ranks(_megatron_logits_rank, 1, args=(str(m), ids.numpy()), timeout_s=240,
-                                       init_process_group=False)[0])
-    diff = float((logits - want).abs().max())
+    diff = converted_logits_diff(hf, m, ids)
     assert diff <= 1e-5, f"Megatron logits of the converted GLM checkpoint vs transformers' of the original: {diff:.3g}"
 
     back = tmp_path / "hf_back"

@@ -51,6 +51,19 @@ def _megatron_logits_rank(rank: int, world: int, ckpt: str, ids) -> object:
     return pipeline_logits(chunks, cfg, torch.as_tensor(ids)).numpy()
 
 
+def converted_logits_diff(hf: Path, mcore: Path, ids: torch.Tensor) -> float:
+    """max |logits of Megatron built from the converted ``mcore`` checkpoint alone - transformers' logits of the HF
+    original ``hf``| on ``ids`` (the transformers side never touches mrl's code)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(ids).logits
+    logits = torch.as_tensor(run_ranks(_megatron_logits_rank, 1, args=(str(mcore), ids.numpy()), timeout_s=240,
+                                       init_process_group=False)[0])
+    return float((logits - want).abs().max())
+
+
 def _mcore_tensors(ckpt: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     """Global tensors of a torch_dist checkpoint, read in this process (no process group)."""
     import torch.distributed.checkpoint as dcp
@@ -66,7 +79,6 @@ def _mcore_tensors(ckpt: Path, keys: list[str]) -> dict[str, torch.Tensor]:
 
 def test_converted_moe_checkpoint_holds_the_hf_experts_and_gives_transformers_logits(tmp_path: Path) -> None:
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     from tests.megatron._ranks import MICRO_BATCH, NUM_MICRO, SEQ
 
@@ -91,19 +103,13 @@ def test_converted_moe_checkpoint_holds_the_hf_experts_and_gives_transformers_lo
             assert torch.equal(got[_FC2][li, e], down), f"layer {li} expert {e}: fc2 is not down_proj"
 
     ids = torch.randint(0, 300, (NUM_MICRO * MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = model(ids).logits
-    logits = torch.as_tensor(run_ranks(_megatron_logits_rank, 1, args=(str(m), ids.numpy()), timeout_s=240,
-                                       init_process_group=False)[0])
-    diff = float((logits - want).abs().max())
+    diff = converted_logits_diff(hf, m, ids)
     assert diff <= 1e-5, f"Megatron logits of the converted checkpoint vs transformers' of the original: {diff:.3g}"
 
 
 def test_converted_gpt_oss_checkpoint_holds_the_hf_tensors_and_gives_transformers_logits(
         tmp_path: Path) -> None:
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     from tests.megatron._ranks import MICRO_BATCH, NUM_MICRO, SEQ
 
@@ -129,10 +135,5 @@ def test_converted_gpt_oss_checkpoint_holds_the_hf_tensors_and_gives_transformer
             assert torch.equal(got[keys["linear_fc2.bias"]][li, e], ref[x + "mlp.experts.down_proj_bias"][e])
 
     ids = torch.randint(0, 300, (NUM_MICRO * MICRO_BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = model(ids).logits
-    logits = torch.as_tensor(run_ranks(_megatron_logits_rank, 1, args=(str(m), ids.numpy()), timeout_s=240,
-                                       init_process_group=False)[0])
-    diff = float((logits - want).abs().max())
+    diff = converted_logits_diff(hf, m, ids)
     assert diff <= 1e-5, f"gpt-oss: Megatron logits of the converted checkpoint vs transformers' of the original: {diff:.3g}"
