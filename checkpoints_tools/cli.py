@@ -31,6 +31,7 @@ from checkpoints_tools.preflight import (
     check_host,
     check_layout,
 )
+from mrl.config.parallel import UNEVEN_KEYS
 from mrl.dtypes import DTYPES, SHORT_TO_NAME
 
 
@@ -55,6 +56,18 @@ def _expert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--etp", type=int, default=None, help="tensor-parallel size inside experts (default: --tp)")
 
 
+def _stage_args(p: argparse.ArgumentParser) -> None:
+    for k in UNEVEN_KEYS:
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, dest=k,
+                       help=f"uneven pipeline stages: the {k.split('_')[4]} stage's layer count (Megatron's {k}; "
+                            "the other stages split the rest evenly)")
+
+
+def _uneven(args: argparse.Namespace) -> dict[str, int]:
+    """The uneven-split flags that are set, as Megatron TransformerConfig kwargs."""
+    return {k: getattr(args, k) for k in UNEVEN_KEYS if getattr(args, k, None) is not None}
+
+
 def _experts(args: argparse.Namespace) -> tuple[int, int | None]:
     """(ep, etp) of an MoE command (1, None when the sub-command has no expert flags)."""
     return getattr(args, "ep", 1), getattr(args, "etp", None)
@@ -70,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    _stage_args(p)
     _expert_args(p)
     p.add_argument("--dtype", choices=sorted(SHORT_TO_NAME), default=None,
                    help="parameter dtype (default: config.json torch_dtype, else fp32)")
@@ -81,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take config.json/tokenizer files from here instead of the checkpoint")
     p.add_argument("--tp", type=int, default=1, help="ranks used for loading (any layout works)")
     p.add_argument("--pp", type=int, default=1)
+    _stage_args(p)
     _expert_args(p)
     p.add_argument("--dtype", choices=sorted(SHORT_TO_NAME), default=None, help="output dtype (default: as saved)")
     _common(p)
@@ -98,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--pp", type=int, required=True)
     p.add_argument("--vpp", type=int, default=None)
+    _stage_args(p)
     _expert_args(p)
     _common(p)
 
@@ -217,7 +233,8 @@ def _hf_to_mcore(args: argparse.Namespace) -> None:
         print(f"hf-to-mcore: {args.hf} -> {args.out} (tp={args.tp} pp={args.pp} vpp={args.vpp}, "
               f"{dtype}, {world} {device} ranks)", flush=True)
         run_local_ranks(hf_to_mcore_rank, world, (str(args.hf), str(tmp), args.tp, args.pp, args.vpp,
-                        dtype, device, args.timeout, *_experts(args)), device=device, timeout_s=args.timeout)
+                        dtype, device, args.timeout, *_experts(args), _uneven(args)), device=device,
+                        timeout_s=args.timeout)
         copy_hf_side_files(args.hf, tmp)
         n_out = _mcore_param_count(verify_checkpoint(tmp))
         _finish(tmp, args.out)
@@ -270,7 +287,8 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
         print(f"mcore-to-hf: {args.ckpt} -> {args.out} (load at tp={args.tp} pp={args.pp}, "
               f"{world} {device} ranks)", flush=True)
         results = run_local_ranks(mcore_to_hf_rank, world, (str(args.ckpt), str(tmp), str(tmp), args.tp,
-                                  args.pp, model_dtype, out_dtype, device, args.timeout, *_experts(args)),
+                                  args.pp, model_dtype, out_dtype, device, args.timeout, *_experts(args),
+                                  _uneven(args)),
                                   device=device, timeout_s=args.timeout)
         merge_stage_dirs(tmp, results)
         n_out = hf_param_count(tmp)
@@ -336,7 +354,8 @@ def _reshard(args: argparse.Namespace) -> None:
         print(f"reshard: {args.ckpt} (tp={lay.get('tp')} pp={lay.get('pp')}) -> {args.out} "
               f"(tp={args.tp} pp={args.pp} vpp={args.vpp}, {world} {device} ranks)", flush=True)
         run_local_ranks(reshard_rank, world, (str(args.ckpt), str(tmp), str(tmp), args.tp, args.pp,
-                        args.vpp, str(meta.get("params_dtype", "float32")), device, args.timeout, *_experts(args)),
+                        args.vpp, str(meta.get("params_dtype", "float32")), device, args.timeout, *_experts(args),
+                        _uneven(args)),
                         device=device, timeout_s=args.timeout)
         from mrl.megatron.lora_io import LORA_META
 

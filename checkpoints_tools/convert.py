@@ -41,7 +41,8 @@ def _setup(device: str, tp: int, pp: int, vpp: int | None, timeout_s: int, ep: i
     init_parallel(device=device, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, timeout_s=timeout_s)
 
 
-def _build(cfg_dir: str, dtype: torch.dtype, lora_ckpt: str | None = None) -> tuple[Any, list]:
+def _build(cfg_dir: str, dtype: torch.dtype, lora_ckpt: str | None = None,
+           uneven: dict[str, int] | None = None) -> tuple[Any, list]:
     from mrl.families import family_of
     from mrl.megatron.lora_io import LORA_META
     from mrl.megatron.provider import (
@@ -54,7 +55,8 @@ def _build(cfg_dir: str, dtype: torch.dtype, lora_ckpt: str | None = None) -> tu
     lora = lora_ckpt is not None and (Path(lora_ckpt) / LORA_META).is_file()
     # the layer spec the trainer picks on this host (TE's parameter names differ from the local spec's)
     backend = resolve_attention_backend("auto", lora=lora, mla=family_of(cfg).is_mla)
-    return cfg, build_model_chunks(cfg, dtype=dtype, attention_backend=backend)
+    # uneven: Megatron's num_layers_in_first/last_pipeline_stage (mrl-ckpt's flags of those names)
+    return cfg, build_model_chunks(cfg, dtype=dtype, attention_backend=backend, config_overrides=uneven)
 
 
 def _maybe_lora(ckpt_dir: str, cfg: Any, chunks: list) -> dict | None:
@@ -92,15 +94,16 @@ def mcore_to_peft_rank(
 
 def hf_to_mcore_rank(
     rank: int, hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, dtype: str,
-    device: str, timeout_s: int, ep: int = 1, etp: int | None = None,
+    device: str, timeout_s: int, ep: int = 1, etp: int | None = None, uneven: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Read HF safetensors into a (tp, pp, vpp, ep, etp) model and save it with dist_checkpointing."""
+    """Read HF safetensors into a (tp, pp, vpp, ep, etp) model (``uneven``: its pipeline split) and save it with
+    dist_checkpointing."""
     from mrl.megatron.checkpoint import save_checkpoint
     from mrl.megatron.hf_io import HFCheckpointReader
     from mrl.megatron.mapping import hf_names_for_stage, load_hf_weights
 
     _setup(device, tp, pp, vpp, timeout_s, ep, etp)
-    cfg, chunks = _build(hf_dir, dtype_from_name(dtype))
+    cfg, chunks = _build(hf_dir, dtype_from_name(dtype), uneven=uneven)
     reader = HFCheckpointReader(hf_dir)
     names = hf_names_for_stage(chunks, cfg)
     missing = [n for n in names if n not in reader]
@@ -179,6 +182,7 @@ def _shape_problem(hf_dir: str, cfg: Any, read: list[tuple[str, tuple[int, ...]]
 def mcore_to_hf_rank(
     rank: int, ckpt_dir: str, cfg_dir: str, out_dir: str, tp: int, pp: int, model_dtype: str,
     out_dtype: str, device: str, timeout_s: int, ep: int = 1, etp: int | None = None,
+    uneven: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Load a dist checkpoint at (tp, pp) and write this pipeline stage's HF tensors.
 
@@ -191,7 +195,7 @@ def mcore_to_hf_rank(
     from mrl.megatron.mapping import export_hf_weights, hf_names_for_stage
 
     _setup(device, tp, pp, None, timeout_s, ep, etp)
-    cfg, chunks = _build(cfg_dir, dtype_from_name(model_dtype), lora_ckpt=ckpt_dir)
+    cfg, chunks = _build(cfg_dir, dtype_from_name(model_dtype), lora_ckpt=ckpt_dir, uneven=uneven)
     _maybe_lora(ckpt_dir, cfg, chunks)  # a LoRA checkpoint exports merged weights W + (alpha/r)·B·A
     load_checkpoint(ckpt_dir, chunks)
     total = len(hf_names_for_stage(chunks, cfg))
@@ -209,12 +213,14 @@ def mcore_to_hf_rank(
 def reshard_rank(
     rank: int, in_dir: str, cfg_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None,
     model_dtype: str, device: str, timeout_s: int, ep: int = 1, etp: int | None = None,
+    uneven: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Load a dist checkpoint into a (tp, pp, vpp, ep, etp) model and save it again (weights only)."""
+    """Load a dist checkpoint into a (tp, pp, vpp, ep, etp) model (``uneven``: its pipeline split) and save it
+    again (weights only)."""
     from mrl.megatron.checkpoint import load_checkpoint, save_checkpoint
 
     _setup(device, tp, pp, vpp, timeout_s, ep, etp)
-    cfg, chunks = _build(cfg_dir, dtype_from_name(model_dtype), lora_ckpt=in_dir)
+    cfg, chunks = _build(cfg_dir, dtype_from_name(model_dtype), lora_ckpt=in_dir, uneven=uneven)
     _maybe_lora(in_dir, cfg, chunks)
     extra = load_checkpoint(in_dir, chunks)
     save_checkpoint(out_dir, chunks, hf_config=cfg, extra=extra)

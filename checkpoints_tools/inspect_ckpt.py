@@ -57,7 +57,9 @@ def inspect_checkpoint(ckpt_dir: str | Path, *, checksums: bool = True) -> str:
         (f"format         {meta.get('format')}  (mrl {meta.get('mrl_version')}, megatron-core "
         f"{meta.get('megatron_core_version')}, torch {meta.get('torch_version')})"),
         (f"saved layout   tp={lay.get('tp')} pp={lay.get('pp')} vpp={lay.get('vpp')} "
-        f"dp={lay.get('dp')} world={lay.get('world_size')}  (loads at any layout)"),
+         + "".join(f"{k}={lay[k]} " for k in ("num_layers_in_first_pipeline_stage",
+                                              "num_layers_in_last_pipeline_stage") if k in lay)
+         + f"dp={lay.get('dp')} world={lay.get('world_size')}  (loads at any layout)"),
         (f"model          {hf.get('architectures')} vocab={hf.get('vocab_size')} "
         f"layers={hf.get('num_hidden_layers')} hidden={hf.get('hidden_size')}"),
         f"params dtype   {meta.get('params_dtype')}",

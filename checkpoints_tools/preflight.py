@@ -29,7 +29,7 @@ class CheckpointInputError(ValueError):
 def check_layout(args: argparse.Namespace, model_dir: Path) -> None:
     """``--tp/--pp/--vpp`` (and ``--ep`` where the command has it) shard the model of ``model_dir/config.json``."""
     from mrl.config.hf import read_model_shape
-    from mrl.config.parallel import ParallelConfig
+    from mrl.config.parallel import UNEVEN_KEYS, ParallelConfig
     from mrl.config.validate_parallel import check_model_fits
 
     try:
@@ -40,13 +40,16 @@ def check_layout(args: argparse.Namespace, model_dir: Path) -> None:
         return  # no config.json to check against (mcore dirs written before side files were copied)
     par = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                          virtual_pipeline_model_parallel_size=getattr(args, "vpp", None),
-                         expert_model_parallel_size=getattr(args, "ep", None) or 1)
+                         expert_model_parallel_size=getattr(args, "ep", None) or 1,
+                         **{k: getattr(args, k) for k in UNEVEN_KEYS if getattr(args, k, None) is not None})
     errors: list[str] = []
     check_model_fits("layout", par, shape, f"{model_dir}/config.json", errors)
     if errors:
         text = "; ".join(errors).replace("layout.tensor_model_parallel_size", "--tp").replace(
             "layout.expert_model_parallel_size", "--ep").replace("choose a TP", "choose a --tp").replace(
-            "choose PP (x VPP)", "choose --pp (x --vpp)")
+            "choose PP (x VPP)", "choose --pp (x --vpp)").replace("pipeline_model_parallel_size", "--pp")
+        for k in UNEVEN_KEYS:
+            text = text.replace(f"layout.{k}", "--" + k.replace("_", "-"))
         raise PreflightError(text)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from mrl.config.loader import parse_value
+from mrl.config.parallel import UNEVEN_KEYS
 
 AR = "actor_rollout_ref."
 A, R, REF = AR + "actor.", AR + "rollout.", AR + "ref."
@@ -59,7 +60,9 @@ KEYS: dict[str, str] = {
         "total_training_steps")},
     **{A + "megatron." + k: "actor.megatron." + k for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "expert_model_parallel_size", "sequence_parallel", "use_distributed_optimizer")},
+        "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel", "use_distributed_optimizer")},
+    **{A + "megatron.override_transformer_config." + k: "actor.megatron." + k for k in UNEVEN_KEYS},
+    **{REF + "megatron.override_transformer_config." + k: "ref.megatron." + k for k in UNEVEN_KEYS},
     A + "megatron.param_offload": "actor.offload_param",
     A + "megatron.grad_offload": "actor.offload_grad",
     A + "megatron.optimizer_offload": "actor.offload_optimizer",
@@ -69,7 +72,7 @@ KEYS: dict[str, str] = {
     REF + "megatron.param_offload": "ref.offload",
     **{REF + "megatron." + k: "ref.megatron." + k for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "expert_model_parallel_size", "sequence_parallel")},
+        "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel")},
     # rollout
     **{R + k: "rollout." + k for k in ("n", "temperature", "top_p", "top_k", "free_cache_engine", "max_num_seqs")},
     R + "tensor_model_parallel_size": "rollout.engine_tp_size",
@@ -86,7 +89,7 @@ KEYS: dict[str, str] = {
         "lr", "betas", "weight_decay", "lr_warmup_steps", "lr_warmup_steps_ratio", "min_lr_ratio", "clip_grad")},
     **{"critic.megatron." + k: "critic.megatron." + k for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-        "expert_model_parallel_size", "sequence_parallel")},
+        "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel")},
     "critic.megatron.param_offload": "critic.offload_param",
     "critic.megatron.grad_offload": "critic.offload_grad",
     "critic.megatron.optimizer_offload": "critic.offload_optimizer",
@@ -120,6 +123,10 @@ KEYS: dict[str, str] = {
         "project_name", "experiment_name")},
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
 }
+
+
+_OTHER_OVERRIDES = ("Megatron TransformerConfig overrides other than num_layers_in_first/last_pipeline_stage (mrl's "
+                    "<role>.megatron keys) are not passed through; see docs/config.md for mrl's own keys")
 
 
 def _long_sequences(role: str) -> str:
@@ -173,8 +180,8 @@ UNMAPPED: dict[str, str] = {
     "critic.ulysses_sequence_parallel_size": _ULYSSES + _long_sequences("critic"),
     A + "megatron.seed": "the seed is trainer.seed", A + "megatron.use_mbridge": "mrl maps HF <-> Megatron weights itself",
     REF + "megatron.seed": "the seed is trainer.seed", REF + "megatron.use_mbridge": "mrl maps HF <-> Megatron weights itself",
-    A + "megatron.override_transformer_config.": "Megatron TransformerConfig overrides are not passed through",
-    REF + "megatron.override_transformer_config.": "Megatron TransformerConfig overrides are not passed through",
+    A + "megatron.override_transformer_config.": _OTHER_OVERRIDES,
+    REF + "megatron.override_transformer_config.": _OTHER_OVERRIDES,
     A + "profiler.": "profiling is not configurable in mrl", "trainer.profile_steps": "profiling is not configurable in mrl",
     "trainer.balance_batch": "no switch in mrl",
     "trainer.ray_wait_register_center_timeout": "not needed by mrl's Ray setup",
@@ -207,6 +214,10 @@ UNMAPPED: dict[str, str] = {
 # key against that schema, and that each key here is indeed absent from it.
 OLDER_VERL = "verl <= 0.5's ppo_trainer.yaml (legacy FSDP reward-model worker)"
 OUTSIDE_VERL_0_9_1: dict[str, str] = {
+    **{role + "megatron.override_transformer_config." + k: (
+        "verl's DeepSeek-V3 671B examples (examples/grpo_trainer/run_deepseek671b_math_megatron*.sh: "
+        "+actor_rollout_ref.actor.megatron.override_transformer_config." + k + ", a Megatron TransformerConfig field)")
+       for role in (A, REF) for k in UNEVEN_KEYS},
     **{k: OLDER_VERL for k in (
         "reward_model.strategy", "reward_model.model.input_tokenizer", "reward_model.micro_batch_size_per_gpu",
         "reward_model.max_length", "reward_model.model.use_remove_padding", "reward_model.model.fsdp_config.",

@@ -11,6 +11,9 @@ from pydantic import Field
 
 from mrl.config.base import Section
 
+#: Megatron's uneven pipeline split (TransformerConfig fields of the same names).
+UNEVEN_KEYS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+
 
 class ParallelConfig(Section):
     """Model-parallel sizes of one Megatron role; DP is derived from the devices the role gets."""
@@ -20,6 +23,14 @@ class ParallelConfig(Section):
     virtual_pipeline_model_parallel_size: int | None = Field(
         None, ge=1, description="Interleaved-1F1B model chunks per pipeline stage (VPP); null disables interleaving."
     )
+    num_layers_in_first_pipeline_stage: int | None = Field(
+        None, ge=1, description="Uneven pipeline stages (Megatron's and verl's override_transformer_config name): the "
+        "first stage's layer count; the layers left after the first/last stage's are split evenly over the other "
+        "stages. For layer counts PP does not divide (DeepSeek-V3's 61 layers at PP16: first 4, last 1). null = "
+        "an even split.")
+    num_layers_in_last_pipeline_stage: int | None = Field(
+        None, ge=1, description="Uneven pipeline stages: the last stage's layer count (it also holds the output "
+        "layer and the loss); null = an even split.")
     context_parallel_size: int = Field(1, ge=1, description="Context-parallel size (CP); must be 1 for now: context parallelism is not implemented in mrl's workers on any backend yet, so mrl plan refuses > 1. For long sequences: actor.use_remove_padding with attention_backend=sdpa, activation recompute, and TP with sequence_parallel.")
     expert_model_parallel_size: int = Field(
         1, ge=1, description="Expert-parallel size (EP) for MoE layers (experts split over EP ranks; EP folds over TP and "
@@ -39,6 +50,11 @@ class ParallelConfig(Section):
     def etp(self) -> int:
         """ETP with its default (TP) applied."""
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def uneven_stages(self) -> dict[str, int]:
+        """The uneven-split sizes that are set, as Megatron ``TransformerConfig`` kwargs."""
+        return {k: v for k in UNEVEN_KEYS if (v := getattr(self, k)) is not None}
 
     @property
     def model_parallel_size(self) -> int:

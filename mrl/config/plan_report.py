@@ -31,6 +31,7 @@ from mrl.config.auto import planned_device
 from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout
 from mrl.config.parallel import ParallelConfig
+from mrl.config.pipeline_split import SplitError, stage_layer_counts
 from mrl.config.root import MRLConfig
 from mrl.config.run_plan import RunPlan, plan_run
 from mrl.config.validate import check_config, load_shape
@@ -53,15 +54,38 @@ def params_per_device(shape: ModelShape, par: ParallelConfig, divisible_by: int,
     v = padded_vocab(shape.vocab_size, divisible_by, tp)
     h = shape.hidden_size
     dense, experts = shape.layer_params()
-    per_stage_layers = shape.num_layers // pp
-    layers = per_stage_layers * (dense / tp + experts / (ep * etp))
+    per_layer = dense / tp + experts / (ep * etp)
+    counts = _stage_layers(shape.num_layers, par)
     embed = v * h / tp
     head = h if value_head else (embed if (not shape.tie_word_embeddings or pp > 1) else 0)
     if pp == 1:
-        return int(embed + layers + h + head)
-    first = embed + layers
-    last = layers + h + head
-    return int(max(first, last))
+        return int(embed + counts[0] * per_layer + h + head)
+    first = embed + counts[0] * per_layer
+    last = counts[-1] * per_layer + h + head
+    middle = max(counts[1:-1], default=0) * per_layer
+    return int(max(first, middle, last))
+
+
+def _stage_summary(counts: list[int]) -> str:
+    """``4, 4 x14, 1``-style: runs of equal stage sizes folded."""
+    runs: list[list[int]] = []
+    for c in counts:
+        if runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    return ", ".join(f"{c}" if n == 1 else f"{c} x{n}" for c, n in runs)
+
+
+def _stage_layers(num_layers: int, par: ParallelConfig) -> list[int]:
+    """Layers per pipeline stage (even or uneven split); a split the plan's checks refuse counts as
+    ``ceil(L / PP)`` per stage here (the estimate still prints next to the error)."""
+    pp = par.pipeline_model_parallel_size
+    try:
+        return stage_layer_counts(num_layers, pp, par.virtual_pipeline_model_parallel_size,
+                                  par.num_layers_in_first_pipeline_stage, par.num_layers_in_last_pipeline_stage)
+    except SplitError:
+        return [math.ceil(num_layers / pp)] * pp
 
 
 @dataclass(frozen=True)
@@ -86,7 +110,7 @@ def lora_params_per_device(shape: ModelShape, par: ParallelConfig, rank: int, ta
     row = {"o_proj": (q, h), "down_proj": (f, h)}
     per_layer = sum(rank * i + rank * o / tp for t, (i, o) in column.items() if t in targets)
     per_layer += sum(rank * i / tp + rank * o for t, (i, o) in row.items() if t in targets)
-    return int(per_layer * (shape.num_layers // par.pipeline_model_parallel_size))
+    return int(per_layer * max(_stage_layers(shape.num_layers, par)))
 
 
 def trained_memory(shape: ModelShape, par: ParallelConfig, dp: int, dtype: str, distributed_optimizer: bool,
@@ -118,6 +142,7 @@ class PlanReport:
     param_count: int | None = None
     active_param_count: int | None = None  # MoE: parameters one token runs through
     num_experts: int = 0
+    num_layers: int | None = None  # the model's decoder layers (config.json), for the per-stage split
     experts_per_token: int = 0
     notes: list[str] = field(default_factory=list)
     full_finetune_actor: RoleMemory | None = None  # the actor without LoRA, to show what LoRA saves
@@ -164,6 +189,7 @@ def build_report(cfg: MRLConfig) -> PlanReport:
     if shape is None:
         return plan
     plan.param_count = shape.param_count()
+    plan.num_layers = shape.num_layers
     plan.active_param_count = shape.param_count(active=True)
     plan.num_experts, plan.experts_per_token = shape.num_experts, shape.experts_per_token
     div, dt = cfg.model.make_vocab_size_divisible_by, plan_dtype(cfg)
@@ -257,6 +283,8 @@ def format_report(cfg: MRLConfig, plan: PlanReport) -> str:
             p = lay.parallel
             desc = (f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
                     f"CP={p.context_parallel_size} DP={lay.dp}")
+            if p.uneven_stages and plan.num_layers:
+                desc += f" | layers per stage: {_stage_summary(_stage_layers(plan.num_layers, p))}"
             if p.expert_model_parallel_size > 1 or plan.num_experts:
                 edp = lay.count // (p.etp * p.expert_model_parallel_size * p.pipeline_model_parallel_size) if lay.count else 0
                 desc += f" | experts: EP={p.expert_model_parallel_size} ETP={p.etp} EDP={edp}"

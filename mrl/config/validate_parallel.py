@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from mrl.config.hf import ModelShape
 from mrl.config.layout import RoleLayout
-from mrl.config.parallel import ParallelConfig
+from mrl.config.parallel import UNEVEN_KEYS, ParallelConfig
+from mrl.config.pipeline_split import SplitError, stage_layer_counts, suggest_split
 from mrl.config.root import MRLConfig
 
 #: The sizes that define Megatron's process groups: a role sharing the actor's groups must match them.
 GROUP_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-              "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")
+              "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", *UNEVEN_KEYS)
 
 #: The sections that hold a Megatron layout (teacher's and reward_model's may be null: the actor's sizes).
 MEGATRON_ROLES = ("actor", "ref", "critic", "teacher", "reward_model")
@@ -85,7 +86,7 @@ def check_parallel(role: str, par: ParallelConfig, lay: RoleLayout, cfg: MRLConf
 
 def check_model_fits(key: str, par: ParallelConfig, shape: ModelShape, source: str, errors: list[str]) -> None:
     """``par`` (the layout at ``key``) shards the model of ``source`` (its config.json): heads by TP, layers by PP."""
-    tp, pp, vpp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    tp = par.tensor_model_parallel_size
     if shape.num_heads % tp:
         errors.append(
             f"{key}.tensor_model_parallel_size={tp} does not divide the model's {shape.num_heads} attention heads "
@@ -96,13 +97,7 @@ def check_model_fits(key: str, par: ParallelConfig, shape: ModelShape, source: s
             f"{key}.tensor_model_parallel_size={tp} does not divide the model's {shape.num_kv_heads} KV heads "
             f"({source} num_key_value_heads); fix: choose a TP that divides {shape.num_kv_heads}"
         )
-    stages = pp * (vpp or 1)
-    if shape.num_layers % stages:
-        errors.append(
-            f"{key}: the {shape.num_layers} layers ({source} num_hidden_layers) are not divisible by "
-            "pipeline_model_parallel_size*virtual_pipeline_model_parallel_size "
-            f"= {stages}; fix: choose PP (x VPP) dividing {shape.num_layers}"
-        )
+    check_pipeline_split(key, par, shape.num_layers, source, errors)
     ep = par.expert_model_parallel_size
     if ep > 1 and (not shape.num_experts or shape.num_experts % ep):
         experts = f"{shape.num_experts} experts" if shape.num_experts else "no experts (dense)"
@@ -110,3 +105,31 @@ def check_model_fits(key: str, par: ParallelConfig, shape: ModelShape, source: s
             f"{key}.expert_model_parallel_size={ep} must divide the model's number of experts, but it has {experts}; "
             f"fix: set {key}.expert_model_parallel_size=1 for dense models or a divisor of the expert count"
         )
+
+
+def check_pipeline_split(key: str, par: ParallelConfig, num_layers: int, source: str, errors: list[str]) -> None:
+    """The model's ``num_layers`` split over ``par``'s pipeline stages as Megatron will (even, or uneven with
+    num_layers_in_first/last_pipeline_stage; mrl/config/pipeline_split.py); an error names a split that works."""
+    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    try:
+        stage_layer_counts(num_layers, pp, vpp, par.num_layers_in_first_pipeline_stage,
+                           par.num_layers_in_last_pipeline_stage)
+    except SplitError as e:
+        uneven = par.uneven_stages
+        where = "".join(f"{key}.{k}={v}, " for k, v in uneven.items())
+        if uneven and pp == 1:
+            fix = f"set {' and '.join(f'{key}.{k}' for k in uneven)} to null, or pipeline_model_parallel_size > 1"
+        else:
+            fixes = [f"choose PP{' (x VPP)' if vpp else ''} dividing {num_layers}"]
+            hint = suggest_split(num_layers, pp) if vpp is None else None
+            if hint:
+                fixes.append(", ".join(f"{key}.{k}={v}" for k, v in hint.items())
+                             + "".join(f" with {k} null" for k in UNEVEN_KEYS if k not in hint and k in uneven))
+            elif vpp:
+                fixes.append("first/last stage layer counts that divide by VPP, leaving layers that split evenly "
+                             "over the other stages' VPP chunks")
+            fix = " or ".join(fixes)
+        errors.append(f"{key}: the {num_layers} layers ({source} num_hidden_layers) cannot be split over "
+                      f"pipeline_model_parallel_size={pp}"
+                      + (f", virtual_pipeline_model_parallel_size={vpp}" if vpp else "")
+                      + f" ({where}{e}); fix: {fix}")

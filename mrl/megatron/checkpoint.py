@@ -71,6 +71,16 @@ def parallel_layout() -> dict[str, int | None]:
     }
 
 
+def _pipeline_split(model_chunks: Sequence[torch.nn.Module]) -> dict[str, int]:
+    """The uneven pipeline split the model was built with (Megatron's num_layers_in_first/last_pipeline_stage),
+    only the sizes that are set: informational (the checkpoint loads at any split)."""
+    from mrl.megatron.unwrap import unwrap
+
+    cfg = unwrap(model_chunks[0]).config
+    return {k: v for k in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+            if (v := getattr(cfg, k, None)) is not None}
+
+
 def _sd_metadata(optim_sharding: str) -> dict[str, Any]:
     """Options steering every ``sharded_state_dict`` call (Megatron-LM passes the same keys)."""
     if optim_sharding not in _OPTIM_SHARDINGS:
@@ -218,7 +228,7 @@ def save_checkpoint(
             "megatron_core_version": megatron.core.__version__,
             "torch_version": torch.__version__,
             "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "layout": parallel_layout(),
+            "layout": {**parallel_layout(), **_pipeline_split(model_chunks)},
             "params_dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
             "has_optimizer": optimizer is not None,
             "has_scheduler": opt_param_scheduler is not None,

@@ -144,7 +144,8 @@ class MegatronModel:
             self.hf_config = as_causal_lm_config(self.hf_config, hf_path)
         self.parallel = parallel
         self.value_head = value_head
-        overrides: dict[str, Any] = {"sequence_parallel": parallel.sequence_parallel, **_recompute_overrides(recompute)}
+        overrides: dict[str, Any] = {"sequence_parallel": parallel.sequence_parallel, **parallel.uneven_stages,
+                                     **_recompute_overrides(recompute)}
         from mrl.families import family_of
         from mrl.megatron.moe import is_moe_family
         from mrl.megatron.provider import model_family

@@ -1,7 +1,8 @@
-"""``mrl-ckpt`` with ``--ep`` on a tiny Mixtral (4 experts): HF → mcore at EP2×PP2 (4 ranks) →
-reshard to EP4 → HF at EP2 is bit-exact per tensor, experts under their global indices."""
+"""``mrl-ckpt`` with ``--ep`` on a tiny Mixtral (4 experts): HF → mcore at EP2×PP2 (4 ranks; uneven stages: 3
+layers, then 1) → reshard to EP4 → HF at EP2 is bit-exact per tensor, experts under their global indices."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,10 @@ def test_moe_hf_mcore_reshard_hf_roundtrip_is_bit_exact(tmp_path: Path) -> None:
     hf = make_tiny_hf(tmp_path / "hf", "mixtral")
     m = tmp_path / "m_ep2pp2"
     out = _ok(_cli("hf-to-mcore", "--hf", str(hf), "--out", str(m), "--tp", "1", "--pp", "2", "--ep", "2",
-                   "--device", "cpu", "--timeout", "240"))
+                   "--num-layers-in-last-pipeline-stage", "1", "--device", "cpu", "--timeout", "240"))
     assert "4 cpu ranks" in out.stdout, out.stdout
+    layout = json.loads((m / "mrl_checkpoint.json").read_text())["layout"]
+    assert layout["pp"] == 2 and layout["num_layers_in_last_pipeline_stage"] == 1, layout  # the flag reached Megatron
     m4 = tmp_path / "m_ep4"
     _ok(_cli("reshard", "--in", str(m), "--out", str(m4), "--tp", "1", "--pp", "1", "--ep", "4", "--device", "cpu"))
     back = tmp_path / "hf_back"

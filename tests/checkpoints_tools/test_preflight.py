@@ -30,6 +30,8 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (["--tp", "3"], "does not divide the model's 4 attention heads"),
     (["--tp", "4"], "does not divide the model's 2 KV heads"),
     (["--pp", "3"], "the 4 layers"),
+    (["--pp", "3", "--num-layers-in-last-pipeline-stage", "3"], "--num-layers-in-last-pipeline-stage=3"),
+    (["--num-layers-in-first-pipeline-stage", "1"], "an uneven split needs --pp > 1"),
 ])
 def test_a_layout_the_model_cannot_take_is_refused_before_any_rank(
         flags: list[str], needle: str, hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

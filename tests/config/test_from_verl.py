@@ -234,3 +234,29 @@ def test_trainer_device_is_carried_over() -> None:
     npu = translate_overrides(["data.seed=1", "trainer.device=npu"])
     assert npu.get("cluster.device") is None and npu.unmapped[0][0] == "trainer.device"
     assert "CUDA GPUs" in npu.unmapped[0][2]
+
+
+def test_deepseek_v3_uneven_pipeline_stages_are_carried_over(capsys: pytest.CaptureFixture[str],
+                                                             tmp_path: Path) -> None:
+    """verl's DeepSeek-V3 671B examples split the 61 layers over PP16 as 4 + 14 x 4 + 1 with Megatron's
+    num_layers_in_first/last_pipeline_stage (a `+...override_transformer_config.` key); mrl's layout keys take
+    them, the plan's layer split accepts them and prints the stages; other TransformerConfig overrides stay
+    listed as not mapped."""
+    from mrl.config import check_config
+
+    cfg, err, out = _from_verl(capsys, tmp_path, "deepseek671b_megatron")
+    assert cfg["actor"]["megatron"] == {"pipeline_model_parallel_size": 16, "expert_model_parallel_size": 16,
+                                        "expert_tensor_parallel_size": 1, "num_layers_in_first_pipeline_stage": 4,
+                                        "num_layers_in_last_pipeline_stage": 1}
+    assert "override_transformer_config.recompute_method=uniform: Megatron TransformerConfig overrides other" in err
+    errors = check_config(load_config(str(out), check=False))[0]
+    assert not [e for e in errors if "layers" in e], errors
+    # without the uneven keys the same layout is refused, naming a split that works
+    loaded = yaml.safe_load(out.read_text())
+    for k in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+        del loaded["actor"]["megatron"][k]
+    (tmp_path / "even.yaml").write_text(yaml.safe_dump(loaded))
+    errors = check_config(load_config(str(tmp_path / "even.yaml"), check=False))[0]
+    split = [e for e in errors if e.startswith("actor.megatron: the 61 layers")]
+    assert len(split) == 1 and "fix: choose PP dividing 61 or actor.megatron.num_layers_in_last_pipeline_stage=1" \
+        in split[0], errors

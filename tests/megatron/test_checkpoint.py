@@ -1,7 +1,8 @@
 """mrl.megatron.checkpoint: dist_checkpointing save/load across layouts, with optimizer state.
 
 * Weights saved at TP2×PP2 load at TP1×PP1 (DP4) and export bit-identical HF tensors; the save starts
-  no spawned Manager process (mrl.megatron.checkpoint._in_process_write_results).
+  no spawned Manager process (mrl.megatron.checkpoint._in_process_write_results). So do weights saved at
+  PP2 with uneven stages (num_layers_in_first_pipeline_stage=1: layer 0 alone on stage 0).
 * Model + DistributedOptimizer + scheduler saved after one Adam step at TP2 and loaded at
   TP1×DP2 continue training exactly as the uninterrupted run (|Δw| ≤ 1e-6 after step 2), while
   a run that loads the weights only lands measurably elsewhere (the test can fail).
@@ -41,8 +42,20 @@ def _layout_rank(rank: int, world: int, hf_dir: str, ckpt_dir: str) -> dict:
     extra = load_checkpoint(ckpt_dir, chunks)
     exported = dict(export_hf_weights(chunks, cfg))
     bad = [n for n, t in exported.items() if t.dtype != ref(n).dtype or not torch.equal(t, ref(n))]
+
+    # uneven pipeline stages (layer 0 alone on stage 0, layers 1-3 on stage 1): saved, then loaded at PP1
+    uneven = {"num_layers_in_first_pipeline_stage": 1}
+    init_parallel(device="cpu", tp=1, pp=2)
+    chunks = build_model_chunks(cfg, config_overrides=uneven)
+    stage_layers = [m.layer_number for m in chunks[0].decoder.layers]
+    load_hf_weights(chunks, cfg, ref)
+    save_checkpoint(f"{ckpt_dir}_uneven", chunks, hf_config=cfg)
+    init_parallel(device="cpu", tp=1, pp=1)
+    chunks = build_model_chunks(cfg)
+    load_checkpoint(f"{ckpt_dir}_uneven", chunks)
+    bad_uneven = [n for n, t in export_hf_weights(chunks, cfg) if not torch.equal(t, ref(n))]
     return {"extra": extra, "bad": bad, "n": len(exported), "differs_before": len(differs_before),
-            "spawned_managers": len(spawned)}
+            "spawned_managers": len(spawned), "stage_layers": stage_layers, "bad_uneven": bad_uneven}
 
 
 def _count_spawned_managers() -> list:
@@ -70,6 +83,8 @@ def test_save_tp2pp2_load_tp1pp1_exports_identical_weights(tmp_path: Path) -> No
         assert r["n"] == len(_hf_tensors(hf)) and r["bad"] == []
         assert r["differs_before"] > 0  # random init really was replaced by the checkpoint
         assert r["spawned_managers"] == 0  # the synchronous save started no Manager interpreter
+        assert r["bad_uneven"] == []  # a checkpoint of uneven stages is layout-independent too
+    assert sorted(r["stage_layers"] for r in results) == [[1], [1], [2, 3, 4], [2, 3, 4]]
     meta = json.loads((ckpt / "mrl_checkpoint.json").read_text())
     assert meta["layout"]["tp"] == 2 and meta["layout"]["pp"] == 2 and meta["layout"]["world_size"] == 4
     assert meta["hf_config"]["vocab_size"] == 300 and meta["params_dtype"] == "float32"

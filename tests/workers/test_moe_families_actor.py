@@ -1,7 +1,8 @@
 """The MoE families added for issue 44 (DeepSeek-V3, GLM-4.5, gpt-oss) through the actor, as
 tests/workers/test_moe_actor.py does for Qwen3-MoE: log-probs equal transformers', and one update's loss,
 gradients and weights after the step do not depend on the layout (DP4 on padded rows, EP2 on packed rows, EP2 x PP2
-on packed rows). One 4-rank gloo launch covers the three families and the gpt-oss aux-loss run.
+on packed rows; DeepSeek-V3 also at EP2 x PP2 with uneven pipeline stages, its dense layer 0 alone on stage 0). One
+4-rank gloo launch covers the three families and the gpt-oss aux-loss run.
 
 Gradients are the ones the update used, recovered from the weights after its one Adam step: on Adam's first step
 (m^ = g, v^ = g², no weight decay, no clipping) a weight moves by ``lr · g / (|g| + eps)``, so with
@@ -42,11 +43,18 @@ from tests.helpers.dist import run_ranks
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(600)]
 
 FAMILIES = ("deepseek_v3", "glm4_moe", "gpt_oss")
-LAYOUTS = [  # (tp, pp, ep, etp, micro-batch size), packed rows
-    ((1, 1, 1, 1, 2), False),  # DP4, padded rows
-    ((1, 1, 2, 1, 2), True),   # EP2 (DP4), packed rows
-    ((1, 2, 2, 1, 2), True),   # EP2 x PP2 (DP2), packed rows
+LAYOUTS = [  # (tp, pp, ep, etp, micro-batch size), packed rows, uneven pipeline split
+    ((1, 1, 1, 1, 2), False, {}),  # DP4, padded rows
+    ((1, 1, 2, 1, 2), True, {}),   # EP2 (DP4), packed rows
+    ((1, 2, 2, 1, 2), True, {}),   # EP2 x PP2 (DP2), packed rows
 ]
+# DeepSeek-V3 also at EP2 x PP2 with an uneven split, stage 0 = the dense layer 0 alone, stage 1 = the 3 MoE
+# layers (ParallelConfig.num_layers_in_first_pipeline_stage through the actor to Megatron)
+UNEVEN_STAGES = {"deepseek_v3": (((1, 2, 2, 1, 2), True, {"num_layers_in_first_pipeline_stage": 1}), [[1], [2, 3, 4]])}
+
+
+def _layouts(fam):
+    return LAYOUTS + ([UNEVEN_STAGES[fam][0]] if fam in UNEVEN_STAGES else [])
 AUX = 0.1  # the gpt-oss aux run's coefficient (large enough that its gradient stands out of float noise)
 LR, EPS = 1e4, 1.0  # one Adam step that the gradient can be read back from (module docstring)
 VOCAB = 96
@@ -54,12 +62,12 @@ LP_TOL = 1e-5    # fp32 log-probs vs transformers
 GRAD_TOL = 1e-5  # per tensor: |g - g_DP4| <= 1e-5 * max|g_DP4| (+ rtol 1e-5)
 
 
-def _cfg(tp, pp, ep, etp, mbs, *, aux=0.0):
+def _cfg(tp, pp, ep, etp, mbs, *, aux=0.0, uneven=None):
     from mrl.config.actor import ActorConfig
 
     return ActorConfig(
         megatron={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                  "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp},
+                  "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp, **(uneven or {})},
         moe={"aux_loss_coef": aux},
         ppo_micro_batch_size_per_gpu=mbs,
         optim={"lr": LR, "eps": EPS, "weight_decay": 0.0, "clip_grad": 0.0},
@@ -78,8 +86,12 @@ def _one_update(path, cfg, packed, batch):
     lp, _ = actor.compute_log_prob(batch)
     metrics = actor.update_policy(batch)
     weights = {n: t.clone() for n, t in actor.export_hf_weights()}
+    stage = (ps.get_pipeline_model_parallel_rank(), [m.layer_number for c in actor.model.chunks
+                                                     for m in c.modules() if hasattr(m, "layer_number")
+                                                     and type(m).__name__ == "TransformerLayer"])
     del actor
-    return {"lp": lp, "loss": metrics["actor/pg_loss"], "weights": weights if keep else None, "metrics": metrics}
+    return {"lp": lp, "loss": metrics["actor/pg_loss"], "weights": weights if keep else None, "metrics": metrics,
+            "stage": stage}
 
 
 def _rank(rank, world, paths):
@@ -88,7 +100,7 @@ def _rank(rank, world, paths):
     batch = ragged_batch(vocab=VOCAB)
     out = {}
     for fam, path in paths.items():
-        out[fam] = [_one_update(path, _cfg(*lay), packed, batch) for lay, packed in LAYOUTS]
+        out[fam] = [_one_update(path, _cfg(*lay, uneven=uneven), packed, batch) for lay, packed, uneven in _layouts(fam)]
     if "gpt_oss" in paths:
         out["gpt_oss_aux"] = _one_update(paths["gpt_oss"], _cfg(*LAYOUTS[0][0], aux=AUX), LAYOUTS[0][1], batch)
     return portable(out)
@@ -168,8 +180,12 @@ def test_new_moe_families_actor_layout_invariance_and_gpt_oss_aux_loss(tmp_path)
         # the gradient reaches every MoE layer's experts and router (the check is not vacuous)
         assert all(float(g.abs().max()) > 0 for n, g in g0.items() if ".mlp." in n and "experts." not in n), fam
         assert any("experts." in n and float(g.abs().max()) > 1e-6 for n, g in g0.items()), fam
-        for li, (lay, packed) in enumerate(LAYOUTS):
-            tag = f"{fam} {lay} packed={packed}"
+        for li, (lay, packed, uneven) in enumerate(_layouts(fam)):
+            tag = f"{fam} {lay} packed={packed}" + (f" {uneven}" if uneven else "")
+            if uneven:  # Megatron really built the uneven stages (else this run repeats the even one)
+                built = sorted({tuple(r[fam][li]["stage"][1]): r[fam][li]["stage"][0] for r in res}.items(),
+                               key=lambda kv: kv[1])
+                assert [list(layers) for layers, _ in built] == UNEVEN_STAGES[fam][1], (tag, built)
             d_lp = max(float((r[fam][li]["lp"] - ref_lp).abs().max()) for r in res)
             d_loss = max(abs(r[fam][li]["loss"] - base_loss) for r in res)
             grads = _step_grads([r[fam][li] for r in res], ckpt)
