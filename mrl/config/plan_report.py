@@ -122,7 +122,18 @@ def trained_memory(shape: ModelShape, par: ParallelConfig, dp: int, dtype: str, 
     opt = 12 if w < 4 else 8
     shard = dp * par.context_parallel_size if distributed_optimizer else 1
     t = p if trainable is None else trainable
-    return RoleMemory(weights=(p if trainable is None else p + t) * w, grads=t * 4, optimizer=int(t * opt / max(shard, 1)))
+    if trainable is None and shape.num_experts and distributed_optimizer:
+        # Megatron shards expert parameters' optimizer state over the expert-data-parallel group, EDP =
+        # TP*CP*DP / (ETP*EP) (devices / (ETP*EP*PP)), the rest over DP*CP: with EP covering every device of
+        # a stage (EDP 1) the experts' Adam states are not sharded at all
+        _, experts = shape.layer_params()
+        expert_p = int(experts / (par.expert_model_parallel_size * par.etp) * max(_stage_layers(shape.num_layers, par)))
+        edp = max(par.tensor_model_parallel_size * par.context_parallel_size * dp
+                  // (par.etp * par.expert_model_parallel_size), 1)
+        optimizer = int((p - expert_p) * opt / max(shard, 1) + expert_p * opt / edp)
+    else:
+        optimizer = int(t * opt / max(shard, 1))
+    return RoleMemory(weights=(p if trainable is None else p + t) * w, grads=t * 4, optimizer=optimizer)
 
 
 @dataclass

@@ -121,3 +121,23 @@ def test_memory_estimate_takes_the_largest_stage(first, last):
     embed = 256 * 64  # vocab 256 is already a multiple of 128: no padding
     want = max(embed + counts[0] * layer, *(c * layer for c in counts[1:-1]), counts[-1] * layer + 64 + embed)
     assert params_per_device(shape, par, divisible_by=128) == want
+
+
+@pytest.mark.parametrize("ep,dp,edp", [(8, 8, 1), (4, 8, 2), (2, 8, 4)])
+def test_expert_optimizer_state_is_sharded_over_expert_data_parallel_ranks(ep, dp, edp):
+    """Megatron's distributed optimizer shards an expert's Adam states over its expert-data-parallel group
+    (EDP = devices / (ETP * EP * PP)), the dense parameters' over DP: with EP8 on 8 devices nothing of the
+    experts' states is sharded."""
+    from mrl.config.hf import ModelShape
+    from mrl.config.parallel import ParallelConfig
+    from mrl.config.plan_report import params_per_device, trained_memory
+
+    shape = ModelShape(model_type="qwen3_moe", vocab_size=256, hidden_size=64, num_layers=4, num_heads=4,
+                       num_kv_heads=4, head_dim=16, intermediate_size=128, max_positions=None,
+                       tie_word_embeddings=False, qkv_bias=False, qk_norm=False, num_experts=8,
+                       moe_intermediate_size=32, experts_per_token=2)
+    par = ParallelConfig(expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    experts_here = 4 * 8 * 3 * 64 * 32 // ep  # 4 layers x 8 experts x (gate, up, down of 64 x 32) / EP
+    p = params_per_device(shape, par, divisible_by=128)
+    mem = trained_memory(shape, par, dp=dp, dtype="bfloat16", distributed_optimizer=True, divisible_by=128)
+    assert mem.optimizer == int((p - experts_here) * 12 / dp + experts_here * 12 / edp)
