@@ -102,6 +102,31 @@ def replayed_logits(path: Path) -> dict[str, float]:
     return out
 
 
+def bf16_replayed_error(path: Path) -> dict[str, float]:
+    """This layout's (TP1/EP1) model of ``path`` in bf16 (Float16Module: bf16 weights and activations, fp32 logits
+    out) with every router replaying the fp32 truth's expert ids of ``path/bf16.pt`` (mrl's router probes, R3: its
+    own probabilities at those experts) -> max and mean |Δ| of its logits to the fp32 truth's. Replay keeps a
+    near-tie that bf16 rounding flips from standing in for the precision of the rest (docs/moe.md, gpt-oss)."""
+    from mrl.megatron.hf_io import HFCheckpointReader
+    from mrl.megatron.mapping import load_hf_weights
+    from mrl.megatron.provider import build_model_chunks, load_hf_config
+    from mrl.workers.routing_replay import install_probes, set_targets
+
+    cfg = load_hf_config(path)
+    ref = torch.load(path / "bf16.pt", weights_only=True)
+    chunks = build_model_chunks(cfg, dtype=torch.bfloat16, config_overrides={"moe_enable_routing_replay": True})
+    load_hf_weights(chunks, cfg, HFCheckpointReader(path))
+    model = chunks[0].eval()
+    probes = install_probes(chunks)
+    ids = ref["ids"]
+    set_targets(probes, ref["routed"])
+    with torch.no_grad():
+        logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)[..., : cfg.vocab_size]
+    set_targets(probes, None)
+    diff = (logits.float() - ref["truth"]).abs()
+    return {"max": float(diff.max()), "mean": float(diff.mean())}
+
+
 def lora_export(path: Path) -> None:
     """LoRA (all-linear, rank 4) on this layout's model of ``path`` with random B (the merge must move): rank 0
     writes ``path/lora.pt`` = {"peft": export_peft_tensors, "merged": the merged HF export} (experts gathered)."""
@@ -137,7 +162,8 @@ def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispa
     gathered over EP). At :data:`FROZEN_BIAS_LAYOUT` each ``frozen_bias`` case also trains one step:
     ``("expert_bias", case)`` -> max |Δ expert_bias| (:func:`expert_bias_after_train_step`), replays an engine's
     routing: ``("replay" | "own", case)`` -> max |Δlogits| (:func:`replayed_logits`), and writes its LoRA adapters
-    and merged export (:func:`lora_export`)."""
+    and merged export (:func:`lora_export`). At TP1 rank 0 also runs each ``etp1`` case that has a ``bf16.pt`` in
+    bf16: ``(case, "bf16", "max" | "mean")`` (:func:`bf16_replayed_error`)."""
     from megatron.core import parallel_state as ps
 
     from mrl.megatron.hf_io import HFCheckpointReader, write_hf_checkpoint
@@ -180,6 +206,9 @@ def moe_parity_rank(rank: int, world: int, root: str, families: list[str], dispa
                     out[(case, disp, tp, pp, ep, etp)] = (logits - ref["logits"]).abs().max().item()
                 if case in etp1 and layout == ETP1_LAYOUTS[0] and disp == dispatchers[0]:
                     out[(case, "grads")] = _grads_vs_reference(path, cfg)
+                    if rank == 0 and (path / "bf16.pt").exists():
+                        for stat, value in bf16_replayed_error(path).items():
+                            out[(case, "bf16", stat)] = value
                 if (tp, pp, ep) == ROUNDTRIP and disp == dispatchers[0]:
                     stage_dir = Path(root) / f"rt_{case}" / f"stage{ps.get_pipeline_model_parallel_rank()}"
                     names = hf_names_for_stage(chunks, cfg)

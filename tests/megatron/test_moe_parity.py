@@ -6,7 +6,8 @@ Qwen2-MoE with ``decoder_sparse_step=2``, GLM-4.5 without q/k norm and qkv bias,
 group-limited routing: Megatron ``moe_layer_freq``) at TP1, EP2, PP2 and EP2×PP2; gpt-oss (attention sinks,
 alternating windows, YaRN, biased router and clamped-SwiGLU experts stored fused) at TP1, TP2, EP2, PP2, EP2×PP2
 and TP2×EP2 (ETP1: Megatron's expert biases) with both dispatchers, and its gradients at TP1 vs transformers' for
-every tensor; a GLM router's expert_bias unchanged by a train step's ``finalize_model_grads``;
+every tensor, and in bf16 (replaying the fp32 routing) as close to the fp32 truth as transformers' bf16 is; a GLM
+router's expert_bias unchanged by a train step's ``finalize_model_grads``;
 HF → Megatron(EP2×PP2) → HF is bit-exact per tensor for all of them. One 4-rank gloo launch covers all of it."""
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ FROZEN_BIAS = ["glm4_moe"]  # sigmoid routers whose expert_bias must survive a t
 MIXED_PARAMS = [(c, DISPATCHERS[0], lay) for c in MIXED for lay in MIXED_LAYOUTS]
 BIASED = ["gpt_oss"]  # experts with biases: ETP1 layouts
 BIASED_PARAMS = [(c, d, lay) for c in BIASED for d in DISPATCHERS for lay in ETP1_LAYOUTS]
+BF16_BATCH = (8, 32)  # the bf16 check's ids: enough tokens for a stable mean error
+# mrl's bf16 error over transformers' (both replaying the fp32 routing): the mean is stable (Megatron adds the
+# attention biases after the GEMM, one more bf16 rounding than nn.Linear), the max is one token's rounding
+BF16_MEAN_RATIO, BF16_MAX_RATIO = 1.1, 2.0
 
 
 def _write_reference_grads(path, gen: torch.Generator) -> None:
@@ -60,6 +65,39 @@ def _write_reference_grads(path, gen: torch.Generator) -> None:
     (model(ids).logits * w).sum().backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     torch.save({"ids": ids, "w": w, "grads": grads}, path / "grads.pt")
+
+
+def _write_bf16_reference(path, gen: torch.Generator) -> None:
+    """``path/bf16.pt``: a batch of BF16_BATCH ids; transformers' fp32 logits of it (the truth) and its expert ids
+    ``routed`` [B, S, layers, K] (the top-k of each router's logits); transformers' bf16 logits with each router held
+    to those ids (its own bf16 logits there, softmax over them: what mrl's replay computes), the error mrl's bf16
+    is held to."""
+    import types
+
+    import torch.nn.functional as F
+    import transformers as tf
+
+    ids = torch.randint(0, tf.AutoConfig.from_pretrained(path).vocab_size, BF16_BATCH, generator=gen)
+    truth_model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = truth_model(ids, output_router_logits=True)
+    k = truth_model.config.num_experts_per_tok
+    routed = torch.stack([lg.topk(k, dim=-1).indices.view(*ids.shape, k) for lg in out.router_logits], dim=2)
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+
+    def held_router(i: int):
+        def forward(self, hidden):  # GptOssTopKRouter.forward with the top-k taken among the truth's experts only
+            logits = F.linear(hidden, self.weight, self.bias)
+            allowed = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, routed[:, :, i].reshape(-1, k), True)
+            top, idx = logits.masked_fill(~allowed, float("-inf")).topk(k, dim=-1)
+            return logits, F.softmax(top, dim=1, dtype=top.dtype), idx
+        return forward
+
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.router.forward = types.MethodType(held_router(i), layer.mlp.router)
+    with torch.no_grad():
+        hf_bf16 = model(ids).logits.float()
+    torch.save({"ids": ids, "routed": routed, "truth": out.logits, "hf_bf16": hf_bf16}, path / "bf16.pt")
 
 
 def write_engine_routing(path, gen: torch.Generator) -> None:
@@ -97,6 +135,7 @@ def launched(tmp_path_factory):
     for fam in BIASED:
         write_reference_logits(make_tiny_hf(root / fam, fam), gen)
         _write_reference_grads(root / fam, gen)
+        _write_bf16_reference(root / fam, gen)
     results = run_ranks(moe_parity_rank, 4, args=(str(root), FAMILIES, DISPATCHERS, list(MIXED), BIASED, FROZEN_BIAS),
                         timeout_s=420, init_process_group=False)
     merged: dict = {}
@@ -140,6 +179,22 @@ def test_gpt_oss_gradients_match_transformers(launched, case):
     layout, vs transformers' autograd: max |Δ| relative to the largest gradient."""
     _, diffs = launched
     assert diffs[(case, "grads")] <= TOL, f"{case}: gradients differ by {diffs[(case, 'grads')]:.3g} (relative)"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", BIASED)
+def test_gpt_oss_bf16_is_as_close_to_fp32_as_transformers_bf16(launched, case):
+    """mrl's bf16 model (TP1, sinks, windows, biases, clamped experts) against transformers' fp32 logits, both bf16
+    models replaying the fp32 model's expert ids: mrl's error is transformers' own bf16 error (mean within
+    BF16_MEAN_RATIO of it, max within BF16_MAX_RATIO). Without replay a near-tie that rounding flips (in either
+    model) gives isolated O(0.3) logit differences, which is all that set gpt-oss's bf16 apart (docs/moe.md)."""
+    root, diffs = launched
+    ref = torch.load(root / case / "bf16.pt", weights_only=True)
+    hf = (ref["hf_bf16"] - ref["truth"]).abs()
+    mrl_max, mrl_mean = diffs[(case, "bf16", "max")], diffs[(case, "bf16", "mean")]
+    msg = (f"{case} bf16 vs fp32 truth: mrl max/mean {mrl_max:.4f}/{mrl_mean:.5f}, transformers bf16 "
+           f"{float(hf.max()):.4f}/{float(hf.mean()):.5f}")
+    assert mrl_mean <= BF16_MEAN_RATIO * float(hf.mean()) and mrl_max <= BF16_MAX_RATIO * float(hf.max()), msg
 
 
 @pytest.mark.multirank
