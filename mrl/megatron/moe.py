@@ -69,6 +69,31 @@ def ensure_megatron_moe_importable() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    _fix_expert_bias_padding_mask()
+
+
+def _fix_expert_bias_padding_mask() -> None:
+    """megatron-core 0.16.1's ``TopKRouter._apply_expert_bias`` masks the [tokens, experts] routing map with the
+    [tokens] padding mask without a trailing axis, which fails to broadcast (unless tokens == experts), so a
+    router with an expert bias (DeepSeek-V3, GLM-4.5) crashes in training whenever a padding mask is passed
+    (mrl passes one for every MoE model: padding stays out of the aux losses). The replacement does what the
+    rest of the router does with that mask (``compute_routing_scores_for_aux_loss``): True = padding, left out
+    of the tokens counted per expert for the bias update."""
+    import torch
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if getattr(TopKRouter._apply_expert_bias, "mrl_fixed", False):
+        return
+
+    def _apply_expert_bias(self: Any, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.unsqueeze(-1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    _apply_expert_bias.mrl_fixed = True  # type: ignore[attr-defined]
+    TopKRouter._apply_expert_bias = _apply_expert_bias
 
 
 def expert_row_parallel_linear() -> type:

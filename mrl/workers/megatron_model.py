@@ -322,10 +322,14 @@ class MegatronModel:
             set_rope_positions(unwrap(model), pos if shared or packed else None)
             if self.router_probes:
                 self._route(inp)
+            # MoE: padding positions route too, but stay out of the router's aux losses (every layout then
+            # balances over the same tokens); dense models take no padding mask
+            pad = inp.padding_mask() if self.is_moe else None
             out = model(
                 input_ids=inp.tokens.to(self.device), position_ids=pos,
                 attention_mask=inp.attention_mask.to(self.device) if shared else None,
                 packed_seq_params=_packed_seq_params(inp, self.device, self.config) if packed else None,
+                **({"padding_mask": pad.to(self.device)} if pad is not None else {}),
             )
             return out, partial(loss_func, mb)
 

@@ -176,6 +176,18 @@ class ModelInputs:
         """Positions of ``tokens`` that hold no token of any sample (right padding, alignment padding)."""
         return int(self.tokens.numel() - self.num_tokens.sum())
 
+    def padding_mask(self) -> Tensor | None:
+        """[rows, L] bool, True where a column holds no sample's token (Megatron's ``padding_mask``: MoE routers
+        leave those positions out of the load-balancing and z losses and of the expert-bias token counts).
+        Compact rows: columns past each sample's ``num_tokens``; the packed row: columns past all samples'
+        tokens (alignment padding). None for shared-prefix rows, whose columns are not laid out per sample."""
+        if self.attention_mask is not None:
+            return None
+        cols = torch.arange(self.tokens.shape[1]).unsqueeze(0)
+        if self.cu_seqlens is not None:
+            return cols >= self.num_tokens.sum()
+        return cols >= self.num_tokens.unsqueeze(1)
+
     def first_token_logits(self, logits: Tensor) -> Tensor:
         """[rows, L, V] → [b, V]: the logits that predict each sample's first response token."""
         dev = logits.device

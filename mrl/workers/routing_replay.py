@@ -79,10 +79,16 @@ class RouterProbe:
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def _post(self, module: Any, args: tuple, output: tuple) -> None:
-        """Assignments per expert from the routing the layer used (the router's ``routing_map``)."""
+        """Assignments per expert from the routing the layer used (the router's ``routing_map``), padding
+        positions left out (the padding mask the MoE layer passes its router, ``[s, b]`` True = padding,
+        flattened s-major as the routing map's rows)."""
         if self.measure:
             self._follow(output[1].device)
-            self.load += output[1].detach().sum(0).to(self.load.dtype)
+            used = output[1].detach()
+            pad = args[1] if len(args) > 1 else None
+            if pad is not None:
+                used = used & ~pad.reshape(-1, 1).to(used.device)
+            self.load += used.sum(0).to(self.load.dtype)
         if self.records is not None:
             self.records.append(chosen_experts(output[1].detach(), module.topk))
 
@@ -205,8 +211,10 @@ def aux_loss_metrics(coef: float, num_micro_batches: int, moe_layers: torch.Tens
         get_moe_layer_wise_logging_tracker,
     )
 
+    if coef == 0.0:  # Megatron computes no aux loss then; a tracker entry is an earlier model's in this process
+        return {}
     tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
-    if tracker is None and (coef == 0.0 or moe_layers is None):
+    if tracker is None and moe_layers is None:
         return {}
     # a pipeline stage of dense layers only tracks nothing but joins the collective (its layers' slots stay 0)
     values = (tracker["values"].detach().double().cpu().clone() if tracker is not None

@@ -16,17 +16,18 @@ Independent figures (computed here, in the test process, from transformers' rout
 
 * log-probs: transformers on the left/right-padded batch with its attention_mask and position_ids
   (``reference_impl.hf_padded_log_probs``, no mrl input builder).
-* ``moe/load_entropy``, ``moe/max_load_frac``, ``moe/layer<i>/max_load_frac``: the token set is every position the
-  trainer's routers run — mrl passes Megatron no padding mask, so padding counts (docs/moe.md says so): the DP4
+* ``moe/load_entropy``, ``moe/max_load_frac``, ``moe/layer<i>/max_load_frac``: the token set is the valid tokens in
+  every layout — mrl passes Megatron the padding mask and its probes leave the masked positions out: the DP4
   padded layout's micro-batch (a rank's 2 samples) holds each sample's valid tokens from column 0, right-padded
-  with token 0 to the longer one, RoPE at the column index, causal attention only; the EP2 packed layout holds
-  the valid tokens only; EP2 x PP2 packs 2 samples (sorted by length) per row and pads the shorter row of a
-  rank with a sequence of its own of token 0 at position 0 (its positions each route as a lone token 0). Each
-  forward since the last update (old log-probs, the test's forward_backward, the update) runs the same set,
-  so the shares are one pass's. Counts are exact: the shares agree to 1e-12, the entropy to 1e-8.
+  with token 0 to the longer one; the EP2 packed layout holds the valid tokens only; EP2 x PP2 packs 2 samples
+  (sorted by length) per row and pads the shorter row of a rank with a sequence of its own of token 0 at
+  position 0. Counting those paddings would move the shares by more than 1e-4 (checked from transformers' own
+  routing of them, so the masking is what the equality tests). Each forward since the last update (old
+  log-probs, the test's forward_backward, the update) runs the same set, so the shares are one pass's. Counts
+  are exact: the shares agree to 1e-12, the entropy to 1e-8.
 * ``moe/load_balancing_loss`` (aux run: EP2, DP4, padded micro-batches of 2 samples): per layer and micro-batch,
-  transformers' ``load_balancing_loss_func`` (qwen3_moe) over the micro-batch's positions (padding included, as
-  Megatron counts them), divided by top-k (transformers' token share is per top-k slot, Megatron's
+  transformers' ``load_balancing_loss_func`` (qwen3_moe) over the micro-batch's valid tokens (its
+  ``attention_mask``: mrl passes Megatron's routers the padding mask, so padding is out of the aux loss), divided by top-k (transformers' token share is per top-k slot, Megatron's
   ``f_e = count_e / (T·k)``), averaged over layers and ranks; ``moe/aux_loss`` = 0.05 × that figure.
 * ``moe/replay_mismatch``: the engine's top-k sets (its router logits) against the trainer's own, from the
   trainer checkpoint's router rows applied to the router inputs of the engine's forward (replay makes the
@@ -283,8 +284,10 @@ def _expected_loads(model, batch) -> list[dict[str, float]]:
         rows = [lens[0] + lens[1], lens[2] + lens[3]]
         pads += sum(max(rows) - t for t in rows)
     count = lambda w: torch.einsum("bl,blke->ke", w, sel)
-    return [_load_metrics(count(padded)), _load_metrics(count(valid)),
-            _load_metrics(count(valid) + pads * lone[:, 0].double())]
+    # every layout counts the valid tokens only (padding masked); the other two figures are what the padded
+    # and the EP2 x PP2 layouts would report if their padding counted (the check's power)
+    return [_load_metrics(count(valid))] * 3 + [_load_metrics(count(padded)),
+                                                _load_metrics(count(valid) + pads * lone[:, 0].double())]
 
 
 def _expected_lb_loss(model, batch) -> float:
@@ -298,9 +301,11 @@ def _expected_lb_loss(model, batch) -> float:
     E, k = model.config.num_experts, model.config.num_experts_per_tok
     vals = []
     for r in range(len(n) // 2):
-        mb = logits[2 * r: 2 * r + 2, : int(n[2 * r: 2 * r + 2].max())]  # [2, pair max, layers, E]
+        pair = n[2 * r: 2 * r + 2]
+        mb = logits[2 * r: 2 * r + 2, : int(pair.max())]  # [2, pair max, layers, E]
+        mask = (torch.arange(mb.shape[1]) < pair.unsqueeze(1)).long()  # the padding is out (Megatron's padding_mask)
         for layer in range(mb.shape[2]):
-            vals.append(float(load_balancing_loss_func((mb[:, :, layer].reshape(-1, E),), E, k)) / k)
+            vals.append(float(load_balancing_loss_func((mb[:, :, layer].reshape(-1, E),), E, k, attention_mask=mask)) / k)
     return sum(vals) / len(vals)
 
 
@@ -375,8 +380,8 @@ def test_moe_actor_layouts_aux_loss_and_routing_replay(tmp_path):
             # (the entropy's 1/log E is a float32 constant in mrl: 2.7e-9 off; one count moved is > 1e-4)
             assert m[key] == pytest.approx(want, abs=1e-8 if key == "moe/load_entropy" else 1e-12), (lay, key, m[key], want)
         assert "moe/replay_mismatch" not in m  # no engine ids, nothing to compare
-    # the padded layout's padding columns route and count: its shares differ from the valid tokens' alone
-    assert abs(want_loads[0]["moe/load_entropy"] - want_loads[1]["moe/load_entropy"]) > 1e-4, want_loads
+    # counting the padded layouts' padding would change the shares: the masking is what makes them agree
+    assert all(abs(want_loads[0]["moe/load_entropy"] - w["moe/load_entropy"]) > 1e-4 for w in want_loads[3:]), want_loads
     # aux loss: transformers' load-balancing loss on the same micro-batches; changes only the router gradients
     m0, m1 = res[0]["aux_metrics_0.0"], res[0]["aux_metrics_0.05"]
     lb = _expected_lb_loss(model, batch)

@@ -9,20 +9,21 @@ Gradients are the ones the update used, recovered from the weights after its one
 ``y = (w_before - w_after) / lr`` the gradient is ``g = eps · y / (1 - |y|)`` exactly; lr 1e4 and eps 1 make the
 float32 weights resolve g to ~1e-12 absolute and ~1e-7 relative (a rarely routed expert's gradient is ~1e-7).
 
-The layout runs have the load-balancing loss off (``actor.moe.aux_loss_coef: 0``): Megatron's routers count padding
-tokens (docs/moe.md), so with an aux loss the padded and the packed layouts train on different token sets and their
-gradients differ by design. The aux loss is checked on its own:
+The layout runs have the load-balancing loss off (``actor.moe.aux_loss_coef: 0``): it is a function of each
+micro-batch's token set, and the EP2 x PP2 layout (DP2) groups the samples into micro-batches differently from
+DP4. mrl passes Megatron's routers the padding mask (``ModelInputs.padding_mask``), so padding positions route but
+stay out of the aux loss: two gpt-oss runs with the aux loss on (coefficient 0.1), DP4 on padded rows and EP2 (DP4,
+the same micro-batches) on packed rows, must agree in loss, reported aux loss and gradients. The aux loss itself:
 
 * gpt-oss: transformers has one (``GptOssForCausalLM``, ``output_router_logits``, ``load_balancing_loss_func`` of
-  modeling_gpt_oss). The aux run (DP4, padded micro-batches of a rank's 2 samples, coefficient 0.1) must report, as
-  ``moe/load_balancing_loss``, that function over each micro-batch's positions (each sample's valid tokens from
-  column 0, right-padded with token 0 to the longer one: the positions Megatron's router runs, padding included),
+  modeling_gpt_oss). The DP4 layout run (padded micro-batches of a rank's 2 samples, coefficient 0.1) must report, as
+  ``moe/load_balancing_loss``, that function over each micro-batch's valid tokens (each sample's tokens from
+  column 0, right-padded with token 0 to the longer one, the padding left out by its ``attention_mask``),
   per layer, divided by top-k (Megatron's token share is per token, transformers' per top-k slot), averaged over
-  layers and ranks; ``moe/aux_loss`` = 0.1 x that. Its gradient: the aux run's minus the coefficient-0 run's
+  layers and ranks; ``moe/aux_loss`` = 0.1 x that. Its gradient: that run's minus a coefficient-0 run's
   gradient (same layout, same batch) equals the gradient of the aux term computed here by autograd through
-  transformers (each layer's coef·lb/k of each micro-batch, averaged over the 4 data-parallel ranks), except the
-  padding token's embedding row: transformers' ``nn.Embedding(padding_idx=0)`` never gives row 0 a gradient, while
-  in Megatron the padding positions (token 0) route, count in the aux loss and so move that row (checked non-zero).
+  transformers (each layer's coef·lb/k of each micro-batch, averaged over the 4 data-parallel ranks), the padding
+  token's embedding row included (0 in both: transformers' ``padding_idx``, Megatron's masked padding).
 * DeepSeek-V3 and GLM-4.5: transformers 5.24's DeepseekV3ForCausalLM / Glm4MoeForCausalLM compute no auxiliary loss
   (no ``load_balancing_loss_func``, no ``router_aux_loss_coef``; their routers are the aux-loss-free sigmoid + bias
   ones), so there is no independent formula to check one against; config.json carries no coefficient, mrl runs
@@ -55,7 +56,7 @@ UNEVEN_STAGES = {"deepseek_v3": (((1, 2, 2, 1, 2), True, {"num_layers_in_first_p
 
 def _layouts(fam):
     return LAYOUTS + ([UNEVEN_STAGES[fam][0]] if fam in UNEVEN_STAGES else [])
-AUX = 0.1  # the gpt-oss aux run's coefficient (large enough that its gradient stands out of float noise)
+AUX = 0.1  # the gpt-oss aux runs' coefficient (large enough that its gradient stands out of float noise)
 LR, EPS = 1e4, 1.0  # one Adam step that the gradient can be read back from (module docstring)
 VOCAB = 96
 LP_TOL = 1e-5    # fp32 log-probs vs transformers
@@ -101,21 +102,23 @@ def _rank(rank, world, paths):
     out = {}
     for fam, path in paths.items():
         out[fam] = [_one_update(path, _cfg(*lay, uneven=uneven), packed, batch) for lay, packed, uneven in _layouts(fam)]
-    if "gpt_oss" in paths:
-        out["gpt_oss_aux"] = _one_update(paths["gpt_oss"], _cfg(*LAYOUTS[0][0], aux=AUX), LAYOUTS[0][1], batch)
+    if "gpt_oss" in paths:  # with the aux loss: DP4 on padded rows, EP2 (same micro-batches) on packed rows
+        out["gpt_oss_aux"] = [_one_update(paths["gpt_oss"], _cfg(*lay, aux=AUX), packed, batch)
+                              for lay, packed, _ in LAYOUTS[:2]]
     return portable(out)
 
 
 def _pairs(batch):
     """The DP4 padded layout's micro-batches: per rank its 2 samples' valid tokens from column 0, right-padded with
-    token 0 to the longer one (Megatron's rows; position = column, causal attention only)."""
+    token 0 to the longer one (Megatron's rows; position = column, causal attention only), and which columns hold
+    a token (transformers' attention_mask)."""
     am = batch.attention_mask.bool()
     for r in range(batch.input_ids.shape[0] // 2):
         n = am[2 * r: 2 * r + 2].sum(-1)
         rows = torch.zeros(2, int(n.max()), dtype=torch.long)
         for i in range(2):
             rows[i, : n[i]] = batch.input_ids[2 * r + i][am[2 * r + i]]
-        yield rows
+        yield rows, (torch.arange(rows.shape[1]) < n.unsqueeze(1)).long()
 
 
 def _gpt_oss_aux(path, batch):
@@ -126,9 +129,10 @@ def _gpt_oss_aux(path, batch):
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     E, k = model.config.num_local_experts, model.config.num_experts_per_tok
     vals, term = [], 0.0
-    for rows in _pairs(batch):
+    for rows, mask in _pairs(batch):
+        # right padding under a causal mask: the valid positions' router logits are those of the unpadded rows
         rl = model(input_ids=rows, output_router_logits=True).router_logits
-        per_layer = [load_balancing_loss_func((x,), E, k) / k for x in rl]
+        per_layer = [load_balancing_loss_func((x,), E, k, attention_mask=mask) / k for x in rl]
         vals += [float(v.detach()) for v in per_layer]
         term = term + AUX * sum(per_layer)  # each layer's aux loss is added to the loss it backpropagates with
     ranks = batch.input_ids.shape[0] // 2
@@ -204,23 +208,28 @@ def test_new_moe_families_actor_layout_invariance_and_gpt_oss_aux_loss(tmp_path)
                 failures.append(f"{tag}: moe/aux_loss reported with the coefficient 0")
     # gpt-oss aux loss vs transformers' load_balancing_loss_func, and its gradient
     lb, want_g = _gpt_oss_aux(paths["gpt_oss"], batch)
-    m_aux = res[0]["gpt_oss_aux"]["metrics"]
+    m_aux = res[0]["gpt_oss_aux"][0]["metrics"]
     report.append(f"gpt_oss aux: moe/load_balancing_loss {m_aux.get('moe/load_balancing_loss')} vs transformers "
                   f"{lb:.8f}; moe/aux_loss {m_aux.get('moe/aux_loss')}")
     ckpt = load_file(str(tmp_path / "gpt_oss" / "model.safetensors"))
-    g_aux, g_0 = _step_grads([r["gpt_oss_aux"] for r in res], ckpt), _step_grads([r["gpt_oss"][0] for r in res], ckpt)
+    g_aux, g_0 = _step_grads([r["gpt_oss_aux"][0] for r in res], ckpt), _step_grads([r["gpt_oss"][0] for r in res], ckpt)
+    # packed rows balance the same tokens as padded ones (padding masked): same aux loss, loss and gradients
+    m_packed, g_packed = res[0]["gpt_oss_aux"][1]["metrics"], _step_grads([r["gpt_oss_aux"][1] for r in res], ckpt)
+    rel_packed = max(float((g_packed[n] - g).abs().max()) / max(float(g.abs().max()), 1e-12) for n, g in g_aux.items())
+    report.append(f"gpt_oss aux, EP2 packed vs DP4 padded: moe/load_balancing_loss {m_packed['moe/load_balancing_loss']} "
+                  f"vs {m_aux['moe/load_balancing_loss']}, grad max rel {rel_packed:.2e}")
     assert set(g_0) == set(want_g), set(g_0) ^ set(want_g)  # gpt-oss exports its experts fused, as transformers
     d_aux = {n: g_aux[n] - g_0[n] for n in want_g}
     pad_row = float(d_aux["model.embed_tokens.weight"][0].abs().max())  # the padding token's row (docstring)
-    d_aux["model.embed_tokens.weight"][0] = want_g["model.embed_tokens.weight"][0]
     worst = max(float((d_aux[n] - want.double()).abs().max()) for n, want in want_g.items())
     scale = max(float(w.abs().max()) for w in want_g.values())
     report.append(f"gpt_oss aux gradient: max |(g_aux - g_0) - d(aux)/dθ| {worst:.2e} (max |d(aux)/dθ| {scale:.2e}); "
-                  f"padding token's embedding row {pad_row:.2e} (transformers: 0, padding_idx)")
+                  f"padding token's embedding row {pad_row:.2e}")
     print("\n".join(report))
     assert not failures, "\n".join(failures)
     assert m_aux["moe/load_balancing_loss"] == pytest.approx(lb, rel=1e-6), (m_aux, lb)
     assert m_aux["moe/aux_loss"] == pytest.approx(AUX * lb, rel=1e-6), m_aux
+    assert m_packed["moe/load_balancing_loss"] == pytest.approx(m_aux["moe/load_balancing_loss"], rel=1e-6), report
+    assert rel_packed <= GRAD_TOL, report
     assert scale > 1e-4, "the aux term has no gradient: the check lost its power"
-    assert worst <= 1e-5 * scale, report[-1]
-    assert pad_row > 1e-4, report[-1]  # Megatron's padding positions do count in the aux loss
+    assert worst <= 1e-5 * scale, report[-1]  # the padding row included: padding positions are out of the aux loss
