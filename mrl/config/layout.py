@@ -37,16 +37,29 @@ class RoleLayout:
         return self.count // mp if self.count % mp == 0 else 0
 
     def nodes(self, per_node: int) -> str:
-        """Human-readable node/device ranges, e.g. 'node0:0-7, node1:0-3'."""
-        parts = []
+        """Human-readable node/device ranges, e.g. 'node0:0-7, node1:0-3'; three or more whole nodes in a row
+        fold into one range ('node0-31:0-7')."""
+        spans: list[tuple[int, int, int]] = []  # (node, first device, last device)
         d = self.first
         end = self.first + self.count
         while d < end:
             node = d // per_node
             stop = min(end, (node + 1) * per_node)
-            a, b = d % per_node, (stop - 1) % per_node
-            parts.append(f"node{node}:{a}" if a == b else f"node{node}:{a}-{b}")
+            spans.append((node, d % per_node, (stop - 1) % per_node))
             d = stop
+        parts: list[str] = []
+        i = 0
+        while i < len(spans):
+            node, a, b = spans[i]
+            j = i
+            while (j + 1 < len(spans) and (a, b) == (0, per_node - 1) and spans[j + 1] == (spans[j][0] + 1, a, b)):
+                j += 1
+            dev = f"{a}" if a == b else f"{a}-{b}"
+            if j - i >= 2:
+                parts.append(f"node{node}-{spans[j][0]}:{dev}")
+            else:
+                parts.extend(f"node{n}:{dev}" for n, _, _ in spans[i:j + 1])
+            i = j + 1
         return ", ".join(parts)
 
 
