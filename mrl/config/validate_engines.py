@@ -1,6 +1,6 @@
 """Plan-time rules of an engine wider than one node (``rollout.engine_tp_size > cluster.n_gpus_per_node``):
 SGLang's own multi-node tensor parallelism (``--nnodes``/``--node-rank``/``--dist-init-addr``, launched by
-driver/engines.py; docs/rollout.md, 'Engines over several nodes'). Each error names the key and the fix.
+driver/engines.py; docs/driver.md, 'Engines over several nodes'). Each error names the key and the fix.
 
 Allowed: ``rollout.engine=sglang``, ``placement=separate``, on whole nodes (``engine_tp_size`` a multiple of
 ``n_gpus_per_node``, the engines' devices starting at a node boundary), weights by ``distributed`` (one NCCL

@@ -12,7 +12,7 @@ config/validate_engines.py) gets ``k`` whole-node bundles on ``k`` distinct node
 SGLang runs once per node with ``--nnodes k --node-rank r --dist-init-addr <node-rank 0's ip>:<port>``,
 each process owned by a launcher actor on its node; node-rank 0 serves the API (the engine's URL), the
 others only SGLang's /health. ``RemoteEngine`` starts, waits for, restarts and stops all of them
-together (docs/rollout.md, 'Engines over several nodes').
+together (docs/driver.md, 'Engines over several nodes').
 """
 from __future__ import annotations
 

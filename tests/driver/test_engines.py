@@ -152,7 +152,7 @@ def test_model_dtype_reaches_every_engine(tmp_path, dtype, cpu, gpu) -> None:
     assert dict(itertools.pairwise(cmd))["--dtype"] == gpu
 
 
-# An SGLang engine over two whole nodes (docs/rollout.md, 'Engines over several nodes'): GLM-4.5-Air's recipe
+# An SGLang engine over two whole nodes (docs/driver.md, 'Engines over several nodes'): GLM-4.5-Air's recipe
 # (96 heads) on 6 nodes, the actor on nodes 0-3, one TP16 engine on nodes 4-5.
 MN_RECIPE = "mrl_configs/glm-4.5-air_grpo_5x8_ep16.yaml"
 MN = ["cluster.nnodes=6", "rollout.engine_tp_size=16"]

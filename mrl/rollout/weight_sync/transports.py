@@ -27,7 +27,7 @@ def group_init_payloads(engine_world_sizes: Sequence[int], master_address: str, 
     every engine's tp ranks; engine ``i``'s ranks start at ``1 + Σ_{j<i} tp_j``. SGLang ranks each of its TP ranks
     ``rank_offset + tp_rank`` with the engine-global tp rank, so an engine over several nodes needs nothing
     more: its node-rank ``r`` holds tp ranks ``[r·tp/nnodes, (r+1)·tp/nnodes)`` (tests/rollout/conformance/
-    test_multinode_engine.py runs SGLang's own code for both)."""
+    test_launch_and_pins.py runs SGLang's own code for both)."""
     world, offset, out = 1 + sum(engine_world_sizes), 1, []
     for ws in engine_world_sizes:
         out.append({"master_address": master_address, "master_port": master_port, "rank_offset": offset,
