@@ -139,6 +139,12 @@ def _plan_multinode_engines(cfg: MRLConfig, infos: list[dict[str, Any]], n_engin
     return slots
 
 
+def spans_nodes(slots: list[EngineSlot], rank_infos: list[dict[str, Any]]) -> bool:
+    """Whether the trainer ranks and every node of every engine are on more than one node: the trainer's source
+    ranks then reach the engines' ranks (a weight-sync group) only through a routable address, not loopback."""
+    return len({n.node_id for s in slots for n in s.nodes} | {i["node_id"] for i in rank_infos}) > 1
+
+
 def engine_bundle_info() -> dict[str, Any]:
     """``placement_info`` of an engine bundle plus a port free on its node (all interfaces): node-rank 0's
     becomes an engine's ``--dist-init-addr`` port, as rank 0's free port becomes the trainer's MASTER_PORT."""
@@ -247,7 +253,7 @@ class _NodeProcess:
     """One node's server process, owned by a launcher actor (``EngineLauncher``, an ``EngineProcess``) on that
     node; ``url``: where that process answers /health (node-rank 0: the engine's API)."""
 
-    def __init__(self, ray: Any, node_id: str, port: int, cmd: list[str], url: str, log_path: Path,
+    def __init__(self, node_id: str, port: int, cmd: list[str], url: str, log_path: Path,
                  env: dict[str, str], startup_timeout_s: float, scheduling_strategy: Any, cuda: bool) -> None:
         from mrl.cluster.worker_group import ALL_GPUS_VISIBLE
         from mrl.rollout.sglang_launcher import make_engine_actor_class
@@ -273,10 +279,10 @@ class RemoteEngine:
         self._ray = ray
         self.slot, self.url, self.log_path = slot, slot.url, log_path
         self._startup_timeout_s = startup_timeout_s
-        self._procs = [_NodeProcess(ray, slot.node_id, slot.port, cmd, slot.url, log_path, env, startup_timeout_s,
+        self._procs = [_NodeProcess(slot.node_id, slot.port, cmd, slot.url, log_path, env, startup_timeout_s,
                                     scheduling_strategy, cuda)]
         for f in followers:  # its health server listens on the engine's port on its own node
-            self._procs.append(_NodeProcess(ray, f.node.node_id, slot.port, f.cmd, f"http://{f.node.node_ip}:{slot.port}",
+            self._procs.append(_NodeProcess(f.node.node_id, slot.port, f.cmd, f"http://{f.node.node_ip}:{slot.port}",
                                             f.log_path, f.env, startup_timeout_s, f.scheduling_strategy, cuda))
 
     @property
@@ -430,8 +436,7 @@ class EngineSet:
             pg, infos = _separate_placement(cfg, plan.device == "cuda", n)
             self.own_pg = pg
         self.slots = plan_engines(cfg, infos, n)
-        # The trainer's source ranks reach an engine on another node only through a routable address.
-        self.remote_nodes = len({n.node_id for s in self.slots for n in s.nodes} | {i["node_id"] for i in workers.infos}) > 1
+        self.remote_nodes = spans_nodes(self.slots, workers.infos)
         self.engines: list[RemoteEngine | InRankEngine] = []
         if plan.transport == "inprocess":  # engine r runs inside trainer rank r (config-checked layout)
             workers.wait_constructed()

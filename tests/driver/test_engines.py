@@ -3,12 +3,21 @@ engine's argv from the config, and the errors for layouts an engine cannot span 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
 from mrl.config import ConfigError, load_config
 from mrl.config.run_plan import plan_run
-from mrl.driver.engines import TOKEN_ENV, engine_command, plan_engines, run_token
+from mrl.driver.engines import (
+    TOKEN_ENV,
+    EngineNode,
+    EngineSlot,
+    engine_command,
+    plan_engines,
+    run_token,
+    spans_nodes,
+)
 from mrl.errors import UnsupportedConfigError
 
 GPU_RECIPE = "mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml"
@@ -202,6 +211,11 @@ def test_engines_over_two_nodes_get_one_whole_node_bundle_per_node() -> None:
         (0, "10.0.0.3", tuple(range(8)), 2), (1, "10.0.0.4", tuple(range(8, 16)), 3)]
     assert [s.dist_init_port for s in slots] == [41000, 41002] and [s.nnodes for s in slots] == [2, 2]
     assert slots[1].bundle == 2 and slots[1].gpu_ids == tuple(range(8))  # what the judge's engines sit next to
+    # the weight-sync rendezvous leaves loopback when an engine's other node is elsewhere, even if node-rank 0 and
+    # every trainer rank share a node
+    one = [EngineSlot(0, "n0", "10.0.0.1", (0,), 0, "http://10.0.0.1:30000", 30000)]
+    assert not spans_nodes(one, [{"node_id": "n0"}])
+    assert spans_nodes([replace(one[0], followers=(EngineNode(1, "n1", "10.0.0.2", (0,), 1),))], [{"node_id": "n0"}])
     with pytest.raises(UnsupportedConfigError, match=r"engine 1: its 2 bundles landed on nodes \['10.0.0.3', '10.0.0.3'\]"):
         plan_engines(cfg, whole_nodes([range(8), range(8), range(8), range(8, 16)])[:3] + [
             {"node_id": "n2", "ip": "10.0.0.3", "gpu_ids": list(range(8, 16)), "free_port": 1}], 2)
