@@ -15,7 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.ray_cluster import shared_ray
+
+pytestmark = pytest.mark.slow  # Ray (the session's instance) and launcher actors
 
 ROOT = Path(__file__).resolve().parents[2]
 
