@@ -78,6 +78,14 @@ def separate_devices(cfg: MRLConfig) -> dict[str, int]:
     return out
 
 
+def engine_nodes(cfg: MRLConfig) -> int:
+    """Nodes one engine spans: 1, or for an SGLang engine wider than a node ``engine_tp_size / n_gpus_per_node``
+    whole nodes (its ``--nnodes``; config/validate_engines.py refuses the layouts that cannot run)."""
+    tp, per_node = cfg.rollout.engine_tp_size, cfg.cluster.n_gpus_per_node
+    sglang = cfg.rollout.engine == "sglang" and cfg.cluster.device != "cpu"
+    return tp // per_node if sglang and tp > per_node and tp % per_node == 0 else 1
+
+
 def num_engines(cfg: MRLConfig, actor_devices: int) -> int:
     """rollout.num_engines, or for colocated engines with null: actor devices // engine_tp_size."""
     if cfg.rollout.num_engines is not None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from mrl.config.auto import planned_device
 from mrl.config.hf import ModelShape, read_model_shape
-from mrl.config.layout import RoleLayout
+from mrl.config.layout import RoleLayout, engine_nodes
 from mrl.config.parallel import ParallelConfig
 from mrl.config.pipeline_split import SplitError, stage_layer_counts
 from mrl.config.root import MRLConfig
@@ -285,7 +285,9 @@ def format_report(cfg: MRLConfig, plan: PlanReport) -> str:
     for name, lay in plan.roles.items():
         where = lay.nodes(per_node) if lay.count else "none"
         if name == "rollout":
+            spans = engine_nodes(cfg)
             desc = f"{plan.num_engines} x {r.engine} engine(s), tp={r.engine_tp_size}" + (
+                f" over {spans} nodes each" if spans > 1 else "") + (
                 " inside the trainer ranks (weight_sync.transport=inprocess" + (
                     "; each update call also loads the new weights)"
                     if run.push_with_update else ")")

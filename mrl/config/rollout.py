@@ -2,7 +2,8 @@
 
 Each step generates ``data.train_batch_size * n`` samples (``n`` responses per prompt, GRPO
 groups). Engines: ``num_engines`` servers, each over ``engine_tp_size`` devices; colocated engines share
-the actor's devices (verl hybrid engine), separate ones get ``num_engines * engine_tp_size`` of their own.
+the actor's devices (verl hybrid engine), separate ones get ``num_engines * engine_tp_size`` of their own (an SGLang
+engine wider than a node spans whole nodes: config/validate_engines.py).
 """
 from __future__ import annotations
 
@@ -72,7 +73,9 @@ class RolloutConfig(Section):
     num_engines: int | None = Field(
         None, ge=1, description="Engine servers in the pool; null = actor devices / engine_tp_size when colocated."
     )
-    engine_tp_size: int = Field(1, ge=1, description="Devices (tensor-parallel ranks) per engine server.")
+    engine_tp_size: int = Field(1, ge=1, description="Devices (tensor-parallel ranks) per engine server; more than "
+                                "cluster.n_gpus_per_node only for SGLang engines with placement=separate, a multiple of "
+                                "it (the engine then spans that many whole nodes, docs/driver.md).")
     mem_fraction_static: float = Field(
         0.6, gt=0, lt=1, description="Fraction of device memory an engine takes for weights + KV cache (SGLang mem_fraction_static)."
     )

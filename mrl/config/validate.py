@@ -21,6 +21,7 @@ from mrl.config.root import MRLConfig
 from mrl.config.run_plan import on_policy_blockers
 from mrl.config.validate_async import check_async
 from mrl.config.validate_attention import check_attention
+from mrl.config.validate_engines import check_engine_span
 from mrl.config.validate_extensions import check_extension_points
 from mrl.config.validate_judge import check_judge
 from mrl.config.validate_moe import check_moe, family_plan_notes, family_refusals
@@ -154,11 +155,6 @@ def _check_placement(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelS
         errors.append(
             "rollout.weight_sync.transport=tensor passes in-process tensors and needs rollout.placement=colocated; "
             "fix: use transport=distributed (or disk) for separate engines"
-        )
-    if cfg.cluster.device != "cpu" and r.engine_tp_size > cfg.cluster.n_gpus_per_node:
-        errors.append(
-            f"rollout.engine_tp_size={r.engine_tp_size} exceeds cluster.n_gpus_per_node={cfg.cluster.n_gpus_per_node}; "
-            "fix: an engine must fit on one node"
         )
     if shape is not None and shape.num_heads % r.engine_tp_size:
         errors.append(
@@ -549,6 +545,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     shape = load_shape(cfg, errors, notes)
     roles = compute_layout(cfg)
     _check_placement(cfg, roles, shape, errors)
+    check_engine_span(cfg, roles, errors, notes)  # an engine wider than a node (SGLang over whole nodes)
     for role in ("actor", "ref", "critic"):
         if role in roles and roles[role].count > 0:
             check_parallel(role, roles[role].parallel, roles[role], cfg, shape, errors)

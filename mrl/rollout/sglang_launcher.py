@@ -65,6 +65,10 @@ class SGLangLaunchSpec:
     engine's model, so a router (sglang_router) can forward generations without the key.
     enable_return_routed_experts: ``--enable-return-routed-experts`` (MoE routing replay): the server
     captures each layer's top-k expert ids so ``/generate`` can return them (``return_routed_experts``).
+    nnodes / node_rank / dist_init_addr: ``--nnodes``, ``--node-rank``, ``--dist-init-addr`` of an engine over
+    several nodes: the same command runs once per node; node-rank ``r`` runs TP ranks ``[r·tp/nnodes,
+    (r+1)·tp/nnodes)`` on GPUs from its own ``--base-gpu-id``, all meet at ``dist_init_addr`` (``ip:port`` of
+    node-rank 0, torch.distributed's rendezvous); only node-rank 0 serves the API, the others answer /health.
     """
 
     model_path: str
@@ -79,11 +83,19 @@ class SGLangLaunchSpec:
     random_seed: int | None = None
     admin_api_key: str | None = None
     enable_return_routed_experts: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     extra_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"rollout.tp_size must be >= 1, got {self.tp_size}")
+        if self.nnodes > 1 and (not self.dist_init_addr or self.tp_size % self.nnodes
+                                or not 0 <= self.node_rank < self.nnodes):
+            raise ValueError(f"an engine over nnodes={self.nnodes} needs dist_init_addr (node-rank 0's ip:port), "
+                             f"0 <= node_rank < nnodes and tp_size divisible by nnodes; got node_rank={self.node_rank}, "
+                             f"tp_size={self.tp_size}, dist_init_addr={self.dist_init_addr!r}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(
                 f"rollout.gpu_memory_utilization (--mem-fraction-static) must be in (0, 1), got {self.mem_fraction_static}"
@@ -116,6 +128,8 @@ def build_sglang_command(spec: SGLangLaunchSpec, python: str = sys.executable) -
         cmd += ["--admin-api-key", spec.admin_api_key]
     if spec.enable_return_routed_experts:
         cmd.append("--enable-return-routed-experts")
+    if spec.nnodes > 1:
+        cmd += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank), "--dist-init-addr", str(spec.dist_init_addr)]
     return cmd + list(spec.extra_args)
 
 

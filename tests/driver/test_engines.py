@@ -3,12 +3,21 @@ engine's argv from the config, and the errors for layouts an engine cannot span 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
 from mrl.config import ConfigError, load_config
 from mrl.config.run_plan import plan_run
-from mrl.driver.engines import TOKEN_ENV, engine_command, plan_engines, run_token
+from mrl.driver.engines import (
+    TOKEN_ENV,
+    EngineNode,
+    EngineSlot,
+    engine_command,
+    plan_engines,
+    run_token,
+    spans_nodes,
+)
 from mrl.errors import UnsupportedConfigError
 
 GPU_RECIPE = "mrl_configs/qwen2.5-0.5b_grpo_1x8.yaml"
@@ -150,3 +159,71 @@ def test_model_dtype_reaches_every_engine(tmp_path, dtype, cpu, gpu) -> None:
     gpu_cfg = load_config(GPU_RECIPE, ["model.dtype=null", *over])
     cmd, _ = engine_command(gpu_cfg, plan_engines(gpu_cfg, _gpu_infos(), 8)[0], token=None, dtype=_dtype(gpu_cfg))
     assert dict(itertools.pairwise(cmd))["--dtype"] == gpu
+
+
+# An SGLang engine over two whole nodes (docs/driver.md, 'Engines over several nodes'): GLM-4.5-Air's recipe
+# (96 heads) on 6 nodes, the actor on nodes 0-3, one TP16 engine on nodes 4-5.
+MN_RECIPE = "mrl_configs/glm-4.5-air_grpo_5x8_ep16.yaml"
+MN = ["cluster.nnodes=6", "rollout.engine_tp_size=16"]
+
+
+def whole_nodes(gpu_ranges: list[range]) -> list[dict]:
+    """Engine bundles as ``engine_bundle_info`` reports them (placement_info + a free port), one per node."""
+    return [{"node_id": f"n{k}", "ip": f"10.0.0.{k + 1}", "gpu_ids": list(g), "free_port": 41000 + k}
+            for k, g in enumerate(gpu_ranges)]
+
+
+def test_an_engine_over_two_whole_nodes_plans() -> None:
+    from mrl.config.plan_report import plan_text
+
+    text = plan_text(load_config(MN_RECIPE, MN))
+    assert "rollout        16 devices [node4:0-7, node5:0-7] 1 x sglang engine(s), tp=16 over 2 nodes each" in text
+    assert "rollout.weight_sync.transport=distributed" in text
+    disk = plan_text(load_config(MN_RECIPE, [*MN, "rollout.weight_sync.transport=disk"]))
+    assert "transport=disk with engines over 2 nodes" in disk and "filesystem all of them read" in disk
+
+
+@pytest.mark.parametrize(("over", "match"), [
+    (["rollout.engine_tp_size=12"], (r"rollout.engine_tp_size=12 exceeds cluster.n_gpus_per_node=8 and is not a "
+                                     r"multiple of it.*fix: rollout.engine_tp_size=16 \(2 whole nodes\)")),
+    (["rollout.placement=colocated", "rollout.num_engines=null"],
+     r"\(each engine over 2 nodes\) with rollout.placement=colocated.*fix: rollout.placement=separate"),
+    (["rollout.weight_sync.transport=tensor"], (r"transport=tensor passes in-process tensors and needs rollout."
+                                                r"placement=colocated; fix: use transport=distributed \(or disk\)")),
+    (["rollout.engine=torch"], r"with rollout.engine=torch: only SGLang engines span nodes.*fix: rollout.engine=sglang"),
+    (["rollout.host=10.0.0.1"], r"rollout.host=10.0.0.1 with .*must be an address of each node; fix: rollout.host=0.0.0.0"),
+    (["cluster.nnodes=7", "reward_model.enable=true", "reward_model.placement=separate", "reward_model.num_devices=4",
+      "reward_model.model.path=zai-org/GLM-4.5-Air"],
+     (r"separate engines would start at device 36 \(node4:4\), mid-node.*\(ref/critic/reward_model/teacher "
+      r"num_devices, 4 now\) a multiple of 8")),
+])
+def test_engines_over_nodes_are_refused_where_they_cannot_run(over: list[str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(MN_RECIPE, [*MN, *over])
+
+
+def test_engines_over_two_nodes_get_one_whole_node_bundle_per_node() -> None:
+    cfg = load_config(MN_RECIPE, [*MN, "cluster.nnodes=8", "rollout.num_engines=2"])
+    # Ray gave the fourth bundle GPUs 8-15 of its node (a 16-GPU host): its node's --base-gpu-id is 8
+    slots = plan_engines(cfg, whole_nodes([range(8), range(8), range(8), range(8, 16)]), 2)
+    assert [s.url for s in slots] == ["http://10.0.0.1:30000", "http://10.0.0.3:30001"]  # node-rank 0 serves
+    assert [(n.node_rank, n.node_ip, n.gpu_ids, n.bundle) for n in slots[1].nodes] == [
+        (0, "10.0.0.3", tuple(range(8)), 2), (1, "10.0.0.4", tuple(range(8, 16)), 3)]
+    assert [s.dist_init_port for s in slots] == [41000, 41002] and [s.nnodes for s in slots] == [2, 2]
+    assert slots[1].bundle == 2 and slots[1].gpu_ids == tuple(range(8))  # what the judge's engines sit next to
+    # the weight-sync rendezvous leaves loopback when an engine's other node is elsewhere, even if node-rank 0 and
+    # every trainer rank share a node
+    one = [EngineSlot(0, "n0", "10.0.0.1", (0,), 0, "http://10.0.0.1:30000", 30000)]
+    assert not spans_nodes(one, [{"node_id": "n0"}])
+    assert spans_nodes([replace(one[0], followers=(EngineNode(1, "n1", "10.0.0.2", (0,), 1),))], [{"node_id": "n0"}])
+    with pytest.raises(UnsupportedConfigError, match=r"engine 1: its 2 bundles landed on nodes \['10.0.0.3', '10.0.0.3'\]"):
+        plan_engines(cfg, whole_nodes([range(8), range(8), range(8), range(8, 16)])[:3] + [
+            {"node_id": "n2", "ip": "10.0.0.3", "gpu_ids": list(range(8, 16)), "free_port": 1}], 2)
+    with pytest.raises(UnsupportedConfigError, match=r"GPU ids \[0, 1, 2, 3\], not 8 consecutive"):
+        plan_engines(cfg, whole_nodes([range(8), range(4), range(8), range(8)]), 2)
+    with pytest.raises(UnsupportedConfigError, match="need 4 whole-node bundles"):
+        plan_engines(cfg, whole_nodes([range(8)] * 3), 2)
+    colocated = load_config(MN_RECIPE, [*MN, "rollout.placement=colocated"], check=False)  # as config refuses it
+    with pytest.raises(UnsupportedConfigError, match="spans 2 nodes, which only rollout.engine=sglang with "
+                                                     "rollout.placement=separate"):
+        plan_engines(colocated, whole_nodes([range(8)] * 4), 2)

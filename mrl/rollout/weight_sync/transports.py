@@ -21,6 +21,21 @@ from mrl.rollout.weight_sync.group import destroy_group, init_custom_process_gro
 from mrl.rollout.weight_sync.http import EngineHttp, wait_all
 
 
+def group_init_payloads(engine_world_sizes: Sequence[int], master_address: str, master_port: int, group_name: str,
+                        backend: str) -> list[dict[str, Any]]:
+    """The ``/init_weights_update_group`` body of each engine: the group's world is this source (rank 0) plus
+    every engine's tp ranks; engine ``i``'s ranks start at ``1 + Σ_{j<i} tp_j``. SGLang ranks each of its TP ranks
+    ``rank_offset + tp_rank`` with the engine-global tp rank, so an engine over several nodes needs nothing
+    more: its node-rank ``r`` holds tp ranks ``[r·tp/nnodes, (r+1)·tp/nnodes)`` (tests/rollout/conformance/
+    test_launch_and_pins.py runs SGLang's own code for both)."""
+    world, offset, out = 1 + sum(engine_world_sizes), 1, []
+    for ws in engine_world_sizes:
+        out.append({"master_address": master_address, "master_port": master_port, "rank_offset": offset,
+                    "world_size": world, "group_name": group_name, "backend": backend})
+        offset += ws
+    return out
+
+
 class DistributedTransport:
     """One process group per pipeline stage: this stage's source rank (group rank 0) + every
     engine rank (engine i's tp ranks at ``rank_offset_i + tp_rank``). Per bucket: POST
@@ -41,12 +56,10 @@ class DistributedTransport:
     def init(self) -> None:
         world = 1 + sum(self.engine_world_sizes)
         port = free_port(self.master_address)
-        futs, offset = [], 1
-        for url, ws in zip(self.http.urls, self.engine_world_sizes):
-            payload = {"master_address": self.master_address, "master_port": port, "rank_offset": offset,
-                           "world_size": world, "group_name": self.group_name, "backend": self.backend}
+        futs = []
+        for url, payload in zip(self.http.urls, group_init_payloads(self.engine_world_sizes, self.master_address, port,
+                                                                    self.group_name, self.backend)):
             futs += self.http.submit_all("/init_weights_update_group", payload, urls=[url])
-            offset += ws
         try:
             self.pg = init_custom_process_group(self.backend, self.master_address, port, 0, world,
                                                 self.group_name, self.timeout_s)

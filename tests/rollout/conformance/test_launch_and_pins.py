@@ -1,4 +1,6 @@
-"""One SGLang version everywhere, and our launch command as SGLang's own argument parser reads it."""
+"""One SGLang version everywhere, and our launch command as SGLang's own argument parser reads it; an engine
+over several nodes: each node's command as SGLang parses it, the TP ranks and GPUs SGLang's launcher gives
+each node, and the weight-sync group rank SGLang's receiver takes on each of them."""
 from __future__ import annotations
 
 import argparse
@@ -92,3 +94,97 @@ def test_engine_process_refuses_an_sglang_launch_without_the_supported_release(t
     with pytest.raises(EngineLaunchError, match="SGLang 0.5.1.post3 is installed"):
         proc.start(wait=False)
     assert not proc.alive() and not (tmp_path / "engine.log").exists()
+
+
+def _multinode_slots():
+    """Two TP16 engines over two 8-GPU nodes each (the fourth bundle on GPUs 8-15 of a 16-GPU host)."""
+    from mrl.config import load_config
+    from mrl.driver.engines import plan_engines
+    from tests.driver.test_engines import MN, MN_RECIPE, whole_nodes
+
+    cfg = load_config(MN_RECIPE, [*MN, "cluster.nnodes=8", "rollout.num_engines=2"])
+    return cfg, plan_engines(cfg, whole_nodes([range(8), range(8), range(8), range(8, 16)]), 2)
+
+
+def _sglang_tp_ranks(args: argparse.Namespace) -> tuple[range, int]:
+    """The TP ranks SGLang's launcher starts on ``args.node_rank`` (its own ``_calculate_rank_ranges`` under
+    these server args) and the TP ranks per node."""
+    from sglang.srt.entrypoints.engine import _calculate_rank_ranges
+    from sglang.srt.runtime_context import get_context
+
+    with get_context().override_server_args(nnodes=args.nnodes, node_rank=args.node_rank, tp_size=args.tp_size,
+                                            pp_size=args.pp_size, base_gpu_id=args.base_gpu_id):
+        pp_ranks, tp_ranks, _, tp_per_node = _calculate_rank_ranges(args.node_rank)
+    assert list(pp_ranks) == [0]
+    return tp_ranks, tp_per_node
+
+
+def test_multinode_engine_commands_as_sglang_reads_them():
+    """Each node's argv through SGLang's parser: --nnodes/--node-rank/--dist-init-addr (node-rank 0's ip and the
+    port free there), --tp-size the whole engine's, --base-gpu-id that node's first GPU; SGLang's launcher then
+    runs TP ranks [r*8, (r+1)*8) of node r on GPUs base_gpu_id + tp_rank % 8 (its gpu_id formula, pp=1, step 1),
+    which are the GPUs Ray gave that node's bundle, and the nodes together run every TP rank once."""
+    require()
+    from sglang.srt.server_args import ServerArgs
+
+    from mrl.driver.engines import engine_command
+
+    cfg, slots = _multinode_slots()
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    for slot in slots:
+        ranks = []
+        for node in slot.nodes:
+            cmd, _ = engine_command(cfg, slot, "tok", dtype="bfloat16", node_rank=node.node_rank)
+            args = parser.parse_args(cmd[3:])
+            assert (args.nnodes, args.node_rank, args.dist_init_addr, args.tp_size, args.port, args.host) == (
+                2, node.node_rank, f"{slot.node_ip}:{slot.dist_init_port}", 16, slot.port, "0.0.0.0")
+            assert args.admin_api_key == "tok" and not args.enable_memory_saver
+            tp_ranks, per_node = _sglang_tp_ranks(args)
+            assert per_node == 8 and [args.base_gpu_id + t % per_node for t in tp_ranks] == list(node.gpu_ids)
+            ranks += tp_ranks
+        assert ranks == list(range(16))
+    assert slots[1].nodes[1].gpu_ids == tuple(range(8, 16))  # so a wrong --base-gpu-id shows
+
+
+def test_weight_sync_group_ranks_of_multinode_engines_in_sglangs_receiver(monkeypatch):
+    """The sender's /init_weights_update_group bodies (``group_init_payloads``, what ``DistributedTransport.init``
+    posts to each engine's node-rank 0) given to SGLang's own ``WeightUpdater.init_weights_update_group`` on every
+    TP rank of every node: the ranks taken are 1..32 once each (engine 0: 1-16, engine 1: 17-32) in a world of 33
+    with the trainer's source as rank 0. The rendezvous itself cannot complete without its 33 members: SGLang's
+    ``init_custom_process_group`` is replaced by a recorder here (a real group with SGLang's code on the other side:
+    test_sglang_weight_sync.py, one-rank engines)."""
+    require()
+    import torch.distributed as dist
+    from sglang.srt.model_executor.model_runner_components import weight_updater as wu
+
+    from mrl.driver.engines import engine_command
+    from mrl.rollout.weight_sync.transports import group_init_payloads
+
+    joined: list[tuple[int, int, int, str]] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # SGLang asserts its engine's own default group
+    cfg, slots = _multinode_slots()
+    payloads = group_init_payloads([cfg.rollout.engine_tp_size] * len(slots), "10.0.0.9", 40000, "mrl_weight_sync_pp0",
+                                   "nccl")  # what rank.py's WeightSyncer(engine_world_sizes=[tp] * n) sends
+    parser = argparse.ArgumentParser()
+    from sglang.srt.server_args import ServerArgs
+
+    ServerArgs.add_cli_args(parser)
+    for slot, payload in zip(slots, payloads):
+        for node in slot.nodes:
+            args = parser.parse_args(engine_command(cfg, slot, None, dtype="bfloat16", node_rank=node.node_rank)[0][3:])
+            for tp_rank in _sglang_tp_ranks(args)[0]:
+                def record(*, rank, world_size, init_method, group_name, backend, e=slot.index):
+                    joined.append((e, rank, world_size, init_method))
+                    return object()
+
+                monkeypatch.setattr(wu, "init_custom_process_group", record)
+                updater = wu.WeightUpdater(tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=None,
+                                           custom_weight_loaders={}, get_model=lambda: None,
+                                           update_model_fields=lambda *a, **k: None, recapture_cuda_graph=lambda: None,
+                                           get_model_runner=lambda: None)
+                ok, message = updater.init_weights_update_group(**payload)
+                assert ok, message
+    assert sorted(r for _, r, _, _ in joined) == list(range(1, 33))
+    assert {r for e, r, _, _ in joined if e == 0} == set(range(1, 17)) and {w for _, _, w, _ in joined} == {33}
+    assert {m for *_, m in joined} == {"tcp://10.0.0.9:40000"}
