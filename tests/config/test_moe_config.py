@@ -194,3 +194,21 @@ def test_bundled_deepseek_v3_and_kimi_k2_shapes_count_their_published_sizes():
     assert round(ds.param_count() / 1e9) == 671 and 37 <= ds.param_count(active=True) / 1e9 < 38
     assert 1.02 <= kimi.param_count() / 1e12 < 1.04 and 32 <= kimi.param_count(active=True) / 1e9 < 33
     assert (ds.moe_layers, kimi.moe_layers) == (58, 60) and not ds.shared_expert_gate
+
+
+@pytest.mark.parametrize("recipe,stages,engines,actor_gib", [
+    ("deepseek-v3_grpo_20x8_pp16_ep8.yaml", "4 x15, 1", "2 x sglang engine(s), tp=16 over 2 nodes each", 107.48),
+    ("kimi-k2_grpo_40x8_pp16_ep16.yaml", "4 x15, 1", "2 x sglang engine(s), tp=32 over 4 nodes each", 81.98),
+])
+def test_deepseek_v3_and_kimi_k2_recipes_plan_with_uneven_stages_and_engines_over_nodes(recipe, stages, engines,
+                                                                                       actor_gib):
+    """The 61 layers split 4 + 14 x 4 + 1 over PP16 (verl's DeepSeek-V3 split), the bf16 weights served by engines
+    spanning nodes (1.34 TB / 2.05 TB: more than one node of 8 H200 holds), and the actor's memory per GPU with the
+    experts' Adam states whole (EDP1) fits a 141 GB H200 before activations."""
+    cfg = load_config(Path(__file__).resolve().parents[2] / "mrl_configs" / recipe)
+    assert check_config(cfg)[0] == []
+    report = build_report(cfg)
+    text = format_report(cfg, report)
+    assert f"layers per stage: {stages}" in text and engines in text and "EDP=1" in text, text
+    assert round(report.memory["actor"].total / 2**30, 2) == actor_gib
+    assert max(report.device_total().values()) < 131 * 2**30  # 141 GB = 131 GiB per H200
