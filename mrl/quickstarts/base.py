@@ -113,6 +113,7 @@ def warm_start(model, tokenizer, seed: int, max_steps: int, goal: float = WARM_S
     a seed that lands on it writes the same bytes either way. A jump past ``goal`` inside one
     ``WARM_START_CHECK``-step stretch below ``WARM_START_NEAR`` is kept (going back would start RL below
     ``WARM_START_NEAR``). Without ``roll_back`` the step that passes ``goal`` is kept, however far past.
+    Only the model goes back: the optimizer is this function's own and ends with the warm start.
 
     AdamW (lr ``WARM_START_LR``, no weight decay) on batches of ``WARM_START_BATCH`` problems drawn
     with ``random.Random(seed)``; the loss is the mean next-token cross-entropy over the answer
