@@ -100,10 +100,20 @@ def greedy_accuracy(model, tokenizer) -> float:
     return sum(arith(r, a) for r, (_, a) in zip(answers, rows, strict=True)) / len(rows)
 
 
-def warm_start(model, tokenizer, seed: int, max_steps: int, goal: float = WARM_START_TARGET) -> tuple[int, float]:
+def warm_start(model, tokenizer, seed: int, max_steps: int, goal: float = WARM_START_TARGET,
+               roll_back: bool = False) -> tuple[int, float]:
     """Supervised warm start in place, until ``greedy_accuracy >= goal`` (checked every
     ``WARM_START_CHECK`` steps, every step above ``WARM_START_NEAR``) or ``max_steps``; returns (steps
-    taken, greedy accuracy).
+    taken, greedy accuracy of the model as left).
+
+    ``roll_back``: land at or below ``goal``, never past it. When a per-step check (above
+    ``WARM_START_NEAR``) sees an accuracy above ``goal``, the model goes back to its weights before that
+    step, whose check said below ``goal``, and the warm start stops there: it returns that step count
+    and that accuracy (``WARM_START_NEAR <= acc < goal``). An accuracy of exactly ``goal`` is kept, so
+    a seed that lands on it writes the same bytes either way. A jump past ``goal`` inside one
+    ``WARM_START_CHECK``-step stretch below ``WARM_START_NEAR`` is kept (going back would start RL below
+    ``WARM_START_NEAR``). Without ``roll_back`` the step that passes ``goal`` is kept, however far past.
+    Only the model goes back: the optimizer is this function's own and ends with the warm start.
 
     AdamW (lr ``WARM_START_LR``, no weight decay) on batches of ``WARM_START_BATCH`` problems drawn
     with ``random.Random(seed)``; the loss is the mean next-token cross-entropy over the answer
@@ -128,6 +138,9 @@ def warm_start(model, tokenizer, seed: int, max_steps: int, goal: float = WARM_S
     step, acc = 0, 0.0
     try:
         while step < max_steps and acc < goal:
+            # one step from here on, and this state's accuracy is known (< goal): the roll-back point
+            before = {k: v.clone() for k, v in model.state_dict().items()} \
+                if roll_back and acc >= WARM_START_NEAR else None
             model.train()
             for _ in range(min(WARM_START_CHECK if acc < WARM_START_NEAR else 1, max_steps - step)):
                 seqs, starts = [], []
@@ -147,19 +160,25 @@ def warm_start(model, tokenizer, seed: int, max_steps: int, goal: float = WARM_S
                 opt.step()
                 step += 1
             model.eval()
-            acc = greedy_accuracy(model, tokenizer)
+            new_acc = greedy_accuracy(model, tokenizer)
+            if before is not None and new_acc > goal:
+                model.load_state_dict(before)  # past the goal in one step: stop at the state before it
+                step -= 1
+                break
+            acc = new_acc
     finally:
         torch.set_num_threads(threads)
     return step, acc
 
 
 def write_model(path: Path, seed: int, warm_start_steps: int = WARM_START_STEPS, hf_config=None,
-                target: float = WARM_START_TARGET, init=None) -> tuple[int, float] | None:
+                target: float = WARM_START_TARGET, init=None, roll_back: bool = False) -> tuple[int, float] | None:
     """Tokenizer + tiny Qwen2 (HF init, seeded, then ``warm_start``) as safetensors in ``path``;
     returns ``warm_start``'s (steps, greedy accuracy), None without a warm start. ``hf_config``: another
     architecture on the same tokenizer and task (the MoE quickstart's models, mrl/quickstarts/moe.py);
     ``target``: the warm start's greedy accuracy (the distillation demo's teacher trains further);
-    ``init``: called on the seeded model before the warm start (state HF's init leaves at zero)."""
+    ``init``: called on the seeded model before the warm start (state HF's init leaves at zero);
+    ``roll_back``: ``warm_start``'s, land at or below the target."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -183,7 +202,8 @@ def write_model(path: Path, seed: int, warm_start_steps: int = WARM_START_STEPS,
         # gives a Qwen2Tokenizer whose pre-tokenizer splits digits one by one (" 17" -> " ", "1", "7"),
         # unlike the in-memory ``fast``; the warm start must see the ids RL will see.
         model.config.save_pretrained(str(path))
-        warm = warm_start(model, AutoTokenizer.from_pretrained(str(path)), seed, warm_start_steps, target)
+        warm = warm_start(model, AutoTokenizer.from_pretrained(str(path)), seed, warm_start_steps, target,
+                          roll_back)
     model.generation_config.pad_token_id = QWEN2_SHAPE["pad_token_id"]
     model.save_pretrained(str(path), safe_serialization=True)
     return warm
@@ -203,10 +223,10 @@ def write_data(data_dir: Path, seed: int, n_val: int) -> None:
 
 def write_assets(out: str | Path, *, seed: int = 0, n_val: int = MAX_OPERAND ** 2, force: bool = False,
                  warm_start_steps: int = WARM_START_STEPS, model_dir_name: str = MODEL_DIR, hf_config=None,
-                 init=None) -> dict[str, str]:
+                 init=None, roll_back: bool = False) -> dict[str, str]:
     """Write what is missing (everything with ``force``); returns {asset: 'written…' | 'kept'}
     (a warm-started model's entry says how many steps it took and the accuracy it reached).
-    ``model_dir_name``/``hf_config``/``init``: another model on the same task (:func:`write_model`)."""
+    ``model_dir_name``/``hf_config``/``init``/``roll_back``: another model on the same task (:func:`write_model`)."""
     out = Path(out)
     model_dir, data_dir = out / model_dir_name, out / "data"
     status = {}
@@ -214,7 +234,7 @@ def write_assets(out: str | Path, *, seed: int = 0, n_val: int = MAX_OPERAND ** 
         and (model_dir / "tokenizer.json").is_file()
     if force or not model_done:
         shutil.rmtree(model_dir, ignore_errors=True)
-        warm = write_model(model_dir, seed, warm_start_steps, hf_config, init=init)
+        warm = write_model(model_dir, seed, warm_start_steps, hf_config, init=init, roll_back=roll_back)
         status[str(model_dir)] = "written" + (f" (warm start: {warm[0]} steps, greedy accuracy {warm[1]:.2f})"
                                               if warm else "")
     else:
@@ -236,7 +256,7 @@ def _add_arguments(p) -> None:
                         f"{WARM_START_TARGET} (default {WARM_START_STEPS}; 0: random weights)")
 
 
-def writer(model_dir_name: str = MODEL_DIR, hf_config=None, init=None):
+def writer(model_dir_name: str = MODEL_DIR, hf_config=None, init=None, roll_back: bool = False):
     """``Demo.write`` for this task with a given model (the MoE demo passes its own)."""
     def write(args) -> dict[str, str]:
         from mrl.quickstarts.cli import UsageError
@@ -247,7 +267,8 @@ def writer(model_dir_name: str = MODEL_DIR, hf_config=None, init=None):
             raise UsageError("--warm-start-steps must be >= 0")
         return write_assets(args.out, seed=args.seed, n_val=args.n_val, force=args.force,
                             warm_start_steps=args.warm_start_steps, model_dir_name=model_dir_name,
-                            hf_config=hf_config() if callable(hf_config) else hf_config, init=init)
+                            hf_config=hf_config() if callable(hf_config) else hf_config, init=init,
+                            roll_back=roll_back)
     return write
 
 

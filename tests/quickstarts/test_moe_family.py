@@ -1,7 +1,8 @@
 """``python -m mrl.quickstarts moe --family F``: the choices, an unknown family refused by argparse (exit 2,
 no traceback, nothing written), and each family's model is the mrl family of that name, written where its
 recipe reads it, with what the family needs (DeepSeek-V3: a nonzero score-correction bias, a dense layer 0)
-and accepted by the recipe's config checks. No warm start here: the demos' learning is measured in docs/moe.md."""
+and accepted by the recipe's config checks; the DeepSeek-V3 warm start's roll-back on a seed that jumps past the
+target. The demos' learning is measured in docs/moe.md."""
 import json
 import random
 from pathlib import Path
@@ -60,3 +61,35 @@ def test_deepseek_assets_load_into_their_recipe(tmp_path, capsys):
     assert "model.layers.1.self_attn.q_a_proj.weight" in names and "model.layers.1.mlp.shared_experts.up_proj.weight" in names
     load_config(ROOT / moe.FAMILIES["deepseek_v3"].recipe,
                 [f"model.path={model}", f"data.train_files=[{out}/data/train.jsonl]", f"data.val_files=[{out}/data/val.jsonl]"])
+
+
+# Under the plain rule this seed's warm start jumps from below the target to past it in one per-step check
+# (0.21 -> 0.32 at step 87, docs/moe.md); the DeepSeek-V3 family rolls that step back.
+OVERSHOOTING_SEED = 1
+
+
+def test_deepseek_warm_start_rolls_back_a_jump_past_the_target(tmp_path, capsys, monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    checks = []  # every accuracy the warm start measured, in order: the real function, recorded
+
+    def recorded(model, tokenizer):
+        checks.append(real(model, tokenizer))
+        return checks[-1]
+
+    real = qs.greedy_accuracy
+    monkeypatch.setattr(qs, "greedy_accuracy", recorded)
+    out = tmp_path / "qs"
+    assert quickstarts_main(["moe", "--family", "deepseek_v3", "--seed", str(OVERSHOOTING_SEED), "--out", str(out)]) == 0
+    status = capsys.readouterr().out
+    monkeypatch.undo()
+    # the plain rule stops at the first check >= target: this run's last one, past the target
+    assert checks[-1] > qs.WARM_START_TARGET and qs.WARM_START_NEAR <= checks[-2] < qs.WARM_START_TARGET
+    model_dir = out / moe.DEEPSEEK_DIR
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    saved = qs.greedy_accuracy(model, AutoTokenizer.from_pretrained(model_dir))
+    assert saved == checks[-2]  # the weights before the last step, not after it
+    # the steps it reports: the plain rule's (WARM_START_CHECK at a time below WARM_START_NEAR, then 1) less the undone one
+    plain = sum(qs.WARM_START_CHECK if acc < qs.WARM_START_NEAR else 1 for acc in [0.0, *checks[:-1]])
+    assert f"(warm start: {plain - 1} steps, greedy accuracy {saved:.2f}): {model_dir}" in status
