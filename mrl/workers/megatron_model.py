@@ -324,8 +324,7 @@ class MegatronModel:
                 self._route(inp)
             # MoE: padding positions route too, but stay out of the router's aux losses (every layout then
             # balances over the same tokens); dense models and rows without padding take no padding mask
-            pad = inp.padding_mask() if self.is_moe else None
-            pad = pad if pad is not None and bool(pad.any()) else None
+            pad = inp.padding_mask() if self.is_moe and inp.padding() else None
             out = model(
                 input_ids=inp.tokens.to(self.device), position_ids=pos,
                 attention_mask=inp.attention_mask.to(self.device) if shared else None,

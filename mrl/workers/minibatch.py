@@ -149,7 +149,7 @@ class ModelInputs:
         labels: [b, L] int64 next token, ``labels[:, t] = tokens[:, t+1]`` (last column 0).
         resp_index: [b, R] int64 column whose logits predict response token j (0 if invalid).
         resp_valid: [b, R] bool, response token j exists (``attention_mask[:, P:]``).
-        num_tokens: [b] valid tokens per sample.
+        num_tokens: [b] valid tokens per sample (shared-prefix rows: [rows], valid tokens per row).
     """
 
     tokens: Tensor
@@ -176,13 +176,12 @@ class ModelInputs:
         """Positions of ``tokens`` that hold no token of any sample (right padding, alignment padding)."""
         return int(self.tokens.numel() - self.num_tokens.sum())
 
-    def padding_mask(self) -> Tensor | None:
+    def padding_mask(self) -> Tensor:
         """[rows, L] bool, True where a column holds no sample's token (Megatron's ``padding_mask``: MoE routers
         leave those positions out of the load-balancing and z losses and of the expert-bias token counts).
-        Compact rows: columns past each sample's ``num_tokens``; the packed row: columns past all samples'
-        tokens (alignment padding). None for shared-prefix rows, whose columns are not laid out per sample."""
-        if self.attention_mask is not None:
-            return None
+        Every layout holds its tokens from column 0: compact rows past each sample's ``num_tokens``, shared-prefix
+        rows past each row's (``num_tokens`` is per row there: the prompt, then the samples' segments), the
+        packed row past all samples' tokens (alignment padding)."""
         cols = torch.arange(self.tokens.shape[1]).unsqueeze(0)
         if self.cu_seqlens is not None:
             return cols >= self.num_tokens.sum()

@@ -90,3 +90,22 @@ def test_batch_shape_errors_name_the_field():
     with pytest.raises(ValueError, match="advantages"):
         TrainBatch(b.input_ids, b.attention_mask, b.position_ids, b.responses, b.response_mask,
                    advantages=torch.zeros(3, 3))
+
+
+def test_padding_mask_marks_exactly_the_columns_without_a_token():
+    """Megatron's padding mask for MoE routers (``ModelInputs.padding_mask``) in each row layout: as many masked
+    columns as ``padding()`` counts, every column a prediction reads unmasked, the masked ones hold token 0."""
+    from mrl.workers.minibatch import build_packed_inputs, build_shared_prefix_inputs
+    from tests.workers.batches import grouped_batch
+
+    for name, mi in (("compact", build_model_inputs(ragged_batch(), pad_to_multiple=8)),
+                     ("packed", build_packed_inputs(ragged_batch(), pad_to_multiple=64)),
+                     ("shared prefix", build_shared_prefix_inputs(grouped_batch(), pad_to_multiple=8))):
+        pad = mi.padding_mask()
+        assert pad.shape == mi.tokens.shape and pad.dtype == torch.bool, name
+        assert int(pad.sum()) == mi.padding() > 0, name  # each layout here has padding to find
+        assert not bool(mi.tokens[pad].any()), name
+        rows = mi.resp_row if mi.resp_row is not None else torch.arange(len(mi.resp_index))  # compact: a row each
+        read = mi.resp_index[mi.resp_valid]
+        owners = rows[:, None].expand_as(mi.resp_index)[mi.resp_valid]
+        assert not bool(pad[owners, read].any()), name  # no column a response token is predicted from is masked
