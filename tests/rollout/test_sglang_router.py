@@ -11,7 +11,7 @@ import pytest
 from mrl.rollout.client import RolloutClient
 from mrl.rollout.pool import EngineEndpoint, EnginePool
 from mrl.rollout.router import Router
-from mrl.rollout.sglang_launcher import EngineProcess, build_embedded_command
+from mrl.rollout.sglang_launcher import EngineLaunchError, EngineProcess, build_embedded_command
 from mrl.rollout.sglang_router import SGLangRouter
 from mrl.rollout.types import RolloutRequest
 from tests.helpers.e2e import free_port_pair
@@ -34,14 +34,29 @@ def setup(tmp_path_factory):
             e.start(wait=False)
         for e in engines:
             e.wait_healthy()
-        router = SGLangRouter([e.url for e in engines], free_port_pair(), logs / "router.log")
-        router.start()
+        router = _start_router([e.url for e in engines], logs)
         yield engines, router
     finally:
         if router is not None:
             router.stop()
         for e in engines:
             e.stop()
+
+
+def _start_router(urls: list[str], logs) -> SGLangRouter:
+    """The router on a free port. A port free when drawn can be bound by another test's server before the router
+    binds it (seen once in `make test`: "Address already in use" on the router's port): then a new port, at most
+    3 tries; any other failure raises at once."""
+    for attempt in range(3):
+        router = SGLangRouter(urls, free_port_pair(), logs / f"router{attempt}.log")
+        try:
+            router.start()
+            return router
+        except EngineLaunchError as e:
+            router.stop()
+            if "Address already in use" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _submitted(url: str) -> int:
