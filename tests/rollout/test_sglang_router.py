@@ -11,7 +11,11 @@ import pytest
 from mrl.rollout.client import RolloutClient
 from mrl.rollout.pool import EngineEndpoint, EnginePool
 from mrl.rollout.router import Router
-from mrl.rollout.sglang_launcher import EngineLaunchError, EngineProcess, build_embedded_command
+from mrl.rollout.sglang_launcher import (
+    EngineLaunchError,
+    EngineProcess,
+    build_embedded_command,
+)
 from mrl.rollout.sglang_router import SGLangRouter
 from mrl.rollout.types import RolloutRequest
 from tests.helpers.e2e import free_port_pair
