@@ -103,8 +103,14 @@ def test_plan_refuses_a_split_megatron_would_refuse_and_names_one_that_works(tmp
     assert len(errs) == 1 and "pipeline_model_parallel_size > 1" in errs[0], errs
 
 
-@pytest.mark.parametrize("first,last", [(None, None), (None, 1), (4, 1), (1, None)])
-def test_memory_estimate_takes_the_largest_stage(first, last):
+@pytest.mark.parametrize("pp,first,last,counts", [
+    (16, None, None, [4] * 16),      # 64 layers, even
+    (16, None, 1, [4] * 15 + [1]),   # 61 layers from here on
+    (16, 4, 1, [4] * 15 + [1]),
+    (2, 1, None, [1, 60]),           # the last stage is the largest
+    (3, 1, 1, [1, 59, 1]),           # a middle stage is the largest
+])
+def test_memory_estimate_takes_the_largest_stage(pp, first, last, counts):
     from mrl.config.hf import ModelShape
     from mrl.config.parallel import ParallelConfig
     from mrl.config.plan_report import params_per_device
@@ -113,11 +119,10 @@ def test_memory_estimate_takes_the_largest_stage(first, last):
                        num_layers=64 if first is None and last is None else 61, num_heads=4, num_kv_heads=4,
                        head_dim=16, intermediate_size=128, max_positions=None, tie_word_embeddings=False,
                        qkv_bias=False, qk_norm=False)
-    par = ParallelConfig(pipeline_model_parallel_size=2 if (first, last) == (1, None) else 16,
+    par = ParallelConfig(pipeline_model_parallel_size=pp,
                          num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
     layer = 4 * 64 * 64 + 2 * 64 + 3 * 64 * 128  # q, k, v, o (4 heads x 16 = 64) + 2 norms + the SwiGLU MLP
     assert shape.layer_params() == (layer, 0)
-    counts = stage_layer_counts(shape.num_layers, par.pipeline_model_parallel_size, None, first, last)
     embed = 256 * 64  # vocab 256 is already a multiple of 128: no padding
     want = max(embed + counts[0] * layer, *(c * layer for c in counts[1:-1]), counts[-1] * layer + 64 + embed)
     assert params_per_device(shape, par, divisible_by=128) == want
@@ -138,6 +143,9 @@ def test_expert_optimizer_state_is_sharded_over_expert_data_parallel_ranks(ep, d
                        moe_intermediate_size=32, experts_per_token=2)
     par = ParallelConfig(expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     experts_here = 4 * 8 * 3 * 64 * 32 // ep  # 4 layers x 8 experts x (gate, up, down of 64 x 32) / EP
-    p = params_per_device(shape, par, divisible_by=128)
+    # the rest, whole on every device (TP1, PP1): embedding and untied head (256 x 64 each), per layer q/k/v/o
+    # (4 x 64 x 64), 2 norms and the router (64 x 8), the final norm
+    p = 2 * 256 * 64 + 4 * (4 * 64 * 64 + 2 * 64 + 64 * 8) + 64 + experts_here
+    assert params_per_device(shape, par, divisible_by=128) == p
     mem = trained_memory(shape, par, dp=dp, dtype="bfloat16", distributed_optimizer=True, divisible_by=128)
     assert mem.optimizer == int((p - experts_here) * 12 / dp + experts_here * 12 / edp)
