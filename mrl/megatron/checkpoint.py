@@ -74,11 +74,12 @@ def parallel_layout() -> dict[str, int | None]:
 def _pipeline_split(model_chunks: Sequence[torch.nn.Module]) -> dict[str, int]:
     """The uneven pipeline split the model was built with (Megatron's num_layers_in_first/last_pipeline_stage),
     only the sizes that are set: informational (the checkpoint loads at any split)."""
-    from mrl.config.parallel import UNEVEN_KEYS
     from mrl.megatron.unwrap import unwrap
 
     cfg = unwrap(model_chunks[0]).config
-    return {k: v for k in UNEVEN_KEYS if (v := getattr(cfg, k, None)) is not None}
+    # Megatron's field names, spelled here: mrl.megatron does not import mrl.config (tests/test_import_contract.py)
+    return {k: v for k in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+            if (v := getattr(cfg, k, None)) is not None}
 
 
 def _sd_metadata(optim_sharding: str) -> dict[str, Any]:
