@@ -47,18 +47,24 @@ def gdn_sizes(config: Any) -> dict[str, int]:
 
 class GatedRMSNorm(torch.nn.Module):
     """``rmsnorm(x) · w · silu(z)`` over the last dim (transformers' ``RMSNormGated``: normalised in fp32, scaled by
-    ``w`` in the input dtype, gated in fp32)."""
+    ``w`` in the input dtype, gated in fp32). ``w`` is shared by every value head, and TP splits the heads: each rank's
+    gradient of ``w`` covers its own heads only, so the weight enters through Megatron's
+    ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward) and every rank gets the sum."""
 
-    def __init__(self, width: int, eps: float, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, width: int, eps: float, dtype: torch.dtype, device: Any, tp_size: int = 1) -> None:
         super().__init__()
         self.eps = eps
+        self.tp_size = tp_size
         self.weight = torch.nn.Parameter(torch.ones(width, dtype=dtype, device=device))
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
         dtype = x.dtype
+        w = copy_to_tensor_model_parallel_region(self.weight) if self.tp_size > 1 else self.weight
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(dtype)
+        h = w * h.to(dtype)
         return (h * F.silu(z.float())).to(dtype)
 
 
@@ -98,7 +104,7 @@ class GatedDeltaNet(MegatronModule):
         with torch.no_grad():
             torch.nn.init.uniform_(self.conv1d_weight, -0.5, 0.5)
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-        self.norm = GatedRMSNorm(s["dv"], config.layernorm_epsilon, config.params_dtype, device)
+        self.norm = GatedRMSNorm(s["dv"], config.layernorm_epsilon, config.params_dtype, device, self.tp_size)
         self.out_proj = tensor_parallel.RowParallelLinear(
             s["value_dim"], config.hidden_size, config=config, init_method=config.output_layer_init_method,
             bias=False, input_is_parallel=True, skip_bias_add=True, tp_group=tp)
