@@ -21,6 +21,7 @@ from mrl.config.root import MRLConfig
 from mrl.config.run_plan import on_policy_blockers
 from mrl.config.validate_async import check_async
 from mrl.config.validate_attention import check_attention
+from mrl.config.validate_hybrid import check_hybrid
 from mrl.config.validate_engines import check_engine_span
 from mrl.config.validate_extensions import check_extension_points
 from mrl.config.validate_judge import check_judge
@@ -565,6 +566,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
         _check_critic_shares_the_actor(cfg, errors)
     _check_lora(cfg, shape, errors)
     check_attention(cfg, _on_cuda(cfg), errors)
+    check_hybrid(cfg, _on_cuda(cfg), errors, notes)
     _check_algorithm(cfg, errors, notes)
     _check_rollout(cfg, shape, errors)
     _check_inprocess_engines(cfg, errors)
