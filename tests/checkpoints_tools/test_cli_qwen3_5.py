@@ -1,6 +1,6 @@
 """``mrl-ckpt`` on Qwen3.5's released vision-language checkpoint form: the decoder converts, the vision tower is
 carried untouched (``carried.safetensors`` in the Megatron checkpoint), and HF → mcore (TP2) → reshard (TP1 × PP2) →
-HF (TP2) is bit-exact for every tensor of the source, vision tower included; the MoE form at EP2 likewise. The
+HF (TP1 × PP2) is bit-exact for every tensor of the source, vision tower included; the MoE form at EP2 likewise. The
 reshard moves the Gated DeltaNet's interleaved per-rank blocks (q | k | v | z | b | a) between TP sizes."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_qwen3_5_roundtrip_with_reshard_carries_the_vision_tower(tmp_path: Path)
     _ok(_cli("reshard", "--in", str(m), "--out", str(m2), "--tp", "1", "--pp", "2", "--device", "cpu"))
     assert (m2 / "carried.safetensors").is_file()
     back = tmp_path / "hf_back"
-    _ok(_cli("mcore-to-hf", "--mcore", str(m2), "--out", str(back), "--tp", "2", "--device", "cpu"))
+    _ok(_cli("mcore-to-hf", "--mcore", str(m2), "--out", str(back), "--tp", "1", "--pp", "2", "--device", "cpu"))
     _same(hf, back)
 
 
