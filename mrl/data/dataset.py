@@ -18,7 +18,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from mrl.data.images import ImageError, VisionSpec, check_row_images, encode_vision_prompt, image_list
+from mrl.data.images import (
+    ImageError,
+    VisionSpec,
+    check_row_images,
+    encode_vision_prompt,
+    image_list,
+)
 from mrl.data.tokenize import (
     encode_prompt,
     left_pad,

@@ -47,24 +47,29 @@ def save_tokenizer(path: str | Path) -> dict[str, int]:
 def save_vlm_files(path: str | Path, kind: str = "qwen2_5_vl"):
     """Everything of a tiny ``kind`` checkpoint but its weights (tokenizer, config.json,
     preprocessor_config.json) into ``path``; returns (config, model class)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+    )
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     ids = save_tokenizer(path)
     tokens = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
               "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"]}
-    text = dict(vocab_size=VOCAB + 8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], bos_token_id=None,
-                tie_word_embeddings=False)
+    text = {"vocab_size": VOCAB + 8, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+                "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"], "bos_token_id": None,
+                "tie_word_embeddings": False}
     if kind == "qwen2_5_vl":
         cfg = Qwen2_5_VLConfig(
             text_config={**text, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                      "mrope_section": [2, 1, 1]}},
-            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
-                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                               fullatt_block_indexes=[1], in_chans=3),
+            vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 32,
+                               "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                               "fullatt_block_indexes": [1], "in_chans": 3},
             **tokens)
         model_cls = Qwen2_5_VLForConditionalGeneration
     elif kind == "qwen3_vl":
@@ -72,9 +77,9 @@ def save_vlm_files(path: str | Path, kind: str = "qwen2_5_vl"):
             text_config={**text, "head_dim": 8, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                                     "mrope_section": [2, 1, 1],
                                                                     "mrope_interleaved": True}},
-            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
-                               patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
-                               deepstack_visual_indexes=[0], in_channels=3),
+            vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 32,
+                               "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
+                               "deepstack_visual_indexes": [0], "in_channels": 3},
             **tokens)
         model_cls = Qwen3VLForConditionalGeneration
     else:
