@@ -84,6 +84,7 @@ def save_vlm_files(path: str | Path, kind: str = "qwen2_5_vl"):
         model_cls = Qwen3VLForConditionalGeneration
     else:
         raise ValueError(f"kind must be qwen2_5_vl or qwen3_vl, got {kind!r}")
+    cfg.architectures = [model_cls.__name__]
     cfg.save_pretrained(str(path))
     px = (PATCH[kind] * 2) ** 2  # pixels of one merged token
     (path / "preprocessor_config.json").write_text(json.dumps({
