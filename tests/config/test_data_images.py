@@ -67,12 +67,14 @@ def test_plan_reports_pictures_then_refuses_the_vlm_in_one_line(capsys, vlm, tmp
     rc, out, err = _run(capsys, f"model.path={vlm}", f"data.train_files={f}", cmd=cmd)
     assert rc == EXIT_UNSUPPORTED, err
     line = [ln for ln in out.splitlines() if "pictures:" in ln]
-    assert line == [f"  pictures: data.train_files: 4 pictures in 3 rows (at most 2 per row); largest picture 400x300 "
-                    f"= {_hf_largest(vlm)} image tokens ({f}:3) of data.max_prompt_length=64"]
+    want = (f"  pictures: data.train_files: 4 pictures in 3 rows (at most 2 per row); largest picture 400x300 "
+            f"= {_hf_largest(vlm)} image tokens ({f}:3) of data.max_prompt_length=64")
+    assert line == [want]
     refusal = err.strip().splitlines()
-    assert refusal == [f"mrl {cmd}: model.path={str(vlm)!r} (Qwen2_5_VLForConditionalGeneration) is a vision-language "
-                       "model: the Megatron actor for vision-language models is not implemented yet (their prompt files "
-                       "and the rollout engine are: docs/vision.md); fix: a text-only checkpoint"]
+    want = (f"mrl {cmd}: model.path={str(vlm)!r} (Qwen2_5_VLForConditionalGeneration) is a vision-language "
+            "model: the Megatron actor for vision-language models is not implemented yet (their prompt files "
+            "and the rollout engine are: docs/vision.md); fix: a text-only checkpoint")
+    assert refusal == [want]
 
 
 def test_bad_pictures_refused_before_start_or_counted(capsys, vlm, tmp_path):
