@@ -13,7 +13,7 @@ import pytest
 from mrl.data.dataset import DataError, PromptDataset
 from mrl.data.images import VisionSpec
 from mrl.workers.minibatch import split_dynamic
-from tests.helpers.tiny_vlm import CHAT_TEMPLATE, png, save_vlm_files
+from tests.helpers.tiny_vlm import png, save_vlm_files
 
 SIZES = [(40, 60), (28, 28), (300, 20), (200, 180), (9, 13), (500, 400)]  # (width, height)
 
@@ -152,6 +152,3 @@ def test_text_checkpoint_has_no_vision_spec(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 8}))
     assert VisionSpec.from_checkpoint(tmp_path) is None
 
-
-def test_chat_template_in_helper_is_chatml():
-    assert "<|im_start|>" in CHAT_TEMPLATE
