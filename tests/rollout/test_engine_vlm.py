@@ -145,9 +145,17 @@ def test_bad_pictures_are_refused(vlm, bad, match):
     assert r.status_code == 400 and re.search(match, r.json()["error"]["message"]), r.text
 
 
+def test_model_and_server_info_say_vision(vlm):
+    _, engine, client = vlm
+    assert client.get("/model_info").json()["has_image_understanding"] is True
+    assert client.get("/server_info").json()["context_length"] == 512  # the text config's max_position_embeddings
+    assert engine.runner.decode_path == "transformers forward (vision-language model)"
+
+
 def test_text_model_refuses_image_data(tmp_path):
     engine = Engine(str(make_tiny_hf(tmp_path / "q", "qwen2")))
     with TestClient(build_app(engine)) as client:
         r = client.post("/generate", json={"input_ids": [5, 6], "image_data": [base64.b64encode(PICS["a"]).decode()],
                                            "sampling_params": {"max_new_tokens": 2}})
+        assert client.get("/model_info").json()["has_image_understanding"] is False
     assert r.status_code == 400 and "image_data needs a vision-language model" in r.text

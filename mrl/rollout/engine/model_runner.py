@@ -99,7 +99,8 @@ class ModelRunner:
         cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         self._kv_shape = kv_cache_shape(cfg)
         # The written-out decode step for the families it knows; the model's own forward otherwise.
-        self.decode_path = fast_path_refusal(self.config)
+        # a vision-language model: its decoder sits under model.language_model and its forward owns the mRoPE
+        self.decode_path = fast_path_refusal(self.config) if self.vision is None else "vision-language model"
         self._decoder = LlamaFamilyDecoder(self.model) if self.decode_path is None else None
         self.decode_path = "fast" if self.decode_path is None else f"transformers forward ({self.decode_path})"
 
