@@ -94,3 +94,14 @@ def test_pictures_for_a_text_model_are_refused(capsys, tiny_model, tmp_path):
     assert rc == EXIT_CONFIG
     assert f"{f}:1: column 'images' (data.image_key) holds 1 image(s), but model.path={str(tiny_model)!r} is not a " \
            "vision-language checkpoint" in err
+
+
+def test_from_verl_carries_data_image_key(tmp_path, capsys):
+    script = tmp_path / "run.sh"
+    script.write_text("python3 -m verl.trainer.main_ppo data.train_files=t.parquet data.image_key=pics "
+                      "actor_rollout_ref.model.path=m\n")
+    assert main(["from-verl", str(script), "-o", str(tmp_path / "out.yaml")]) == 0
+    import yaml
+
+    assert yaml.safe_load((tmp_path / "out.yaml").read_text())["data"]["image_key"] == "pics"
+    assert "image_key" not in capsys.readouterr().err  # mapped, not listed among the keys mrl cannot carry
