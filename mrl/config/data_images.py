@@ -50,12 +50,17 @@ def scan_images(cfg: MRLConfig) -> ImageScan:
     out = ImageScan()
     d = cfg.data
     spec, model_dir = None, Path(cfg.model.path or "")
-    if (model_dir / "config.json").is_file():
-        try:
-            spec = VisionSpec.from_checkpoint(model_dir)
-        except (ValueError, OSError) as e:
-            out.errors.append(f"model.path: {e}")
-            return out
+    if not (model_dir / "config.json").is_file():  # a hub id or a download to come: nothing to check against
+        files = [Path(f) for f in (*d.train_files, *d.val_files) if Path(f).is_file()]
+        if any(_has_column(p, d.image_key) for p in files):
+            out.notes.append(f"not checked: model.path={cfg.model.path!r} has no config.json here, so the image "
+                             "processor's settings are unknown (mrl train checks every picture when it loads the data)")
+        return out
+    try:
+        spec = VisionSpec.from_checkpoint(model_dir)
+    except (ValueError, OSError) as e:
+        out.errors.append(f"model.path: {e}")
+        return out
     for key, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         paths = [Path(f) for f in files if Path(f).is_file() and f.endswith((".jsonl", ".parquet"))]
         if not paths or (spec is None and not any(_has_column(p, d.image_key) for p in paths)):

@@ -96,6 +96,13 @@ def test_pictures_for_a_text_model_are_refused(capsys, tiny_model, tmp_path):
            "vision-language checkpoint" in err
 
 
+def test_pictures_not_checked_without_the_model_here(capsys, tmp_path):
+    f = _files(tmp_path)
+    rc, out, _ = _run(capsys, "model.path=Qwen/Qwen2.5-VL-7B-Instruct", f"data.train_files={f}")
+    assert rc == 0  # a plan made before the download
+    assert "pictures: not checked: model.path='Qwen/Qwen2.5-VL-7B-Instruct' has no config.json here" in out, out[-2000:]
+
+
 def test_from_verl_carries_data_image_key(tmp_path, capsys):
     script = tmp_path / "run.sh"
     script.write_text("python3 -m verl.trainer.main_ppo data.train_files=t.parquet data.image_key=pics "
