@@ -159,3 +159,48 @@ def test_text_model_refuses_image_data(tmp_path):
                                            "sampling_params": {"max_new_tokens": 2}})
         assert client.get("/model_info").json()["has_image_understanding"] is False
     assert r.status_code == 400 and "image_data needs a vision-language model" in r.text
+
+
+def test_dataset_rows_through_the_client_to_the_engine(vlm, tmp_path):
+    """Rows of a prompt file -> RolloutRequest (engine ids, pictures as the client sends them) -> the body the
+    rollout client builds -> the engine: the engine's expanded prompt is the dataset's trainer prompt, and the
+    log-probs match transformers over the trainer prompt + response with the rows' pictures."""
+    import asyncio
+    import json
+
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from mrl.data.dataset import PromptDataset
+    from mrl.data.images import VisionSpec, png_base64
+    from mrl.rollout.client import RolloutClient
+    from mrl.rollout.types import RolloutRequest
+    from tests.rollout.conformance.test_sglang_request_bodies import RecordingRouter
+
+    d, _, client = vlm
+    tok = AutoTokenizer.from_pretrained(d)
+    (tmp_path / "b.png").write_bytes(PICS["b"])
+    rows = [{"prompt": [{"role": "user", "content": "<image> then <image>?"}], "reward_model": {"ground_truth": "1"},
+             "images": [{"bytes": base64.b64encode(PICS["a"]).decode()}, str(tmp_path / "b.png")]},
+            {"prompt": [{"role": "user", "content": "none"}], "reward_model": {"ground_truth": "1"}, "images": []}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = PromptDataset([tmp_path / "p.jsonl"], tok, vision=VisionSpec.from_checkpoint(d))
+    router = RecordingRouter(1)
+    request = RolloutRequest([p.engine_prompt_ids for p in ds.prompts], n=2, image_data=[
+        [png_base64(ref) for ref in p.images] for p in ds.prompts], sampling_params={
+        "temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True, "stop_token_ids": VISION_IDS})
+    asyncio.run(RolloutClient(router).agenerate(request))  # type: ignore[arg-type]
+    (body,) = router.payloads
+    outs = client.post("/generate", json=body).json()
+    model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
+    pv, grid, _ = _hf_pixels(d, ["a", "b"])
+    for k, out in enumerate(outs):
+        p = ds.prompts[k // 2]
+        assert out["meta_info"]["prompt_tokens"] == len(p.prompt_ids)
+        ids = torch.tensor([p.prompt_ids + out["output_ids"][:-1]])
+        kw = {"pixel_values": pv, "image_grid_thw": grid} if p.images else {}
+        model.model.rope_deltas = None
+        with torch.no_grad():
+            logits = model(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).int(), **kw).logits[0]
+        ref = torch.log_softmax(logits[len(p.prompt_ids) - 1:], -1).gather(1, torch.tensor(out["output_ids"])[:, None])[:, 0]
+        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]])
+        assert (got - ref).abs().max() <= TOL
