@@ -44,7 +44,7 @@ def _has_column(path: Path, key: str) -> bool:
 
 def scan_images(cfg: MRLConfig) -> ImageScan:
     """Check the pictures of every configured prompt file that exists (module docstring)."""
-    from mrl.data.dataset import DataError, get_dotted, read_rows
+    from mrl.data.rows import DataError, get_dotted, read_rows
     from mrl.data.images import ImageError, VisionSpec, check_row_images, image_list
 
     out = ImageScan()
@@ -56,6 +56,9 @@ def scan_images(cfg: MRLConfig) -> ImageScan:
             out.notes.append(f"not checked: model.path={cfg.model.path!r} has no config.json here, so the image "
                              "processor's settings are unknown (mrl train checks every picture when it loads the data)")
         return out
+    files = [Path(f) for f in (*d.train_files, *d.val_files) if Path(f).is_file()]
+    if not any(_has_column(p, d.image_key) for p in files):
+        return out  # text-only prompts (a vision-language checkpoint trained on text: Qwen3.5) need no processor
     try:
         spec = VisionSpec.from_checkpoint(model_dir)
     except (ValueError, OSError) as e:

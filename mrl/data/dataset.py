@@ -8,7 +8,6 @@ B*n samples with one uid per prompt, interleaved as verl does: p0 p0 .. p1 p1 ..
 """
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from collections.abc import Sequence
@@ -25,6 +24,9 @@ from mrl.data.images import (
     encode_vision_prompt,
     image_list,
 )
+
+# torch-free, so that mrl plan reads prompt files without the model stack (re-exported here)
+from mrl.data.rows import DataError, get_dotted, read_rows
 from mrl.data.tokenize import (
     encode_prompt,
     left_pad,
@@ -34,12 +36,6 @@ from mrl.data.tokenize import (
 
 log = logging.getLogger("mrl.data")
 T = TypeVar("T")
-_MISSING = object()
-
-
-class DataError(ValueError):
-    """A user error in a prompt file, naming ``file:row`` and the column; raised while the dataset
-    loads, before Ray or Megatron start (``mrl train`` exits 2 with it, like a config error)."""
 
 
 @dataclass
@@ -68,54 +64,6 @@ class PromptBatch:
     attention_mask: torch.Tensor  # [B, P] long
     position_ids: torch.Tensor  # [B, P] long
     prompts: list[Prompt] = field(default_factory=list)
-
-
-def read_rows(path: str | Path) -> list[dict]:
-    """Rows of a .jsonl (one JSON object per line) or .parquet file."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"prompt file {str(p)!r} does not exist; fix: data.train_files / data.val_files")
-    if p.suffix == ".jsonl":
-        rows = []
-        for n, raw in enumerate(p.read_bytes().splitlines(), start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{p}:{n}: byte 0x{raw[e.start]:02x} at column {e.start + 1} is not UTF-8; "
-                                "fix: save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{p}:{n}: invalid JSON ({e.msg}); fix: one JSON object per line") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{p}:{n}: expected a JSON object, got {type(row).__name__}; fix: one JSON object per line")
-            rows.append(row)
-        return rows
-    if p.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.read_table(p).to_pylist()
-        except (pa.ArrowException, UnicodeDecodeError) as e:
-            raise DataError(f"{p}: cannot read the parquet file ({e}); fix: re-write it (e.g. with pandas.to_parquet)") from None
-    raise DataError(f"prompt file {str(p)!r} is neither .jsonl nor .parquet; fix: convert it to one of them")
-
-
-def get_dotted(row: dict, key: str, default: Any = _MISSING) -> Any:
-    """``row['a']['b']`` for key ``a.b``; a flat column literally named ``a.b`` wins."""
-    if key in row:
-        return row[key]
-    cur: Any = row
-    for part in key.split("."):
-        if not isinstance(cur, dict) or part not in cur:
-            if default is _MISSING:
-                raise KeyError(key)
-            return default
-        cur = cur[part]
-    return cur
 
 
 class PromptDataset:
