@@ -1,4 +1,5 @@
-"""Plan-time rules of an engine wider than one node (``rollout.engine_tp_size > cluster.n_gpus_per_node``):
+"""Plan-time rules of an engine's width: the built-in torch engine is one device (``engine_tp_size=1``), and an
+engine wider than one node (``rollout.engine_tp_size > cluster.n_gpus_per_node``):
 SGLang's own multi-node tensor parallelism (``--nnodes``/``--node-rank``/``--dist-init-addr``, launched by
 driver/engines.py; docs/driver.md, 'Engines over several nodes'). Each error names the key and the fix.
 
@@ -24,6 +25,13 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::")
 def check_engine_span(cfg: MRLConfig, roles: dict[str, RoleLayout], errors: list[str], notes: list[str]) -> None:
     r, c = cfg.rollout, cfg.cluster
     tp, per_node = r.engine_tp_size, c.n_gpus_per_node
+    if r.engine == "torch" and 1 < tp and (c.device == "cpu" or tp <= per_node):  # wider: the node rule below
+        # the built-in engine has no tensor parallelism: one process on the first of the engine's devices, while the
+        # weight sync waits for tp ranks that never join (issue 53: a 600 s hang, then WorkerGroupError)
+        errors.append(f"rollout.engine_tp_size={tp} with rollout.engine=torch: the built-in engine runs each engine "
+                      "on one device (no tensor parallelism); fix: rollout.engine_tp_size=1 (more engines: "
+                      "rollout.num_engines), or rollout.engine=sglang (CUDA) for tensor-parallel engines")
+        return
     if c.device == "cpu" or tp <= per_node:
         return  # on CPU a "device" is a gloo rank; the built-in engine's tp is no node question
     what = f"rollout.engine_tp_size={tp} exceeds cluster.n_gpus_per_node={per_node}"

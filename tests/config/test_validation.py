@@ -87,6 +87,12 @@ BAD = [
                                                                  "max_position_embeddings=256"]),
     ("engine_tp_not_dividing", ["rollout.engine_tp_size=3"], ["rollout.engine_tp_size=3", "does not divide"]),
     ("too_many_colocated_engines", ["rollout.num_engines=3", "rollout.engine_tp_size=2"], ["rollout.num_engines", "exceeds"]),
+    # the built-in engine has no TP (issue 53): refused on CPU and on CUDA, where it hung 600 s in the weight sync
+    ("torch_engine_tp_cpu", ["rollout.engine_tp_size=2"], ["rollout.engine_tp_size=2 with rollout.engine=torch",
+                                                          "fix: rollout.engine_tp_size=1", "rollout.engine=sglang"]),
+    ("torch_engine_tp_cuda", ["cluster.device=cuda", "rollout.placement=separate", "rollout.num_engines=1",
+                              "rollout.engine_tp_size=2", "rollout.weight_sync.transport=distributed"],
+     ["rollout.engine_tp_size=2 with rollout.engine=torch", "fix: rollout.engine_tp_size=1"]),
     ("sglang_on_cpu", ["rollout.engine=sglang"], ["rollout.engine=sglang", "cluster.device=cpu"]),
     ("sglang_verify", ["cluster.device=cuda", "rollout.engine=sglang", "rollout.weight_sync.verify=true"],
      ["rollout.weight_sync.verify=true", "/weights_checksum", "fix: rollout.weight_sync.verify=false"]),
