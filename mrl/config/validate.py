@@ -515,6 +515,10 @@ def _check_agent(cfg: MRLConfig, errors: list[str]) -> None:
     driver's tool workers inherit); the rollout modes the agent loop does not drive are refused (docs/agent.md)."""
     a = cfg.agent
     if not a.enable:
+        stray = sorted(a.model_fields_set - {"enable"})  # as actor.lora / teacher.*: no setting silently ignored
+        if stray:
+            errors.append(f"agent.{stray[0]} is set but agent.enable=false (only agent rollouts read agent.*); fix: "
+                          "agent.enable=true, or remove " + ", ".join(f"agent.{k}" for k in stray))
         return
     from mrl.agent.tools import load_tools
     from mrl.plugins import is_spec, probe_import

@@ -93,6 +93,12 @@ BAD = [
     ("torch_engine_tp_cuda", ["cluster.device=cuda", "rollout.placement=separate", "rollout.num_engines=1",
                               "rollout.engine_tp_size=2", "rollout.weight_sync.transport=distributed"],
      ["rollout.engine_tp_size=2 with rollout.engine=torch", "fix: rollout.engine_tp_size=1"]),
+    # issue 53: agent.* on a non-agent run is refused like actor.lora.* without a rank; an absurd finite aux-loss
+    # weight is refused by its bound (nan/inf by allow_inf_nan) instead of a NaN grad norm at step 1
+    ("agent_key_without_agent", ["agent.tool_memory_mb=2048"], ["agent.tool_memory_mb is set but agent.enable=false",
+                                                                "remove agent.tool_memory_mb"]),
+    ("moe_aux_loss_coef_absurd", ["actor.moe.aux_loss_coef=1e308"], ["actor.moe.aux_loss_coef", "beyond 1",
+                                                                     "outweighs the policy loss", "fix:"]),
     ("sglang_on_cpu", ["rollout.engine=sglang"], ["rollout.engine=sglang", "cluster.device=cpu"]),
     ("sglang_verify", ["cluster.device=cuda", "rollout.engine=sglang", "rollout.weight_sync.verify=true"],
      ["rollout.weight_sync.verify=true", "/weights_checksum", "fix: rollout.weight_sync.verify=false"]),
