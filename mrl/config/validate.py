@@ -21,7 +21,11 @@ from mrl.config.root import MRLConfig
 from mrl.config.run_plan import on_policy_blockers
 from mrl.config.validate_async import check_async
 from mrl.config.validate_attention import check_attention
-from mrl.config.validate_engines import check_engine_span
+from mrl.config.validate_engines import (
+    check_engine_span,
+    explain_actor_devices,
+    separate_breakdown,
+)
 from mrl.config.validate_extensions import check_extension_points
 from mrl.config.validate_judge import check_judge
 from mrl.config.validate_moe import check_moe, family_plan_notes, family_refusals
@@ -115,7 +119,7 @@ def _check_placement(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelS
     actor_n = roles["actor"].count
     if actor_n <= 0:
         errors.append(
-            f"separate roles take {sum(sep.values())} devices ({', '.join(f'{k}={v}' for k, v in sep.items())}) of the "
+            f"separate roles take {sum(sep.values())} devices ({separate_breakdown(cfg)}) of the "
             f"{world} available (cluster.nnodes*cluster.n_gpus_per_node), leaving none for the actor; "
             "fix: add devices or use placement=colocated"
         )
@@ -588,4 +592,5 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
         notes.append(f"cluster.device=cpu with model.dtype={cfg.model.dtype}: fast only on CPUs with AMX or "
                      "AVX512-BF16 (bfloat16) and slow elsewhere; trainer and engine log-probs then agree at that "
                      "precision, not to 1e-6 as in float32")
+    explain_actor_devices(cfg, roles, errors)  # name the keys (rollout.engine_tp_size) that shrank the actor
     return errors, notes
