@@ -19,6 +19,7 @@ from mrl.config.parallel import ParallelConfig
 from mrl.config.preflight import check_checkpoints
 from mrl.config.root import MRLConfig
 from mrl.config.run_plan import on_policy_blockers
+from mrl.config.validate_agent import check_tool_prompt_room
 from mrl.config.validate_async import check_async
 from mrl.config.validate_attention import check_attention
 from mrl.config.validate_engines import (
@@ -531,9 +532,11 @@ def _check_agent(cfg: MRLConfig, errors: list[str]) -> None:
         for i, spec in enumerate(a.tools):
             if is_spec(spec):
                 probe_import(spec, f"agent.tools[{i}]")
-        load_tools(a.tools)
+        tools = load_tools(a.tools)
     except ValueError as e:
         errors.append(str(e))
+    else:
+        check_tool_prompt_room(cfg, [t.schema for t in tools.values()], errors)
     _check_agent_sandbox(cfg, errors)
     from mrl.agent.worker import memory_limit_problem
 
