@@ -525,18 +525,17 @@ def _check_agent(cfg: MRLConfig, errors: list[str]) -> None:
             errors.append(f"agent.{stray[0]} is set but agent.enable=false (only agent rollouts read agent.*); fix: "
                           "agent.enable=true, or remove " + ", ".join(f"agent.{k}" for k in stray))
         return
-    from mrl.agent.tools import load_tools
-    from mrl.plugins import is_spec, probe_import
+    from mrl.plugin_checks import tool_schemas
+    from mrl.plugins import check_in_child, is_spec
 
-    try:
-        for i, spec in enumerate(a.tools):
-            if is_spec(spec):
-                probe_import(spec, f"agent.tools[{i}]")
-        tools = load_tools(a.tools)
+    plugins = [spec for spec in a.tools if is_spec(spec)]
+    try:  # the tools' schemas, built where their plugins are imported: the check's child (one import of each)
+        schemas = (check_in_child("mrl.plugin_checks:tool_schemas", [a.tools], "agent.tools", plugins)
+                   if plugins else tool_schemas(a.tools))
     except ValueError as e:
         errors.append(str(e))
     else:
-        check_tool_prompt_room(cfg, [t.schema for t in tools.values()], errors)
+        check_tool_prompt_room(cfg, schemas, errors)
     _check_agent_sandbox(cfg, errors)
     from mrl.agent.worker import memory_limit_problem
 
