@@ -16,8 +16,11 @@ routed expert's and ``F_s`` the shared expert's, ``E`` routed experts (transform
 k/v/o/q-norm are checked against it. Multi-latent attention (DeepSeek-V3) checks only ``o_proj``'s rows.
 
 Tolerant by design: the names come from the family's weight rules (:mod:`mrl.families`), a tensor is checked
-only when its rule is one of the kinds above, per-layer tensors that are absent are left to the loader, and a
-config.json holding ``text_config`` (vision-language checkpoints) is read through it. What is refused:
+only when its rule is one of the kinds above (a gated ``q_proj``, Qwen3.5's ``qkv_gated``, has ``2*n_h*d`` rows;
+linear-attention layers' own tensors are not checked), per-layer tensors that are absent are left to the loader,
+and a vision-language checkpoint is read through its decoder view (:func:`mrl.families.views.decoder_dict`:
+``text_config``, tensors under ``model.language_model.``; the vision tower is not checked). A config.json without
+``tie_word_embeddings`` is untied, as transformers' config classes of every supported family default. What is refused:
 a shape that differs; layers present in the weights that config.json does not have, or the reverse
 (DeepSeek's multi-token-prediction layers, ``num_nextn_predict_layers``, excepted); a routed-expert count
 different from config.json's; ``tie_word_embeddings: false`` without ``lm_head.weight`` (the trainer would
@@ -47,9 +50,11 @@ def describe(cfg: dict[str, Any]) -> str:
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The language model's keys: ``text_config`` merged over the top level when config.json nests them."""
-    inner = cfg.get("text_config")
-    return {**cfg, **inner} if isinstance(inner, dict) else cfg
+    """The decoder's view of config.json (:func:`mrl.families.views.decoder_dict`: a vision-language checkpoint's
+    ``text_config``, its decoder tensors under ``model.language_model.``), as the provider and the mapping read it."""
+    from mrl.families.views import decoder_dict
+
+    return decoder_dict(cfg)
 
 
 def _int(cfg: dict[str, Any], key: str) -> int | None:
@@ -108,14 +113,16 @@ def _shape(rule: Any, k: int, name: str, dims: _Dims, fam: Any) -> tuple[tuple[i
         return ((dims.e, None, None) if not bias else (dims.e, None)), "num_experts"
     if rule.split == "vocab":
         return (dims.v, h), "vocab_size, hidden_size"
-    if rule.split == "qkv" and not dims.mla and len(rule.hf) == 3:
-        rows = (dims.nh if k == 0 else dims.nkv) * d if d else None
+    if rule.split in ("qkv", "qkv_gated") and not dims.mla and len(rule.hf) == 3:
+        # qkv_gated (Qwen3.5's attention output gate): q_proj holds [q_h | g_h] per head, twice the rows
+        gate = 2 if rule.split == "qkv_gated" and k == 0 else 1
+        rows = gate * (dims.nh if k == 0 else dims.nkv) * d if d else None
         keys = "num_attention_heads" if k == 0 else "num_key_value_heads"
         return ((rows,) if bias else (rows, h)), f"{keys}, head_dim, hidden_size"
     if rule.split == "gate_up" and len(rule.hf) == 2 and not bias:
         f, key = _ffn(rule, dims)
         return (f, h), f"{key}, hidden_size"
-    if rule.split == "row" and not bias:
+    if rule.split == "row" and not bias and rule.mixer != "linear":  # (a Gated DeltaNet's out_proj: its own widths)
         if ".self_attn." in name or name.startswith("self_attn."):
             if dims.mla:  # o = o_proj (concat of the heads' values)
                 cols = dims.nh * dims.v_head if dims.nh and dims.v_head else None
@@ -158,14 +165,19 @@ def _show(shape: tuple[int | None, ...]) -> str:
     return "[" + ", ".join("*" if x is None else str(x) for x in shape) + "]"
 
 
-def _layer_rules(rules: tuple, moe_pattern: list[int] | None, n_layers: int) -> Iterator[tuple[Any, int]]:
-    """(rule, layer) for every layer that has the rule (by the family's MoE/dense pattern; unknown: "all" rules)."""
+def _layer_rules(rules: tuple, moe_pattern: list[int] | None, linear: list[int] | None, n_layers: int
+                 ) -> Iterator[tuple[Any, int]]:
+    """(rule, layer) for every layer that has the rule (by the family's MoE/dense and linear/attention patterns;
+    a pattern config.json does not give: only the rules of every layer)."""
     for rule in rules:
-        if rule.scope == "layer":
-            for i in range(n_layers):
-                if rule.layers == "all" or (moe_pattern is not None and i < len(moe_pattern)
-                                            and rule.on_layer(bool(moe_pattern[i]))):
-                    yield rule, i
+        if rule.scope != "layer":
+            continue
+        for i in range(n_layers):
+            moe = moe_pattern is not None and i < len(moe_pattern) and bool(moe_pattern[i])
+            lin = linear is not None and i < len(linear) and bool(linear[i])
+            known = (rule.layers == "all" or moe_pattern is not None) and (rule.mixer == "all" or linear is not None)
+            if known and rule.on_layer(moe, lin):
+                yield rule, i
 
 
 def weights_fit_problems(cfg: dict[str, Any], shapes: dict[str, list[int]], where: dict[str, Path], *,
@@ -186,6 +198,7 @@ def weights_fit_problems(cfg: dict[str, Any], shapes: dict[str, list[int]], wher
         return out
     dims = _Dims(c, fam, ns)
     moe_pattern = _call(fam.moe_layers, ns)
+    linear = _call(fam.linear_layers, ns)
     tied = bool(c.get("tie_word_embeddings", False))
     # transformers' lm_head rule (also the trainer's, mapping.py): untied needs its own tensor
     head = next((r for r in rules if r.scope == "model" and r.split == "vocab" and "lm_head" in r.hf[0]), None)
@@ -201,7 +214,7 @@ def weights_fit_problems(cfg: dict[str, Any], shapes: dict[str, list[int]], wher
     if dims.d is None and not dims.mla:
         dims.d = _head_dim_from_q(rules, shapes, dims)
     model_rules = [(r, None) for r in rules if r.scope == "model" and not (r is head and tied)]
-    for rule, i in [*model_rules, *_layer_rules(rules, moe_pattern, n_layers)]:
+    for rule, i in [*model_rules, *_layer_rules(rules, moe_pattern, linear, n_layers)]:
         for e in (range(dims.e or 0) if rule.expert and not rule.fused else (None,)):
             for k, pattern in enumerate(rule.hf):
                 name = _expand(pattern, i, e)
@@ -219,10 +232,11 @@ def weights_fit_problems(cfg: dict[str, Any], shapes: dict[str, list[int]], wher
 def _head_dim_from_q(rules: tuple, shapes: dict[str, list[int]], dims: _Dims) -> int | None:
     """Without ``head_dim`` in config.json: the query projection's rows over the heads, when they divide."""
     for rule in rules:
-        if rule.split == "qkv" and len(rule.hf) == 3:
-            q = shapes.get(_expand(rule.hf[0], 0))
-            if q and dims.nh and q[0] % dims.nh == 0:
-                return q[0] // dims.nh
+        if rule.split in ("qkv", "qkv_gated") and len(rule.hf) == 3:
+            per_head = dims.nh * (2 if rule.split == "qkv_gated" else 1) if dims.nh else 0
+            q = next((shapes[n] for i in range(len(shapes)) if (n := _expand(rule.hf[0], i)) in shapes), None)
+            if q and per_head and q[0] % per_head == 0:
+                return q[0] // per_head
     return None
 
 

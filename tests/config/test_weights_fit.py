@@ -14,7 +14,7 @@ import pytest
 
 from mrl.cli import EXIT_CONFIG, main
 from mrl.config import check_config, load_config
-from mrl.config.checkpoint_files import safetensors_header
+from mrl.config.checkpoint_files import safetensors_header, weight_files
 from mrl.config.preflight import train_preflight
 from mrl.config.weights_fit import weights_fit_problems
 from tests.helpers.tiny_models import make_tiny_hf
@@ -30,8 +30,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _shapes(d: Path) -> dict[str, list[int]]:
-    header = safetensors_header(d / "model.safetensors")
-    return {n: v["shape"] for n, v in header.items() if n != "__metadata__"}
+    return {n: v["shape"] for f in weight_files(d) for n, v in safetensors_header(f).items() if n != "__metadata__"}
 
 
 def _problems(d: Path, **config_changes) -> list[str]:
@@ -43,6 +42,24 @@ def _problems(d: Path, **config_changes) -> list[str]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_saved_by_transformers_fits(family: str, tmp_path: Path) -> None:
     assert _problems(make_tiny_hf(tmp_path / family, family)) == []
+
+
+@pytest.mark.parametrize("moe,wrapped", [(False, True), (True, True), (False, False)],
+                         ids=["qwen3_5-vl", "qwen3_5_moe-vl", "qwen3_5-text"])
+def test_hybrid_and_vision_language_checkpoints_fit(moe: bool, wrapped: bool, tmp_path: Path) -> None:
+    """Qwen3.5: linear-attention layers without self_attn, a gated q_proj (2 x heads x head_dim rows), the decoder under
+    model.language_model.* beside a vision tower and text_config in config.json: all read through the decoder view."""
+    from tests.helpers.tiny_qwen3_5 import make_tiny_qwen3_5_hf
+
+    d = make_tiny_qwen3_5_hf(tmp_path / "m", moe=moe, wrapped=wrapped)
+    cfg = json.loads((d / "config.json").read_text())
+    assert _problems(d) == []
+    text = cfg.get("text_config", cfg)
+    text["num_attention_heads"] = 8  # the full-attention layer's gated q_proj is [2 * 4 * 16, 64]
+    problems = weights_fit_problems(cfg, _shapes(d), {})
+    prefix = "model.language_model." if wrapped else "model."
+    assert any(f"{prefix}layers.2.self_attn.q_proj.weight [128, 64]" in p and "gives [256, 64]" in p
+               for p in problems), problems
 
 
 # (family, config.json change, what the one line must name)
