@@ -141,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     cfg, text = loaded
     print(text, flush=True)
+    from mrl.config.checkpoint_files import vision_language_refusal
+
+    refusal = vision_language_refusal("model.path", cfg.model.path)
+    if refusal:  # after the plan and the prompt files' pictures, which are checked in full (docs/vision.md)
+        print(f"mrl {args.cmd}: {refusal}", file=sys.stderr)
+        return EXIT_UNSUPPORTED
     if args.cmd == "plan" or dry_run:
         return 0
     try:

@@ -36,6 +36,31 @@ def supported_architectures() -> dict[str, str]:
     return SUPPORTED_ARCHITECTURES
 
 
+def untrainable_vision_language(cfg: dict[str, Any]) -> bool:
+    """A vision-language checkpoint (``vision_config`` in config.json) none of whose architectures mrl trains:
+    its prompt files and the rollout engine work (docs/vision.md), the Megatron actor does not exist yet."""
+    archs = cfg.get("architectures") or []
+    supported = supported_architectures()
+    return "vision_config" in cfg and not (isinstance(archs, list) and any(a in supported for a in archs))
+
+
+VISION_REFUSAL = ("is a vision-language model: the Megatron actor for vision-language models is not implemented yet "
+                  "(their prompt files and the rollout engine are: docs/vision.md); fix: a text-only checkpoint")
+
+
+def vision_language_refusal(key: str, path: str | None) -> str | None:
+    """The one line refusing to train the vision-language checkpoint at ``path`` (None: not one). ``mrl plan`` /
+    ``mrl train`` print it after the plan and the prompt files' pictures, which are checked in full."""
+    try:
+        cfg = json.loads((Path(path or "") / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict) or not untrainable_vision_language(cfg):
+        return None
+    archs = cfg.get("architectures") or [cfg.get("model_type")]
+    return f"{key}={path!r} ({', '.join(map(str, archs))}) {VISION_REFUSAL}"
+
+
 def safetensors_header(file: Path) -> dict[str, Any]:
     """The parsed header of one safetensors file; ValueError (naming the file) when it is not one or is
     truncated: the 8-byte length, the JSON header and every tensor's ``data_offsets`` must fit the file."""
@@ -134,7 +159,10 @@ def model_dir_problems(key: str, path: str, *, strict: bool, architectures: str 
         supported = supported_architectures()
         # as provider.model_family: a config written in code has no architectures, only model_type
         by_type = not archs and cfg.get("model_type") in supported.values()
-        if not by_type and (not isinstance(archs, list) or not any(a in supported for a in archs)):
+        if untrainable_vision_language(cfg):
+            if key != "model.path":  # the policy's: vision_language_refusal, after the plan shows its data
+                errors.append(f"{key}={path!r} ({', '.join(map(str, archs)) or cfg.get('model_type')}) {VISION_REFUSAL}")
+        elif not by_type and (not isinstance(archs, list) or not any(a in supported for a in archs)):
             errors.append(f"{key}={path!r}: config.json names architectures {archs}, which mrl cannot train; "
                           f"fix: a checkpoint of one of {', '.join(sorted(supported))}")
         else:

@@ -34,7 +34,7 @@ KEYS: dict[str, str] = {
     # data
     **{f"data.{k}": f"data.{k}" for k in (
         "train_files", "val_files", "prompt_key", "max_prompt_length", "filter_overlong_prompts", "shuffle", "seed",
-        "train_batch_size", "val_batch_size", "gen_batch_size")},
+        "train_batch_size", "val_batch_size", "gen_batch_size", "image_key")},
     "data.max_response_length": "rollout.max_response_length",
     # model
     AR + "model.path": "model.path",
@@ -154,7 +154,6 @@ UNMAPPED: dict[str, str] = {
     AR + "hybrid_engine": "always the case with rollout.placement=colocated",
     "data.truncation": "mrl drops prompts over data.max_prompt_length (data.filter_overlong_prompts) or refuses them",
     "data.return_raw_chat": "mrl renders chat prompts with the model's template itself (nothing to set)",
-    "data.image_key": "multimodal data is not supported by mrl",
     "data.dataloader_num_workers": "the prompt data is loaded once, in the driver (nothing to set)",
     "data.trust_remote_code": "set model.trust_remote_code",
     R + "mode": "verl's sync/async rollout mode has no counterpart: mrl's driver sends HTTP requests to the engines",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from mrl.config.validate_engines import (
     separate_breakdown,
 )
 from mrl.config.validate_extensions import check_extension_points
+from mrl.config.validate_hybrid import check_hybrid
 from mrl.config.validate_judge import check_judge
 from mrl.config.validate_moe import check_moe, family_plan_notes, family_refusals
 from mrl.config.validate_parallel import (
@@ -427,6 +429,15 @@ def _check_host_capacity(cfg: MRLConfig, errors: list[str]) -> None:
     # CPU ranks beyond the core count share cores (slow, correct): the driver gives Ray enough CPUs.
 
 
+def _vision_language(path: str) -> bool:
+    from mrl.config.checkpoint_files import untrainable_vision_language
+
+    try:
+        return untrainable_vision_language(json.loads((Path(path) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return False
+
+
 def load_shape(cfg: MRLConfig, errors: list[str], notes: list[str]) -> ModelShape | None:
     """Model shape from model.path/config.json, or None with a note (absent) or an error (unreadable)."""
     if not cfg.model.path:
@@ -435,7 +446,8 @@ def load_shape(cfg: MRLConfig, errors: list[str], notes: list[str]) -> ModelShap
     try:
         shape = read_model_shape(cfg.model.path)
     except ValueError as e:
-        errors.append(f"model.path: {e}")
+        if not _vision_language(cfg.model.path):  # its one error is checkpoint_files' VISION_REFUSAL
+            errors.append(f"model.path: {e}")
         return None
     if shape is None:
         from mrl.config.hf import bundled_hub_shape
@@ -575,6 +587,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
         _check_critic_shares_the_actor(cfg, errors)
     _check_lora(cfg, shape, errors)
     check_attention(cfg, _on_cuda(cfg), errors)
+    check_hybrid(cfg, _on_cuda(cfg), errors, notes)
     _check_algorithm(cfg, errors, notes)
     _check_rollout(cfg, shape, errors)
     _check_inprocess_engines(cfg, errors)

@@ -292,8 +292,11 @@ class LinearAttention:
             raise ValueError(f"config.json hidden_act={act!r}: the Gated DeltaNet conv runs silu only")
 
     def transformer_kwargs(self, hf_config: Any) -> dict[str, Any]:
-        """Megatron's ``linear_*`` fields (read by :class:`mrl.megatron.gated_delta_net.GatedDeltaNet`)."""
-        return {"linear_num_key_heads": int(hf_config.linear_num_key_heads),
+        """Megatron's ``linear_*`` fields (read by :class:`mrl.megatron.gated_delta_net.GatedDeltaNet`);
+        ``linear_attention_freq`` as the 1/0 list marks the layers non-homogeneous for Megatron's distributed
+        checkpoint (each layer's tensors under its own key; ``experimental_attention_variant`` stays unset: mrl
+        builds the layers, not Megatron's spec)."""
+        return {"linear_attention_freq": self.pattern(hf_config),"linear_num_key_heads": int(hf_config.linear_num_key_heads),
                 "linear_num_value_heads": int(hf_config.linear_num_value_heads),
                 "linear_key_head_dim": int(hf_config.linear_key_head_dim),
                 "linear_value_head_dim": int(hf_config.linear_value_head_dim),

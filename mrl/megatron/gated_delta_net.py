@@ -130,6 +130,39 @@ class GatedDeltaNet(MegatronModule):
         out, _ = self.out_proj(y)
         return out, None
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None,
+                           tp_group: Any = None) -> dict:
+        """Megatron distributed-checkpoint view: the per-head tensors split over TP along dim 0, and ``in_proj`` /
+        ``conv1d_weight`` as their named row blocks (``query``, ``key``, ``value``, ``z``, ``beta``, ``alpha``), each
+        split over TP on its own, so a checkpoint saved at one TP loads at another (a rank's shard interleaves the
+        blocks: one contiguous split would mix q, k and v across ranks)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.ssm.gated_delta_net import _split_tensor_factory
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+            sharded_state_dict_default,
+        )
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        tp_group = tp_group if tp_group is not None else ps.get_tensor_model_parallel_group()
+        own: dict = {}
+        self._save_to_state_dict(own, "", keep_vars=True)
+        out = make_sharded_tensors_for_checkpoint(own, prefix, {"A_log": 0, "dt_bias": 0, "conv1d_weight": 0},
+                                                  sharded_offsets, tp_group=tp_group,
+                                                  dp_cp_group=metadata["dp_cp_group"])
+        for name, module in self.named_children():
+            out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata,
+                                                  tp_group=tp_group))
+        loc = self.local
+        qkv = [loc["key_dim"], loc["key_dim"], loc["value_dim"]]
+        out[f"{prefix}in_proj.weight"] = _split_tensor_factory(
+            out[f"{prefix}in_proj.weight"], [*qkv, loc["value_dim"], loc["nv"], loc["nv"]],
+            ["query", "key", "value", "z", "beta", "alpha"], 0)
+        out[f"{prefix}conv1d_weight"] = _split_tensor_factory(out[f"{prefix}conv1d_weight"], qkv,
+                                                             ["query", "key", "value"], 0)
+        return out
+
     def _mix(self, qkv: Tensor, beta_in: Tensor, a: Tensor, cu: Tensor | None) -> Tensor:
         """conv1d + delta rule over whole sequences: the ``b`` rows of a compact batch, or the ``cu_seqlens``
         sequences of a packed ``[T, 1]`` row (regrouped to one zero-padded row each, then put back)."""

@@ -17,12 +17,19 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
 from mrl.dtypes import DTYPES, torch_dtype
 from mrl.rollout.engine.decode import LlamaFamilyDecoder, fast_path_refusal, hf_decode
 from mrl.rollout.engine.kv_cache import PrefilledRows, RunningBatch
 from mrl.rollout.engine.moe import RoutingCapture, checkpoint_views, is_moe
+from mrl.rollout.engine.vlm import (
+    VisionInputs,
+    VisionProcessor,
+    is_vision_language,
+    load_model,
+    prefill_inputs,
+)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -62,18 +69,23 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.config = AutoConfig.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        # a vision-language checkpoint: its pictures' processor and *ForConditionalGeneration (engine/vlm.py)
+        self.vision = VisionProcessor(path, self.config) if is_vision_language(self.config) else None
+        self.model = load_model(path, self.config, self.dtype).to(self.device).eval()
         self.tokenizer = None
         if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
             self.tokenizer = AutoTokenizer.from_pretrained(path)
-        eos = self.config.eos_token_id
+        text_cfg = self.config.get_text_config()  # the config itself, but for multimodal wrappers
+        eos = getattr(self.config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(text_cfg, "eos_token_id", None)
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
         self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
         # Read once: a transformers config attribute costs microseconds, and the scheduler checks these for
         # every request and every sampled token.
-        self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
-        self.vocab_size = int(self.config.vocab_size)
+        self.max_positions = int(getattr(text_cfg, "max_position_embeddings", 1 << 30))
+        self.vocab_size = int(text_cfg.vocab_size)
         self.released = False
         # By checkpoint name (what updates send; fused MoE experts split per expert, mrl/rollout/engine/moe.py),
         # and by parameter for resume().
@@ -87,7 +99,8 @@ class ModelRunner:
         cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         self._kv_shape = kv_cache_shape(cfg)
         # The written-out decode step for the families it knows; the model's own forward otherwise.
-        self.decode_path = fast_path_refusal(self.config)
+        # a vision-language model: its decoder sits under model.language_model and its forward owns the mRoPE
+        self.decode_path = fast_path_refusal(self.config) if self.vision is None else "vision-language model"
         self._decoder = LlamaFamilyDecoder(self.model) if self.decode_path is None else None
         self.decode_path = "fast" if self.decode_path is None else f"transformers forward ({self.decode_path})"
 
@@ -108,7 +121,8 @@ class ModelRunner:
 
     # ---- forward ------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], routing: bool = False) -> tuple[PrefilledRows, torch.Tensor]:
+    def prefill(self, prompts: list[list[int]], routing: bool = False,
+                vision: list[VisionInputs | None] | None = None) -> tuple[PrefilledRows, torch.Tensor]:
         """Left-padded batched prefill. Returns the new rows' cache (for ``RunningBatch.add``) and
         the logits of each prompt's last position [N, V]. ``routing`` (needs ``capture_routing``):
         :attr:`last_routing` becomes one int32 ``[len(prompt), num_layers, top_k]`` per prompt, the
@@ -116,23 +130,29 @@ class ModelRunner:
 
         Identical prompts are computed once and their rows copied: the rollout client sends the n
         samples of a prompt together, so an RL admission is mostly n-fold repeats (SGLang reuses
-        them from its prefix cache)."""
-        first: dict[tuple[int, ...], int] = {}
-        index = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        them from its prefix cache). ``vision`` (a vision-language model): each prompt's pictures
+        (engine/vlm.py), part of what makes two prompts identical."""
+        vision = vision if vision is not None and any(v is not None for v in vision) else None
+        keys = [tuple(p) if vision is None else (tuple(p), None if vision[i] is None else vision[i].digest)
+                for i, p in enumerate(prompts)]
+        first: dict[tuple, int] = {}
+        index = [first.setdefault(k, len(first)) for k in keys]
         self._arm(routing)
         if len(first) == len(prompts):
-            out = self._prefill(prompts)
+            out = self._prefill(prompts, vision)
             self._take_prefill_routing(prompts, list(range(len(prompts))))
             return out
-        uniq = [list(p) for p in first]
-        rows, logits = self._prefill(uniq)
+        at = {k: i for i, k in reversed(list(enumerate(keys)))}  # the first row of each key
+        uniq = [list(prompts[at[k]]) for k in first]
+        rows, logits = self._prefill(uniq, None if vision is None else [vision[at[k]] for k in first])
         self._take_prefill_routing(uniq, index)
         idx = torch.tensor(index, device=self.device)
         rows = PrefilledRows([k.index_select(0, idx) for k in rows.keys], [v.index_select(0, idx) for v in rows.values],
                              rows.valid.index_select(0, idx), rows.next_pos.index_select(0, idx.cpu()))
         return rows, logits.index_select(0, idx)
 
-    def _prefill(self, prompts: list[list[int]]) -> tuple[PrefilledRows, torch.Tensor]:
+    def _prefill(self, prompts: list[list[int]], vision: list[VisionInputs | None] | None = None
+                 ) -> tuple[PrefilledRows, torch.Tensor]:
         n, L = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(n, L, dtype=torch.long)
         mask = torch.zeros(n, L, dtype=torch.long)
@@ -140,11 +160,18 @@ class ModelRunner:
             ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, L - len(p):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        next_pos, extra = torch.tensor([len(p) for p in prompts], dtype=torch.long), {}
+        if self.vision is not None:  # multimodal RoPE positions and the pictures (engine/vlm.py)
+            pos, next_pos, extra = prefill_inputs(self.model, ids.to(self.device), mask.to(self.device),
+                                                  vision or [None] * n, self.vision.image_token_id)
+        elif vision is not None:
+            raise ValueError("image_data needs a vision-language model; this engine serves a text-only one")
         cache = DynamicCache()
         out = self.model(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
             position_ids=pos.to(self.device), past_key_values=cache, use_cache=True,
             logits_to_keep=1,  # only the last position is sampled: skip V x T of lm_head work
+            **extra,
         )
         pad = (mask == 0).to(self.device)
         keys, values = [], []
@@ -152,8 +179,7 @@ class ModelRunner:
             # Padding rows attend to nothing; zero their K/V so no NaN can leak through 0*NaN.
             keys.append(layer.keys.masked_fill(pad[:, None, :, None], 0.0))
             values.append(layer.values.masked_fill(pad[:, None, :, None], 0.0))
-        rows = PrefilledRows(keys, values, mask.to(self.device),
-                             next_pos=torch.tensor([len(p) for p in prompts], dtype=torch.long))
+        rows = PrefilledRows(keys, values, mask.to(self.device), next_pos=next_pos)
         return rows, out.logits[:, -1, :]
 
     def decode(self, rb: RunningBatch, routing: bool = False) -> torch.Tensor:
