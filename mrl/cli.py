@@ -70,7 +70,12 @@ def _from_verl(argv: list[str]) -> int:
         return EXIT_CONFIG
     text = t.yaml()
     if output:
-        Path(output).write_text(text)
+        try:
+            Path(output).write_text(text)
+        except OSError as e:  # a directory, a missing directory, a read-only place
+            print(f"mrl from-verl: cannot write -o {output!r} ({e.strerror or e}); fix: -o a file path in an existing, "
+                  "writable directory", file=sys.stderr)
+            return EXIT_CONFIG
         print(f"mrl from-verl: wrote {output}; check it with `mrl plan {output}`", file=sys.stderr)
     else:
         print(text, end="")

@@ -5,7 +5,8 @@ A model directory is opened just enough to know it will load: config.json parses
 architecture, the safetensors index parses and lists shards that exist, every shard's header parses and
 its tensors end inside the file (a truncated download fails here, not as ``SafetensorError: invalid
 header length`` in every rank), and the directory holds tokenizer files. ``mrl train`` adds the real
-tokenizer load (:func:`mrl.config.preflight.train_preflight`).
+tokenizer load (:func:`mrl.config.preflight.train_preflight`). The tensors' shapes are checked against
+config.json by :mod:`mrl.config.weights_fit`.
 
 Plan and train differ in one way: a path that does not exist, or a directory holding only config.json
 (a plan made before the download), is a note for ``mrl plan`` and an error for ``mrl train``.
@@ -17,6 +18,8 @@ import json
 import struct
 from pathlib import Path
 from typing import Any
+
+from mrl.config.weights_fit import experts_conflict, weights_fit_errors
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -183,14 +186,18 @@ def model_dir_problems(key: str, path: str, *, strict: bool, architectures: str 
                       "from bf16/fp32 weights and would read quantized tensors without their scales; fix: a bf16 copy "
                       "of the checkpoint (DeepSeek-V3/Kimi-K2: dequantise with the model's fp8_cast_bf16.py, then "
                       "remove quantization_config from config.json)")
+    conflict = experts_conflict(cfg)
+    if conflict:
+        errors.append(f"{key}={path!r}: {conf}: {conflict}")
     try:
         files = weight_files(p)
-        if files is not None:
-            for f in files:
-                safetensors_header(f)
+        headers = {f: safetensors_header(f) for f in files or ()}
     except (OSError, ValueError) as e:
         errors.append(f"{key}: {e}; fix: re-download or re-save the checkpoint at {path!r}")
-        files = []
+        files, headers = [], {}
+    if headers and not conflict:
+        # the shapes config.json gives each tensor against the headers' (the model build would fail in every rank)
+        errors += weights_fit_errors(f"{key}={path!r}", path, cfg, headers, lm_head=architectures == "causal_lm")
     if files is None:
         if (p / "pytorch_model.bin").is_file() or any(p.glob("pytorch_model-*.bin")):
             errors.append(f"{key}={path!r} holds only .bin weights, which mrl does not read (they would need "

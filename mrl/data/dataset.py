@@ -195,16 +195,39 @@ class PromptDataset:
 
 
 def _check_prompt(prompt: Any, where: str) -> None:
-    """A prompt is a non-empty string or a list of chat messages ``{"role": str, "content": str}``."""
+    """A prompt is a non-empty string or a list of chat messages ``{"role": str, "content": str}`` whose user
+    turns are not empty; every text is encodable (no lone UTF-16 surrogate, which no tokenizer takes)."""
     if isinstance(prompt, str):
         if prompt.strip():
+            _check_text(prompt, where)
             return
         raise DataError(f"{where}: the prompt is empty; fix: remove the row or give it a prompt")
     if isinstance(prompt, list) and prompt and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
+        blank = [k for k, m in enumerate(prompt) if not m["content"].strip()]
+        if len(blank) == len(prompt):
+            raise DataError(f"{where}: the prompt is empty (every chat message's content is blank); fix: remove the "
+                            "row or give it a prompt")
+        user = [k for k in blank if prompt[k]["role"] == "user"]
+        if user:
+            raise DataError(f"{where}: chat message {user[0]} (role user) has empty content; fix: give it the "
+                            "question, or remove the message or the row")
+        for k, m in enumerate(prompt):
+            _check_text(m["content"], f"{where}: chat message {k}")
         return
     raise DataError(f"{where}: the prompt is a {type(prompt).__name__} ({_short(prompt)}); fix: a string or a list of "
                     'chat messages [{"role": "user", "content": "..."}]')
+
+
+def _check_text(text: str, where: str) -> None:
+    """A lone surrogate (a JSON ``"\\udcff"`` escape without its pair) makes the tokenizer raise a TypeError that
+    names no row: refuse it here with the position."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where}: the prompt holds a lone UTF-16 surrogate {text[e.start]!r} at character {e.start} "
+                        "(a JSON \\uXXXX escape without its pair: not a character, no tokenizer encodes it); fix: "
+                        "repair the text (re-export the file from its source as UTF-8) or remove the row") from None
 
 
 def _check_agent_row(row: dict, prompt: Any, tools: Sequence[dict], where: str, prompt_key: str) -> None:
