@@ -25,8 +25,11 @@ per-token terms, adds √N·u. Two implementations: twice that. So: the loss agr
 ``2·u·(D·√K + √N) · S`` with ``S = (1/N)·Σ_t |ℓ_t|`` (the magnitude its terms cancel from: the loss itself is a
 small difference of signed terms), the gradient of every weight to ``2·u·D·√K`` of its largest entry, and no
 token's ratio lies within that relative distance of a clip boundary (where the two sides could clip differently).
-Measured: loss 1.6e-7 absolute apart (an AMD host saw 2.5e-7, over the former fixed 1e-6 relative), gradients
-1.7e-6 of their largest entry; each fault this test guards changes them by > 1e-3 (the report lists them).
+Measured here (AMD EPYC, 2026-12-04): loss 6.1e-8 (DP1) and 7.1e-8 (DP2) apart against a bound of 6.2e-5,
+gradients 2.0e-6 of their largest entry against 4.7e-5 (another AMD host saw the former batch's losses 2.5e-7 apart,
+over the former fixed 1e-6 relative). The faults this test is shown red on change the loss by ≥ 3e-3 or a gradient
+by its whole size: token-mean denominators not reduced over DP (DP2 only), the masked token counted in the
+denominator, the clip's max taken as a min, the policy gradient doubled.
 """
 from __future__ import annotations
 
