@@ -1,5 +1,6 @@
 """Plan-time checks of a hybrid-attention model (Qwen3.5: Gated DeltaNet linear-attention layers beside gated
 attention layers; :mod:`mrl.megatron.gated_delta_net`). No torch: reads config.json through :mod:`mrl.config.auto`.
+LoRA is refused for such a model too: the adapters' fused layouts do not know the gated ``q_proj`` yet.
 
 A Gated DeltaNet layer runs a recurrence over each whole sequence on one rank, so what splits or branches a sequence
 is refused for such a model: context parallelism (the sequence split over ranks), sequence parallelism (the
@@ -29,6 +30,11 @@ def check_hybrid(cfg: MRLConfig, cuda: bool, errors: list[str], notes: list[str]
         if par.attention_backend in ("te", "local"):
             errors.append(f"{key}.attention_backend={par.attention_backend}: mrl builds the Gated DeltaNet layers on "
                           f"Megatron's local spec with SDPA attention only; fix: {key}.attention_backend=sdpa (or auto)")
+    if cfg.actor.lora.enabled:
+        # the adapters' fused layouts (mrl/megatron/lora.py) know neither the gated q_proj nor the decoder prefix
+        errors.append(f"actor.lora with {cfg.model.path}'s hybrid attention: LoRA on Qwen3.5's gated attention "
+                      "and Gated DeltaNet projections is not built yet; fix: train without actor.lora (full "
+                      "fine-tuning) for this model")
     if cfg.actor.shared_prefix is True:
         errors.append(f"actor.shared_prefix=true: {why}, and a shared-prefix row branches several samples off one "
                       "prompt inside the row; fix: actor.shared_prefix=false (or auto)")
