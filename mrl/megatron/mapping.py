@@ -257,7 +257,7 @@ def _gdn_ungroup(qkvz: torch.Tensor, ba: torch.Tensor, hf_config: Any) -> torch.
 
 
 def _gdn_group(flat: torch.Tensor, hf_config: Any) -> list[torch.Tensor]:
-    nk, r, dk, dv = _gdn_dims(hf_config)
+    nk = _gdn_dims(hf_config)[0]
     rest = flat.shape[1:]
     q, k, v, z, b, a = flat.split(_gdn_flat_sizes(hf_config))
     group = lambda *ts: torch.cat([t.reshape(nk, -1, *rest) for t in ts], dim=1).reshape(-1, *rest)
