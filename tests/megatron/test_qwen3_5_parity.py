@@ -1,6 +1,7 @@
 """Qwen3.5 / Qwen3.6 (hybrid Gated DeltaNet + gated attention, zero-centred norms, partial RoPE): Megatron's fp32
 logits == transformers' float64 logits within twice transformers' own fp32 error (see TOL) for the released vision-language form (dense at TP1, TP2, PP2 with a stage boundary
-between a linear and a full layer; MoE at TP1, EP2, EP2×PP2) and the text-only ``Qwen3_5ForCausalLM`` (TP1, TP2);
+between a linear and a full layer; MoE at TP1 and EP2×PP2), the text-only ``Qwen3_5ForCausalLM`` (TP1) and
+``Qwen3NextForCausalLM`` (TP2, EP2);
 packed rows (sequences of 70, 1, 33 and 2 tokens, over the delta rule's 64-token chunk) == each sequence alone
 (within the same bound) at TP1 and TP2; HF → Megatron → HF bit-exact per tensor with every ``model.visual.*`` tensor left to the
 carry (the stages export exactly the decoder). One 4-rank gloo launch."""
