@@ -74,9 +74,13 @@ class SDPAAttention(MegatronModule):
                  k_channels: int | None = None, v_channels: int | None = None, cp_comm_type: str | None = None,
                  pg_collection: Any = None, **_unused: Any) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("attention_backend=sdpa does not implement context parallelism; set "
-                             "megatron.context_parallel_size=1")
+        self._cp_group: Any = None
+        if config.context_parallel_size > 1:  # K/V all-gathered over CP (mrl.megatron.context_parallel)
+            self._cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") else None
+            if self._cp_group is None:
+                from megatron.core import parallel_state as ps
+
+                self._cp_group = ps.get_context_parallel_group()
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.k_channels = k_channels or config.kv_channels
@@ -139,9 +143,10 @@ class SDPAAttention(MegatronModule):
                                                    tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"])
 
     # ---- masks -------------------------------------------------------------------------------
-    def _window_mask(self, sq: int, sk: int, device: torch.device) -> Tensor:
-        """[sq, sk] bool, True = attended: ``q - left <= k <= q + right`` (keys aligned to the queries' end)."""
-        left, right = self.window  # type: ignore[misc]
+    def _window_mask(self, sq: int, sk: int, device: torch.device, window: tuple[int, int] | None = None) -> Tensor:
+        """[sq, sk] bool, True = attended: ``q - left <= k <= q + right`` (keys aligned to the queries' end);
+        ``window``: this layer's (default) or e.g. ``(-1, 0)``, the causal mask of queries at the keys' end."""
+        left, right = window or self.window  # type: ignore[misc]
         q = torch.arange(sq, device=device)[:, None] + (sk - sq)
         k = torch.arange(sk, device=device)[None, :]
         keep = k <= q + right
@@ -199,6 +204,9 @@ class SDPAAttention(MegatronModule):
         if packed_seq_params is not None:
             out = self._packed(query, key, value, packed_seq_params, causal)
         else:
+            if self._cp_group is not None:
+                raise ValueError("attention_backend=sdpa: context parallelism runs on packed rows only "
+                                 "(actor.use_remove_padding); this micro-batch is not packed")
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
             mask = None if attention_mask is None else ~attention_mask.to(torch.bool)
             if causal and mask is None and sq != key.shape[0]:
@@ -216,6 +224,8 @@ class SDPAAttention(MegatronModule):
             raise ValueError("attention_backend=sdpa: packed rows are causal language-model rows")
         cu = params.cu_seqlens_q
         q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [T, h, d]
+        if self._cp_group is not None:
+            return self._packed_cp(q, k, v, cu.cpu())[:, None]
         fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not (self.training and self.dropout_p)
         varlen = _varlen_attn() if fused and self.softmax_offset is None else None
         if varlen is not None:
@@ -246,3 +256,30 @@ class SDPAAttention(MegatronModule):
             seg = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))  # [1, h, len, d]
             outs.append(self._sdpa(*seg, None, e - s > 1)[0].transpose(0, 1))
         return torch.cat(outs, 0)[:, None]
+
+    def _packed_cp(self, q: Tensor, k: Tensor, v: Tensor, cu: Tensor) -> Tensor:
+        """This CP rank's zigzag row (:mod:`mrl.megatron.context_parallel`) ``[T/CP, h, d]`` -> ``[T/CP, h, dv]``.
+
+        ``cu`` bounds the whole row's (padded) sequences. K and V of every rank are gathered (one collective for
+        both), put back in global order, and each local query chunk ``j`` of a sequence (``c`` columns at global
+        offset ``j·c``) attends that sequence's keys ``[0, (j + 1)·c)`` under the causal (or window) mask aligned
+        to the keys' end; sinks join every query's softmax as without CP."""
+        from mrl.megatron.context_parallel import gather_kv, global_order, zigzag_chunks
+
+        group = self._cp_group
+        cp, rank = group.size(), group.rank()
+        dk = k.shape[-1]
+        kv = gather_kv(torch.cat([k, v], -1), group)  # [cp, T/cp, g, dk + dv]
+        full = kv.flatten(0, 1)[global_order(cu, cp).to(kv.device)]  # [T, g, dk + dv], global column order
+        outs, lo = [], 0
+        window = self.window if self.window is not None else (-1, 0)
+        for start, n in zip(cu[:-1].tolist(), (cu[1:] - cu[:-1]).tolist()):
+            c = n // (2 * cp)
+            for a, j in enumerate(zigzag_chunks(cp, rank)):
+                qs = q[lo + a * c: lo + (a + 1) * c].transpose(0, 1)[None]  # [1, h, c, d]
+                keys = full[start: start + (j + 1) * c].transpose(0, 1)[None]  # [1, g, (j + 1)c, dk + dv]
+                mask = self._window_mask(c, (j + 1) * c, q.device, window)
+                o = self._sdpa(qs, keys[..., :dk], keys[..., dk:], mask, False)
+                outs.append(o[0].transpose(0, 1))
+            lo += 2 * c
+        return torch.cat(outs, 0)
