@@ -6,7 +6,7 @@ several are shorter than that and some chunks hold only padding), a dense GQA mo
 CP2×TP2 (DP1; sequence parallelism needs Apex/TE norms, absent on CPU). Each layout computes the full batch's
 log-probs and entropies (forward only), then the loss and the DP×CP-reduced gradient of a token-mean loss with
 entropy and KL terms and of a seq-mean-token-mean loss (per-sequence means: a sequence's tokens lie on several CP
-ranks), then one optimizer step; the critic's values and gradient at CP2 against CP1.
+ranks), then one optimizer step; the critic's values, value loss and weights after one step at CP2 against CP1.
 
 Truth: the HF model in one process (``reference_impl``: transformers attention, no Megatron), and CP1 directly.
 Tolerance 1e-5 (fp32, a 4-layer 64-wide model: sums of at most a few hundred terms per value, each rounding
@@ -57,7 +57,9 @@ def _rank(rank, world, path):
     from megatron.core import parallel_state as ps
 
     from mrl.config.actor import ActorConfig
+    from mrl.config.critic import CriticConfig
     from mrl.workers.actor import ActorWorker
+    from mrl.workers.critic import CriticWorker
     from mrl.workers.loss import ActorLossSpec
     from tests.workers.batches import portable, ragged_batch
 
@@ -89,6 +91,17 @@ def _rank(rank, world, path):
         results.append({"cp": e.cp_size, "dp": e.dp_size, "lp": lp, "ent": ent, "per_spec": per_spec,
                         "pad": metrics["perf/pad_fraction"], "weights": weights if keep else None})
         del actor
+        if tp == 1 and cp <= 2:  # the critic: values and one value-loss step at CP2 against CP1
+            ccfg = CriticConfig(megatron={"context_parallel_size": cp, "attention_backend": "sdpa"},
+                                ppo_micro_batch_size_per_gpu=2, cliprange_value=0.05, use_distributed_optimizer=False,
+                                optim={"lr": 1e-3, "eps": 1e-2, "weight_decay": 0.0, "clip_grad": 0.0})
+            critic = CriticWorker(ccfg, model_path=path, mini_batch_size_samples=8, seed=1234, remove_padding=True)
+            v = critic.compute_values(batch)
+            target = torch.linspace(-1, 1, batch.response_length).expand_as(v) * batch.response_mask
+            m = critic.update_critic(batch.replace(values=v + 0.02, returns=target))
+            w = {n: t.detach().clone() for n, t in critic.model.chunks[0].module.named_parameters()}  # TP1: whole
+            results[-1]["critic"] = (v, m["critic/vf_loss"], w)
+            del critic
     return portable(results)
 
 
@@ -135,5 +148,13 @@ def test_context_parallel_equals_cp1_and_transformers(tmp_path):
         w, w1 = merged(li, lambda x: x["weights"]), merged(0, lambda x: x["weights"])
         for name, t in w1.items():  # one Adam step (eps=1e-2: smooth in the gradient)
             torch.testing.assert_close(w[name], t, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"CP{cp} {n}: {m}")
+    v1, loss1, w1 = res[0][0]["critic"]
+    v2, loss2, w2 = res[0][1]["critic"]
+    assert (v1 != 0).any()
+    torch.testing.assert_close(v2, v1, rtol=0, atol=1e-5)
+    assert loss2 == pytest.approx(loss1, rel=1e-5)
+    assert set(w1) == set(w2) and "output_layer.weight" in w1  # the value head
+    for name, t in w1.items():
+        torch.testing.assert_close(w2[name], t, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"critic CP2 {n}: {m}")
     # the CP padding (sequences to multiples of 2·CP) is counted: more at CP4 than at CP2, none at CP1
     assert res[0][0]["pad"] == 0.0 < res[0][1]["pad"] < res[0][2]["pad"]
