@@ -3,7 +3,8 @@
 One fixed ragged batch (8 samples of 3..13 tokens: with CP=4 every sequence is padded to a multiple of 2·CP = 8,
 several are shorter than that and some chunks hold only padding), a dense GQA model (tiny Qwen2: 4 query heads,
 2 KV heads), packed rows. One 4-rank launch re-initialises Megatron for CP1 (DP4), CP2 (DP2), CP4 (DP1) and
-CP2×TP2 (DP1; sequence parallelism needs Apex/TE norms, absent on CPU). Each layout computes the full batch's
+CP2×TP2 (DP1; sequence parallelism needs Apex/TE norms, absent on CPU) and CP2×PP2 (DP1, 4 micro-batches per
+rank through 1F1B, every row padded to one length: a padding sequence). Each layout computes the full batch's
 log-probs and entropies (forward only), then the loss and the DP×CP-reduced gradient of a token-mean loss with
 entropy and KL terms and of a seq-mean-token-mean loss (per-sequence means: a sequence's tokens lie on several CP
 ranks), then one optimizer step; the critic's values, value loss and weights after one step at CP2 against CP1.
@@ -24,7 +25,7 @@ from tests.helpers.tiny_models import make_tiny_hf
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.timeout(600)]
 
-LAYOUTS = [(1, 1), (2, 1), (4, 1), (2, 2)]  # (cp, tp)
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2)]  # (cp, tp, pp)
 TEMPERATURE = 0.7
 
 
@@ -65,10 +66,10 @@ def _rank(rank, world, path):
 
     batch = ragged_batch()
     results = []
-    for cp, tp in LAYOUTS:
+    for cp, tp, pp in LAYOUTS:
         cfg = ActorConfig(
             megatron={"context_parallel_size": cp, "tensor_model_parallel_size": tp, "sequence_parallel": False,
-                      "attention_backend": "sdpa"},
+                      "pipeline_model_parallel_size": pp, "attention_backend": "sdpa"},
             use_remove_padding=True, ppo_micro_batch_size_per_gpu=2, use_distributed_optimizer=False,
             optim={"lr": 1e-3, "eps": 1e-2, "weight_decay": 0.0, "clip_grad": 0.0},
             use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.05, loss_agg_mode="token-mean",
@@ -77,7 +78,7 @@ def _rank(rank, world, path):
                             max_response_length=16, seed=1234)
         e = actor.model
         keep = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0 and \
-            ps.get_context_parallel_rank() == 0
+            ps.get_context_parallel_rank() == 0  # and every pipeline stage: its own layers' names
         lp, ent = actor.compute_log_prob(batch)
         per_spec = {}
         for key, spec in _specs().items():
@@ -91,7 +92,7 @@ def _rank(rank, world, path):
         results.append({"cp": e.cp_size, "dp": e.dp_size, "lp": lp, "ent": ent, "per_spec": per_spec,
                         "pad": metrics["perf/pad_fraction"], "weights": weights if keep else None})
         del actor
-        if tp == 1 and cp <= 2:  # the critic: values and one value-loss step at CP2 against CP1
+        if tp == pp == 1 and cp <= 2:  # the critic: values and one value-loss step at CP2 against CP1
             ccfg = CriticConfig(megatron={"context_parallel_size": cp, "attention_backend": "sdpa"},
                                 ppo_micro_batch_size_per_gpu=2, cliprange_value=0.05, use_distributed_optimizer=False,
                                 optim={"lr": 1e-3, "eps": 1e-2, "weight_decay": 0.0, "clip_grad": 0.0})
@@ -127,11 +128,11 @@ def test_context_parallel_equals_cp1_and_transformers(tmp_path):
                 out.update(part)
         return out
 
-    for li, (cp, tp) in enumerate(LAYOUTS):
-        assert (res[0][li]["cp"], res[0][li]["dp"]) == (cp, 4 // (cp * tp))
+    for li, (cp, tp, pp) in enumerate(LAYOUTS):
+        assert (res[0][li]["cp"], res[0][li]["dp"]) == (cp, 4 // (cp * tp * pp))
         for r in res:  # every rank holds the full batch's values
-            torch.testing.assert_close(r[li]["lp"], ref_lp, rtol=0, atol=1e-5, msg=lambda m: f"CP{cp}TP{tp} lp {m}")
-            torch.testing.assert_close(r[li]["ent"], ref_ent, rtol=0, atol=1e-5, msg=lambda m: f"CP{cp}TP{tp} ent {m}")
+            torch.testing.assert_close(r[li]["lp"], ref_lp, rtol=0, atol=1e-5, msg=lambda m: f"CP{cp}TP{tp}PP{pp} lp {m}")
+            torch.testing.assert_close(r[li]["ent"], ref_ent, rtol=0, atol=1e-5, msg=lambda m: f"CP{cp}TP{tp}PP{pp} ent {m}")
             torch.testing.assert_close(r[li]["lp"], res[0][0]["lp"], rtol=0, atol=1e-5)
         for key, (t_loss, t_grads) in truth.items():
             loss = res[0][li]["per_spec"][key][0]
@@ -143,7 +144,7 @@ def test_context_parallel_equals_cp1_and_transformers(tmp_path):
             for name, g in t_grads.items():
                 tol = 1e-5 * float(g.abs().max())
                 torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=tol,
-                                           msg=lambda m, n=name: f"CP{cp}TP{tp} {key} grad {n}: {m}")
+                                           msg=lambda m, n=name: f"CP{cp}TP{tp}PP{pp} {key} grad {n}: {m}")
                 torch.testing.assert_close(grads[name], cp1[name], rtol=1e-5, atol=tol)
         w, w1 = merged(li, lambda x: x["weights"]), merged(0, lambda x: x["weights"])
         for name, t in w1.items():  # one Adam step (eps=1e-2: smooth in the gradient)
