@@ -549,7 +549,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     for role in ("actor", "ref", "critic"):
         if role in roles and roles[role].count > 0:
             check_parallel(role, roles[role].parallel, roles[role], cfg, shape, errors)
-    check_context_parallel(cfg, errors)
+    check_context_parallel(cfg, shape, "cuda" if _on_cuda(cfg) else "cpu", errors)
     _check_reward_model_layout(cfg, roles, shape, errors)
     check_moe(cfg, roles, shape, errors, notes)
     family_plan_notes(cfg.model.path, notes)

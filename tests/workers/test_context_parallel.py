@@ -2,7 +2,8 @@
 
 One fixed ragged batch (8 samples of 3..13 tokens: with CP=4 every sequence is padded to a multiple of 2·CP = 8,
 several are shorter than that and some chunks hold only padding), a dense GQA model (tiny Qwen2: 4 query heads,
-2 KV heads), packed rows. One 4-rank launch re-initialises Megatron for CP1 (DP4), CP2 (DP2), CP4 (DP1) and
+2 KV heads), packed rows. One 4-rank launch re-initialises Megatron for CP1 (DP4), CP2 (DP2), CP4 (DP1, dynamic
+token-budget micro-batches) and
 CP2×TP2 (DP1; sequence parallelism needs Apex/TE norms, absent on CPU) and CP2×PP2 (DP1, 4 micro-batches per
 rank through 1F1B, every row padded to one length: a padding sequence). Each layout computes the full batch's
 log-probs and entropies (forward only), then the loss and the DP×CP-reduced gradient of a token-mean loss with
@@ -71,6 +72,8 @@ def _rank(rank, world, path):
             megatron={"context_parallel_size": cp, "tensor_model_parallel_size": tp, "sequence_parallel": False,
                       "pipeline_model_parallel_size": pp, "attention_backend": "sdpa"},
             use_remove_padding=True, ppo_micro_batch_size_per_gpu=2, use_distributed_optimizer=False,
+            # CP4: token-budget micro-batches, 10 tokens per device = rows of up to 40 tokens (2 micro-batches)
+            use_dynamic_bsz=cp == 4, ppo_max_token_len_per_gpu=10,
             optim={"lr": 1e-3, "eps": 1e-2, "weight_decay": 0.0, "clip_grad": 0.0},
             use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.05, loss_agg_mode="token-mean",
         )
@@ -89,7 +92,11 @@ def _rank(rank, world, path):
         actor.loss_spec = ActorLossSpec.from_config(cfg, TEMPERATURE, max_response_length=16)
         metrics = actor.update_policy(batch)
         weights = {n: t.clone() for n, t in actor.export_hf_weights()}
-        results.append({"cp": e.cp_size, "dp": e.dp_size, "lp": lp, "ent": ent, "per_spec": per_spec,
+        from mrl.workers.actor import micro_batch_parts
+
+        n_micro = len(micro_batch_parts(e.dp_shard(batch), micro_batch_size=2, use_dynamic_bsz=cfg.use_dynamic_bsz,
+                                        max_tokens=10 * cp, dp_group=e.dp_group))
+        results.append({"cp": e.cp_size, "dp": e.dp_size, "n_micro": n_micro, "lp": lp, "ent": ent, "per_spec": per_spec,
                         "pad": metrics["perf/pad_fraction"], "weights": weights if keep else None})
         del actor
         if tp == pp == 1 and cp <= 2:  # the critic: values and one value-loss step at CP2 against CP1
@@ -130,6 +137,8 @@ def test_context_parallel_equals_cp1_and_transformers(tmp_path):
 
     for li, (cp, tp, pp) in enumerate(LAYOUTS):
         assert (res[0][li]["cp"], res[0][li]["dp"]) == (cp, 4 // (cp * tp * pp))
+        if cp == 4 or pp == 2:  # token-budget split / 1F1B: several micro-batches per rank
+            assert res[0][li]["n_micro"] >= 2
         for r in res:  # every rank holds the full batch's values
             torch.testing.assert_close(r[li]["lp"], ref_lp, rtol=0, atol=1e-5, msg=lambda m: f"CP{cp}TP{tp}PP{pp} lp {m}")
             torch.testing.assert_close(r[li]["ent"], ref_ent, rtol=0, atol=1e-5, msg=lambda m: f"CP{cp}TP{tp}PP{pp} ent {m}")
