@@ -337,7 +337,7 @@ def shard_for_cp(inp: ModelInputs, group: Any) -> ModelInputs:
         return inp
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     cols = local_columns(inp.cu_seqlens, cp, rank)
-    take = lambda t: None if t is None else t[:, cols]  # noqa: E731
+    take = lambda t: None if t is None else t[:, cols]
     return dataclasses.replace(
         inp, tokens=take(inp.tokens), position_ids=take(inp.position_ids), labels=take(inp.labels),
         routed_experts=take(inp.routed_experts), cp_cols=cols, cp_order=global_order(inp.cu_seqlens, cp),

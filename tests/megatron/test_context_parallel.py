@@ -106,7 +106,7 @@ def test_cp2_attention_equals_the_whole_row_softmax():
             got = torch.zeros(T, *full_ref.shape[1:], dtype=torch.float64)
             for r in res:
                 got[r[name]["cols"]] = r[name][what].double()
-            torch.testing.assert_close(got, full_ref.double(), rtol=0, atol=TOL, msg=lambda m, a=what: f"{name} {a}: {m}")
+            torch.testing.assert_close(got, full_ref.double(), rtol=0, atol=TOL, msg=lambda m, a=f"{name} {what}": f"{a}: {m}")
         if sinks is not None:
             dsink = sum(r[name]["dsink"] for r in res)  # each rank's queries' share (DDP sums it over CP)
             torch.testing.assert_close(dsink.double(), sinks.grad.double(), rtol=0, atol=TOL)

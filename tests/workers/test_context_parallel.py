@@ -136,28 +136,29 @@ def test_context_parallel_equals_cp1_and_transformers(tmp_path):
         return out
 
     for li, (cp, tp, pp) in enumerate(LAYOUTS):
+        tag = f"CP{cp}TP{tp}PP{pp}"
         assert (res[0][li]["cp"], res[0][li]["dp"]) == (cp, 4 // (cp * tp * pp))
         if cp == 4 or pp == 2:  # token-budget split / 1F1B: several micro-batches per rank
             assert res[0][li]["n_micro"] >= 2
         for r in res:  # every rank holds the full batch's values
-            torch.testing.assert_close(r[li]["lp"], ref_lp, rtol=0, atol=1e-5, msg=lambda m: f"CP{cp}TP{tp}PP{pp} lp {m}")
-            torch.testing.assert_close(r[li]["ent"], ref_ent, rtol=0, atol=1e-5, msg=lambda m: f"CP{cp}TP{tp}PP{pp} ent {m}")
+            torch.testing.assert_close(r[li]["lp"], ref_lp, rtol=0, atol=1e-5, msg=lambda m, t=tag: f"{t} lp {m}")
+            torch.testing.assert_close(r[li]["ent"], ref_ent, rtol=0, atol=1e-5, msg=lambda m, t=tag: f"{t} ent {m}")
             torch.testing.assert_close(r[li]["lp"], res[0][0]["lp"], rtol=0, atol=1e-5)
         for key, (t_loss, t_grads) in truth.items():
             loss = res[0][li]["per_spec"][key][0]
-            assert loss == pytest.approx(t_loss, rel=1e-5, abs=1e-7), (cp, tp, key)
-            assert loss == pytest.approx(res[0][0]["per_spec"][key][0], rel=1e-5, abs=1e-7), (cp, tp, key)
+            assert loss == pytest.approx(t_loss, rel=1e-5, abs=1e-7), (tag, key)
+            assert loss == pytest.approx(res[0][0]["per_spec"][key][0], rel=1e-5, abs=1e-7), (tag, key)
             grads = merged(li, lambda x, k=key: x["per_spec"][k][1])
             cp1 = merged(0, lambda x, k=key: x["per_spec"][k][1])
             assert set(grads) == set(t_grads) == set(cp1)
             for name, g in t_grads.items():
                 tol = 1e-5 * float(g.abs().max())
                 torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=tol,
-                                           msg=lambda m, n=name: f"CP{cp}TP{tp}PP{pp} {key} grad {n}: {m}")
+                                           msg=lambda m, n=name, t=f"{tag} {key}": f"{t} grad {n}: {m}")
                 torch.testing.assert_close(grads[name], cp1[name], rtol=1e-5, atol=tol)
         w, w1 = merged(li, lambda x: x["weights"]), merged(0, lambda x: x["weights"])
         for name, t in w1.items():  # one Adam step (eps=1e-2: smooth in the gradient)
-            torch.testing.assert_close(w[name], t, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"CP{cp} {n}: {m}")
+            torch.testing.assert_close(w[name], t, rtol=1e-5, atol=1e-6, msg=lambda m, n=name, t=tag: f"{t} {n}: {m}")
     v1, loss1, w1 = res[0][0]["critic"]
     v2, loss2, w2 = res[0][1]["critic"]
     assert (v1 != 0).any()
