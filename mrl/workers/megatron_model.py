@@ -150,6 +150,9 @@ class MegatronModel:
         from mrl.megatron.provider import model_family
 
         self.is_moe = is_moe_family(model_family(self.hf_config))
+        if cp > 1 and (self.is_moe or family_of(self.hf_config).is_mla):  # mrl plan refuses it first
+            raise ValueError(f"megatron.context_parallel_size={cp}: context parallelism runs for dense GQA models only "
+                             "(MoE and multi-latent attention are not wired); set it to 1")
         self.routing_replay = bool(self.is_moe and moe is not None and moe.routing_replay != "none")
         if self.is_moe and moe is not None:
             overrides["moe_token_dispatcher_type"] = moe.token_dispatcher
