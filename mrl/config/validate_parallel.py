@@ -33,6 +33,8 @@ def context_parallel_problem(role: str, cfg: MRLConfig, shape: ModelShape | None
     if role not in CP_ROLES:
         return (f"the {role} reads compact rows (reward-model scores, teacher log-probs are not wired to the CP "
                 "layout)")
+    if role == "ref" and cfg.ref.placement == "separate":
+        return "a separate reference runs compact rows (the colocated one, on the actor's model, runs CP)"
     backend = choices.get(f"{role}.megatron.attention_backend", "sdpa")
     if backend != "sdpa":
         return (f"context parallelism runs on the sdpa attention backend only ({role}.megatron.attention_backend "

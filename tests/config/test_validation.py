@@ -441,6 +441,13 @@ _CP_REFUSED = [  # (case, overrides, why the one line must name)
 ]
 
 
+def test_context_parallel_is_refused_for_a_separate_reference(base_overrides: list[str]) -> None:
+    errors = _errors(base_overrides + ["ref.placement=separate", "ref.num_devices=2",
+                                       "ref.megatron.context_parallel_size=2"])
+    cp = [e for e in errors if "context_parallel_size" in e]
+    assert len(cp) == 1 and cp[0].startswith("ref.megatron.context_parallel_size=2: a separate reference"), errors
+
+
 @pytest.mark.parametrize("case, extra, why", _CP_REFUSED, ids=[c for c, _, _ in _CP_REFUSED])
 def test_context_parallel_refusals_name_why(case: str, extra: list[str], why: str, base_overrides: list[str]) -> None:
     key = "actor.megatron.context_parallel_size"
