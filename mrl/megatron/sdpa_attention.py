@@ -278,8 +278,25 @@ class SDPAAttention(MegatronModule):
             for a, j in enumerate(zigzag_chunks(cp, rank)):
                 qs = q[lo + a * c: lo + (a + 1) * c].transpose(0, 1)[None]  # [1, h, c, d]
                 keys = full[start: start + (j + 1) * c].transpose(0, 1)[None]  # [1, g, (j + 1)c, dk + dv]
-                mask = self._window_mask(c, (j + 1) * c, q.device, window)
-                o = self._sdpa(qs, keys[..., :dk], keys[..., dk:], mask, False)
-                outs.append(o[0].transpose(0, 1))
+                outs.append(self._chunk(qs, keys[..., :dk], keys[..., dk:], window)[0].transpose(0, 1))
             lo += 2 * c
         return torch.cat(outs, 0)
+
+    def _chunk(self, q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int]) -> Tensor:
+        """``[1, h, c, d]`` queries at the last ``c`` of ``[1, g, (j + 1)c, d]`` keys, causal (or ``window``) aligned
+        to the keys' end. Plain causal attention without sinks or dropout on CPU runs maskless
+        (:mod:`mrl.megatron.blockwise_attention`: the prefix and the diagonal block merged by log-sum-exp, memory
+        linear in the keys); the rest through an explicit ``[c, (j + 1)c]`` mask."""
+        from mrl.megatron import blockwise_attention as bw
+
+        c, n = q.shape[-2], k.shape[-2]
+        maskless = (self.window is None and self.softmax_offset is None and not (self.training and self.dropout_p)
+                    and bw.usable(q, k.shape[-1], v.shape[-1]))
+        if maskless and n == c:  # chunk 0: its own block only, where is_causal is the end-aligned mask
+            return self._sdpa(q, k, v, None, True)
+        if maskless:
+            rep = q.shape[1] // k.shape[1]  # GQA: each KV head for its query heads (the kernel takes one count)
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            return bw.prefix_and_diagonal(q, k[..., : n - c, :], v[..., : n - c, :], k[..., n - c:, :],
+                                          v[..., n - c:, :], self.softmax_scale)
+        return self._sdpa(q, k, v, self._window_mask(c, n, q.device, window), False)
