@@ -154,8 +154,31 @@ class SDPAAttention(MegatronModule):
             keep &= k >= q - left
         return keep
 
+    def _maskless(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Whether causal attention of these queries (the keys' last) runs blockwise without a mask
+        (:mod:`mrl.megatron.blockwise_attention`): CPU, one head size, no dropout, no right window."""
+        from mrl.megatron import blockwise_attention as bw
+
+        return (bw.usable(q, k.shape[-1], v.shape[-1]) and not (self.training and self.dropout_p)
+                and (self.window is None or self.window[1] == 0))
+
+    def _blockwise(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Causal attention (with this layer's left window and sinks) of queries at the keys' end, no mask."""
+        from mrl.megatron.blockwise_attention import blockwise_attention
+
+        rep = q.shape[1] // k.shape[1]  # GQA: each KV head for its query heads (the kernel takes one count)
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        left = self.window[0] if self.window is not None and self.window[0] >= 0 else None
+        sink = None if self.softmax_offset is None else self.softmax_offset.to(q.dtype)
+        return blockwise_attention(q, k, v, self.softmax_scale, window=left, sink=sink)
+
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-        """[b, h, s, d] SDPA with GQA and this layer's scale/dropout (mask: True = attended)."""
+        """[b, h, s, d] SDPA with GQA and this layer's scale/dropout (mask: True = attended). Causal attention with
+        windows or sinks runs blockwise without a mask where it can (:meth:`_maskless`)."""
+        if (mask is None and causal and q.shape[-2] == k.shape[-2]
+                and (self.window is not None or self.softmax_offset is not None) and self._maskless(q, k, v)):
+            return self._blockwise(q, k, v)
         if mask is None and self.window is not None:
             mask = self._window_mask(q.shape[-2], k.shape[-2], q.device)
             causal = False
@@ -284,19 +307,9 @@ class SDPAAttention(MegatronModule):
 
     def _chunk(self, q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int]) -> Tensor:
         """``[1, h, c, d]`` queries at the last ``c`` of ``[1, g, (j + 1)c, d]`` keys, causal (or ``window``) aligned
-        to the keys' end. Plain causal attention without sinks or dropout on CPU runs maskless
-        (:mod:`mrl.megatron.blockwise_attention`: the prefix and the diagonal block merged by log-sum-exp, memory
-        linear in the keys); the rest through an explicit ``[c, (j + 1)c]`` mask."""
-        from mrl.megatron import blockwise_attention as bw
-
-        c, n = q.shape[-2], k.shape[-2]
-        maskless = (self.window is None and self.softmax_offset is None and not (self.training and self.dropout_p)
-                    and bw.usable(q, k.shape[-1], v.shape[-1]))
-        if maskless and n == c:  # chunk 0: its own block only, where is_causal is the end-aligned mask
-            return self._sdpa(q, k, v, None, True)
-        if maskless:
-            rep = q.shape[1] // k.shape[1]  # GQA: each KV head for its query heads (the kernel takes one count)
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            return bw.prefix_and_diagonal(q, k[..., : n - c, :], v[..., : n - c, :], k[..., n - c:, :],
-                                          v[..., n - c:, :], self.softmax_scale)
-        return self._sdpa(q, k, v, self._window_mask(c, n, q.device, window), False)
+        to the keys' end, sinks included. On CPU without dropout: blockwise, no mask
+        (:mod:`mrl.megatron.blockwise_attention`: memory linear in the keys); elsewhere through an explicit
+        ``[c, (j + 1)c]`` mask."""
+        if self._maskless(q, k, v):
+            return self._blockwise(q, k, v)
+        return self._sdpa(q, k, v, self._window_mask(q.shape[-2], k.shape[-2], q.device, window), False)
