@@ -27,6 +27,8 @@ for Q, K and V, no dropout, heads expanded for GQA by the caller.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 Tensor = torch.Tensor
@@ -42,7 +44,7 @@ def plan_blocks(sq: int, sk: int, window: int | None) -> list[tuple[int, int, li
         cuts |= set(range((P // window + 1) * window, sk, window))
     bounds = sorted(cuts)
     out = []
-    for s, e in zip(bounds[:-1], bounds[1:]):
+    for s, e in itertools.pairwise(bounds):
         if window is None or e <= window:
             blocks = [(0, s, "full"), (s, e, "causal")]
         else:
@@ -66,10 +68,10 @@ def _block_bwd(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
                ) -> tuple[Tensor, Tensor, Tensor]:
     bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     if kind == "anti":
-        f = lambda t: t.flip(-2).contiguous()  # noqa: E731
+        f = lambda t: t.flip(-2).contiguous()
         dq, dk, dv = bwd(f(grad), f(q), f(k), f(v), f(out), lse.flip(-1).contiguous(), 0.0, True, scale=scale)
         return dq.flip(-2), dk.flip(-2), dv.flip(-2)
-    c = lambda t: t.contiguous()  # noqa: E731
+    c = lambda t: t.contiguous()
     return bwd(c(grad), c(q), c(k), c(v), c(out), c(lse), 0.0, kind == "causal", scale=scale)
 
 
