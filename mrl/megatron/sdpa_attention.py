@@ -33,7 +33,11 @@ zero; its score is exactly ``s_h``, so SDPA's softmax is the one above, with gra
 autograd. The sink key needs an explicit boolean mask (``[sq, sk + 1]``: the causal/window mask plus an
 always-attended column), and packed rows on CUDA run per sequence (``varlen_attn`` has no sink). The
 sink is ``core_attention.softmax_offset`` as in Megatron's ``DotProductAttention``: one logit per local head,
-split over TP along the heads.
+split over TP along the heads. On CPU (no dropout, no right window) causal attention with sinks or left windows
+needs no mask at all: :mod:`mrl.megatron.blockwise_attention` (maskless flash calls merged by log-sum-exp).
+
+Context parallelism (:mod:`mrl.megatron.context_parallel`): a packed row's zigzag share; K/V all-gathered over the
+CP group, each local query chunk attending its sequence's key prefix (:meth:`SDPAAttention._packed_cp`).
 
 Interface: megatron-core 0.16's core attention ``forward(query, key, value, attention_mask, attn_mask_type,
 attention_bias, packed_seq_params)`` on ``[s, b, heads, dim]`` tensors, returning ``[s, b, heads · d_v]``.
