@@ -441,6 +441,16 @@ _CP_REFUSED = [  # (case, overrides, why the one line must name)
 ]
 
 
+def test_context_parallel_token_budget_is_per_device(base_overrides: list[str]) -> None:
+    """With CP a micro-batch row spreads over the CP devices: the per-device budget times CP must hold a sequence."""
+    seq = ["data.max_prompt_length=64", "rollout.max_response_length=64", "actor.use_dynamic_bsz=true"]
+    cfg = load_config(None, base_overrides + seq + ["actor.megatron.context_parallel_size=2",
+                                                    "actor.ppo_max_token_len_per_gpu=64"])
+    assert check_config(cfg)[0] == []  # 64 per device x CP 2 = one 128-token sequence
+    errors = _errors(base_overrides + seq + ["actor.megatron.context_parallel_size=2", "actor.ppo_max_token_len_per_gpu=63"])
+    assert any("over CP=2 devices" in e and "fix: set actor.ppo_max_token_len_per_gpu >= 64" in e for e in errors), errors
+
+
 def test_context_parallel_is_refused_for_a_separate_reference(base_overrides: list[str]) -> None:
     errors = _errors(base_overrides + ["ref.placement=separate", "ref.num_devices=2",
                                        "ref.megatron.context_parallel_size=2"])
