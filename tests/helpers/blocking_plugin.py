@@ -1,0 +1,40 @@
+"""A plugin that holds a real run in one phase until it is stopped: the stop tests' long update and long save,
+made long by a file, not by timing luck (tests/driver/test_stop_e2e.py).
+
+``MRL_BLOCK_DIR`` names a directory. While ``<dir>/block_update`` exists, the policy loss (run in the trainer
+ranks' update) writes ``<dir>/update_blocked.<pid>`` and then never returns; while ``<dir>/block_save`` exists,
+the sampler's ``state_dict`` (called by the driver's save after the ranks wrote the actor's checkpoint, before the
+step's trainer state marks the checkpoint complete) writes ``<dir>/save_blocked`` and never returns. Otherwise both
+are the built-ins (``vanilla``, ``resumable``).
+"""
+import os
+import time
+from pathlib import Path
+
+from mrl.algorithms import compute_policy_loss_vanilla, register_policy_loss
+from mrl.data.sampler import ResumableSampler, register_sampler
+
+
+def _hold(flag: str, marker: str) -> None:
+    d = os.environ.get("MRL_BLOCK_DIR")
+    if not d or not (Path(d) / flag).exists():
+        return
+    (Path(d) / marker).touch()
+    while True:  # a phase that does not end by itself: only the stop ends it
+        time.sleep(0.05)
+
+
+@register_policy_loss("blocking_vanilla")
+def blocking_vanilla(old_log_prob, log_prob, advantages, response_mask, **kwargs):
+    """``vanilla`` (PPO clip), held while ``block_update`` exists."""
+    _hold("block_update", f"update_blocked.{os.getpid()}")
+    return compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, **kwargs)
+
+
+@register_sampler("blocking_resumable")
+class BlockingSampler(ResumableSampler):
+    """The built-in sampler whose checkpointed state is held while ``block_save`` exists."""
+
+    def state_dict(self):
+        _hold("block_save", "save_blocked")
+        return super().state_dict()
