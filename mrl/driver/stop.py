@@ -171,9 +171,6 @@ class RunStop:
     def hard_stop(self, how: str) -> None:
         """Kill every process below the driver, print the stop line and exit now (no teardown, no atexit)."""
         assert self.signum is not None
-        if os.environ.get("MRL_STOP_DEBUG"):
-            import faulthandler
-            faulthandler.dump_traceback(all_threads=True)
         kill_tree([p for p in tree([os.getpid()]) if p != os.getpid()])
         line = f"\nmrl train: {stop_line(self.signum, self.step, self.root, how)}\n"
         try:  # os.write: the main thread may be inside a print to stderr (a buffered write is not re-entrant)

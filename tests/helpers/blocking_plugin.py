@@ -1,11 +1,11 @@
 """A plugin that holds a real run in one phase until it is stopped: the stop tests' long update and long save,
 made long by a file, not by timing luck (tests/driver/test_stop_e2e.py).
 
-``MRL_BLOCK_DIR`` names a directory. While ``<dir>/block_update`` exists, the policy loss (run in the trainer
-ranks' update) writes ``<dir>/update_blocked.<pid>`` and then never returns; while ``<dir>/block_save`` exists,
-the sampler's ``state_dict`` (called by the driver's save after the ranks wrote the actor's checkpoint, before the
-step's trainer state marks the checkpoint complete) writes ``<dir>/save_blocked`` and never returns. Otherwise both
-are the built-ins (``vanilla``, ``resumable``).
+``MRL_BLOCK_DIR`` names a directory. When ``<dir>/block_update`` exists and the path it holds exists too (an empty
+file: at once), the policy loss (run in the trainer ranks' update) writes ``<dir>/update_blocked.<pid>`` and then
+never returns; likewise ``<dir>/block_save`` holds the sampler's ``state_dict`` (called by the driver's save after
+the ranks wrote the actor's checkpoint, before the step's ``trainer_state.json`` marks the checkpoint complete),
+marker ``<dir>/save_blocked``. Otherwise both are the built-ins (``vanilla``, ``resumable``).
 """
 import os
 import time
@@ -18,6 +18,9 @@ from mrl.data.sampler import ResumableSampler, register_sampler
 def _hold(flag: str, marker: str) -> None:
     d = os.environ.get("MRL_BLOCK_DIR")
     if not d or not (Path(d) / flag).exists():
+        return
+    after = (Path(d) / flag).read_text().strip()
+    if after and not Path(after).exists():
         return
     (Path(d) / marker).touch()
     while True:  # a phase that does not end by itself: only the stop ends it
