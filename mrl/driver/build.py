@@ -176,9 +176,15 @@ def _ray_step(stop: RunStop, what: str, fn, *args, **kwargs) -> None:
     stop.kill_own_ray()  # a signal that came during build: _stop_mode has not run
     if stop.ray_killed:
         return
-    if stop.requested and "timeout_s" in kwargs:
+    if not stop.requested:
+        _quietly(what, fn, *args, **kwargs)
+        return
+    if "timeout_s" in kwargs:
         kwargs["timeout_s"] = min(kwargs["timeout_s"], STOP_CLOSE_GRACE_S)
-    _quietly(what, fn, *args, **kwargs)
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - expected when stopping: a rank busy in the abandoned phase is killed
+        log.info("stopping: %s: %s", what, e)
 
 
 def read_inputs(cfg: MRLConfig, gen_batch: int) -> RunInputs:

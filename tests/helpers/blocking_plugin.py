@@ -41,3 +41,12 @@ class BlockingSampler(ResumableSampler):
     def state_dict(self):
         _hold("block_save", "save_blocked")
         return super().state_dict()
+
+
+def blocking_reward(solution_str, ground_truth, data_source=None, extra_info=None):
+    """The quickstart's ``arith`` score, held while ``block_reward`` exists (in a reward worker process)."""
+    from mrl.rewards import get_reward_fn
+
+    _hold("block_reward", f"reward_blocked.{os.getpid()}")
+    return get_reward_fn("arith")(solution_str=solution_str, ground_truth=ground_truth, data_source=data_source,
+                                  extra_info=extra_info)
