@@ -251,7 +251,11 @@ def _start_ranks_and_engines(cfg: MRLConfig, plan: RunPlan, stack: contextlib.Ex
 
     workers = WorkerGroup("mrl.workers.rank.TrainRank", {"cfg": cfg, "plan": plan}, world_size=plan.trainer_ranks,
                           device=plan.device, extra_env={"OMP_NUM_THREADS": "1"}, wait=False)
-    stack.callback(_ray_step, stop, "trainer ranks", _close_ranks, workers, timeout_s=30.0)
+    # after the ranks' close (or in its place, when a stop killed them), with no Ray call: a rank killed before its
+    # close (a fault; a SIGTERM to the process group reaches the ranks too) leaves its weight sender's segment
+    stop.senders = _pids_here(workers)
+    stack.callback(_quietly, "weight-sync segments", _remove_segments, stop.senders)
+    stack.callback(_ray_step, stop, "trainer ranks", workers.close, "close", timeout_s=30.0)
     groups = []
     for role, what in (("reward_model", "reward model ranks"), ("teacher", "teacher ranks")):
         group = start_side_group(cfg, plan, role)  # None unless that role is separate: its own ranks, world, layout
@@ -373,20 +377,21 @@ def _agent_tools(cfg: MRLConfig, tok) -> tuple[dict | None, list[dict] | None]:
     return tools, schemas
 
 
-def _close_ranks(workers: WorkerGroup, timeout_s: float) -> None:
-    """Close the trainer ranks (``timeout_s``), then unlink the weight senders' /dev/shm segments that a rank killed
-    before its close left on this node (a SIGKILLed rank's own cleanup races the teardown)."""
+def _pids_here(workers: WorkerGroup) -> list[int]:
+    """The process ids of the ranks on the driver's node."""
     import ray
 
+    here = ray.get_runtime_context().get_node_id()
+    return [i["pid"] for i in workers.infos if i.get("node_id") == here and "pid" in i]
+
+
+def _remove_segments(pids: list[int]) -> None:
+    """Unlink the weight senders' /dev/shm segments that ranks ``pids`` left (killed before their close: their own
+    cleanup races the teardown)."""
     from mrl.rollout.weight_sync.transports import TensorTransport
 
-    here = ray.get_runtime_context().get_node_id()
-    pids = [i["pid"] for i in workers.infos if i.get("node_id") == here and "pid" in i]
-    try:
-        workers.close("close", timeout_s=timeout_s)
-    finally:
-        for name in TensorTransport.remove_segments(pids):
-            log.info("removed /dev/shm/%s, left by a trainer rank that did not close", name)
+    for name in TensorTransport.remove_segments(pids):
+        log.info("removed /dev/shm/%s, left by a trainer rank that did not close", name)
 
 
 def _routed_experts_args(cfg: MRLConfig) -> dict:

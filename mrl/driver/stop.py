@@ -89,10 +89,12 @@ def tree(roots: list[int]) -> set[int]:
     return out
 
 
-def kill_tree(roots: list[int]) -> set[int]:
+def kill_tree(roots: list[int], senders: list[int] = ()) -> set[int]:
     """SIGKILL ``roots`` and everything below them; returns the pids killed. Each process is first stopped
     (SIGSTOP), and the tree walked again until no new process appears: a process that forked between the walk
-    and the kill would otherwise outlive its killed parent, re-parented away from the tree."""
+    and the kill would otherwise outlive its killed parent, re-parented away from the tree. The /dev/shm segments
+    of the weight senders among them, and of ``senders`` (ranks that may have exited already: a SIGTERM to the
+    process group reaches them too), are unlinked."""
     seen: set[int] = set()
     for _ in range(20):
         new = tree(roots) - seen
@@ -106,7 +108,7 @@ def kill_tree(roots: list[int]) -> set[int]:
     try:  # a rank killed before its close leaves its weight sender's /dev/shm segment
         from mrl.rollout.weight_sync.transports import TensorTransport
 
-        TensorTransport.remove_segments(list(seen))
+        TensorTransport.remove_segments([*seen, *senders])
     except Exception:  # noqa: BLE001, S110 - best effort, the stop goes on
         pass
     return seen
@@ -130,6 +132,7 @@ class RunStop:
         self.signum: int | None = None
         self.step: int | None = None
         self.ray_roots: list[int] = []
+        self.senders: list[int] = []  # the trainer ranks on this node (weight senders: /dev/shm segments)
         self.ray_killed = False
         self.raising = True  # False once the run's body has ended: a signal then only shortens the teardown
         self._previous: dict[int, object] = {}
@@ -171,7 +174,7 @@ class RunStop:
     def hard_stop(self, how: str) -> None:
         """Kill every process below the driver, print the stop line and exit now (no teardown, no atexit)."""
         assert self.signum is not None
-        kill_tree([p for p in tree([os.getpid()]) if p != os.getpid()])
+        kill_tree([p for p in tree([os.getpid()]) if p != os.getpid()], self.senders)
         line = f"\nmrl train: {stop_line(self.signum, self.step, self.root, how)}\n"
         try:  # os.write: the main thread may be inside a print to stderr (a buffered write is not re-entrant)
             os.write(sys.stderr.fileno(), line.encode())
@@ -182,7 +185,7 @@ class RunStop:
         """Stop mode on a Ray instance of the run's own: kill its processes (ranks, engines and Ray's daemons),
         so that no teardown step waits on a busy rank or a GCS the signal has already stopped."""
         if self.requested and self.ray_roots and not self.ray_killed:
-            kill_tree(self.ray_roots)
+            kill_tree(self.ray_roots, self.senders)
             self.ray_killed = True
 
 

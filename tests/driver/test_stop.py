@@ -133,3 +133,17 @@ def test_kill_tree_takes_children_that_left_the_process_group() -> None:
         assert left_running(procs, timeout_s=10.0) == []  # the grandchild, re-parented once its parent died
     finally:
         p.kill()
+
+
+def test_a_rank_gone_before_the_stop_leaves_no_weight_segment() -> None:
+    # a SIGTERM to the process group ends the ranks too, often before the driver walks the tree: the segments
+    # their weight senders named after them (mrl_ws_<pid>_...) are unlinked from the ranks' recorded pids
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(timeout=60)  # gone, and reaped: not in any process tree
+    seg = Path(f"/dev/shm/mrl_ws_{p.pid}_1_test")
+    seg.write_bytes(b"w" * 64)
+    try:
+        assert kill_tree([], senders=[p.pid]) == set()
+        assert not seg.exists()
+    finally:
+        seg.unlink(missing_ok=True)
