@@ -3,12 +3,14 @@
 Exit codes: 0 ok, 2 config or data errors (each printed with the key or file:row and the fix; also a checkpoint to
 resume that is not one, is corrupt or was trained from another model), 3 a valid config that
 this build's driver cannot run yet or whose files are missing (printed with the keys), 1 a run that stopped on an error (one line naming it; ``mrl train --debug``
-shows the traceback), 130 interrupted. Only ``mrl.config`` (pydantic + PyYAML) is imported before a config is
+shows the traceback), 128 + the signal's number when SIGTERM (143) or Ctrl-C (130) stopped it (the line names the
+step and the last complete checkpoint; mrl/driver/stop.py). Only ``mrl.config`` (pydantic + PyYAML) is imported before a config is
 valid, so ``mrl plan`` answers in well under 3 s; heavy stacks load lazily in ``train``/``engine``.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 EXIT_CONFIG = 2
@@ -149,8 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_UNSUPPORTED
     if args.cmd == "plan" or dry_run:
         return 0
+    from mrl.driver.stop import RunInterrupted
+
     try:
         return _train(cfg)
+    except RunInterrupted as e:  # SIGTERM / Ctrl-C once the run started (mrl/driver/stop.py): one line, 128 + signal
+        print(f"\nmrl train: {e}", file=sys.stderr, flush=True)
+        if e.exit_now:  # the run's own Ray processes were killed: Ray's atexit shutdown would wait for its GCS
+            sys.stdout.flush()
+            os._exit(e.exit_code)
+        return e.exit_code
     except KeyboardInterrupt:
         print("\nmrl train: interrupted", file=sys.stderr)
         return 130

@@ -68,6 +68,17 @@ FIGURES += [
 ] + [
     ("docs/benchmarks.md", "2026-11-28, one NVIDIA H200", _GPU, ("long_context", "mfu", "by_variant", "sdpa",
                                                                  "speedup_vs_local"), "{:.2f}× at 8 × 4096"),
+    ("docs/benchmarks.md", "2026-11-28, one NVIDIA H200", _GPU, ("actor_fwd_bwd", "by_variant", "sdpa",
+                                                                 "speedup_vs_local"), "{:.2f}× at 8 × 1024"),
+    ("docs/benchmarks.md", "2026-11-28, one NVIDIA H200", _GPU, ("long_context", "mfu", "by_variant"),
+     lambda v: f"(MFU {v['local']['mfu'] * 100:.1f} → {v['sdpa']['mfu'] * 100:.1f} %)"),
+    # packed rows vs unpacked sdpa on equal-length rows: the time ratio sdpa / sdpa+packed at both shapes
+    ("docs/benchmarks.md", "2026-11-28, one NVIDIA H200", _GPU, (),
+     lambda d: "packed rows on equal-length rows {:.2f}–{:.2f}×".format(*sorted(
+         s["by_variant"]["sdpa"]["seconds_per_minibatch"] / s["by_variant"]["sdpa+packed"]["seconds_per_minibatch"]
+         for s in (d["actor_fwd_bwd"], d["long_context"]["mfu"])))),
+    ("docs/benchmarks.md", "2026-11-28, one NVIDIA H200", _GPU, ("long_context", "longest", "with_recompute", "by_length",
+                                                                 "65536", "mfu"), lambda m: f"(MFU {m * 100:.1f} %)"),
     ("docs/benchmarks.md", "2026-11-28, one NVIDIA H200", _GPU, ("long_context", "longest", "with_recompute",
                                                                  "longest"), "**{} with full recompute"),
     ("docs/benchmarks.md", "2026-11-28, one NVIDIA H200", _GPU, ("long_context", "longest", "no_recompute",
@@ -136,7 +147,7 @@ def check_figure(doc_text: str, anchor: str, data, path, fmt) -> None:
 
 
 @pytest.mark.parametrize("doc,anchor,data_file,path,fmt", FIGURES,
-                         ids=[f"{f[0]}:{f[1][:20]}:{f[3][-1]}" for f in FIGURES])
+                         ids=[f"{f[0]}:{f[1][:20]}:{f[3][-1] if f[3] else i}" for i, f in enumerate(FIGURES)])
 def test_figure_matches_its_data_file(doc, anchor, data_file, path, fmt):
     data = json.loads((ROOT / data_file).read_text(encoding="utf-8"))
     assert (ROOT / doc).read_text(encoding="utf-8").count(data_file.removeprefix("docs/")) >= 1

@@ -4,9 +4,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
-import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +12,13 @@ from typing import TYPE_CHECKING, Any
 from mrl.config import MRLConfig
 from mrl.config.run_plan import RunPlan, gen_batch_size, plan_run, ray_actors
 from mrl.driver.ranks import TrainRanks
+from mrl.driver.stop import (
+    STOP_CLOSE_GRACE_S,
+    RunInterrupted,
+    RunStop,
+    children_of_self,
+    stop_line,
+)
 from mrl.errors import InputRefusedError, UnsupportedConfigError
 
 if TYPE_CHECKING:  # the driver imports these lazily inside build(); the annotations name them
@@ -81,17 +85,6 @@ def resolve_device(device: str) -> str:
     return resolved
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    sys.exit(128 + signum)
-
-
-def _trap_sigterm() -> None:
-    """Engines run in their own sessions: SIGTERM must unwind through build()'s cleanup (engines
-    stopped, Ray shut down) instead of killing the driver and leaving the servers behind."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
-
-
 @dataclass(frozen=True)
 class RunInputs:
     """Stage 1 of ``build``, before Ray starts: what the run reads, every row checked. Nothing here is
@@ -132,6 +125,7 @@ class Services:
     client: RolloutClient | AgentClient  # what generates (through the router, the agent loop when agent.enable)
     judge: Judge | None  # reward.judge.enable: its engines and the reward phase's judge (driver/judge.py)
     tracking: Tracking | None  # None when trainer.logger names no sink
+    stop: RunStop | None = None  # SIGTERM / Ctrl-C handling (driver/stop.py); the trainer tells it the step running
 
 
 @contextlib.contextmanager
@@ -141,21 +135,56 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
     from mrl.driver.judge import start_judge
 
     check_inputs(cfg)
-    _trap_sigterm()
-    inputs = read_inputs(cfg, gen_batch_size(cfg))
-    with contextlib.ExitStack() as stack:
-        stack.callback(_quietly, "reward functions", inputs.reward.close)
-        device = _start_ray(cfg, stack)
-        # the run's one plan: the device Ray shows, the run length from the sampler's batches per epoch
-        plan = plan_run(cfg, device, inputs.sampler.batches_per_epoch)
-        workers, rm_workers, teacher_workers, engines = _start_ranks_and_engines(cfg, plan, stack)
-        judge = _start(stack, "judge", start_judge(cfg, plan, workers, engines, inputs.tokenizer))  # reward.judge
-        pool, client = _start_rollout(cfg, plan, engines, inputs, stack)
-        TrainRanks(workers).init_weight_sync(engines.urls, token=engines.token, routable=engines.remote_nodes)
-        tracking = _start_tracking(cfg, inputs, stack)
-        yield Services(inputs.tokenizer, inputs.pad_token_id, inputs.train_ds, inputs.val_ds, inputs.reward,
-                       inputs.rm_inputs, inputs.sampler, inputs.log_dir, plan, workers, rm_workers, teacher_workers,
-                       engines, pool, client, judge, tracking)
+    stop = RunStop(cfg.trainer.checkpoint_dir)
+    stop.install()  # a signal now raises RunInterrupted, and the teardown below runs in stop mode
+    try:
+        inputs = read_inputs(cfg, gen_batch_size(cfg))
+        with contextlib.ExitStack() as stack:
+            stack.callback(_quietly, "reward functions", inputs.reward.close)
+            device = _start_ray(cfg, stack, stop)
+            # the run's one plan: the device Ray shows, the run length from the sampler's batches per epoch
+            plan = plan_run(cfg, device, inputs.sampler.batches_per_epoch)
+            workers, rm_workers, teacher_workers, engines = _start_ranks_and_engines(cfg, plan, stack, stop)
+            judge = _start(stack, "judge", start_judge(cfg, plan, workers, engines, inputs.tokenizer), stop)  # reward.judge
+            pool, client = _start_rollout(cfg, plan, engines, inputs, stack)
+            TrainRanks(workers).init_weight_sync(engines.urls, token=engines.token, routable=engines.remote_nodes)
+            tracking = _start_tracking(cfg, inputs, stack)
+            stack.callback(_stop_mode, stop)  # runs first on the way out
+            yield Services(inputs.tokenizer, inputs.pad_token_id, inputs.train_ds, inputs.val_ds, inputs.reward,
+                           inputs.rm_inputs, inputs.sampler, inputs.log_dir, plan, workers, rm_workers, teacher_workers,
+                           engines, pool, client, judge, tracking, stop)
+    except KeyboardInterrupt:  # RunInterrupted, or what Ray's blocking calls made of it
+        if stop.signum is None:
+            raise
+        stopped = RunInterrupted(stop.signum, stop_line(stop.signum, stop.step, stop.root))  # the line mrl train prints
+        stopped.exit_now = stop.ray_killed  # Ray's processes are gone: no atexit shutdown
+        raise stopped from None
+    finally:
+        stop.restore()
+
+
+def _stop_mode(stop: RunStop) -> None:
+    """The first step of the teardown: from here a signal no longer raises (the teardown it would cut short is
+    the stop itself); after a stop, a Ray instance of the run's own is killed (mrl/driver/stop.py)."""
+    stop.raising = False
+    stop.kill_own_ray()
+
+
+def _ray_step(stop: RunStop, what: str, fn, *args, **kwargs) -> None:
+    """A teardown step made of Ray calls: skipped when the stop killed the run's own Ray instance (a Ray call
+    would wait 60 s for its GCS); after a stop, a group's close gets STOP_CLOSE_GRACE_S, not 30 s."""
+    stop.kill_own_ray()  # a signal that came during build: _stop_mode has not run
+    if stop.ray_killed:
+        return
+    if not stop.requested:
+        _quietly(what, fn, *args, **kwargs)
+        return
+    if "timeout_s" in kwargs:
+        kwargs["timeout_s"] = min(kwargs["timeout_s"], STOP_CLOSE_GRACE_S)
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - expected when stopping: a rank busy in the abandoned phase is killed
+        log.info("stopping: %s: %s", what, e)
 
 
 def read_inputs(cfg: MRLConfig, gen_batch: int) -> RunInputs:
@@ -187,7 +216,7 @@ def read_inputs(cfg: MRLConfig, gen_batch: int) -> RunInputs:
                      sampler, resumed_from, Path(cfg.trainer.checkpoint_dir or "outputs") / "logs")
 
 
-def _start_ray(cfg: MRLConfig, stack: contextlib.ExitStack) -> str:
+def _start_ray(cfg: MRLConfig, stack: contextlib.ExitStack, stop: RunStop) -> str:
     """Stage 2: Ray (a CPU per rank of every group and per separate engine); returns the device it shows
     (``cluster.device``, ``auto`` resolved)."""
     import ray
@@ -195,9 +224,12 @@ def _start_ray(cfg: MRLConfig, stack: contextlib.ExitStack) -> str:
     from mrl.cluster import init_ray
 
     ranks, separate_engines = ray_actors(cfg)
+    before = children_of_self()
+    stack.callback(_ray_step, stop, "Ray", ray.shutdown)
     init_ray(cfg.cluster.address, cfg.cluster.cpus_per_node or max(os.cpu_count() or 1, ranks) + separate_engines)
-    stack.callback(_quietly, "Ray", ray.shutdown)
-    _trap_sigterm()  # again: ray.init installed its own handler, which aborts
+    if not cfg.cluster.address:  # an instance of the run's own: its processes are the driver's new children
+        stop.own_ray(sorted(children_of_self() - before))
+    stop.install()  # again: ray.init installed its own SIGTERM handler (sys.exit)
     device = resolve_device(cfg.cluster.device)
     if device == "cpu":
         # The ranks (and their engines) use this host's cores; the driver's tensors are small
@@ -210,7 +242,7 @@ def _start_ray(cfg: MRLConfig, stack: contextlib.ExitStack) -> str:
     return device
 
 
-def _start_ranks_and_engines(cfg: MRLConfig, plan: RunPlan, stack: contextlib.ExitStack):
+def _start_ranks_and_engines(cfg: MRLConfig, plan: RunPlan, stack: contextlib.ExitStack, stop: RunStop):
     """Stage 3: the trainer ranks, a separate RM's and teacher's ranks, and the engines, which start on the
     ranks' nodes (colocated: in their ranks' placement bundles) and load while the ranks build their models."""
     from mrl.cluster import WorkerGroup
@@ -219,17 +251,21 @@ def _start_ranks_and_engines(cfg: MRLConfig, plan: RunPlan, stack: contextlib.Ex
 
     workers = WorkerGroup("mrl.workers.rank.TrainRank", {"cfg": cfg, "plan": plan}, world_size=plan.trainer_ranks,
                           device=plan.device, extra_env={"OMP_NUM_THREADS": "1"}, wait=False)
-    stack.callback(_quietly, "trainer ranks", _close_ranks, workers)
+    # after the ranks' close (or in its place, when a stop killed them), with no Ray call: a rank killed before its
+    # close (a fault; a SIGTERM to the process group reaches the ranks too) leaves its weight sender's segment
+    stop.senders = _pids_here(workers)
+    stack.callback(_quietly, "weight-sync segments", _remove_segments, stop.senders)
+    stack.callback(_ray_step, stop, "trainer ranks", workers.close, "close", timeout_s=30.0)
     groups = []
     for role, what in (("reward_model", "reward model ranks"), ("teacher", "teacher ranks")):
         group = start_side_group(cfg, plan, role)  # None unless that role is separate: its own ranks, world, layout
         if group is not None:
-            stack.callback(_quietly, what, group.close, "close", timeout_s=30.0)
+            stack.callback(_ray_step, stop, what, group.close, "close", timeout_s=30.0)
         groups.append(group)
     engines = EngineSet(cfg, plan, workers)
     # registered after the ranks, so stopped before them: colocated engine actors live in the ranks'
     # placement group, which the ranks' teardown removes, and the servers run in sessions of their own
-    stack.callback(_quietly, "engines", lambda: [log.warning("could not stop %s", err) for err in engines.stop()])
+    stack.callback(_ray_step, stop, "engines", lambda: [log.warning("could not stop %s", err) for err in engines.stop()])
     workers.wait_constructed()
     for group in groups:
         if group is not None:
@@ -294,14 +330,25 @@ def _start_tracking(cfg: MRLConfig, inputs: RunInputs, stack: contextlib.ExitSta
     run_id = read_trainer_state(inputs.resumed_from).get("mlflow_run_id") if inputs.resumed_from else None
     tracking = Tracking.from_config(cfg, resume_run_id=run_id, metrics_path=inputs.log_dir.parent / "metrics.log")
     if tracking is not None:
-        stack.push(lambda exc_type, *_: _quietly("tracking", tracking.finish, "FAILED" if exc_type else "FINISHED"))
+        stack.push(lambda exc_type, *_: _quietly("tracking", tracking.finish, _run_status(exc_type)))
     return tracking
 
 
-def _start(stack: contextlib.ExitStack, what: str, part):
-    """``part`` (a started component with ``close()``), registered to be closed on exit; None passes through."""
+def _run_status(exc_type: type | None) -> str:
+    """The MLflow run's end: FINISHED, KILLED (a signal stopped it) or FAILED."""
+    if exc_type is None:
+        return "FINISHED"
+    return "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED"  # RunInterrupted, or Ray's copy of it
+
+
+def _start(stack: contextlib.ExitStack, what: str, part, stop: RunStop | None = None):
+    """``part`` (a started component with ``close()``), registered to be closed on exit; None passes through.
+    ``stop``: the part's close makes Ray calls (see _ray_step)."""
     if part is not None:
-        stack.callback(_quietly, what, part.close)
+        if stop is None:
+            stack.callback(_quietly, what, part.close)
+        else:
+            stack.callback(_ray_step, stop, what, part.close)
     return part
 
 
@@ -330,20 +377,21 @@ def _agent_tools(cfg: MRLConfig, tok) -> tuple[dict | None, list[dict] | None]:
     return tools, schemas
 
 
-def _close_ranks(workers: WorkerGroup) -> None:
-    """Close the trainer ranks (30 s), then unlink the weight senders' /dev/shm segments that a rank killed
-    before its close left on this node (a SIGKILLed rank's own cleanup races the teardown)."""
+def _pids_here(workers: WorkerGroup) -> list[int]:
+    """The process ids of the ranks on the driver's node."""
     import ray
 
+    here = ray.get_runtime_context().get_node_id()
+    return [i["pid"] for i in workers.infos if i.get("node_id") == here and "pid" in i]
+
+
+def _remove_segments(pids: list[int]) -> None:
+    """Unlink the weight senders' /dev/shm segments that ranks ``pids`` left (killed before their close: their own
+    cleanup races the teardown)."""
     from mrl.rollout.weight_sync.transports import TensorTransport
 
-    here = ray.get_runtime_context().get_node_id()
-    pids = [i["pid"] for i in workers.infos if i.get("node_id") == here and "pid" in i]
-    try:
-        workers.close("close", timeout_s=30.0)
-    finally:
-        for name in TensorTransport.remove_segments(pids):
-            log.info("removed /dev/shm/%s, left by a trainer rank that did not close", name)
+    for name in TensorTransport.remove_segments(pids):
+        log.info("removed /dev/shm/%s, left by a trainer rank that did not close", name)
 
 
 def _routed_experts_args(cfg: MRLConfig) -> dict:

@@ -87,16 +87,24 @@ def find_resume_dir(root: str | None, resume_mode: str) -> Path | None:
 def prune_checkpoints(root: str | Path, keep: int | None) -> list[Path]:
     """trainer.max_ckpt_to_keep: delete all but the newest ``keep`` complete ``global_step_<N>``
     directories (never the one ``latest`` names). Called after a save has been marked latest, so a
-    crash mid-save never leaves the run without a complete checkpoint. Returns what was removed."""
+    crash mid-save never leaves the run without a complete checkpoint. Each directory is renamed out of
+    the ``global_step_<N>`` names first (one atomic step), then deleted: a deletion cut short (SIGTERM,
+    a crash) never leaves a half-deleted directory that still looks complete; such leftovers
+    (``.global_step_<N>.removing``) go at the next prune. Returns what was removed."""
     if keep is None:
         return []
+    for left in Path(root).glob(".global_step_*.removing"):
+        shutil.rmtree(left, ignore_errors=True)
     latest = _latest_step(root)
     steps = complete_steps(root)
     removed = []
     for step in steps[: max(0, len(steps) - keep)]:
         if step != latest:
-            shutil.rmtree(step_dir(root, step))
-            removed.append(step_dir(root, step))
+            d = step_dir(root, step)
+            gone = d.with_name(f".{d.name}.removing")
+            os.replace(d, gone)
+            shutil.rmtree(gone)
+            removed.append(d)
     return removed
 
 

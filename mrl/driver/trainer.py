@@ -559,6 +559,8 @@ class RLTrainer:
                 log.info("trainer.val_only: validated at step %d, not training", self.global_step)
                 return
         while self.global_step < total:
+            if self.s.stop is not None:  # named in the line a SIGTERM / Ctrl-C stops the run with
+                self.s.stop.step = self.global_step + 1
             m = self.step()
             last = self.global_step == total
             if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or last):

@@ -33,7 +33,7 @@ def staged(monkeypatch, tmp_path):
         events.append(f"read inputs, {gen_batch} prompts per round")
         return inputs
 
-    def start_ray(cfg, stack: contextlib.ExitStack) -> str:
+    def start_ray(cfg, stack: contextlib.ExitStack, stop) -> str:
         events.append("start ray")
         stack.callback(events.append, "stop ray")
         return "cpu"
@@ -44,7 +44,7 @@ def staged(monkeypatch, tmp_path):
         events.append(f"plan on {device}, {batches_per_epoch} batches per epoch")
         return real_plan_run(cfg, device, batches_per_epoch)
 
-    def start_ranks(cfg, plan, stack):
+    def start_ranks(cfg, plan, stack, stop):
         events.append("start ranks")
         stack.callback(events.append, "close ranks")
         events.append("start engines")

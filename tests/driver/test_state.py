@@ -1,9 +1,12 @@
 """Trainer-state files and resume_mode resolution."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mrl.driver.state import (
+    complete_steps,
     find_resume_dir,
     prune_checkpoints,
     read_trainer_state,
@@ -79,3 +82,31 @@ def test_no_checkpoint_and_no_latest_is_a_fresh_start(tmp_path) -> None:
     (tmp_path / "global_step_3").mkdir()  # crashed before anything completed
     assert find_resume_dir(str(tmp_path), "auto") is None
     assert find_resume_dir(str(tmp_path / "missing"), "auto") is None
+
+
+def test_a_prune_cut_short_leaves_no_half_deleted_checkpoint_that_looks_complete(tmp_path, monkeypatch) -> None:
+    # SIGTERM (or a crash) in the middle of deleting an old checkpoint: the deletion got as far as the actor's
+    # files; what is left must not be taken as a complete checkpoint (its trainer_state.json may be the last file
+    # deleted), and the next prune removes it.
+    import shutil
+
+    import mrl.driver.state as st
+
+    for step in (1, 2):
+        (step_dir(tmp_path, step) / "actor").mkdir(parents=True)
+        (step_dir(tmp_path, step) / "actor" / "shard.distcp").write_bytes(b"w" * 64)
+        write_trainer_state(tmp_path, step, {})
+
+    real_rmtree = shutil.rmtree
+
+    def cut_short(path, *a, **k):
+        real_rmtree(Path(path) / "actor")
+        raise KeyboardInterrupt  # the signal, after the actor's files went and before trainer_state.json
+
+    monkeypatch.setattr(st.shutil, "rmtree", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        prune_checkpoints(tmp_path, 1)
+    assert complete_steps(tmp_path) == [2] and find_resume_dir(str(tmp_path), "auto") == step_dir(tmp_path, 2)
+    monkeypatch.undo()
+    assert prune_checkpoints(tmp_path, 1) == []  # nothing complete to prune; the leftover is swept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_2", "latest_checkpointed_iteration.txt"]

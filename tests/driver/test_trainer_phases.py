@@ -111,7 +111,7 @@ def _trainer(tmp_path, *overrides: str, rm_workers=None) -> tuple[RLTrainer, Rec
     workers = RecordingWorkers(values)
     plan = plan_run(cfg, "cpu", batches_per_epoch=64 // cfg.data.train_batch_size)
     services = SimpleNamespace(train_ds=list(range(64)), sampler=ResumableSampler(64, plan.gen_batch_size), workers=workers, rm_workers=rm_workers, teacher_workers=None, pool=RecordingPool(workers.calls),
-                               client=None, log_dir=tmp_path, plan=plan, tracking=None, judge=None,  # no metric sinks
+                               client=None, log_dir=tmp_path, plan=plan, tracking=None, judge=None, stop=None,  # no metric sinks
                                rm_inputs=RewardModelInputs(None))  # (Services.tracking may be None); an RM reads the batch as it is
     tr = RLTrainer(cfg, services)
     scores = _scores(batch)
