@@ -6,7 +6,9 @@ right-aligned rows: every decode step is one batched ``[B, 1]`` forward whose li
 padding; padding exists only in the attention over the cache and is bounded by the spread of
 lengths of the sequences *currently* running). New requests are prefilled together (one
 left-padded forward of the model) and added to the running set between decode steps. The decode
-step is :mod:`mrl.rollout.engine.decode`.
+step is :mod:`mrl.rollout.engine.decode`; for a hybrid model (Gated DeltaNet linear-attention layers, whose
+per-row conv window and recurrent state ride along as row states) :mod:`mrl.rollout.engine.hybrid`. The model
+is loaded under its checkpoint's tensor names (:mod:`mrl.rollout.engine.loading`).
 
 Positions are counted per row (``next_pos``), so a row's logits do not depend on its padding:
 log-probs agree with an unpadded transformers forward of the same tokens to ~1e-6 in fp32.
@@ -17,11 +19,13 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
 from mrl.dtypes import DTYPES, torch_dtype
 from mrl.rollout.engine.decode import LlamaFamilyDecoder, fast_path_refusal, hf_decode
+from mrl.rollout.engine.hybrid import HybridLayout, hybrid_decode
 from mrl.rollout.engine.kv_cache import PrefilledRows, RunningBatch
+from mrl.rollout.engine.loading import load_model, text_config
 from mrl.rollout.engine.moe import RoutingCapture, checkpoint_views, is_moe
 
 
@@ -62,18 +66,21 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.config = AutoConfig.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        cfg = text_config(self.config)  # the decoder's (a vision-language config nests it)
+        self.model = load_model(path, self.dtype).to(self.device).eval()
         self.tokenizer = None
         if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
             self.tokenizer = AutoTokenizer.from_pretrained(path)
-        eos = self.config.eos_token_id
+        eos = getattr(self.config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(cfg, "eos_token_id", None)
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
         self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
         # Read once: a transformers config attribute costs microseconds, and the scheduler checks these for
         # every request and every sampled token.
-        self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
-        self.vocab_size = int(self.config.vocab_size)
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        self.vocab_size = int(cfg.vocab_size)
         self.released = False
         # By checkpoint name (what updates send; fused MoE experts split per expert, mrl/rollout/engine/moe.py),
         # and by parameter for resume().
@@ -84,8 +91,10 @@ class ModelRunner:
                              f"(model_type {getattr(self.config, 'model_type', None)!r}); drop the flag")
         self.routing = RoutingCapture(self.model) if capture_routing else None
         self.last_routing: list[torch.Tensor] | torch.Tensor | None = None
-        cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         self._kv_shape = kv_cache_shape(cfg)
+        self.hybrid = HybridLayout.of(self.config)  # linear-attention layers: conv window + recurrent state per row
+        if self.hybrid is not None:
+            self._kv_shape = (len(self.hybrid.full), *self._kv_shape[1:])  # K/V for the full-attention layers only
         # The written-out decode step for the families it knows; the model's own forward otherwise.
         self.decode_path = fast_path_refusal(self.config)
         self._decoder = LlamaFamilyDecoder(self.model) if self.decode_path is None else None
@@ -94,7 +103,9 @@ class ModelRunner:
     def new_batch(self) -> RunningBatch:
         """An empty running set whose cache fits this model."""
         layers, heads, key_dim, value_dim = self._kv_shape
-        return RunningBatch(layers, heads, key_dim, dtype=self.dtype, device=self.device, value_dim=value_dim)
+        states = self.hybrid.row_states(self.dtype) if self.hybrid is not None else ()
+        return RunningBatch(layers, heads, key_dim, dtype=self.dtype, device=self.device, value_dim=value_dim,
+                            row_states=states)
 
     # ---- weights by HF name -------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -128,9 +139,7 @@ class ModelRunner:
         rows, logits = self._prefill(uniq)
         self._take_prefill_routing(uniq, index)
         idx = torch.tensor(index, device=self.device)
-        rows = PrefilledRows([k.index_select(0, idx) for k in rows.keys], [v.index_select(0, idx) for v in rows.values],
-                             rows.valid.index_select(0, idx), rows.next_pos.index_select(0, idx.cpu()))
-        return rows, logits.index_select(0, idx)
+        return rows.select(idx), logits.index_select(0, idx)  # K/V and any row states (hybrid) alike
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[PrefilledRows, torch.Tensor]:
         n, L = len(prompts), max(len(p) for p in prompts)
@@ -140,20 +149,26 @@ class ModelRunner:
             ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, L - len(p):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        # A hybrid's cache has a linear-attention layer per linear layer (built from the config); a plain
+        # DynamicCache() replicates K/V layers (given a config it would also window sliding-window layers' K/V).
+        cache = DynamicCache(config=self.model.config) if self.hybrid is not None else DynamicCache()
         out = self.model(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
             position_ids=pos.to(self.device), past_key_values=cache, use_cache=True,
             logits_to_keep=1,  # only the last position is sampled: skip V x T of lm_head work
         )
         pad = (mask == 0).to(self.device)
-        keys, values = [], []
-        for layer in cache.layers:
-            # Padding rows attend to nothing; zero their K/V so no NaN can leak through 0*NaN.
-            keys.append(layer.keys.masked_fill(pad[:, None, :, None], 0.0))
-            values.append(layer.values.masked_fill(pad[:, None, :, None], 0.0))
+        states: list[torch.Tensor] = []
+        if self.hybrid is not None:
+            keys, values, states = self.hybrid.take_prefill(cache, pad)
+        else:
+            keys, values = [], []
+            for layer in cache.layers:
+                # Padding rows attend to nothing; zero their K/V so no NaN can leak through 0*NaN.
+                keys.append(layer.keys.masked_fill(pad[:, None, :, None], 0.0))
+                values.append(layer.values.masked_fill(pad[:, None, :, None], 0.0))
         rows = PrefilledRows(keys, values, mask.to(self.device),
-                             next_pos=torch.tensor([len(p) for p in prompts], dtype=torch.long))
+                             next_pos=torch.tensor([len(p) for p in prompts], dtype=torch.long), states=states)
         return rows, out.logits[:, -1, :]
 
     def decode(self, rb: RunningBatch, routing: bool = False) -> torch.Tensor:
@@ -163,6 +178,8 @@ class ModelRunner:
         self._arm(routing)
         if self._decoder is not None:
             logits = self._decoder(rb)
+        elif self.hybrid is not None:
+            logits = hybrid_decode(self.model, rb, self.hybrid)
         else:
             logits = hf_decode(self.model, rb)
         if routing:
