@@ -33,7 +33,8 @@ def model_info(engine) -> dict[str, Any]:
 
 
 def context_length(engine) -> int:
-    return int(getattr(engine.runner.config, "max_position_embeddings", 0) or 0)
+    text = engine.runner.config.get_text_config()  # a vision-language config keeps it in text_config
+    return int(getattr(text, "max_position_embeddings", 0) or 0)
 
 
 def server_info(engine, startup_time: float) -> dict[str, Any]:
