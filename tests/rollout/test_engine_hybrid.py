@@ -114,6 +114,21 @@ def test_running_batch_row_states_move_with_their_rows():
     assert rb.state(1)[:, 1, 1].tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
 
 
+def test_bfloat16_engine_keeps_the_recurrent_state_in_fp32(model_dirs):
+    """In bf16 the conv window is the conv's input dtype (bf16) and the recurrent state stays fp32, as transformers
+    keeps it (its delta rule computes in fp32); the bf16 decode follows the bf16 transformers forward."""
+    runner = ModelRunner(str(model_dirs["qwen3_5_text"]), dtype="bfloat16")
+    rows, _ = runner.prefill([[5, 17, 33, 41], [11, 3]])
+    assert [s.dtype for s in rows.states] == [torch.bfloat16, torch.float32] * (LAYERS - 1)
+    rb = runner.new_batch()
+    rb.add(rows, last_tokens=torch.tensor([7, 9]))
+    assert [s.dtype for s in rb.s] == [torch.bfloat16, torch.float32] * (LAYERS - 1)
+    logits = runner.decode(rb).float()
+    ref = _last_logits(runner.model, [[5, 17, 33, 41, 7], [11, 3, 9]]).float()
+    # bf16 (8 bits of mantissa): two summation orders of logits <= 3 differ by a few units of 2^-8 * 3
+    assert (logits - ref).abs().max() <= 0.1
+
+
 def _generate(client, prompts, max_new):
     r = client.post("/generate", json={
         "input_ids": prompts, "return_logprob": True,
