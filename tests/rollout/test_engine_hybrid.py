@@ -106,12 +106,12 @@ def test_running_batch_row_states_move_with_their_rows():
                                   torch.full((n,), 2), [conv, rec]).select(torch.tensor([0, 1, 2, 3, 1]))
     rb.add(rows, last_tokens=torch.zeros(5, dtype=torch.long))
     assert rb.state(0)[:, 0].tolist() == [0, 1, 2, 3, 1] and rb.state(1).dtype == torch.float64
-    order = rb.remove([1])  # the last row (a copy of 1) moves into slot 1
-    assert order == [0, 4, 2, 3] and rb.state(0)[:, 0].tolist() == [0, 1, 2, 3]
+    order = rb.remove([0])  # the last row (a copy of 1) moves into slot 0
+    assert order == [4, 1, 2, 3] and rb.state(0)[:, 0].tolist() == [1, 1, 2, 3]
     rb.add(kv_cache.PrefilledRows([keys], [keys.clone()], torch.ones(n, 2, dtype=torch.long), torch.full((n,), 2),
                                   [conv + 10, rec + 10]), last_tokens=torch.zeros(n, dtype=torch.long))  # past rows_cap
-    assert rb.state(0)[:, 2].tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
-    assert rb.state(1)[:, 1, 1].tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
+    assert rb.state(0)[:, 2].tolist() == [1, 1, 2, 3, 10, 11, 12, 13]
+    assert rb.state(1)[:, 1, 1].tolist() == [1, 1, 2, 3, 10, 11, 12, 13]
 
 
 def test_bfloat16_engine_keeps_the_recurrent_state_in_fp32(model_dirs):
