@@ -69,7 +69,7 @@ def build_tiny_hybrid(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
             elif "norm" in name:  # zero-centred RMSNorms (1 + w) and the gated norm (w): both away from trivial
                 p.copy_(0.1 * torch.randn_like(p) + (1.0 if name.endswith("linear_attn.norm.weight") else 0.0))
             elif name.endswith("mlp.gate.weight"):
-                p.copy_(1.0 * torch.randn_like(p))  # routers: well-separated logits
+                p.copy_(3.0 * torch.randn_like(p))  # routers: well-separated logits
             elif p.dim() == 1:
                 p.copy_(0.05 * torch.randn_like(p))
             elif "conv1d" in name:

@@ -2,13 +2,16 @@
 transformers forwards: Qwen3.5 in its released vision-language form and its text-only form, Qwen3.5-MoE, Qwen3-Next.
 
 Tolerance (fp32 logits and log-probs): ``TOL = 4e-5``. The reference is one unpadded forward of each whole sequence
-(transformers' chunked delta rule, chunks of C = 64 positions); the engine prefills left-padded batches (the same
-chunks shifted by the padding) and decodes with the recurrent form, one token at a time. The two orders of the
-same sums differ by the chunked form's error, about C * u relative per linear-attention layer (u = 2^-24, the
-triangular solve and the cumulative decays over a chunk): 3 layers * 64 * 6e-8 = 1.2e-5 relative on logits of
-magnitude <= 3, i.e. ~3.5e-5. Measured: <= 1.5e-5 over these schedules; a fp64 forward puts the fp32 reference's
-own error at up to 7e-6. Every fault below (a state not moved with its row, the conv window shifted by one,
-padding not masked) moves the logits by > 1e-2.
+(transformers' chunked delta rule); the engine prefills left-padded batches (other GEMM shapes, the chunks shifted
+by the padding) and decodes with the recurrent form, one token at a time: the same sums in other orders, so the two
+differ by rounding at every GEMM and delta-rule step. How far one rounding travels was measured on these models: a
+random relative perturbation of about one unit in the last place (1.2e-7) at the output of one linear-attention
+mixer, MLP or gated norm moves the logits (|z| <= 3) by 1e-6 to 3e-6, at the embeddings by 7e-6 (a tiny Qwen3's
+embeddings: 1.3e-6). Several such independent roundings make the bound: 4e-5. Measured engine vs reference:
+<= 1.5e-5 (median 5e-6) over these schedules and model seeds; a float64 forward puts the fp32 reference itself up
+to 7e-6 from exact. The MoE kinds add the router's softmax weights and the per-expert GEMMs of a batch grouped
+differently (median 1e-5, max 4.7e-5 over 6 model/schedule seeds): ``TOL_MOE = 1e-4``. Every fault below (a state not moved with its row, the conv window shifted
+by one, padding not masked, the recurrent state not carried) moves the logits by > 1.
 """
 from __future__ import annotations
 
@@ -36,6 +39,11 @@ from tests.helpers.tiny_hybrid import (
 )
 
 TOL = 4e-5
+TOL_MOE = 1e-4
+
+
+def _tol(kind: str) -> float:
+    return TOL_MOE if kind in MOE_KINDS else TOL
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +57,7 @@ def _last_logits(model, seqs: list[list[int]]) -> torch.Tensor:
         return torch.stack([model(input_ids=torch.tensor([s])).logits[0, -1] for s in seqs])
 
 
-def _schedule(runner: ModelRunner, seed: int = 0) -> int:
+def _schedule(runner: ModelRunner, tol: float, seed: int = 0) -> int:
     """Two admission waves of ragged prompts (one longer than a 64-position chunk, two identical ones: a row copy),
     rows removed at random steps (swap-remove moves the last row's states), buffers reallocated every few steps;
     every step's logits of every row against an unpadded forward. Returns the number of row-steps checked."""
@@ -60,14 +68,14 @@ def _schedule(runner: ModelRunner, seed: int = 0) -> int:
         if lengths[-1] == 7:
             prompts[-1] = list(prompts[1])  # identical prompts: computed once, the row (and its states) copied
         rows, logits = runner.prefill(prompts)
-        assert (logits - _last_logits(runner.model, prompts)).abs().max() <= TOL
+        assert (logits - _last_logits(runner.model, prompts)).abs().max() <= tol
         nxt = torch.tensor([rng.randrange(3, VOCAB) for _ in prompts])
         rb.add(rows, last_tokens=nxt)
         seqs += [p + [int(t)] for p, t in zip(prompts, nxt)]
         for _ in range(5):
             logits = runner.decode(rb)
             err = (logits - _last_logits(runner.model, seqs)).abs().max()
-            assert err <= TOL, err
+            assert err <= tol, err
             checked += len(seqs)
             nxt = [rng.randrange(3, VOCAB) for _ in seqs]
             rb.last_tokens = torch.tensor(nxt)
@@ -86,7 +94,7 @@ def test_decode_with_recurrent_state_matches_transformers(model_dirs, kind, monk
     runner = ModelRunner(str(model_dirs[kind]))
     assert runner.decode_path.startswith("transformers forward (hybrid")
     assert len(runner.hybrid.full) == 1 and len(runner.hybrid.linear) == LAYERS - 1
-    assert _schedule(runner) > 25
+    assert _schedule(runner, _tol(kind)) > 25
 
 
 def test_fast_path_refuses_hybrids_with_the_reason():
@@ -184,7 +192,7 @@ def test_weights_are_held_under_the_checkpoint_names_and_updates_land(model_dirs
         assert r["success"], r
         with engine.scheduler.model_lock:
             got = engine.runner.prefill(prompts)[1].clone()
-        assert (got - _last_logits(ref_model, prompts)).abs().max() <= TOL
+        assert (got - _last_logits(ref_model, prompts)).abs().max() <= _tol(kind)
         a_log = next(n for n in src if n.endswith("layers.0.linear_attn.A_log"))
         with engine.scheduler.model_lock:
             load_into_model(engine.runner, check_named(engine.runner, [(a_log, src[a_log] + 1.0)]))
