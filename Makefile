@@ -89,10 +89,16 @@ $(MOE_GLM_ASSETS): $(VENV)/.installed mrl/quickstarts/base.py mrl/quickstarts/mo
 	$(PY) -m mrl.quickstarts moe --family glm4_moe --out outputs/quickstart_moe_glm --force
 	@touch $@
 
+# The hybrid-attention quickstart (mrl_configs/quickstart_qwen3_5.yaml): a tiny Qwen3.5 in its vision-language form
+QWEN3_5_ASSETS := outputs/quickstart_qwen3_5/.assets-written
+$(QWEN3_5_ASSETS): $(VENV)/.installed mrl/quickstarts/base.py mrl/quickstarts/hybrid.py
+	$(PY) -m mrl.quickstarts qwen3_5 --out outputs/quickstart_qwen3_5 --force
+	@touch $@
+
 # the MoE quickstart's assets of CONFIG's family
 MOE_CONFIG_ASSETS = $(if $(findstring quickstart_moe_deepseek,$(CONFIG)),$(MOE_DEEPSEEK_ASSETS),$(if $(findstring quickstart_moe_glm,$(CONFIG)),$(MOE_GLM_ASSETS),$(MOE_ASSETS)))
 
-train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(if $(findstring quickstart_moe,$(CONFIG)),$(MOE_CONFIG_ASSETS),$(QUICKSTART_ASSETS))) \
+train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(if $(findstring quickstart_moe,$(CONFIG)),$(MOE_CONFIG_ASSETS),$(if $(findstring quickstart_qwen3_5,$(CONFIG)),$(QWEN3_5_ASSETS),$(QUICKSTART_ASSETS)))) \
 		$(if $(findstring quickstart_rm,$(CONFIG)),$(QUICKSTART_RM)) \
 		$(if $(findstring quickstart_distill,$(CONFIG)),$(QUICKSTART_DISTILL)) \
 		$(if $(findstring quickstart_judge,$(CONFIG)),$(QUICKSTART_JUDGE)) \

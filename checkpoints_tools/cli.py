@@ -211,7 +211,7 @@ def _hf_to_mcore(args: argparse.Namespace) -> None:
     from checkpoints_tools.convert import hf_param_count, hf_to_mcore_rank
     from checkpoints_tools.launch import pick_device, run_local_ranks
     from mrl.megatron.checkpoint import verify_checkpoint
-    from mrl.megatron.hf_io import copy_hf_side_files
+    from mrl.megatron.hf_io import CARRIED_NAME, copy_hf_side_files
     from mrl.megatron.provider import load_hf_config, model_family
 
     world = _check_sizes(args)
@@ -236,11 +236,27 @@ def _hf_to_mcore(args: argparse.Namespace) -> None:
                         dtype, device, args.timeout, *_experts(args), _uneven(args)), device=device,
                         timeout_s=args.timeout)
         copy_hf_side_files(args.hf, tmp)
+        carried = _write_carried(args.hf, tmp)
         n_out = _mcore_param_count(verify_checkpoint(tmp))
         _finish(tmp, args.out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"parameters in (HF): {n_in:,}; out (Megatron, vocab padded for tp={args.tp}): {n_out:,}")
+    print(f"parameters in (HF): {n_in:,}; out (Megatron, vocab padded for tp={args.tp}): {n_out:,}"
+          + (f"; {carried:,} carried untouched ({CARRIED_NAME}: the vision tower / MTP layers)" if carried else ""))
+
+
+def _write_carried(hf_dir: Path, dest: Path) -> int:
+    """The HF tensors mrl does not train (``Family.wrapped``) into ``dest/carried.safetensors``; their parameters."""
+    from mrl.megatron.hf_io import CARRIED_NAME, carried_tensors
+    from mrl.megatron.provider import load_hf_config
+
+    tensors = carried_tensors(hf_dir, load_hf_config(hf_dir))
+    if not tensors:
+        return 0
+    from safetensors.torch import save_file
+
+    save_file({n: t.contiguous() for n, t in tensors}, str(dest / CARRIED_NAME), metadata={"format": "pt"})
+    return sum(t.numel() for _, t in tensors)
 
 
 def _mcore_param_count(info: dict) -> int:
@@ -261,6 +277,20 @@ def _stage_side_files(ckpt: Path, template: Path | None, meta: dict, dest: Path)
         if not meta.get("hf_config"):
             raise UsageError(f"{ckpt} records no HF config; pass --hf-template DIR holding config.json")
         (dest / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
+
+
+def _carried_stage(ckpt: Path, template: Path | None, tmp: Path) -> dict:
+    """The carried tensors (the Megatron checkpoint's carried.safetensors, else the --hf-template checkpoint's
+    vision tower / MTP tensors) as one more "stage" for merge_stage_dirs; {} when there are none."""
+    from mrl.megatron.hf_io import carried_tensors, write_hf_checkpoint
+    from mrl.megatron.provider import load_hf_config
+
+    cfg = load_hf_config(tmp)  # the staged config.json
+    tensors = carried_tensors(ckpt, cfg) or (carried_tensors(template, cfg) if template else [])
+    if not tensors:
+        return {}
+    stage_dir = tmp / "stage-carried"
+    return {"stage": 1 << 30, "dir": str(stage_dir), "files": write_hf_checkpoint(stage_dir, tensors)}
 
 
 def _mcore_to_hf(args: argparse.Namespace) -> None:
@@ -290,6 +320,7 @@ def _mcore_to_hf(args: argparse.Namespace) -> None:
                                   args.pp, model_dtype, out_dtype, device, args.timeout, *_experts(args),
                                   _uneven(args)),
                                   device=device, timeout_s=args.timeout)
+        results.append(_carried_stage(args.ckpt, args.hf_template, tmp))
         merge_stage_dirs(tmp, results)
         n_out = hf_param_count(tmp)
         _finish(tmp, args.out)
@@ -361,6 +392,10 @@ def _reshard(args: argparse.Namespace) -> None:
 
         if (args.ckpt / LORA_META).is_file():  # the adapters were resharded too: keep them loadable
             shutil.copy2(args.ckpt / LORA_META, tmp / LORA_META)
+        from mrl.megatron.hf_io import CARRIED_NAME
+
+        if (args.ckpt / CARRIED_NAME).is_file():  # the vision tower / MTP tensors travel with the checkpoint
+            shutil.copy2(args.ckpt / CARRIED_NAME, tmp / CARRIED_NAME)
         n_out = _mcore_param_count(verify_checkpoint(tmp))
         _finish(tmp, args.out)
     finally:

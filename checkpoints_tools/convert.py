@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from checkpoints_tools.preflight import CheckpointInputError
+from mrl.config.weights_fit import WEIGHTS_FIX
 from mrl.dtypes import torch_dtype
 
 
@@ -176,7 +177,7 @@ def _shape_problem(hf_dir: str, cfg: Any, read: list[tuple[str, tuple[int, ...]]
     detail = text if text.startswith("HF tensor") else f"{type(e).__name__}: {text}"
     return (f"--hf {hf_dir}: the weights do not fit config.json ({_describe(cfg)}): tensor(s) "
             f"{', '.join(f'{n} {list(shapes[n])}' for n in last)} in {_weight_files(hf_dir, last)} ({detail}); "
-            "fix: put the config.json these weights were saved with next to them, or re-save the checkpoint")
+            f"{WEIGHTS_FIX}")
 
 
 def mcore_to_hf_rank(

@@ -79,20 +79,31 @@ def check_host(world: int, device: str) -> None:
 
 
 def check_hf_weights(hf_dir: Path) -> None:
-    """Every safetensors file of ``hf_dir`` is whole (headers parse, tensors end inside the file)."""
+    """Every safetensors file of ``hf_dir`` is whole (headers parse, tensors end inside the file) and its tensors'
+    shapes fit config.json (:mod:`mrl.config.weights_fit`, the check ``mrl plan`` runs)."""
+    import json
+
     from mrl.config.checkpoint_files import safetensors_header, weight_files
+    from mrl.config.weights_fit import weights_fit_errors
 
     try:
         files = weight_files(hf_dir)
         if files is None:
             raise PreflightError(f"--hf {hf_dir} holds neither model.safetensors nor model.safetensors.index.json "
                                  "(.bin checkpoints are not read: re-save with safe_serialization=True)")
-        for f in files:
-            safetensors_header(f)
+        headers = {f: safetensors_header(f) for f in files}
     except (OSError, ValueError) as e:
         if isinstance(e, PreflightError):
             raise
         raise PreflightError(f"--hf: {e}; fix: re-download or re-save the checkpoint") from None
+    try:
+        cfg = json.loads((hf_dir / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return  # check_layout names an unreadable config.json
+    if isinstance(cfg, dict):
+        errors = weights_fit_errors(f"--hf {hf_dir}", str(hf_dir), cfg, headers)
+        if errors:
+            raise PreflightError(errors[0])
 
 
 _TMP_RE = re.compile(r"^\.(?P<name>.+)\.mrl-ckpt-tmp-(?P<pid>\d+)$")

@@ -70,7 +70,12 @@ def _from_verl(argv: list[str]) -> int:
         return EXIT_CONFIG
     text = t.yaml()
     if output:
-        Path(output).write_text(text)
+        try:
+            Path(output).write_text(text)
+        except OSError as e:  # a directory, a missing directory, a read-only place
+            print(f"mrl from-verl: cannot write -o {output!r} ({e.strerror or e}); fix: -o a file path in an existing, "
+                  "writable directory", file=sys.stderr)
+            return EXIT_CONFIG
         print(f"mrl from-verl: wrote {output}; check it with `mrl plan {output}`", file=sys.stderr)
     else:
         print(text, end="")
@@ -136,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     cfg, text = loaded
     print(text, flush=True)
+    from mrl.config.checkpoint_files import vision_language_refusal
+
+    refusal = vision_language_refusal("model.path", cfg.model.path)
+    if refusal:  # after the plan and the prompt files' pictures, which are checked in full (docs/vision.md)
+        print(f"mrl {args.cmd}: {refusal}", file=sys.stderr)
+        return EXIT_UNSUPPORTED
     if args.cmd == "plan" or dry_run:
         return 0
     try:

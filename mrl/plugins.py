@@ -28,6 +28,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -165,11 +166,15 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.stderr.close()
 
 
-def _probe(target: str, key: str, spec: str, timeout_s: float) -> str | None:
-    where = f"{key}={spec!r}: importing {target!r}"
+def _probe(target: str, key: str, spec: str, timeout_s: float, argv: list[str] | None = None,
+           where: str | None = None) -> str | None:
+    """Run the import check (``argv``: another child program, :func:`check_in_child`'s) and say how it ended:
+    None when it finished, else the refusal naming the key."""
+    where = where or f"{key}={spec!r}: importing {target!r}"
     fix = "fix: keep module level to definitions (guard scripts with `if __name__ == \"__main__\":`)"
-    proc = subprocess.Popen([sys.executable, "-c", _PROBE, target, json.dumps(sys.path)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    argv = argv or [sys.executable, "-c", _PROBE, target, json.dumps(sys.path)]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
     try:
         _, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -188,6 +193,58 @@ def _probe(target: str, key: str, spec: str, timeout_s: float) -> str | None:
         how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
         return f"{where} crashed the interpreter ({how}); {fix}"
     return None
+
+
+# The child of check_in_child: runs an mrl check function (which imports the plugins it checks) and writes its
+# JSON result to a file; sys.exit / KeyboardInterrupt at a plugin's import end it as _PROBE's child does.
+_CALL = """
+import importlib, json, os, sys
+sys.path[:] = json.loads(sys.argv[3])
+def put(o):
+    with open(sys.argv[4], "w") as f:
+        json.dump(o, f)
+def stopped(e):
+    if isinstance(e, SystemExit):
+        sys.stderr.write("\\nMRL-PROBE sys.exit(%r)" % (e.code,)); sys.stderr.flush(); os._exit(90)
+    if isinstance(e, KeyboardInterrupt):
+        os._exit(91)
+try:
+    mod, _, fn = sys.argv[1].partition(":")
+    put({"ok": getattr(importlib.import_module(mod), fn)(*json.loads(sys.argv[2]))})
+except (SystemExit, KeyboardInterrupt) as e:
+    stopped(e)
+except ValueError as e:  # load_callable wraps what the import raised: an exit is still an exit
+    stopped(e.__cause__)
+    put({"error": str(e)})
+except BaseException as e:
+    put({"error": "%s: %s" % (type(e).__name__, e)})
+os._exit(0)
+"""
+
+
+def check_in_child(call: str, args: list, key: str, specs: list[str], timeout_s: float | None = None) -> Any:
+    """Run ``call`` (``mrl.module:function``, a check that imports the plugins ``specs`` name) on ``args`` in a child
+    process and return its JSON-able result; its ValueError, or a child that exits, hangs past the timeout or
+    crashes, is a ValueError naming ``key``. ``mrl plan``'s one import of a plugin: the check's child (a probe
+    child and then an in-process import would import a slow plugin twice)."""
+    targets = [t for t in dict.fromkeys(s.rpartition(":")[0] for s in specs) if t]
+    for t in targets:
+        if (verdict := _refused(t)) is not None:
+            raise ValueError(verdict)
+    where = f"{key}={specs[0] if len(specs) == 1 else specs!r}: importing {', '.join(repr(t) for t in targets)}"
+    with tempfile.TemporaryDirectory(prefix="mrl-plugin-check-") as d:
+        out = Path(d) / "result.json"
+        argv = [sys.executable, "-c", _CALL, call, json.dumps(args), json.dumps(sys.path), str(out)]
+        err = _probe(targets[0] if targets else call, key, specs[0] if specs else "", import_timeout_s()
+                     if timeout_s is None else timeout_s, argv=argv, where=where)
+        for t in targets:  # the verdict stands for this process (load_callable), as probe_import's
+            _probed[(t, _stamp(t))] = err
+        if err:
+            raise ValueError(err)
+        result = json.loads(out.read_text()) if out.is_file() else {"error": f"{where}: the check ended without a result"}
+    if "error" in result:
+        raise ValueError(result["error"])
+    return result["ok"]
 
 
 def load_callable(spec: str, key: str, registered: Mapping[str, Any] | None = None) -> Callable:

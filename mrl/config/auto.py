@@ -25,6 +25,8 @@ choice with its reason. A value other than ``auto`` is taken as given (``check_c
     P + n·(R − 1) <= 512              the longest shared row stays short: its masked attention grows
                                        with the row's square
     no MoE routing replay             the engine's expert ids are per sample and per token
+    no linear-attention layers        a Gated DeltaNet recurrence (Qwen3.5) cannot branch several samples off one
+                                       prompt inside a row (``true`` is refused for such a model)
 
     The shapes it was measured at, on and off: docs/performance.md, 'auto: transport and shared prefix'.
 
@@ -129,6 +131,9 @@ def resolve_shared_prefix(cfg: MRLConfig, device: str) -> AutoChoice:
     if cfg.actor.moe.routing_replay != "none":
         return AutoChoice(key, False, "auto: off, actor.moe.routing_replay replays each sample's own expert ids, "
                           "which the shared-prefix rows merge")
+    if model_is_hybrid(cfg):
+        return AutoChoice(key, False, "auto: off, the model's Gated DeltaNet layers run a recurrence over each whole "
+                          "sequence, which the shared-prefix rows' masked segments would break")
     if R > P:
         return AutoChoice(key, False, f"auto: off, answers longer than prompts ({shape}): little to share")
     if row > SHARED_ROW_MAX:
@@ -139,11 +144,12 @@ def resolve_shared_prefix(cfg: MRLConfig, device: str) -> AutoChoice:
 
 
 def choose_attention_backend(want: str, *, device: str, te_importable: bool, lora: bool,
-                             key: str = "actor.megatron.attention_backend", mla: bool = False) -> AutoChoice:
+                             key: str = "actor.megatron.attention_backend", mla: bool = False,
+                             hybrid: bool = False) -> AutoChoice:
     """``<role>.megatron.attention_backend`` on ``device`` (the rule: :mod:`mrl.megatron.backends`, which the ranks
     apply too); ``te_importable``: TE's PyTorch extension imports where the ranks run; ``mla``: the role's model has
-    multi-latent attention."""
-    value, why = choose_backend(want, device=device, te_importable=te_importable, lora=lora, mla=mla)
+    multi-latent attention; ``hybrid``: Gated DeltaNet layers."""
+    value, why = choose_backend(want, device=device, te_importable=te_importable, lora=lora, mla=mla, hybrid=hybrid)
     return AutoChoice(key, value, why)
 
 
@@ -161,6 +167,18 @@ def model_is_mla(cfg: MRLConfig) -> bool:
         return False  # load_shape reports it
     shape = shape or (bundled_hub_shape(cfg.model.path) if cfg.model.path else None)
     return shape is not None and shape.mla is not None
+
+
+def model_is_hybrid(cfg: MRLConfig) -> bool:
+    """model.path (or mrl's bundled copy of its config.json) has Gated DeltaNet linear-attention layers (Qwen3.5)."""
+    from mrl.config.hf import bundled_hub_shape, read_model_shape
+
+    try:
+        shape = read_model_shape(cfg.model.path) if cfg.model.path else None
+    except ValueError:
+        return False  # load_shape reports it
+    shape = shape or (bundled_hub_shape(cfg.model.path) if cfg.model.path else None)
+    return shape is not None and shape.linear_layers > 0
 
 
 def te_importable_here() -> bool:
@@ -185,9 +203,10 @@ def megatron_roles(cfg: MRLConfig) -> list[tuple[str, Any, bool]]:
 
 def resolve_attention_backends(cfg: MRLConfig, device: str) -> list[AutoChoice]:
     """Each Megatron role's attention backend (see the module docstring)."""
-    te, mla = te_importable_here(), model_is_mla(cfg)
+    te, mla, hybrid = te_importable_here(), model_is_mla(cfg), model_is_hybrid(cfg)
     return [choose_attention_backend(par.attention_backend, device=device, te_importable=te, lora=lora,
-                                     key=f"{role}.megatron.attention_backend", mla=mla and role in POLICY_ROLES)
+                                     key=f"{role}.megatron.attention_backend", mla=mla and role in POLICY_ROLES,
+                                     hybrid=hybrid and role in POLICY_ROLES)
             for role, par, lora in megatron_roles(cfg)]
 
 

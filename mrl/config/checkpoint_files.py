@@ -5,7 +5,8 @@ A model directory is opened just enough to know it will load: config.json parses
 architecture, the safetensors index parses and lists shards that exist, every shard's header parses and
 its tensors end inside the file (a truncated download fails here, not as ``SafetensorError: invalid
 header length`` in every rank), and the directory holds tokenizer files. ``mrl train`` adds the real
-tokenizer load (:func:`mrl.config.preflight.train_preflight`).
+tokenizer load (:func:`mrl.config.preflight.train_preflight`). The tensors' shapes are checked against
+config.json by :mod:`mrl.config.weights_fit`.
 
 Plan and train differ in one way: a path that does not exist, or a directory holding only config.json
 (a plan made before the download), is a note for ``mrl plan`` and an error for ``mrl train``.
@@ -17,6 +18,8 @@ import json
 import struct
 from pathlib import Path
 from typing import Any
+
+from mrl.config.weights_fit import experts_conflict, weights_fit_errors
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -31,6 +34,31 @@ def supported_architectures() -> dict[str, str]:
     from mrl.families import SUPPORTED_ARCHITECTURES
 
     return SUPPORTED_ARCHITECTURES
+
+
+def untrainable_vision_language(cfg: dict[str, Any]) -> bool:
+    """A vision-language checkpoint (``vision_config`` in config.json) none of whose architectures mrl trains:
+    its prompt files and the rollout engine work (docs/vision.md), the Megatron actor does not exist yet."""
+    archs = cfg.get("architectures") or []
+    supported = supported_architectures()
+    return "vision_config" in cfg and not (isinstance(archs, list) and any(a in supported for a in archs))
+
+
+VISION_REFUSAL = ("is a vision-language model: the Megatron actor for vision-language models is not implemented yet "
+                  "(their prompt files and the rollout engine are: docs/vision.md); fix: a text-only checkpoint")
+
+
+def vision_language_refusal(key: str, path: str | None) -> str | None:
+    """The one line refusing to train the vision-language checkpoint at ``path`` (None: not one). ``mrl plan`` /
+    ``mrl train`` print it after the plan and the prompt files' pictures, which are checked in full."""
+    try:
+        cfg = json.loads((Path(path or "") / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict) or not untrainable_vision_language(cfg):
+        return None
+    archs = cfg.get("architectures") or [cfg.get("model_type")]
+    return f"{key}={path!r} ({', '.join(map(str, archs))}) {VISION_REFUSAL}"
 
 
 def safetensors_header(file: Path) -> dict[str, Any]:
@@ -131,7 +159,10 @@ def model_dir_problems(key: str, path: str, *, strict: bool, architectures: str 
         supported = supported_architectures()
         # as provider.model_family: a config written in code has no architectures, only model_type
         by_type = not archs and cfg.get("model_type") in supported.values()
-        if not by_type and (not isinstance(archs, list) or not any(a in supported for a in archs)):
+        if untrainable_vision_language(cfg):
+            if key != "model.path":  # the policy's: vision_language_refusal, after the plan shows its data
+                errors.append(f"{key}={path!r} ({', '.join(map(str, archs)) or cfg.get('model_type')}) {VISION_REFUSAL}")
+        elif not by_type and (not isinstance(archs, list) or not any(a in supported for a in archs)):
             errors.append(f"{key}={path!r}: config.json names architectures {archs}, which mrl cannot train; "
                           f"fix: a checkpoint of one of {', '.join(sorted(supported))}")
         else:
@@ -155,14 +186,18 @@ def model_dir_problems(key: str, path: str, *, strict: bool, architectures: str 
                       "from bf16/fp32 weights and would read quantized tensors without their scales; fix: a bf16 copy "
                       "of the checkpoint (DeepSeek-V3/Kimi-K2: dequantise with the model's fp8_cast_bf16.py, then "
                       "remove quantization_config from config.json)")
+    conflict = experts_conflict(cfg)
+    if conflict:
+        errors.append(f"{key}={path!r}: {conf}: {conflict}")
     try:
         files = weight_files(p)
-        if files is not None:
-            for f in files:
-                safetensors_header(f)
+        headers = {f: safetensors_header(f) for f in files or ()}
     except (OSError, ValueError) as e:
         errors.append(f"{key}: {e}; fix: re-download or re-save the checkpoint at {path!r}")
-        files = []
+        files, headers = [], {}
+    if headers and not conflict:
+        # the shapes config.json gives each tensor against the headers' (the model build would fail in every rank)
+        errors += weights_fit_errors(f"{key}={path!r}", path, cfg, headers, lm_head=architectures == "causal_lm")
     if files is None:
         if (p / "pytorch_model.bin").is_file() or any(p.glob("pytorch_model-*.bin")):
             errors.append(f"{key}={path!r} holds only .bin weights, which mrl does not read (they would need "

@@ -25,7 +25,14 @@ class DataConfig(Section):
     val_files: list[str] = Field(default_factory=list, description="Validation prompt files (.parquet or .jsonl); empty disables validation.")
     prompt_key: str = Field("prompt", description="Column holding the prompt (string or chat messages).")
     ground_truth_key: str = Field("reward_model.ground_truth", description="Column (dotted for nested) holding the reference answer.")
-    max_prompt_length: int = Field(512, ge=1, description="TOKENS per prompt at most (left-padded).")
+    image_key: str = Field("images", description="Column holding each row's pictures (vision-language models; verl's "
+                           "name): a list of bytes, {'bytes': ...}, paths or file:// URLs, one per <image> in the "
+                           "prompt, in order (docs/vision.md).")
+    filter_bad_images: bool = Field(False, description="Drop rows whose pictures cannot be used (unreadable, missing "
+                                    "file, <image> count off, far over max_pixels) instead of failing; the count is "
+                                    "logged (docs/vision.md).")
+    max_prompt_length: int = Field(512, ge=1, description="TOKENS per prompt at most (left-padded; image tokens "
+                                   "included).")
     filter_overlong_prompts: bool = Field(True, description="Drop prompts longer than max_prompt_length instead of failing.")
     shuffle: bool = Field(True, description="Shuffle training prompts every epoch.")
     seed: int = Field(1, ge=0, lt=2**63, description="Seed of the prompt sampler (state is checkpointed).")

@@ -130,12 +130,14 @@ class DataCheck:
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     rows: dict[str, int] = field(default_factory=dict)  # "data.train_files" -> rows over its files
+    images: list[str] = field(default_factory=list)  # vision-language prompts: the pictures (config/data_images.py)
 
     def summary(self, cfg: MRLConfig | None = None) -> str:
         """The lines ``mrl plan`` prints under the plan: the rows, and with ``cfg`` the run length they give."""
         if not self.rows:
             return ""
         text = "  data rows: " + ", ".join(f"{k}={v}" for k, v in self.rows.items())
+        text += "".join(f"\n  pictures: {line}" for line in self.images)
         return text + (f"\n  run length: {run_length_text(cfg, self.rows.get('data.train_files'))}" if cfg else "")
 
 
@@ -194,6 +196,12 @@ def check_data_files(cfg: MRLConfig, *, require_present: bool) -> DataCheck:
         out.errors.append(
             f"{key}={batch} prompts per step exceeds the {rows} rows of data.train_files "
             f"({', '.join(cfg.data.train_files)}); fix: lower {key} to at most {rows} or add prompts")
+    if not out.errors:  # the pictures of readable files (vision-language prompts)
+        from mrl.config.data_images import scan_images
+
+        scan = scan_images(cfg)
+        out.errors += scan.errors
+        out.images = scan.lines + scan.notes
     return out
 
 

@@ -2,8 +2,8 @@
 
 Pure text work (standard library + PyYAML): no Ray, Megatron or verl import. Input is either a shell script
 (line continuations joined, ``NAME=value`` / ``export NAME=value`` assignments expanded where the script
-defines them: ``$NAME``, ``${NAME}``, ``${NAME:-default}``, ``$((integer arithmetic))``) or the Hydra
-overrides themselves. Each override goes through :data:`KEYS` (verl key -> mrl key, same value),
+defines them: ``$NAME``, ``${NAME}``, ``${NAME:-default}``, ``$((integer arithmetic))``, with bounded
+expansion: :mod:`mrl.config.verl_script`) or the Hydra overrides themselves. Each override goes through :data:`KEYS` (verl key -> mrl key, same value),
 :data:`CONVERTERS` (verl key -> a function of the value) or :data:`UNMAPPED` (known verl keys with the reason
 mrl has no equivalent); any other key is reported as unknown. Hydra's ``+``/``++`` prefixes are dropped.
 
@@ -13,10 +13,7 @@ the YAML it writes.
 """
 from __future__ import annotations
 
-import ast
-import operator
 import re
-import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +22,9 @@ import yaml
 
 from mrl.config.loader import parse_value
 from mrl.config.parallel import UNEVEN_KEYS
+from mrl.config.verl_script import expand, logical_lines, overrides_from_script
+
+__all__ = ["Translation", "expand", "logical_lines", "overrides_from_script", "translate", "translate_overrides"]
 
 AR = "actor_rollout_ref."
 A, R, REF = AR + "actor.", AR + "rollout.", AR + "ref."
@@ -34,7 +34,7 @@ KEYS: dict[str, str] = {
     # data
     **{f"data.{k}": f"data.{k}" for k in (
         "train_files", "val_files", "prompt_key", "max_prompt_length", "filter_overlong_prompts", "shuffle", "seed",
-        "train_batch_size", "val_batch_size", "gen_batch_size")},
+        "train_batch_size", "val_batch_size", "gen_batch_size", "image_key")},
     "data.max_response_length": "rollout.max_response_length",
     # model
     AR + "model.path": "model.path",
@@ -154,7 +154,6 @@ UNMAPPED: dict[str, str] = {
     AR + "hybrid_engine": "always the case with rollout.placement=colocated",
     "data.truncation": "mrl drops prompts over data.max_prompt_length (data.filter_overlong_prompts) or refuses them",
     "data.return_raw_chat": "mrl renders chat prompts with the model's template itself (nothing to set)",
-    "data.image_key": "multimodal data is not supported by mrl",
     "data.dataloader_num_workers": "the prompt data is loaded once, in the driver (nothing to set)",
     "data.trust_remote_code": "set model.trust_remote_code",
     R + "mode": "verl's sync/async rollout mode has no counterpart: mrl's driver sends HTTP requests to the engines",
@@ -484,152 +483,6 @@ def _finish(t: Translation) -> None:
         t.notes.append(f"cluster.nnodes={nnodes}: the engines listen on rollout.host=0.0.0.0 (reached by node IP with a "
                        "per-run token); colocated engines on several nodes need a weight sync other than tensor: "
                        "mrl plan names the options")
-
-
-# --- shell scripts -------------------------------------------------------------------------------------------
-
-_ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
-_ENTRY = re.compile(r"(?:^|\s)(?:-m\s+)?(verl\.trainer\.main_\w+|recipe\.[\w.]+|verl/trainer/main_\w+\.py)(?=\s|$)")
-
-
-def logical_lines(text: str) -> list[str]:
-    """Lines with backslash-newline continuations joined and full-line comments dropped."""
-    out, cur = [], ""
-    for line in text.splitlines():
-        if not cur and line.lstrip().startswith("#"):
-            continue
-        if line.rstrip().endswith("\\"):
-            cur += line.rstrip()[:-1] + " "
-            continue
-        out.append(cur + line)
-        cur = ""
-    if cur:
-        out.append(cur)
-    return out
-
-
-def expand(text: str, env: dict[str, str], undefined: set[str]) -> str:
-    """Shell expansion of $NAME, ${NAME}, ${NAME:-default} and $((arithmetic)) outside single quotes; names the
-    script does not define are left as written (and collected in ``undefined``)."""
-    out, i, quote = [], 0, ""
-    while i < len(text):
-        c = text[i]
-        if c == "'" and quote != '"':
-            quote = "" if quote == "'" else "'"
-        elif c == '"' and quote != "'":
-            quote = "" if quote == '"' else '"'
-        if c != "$" or quote == "'":
-            out.append(c)
-            i += 1
-            continue
-        if text.startswith("$((", i):
-            end = _closing(text, i + 1, "(", ")")
-            inner = expand(text[i + 3:end - 1], env, undefined)
-            bare = re.sub(r"[A-Za-z_][A-Za-z0-9_]*", lambda m: env.get(m.group(0), m.group(0)), inner)  # $(( a + b ))
-            out.append(_arith(bare, text[i:end + 1]))
-            i = end + 1
-            continue
-        if text.startswith("${", i):
-            end = _closing(text, i + 1, "{", "}")
-            body = text[i + 2:end]
-            name, _, default = body.partition(":-")
-            if name in env:
-                out.append(env[name])
-            elif ":-" in body:
-                out.append(expand(default.strip('"'), env, undefined))
-            else:
-                undefined.add(name)
-                out.append(text[i:end + 1])
-            i = end + 1
-            continue
-        m = re.match(r"\$([A-Za-z_][A-Za-z0-9_]*)", text[i:])
-        if m is None:
-            # "$@" / "$*" (the script's own arguments) expand to nothing here; a lone "$" stays
-            special = text[i:i + 2] in ("$@", "$*")
-            out.append("" if special else c)
-            i += 2 if special else 1
-            continue
-        if m.group(1) in env:
-            out.append(env[m.group(1)])
-        else:
-            undefined.add(m.group(1))
-            out.append(m.group(0))
-        i += len(m.group(0))
-    return "".join(out)
-
-
-def _closing(text: str, start: int, open_: str, close: str) -> int:
-    depth = 0
-    for j in range(start, len(text)):
-        depth += text[j] == open_
-        depth -= text[j] == close
-        if depth == 0:
-            return j
-    return len(text) - 1
-
-
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.floordiv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
-
-
-def _arith(expr: str, original: str) -> str:
-    """Integer arithmetic of $((...)) (+ - * / %), else the text unchanged."""
-    def ev(n: ast.AST) -> int:
-        if isinstance(n, ast.Constant) and isinstance(n.value, int):
-            return n.value
-        if isinstance(n, ast.BinOp) and type(n.op) in _OPS:
-            return _OPS[type(n.op)](ev(n.left), ev(n.right))
-        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
-            return -ev(n.operand)
-        raise ValueError(expr)
-
-    try:
-        return str(ev(ast.parse(expr.strip(), mode="eval").body))
-    except (ValueError, SyntaxError, ZeroDivisionError):
-        return original
-
-
-_ARRAY_START = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=\((.*)$")
-_ARRAY_USE = re.compile(r"\"?\$\{([A-Za-z_][A-Za-z0-9_]*)\[[@*]\]\}\"?")
-
-
-def _words(value: str) -> list[str]:
-    try:
-        return shlex.split(value, comments=True)
-    except ValueError:  # unbalanced quotes: keep the text
-        return [value]
-
-
-def overrides_from_script(text: str) -> tuple[list[str], list[str]]:
-    """(the Hydra overrides of the script's verl launch line, notes): variables and arrays (``NAME=( ... )``,
-    used as ``"${NAME[@]}"``) assigned before it expanded."""
-    env: dict[str, str] = {}
-    arrays: dict[str, list[str]] = {}
-    undefined: set[str] = set()
-    lines = logical_lines(text)
-    i = 0
-    while i < len(lines):
-        stripped = lines[i].strip()
-        i += 1
-        entry = _ENTRY.search(stripped)
-        if entry:
-            rest = _ARRAY_USE.sub(lambda m: shlex.join(arrays.get(m.group(1), [])), stripped[entry.end():])
-            args = _words(expand(rest, env, undefined))
-            notes = [f"${name} is not defined in the script; the value keeps it as written" for name in sorted(undefined)]
-            return [a for a in args if "=" in a and not a.startswith("-")], notes
-        arr = _ARRAY_START.match(stripped)
-        if arr:
-            body = [arr.group(2)]
-            while ")" not in body[-1].split("#")[0] and i < len(lines):
-                body.append(lines[i].strip())
-                i += 1
-            joined = "\n".join(b.split(" #")[0] for b in body if not b.startswith("#")).rsplit(")", 1)[0]
-            arrays[arr.group(1)] = [w for line in joined.splitlines() for w in _words(expand(line, env, undefined))]
-            continue
-        m = _ASSIGN.match(stripped)
-        if m:
-            env[m.group(1)] = " ".join(_words(expand(m.group(2), env, undefined)))
-    raise ValueError("no verl launch line found (python3 -m verl.trainer.main_ppo ... or a recipe's main module)")
 
 
 def translate(args: list[str], read_file: Callable[[str], str] | None = None) -> Translation:

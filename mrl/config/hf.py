@@ -10,6 +10,14 @@ heads n_h, KV heads n_kv, head dim d, MLP width I, vocab V (gated MLP, RMSNorm):
     total      = V*h (embedding) + L*per_layer + h (final norm) + V*h (lm head, unless tied)
 
 Multi-latent attention (DeepSeek-V3) replaces q, k, v by its latent projections (:meth:`ModelShape._attention_params`).
+A hybrid decoder (Qwen3.5) has Gated DeltaNet layers (n_k key heads of d_k, n_v value heads of d_v, conv kernel K)::
+
+    linear layer mixer = h*(2*n_k*d_k + 2*n_v*d_v + 2*n_v)   (in_proj: q, k, v, z, b, a)
+                       + (2*n_k*d_k + n_v*d_v)*K + 2*n_v + d_v + n_v*d_v*h   (conv1d, A_log, dt_bias, gated norm, out_proj)
+
+and gated full-attention layers whose q_proj is twice as wide (``[q_h | g_h]`` per head). A vision-language
+checkpoint is read through its decoder's view (:func:`mrl.families.views.decoder_dict`); the vision tower it carries
+is not counted (never trained, not on the trainer).
 An MoE model whose config makes some layers dense (Qwen's ``decoder_sparse_step`` / ``mlp_only_layers``,
 DeepSeek's ``first_k_dense_replace``)
 counts those with the dense 3*h*I MLP in :meth:`ModelShape.param_count`; the plan's per-device estimate
@@ -57,6 +65,10 @@ class ModelShape:
     # multi-latent attention (DeepSeek-V3): (q_lora_rank or 0, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
     # v_head_dim); None: GQA attention of num_heads/num_kv_heads x head_dim
     mla: tuple[int, int, int, int, int] | None = None
+    # hybrid attention (Qwen3.5): how many layers are Gated DeltaNet layers, and their (n_k, n_v, d_k, d_v, K)
+    linear_layers: int = 0
+    gdn: tuple[int, int, int, int, int] | None = None
+    attention_output_gate: bool = False
 
     @property
     def expert_ffn_size(self) -> int:
@@ -70,7 +82,7 @@ class ModelShape:
             q_lora, kv_lora, nope, rope, v = self.mla
             q = h * q_lora + q_lora + q_lora * nh * (nope + rope) if q_lora else h * nh * (nope + rope)
             return q + h * (kv_lora + rope) + kv_lora + kv_lora * nh * (nope + v) + nh * v * h
-        attn = h * nh * d + 2 * h * self.num_kv_heads * d + nh * d * h
+        attn = h * nh * d * (2 if self.attention_output_gate else 1) + 2 * h * self.num_kv_heads * d + nh * d * h
         if self.qkv_bias:
             attn += nh * d + 2 * self.num_kv_heads * d
         return attn
@@ -80,10 +92,21 @@ class ModelShape:
         h = self.hidden_size
         return 3 * h * self.shared_expert_size + (h if self.shared_expert_size and self.shared_expert_gate else 0)
 
+    def _gdn_params(self) -> int:
+        nk, nv, dk, dv, k = self.gdn or (0, 0, 0, 0, 0)
+        h, conv = self.hidden_size, 2 * nk * dk + nv * dv
+        return h * (conv + nv * dv + 2 * nv) + conv * k + 2 * nv + dv + nv * dv * h
+
+    def _mixer_params(self) -> int:
+        """Token-mixer params of one layer: attention, or in a hybrid model the larger of its two mixers (the
+        per-device estimate counts every layer alike: an upper bound)."""
+        attn = self._attention_params()
+        return max(attn, self._gdn_params()) if self.linear_layers else attn
+
     def layer_params(self) -> tuple[int, int]:
         """(dense params, expert params) of one decoder layer; expert params are 0 for dense models."""
         h, d = self.hidden_size, self.head_dim
-        attn = self._attention_params()
+        attn = self._mixer_params()
         norms = 2 * h + (2 * d if self.qk_norm else 0)
         if self.num_experts:
             experts = self.num_experts * 3 * h * self.expert_ffn_size
@@ -103,6 +126,10 @@ class ModelShape:
             h = self.hidden_size
             dense_mlp = dense - h * self.num_experts - self._shared_params() + 3 * h * self.intermediate_size
             layers = self.moe_layers * (dense + experts) + (self.num_layers - self.moe_layers) * dense_mlp
+        if self.linear_layers:  # exact: each layer with its own mixer (the q/k norms only on attention layers)
+            layers -= self.num_layers * self._mixer_params()
+            layers += (self.num_layers - self.linear_layers) * self._attention_params()
+            layers += self.linear_layers * (self._gdn_params() - (2 * self.head_dim if self.qk_norm else 0))
         return v * self.hidden_size + layers + self.hidden_size + head
 
 
@@ -114,7 +141,11 @@ def _get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
 
 
 def shape_from_dict(cfg: dict[str, Any]) -> ModelShape:
-    """Build a ModelShape from a parsed config.json; KeyError names a missing required key."""
+    """Build a ModelShape from a parsed config.json (a vision-language checkpoint's decoder view); KeyError names a
+    missing required key."""
+    from mrl.families.views import decoder_dict
+
+    cfg = decoder_dict(cfg)
     model_type = str(cfg.get("model_type", "unknown"))
     fam = family_of_dict(cfg)
     hidden = int(cfg["hidden_size"])
@@ -140,7 +171,19 @@ def shape_from_dict(cfg: dict[str, Any]) -> ModelShape:
         moe_layers=_moe_layers(cfg),
         shared_expert_gate=fam.moe.shared_expert_gate if fam is not None and fam.moe is not None else True,
         mla=_mla(cfg) if fam is not None and fam.is_mla else None,
+        **_hybrid(cfg, fam),
     )
+
+
+def _hybrid(cfg: dict[str, Any], fam: Any) -> dict[str, Any]:
+    """The hybrid-attention fields of ModelShape (none for a family without linear attention)."""
+    if fam is None or fam.linear_attention is None:
+        return {}
+    ns = SimpleNamespace(**cfg)
+    gdn = (int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"]), int(cfg["linear_key_head_dim"]),
+           int(cfg["linear_value_head_dim"]), int(cfg.get("linear_conv_kernel_dim") or 4))
+    return {"linear_layers": sum(fam.linear_attention.pattern(ns)), "gdn": gdn,
+            "attention_output_gate": fam.attention_output_gate}
 
 
 def family_of_dict(cfg: dict[str, Any]) -> Any:

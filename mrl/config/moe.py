@@ -23,9 +23,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from mrl.config.base import Section
+
+# Above 1 the load-balancing term outweighs the policy loss (see MoEConfig._bounded_aux_loss).
+AUX_LOSS_COEF_MAX = 1.0
 
 
 class MoEConfig(Section):
@@ -46,6 +49,17 @@ class MoEConfig(Section):
         return self.routing_replay == "rollout"
 
     aux_loss_coef: float | None = Field(
-        None, ge=0, description="Load-balancing (Switch) loss weight added to the actor loss; null = the model's "
-        "config.json router_aux_loss_coef. Reported as moe/aux_loss.",
+        None, ge=0, description="Load-balancing (Switch) loss weight added to the actor loss, at most "
+        f"{AUX_LOSS_COEF_MAX:g}; null = the model's config.json router_aux_loss_coef. Reported as moe/aux_loss.",
     )
+
+    @field_validator("aux_loss_coef")
+    @classmethod
+    def _bounded_aux_loss(cls, v: float | None) -> float | None:
+        if v is not None and v > AUX_LOSS_COEF_MAX:
+            raise ValueError(
+                f"{v:g} is beyond {AUX_LOSS_COEF_MAX:g}: the Switch load-balancing loss of an MoE layer, "
+                "E * sum_i f_i * P_i, is 1 at perfect balance and more when unbalanced, so a weight above 1 outweighs the policy loss (order 1) and "
+                "a huge one overflows the float32 loss to inf (NaN gradients at step 1); fix: a weight such as 0.001-0.01 "
+                "(the models' own router_aux_loss_coef), or null")
+        return v

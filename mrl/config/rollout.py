@@ -73,7 +73,8 @@ class RolloutConfig(Section):
     num_engines: int | None = Field(
         None, ge=1, description="Engine servers in the pool; null = actor devices / engine_tp_size when colocated."
     )
-    engine_tp_size: int = Field(1, ge=1, description="Devices (tensor-parallel ranks) per engine server; more than "
+    engine_tp_size: int = Field(1, ge=1, description="Devices (tensor-parallel ranks) per engine server (SGLang; the "
+                                "built-in torch engine: 1); more than "
                                 "cluster.n_gpus_per_node only for SGLang engines with placement=separate, a multiple of "
                                 "it (the engine then spans that many whole nodes, docs/driver.md).")
     mem_fraction_static: float = Field(

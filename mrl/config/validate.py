@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -19,10 +20,16 @@ from mrl.config.parallel import ParallelConfig
 from mrl.config.preflight import check_checkpoints
 from mrl.config.root import MRLConfig
 from mrl.config.run_plan import on_policy_blockers
+from mrl.config.validate_agent import check_tool_prompt_room
 from mrl.config.validate_async import check_async
 from mrl.config.validate_attention import check_attention
-from mrl.config.validate_engines import check_engine_span
+from mrl.config.validate_engines import (
+    check_engine_span,
+    explain_actor_devices,
+    separate_breakdown,
+)
 from mrl.config.validate_extensions import check_extension_points
+from mrl.config.validate_hybrid import check_hybrid
 from mrl.config.validate_judge import check_judge
 from mrl.config.validate_moe import check_moe, family_plan_notes, family_refusals
 from mrl.config.validate_parallel import (
@@ -115,7 +122,7 @@ def _check_placement(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelS
     actor_n = roles["actor"].count
     if actor_n <= 0:
         errors.append(
-            f"separate roles take {sum(sep.values())} devices ({', '.join(f'{k}={v}' for k, v in sep.items())}) of the "
+            f"separate roles take {sum(sep.values())} devices ({separate_breakdown(cfg)}) of the "
             f"{world} available (cluster.nnodes*cluster.n_gpus_per_node), leaving none for the actor; "
             "fix: add devices or use placement=colocated"
         )
@@ -422,6 +429,15 @@ def _check_host_capacity(cfg: MRLConfig, errors: list[str]) -> None:
     # CPU ranks beyond the core count share cores (slow, correct): the driver gives Ray enough CPUs.
 
 
+def _vision_language(path: str) -> bool:
+    from mrl.config.checkpoint_files import untrainable_vision_language
+
+    try:
+        return untrainable_vision_language(json.loads((Path(path) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return False
+
+
 def load_shape(cfg: MRLConfig, errors: list[str], notes: list[str]) -> ModelShape | None:
     """Model shape from model.path/config.json, or None with a note (absent) or an error (unreadable)."""
     if not cfg.model.path:
@@ -430,7 +446,8 @@ def load_shape(cfg: MRLConfig, errors: list[str], notes: list[str]) -> ModelShap
     try:
         shape = read_model_shape(cfg.model.path)
     except ValueError as e:
-        errors.append(f"model.path: {e}")
+        if not _vision_language(cfg.model.path):  # its one error is checkpoint_files' VISION_REFUSAL
+            errors.append(f"model.path: {e}")
         return None
     if shape is None:
         from mrl.config.hf import bundled_hub_shape
@@ -515,17 +532,22 @@ def _check_agent(cfg: MRLConfig, errors: list[str]) -> None:
     driver's tool workers inherit); the rollout modes the agent loop does not drive are refused (docs/agent.md)."""
     a = cfg.agent
     if not a.enable:
+        stray = sorted(a.model_fields_set - {"enable"})  # as actor.lora / teacher.*: no setting silently ignored
+        if stray:
+            errors.append(f"agent.{stray[0]} is set but agent.enable=false (only agent rollouts read agent.*); fix: "
+                          "agent.enable=true, or remove " + ", ".join(f"agent.{k}" for k in stray))
         return
-    from mrl.agent.tools import load_tools
-    from mrl.plugins import is_spec, probe_import
+    from mrl.plugin_checks import tool_schemas
+    from mrl.plugins import check_in_child, is_spec
 
-    try:
-        for i, spec in enumerate(a.tools):
-            if is_spec(spec):
-                probe_import(spec, f"agent.tools[{i}]")
-        load_tools(a.tools)
+    plugins = [spec for spec in a.tools if is_spec(spec)]
+    try:  # the tools' schemas, built where their plugins are imported: the check's child (one import of each)
+        schemas = (check_in_child("mrl.plugin_checks:tool_schemas", [a.tools], "agent.tools", plugins)
+                   if plugins else tool_schemas(a.tools))
     except ValueError as e:
         errors.append(str(e))
+    else:
+        check_tool_prompt_room(cfg, schemas, errors)
     _check_agent_sandbox(cfg, errors)
     from mrl.agent.worker import memory_limit_problem
 
@@ -565,6 +587,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
         _check_critic_shares_the_actor(cfg, errors)
     _check_lora(cfg, shape, errors)
     check_attention(cfg, _on_cuda(cfg), errors)
+    check_hybrid(cfg, _on_cuda(cfg), errors, notes)
     _check_algorithm(cfg, errors, notes)
     _check_rollout(cfg, shape, errors)
     _check_inprocess_engines(cfg, errors)
@@ -584,4 +607,5 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
         notes.append(f"cluster.device=cpu with model.dtype={cfg.model.dtype}: fast only on CPUs with AMX or "
                      "AVX512-BF16 (bfloat16) and slow elsewhere; trainer and engine log-probs then agree at that "
                      "precision, not to 1e-6 as in float32")
+    explain_actor_devices(cfg, roles, errors)  # name the keys (rollout.engine_tp_size) that shrank the actor
     return errors, notes

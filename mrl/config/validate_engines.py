@@ -1,4 +1,5 @@
-"""Plan-time rules of an engine wider than one node (``rollout.engine_tp_size > cluster.n_gpus_per_node``):
+"""Plan-time rules of an engine's width: the built-in torch engine is one device (``engine_tp_size=1``), and an
+engine wider than one node (``rollout.engine_tp_size > cluster.n_gpus_per_node``):
 SGLang's own multi-node tensor parallelism (``--nnodes``/``--node-rank``/``--dist-init-addr``, launched by
 driver/engines.py; docs/driver.md, 'Engines over several nodes'). Each error names the key and the fix.
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mrl.config.layout import RoleLayout
+from mrl.config.layout import RoleLayout, separate_devices
 from mrl.net import is_loopback
 
 if TYPE_CHECKING:
@@ -21,9 +22,46 @@ if TYPE_CHECKING:
 _WILDCARD_HOSTS = ("0.0.0.0", "::")
 
 
+def separate_breakdown(cfg: MRLConfig) -> str:
+    """What each separate role takes, by the keys that set it (``rollout.num_engines=2 x rollout.engine_tp_size=64 =
+    128``): the words of every message about devices the separate roles leave to the actor."""
+    parts = []
+    for role, n in separate_devices(cfg).items():
+        if role == "rollout":
+            parts.append(f"rollout.num_engines={cfg.rollout.num_engines} x rollout.engine_tp_size="
+                         f"{cfg.rollout.engine_tp_size} = {n}")
+        else:
+            parts.append(f"{role}.num_devices={n}")
+    return ", ".join(parts)
+
+
+def explain_actor_devices(cfg: MRLConfig, roles: dict[str, RoleLayout], errors: list[str]) -> None:
+    """When a layout error is about the actor's devices (``... the 32 devices of the actor``, or of a role sharing
+    them) and separate roles took the rest: say which keys took them, so that a too-wide engine
+    (``rollout.engine_tp_size``) is named where the actor's grid no longer fits."""
+    sep, n = separate_devices(cfg), roles["actor"].count
+    if not sum(sep.values()) or not any(f"the {n} devices of the " in e for e in errors):
+        return
+    errors.append(f"the actor's {n} devices are what the separate roles leave of the {cfg.cluster.world_size} "
+                  f"(cluster.nnodes x cluster.n_gpus_per_node): {separate_breakdown(cfg)}; fix: fewer or narrower "
+                  "separate roles (e.g. a smaller rollout.engine_tp_size or rollout.num_engines), or more nodes")
+
+
 def check_engine_span(cfg: MRLConfig, roles: dict[str, RoleLayout], errors: list[str], notes: list[str]) -> None:
     r, c = cfg.rollout, cfg.cluster
     tp, per_node = r.engine_tp_size, c.n_gpus_per_node
+    if tp > c.world_size:
+        errors.append(f"rollout.engine_tp_size={tp} exceeds the cluster's {c.world_size} devices (cluster.nnodes="
+                      f"{c.nnodes} x cluster.n_gpus_per_node={per_node}): one engine cannot be wider than the cluster; "
+                      f"fix: rollout.engine_tp_size<={per_node} (one node), or a multiple of it up to {c.world_size}")
+        return
+    if r.engine == "torch" and 1 < tp and (c.device == "cpu" or tp <= per_node):  # wider: the node rule below
+        # the built-in engine has no tensor parallelism: one process on the first of the engine's devices, while the
+        # weight sync waits for tp ranks that never join (issue 53: a 600 s hang, then WorkerGroupError)
+        errors.append(f"rollout.engine_tp_size={tp} with rollout.engine=torch: the built-in engine runs each engine "
+                      "on one device (no tensor parallelism); fix: rollout.engine_tp_size=1 (more engines: "
+                      "rollout.num_engines), or rollout.engine=sglang (CUDA) for tensor-parallel engines")
+        return
     if c.device == "cpu" or tp <= per_node:
         return  # on CPU a "device" is a gloo rank; the built-in engine's tp is no node question
     what = f"rollout.engine_tp_size={tp} exceeds cluster.n_gpus_per_node={per_node}"

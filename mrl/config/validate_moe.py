@@ -19,6 +19,7 @@ from mrl.config.layout import RoleLayout
 from mrl.config.moe import MoEConfig
 from mrl.config.root import MRLConfig
 from mrl.families import FAMILIES
+from mrl.families.views import decoder_dict
 
 
 def check_moe(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelShape | None, errors: list[str],
@@ -129,7 +130,8 @@ def _family_config(model_path: str | None) -> tuple[Any, dict[str, Any], str] | 
     except (OSError, ValueError):
         return None
     fam = family_of_dict(raw) if isinstance(raw, dict) else None
-    return None if fam is None else (fam, raw, str(f))
+    # a vision-language checkpoint's decoder fields are in text_config (mrl/families/views.py)
+    return None if fam is None else (fam, decoder_dict(raw), str(f))
 
 
 def family_plan_notes(model_path: str | None, notes: list[str]) -> None:

@@ -1,7 +1,7 @@
 """Model families: one module per family declares everything mrl needs to train and serve it.
 
 Each module (``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``qwen3_moe``, ``qwen2_moe``, ``mixtral``,
-``deepseek_v3``, ``glm4_moe``, ``gpt_oss``)
+``deepseek_v3``, ``glm4_moe``, ``gpt_oss``, the hybrid-attention ``qwen3_5`` and ``qwen3_5_moe``)
 defines ``FAMILY``, a :class:`~mrl.families.base.Family`: the HF architectures it owns, its
 config.json → Megatron facts (qkv bias, q/k norm, sliding window, MoE router and experts), its layer-spec
 needs, its HF ↔ Megatron weight rules and what it refuses. This registry builds the lookups the rest of
@@ -22,7 +22,7 @@ from mrl.families.base import Family, MoE
 from mrl.families.refused import REFUSED_ARCHITECTURES
 
 _MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
-            "glm4_moe", "gpt_oss")
+            "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe")
 
 FAMILIES: dict[str, Family] = {}
 for _mod in _MODULES:
@@ -42,8 +42,10 @@ def family_of(hf_config: Any) -> Family:
             return FAMILIES[SUPPORTED_ARCHITECTURES[arch]]
         if arch in REFUSED_ARCHITECTURES:
             raise ValueError(f"config.json architectures {archs}: not supported yet: {REFUSED_ARCHITECTURES[arch]}")
-    if not archs and getattr(hf_config, "model_type", None) in FAMILIES:
-        return FAMILIES[hf_config.model_type]
+    # a decoder's config built in code (Qwen3.5's text config is model_type "qwen3_5_text")
+    model_type = str(getattr(hf_config, "model_type", None)).removesuffix("_text")
+    if not archs and model_type in FAMILIES:
+        return FAMILIES[model_type]
     raise ValueError(
         f"unsupported model architectures {archs} in config.json; mrl supports "
         f"{sorted(SUPPORTED_ARCHITECTURES)}. Convert the checkpoint to one of these, or add a "

@@ -22,7 +22,17 @@ A family module (``mrl/families/<name>.py``) defines one ``FAMILY = Family(...)`
   ``sliding_window`` set to transformers' forward (:mod:`mrl.rollout.engine.decode`); ``attention_sinks`` too;
 * ``refuse``: its own refusals, run after the common decoder checks of the provider;
 * ``config_kwargs``: any further ``TransformerConfig`` keywords of the family (gpt-oss: biases on every linear,
-  attention sinks, per-layer windows, the clamped SwiGLU), applied after the ones above.
+  attention sinks, per-layer windows, the clamped SwiGLU), applied after the ones above;
+* ``linear_attention``: a hybrid decoder's Gated DeltaNet layers (a :class:`LinearAttention`: which layers, their
+  widths; Qwen3.5, Qwen3-Next), built as :class:`mrl.megatron.gated_delta_net.GatedDeltaNet` in place of attention;
+* ``attention_output_gate``: the full-attention layers gate their output per head, ``o · sigmoid(g)`` with ``g``
+  a second half of ``q_proj`` (Megatron ``attention_output_gate``);
+* ``zero_centered_norm``: every RMSNorm of the decoder stores ``γ − 1`` (``x̂ · (1 + w)``; Megatron's
+  ``layernorm_zero_centered_gamma``, built by mrl as :class:`mrl.megatron.gated_delta_net.ZeroCenteredRMSNorm`);
+* ``wrapped``: the HF prefixes a vision-language checkpoint of the family keeps beside the decoder and mrl carries
+  untouched (the vision tower ``model.visual.``; multi-token-prediction ``mtp.``); its decoder is read through
+  :func:`mrl.families.views.decoder_config`. An architecture in ``architectures`` whose config has no
+  ``text_config`` (``Qwen3_5ForCausalLM``) is the plain decoder.
 """
 from __future__ import annotations
 
@@ -31,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mrl.families.rules import QK_NORM, QKV_BIAS, Rule
+from mrl.families.views import decoder_prefix
 
 
 def _zero(_hf_config: Any) -> int:
@@ -239,6 +250,59 @@ class MoE:
         return kw
 
 
+def layer_types_pattern(hf_config: Any) -> list[int]:
+    """1 per linear-attention layer, 0 per full-attention layer, from config.json ``layer_types``
+    (``"linear_attention"`` / ``"full_attention"``) or, without it, ``full_attention_interval`` (every k-th layer
+    full: transformers' default for Qwen3-Next / Qwen3.5 configs)."""
+    n = int(hf_config.num_hidden_layers)
+    types = getattr(hf_config, "layer_types", None)
+    if types:
+        unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+        if unknown or len(types) != n:
+            raise ValueError(f"config.json layer_types={list(types)}: expected num_hidden_layers={n} entries of "
+                             "'linear_attention' / 'full_attention'")
+        return [int(t == "linear_attention") for t in types]
+    k = int(getattr(hf_config, "full_attention_interval", 0) or 0)
+    if k < 1:
+        raise ValueError("config.json of a hybrid-attention model has neither layer_types nor full_attention_interval")
+    return [int((i + 1) % k != 0) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """Gated DeltaNet layers of a hybrid decoder (the math: :mod:`mrl.megatron.gated_delta_net`): ``layers`` gives
+    1 per linear-attention layer; their widths are config.json's ``linear_num_key_heads`` / ``linear_num_value_heads``
+    (heads) and ``linear_key_head_dim`` / ``linear_value_head_dim``, the conv kernel ``linear_conv_kernel_dim``."""
+
+    layers: Callable[[Any], list[int]] = layer_types_pattern
+
+    def pattern(self, hf_config: Any) -> list[int]:
+        pattern = self.layers(hf_config)
+        if len(pattern) != int(hf_config.num_hidden_layers) or set(pattern) - {0, 1}:
+            raise ValueError(f"linear-attention layer pattern {pattern}: expected one 0/1 per decoder layer")
+        return pattern
+
+    def check(self, hf_config: Any) -> None:
+        self.pattern(hf_config)
+        nk, nv = int(hf_config.linear_num_key_heads), int(hf_config.linear_num_value_heads)
+        if nv % nk:
+            raise ValueError(f"config.json linear_num_value_heads={nv} is not a multiple of linear_num_key_heads={nk}")
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"config.json hidden_act={act!r}: the Gated DeltaNet conv runs silu only")
+
+    def transformer_kwargs(self, hf_config: Any) -> dict[str, Any]:
+        """Megatron's ``linear_*`` fields (read by :class:`mrl.megatron.gated_delta_net.GatedDeltaNet`);
+        ``linear_attention_freq`` as the 1/0 list marks the layers non-homogeneous for Megatron's distributed
+        checkpoint (each layer's tensors under its own key; ``experimental_attention_variant`` stays unset: mrl
+        builds the layers, not Megatron's spec)."""
+        return {"linear_attention_freq": self.pattern(hf_config),"linear_num_key_heads": int(hf_config.linear_num_key_heads),
+                "linear_num_value_heads": int(hf_config.linear_num_value_heads),
+                "linear_key_head_dim": int(hf_config.linear_key_head_dim),
+                "linear_value_head_dim": int(hf_config.linear_value_head_dim),
+                "linear_conv_kernel_dim": int(hf_config.linear_conv_kernel_dim)}
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family (see the module docstring for what each field declares)."""
@@ -261,6 +325,12 @@ class Family:
     mla: Callable[[Any], dict[str, Any]] | None = None
     # lines ``mrl plan`` prints for this checkpoint (what the family does that a user should know)
     plan_notes: Callable[[Any], list[str]] = _no_notes
+    # hybrid decoders (Qwen3.5, Qwen3-Next): the Gated DeltaNet layers; None = attention in every layer
+    linear_attention: LinearAttention | None = None
+    attention_output_gate: bool = False
+    zero_centered_norm: bool = False
+    # HF prefixes of a vision-language checkpoint that are not the decoder, carried untouched on export
+    wrapped: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -278,21 +348,35 @@ class Family:
         """This checkpoint's attention has per-head q/k RMSNorms (the family's, switched by ``qk_norm_key``)."""
         return self.qk_norm and (self.qk_norm_key is None or bool(getattr(hf_config, self.qk_norm_key, False)))
 
+    @property
+    def is_hybrid(self) -> bool:
+        return self.linear_attention is not None
+
     def weight_rules_for(self, hf_config: Any) -> tuple[Rule, ...]:
         """The weight rules of this checkpoint: those whose ``Rule.when`` config.json does not meet and those of a
-        qkv bias / q/k norm it switches off are dropped (the layer has no such parameter)."""
+        qkv bias / q/k norm it switches off are dropped (the layer has no such parameter); a vision-language
+        checkpoint's view (:func:`mrl.families.views.decoder_config`) names the decoder's tensors under its prefix."""
         off: set[Rule] = set()
         if not self.has_qkv_bias(hf_config):
             off.update(QKV_BIAS)
         if not self.has_qk_norm(hf_config):
             off.update(QK_NORM)
-        return tuple(r for r in self.weight_rules if r not in off and r.applies(hf_config))
+        rules = tuple(r for r in self.weight_rules if r not in off and r.applies(hf_config))
+        prefix = decoder_prefix(hf_config)
+        return tuple(r.with_hf_prefix(prefix) for r in rules) if prefix else rules
+
+    def linear_layers(self, hf_config: Any) -> list[int]:
+        """1/0 per decoder layer: a Gated DeltaNet layer or an attention layer (all 0 without linear attention)."""
+        n = int(hf_config.num_hidden_layers)
+        return self.linear_attention.pattern(hf_config) if self.linear_attention else [0] * n
 
     def check(self, hf_config: Any) -> None:
         """The family's own refusals (the MoE checks included); the provider runs the common ones first."""
         self.refuse(hf_config)
         if self.moe is not None:
             self.moe.check(hf_config)
+        if self.linear_attention is not None:
+            self.linear_attention.check(hf_config)
 
     def transformer_kwargs(self, hf_config: Any, *, ep: int = 1, etp: int = 1) -> dict[str, Any]:
         """The family's ``TransformerConfig`` keywords (the provider adds the common decoder ones)."""
@@ -305,16 +389,23 @@ class Family:
             kw.update(self.mla(hf_config))
         if self.moe is not None:
             kw.update(self.moe.transformer_kwargs(hf_config, ep=ep, etp=etp))
+        if self.attention_output_gate:
+            kw["attention_output_gate"] = True
+        if self.linear_attention is not None:
+            kw.update(self.linear_attention.transformer_kwargs(hf_config))
         kw.update(self.config_kwargs(hf_config))
         return kw
 
     def layer_spec_kwargs(self, hf_config: Any) -> dict[str, Any]:
         """What Megatron's layer-spec builders need: ``qk_layernorm``, ``num_experts`` (None = dense),
-        ``moe_layers`` (1/0 per global layer when an MoE model mixes in dense layers, else None) and
-        ``multi_latent_attention``."""
+        ``moe_layers`` (1/0 per global layer when an MoE model mixes in dense layers, else None),
+        ``multi_latent_attention``, ``linear_layers`` (1/0 per global layer of a hybrid decoder, else None) and
+        ``zero_centered_norm``."""
         return {"qk_layernorm": self.has_qk_norm(hf_config), "num_experts": num_experts(hf_config) if self.moe else None,
                 "moe_layers": self.moe.layer_pattern(hf_config) if self.moe else None,
-                "multi_latent_attention": self.is_mla}
+                "multi_latent_attention": self.is_mla,
+                "linear_layers": self.linear_layers(hf_config) if self.linear_attention else None,
+                "zero_centered_norm": self.zero_centered_norm}
 
     def moe_layers(self, hf_config: Any) -> list[int]:
         """1/0 per decoder layer: an MoE layer or a dense MLP (all 0 for a dense family)."""

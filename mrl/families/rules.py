@@ -7,18 +7,22 @@ index; for a routed expert ``{j}`` the local and ``{e}`` the global expert index
 TP (ETP for experts); the splits are described in :mod:`mrl.megatron.mapping`. A ``fused`` expert rule names one HF tensor holding all
 the layer's experts (transformers' own layout, as gpt-oss checkpoints store them). In a model mixing dense and
 MoE layers (:meth:`mrl.families.base.MoE.layer_pattern`) a rule's ``layers`` says which layers have it:
-``"all"`` (attention, norms), ``"moe"`` (router, experts, shared expert) or ``"dense"`` (the dense MLP).
+``"all"`` (attention, norms), ``"moe"`` (router, experts, shared expert) or ``"dense"`` (the dense MLP). In a hybrid
+decoder (Qwen3.5: Gated DeltaNet and full-attention layers, :class:`mrl.families.base.LinearAttention`) a rule's
+``mixer`` says which token mixer has it: ``"all"`` (norms, MLP), ``"attention"`` or ``"linear"``.
 A rule's ``when`` (a predicate on config.json) says whether the model has the tensor at all (MLA's
 ``q_a_proj``/``q_b_proj`` with ``q_lora_rank``, its ``q_proj`` without).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-SPLITS = ("replicated", "column", "row", "vocab", "qkv", "gate_up", "gate_up_interleaved", "row_t")
+SPLITS = ("replicated", "column", "row", "vocab", "qkv", "qkv_gated", "gate_up", "gate_up_interleaved", "row_t",
+          "sections")
 LAYER_KINDS = ("all", "moe", "dense")
+MIXERS = ("all", "attention", "linear")
 
 
 @dataclass(frozen=True)
@@ -37,13 +41,26 @@ class Rule:
     fused: bool = False
     # Whether config.json gives the model this tensor (None: always), e.g. MLA's q_a_proj only with q_lora_rank.
     when: Callable[[Any], bool] | None = None
+    # Which token mixer's layers hold it (MIXERS): every layer's, full-attention layers' or linear-attention layers'.
+    mixer: str = "all"
+    # split="sections": per HF tensor, the widths of its consecutive row blocks, each split over TP on its own
+    # (rank r holds block_0[r] | block_1[r] | ... of every tensor, in order): Gated DeltaNet's [q | k | v] etc.
+    sections: Callable[[Any], tuple[tuple[int, ...], ...]] | None = None
 
     def applies(self, hf_config: Any) -> bool:
         return self.when is None or bool(self.when(hf_config))
 
-    def on_layer(self, moe_layer: bool) -> bool:
-        """Whether a decoder layer (an MoE layer or not) has this rule's parameter."""
+    def on_layer(self, moe_layer: bool, linear_layer: bool = False) -> bool:
+        """Whether a decoder layer (an MoE layer or not; a linear-attention layer or not) has this rule's parameter."""
+        if self.mixer != "all" and (self.mixer == "linear") is not linear_layer:
+            return False
         return self.layers == "all" or (self.layers == "moe") is moe_layer
+
+    def with_hf_prefix(self, prefix: str) -> Rule:
+        """This rule with ``model.`` in its HF names replaced by ``prefix`` (a vision-language checkpoint keeps its
+        decoder under ``model.language_model.``; ``lm_head`` stays where it is)."""
+        names = tuple(prefix + n[len("model."):] if n.startswith("model.") else n for n in self.hf)
+        return replace(self, hf=names)
 
 
 EMBED = Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "model")

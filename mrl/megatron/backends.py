@@ -18,11 +18,13 @@ BACKENDS = ("te", "sdpa", "local")
 
 
 def choose_attention_backend(want: str, *, device: str, te_importable: bool, lora: bool,
-                             mla: bool = False) -> tuple[str, str]:
+                             mla: bool = False, hybrid: bool = False) -> tuple[str, str]:
     """(backend, why) for ``want`` (auto | te | sdpa | local) on ``device``; an explicit value is kept as given
-    (``mla``: the model has multi-latent attention)."""
+    (``mla``: the model has multi-latent attention; ``hybrid``: Gated DeltaNet layers)."""
     if want != "auto":
         return want, "set in the config"
+    if hybrid:
+        return "sdpa", "auto: hybrid Gated DeltaNet + attention layers run on Megatron's local spec with torch SDPA"
     if mla:
         return "sdpa", "auto: multi-latent attention runs on Megatron's local spec with torch SDPA"
     if device != "cuda":

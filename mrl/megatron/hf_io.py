@@ -138,6 +138,33 @@ def write_hf_checkpoint(
     return files + [INDEX_NAME]
 
 
+CARRIED_NAME = "carried.safetensors"
+"""Where a Megatron checkpoint written by ``mrl-ckpt hf-to-mcore`` keeps the HF tensors mrl does not train (a
+vision-language checkpoint's vision tower, its multi-token-prediction layers: ``Family.wrapped``), for the export."""
+
+
+def carried_names(names: Iterable[str], hf_config) -> list[str]:
+    """The checkpoint tensors under the family's ``wrapped`` prefixes (none for a plain decoder)."""
+    from mrl.families import family_of
+
+    prefixes = family_of(hf_config).wrapped
+    return sorted(n for n in names if prefixes and n.startswith(prefixes))
+
+
+def carried_tensors(src_dir: str | os.PathLike, hf_config) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every carried tensor of the HF checkpoint — or the Megatron checkpoint's
+    :data:`CARRIED_NAME` — at ``src_dir``, to write next to the decoder's exported tensors unchanged."""
+    src = Path(src_dir)
+    if (src / CARRIED_NAME).is_file():
+        from safetensors.torch import load_file
+
+        return sorted(load_file(str(src / CARRIED_NAME)).items())
+    if not ((src / INDEX_NAME).is_file() or (src / SINGLE_NAME).is_file()):
+        return []
+    reader = HFCheckpointReader(src)
+    return [(n, reader.get(n)) for n in carried_names(reader.names(), hf_config)]
+
+
 def copy_hf_side_files(src_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
     """Copy config and tokenizer files that exist in ``src_dir`` (not the weights)."""
     copied = []

@@ -14,6 +14,11 @@ is split over TP:
                 ``[ng * (nh/ng + 2) * d, H]``, interleaved per query group
                 ``[q_g0 (nh/ng heads), k_g0, v_g0, q_g1, ...]``, then split along dim 0 (each TP
                 rank owns ``ng/TP`` whole groups). Biases ``[.]`` follow the same layout.
+``qkv_gated``   as ``qkv`` with an output gate (Qwen3.5): HF ``q_proj [nh*2*d, H]`` holds ``[q_h | g_h]`` per head;
+                Megatron's group is ``[q_g (nh/ng heads), gate_g (nh/ng heads), k_g, v_g]``.
+``sections``    HF tensors made of row blocks (``Rule.sections``: Gated DeltaNet's ``in_proj_qkv = [q | k | v]``,
+                ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, the conv1d channels): each block is split over TP on its
+                own and rank r holds ``cat(block_0[r], block_1[r], ...)`` in the tensors' order.
 ``gate_up``     HF ``gate [F, H]``, ``up [F, H]`` → ``linear_fc1``; TP rank r holds
                 ``cat(gate_r, up_r)`` with ``gate_r = gate.chunk(TP)[r]`` (SwiGLU's fused fc1).
 ``gate_up_interleaved``  one HF tensor in ``x @ W`` layout with gate and up columns alternating,
@@ -96,6 +101,7 @@ def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tup
     family = family_of(hf_config)
     table = family.weight_rules_for(hf_config)  # the rules config.json gives this model (Rule.when, switches)
     moe_layers = family.moe_layers(hf_config)  # 1/0 per global layer: which rules a layer has
+    linear_layers = family.linear_layers(hf_config)  # 1/0 per global layer: Gated DeltaNet or attention
     for chunk in map(unwrap, chunks):
         tied = chunk.share_embeddings_and_output_weights
         chunk_params = dict(chunk.named_parameters())
@@ -103,7 +109,7 @@ def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tup
             if rule.scope != "model":
                 continue
             p = _param(chunk_params, rule.mcore)
-            if rule is _LM_HEAD and tied:
+            if rule.mcore == _LM_HEAD.mcore and tied:
                 continue  # exported as embed_tokens by the first stage; filled from it on load
             if p is not None:
                 yield rule, {}, p
@@ -112,8 +118,9 @@ def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tup
             # buffers too: the router's expert_bias (a score-correction bias, not trained) is a checkpoint tensor
             layer_params = {**dict(layer.named_buffers()), **dict(layer.named_parameters())}
             moe_layer = bool(moe_layers[layer.layer_number - 1])
+            linear = bool(linear_layers[layer.layer_number - 1])
             for rule in table:
-                if rule.scope != "layer" or not rule.on_layer(moe_layer):
+                if rule.scope != "layer" or not rule.on_layer(moe_layer, linear):
                     continue
                 for fmt in _expert_fmts(layer, i) if rule.expert else ({"i": i},):
                     p = _param(layer_params, rule.mcore.format(**fmt))
@@ -155,8 +162,14 @@ def hf_names_for_stage(model_chunks: list[torch.nn.Module], hf_config: Any) -> l
     for chunk in map(unwrap, model_chunks):
         # The last stage of a tied model keeps its own copy of the embedding as output_layer.
         if chunk.share_embeddings_and_output_weights and chunk.post_process and not chunk.pre_process:
-            names.append(_EMBED.hf[0])
+            names.append(embed_name(hf_config))
     return names
+
+
+def embed_name(hf_config: Any) -> str:
+    """The HF name of the input embedding of this checkpoint (``model.embed_tokens.weight``, or under the decoder
+    prefix of a vision-language checkpoint)."""
+    return next(r.hf[0] for r in family_of(hf_config).weight_rules_for(hf_config) if r.mcore == _EMBED.mcore)
 
 
 def _qkv_sizes(hf_config: Any) -> tuple[int, int, int]:
@@ -182,6 +195,44 @@ def _split_qkv(qkv: torch.Tensor, hf_config: Any) -> tuple[torch.Tensor, ...]:
     return q.reshape(nh * d, *rest), k.reshape(ng * d, *rest), v.reshape(ng * d, *rest)
 
 
+def _merge_qkv_gated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hf_config: Any) -> torch.Tensor:
+    nh, ng, d = _qkv_sizes(hf_config)
+    rest = q.shape[1:]
+    qg = q.reshape(ng, nh // ng, 2, d, *rest)  # per head [q_h | g_h]
+    query, gate = qg[:, :, 0].reshape(ng, nh // ng * d, *rest), qg[:, :, 1].reshape(ng, nh // ng * d, *rest)
+    return torch.cat([query, gate, k.reshape(ng, d, *rest), v.reshape(ng, d, *rest)], dim=1).reshape(-1, *rest)
+
+
+def _split_qkv_gated(qkv: torch.Tensor, hf_config: Any) -> tuple[torch.Tensor, ...]:
+    nh, ng, d = _qkv_sizes(hf_config)
+    rest = qkv.shape[1:]
+    g = qkv.reshape(ng, (2 * nh // ng + 2) * d, *rest)
+    query, gate, k, v = torch.split(g, [nh // ng * d, nh // ng * d, d, d], dim=1)
+    q = torch.stack([query.reshape(ng, nh // ng, d, *rest), gate.reshape(ng, nh // ng, d, *rest)], dim=2)
+    return q.reshape(2 * nh * d, *rest), k.reshape(ng * d, *rest), v.reshape(ng * d, *rest)
+
+
+def _section_sizes(rule: Rule, hf_config: Any) -> list[int]:
+    return [w for blocks in rule.sections(hf_config) for w in blocks]  # type: ignore[misc]
+
+
+def _sections_to_local(rule: Rule, full: list[torch.Tensor], hf_config: Any, tp: int, rank: int) -> torch.Tensor:
+    blocks = torch.cat(full).split(_section_sizes(rule, hf_config))
+    return torch.cat([b.chunk(tp, dim=0)[rank] for b in blocks])
+
+
+def _sections_to_hf(rule: Rule, full: torch.Tensor, hf_config: Any, tp: int) -> list[torch.Tensor]:
+    """``full`` = the TP ranks' shards concatenated: ``[rank 0: b_0[0] | b_1[0] | ... | rank 1: b_0[1] | ...]``."""
+    sizes = _section_sizes(rule, hf_config)
+    per_rank = [part.split([w // tp for w in sizes]) for part in full.chunk(tp, dim=0)]
+    blocks = [torch.cat([per_rank[r][b] for r in range(tp)]) for b in range(len(sizes))]
+    tensors, at = [], 0
+    for spec in rule.sections(hf_config):  # type: ignore[misc]
+        tensors.append(torch.cat(blocks[at: at + len(spec)]).contiguous())
+        at += len(spec)
+    return tensors
+
+
 def _to_local(rule: Rule, full: list[torch.Tensor], hf_config: Any, local_shape: torch.Size) -> torch.Tensor:
     """The TP-local shard of ``rule`` given the full HF tensors (inverse of ``_to_hf``)."""
     tp, rank, _ = _tp(rule.expert)
@@ -200,6 +251,10 @@ def _to_local(rule: Rule, full: list[torch.Tensor], hf_config: Any, local_shape:
         return w.chunk(tp, dim=0)[rank]
     if rule.split == "qkv":
         return _merge_qkv(*full, hf_config).chunk(tp, dim=0)[rank]
+    if rule.split == "qkv_gated":
+        return _merge_qkv_gated(*full, hf_config).chunk(tp, dim=0)[rank]
+    if rule.split == "sections":
+        return _sections_to_local(rule, full, hf_config, tp, rank)
     if rule.split == "gate_up":
         return torch.cat([full[0].chunk(tp, dim=0)[rank], full[1].chunk(tp, dim=0)[rank]])
     if rule.split == "gate_up_interleaved":
@@ -237,6 +292,10 @@ def _to_hf(rule: Rule, local: torch.Tensor, hf_config: Any) -> list[torch.Tensor
         return [full[: hf_config.vocab_size].clone()]
     if rule.split == "qkv":
         return [t.contiguous() for t in _split_qkv(full, hf_config)]
+    if rule.split == "qkv_gated":
+        return [t.contiguous() for t in _split_qkv_gated(full, hf_config)]
+    if rule.split == "sections":
+        return _sections_to_hf(rule, full, hf_config, _tp(rule.expert)[0])
     if rule.split in ("gate_up", "gate_up_interleaved"):
         halves = [p.chunk(2, dim=0) for p in full.chunk(_tp(rule.expert)[0], dim=0)]
         gate, up = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
@@ -354,4 +413,4 @@ def load_hf_weights(
         for chunk in map(unwrap, model_chunks):
             if chunk.share_embeddings_and_output_weights and chunk.post_process and not chunk.pre_process:
                 w = chunk.output_layer.weight
-                w.copy_(_to_local(_EMBED, [get_tensor(_EMBED.hf[0])], hf_config, w.shape))
+                w.copy_(_to_local(_EMBED, [get_tensor(embed_name(hf_config))], hf_config, w.shape))

@@ -38,8 +38,11 @@ from mrl.families import FAMILIES, SUPPORTED_ARCHITECTURES, family_of  # noqa: F
 
 
 def load_hf_config(path: str | os.PathLike) -> Any:
-    """Read ``config.json`` from an HF checkpoint directory (no network: local files only)."""
+    """Read ``config.json`` from an HF checkpoint directory (no network: local files only): the decoder's view of it
+    (a vision-language checkpoint's ``text_config``, :func:`mrl.families.views.decoder_config`)."""
     from transformers import AutoConfig
+
+    from mrl.families.views import decoder_config
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -47,7 +50,7 @@ def load_hf_config(path: str | os.PathLike) -> Any:
             f"{path}/config.json not found: point the model path at a Hugging Face checkpoint "
             "directory (the one holding config.json and *.safetensors)"
         )
-    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    return decoder_config(AutoConfig.from_pretrained(str(path), local_files_only=True))
 
 
 def model_family(hf_config: Any) -> str:
@@ -178,7 +181,8 @@ def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float3
     kw: dict[str, Any] = {
         "num_layers": hf_config.num_hidden_layers,
         "hidden_size": hf_config.hidden_size,
-        "ffn_hidden_size": hf_config.intermediate_size,
+        # an all-MoE config may have no dense width (Qwen3.5-MoE): Megatron then never builds a dense MLP
+        "ffn_hidden_size": getattr(hf_config, "intermediate_size", None) or hf_config.moe_intermediate_size,
         "num_attention_heads": hf_config.num_attention_heads,
         "num_query_groups": getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
         "kv_channels": head_dim(hf_config),
@@ -214,6 +218,10 @@ def make_transformer_config(hf_config: Any, *, dtype: torch.dtype = torch.float3
     # the family's own: add_qkv_bias, qk_layernorm, window_size, the MoE router and experts
     kw.update(family.transformer_kwargs(hf_config, ep=ep, etp=etp))
     kw.update(overrides)
+    if family.is_hybrid and (kw.get("sequence_parallel") or kw["context_parallel_size"] > 1):
+        # a Gated DeltaNet layer runs its recurrence over whole sequences on one rank (mrl plan refuses it first)
+        raise ValueError(f"{family.name}'s Gated DeltaNet layers support neither sequence parallelism nor context "
+                         "parallelism; fix: megatron.sequence_parallel=false, megatron.context_parallel_size=1")
     tcfg = (MLATransformerConfig if family.is_mla else TransformerConfig)(**kw)
     if not family.is_mla:  # MLA takes YaRN through MLATransformerConfig's own fields (the family's mla kwargs)
         # YaRN: not TransformerConfig fields; GPTModel and the attention's rotary step read them off the config
@@ -229,13 +237,16 @@ def te_usable() -> bool:
     return torch.cuda.is_available() and bool(specs.HAVE_TE)
 
 
-def resolve_attention_backend(want: str = "auto", *, lora: bool = False, mla: bool = False) -> str:
+def resolve_attention_backend(want: str = "auto", *, lora: bool = False, mla: bool = False,
+                              hybrid: bool = False) -> str:
     """``te`` | ``sdpa`` | ``local`` for ``megatron.attention_backend`` on this host (the rule and its reasons:
-    :mod:`mrl.megatron.backends`, the rule ``mrl plan`` prints); ``mla``: the model has multi-latent attention."""
+    :mod:`mrl.megatron.backends`, the rule ``mrl plan`` prints); ``mla``: the model has multi-latent attention,
+    ``hybrid``: Gated DeltaNet layers."""
     from mrl.megatron.backends import choose_attention_backend
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    backend, _why = choose_attention_backend(want, device=device, te_importable=te_usable(), lora=lora, mla=mla)
+    backend, _why = choose_attention_backend(want, device=device, te_importable=te_usable(), lora=lora, mla=mla,
+                                             hybrid=hybrid)
     if backend == "te" and not te_usable():
         raise ValueError("megatron.attention_backend=te needs Transformer Engine on CUDA, which this process does "
                          "not have; fix: attention_backend=sdpa (or auto), or run in the image with TE (docs/gpus.md)")
@@ -257,6 +268,10 @@ def layer_spec(hf_config: Any, *, backend: str = "sdpa", moe: bool | None = None
     family = family_of(hf_config)
     need = family.layer_spec_kwargs(hf_config)  # qk_layernorm, num_experts (None: dense), multi_latent_attention
     qk, experts, mla = need["qk_layernorm"], need["num_experts"], need["multi_latent_attention"]
+    if (need["linear_layers"] is not None or need["zero_centered_norm"]) and backend != "sdpa":
+        # the mapping names the local spec's modules; TE has no Gated DeltaNet and fuses the norms it would replace
+        raise ValueError(f"megatron.attention_backend={backend} with {family.name}'s hybrid attention: only "
+                         "attention_backend=sdpa builds it; fix: megatron.attention_backend=sdpa")
     if mla and backend != "sdpa":
         # local: DotProductAttention refuses MLA's d_k != d_v; te: the mapping has no names for TE's fused MLA norms
         raise ValueError(f"megatron.attention_backend={backend} with multi-latent attention ({family.name}): only "
@@ -291,17 +306,55 @@ def layer_spec(hf_config: Any, *, backend: str = "sdpa", moe: bool | None = None
     return spec
 
 
+def _hybrid_specs(hf_config: Any, base: Any) -> dict[int, Any]:
+    """{1: the linear-attention layer's spec, 0: the full-attention layer's} of a hybrid family, from the family's
+    ``base`` layer spec: Gated DeltaNet as the token mixer of the former; zero-centred norms in both where the family
+    says so (:mod:`mrl.megatron.gated_delta_net`)."""
+    import copy
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from mrl.megatron.gated_delta_net import GatedDeltaNet, ZeroCenteredRMSNorm
+
+    zero = family_of(hf_config).zero_centered_norm
+    full = copy.deepcopy(base)
+    if zero:
+        full.submodules.input_layernorm = ZeroCenteredRMSNorm
+        full.submodules.pre_mlp_layernorm = ZeroCenteredRMSNorm
+        full.submodules.self_attention.submodules.q_layernorm = ZeroCenteredRMSNorm
+        full.submodules.self_attention.submodules.k_layernorm = ZeroCenteredRMSNorm
+    linear = copy.deepcopy(full)
+    linear.submodules.self_attention = ModuleSpec(module=GatedDeltaNet)
+    return {1: linear, 0: full}
+
+
 def decoder_spec(hf_config: Any, tcfg: Any, *, backend: str = "sdpa", vp_stage: int | None = None):
     """What ``GPTModel`` gets as ``transformer_layer_spec`` for this rank's (virtual) pipeline stage: the one
     :func:`layer_spec` when every layer is alike; for an MoE model with dense layers (``moe_layer_freq`` a
     list, :meth:`mrl.families.base.MoE.layer_pattern`) a ``TransformerBlockSubmodules`` with the stage's
     layers, each the MoE or the dense spec of its *global* index (as megatron's ``get_gpt_decoder_block_spec``
     slices them, with mrl's backend choice in every layer)."""
-    pattern = family_of(hf_config).layer_spec_kwargs(hf_config)["moe_layers"]
-    if pattern is None:
+    need = family_of(hf_config).layer_spec_kwargs(hf_config)
+    pattern, linear = need["moe_layers"], need["linear_layers"]
+    if pattern is None and linear is None and not need["zero_centered_norm"]:
         return layer_spec(hf_config, backend=backend)
     from megatron.core.transformer import transformer_block as tb
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if pattern is None:  # hybrid (or zero-centred) without dense MLP layers among MoE ones: one MLP kind
+        if tcfg.pipeline_model_parallel_layout is not None:
+            raise ValueError("a custom pipeline_model_parallel_layout with hybrid attention layers is not supported")
+        from mrl.megatron.gated_delta_net import ZeroCenteredRMSNorm
+
+        kinds = _hybrid_specs(hf_config, layer_spec(hf_config, backend=backend))
+        mixers = linear or [0] * int(hf_config.num_hidden_layers)
+        offset = get_transformer_layer_offset(tcfg, vp_stage=vp_stage)
+        count = tb.get_num_layers_to_build(tcfg, vp_stage=vp_stage)
+        norm = ZeroCenteredRMSNorm if need["zero_centered_norm"] else tb.LayerNormImpl
+        return tb.TransformerBlockSubmodules(layer_specs=[kinds[mixers[g]] for g in range(offset, offset + count)],
+                                             layer_norm=norm)
+    if linear is not None:
+        raise ValueError("a hybrid-attention model whose MoE layers mix with dense MLP layers is not supported")
 
     if not isinstance(tcfg.moe_layer_freq, list) or list(tcfg.moe_layer_freq) != pattern:
         raise ValueError(f"TransformerConfig moe_layer_freq={tcfg.moe_layer_freq} differs from config.json's "

@@ -182,6 +182,7 @@ def write_model(path: Path, seed: int, warm_start_steps: int = WARM_START_STEPS,
     import torch
     from transformers import (
         AutoModelForCausalLM,
+        AutoModelForImageTextToText,
         AutoTokenizer,
         PreTrainedTokenizerFast,
         Qwen2Config,
@@ -193,7 +194,10 @@ def write_model(path: Path, seed: int, warm_start_steps: int = WARM_START_STEPS,
                                    model_max_length=QWEN2_SHAPE["max_position_embeddings"])
     fast.save_pretrained(str(path))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config or Qwen2Config(**QWEN2_SHAPE), dtype=torch.float32)
+    config = hf_config or Qwen2Config(**QWEN2_SHAPE)
+    # a vision-language checkpoint (Qwen3.5's released form) is saved whole: decoder and vision tower
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     if init is not None:
         init(model)
     warm = None

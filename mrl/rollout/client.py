@@ -17,6 +17,10 @@ route that takes one map per request, seeded samples go one request each). A sam
 failed after the router's retries comes back with ``finish_reason="error"`` and its reason;
 nothing is dropped.
 
+Pictures (vision-language models, docs/vision.md): with ``RolloutRequest.image_data`` every body carries
+SGLang's ``image_data`` next to ``input_ids`` (one list of base64 PNG strings or paths per sample, [] for a
+sample without pictures), and each prompt holds one image token per picture, which the engine expands.
+
 Routed experts (MoE routing replay): with ``return_routed_experts=True`` every ``/generate`` asks for them
 (SGLang's ``return_routed_experts``; the engines must run with ``--enable-return-routed-experts``) and each
 sample carries ``RolloutSample.routed_experts``, decoded as SGLang's own client does (base64 -> int32) and
@@ -110,6 +114,13 @@ class RolloutClient:
                 "sampling_params": params,
                 "return_logprob": request.return_logprob,
             }
+            if request.image_data is not None:
+                # SGLang's batch form is one list of images per sample ([] = none); a single request's is its list
+                images = [list(request.image_data[i]) for i, _ in flat]
+                if k > 1 and any(images):
+                    payload["image_data"] = images
+                elif k == 1 and images[0]:
+                    payload["image_data"] = images[0]
             if self.return_routed_experts:
                 payload["return_routed_experts"] = True
             out: RouteOutcome = await self.router.generate(payload, None, request.timeout_s)

@@ -108,7 +108,7 @@ class SamplingParams(BaseModel):
 # GenerateReqInput fields of SGLang this engine does not implement: refused unless at their
 # default, so that a request relying on one fails loudly (other unknown keys are ignored, as SGLang does).
 UNSUPPORTED_GENERATE_DEFAULTS: dict[str, Any] = {
-    "image_data": None, "video_data": None, "audio_data": None, "input_embeds": None, "lora_path": None,
+    "video_data": None, "audio_data": None, "input_embeds": None, "lora_path": None,
     "token_ids_logprob": None, "return_hidden_states": False, "custom_logit_processor": None,
     "session_params": None,
 }
@@ -147,6 +147,7 @@ class GenerateReqInput(BaseModel):
     stream: bool = False
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    image_data: Any = None
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateReqInput:
@@ -194,6 +195,21 @@ class GenerateReqInput(BaseModel):
         elif rid is not None and self.is_batch:
             rid = f"{rid}_{i}"
         return text, ids, SamplingParams(**sp), bool(lp), rid
+
+    def images(self, i: int) -> list[Any] | None:
+        """Prompt ``i``'s pictures, as SGLang normalises ``image_data``: a single request's list (or one item);
+        in a batch one entry per prompt (a list, one item, or None), or one item for every prompt."""
+        d = self.image_data
+        if d is None or d == []:
+            return None
+        if not isinstance(d, list):
+            return [d]
+        if not self.is_batch:
+            return d
+        if len(d) != self.batch_size:
+            raise ValueError(f"image_data has {len(d)} entries for {self.batch_size} prompts; send one per prompt")
+        item = d[i]
+        return None if item is None else (item if isinstance(item, list) else [item])
 
     def logprob_options(self, i: int) -> tuple[int, int]:
         """(logprob_start_len, top_logprobs_num) of prompt ``i``."""

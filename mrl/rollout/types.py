@@ -41,6 +41,10 @@ class RolloutRequest:
     #: per prompt, ``extra_info.tools_kwargs`` of its row (agent rollouts: keyword arguments bound to
     #: that row's tool calls, mrl/agent/loop.py); None = no row has any
     tools_kwargs: list[dict[str, Any] | None] | None = None
+    #: per prompt, its pictures as SGLang's ``image_data`` items (base64 PNG strings or paths the engine can
+    #: read; [] for a prompt without any), in the order of the prompt's image tokens; ``prompts`` then hold one
+    #: image token per picture (the engine expands it, docs/vision.md). None = a text-only request
+    image_data: list[list[str]] | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -51,6 +55,9 @@ class RolloutRequest:
         if self.sampling_seeds is not None and (len(self.sampling_seeds) != len(self.prompts)
                                                 or any(len(s) != self.n for s in self.sampling_seeds)):
             raise ValueError(f"RolloutRequest.sampling_seeds must be {len(self.prompts)} lists of n={self.n} seeds")
+        if self.image_data is not None and (len(self.image_data) != len(self.prompts)
+                                            or not all(isinstance(x, list) for x in self.image_data)):
+            raise ValueError(f"RolloutRequest.image_data must be {len(self.prompts)} lists of images (one per prompt)")
 
 
 @dataclass(frozen=True)

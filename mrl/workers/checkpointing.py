@@ -21,7 +21,11 @@ def export_hf(model, out_dir: str | os.PathLike) -> None:
     """Collective: write an HF checkpoint of ``model``'s current weights to ``out_dir``."""
     from megatron.core import parallel_state as ps
 
-    from mrl.megatron.hf_io import copy_hf_side_files, write_hf_checkpoint
+    from mrl.megatron.hf_io import (
+        carried_tensors,
+        copy_hf_side_files,
+        write_hf_checkpoint,
+    )
 
     local = {n: t.detach().cpu().contiguous() for n, t in model.named_parameters_hf()}
     send = local if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0 else {}
@@ -33,7 +37,8 @@ def export_hf(model, out_dir: str | os.PathLike) -> None:
         for part in gathered:
             full.update(part or {})
         out = Path(out_dir)
-        write_hf_checkpoint(out, sorted(full.items()))
+        # a vision-language checkpoint's vision tower (and MTP layers) go out unchanged: the export is complete
+        write_hf_checkpoint(out, sorted(full.items()) + carried_tensors(model.hf_path, model.hf_config))
         copy_hf_side_files(model.hf_path, out)  # config.json, tokenizer, generation config
     dist.barrier()
 

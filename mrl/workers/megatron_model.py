@@ -160,7 +160,8 @@ class MegatronModel:
         self.lora = lora if lora is not None and lora.enabled else None
         self.attention_backend = resolve_attention_backend(attention_backend or parallel.attention_backend,
                                                            lora=self.lora is not None,
-                                                           mla=family_of(self.hf_config).is_mla)
+                                                           mla=family_of(self.hf_config).is_mla,
+                                                           hybrid=family_of(self.hf_config).is_hybrid)
         if remove_padding and self.attention_backend != "sdpa":
             raise ValueError(f"packed micro-batches (actor.use_remove_padding) need the sdpa attention backend, this "
                              f"model runs {self.attention_backend}; fix: megatron.attention_backend=sdpa")

@@ -28,6 +28,13 @@ if TYPE_CHECKING:
 collect_fallbacks()
 
 
+def engine_world_sizes(engine_tp_size: int, num_engines: int) -> list[int]:
+    """Ranks each engine brings to the weight-update group (``group_init_payloads``): every TP rank of every node of
+    an engine joins, so ``engine_tp_size`` each (tests/rollout/conformance/test_launch_and_pins.py hands what this
+    returns to SGLang's own receiver)."""
+    return [engine_tp_size] * num_engines
+
+
 class TrainRank:
     """Actor + reference + critic (PPO) + colocated RM/teacher (+ weight sync) of this rank; see the driver for the call order."""
 
@@ -112,7 +119,7 @@ class TrainRank:
             is_coordinator=torch.distributed.get_rank() == 0,
             # the export gathers over TP (and EP, which spans DP replicas): other replicas need not iterate it
             drives_export=first_replica or ps.get_expert_model_parallel_world_size() > 1,
-            engine_world_sizes=[self.cfg.rollout.engine_tp_size] * len(engine_urls),
+            engine_world_sizes=engine_world_sizes(self.cfg.rollout.engine_tp_size, len(engine_urls)),
             disk_dir=ws.disk_dir, snapshot_dir=ws.snapshot_dir, token=token,
             master_address=ray.util.get_node_ip_address() if routable else "127.0.0.1",
             cuda_ipc=False if self.cfg.rollout.engine == "torch" else None,  # the built-in engine reads shared memory

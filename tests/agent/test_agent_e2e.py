@@ -32,7 +32,7 @@ def test_agent_quickstart_trains_two_steps(tmp_path: Path) -> None:
            f"trainer.mlflow_tracking_uri=sqlite:///{mlflow_db(tmp_path / 'mlflow.db')}", f"rollout.port_base={port}",
            "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.val_before_train=false",
            "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4",
-           f"trainer.rollout_data_dir={tmp_path}/rollouts"]
+           f"trainer.rollout_data_dir={tmp_path}/rollouts", f"trainer.default_local_dir={tmp_path}/checkpoints"]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]

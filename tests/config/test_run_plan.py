@@ -78,7 +78,8 @@ def test_samples_and_engine_counts_come_from_the_plan(tmp_path) -> None:
     sep = _cfg(tmp_path, "cluster.n_gpus_per_node=4", "rollout.placement=separate", "rollout.num_engines=2",
                "rollout.weight_sync.transport=distributed")
     assert (plan_run(sep, "cpu").num_engines, plan_run(sep, "cpu").trainer_ranks, ray_actors(sep)) == (2, 2, (2, 2))
-    colo = _cfg(tmp_path, "cluster.n_gpus_per_node=4", "rollout.num_engines=null", "rollout.engine_tp_size=2",
+    colo = _cfg(tmp_path, "cluster.n_gpus_per_node=4", "cluster.device=cuda", "rollout.engine=sglang",
+                "rollout.num_engines=null", "rollout.engine_tp_size=2",
                 "rollout.weight_sync.transport=tensor")
     assert (plan_run(colo, "cpu").num_engines, ray_actors(colo)) == (2, (4, 0))  # colocated: one per engine_tp_size devices
 

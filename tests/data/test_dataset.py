@@ -142,6 +142,16 @@ BAD_ROWS = [  # (file content, scalar ground truth?, substrings of the error) â€
     (b'{"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "1"}}\n',
      False, ["r.jsonl:1", "'prompt'", "list"]),
     (b'{"prompt": "  ", "reward_model": {"ground_truth": "1"}}\n', False, ["r.jsonl:1", "prompt is empty"]),
+    # issue 53: a chat prompt with empty content trained; a lone surrogate stopped the run with the tokenizer's TypeError
+    (b'{"prompt": [{"role": "user", "content": ""}], "reward_model": {"ground_truth": "1"}}\n', False,
+     ["r.jsonl:1", "prompt is empty"]),
+    ((b'{"prompt": "a", "reward_model": {"ground_truth": "1"}}\n{"prompt": [{"role": "system", "content": "Be brief."}, '
+     b'{"role": "user", "content": " "}], "reward_model": {"ground_truth": "1"}}\n'), False,
+     ["r.jsonl:2", "chat message 1 (role user) has empty content", "fix:"]),
+    ((b'{"prompt": "a", "reward_model": {"ground_truth": "1"}}\n{"prompt": "x \\udcff y", "reward_model": '
+     b'{"ground_truth": "1"}}\n'), False, ["r.jsonl:2", "lone UTF-16 surrogate '\\udcff' at character 2", "fix:"]),
+    (b'{"prompt": [{"role": "user", "content": "q\\ud800"}], "reward_model": {"ground_truth": "1"}}\n', False,
+     ["r.jsonl:1", "chat message 0", "lone UTF-16 surrogate"]),
     (b'{"prompt": "a", "reward_model": {"ground_truth": null}}\n', False,
      ["r.jsonl:1", "'reward_model.ground_truth' (data.ground_truth_key)", "null"]),
     (b'{"prompt": "a", "reward_model": {"ground_truth": "1"}}\n{"prompt": "b", "reward_model": {"ground_truth": {"x": 1}}}\n',

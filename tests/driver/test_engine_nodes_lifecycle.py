@@ -46,6 +46,8 @@ def _alive(pid: int | None) -> bool:
 def main(address: str, out: str) -> None:
     """Start, restart and stop one engine over two nodes; its node-rank 1 serves on its first two launches and
     exits (as an SGLang node that cannot join) on the third."""
+    import urllib.request
+
     import ray
 
     from mrl.driver.engines import (
@@ -73,7 +75,10 @@ def main(address: str, out: str) -> None:
         engine = RemoteEngine(slot, head_cmd, {}, tmp / "engine_0.log", 60.0, None, cuda=False, followers=(launch,))
         try:
             engine.start()
-            assert engine.wait_healthy() >= 0.0
+            engine.wait_healthy()  # returns once node-rank 0 answers /health: both nodes must be serving now
+            for host in ("127.0.0.1", "127.0.0.2"):  # node-rank 0's API and node-rank 1's health server
+                with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=10) as r:
+                    assert r.status == 200, (host, r.status)
             pids = [p.pid for p in engine._procs]
             assert len(pids) == 2 and all(_alive(p) for p in pids) and pids[0] == engine.pid
             engine.restart()  # the pool's callback: a new node-rank 0 cannot rejoin the old group, every node restarts

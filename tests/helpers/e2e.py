@@ -96,10 +96,13 @@ def run_train(config: str, tmp: Path, assets: Path, port: int, *overrides: str,
               own_ray: bool = False) -> subprocess.CompletedProcess:
     """``mrl train config`` on the assets, logging to ``tmp/mlflow.db``; returns the finished process. The run
     joins the test session's Ray instance (tests/helpers/ray_cluster.py) unless ``own_ray``: then it starts
-    its own, as ``make train`` does."""
+    its own, as ``make train`` does. Its run directory (checkpoints, metrics.log) is ``tmp/checkpoints`` unless
+    ``overrides`` name another: the run's working directory is the repository, and the config's default
+    (checkpoints/<project>/<experiment>) would write into the working tree (.ci/run checks it stays unchanged)."""
     cmd = [sys.executable, "-m", "mrl", "train", config, f"model.path={assets}/tiny-qwen2",
            f"data.train_files=[{assets}/data/train.jsonl]",
            f"trainer.mlflow_tracking_uri=sqlite:///{mlflow_db(tmp / 'mlflow.db')}",
+           f"trainer.default_local_dir={tmp}/checkpoints",  # the last of repeated keys wins: overrides may move it
            f"rollout.port_base={port}", *overrides]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
     if not own_ray:

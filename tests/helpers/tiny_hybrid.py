@@ -17,6 +17,7 @@ are scaled so that top-2 choices are well separated (no near-ties between a batc
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -80,9 +81,18 @@ def build_tiny_hybrid(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
 
 
 def make_tiny_hybrid_hf(path: str | os.PathLike, kind: str = "qwen3_5", seed: int = 0, **overrides) -> Path:
+    """The checkpoint; a vision-language kind also gets the ``preprocessor_config.json`` a release carries (the
+    engine loads a vision-language checkpoint with its image processor)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    build_tiny_hybrid(kind, seed=seed, **overrides).save_pretrained(path, safe_serialization=True)
+    model = build_tiny_hybrid(kind, seed=seed, **overrides)
+    model.save_pretrained(path, safe_serialization=True)
+    vision = getattr(model.config, "vision_config", None)
+    if vision is not None:
+        (path / "preprocessor_config.json").write_text(json.dumps({
+            "image_processor_type": "Qwen2VLImageProcessor", "patch_size": vision.patch_size,
+            "merge_size": vision.spatial_merge_size, "temporal_patch_size": vision.temporal_patch_size,
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
     return path
 
 

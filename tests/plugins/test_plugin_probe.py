@@ -113,3 +113,23 @@ def test_a_bad_timeout_setting_is_named(tmp_path: Path, monkeypatch: pytest.Monk
     f.write_text(GOOD)
     with pytest.raises(ValueError, match=f"{mrl.plugins.TIMEOUT_ENV}='soon' is not a positive number"):
         mrl.plugins.probe_import(f"{f}:score", "reward.function")
+
+
+def test_mrl_plan_imports_a_sound_plugin_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 53: a plugin whose import took 40 s was imported twice by `mrl plan` (the check's child, then the plan's
+    own process). Now its import, signature check and (for a tool) schema all happen in the check's child: one import,
+    none in this process; a wrong signature is still named."""
+    marker = tmp_path / "imports.txt"
+    record = f"import os\nwith open({str(marker)!r}, 'a') as m:\n    m.write(f'{{os.getpid()}}\\n')\n"
+    f = tmp_path / "scorer.py"
+    f.write_text(record + GOOD + "def calc(x: int) -> str:\n    '''Echo x.\n\n    Args:\n        x: a number\n    '''\n"
+                 "    return str(x)\n" + "def bad(a):\n    return 0.0\n")
+    (tmp_path / "run.yaml").write_text("")
+    base = ["plan", str(tmp_path / "run.yaml"), "model.path=/nonexistent", "data.train_files=[/nonexistent/t.jsonl]"]
+    main([*base, f"reward.function={f}:score", "agent.enable=true", f"agent.tools=[calculator,{f}:calc]"])
+    err = capsys.readouterr().err
+    assert "reward.function" not in err and "agent.tools" not in err, err
+    pids = marker.read_text().split()
+    assert len(pids) == 2 and str(os.getpid()) not in pids, pids  # one child per check, none in this process
+    assert main([*base, f"reward.function={f}:bad"]) == EXIT_CONFIG
+    assert f"reward.function='{f}:bad': bad(a) cannot be called as mrl calls it" in capsys.readouterr().err

@@ -1,51 +1,16 @@
 """Single-process reference for the worker tests: the same loss on the HF model, full batch.
 
-Independent of Megatron: transformers forward, full-vocab log_softmax, the algorithms library's
-loss functions with the batch's own (= global) denominators, autograd. This is the
-"TP1×PP1, one micro-batch" truth the layouts are compared against.
+Independent of Megatron and of the code under test: a plain transformers forward of the batch as stored (its own
+index arithmetic, no ``mrl.workers.minibatch`` input builder, no ``gather_response``), full-vocab log_softmax, the
+loss written out here (no ``mrl.algorithms``; those functions are checked against verl's own in
+tests/algorithms/oracle/), with the batch's own (= global) denominators, autograd. This is the "TP1×PP1, one
+micro-batch" truth the layouts are compared against.
 """
 from __future__ import annotations
 
 import torch
 
-from mrl.algorithms.agg_loss import agg_loss
-from mrl.algorithms.kl import kl_penalty
-from mrl.algorithms.policy_loss import get_policy_loss_fn
 from mrl.workers.batch import TrainBatch
-from mrl.workers.loss import ActorLossSpec
-from mrl.workers.minibatch import build_model_inputs
-
-
-def hf_log_probs(model, batch: TrainBatch, temperature: float = 1.0):
-    """([B, R] log-probs, [B, R] entropies) with gradients, from the HF model."""
-    mi = build_model_inputs(batch)
-    am = (torch.arange(mi.tokens.shape[1])[None] < mi.num_tokens[:, None]).long()
-    logits = model(input_ids=mi.tokens, attention_mask=am, position_ids=mi.position_ids).logits.float()
-    logp_all = torch.log_softmax(logits / temperature, -1)
-    lp = logp_all.gather(-1, mi.labels[..., None]).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1)
-    return mi.gather_response(lp), mi.gather_response(ent)
-
-
-def hf_loss_and_grads(model, batch: TrainBatch, spec: ActorLossSpec) -> tuple[float, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    lp, ent = hf_log_probs(model, batch, spec.temperature)
-    mask = batch.response_mask.float()
-    out = get_policy_loss_fn(spec.policy_loss)(
-        batch.old_log_probs, lp, batch.advantages, mask, loss_agg_mode=spec.loss_agg_mode,
-        clip_ratio_low=spec.clip_ratio_low, clip_ratio_high=spec.clip_ratio_high,
-        clip_ratio_c=spec.clip_ratio_c, norm_constant=spec.norm_constant,
-    )
-    loss = out.pg_loss - spec.entropy_coeff * agg_loss(ent, mask, spec.loss_agg_mode, norm_constant=spec.norm_constant)
-    if spec.use_kl_loss:
-        loss = loss + spec.kl_loss_coef * agg_loss(
-            kl_penalty(lp, batch.ref_log_prob, spec.kl_loss_type), mask, spec.loss_agg_mode,
-            norm_constant=spec.norm_constant)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    if "lm_head.weight" in grads and model.config.tie_word_embeddings:
-        grads.pop("lm_head.weight")
-    return float(loss.detach()), grads
 
 
 def hf_padded_log_probs(model, batch: TrainBatch, temperature: float = 1.0, **forward_kwargs):
@@ -68,3 +33,62 @@ def hf_padded_log_probs(model, batch: TrainBatch, temperature: float = 1.0, **fo
     zero = torch.zeros((), dtype=lp.dtype)
     res = (torch.where(valid, lp, zero), torch.where(valid, ent, zero))
     return (*res, out) if forward_kwargs else res
+
+
+def hf_log_probs(model, batch: TrainBatch, temperature: float = 1.0):
+    """([B, R] log-probs, [B, R] entropies), with gradients: :func:`hf_padded_log_probs`."""
+    return hf_padded_log_probs(model, batch, temperature)
+
+
+def _agg(x: torch.Tensor, m: torch.Tensor, mode: str, C: float | None) -> torch.Tensor:
+    """Σ over the batch's trained tokens (mask m [B, R]) as each loss_agg_mode defines it (docs/algorithms.md):
+    token-mean Σ x·m / Σ m; seq-mean-token-sum Σ_i (Σ_t x·m) / S; seq-mean-token-mean Σ_i (Σ_t x·m / n_i) / S;
+    seq-mean-token-sum-norm Σ_i (Σ_t x·m) / (S·C); S = sequences with a trained token, n_i = Σ_t m."""
+    per_seq, n = (x * m).sum(-1), m.sum(-1)
+    S = (n > 0).sum().clamp(min=1)
+    if mode == "token-mean":
+        return per_seq.sum() / m.sum().clamp(min=1)
+    if mode == "seq-mean-token-sum":
+        return per_seq.sum() / S
+    if mode == "seq-mean-token-mean":
+        return (per_seq / n.clamp(min=1)).sum() / S
+    if mode == "seq-mean-token-sum-norm":
+        return per_seq.sum() / (S * C)
+    raise ValueError(f"reference_impl: no written-out aggregation for {mode!r}")
+
+
+def ppo_clip_loss(lp, old, adv, mask, *, mode: str, low: float, high: float, c: float | None,
+                  C: float | None = None) -> torch.Tensor:
+    """PPO's clipped surrogate with dual clip, written out: r = exp(lp − old),
+    ℓ = max(−A·r, −A·clip(r, 1 − low, 1 + high)), for A < 0 min(ℓ, −A·c); aggregated by ``mode``."""
+    r = torch.exp(lp - old)
+    ell = torch.maximum(-adv * r, -adv * r.clamp(1 - low, 1 + high))
+    if c is not None:
+        ell = torch.where(adv < 0, torch.minimum(ell, -adv * c), ell)
+    return _agg(ell, mask, mode, C)
+
+
+def hf_loss_and_grads(model, batch: TrainBatch, spec) -> tuple[float, dict[str, torch.Tensor]]:
+    """The actor's objective PG − entropy_coeff·H + kl_loss_coef·KL(k3) on the HF model (``spec``: an
+    ``ActorLossSpec``, read for its knobs only), and its gradient by HF name. Written out for the vanilla PPO loss
+    and the k3 (``low_var_kl``) KL estimator, the ones the worker tests use; anything else is refused."""
+    if spec.policy_loss != "vanilla" or (spec.use_kl_loss and spec.kl_loss_type not in ("low_var_kl", "k3")):
+        raise ValueError(f"reference_impl writes out vanilla PPO and k3 only, not {spec.policy_loss}/{spec.kl_loss_type}")
+    if spec.tis_imp_ratio_cap is not None or spec.distill_coef:
+        raise ValueError("reference_impl: no TIS or distillation term written out")
+    model.zero_grad(set_to_none=True)
+    lp, ent = hf_log_probs(model, batch, spec.temperature)
+    m = batch.response_mask.float()
+    kw = {"mode": spec.loss_agg_mode, "C": spec.norm_constant}
+    loss = ppo_clip_loss(lp, batch.old_log_probs, batch.advantages, m, low=spec.clip_ratio_low,
+                         high=spec.clip_ratio_high, c=spec.clip_ratio_c, **kw)
+    loss = loss - spec.entropy_coeff * _agg(ent, m, **kw)
+    if spec.use_kl_loss:
+        # k3 = exp(ref − lp) − (ref − lp) − 1, with verl's clamps: log-ratio to [−20, 20], value to [−10, 10]
+        d = (batch.ref_log_prob - lp).clamp(-20.0, 20.0)
+        loss = loss + spec.kl_loss_coef * _agg((torch.exp(d) - d - 1).clamp(-10.0, 10.0), m, **kw)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    if "lm_head.weight" in grads and model.config.tie_word_embeddings:
+        grads.pop("lm_head.weight")
+    return float(loss.detach()), grads

@@ -29,6 +29,9 @@ Independent figures (computed here, in the test process, from transformers' rout
   transformers' ``load_balancing_loss_func`` (qwen3_moe) over the micro-batch's valid tokens (its
   ``attention_mask``: mrl passes Megatron's routers the padding mask, so padding is out of the aux loss), divided by top-k (transformers' token share is per top-k slot, Megatron's
   ``f_e = count_e / (T·k)``), averaged over layers and ranks; ``moe/aux_loss`` = 0.05 × that figure.
+* gradients in scale and direction: each layout's update gradient, and the aux runs' (coefficients 0 and 0.05),
+  equal transformers' autograd of the objective written out in tests/workers/moe_objective.py (policy term on
+  transformers' log-probs, + the aux term above), per tensor within its derived float32 bound (4.8e-5 here).
 * ``moe/replay_mismatch``: the engine's top-k sets (its router logits) against the trainer's own, from the
   trainer checkpoint's router rows applied to the router inputs of the engine's forward (replay makes the
   trainer's hidden states the engine's up to the δ in one softmax row), over the positions carrying engine
@@ -380,6 +383,30 @@ def test_moe_actor_layouts_aux_loss_and_routing_replay(tmp_path):
             # (the entropy's 1/log E is a float32 constant in mrl: 2.7e-9 off; one count moved is > 1e-4)
             assert m[key] == pytest.approx(want, abs=1e-8 if key == "moe/load_entropy" else 1e-12), (lay, key, m[key], want)
         assert "moe/replay_mismatch" not in m  # no engine ids, nothing to compare
+    # gradients in scale and direction: transformers' autograd of the same objective (tests/workers/moe_objective.py)
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+        load_balancing_loss_func,
+    )
+
+    from tests.workers.moe_objective import (
+        grad_deviation,
+        objective_grads,
+        relative_bound,
+    )
+
+    bound = relative_bound(model.config)
+    want = {c: objective_grads(model, batch, tmp_path / f"grads_{c}", aux_coef=c, lb_func=load_balancing_loss_func)
+            for c in (0.0, 0.05)}
+    checks = [(f"{lay}", {n: t for r in res for n, t in (r["layouts"][li]["grads"] or {}).items()}, 0.0,
+               res[0]["layouts"][li]["loss"]) for li, lay in enumerate(LAYOUTS)]
+    checks += [(f"aux {c}", {n: t for r in res for n, t in ((r["aux_grads"] or {}).get(c) or {}).items()}, c, None)
+               for c in (0.0, 0.05)]
+    for tag, grads, coef, loss in checks:
+        d, worst = grad_deviation(grads, want[coef]["grads"])
+        print(f"{tag}: grad vs transformers' autograd {d:.2e} ({worst}), bound {bound:.2e}")
+        assert d <= bound, f"{tag}: gradient {worst} {d:.3g} (relative to its max) from transformers' autograd"
+        if loss is not None:  # the forward_backward's loss (pg only: no entropy or KL term)
+            assert abs(loss - want[0.0]["pg_loss"]) <= bound * want[0.0]["scale"], (tag, loss, want[0.0]["pg_loss"])
     # counting the padded layouts' padding would change the shares: the masking is what makes them agree
     assert all(abs(want_loads[0]["moe/load_entropy"] - w["moe/load_entropy"]) > 1e-4 for w in want_loads[3:]), want_loads
     # aux loss: transformers' load-balancing loss on the same micro-batches; changes only the router gradients

@@ -33,6 +33,13 @@ the same micro-batches) on packed rows, must agree in loss, reported aux loss an
 Independent side: transformers built from the checkpoint (``reference_impl.hf_padded_log_probs``: its own
 attention_mask / position_ids forward of the padded batch, no mrl input builder), and for the aux loss the router
 logits transformers reports.
+
+Gradients in scale and direction: every layout's update gradient (and its reported pg loss) equals transformers'
+autograd of the same objective written out in tests/workers/moe_objective.py (the clipped surrogate, token-mean,
+on transformers' log-probs; for the gpt-oss aux runs plus the aux term above), per tensor within the float32 bound
+derived there (``2·u·D·√K`` of the tensor's largest entry: 1.5e-5 for the 2-layer families, 2.7e-5 for the 4-layer
+DeepSeek-V3). Comparing layouts with each other cannot see a scale on the policy gradient (every layout has it),
+nor the difference g_aux − g_0 a scale on the policy term or a dropped aux term shared by both runs.
 """
 from __future__ import annotations
 
@@ -166,6 +173,11 @@ def test_new_moe_families_actor_layout_invariance_and_gpt_oss_aux_loss(tmp_path)
     from tests.helpers.tiny_deepseek import make_tiny_deepseek_hf
     from tests.helpers.tiny_moe_checkpoints import make_tiny_moe_hf
     from tests.workers.batches import ragged_batch, tensors
+    from tests.workers.moe_objective import (
+        grad_deviation,
+        objective_grads,
+        relative_bound,
+    )
     from tests.workers.reference_impl import hf_padded_log_probs
 
     paths = {"deepseek_v3": str(make_tiny_deepseek_hf(tmp_path / "deepseek_v3")),
@@ -179,6 +191,8 @@ def test_new_moe_families_actor_layout_invariance_and_gpt_oss_aux_loss(tmp_path)
         with torch.no_grad():
             ref_lp, _ = hf_padded_log_probs(model, batch)
         ckpt = load_file(str(tmp_path / fam / "model.safetensors"))
+        # transformers' autograd of the objective (tests/workers/moe_objective.py) and its float32 bound
+        want, bound = objective_grads(model, batch, tmp_path / f"{fam}_grads"), relative_bound(model.config)
         g0 = _step_grads([r[fam][0] for r in res], ckpt)
         base_loss = res[0][fam][0]["loss"]
         # the gradient reaches every MoE layer's experts and router (the check is not vacuous)
@@ -196,8 +210,16 @@ def test_new_moe_families_actor_layout_invariance_and_gpt_oss_aux_loss(tmp_path)
             assert set(grads) == set(g0), (tag, set(grads) ^ set(g0))
             rel = {n: float((grads[n] - g).abs().max()) / max(float(g.abs().max()), 1e-12) for n, g in g0.items()}
             worst = max(rel, key=rel.get)
+            d_hf, worst_hf = grad_deviation(grads, want["grads"])
+            d_loss_hf = max(abs(r[fam][li]["loss"] - want["pg_loss"]) for r in res)
             report.append(f"{tag}: |lp - hf| {d_lp:.2e}, |loss - DP4| {d_loss:.2e}, "
-                          f"grad max rel {rel[worst]:.2e} ({worst})")
+                          f"grad max rel {rel[worst]:.2e} ({worst}); vs transformers' autograd: grad {d_hf:.2e} "
+                          f"({worst_hf}), loss {d_loss_hf:.2e} (bounds {bound:.2e}, {bound * want['scale']:.2e})")
+            if d_hf > bound:
+                failures.append(f"{tag}: gradient {worst_hf} {d_hf:.3g} (relative to its max) from transformers' "
+                                f"autograd of the objective, bound {bound:.3g}")
+            if d_loss_hf > bound * want["scale"]:
+                failures.append(f"{tag}: pg loss {d_loss_hf:.3g} from transformers' {want['pg_loss']:.8f}")
             if d_lp > LP_TOL:
                 failures.append(f"{tag}: actor log-probs {d_lp:.3g} from transformers'")
             if d_loss > 1e-7 + 1e-5 * abs(base_loss):
@@ -219,6 +241,20 @@ def test_new_moe_families_actor_layout_invariance_and_gpt_oss_aux_loss(tmp_path)
     report.append(f"gpt_oss aux, EP2 packed vs DP4 padded: moe/load_balancing_loss {m_packed['moe/load_balancing_loss']} "
                   f"vs {m_aux['moe/load_balancing_loss']}, grad max rel {rel_packed:.2e}")
     assert set(g_0) == set(want_g), set(g_0) ^ set(want_g)  # gpt-oss exports its experts fused, as transformers
+    # the whole objective, policy + aux, against transformers' autograd: DP4 padded and EP2 packed
+    from transformers.models.gpt_oss.modeling_gpt_oss import load_balancing_loss_func
+
+    oss = AutoModelForCausalLM.from_pretrained(paths["gpt_oss"], dtype=torch.float32).eval()
+    want_all, oss_bound = objective_grads(oss, batch, tmp_path / "oss_aux_grads", aux_coef=AUX,
+                                         lb_func=load_balancing_loss_func), \
+        relative_bound(oss.config)
+    for tag, g in (("DP4 padded", g_aux), ("EP2 packed", g_packed)):
+        d_hf, worst_hf = grad_deviation(g, want_all["grads"])
+        report.append(f"gpt_oss aux {tag}: grad vs transformers' autograd of policy + aux {d_hf:.2e} ({worst_hf}), "
+                      f"bound {oss_bound:.2e}")
+        if d_hf > oss_bound:
+            failures.append(f"gpt_oss aux {tag}: gradient {worst_hf} {d_hf:.3g} from transformers' autograd of "
+                            f"policy + aux, bound {oss_bound:.3g}")
     d_aux = {n: g_aux[n] - g_0[n] for n in want_g}
     pad_row = float(d_aux["model.embed_tokens.weight"][0].abs().max())  # the padding token's row (docstring)
     worst = max(float((d_aux[n] - want.double()).abs().max()) for n, want in want_g.items())
@@ -227,6 +263,7 @@ def test_new_moe_families_actor_layout_invariance_and_gpt_oss_aux_loss(tmp_path)
                   f"padding token's embedding row {pad_row:.2e}")
     print("\n".join(report))
     assert not failures, "\n".join(failures)
+    assert want_all["lb"] == pytest.approx(lb, rel=1e-12)  # the two written-out aux computations agree
     assert m_aux["moe/load_balancing_loss"] == pytest.approx(lb, rel=1e-6), (m_aux, lb)
     assert m_aux["moe/aux_loss"] == pytest.approx(AUX * lb, rel=1e-6), m_aux
     assert m_packed["moe/load_balancing_loss"] == pytest.approx(m_aux["moe/load_balancing_loss"], rel=1e-6), report

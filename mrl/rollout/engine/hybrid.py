@@ -31,7 +31,6 @@ import torch
 from transformers import DynamicCache
 
 from mrl.rollout.engine.kv_cache import RunningBatch
-from mrl.rollout.engine.loading import text_config
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -51,7 +50,7 @@ class HybridLayout:
     @classmethod
     def of(cls, config) -> HybridLayout | None:
         """The layout of a config with linear-attention layers; None for any other model."""
-        cfg = text_config(config)
+        cfg = config.get_text_config()  # the decoder's: a vision-language config nests it
         types = list(getattr(cfg, "layer_types", None) or [])
         if LINEAR not in types:
             return None

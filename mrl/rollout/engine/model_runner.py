@@ -7,8 +7,9 @@ padding; padding exists only in the attention over the cache and is bounded by t
 lengths of the sequences *currently* running). New requests are prefilled together (one
 left-padded forward of the model) and added to the running set between decode steps. The decode
 step is :mod:`mrl.rollout.engine.decode`; for a hybrid model (Gated DeltaNet linear-attention layers, whose
-per-row conv window and recurrent state ride along as row states) :mod:`mrl.rollout.engine.hybrid`. The model
-is loaded under its checkpoint's tensor names (:mod:`mrl.rollout.engine.loading`).
+per-row conv window and recurrent state ride along as row states) :mod:`mrl.rollout.engine.hybrid`. A
+vision-language checkpoint is loaded whole (:func:`mrl.rollout.engine.vlm.load_model`), so its weights keep the
+checkpoint's names (``model.language_model.layers.{i}...``).
 
 Positions are counted per row (``next_pos``), so a row's logits do not depend on its padding:
 log-probs agree with an unpadded transformers forward of the same tokens to ~1e-6 in fp32.
@@ -25,8 +26,14 @@ from mrl.dtypes import DTYPES, torch_dtype
 from mrl.rollout.engine.decode import LlamaFamilyDecoder, fast_path_refusal, hf_decode
 from mrl.rollout.engine.hybrid import HybridLayout, hybrid_decode
 from mrl.rollout.engine.kv_cache import PrefilledRows, RunningBatch
-from mrl.rollout.engine.loading import load_model, text_config
 from mrl.rollout.engine.moe import RoutingCapture, checkpoint_views, is_moe
+from mrl.rollout.engine.vlm import (
+    VisionInputs,
+    VisionProcessor,
+    is_vision_language,
+    load_model,
+    prefill_inputs,
+)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -66,21 +73,23 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.config = AutoConfig.from_pretrained(path)
-        cfg = text_config(self.config)  # the decoder's (a vision-language config nests it)
-        self.model = load_model(path, self.dtype).to(self.device).eval()
+        # a vision-language checkpoint: its pictures' processor and *ForConditionalGeneration (engine/vlm.py)
+        self.vision = VisionProcessor(path, self.config) if is_vision_language(self.config) else None
+        self.model = load_model(path, self.config, self.dtype).to(self.device).eval()
         self.tokenizer = None
         if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
             self.tokenizer = AutoTokenizer.from_pretrained(path)
+        text_cfg = self.config.get_text_config()  # the config itself, but for multimodal wrappers
         eos = getattr(self.config, "eos_token_id", None)
         if eos is None:
-            eos = getattr(cfg, "eos_token_id", None)
+            eos = getattr(text_cfg, "eos_token_id", None)
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
         self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
         # Read once: a transformers config attribute costs microseconds, and the scheduler checks these for
         # every request and every sampled token.
-        self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
-        self.vocab_size = int(cfg.vocab_size)
+        self.max_positions = int(getattr(text_cfg, "max_position_embeddings", 1 << 30))
+        self.vocab_size = int(text_cfg.vocab_size)
         self.released = False
         # By checkpoint name (what updates send; fused MoE experts split per expert, mrl/rollout/engine/moe.py),
         # and by parameter for resume().
@@ -91,12 +100,15 @@ class ModelRunner:
                              f"(model_type {getattr(self.config, 'model_type', None)!r}); drop the flag")
         self.routing = RoutingCapture(self.model) if capture_routing else None
         self.last_routing: list[torch.Tensor] | torch.Tensor | None = None
-        self._kv_shape = kv_cache_shape(cfg)
+        self._kv_shape = kv_cache_shape(text_cfg)
         self.hybrid = HybridLayout.of(self.config)  # linear-attention layers: conv window + recurrent state per row
         if self.hybrid is not None:
             self._kv_shape = (len(self.hybrid.full), *self._kv_shape[1:])  # K/V for the full-attention layers only
         # The written-out decode step for the families it knows; the model's own forward otherwise.
-        self.decode_path = fast_path_refusal(self.config)
+        # a vision-language model: its decoder sits under model.language_model and its forward owns the mRoPE
+        # (a hybrid, vision-language or not, names its recurrent state: fast_path_refusal checks that first)
+        self.decode_path = (fast_path_refusal(self.config) if self.vision is None or self.hybrid is not None
+                            else "vision-language model")
         self._decoder = LlamaFamilyDecoder(self.model) if self.decode_path is None else None
         self.decode_path = "fast" if self.decode_path is None else f"transformers forward ({self.decode_path})"
 
@@ -119,7 +131,8 @@ class ModelRunner:
 
     # ---- forward ------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], routing: bool = False) -> tuple[PrefilledRows, torch.Tensor]:
+    def prefill(self, prompts: list[list[int]], routing: bool = False,
+                vision: list[VisionInputs | None] | None = None) -> tuple[PrefilledRows, torch.Tensor]:
         """Left-padded batched prefill. Returns the new rows' cache (for ``RunningBatch.add``) and
         the logits of each prompt's last position [N, V]. ``routing`` (needs ``capture_routing``):
         :attr:`last_routing` becomes one int32 ``[len(prompt), num_layers, top_k]`` per prompt, the
@@ -127,21 +140,27 @@ class ModelRunner:
 
         Identical prompts are computed once and their rows copied: the rollout client sends the n
         samples of a prompt together, so an RL admission is mostly n-fold repeats (SGLang reuses
-        them from its prefix cache)."""
-        first: dict[tuple[int, ...], int] = {}
-        index = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        them from its prefix cache). ``vision`` (a vision-language model): each prompt's pictures
+        (engine/vlm.py), part of what makes two prompts identical."""
+        vision = vision if vision is not None and any(v is not None for v in vision) else None
+        keys = [tuple(p) if vision is None else (tuple(p), None if vision[i] is None else vision[i].digest)
+                for i, p in enumerate(prompts)]
+        first: dict[tuple, int] = {}
+        index = [first.setdefault(k, len(first)) for k in keys]
         self._arm(routing)
         if len(first) == len(prompts):
-            out = self._prefill(prompts)
+            out = self._prefill(prompts, vision)
             self._take_prefill_routing(prompts, list(range(len(prompts))))
             return out
-        uniq = [list(p) for p in first]
-        rows, logits = self._prefill(uniq)
+        at = {k: i for i, k in reversed(list(enumerate(keys)))}  # the first row of each key
+        uniq = [list(prompts[at[k]]) for k in first]
+        rows, logits = self._prefill(uniq, None if vision is None else [vision[at[k]] for k in first])
         self._take_prefill_routing(uniq, index)
         idx = torch.tensor(index, device=self.device)
         return rows.select(idx), logits.index_select(0, idx)  # K/V and any row states (hybrid) alike
 
-    def _prefill(self, prompts: list[list[int]]) -> tuple[PrefilledRows, torch.Tensor]:
+    def _prefill(self, prompts: list[list[int]], vision: list[VisionInputs | None] | None = None
+                 ) -> tuple[PrefilledRows, torch.Tensor]:
         n, L = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(n, L, dtype=torch.long)
         mask = torch.zeros(n, L, dtype=torch.long)
@@ -149,6 +168,12 @@ class ModelRunner:
             ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, L - len(p):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        next_pos, extra = torch.tensor([len(p) for p in prompts], dtype=torch.long), {}
+        if self.vision is not None:  # multimodal RoPE positions and the pictures (engine/vlm.py)
+            pos, next_pos, extra = prefill_inputs(self.model, ids.to(self.device), mask.to(self.device),
+                                                  vision or [None] * n, self.vision.image_token_id)
+        elif vision is not None:
+            raise ValueError("image_data needs a vision-language model; this engine serves a text-only one")
         # A hybrid's cache has a linear-attention layer per linear layer (built from the config); a plain
         # DynamicCache() replicates K/V layers (given a config it would also window sliding-window layers' K/V).
         cache = DynamicCache(config=self.model.config) if self.hybrid is not None else DynamicCache()
@@ -156,6 +181,7 @@ class ModelRunner:
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
             position_ids=pos.to(self.device), past_key_values=cache, use_cache=True,
             logits_to_keep=1,  # only the last position is sampled: skip V x T of lm_head work
+            **extra,
         )
         pad = (mask == 0).to(self.device)
         states: list[torch.Tensor] = []
@@ -168,7 +194,7 @@ class ModelRunner:
                 keys.append(layer.keys.masked_fill(pad[:, None, :, None], 0.0))
                 values.append(layer.values.masked_fill(pad[:, None, :, None], 0.0))
         rows = PrefilledRows(keys, values, mask.to(self.device),
-                             next_pos=torch.tensor([len(p) for p in prompts], dtype=torch.long), states=states)
+                             next_pos=next_pos, states=states)
         return rows, out.logits[:, -1, :]
 
     def decode(self, rb: RunningBatch, routing: bool = False) -> torch.Tensor:

@@ -43,7 +43,6 @@ import re
 import torch
 
 from mrl.families import FAMILIES
-from mrl.rollout.engine.loading import decoder_layers, text_config
 
 #: ``model_type`` -> (checkpoint module of the MoE block, names of (gate, up, down) per expert), as each MoE
 #: family declares them (``MoE.block``/``MoE.expert_names`` in mrl/families/<name>.py)
@@ -100,6 +99,13 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers: ``model.model.language_model.layers`` of a vision-language model (its decoder nested
+    beside the vision tower), ``model.model.layers`` otherwise."""
+    inner = model.model
+    return inner.language_model.layers if hasattr(inner, "language_model") else inner.layers
+
+
 class RoutingCapture:
     """Top-k expert ids of every layer for the tokens of one forward, from the routers' own outputs.
 
@@ -108,7 +114,7 @@ class RoutingCapture:
     ``take``, as around every forward, so two forwards never mix."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        text = text_config(model.config)
+        text = model.config.get_text_config()
         self.num_layers = int(text.num_hidden_layers)
         self.top_k = int(text.num_experts_per_tok)
         self.armed = False

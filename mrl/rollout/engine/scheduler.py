@@ -105,6 +105,8 @@ class Request:
     routed_start: int = 0  # routed_experts_start_len: the first position returned
     routed: list[torch.Tensor] = field(default_factory=list)
     stop_patterns: list[Any] = field(default_factory=list)  # compiled stop_regex_list (the `regex` module)
+    # a vision-language request's pictures (engine/vlm.py: VisionInputs); prompt_ids then hold every image token
+    vision: Any = None
 
     def routed_experts(self) -> torch.Tensor:
         """int32 ``[len(prompt) + len(output) - 1, num_layers, top_k]`` once finished (SGLang's rows)."""
@@ -340,7 +342,8 @@ class Scheduler:
             self.stats["admitted_while_running"] += len(admit)
         # A retracted request resumes from prompt + the tokens it had sampled (see pause).
         routing = any(r.return_routed_experts for r in admit)
-        rows, logits = self.runner.prefill([r.prompt_ids + r.output_ids for r in admit], routing=routing)
+        vision = [r.vision for r in admit] if any(r.vision is not None for r in admit) else None
+        rows, logits = self.runner.prefill([r.prompt_ids + r.output_ids for r in admit], routing=routing, vision=vision)
         if routing:
             for r, ids in zip(admit, self.runner.last_routing):  # type: ignore[arg-type]
                 if r.return_routed_experts:

@@ -136,8 +136,9 @@ def build_app(engine: Engine, token: str | None = None, api_key: str | None = No
                 text, ids, sp, lp, rid = body.item(i)
                 start, top = body.logprob_options(i)
                 ids = S.encode(engine, text) if ids is None else ids
+                ids, vision = S.prepare_images(engine, ids, body.images(i))  # once per prompt, not per sample
                 jobs += [S.new_job(engine, ids, sp, lp, start, top, rid if sp.n == 1 or rid is None else f"{rid}_{j}",
-                                   body.return_routed_experts, body.routed_experts_start_len)
+                                   body.return_routed_experts, body.routed_experts_start_len, vision)
                          for j in range(sp.n)]
             await S.run(engine, jobs)
         except EngineBusy as e:

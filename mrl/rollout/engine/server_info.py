@@ -1,7 +1,7 @@
 """``/model_info`` and ``/server_info`` of the embedded engine, in SGLang 0.5.23's shape.
 
 SGLang's ``/model_info`` keys are all present (values this engine does not have — parsers,
-disaggregation, multimodal — are their "off" values). Its ``/server_info`` is the server's
+disaggregation, audio — are their "off" values; ``has_image_understanding`` is true for a vision-language model). Its ``/server_info`` is the server's
 resolved launch arguments plus scheduler state; here: the arguments this engine has (model,
 dtype, device, ``max_running_requests``, parallel sizes 1, ``context_length``), the
 scheduler limits (``max_total_num_tokens``, ``max_req_input_len``), ``internal_states`` (one
@@ -26,15 +26,15 @@ def model_info(engine) -> dict[str, Any]:
         "tokenizer_path": runner.model_path if runner.tokenizer else None,
         "is_generation": True, "preferred_sampling_params": None, "weight_version": sched.weight_version,
         "load_format": "safetensors", "reasoning_parser": None, "tool_call_parser": None,
-        "disaggregation_mode": "null", "has_image_understanding": False, "has_audio_understanding": False,
+        "disaggregation_mode": "null", "has_image_understanding": runner.vision is not None, "has_audio_understanding": False,
         "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None),
         "engine": "mrl-torch",
     }
 
 
 def context_length(engine) -> int:
-    text = engine.runner.config.get_text_config()  # a vision-language config keeps it in text_config
-    return int(getattr(text, "max_position_embeddings", 0) or 0)
+    cfg = engine.runner.config
+    return int(getattr(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg, "max_position_embeddings", 0) or 0)
 
 
 def server_info(engine, startup_time: float) -> dict[str, Any]:

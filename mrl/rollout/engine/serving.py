@@ -53,8 +53,12 @@ class Job:
 
 
 def new_job(engine, ids: list[int], params, return_logprob: bool, start: int, top_num: int,
-            rid: str | None, routed_experts: bool = False, routed_start: int = 0) -> Job:
-    """A job for one sample; ``start`` or ``routed_start`` beyond the prompt is refused (SGLang's rules)."""
+            rid: str | None, routed_experts: bool = False, routed_start: int = 0, vision: Any = None) -> Job:
+    """A job for one sample; ``start`` or ``routed_start`` beyond the prompt is refused (SGLang's rules).
+    ``vision``: the prompt's pictures (:func:`prepare_images`; ``ids`` are then the expanded ones)."""
+    if vision is not None and return_logprob and start >= 0:
+        raise ValueError("logprob_start_len >= 0 with image_data: the embedded engine returns no prompt log-probs for "
+                         "pictures; send logprob_start_len=-1")
     if return_logprob and start > len(ids):
         raise ValueError(f"logprob_start_len={start} is higher than the number of input tokens ({len(ids)}); "
                          "use a smaller logprob_start_len")
@@ -63,10 +67,21 @@ def new_job(engine, ids: list[int], params, return_logprob: bool, start: int, to
                          "tokens); use a value in that range")
     req = Request(prompt_ids=list(ids), params=params, return_logprob=return_logprob,
                   top_logprobs_num=top_num if return_logprob else 0, return_routed_experts=routed_experts,
-                  routed_start=routed_start)
+                  routed_start=routed_start, vision=vision)
     if rid is not None:
         req.rid = rid
     return Job(req, start if return_logprob else -1)
+
+
+def prepare_images(engine, ids: list[int], images: list[Any] | None) -> tuple[list[int], Any]:
+    """(ids, pictures) of one prompt: a vision-language engine expands its image tokens (engine/vlm.py); a
+    text-only one refuses pictures."""
+    vision = engine.runner.vision
+    if vision is None:
+        if images:
+            raise ValueError("image_data needs a vision-language model; this engine serves a text-only one")
+        return ids, None
+    return vision.prepare(ids, images or [])
 
 
 def encode(engine, text: str) -> list[int]:

@@ -160,12 +160,14 @@ def test_weight_sync_group_ranks_of_multinode_engines_in_sglangs_receiver(monkey
 
     from mrl.driver.engines import engine_command
     from mrl.rollout.weight_sync.transports import group_init_payloads
+    from mrl.workers.rank import engine_world_sizes
 
     joined: list[tuple[int, int, int, str]] = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)  # SGLang asserts its engine's own default group
     cfg, slots = _multinode_slots()
-    payloads = group_init_payloads([cfg.rollout.engine_tp_size] * len(slots), "10.0.0.9", 40000, "mrl_weight_sync_pp0",
-                                   "nccl")  # what rank.py's WeightSyncer(engine_world_sizes=[tp] * n) sends
+    # the sizes the trainer's rank hands its WeightSyncer (TrainRank.init_weight_sync), from the same function
+    payloads = group_init_payloads(engine_world_sizes(cfg.rollout.engine_tp_size, len(slots)), "10.0.0.9", 40000,
+                                   "mrl_weight_sync_pp0", "nccl")
     parser = argparse.ArgumentParser()
     from sglang.srt.server_args import ServerArgs
 

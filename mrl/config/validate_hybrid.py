@@ -1,0 +1,43 @@
+"""Plan-time checks of a hybrid-attention model (Qwen3.5: Gated DeltaNet linear-attention layers beside gated
+attention layers; :mod:`mrl.megatron.gated_delta_net`). No torch: reads config.json through :mod:`mrl.config.auto`.
+LoRA is refused for such a model too: the adapters' fused layouts do not know the gated ``q_proj`` yet.
+
+A Gated DeltaNet layer runs a recurrence over each whole sequence on one rank, so what splits or branches a sequence
+is refused for such a model: context parallelism (the sequence split over ranks), sequence parallelism (the
+activations split over TP along the sequence), the shared-prefix rows (several samples branching off one prompt
+inside a row) and the te / local attention backends (mrl builds these layers on Megatron's local spec only). The plan
+says which kernel runs the delta rule.
+"""
+from __future__ import annotations
+
+from mrl.config.auto import POLICY_ROLES, megatron_roles, model_is_hybrid
+from mrl.config.root import MRLConfig
+
+
+def check_hybrid(cfg: MRLConfig, cuda: bool, errors: list[str], notes: list[str]) -> None:
+    if not model_is_hybrid(cfg):
+        return
+    why = f"{cfg.model.path} has Gated DeltaNet layers, which run over each whole sequence on one rank"
+    for role, par, _lora in megatron_roles(cfg):
+        if role not in POLICY_ROLES:
+            continue
+        key = f"{role}.megatron"
+        if par.context_parallel_size != 1:
+            errors.append(f"{key}.context_parallel_size={par.context_parallel_size}: {why} (no context-parallel "
+                          f"delta rule yet); fix: {key}.context_parallel_size=1")
+        if par.sequence_parallel:
+            errors.append(f"{key}.sequence_parallel=true: {why}; fix: {key}.sequence_parallel=false")
+        if par.attention_backend in ("te", "local"):
+            errors.append(f"{key}.attention_backend={par.attention_backend}: mrl builds the Gated DeltaNet layers on "
+                          f"Megatron's local spec with SDPA attention only; fix: {key}.attention_backend=sdpa (or auto)")
+    if cfg.actor.lora.enabled:
+        # the adapters' fused layouts (mrl/megatron/lora.py) know neither the gated q_proj nor the decoder prefix
+        errors.append(f"actor.lora with {cfg.model.path}'s hybrid attention: LoRA on Qwen3.5's gated attention "
+                      "and Gated DeltaNet projections is not built yet; fix: train without actor.lora (full "
+                      "fine-tuning) for this model")
+    if cfg.actor.shared_prefix is True:
+        errors.append(f"actor.shared_prefix=true: {why}, and a shared-prefix row branches several samples off one "
+                      "prompt inside the row; fix: actor.shared_prefix=false (or auto)")
+    kernel = ("fla's chunk_gated_delta_rule (varlen over packed rows) on ranks where the fla package imports, else "
+              "mrl's torch chunked kernel per sequence" if cuda else "mrl's torch chunked kernel, per sequence")
+    notes.append(f"Gated DeltaNet kernel: {kernel} (mrl/megatron/delta_rule.py)")

@@ -1,0 +1,53 @@
+"""A hybrid-attention model (Qwen3.5's vision-language release, tiny) in ``mrl plan``: the quickstart recipe plans
+(shared-prefix rows resolved off, packed rows on, the Gated DeltaNet kernel named), and what would split or branch a
+sequence, LoRA and the te/local backends are refused in one line naming the key and the fix, before anything starts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mrl.config import load_config
+from mrl.config.loader import ConfigError
+from tests.helpers.tiny_qwen3_5 import make_tiny_qwen3_5_hf
+
+RECIPE = Path(__file__).resolve().parents[2] / "mrl_configs" / "quickstart_qwen3_5.yaml"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> list[str]:
+    """The overrides pointing the recipe at a tiny Qwen3.5 and a one-row prompt file."""
+    from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("q35")
+    path = make_tiny_qwen3_5_hf(root / "m")
+    save_tiny_tokenizer(path)
+    data = root / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "1 + 2 =", "reward_model": {"ground_truth": "3"}}) + "\n")
+    return [f"model.path={path}", f"data.train_files=[{data}]", f"data.val_files=[{data}]"]
+
+
+def _errors(model: list[str], *overrides: str) -> list[str]:
+    with pytest.raises(ConfigError) as ei:
+        load_config(RECIPE, [*model, *overrides])
+    return ei.value.errors
+
+
+def test_the_hybrid_recipe_plans_without_shared_prefix(model: list[str]) -> None:
+    from mrl.config.auto import resolve_shared_prefix
+
+    cfg = load_config(RECIPE, model)
+    choice = resolve_shared_prefix(cfg, "cpu")
+    assert choice.value is False and "Gated DeltaNet" in choice.why
+
+
+@pytest.mark.parametrize("override,key", [
+    ("actor.shared_prefix=true", "actor.shared_prefix=true"),
+    ("actor.megatron.attention_backend=local", "actor.megatron.attention_backend=local"),
+    ("actor.lora.rank=8", "actor.lora"),
+    ("actor.megatron.context_parallel_size=2", "actor.megatron.context_parallel_size=2"),
+])
+def test_what_breaks_the_recurrence_is_refused_by_key(model: list[str], override: str, key: str) -> None:
+    errors = _errors(model, override)
+    assert any(e.startswith(key) and "fix:" in e for e in errors), errors

@@ -1,0 +1,119 @@
+"""Tiny vision-language checkpoints and images, built locally (no downloads).
+
+``save_tiny_vlm(path, kind)`` writes a random Qwen2.5-VL (``kind="qwen2_5_vl"``) or Qwen3-VL
+(``"qwen3_vl"``) checkpoint with a byte-level BPE tokenizer carrying Qwen's vision special tokens, a
+ChatML chat template and a ``preprocessor_config.json`` for Qwen's image processor (small ``max_pixels``
+so a test image becomes a handful of tokens). ``png(w, h, seed)`` is an in-memory PNG.
+"""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+            "<|image_pad|>", "<|video_pad|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VOCAB = 256 + len(SPECIALS)  # byte symbols (no merges) + specials: ids 0..6 are the specials
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}
+MIN_PIXELS_TOKENS, MAX_PIXELS_TOKENS = 1, 16  # merged tokens per image at least / at most
+
+
+def save_tokenizer(path: str | Path) -> dict[str, int]:
+    """The tokenizer (Qwen's special tokens, ChatML template) into ``path``; returns {special: id}."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["a"], trainer=trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   additional_special_tokens=SPECIALS[1:])
+    fast.save_pretrained(str(path))
+    cfg_path = Path(path) / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "TokenizersBackend"
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return {s: tok.token_to_id(s) for s in SPECIALS}
+
+
+def save_vlm_files(path: str | Path, kind: str = "qwen2_5_vl"):
+    """Everything of a tiny ``kind`` checkpoint but its weights (tokenizer, config.json,
+    preprocessor_config.json) into ``path``; returns (config, model class)."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+    )
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ids = save_tokenizer(path)
+    tokens = {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+              "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"]}
+    text = {"vocab_size": VOCAB + 8, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+                "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"], "bos_token_id": None,
+                "tie_word_embeddings": False}
+    if kind == "qwen2_5_vl":
+        cfg = Qwen2_5_VLConfig(
+            text_config={**text, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                     "mrope_section": [2, 1, 1]}},
+            vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 32,
+                               "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                               "fullatt_block_indexes": [1], "in_chans": 3},
+            **tokens)
+        model_cls = Qwen2_5_VLForConditionalGeneration
+    elif kind == "qwen3_vl":
+        cfg = Qwen3VLConfig(
+            text_config={**text, "head_dim": 8, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                    "mrope_section": [2, 1, 1],
+                                                                    "mrope_interleaved": True}},
+            vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 32,
+                               "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
+                               "deepstack_visual_indexes": [0], "in_channels": 3},
+            **tokens)
+        model_cls = Qwen3VLForConditionalGeneration
+    else:
+        raise ValueError(f"kind must be qwen2_5_vl or qwen3_vl, got {kind!r}")
+    cfg.architectures = [model_cls.__name__]
+    cfg.save_pretrained(str(path))
+    px = (PATCH[kind] * 2) ** 2  # pixels of one merged token
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": PATCH[kind], "merge_size": 2,
+        "temporal_patch_size": 2, "min_pixels": MIN_PIXELS_TOKENS * px, "max_pixels": MAX_PIXELS_TOKENS * px,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True, "do_normalize": True,
+        "do_resize": True, "do_convert_rgb": True}, indent=2))
+    return cfg, model_cls
+
+
+def save_tiny_vlm(path: str | Path, kind: str = "qwen2_5_vl", seed: int = 0) -> Path:
+    """A random tiny ``kind`` checkpoint (fp32) with tokenizer and image-processor config in ``path``."""
+    import torch
+
+    cfg, model_cls = save_vlm_files(path, kind)
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(torch.float32).eval()
+    model.save_pretrained(str(path))
+    return Path(path)
+
+
+def png(width: int, height: int, seed: int = 0, mode: str = "RGB") -> bytes:
+    """An in-memory PNG of random pixels."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    chans = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    arr = rng.integers(0, 256, size=(height, width, chans) if chans > 1 else (height, width), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr, mode=mode).save(buf, format="PNG")
+    return buf.getvalue()
