@@ -7,6 +7,7 @@ names, experts per expert) of one of :data:`KINDS`:
   a 1-block vision tower under ``model.visual.``);
 * ``qwen3_5_text``: ``Qwen3_5ForCausalLM`` (the text-only form, ``model.layers.``);
 * ``qwen3_5_moe``: ``Qwen3_5MoeForConditionalGeneration`` (4 experts, top-2, gated shared expert);
+* ``qwen3_5_moe_text``: ``Qwen3_5MoeForCausalLM`` (its text-only form);
 * ``qwen3_next``: ``Qwen3NextForCausalLM`` (MoE with a gated shared expert; fused q/k/v/z and b/a projections).
 
 4 decoder layers, ``layer_types`` linear, linear, linear, full (the 3 : 1 pattern), hidden 64, vocab 300, conv
@@ -23,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_next")
-MOE_KINDS = ("qwen3_5_moe", "qwen3_next")
+KINDS = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+MOE_KINDS = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 LAYERS, NUM_EXPERTS, TOP_K, VOCAB = 4, 4, 2, 300
 _TEXT = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": LAYERS,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
@@ -45,6 +46,8 @@ def hybrid_config(kind: str, **overrides):
         return tf.Qwen3_5TextConfig(**text)
     if kind == "qwen3_5_moe":
         return tf.Qwen3_5MoeConfig(text_config={**text, **_MOE}, vision_config=_VISION, tie_word_embeddings=False)
+    if kind == "qwen3_5_moe_text":
+        return tf.Qwen3_5MoeTextConfig(**text, **_MOE)
     if kind == "qwen3_next":
         return tf.Qwen3NextConfig(**text, **_MOE)
     raise ValueError(f"unknown tiny hybrid kind {kind!r}; one of {KINDS}")
@@ -57,6 +60,8 @@ def build_tiny_hybrid(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     torch.manual_seed(seed)
     if kind == "qwen3_5_text":
         model = tf.Qwen3_5ForCausalLM(cfg)
+    elif kind == "qwen3_5_moe_text":
+        model = tf.Qwen3_5MoeForCausalLM(cfg)
     elif kind in ("qwen3_5", "qwen3_5_moe"):
         model = tf.AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32)
     else:

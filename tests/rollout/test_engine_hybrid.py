@@ -1,17 +1,17 @@
 """Hybrid models (Gated DeltaNet linear attention + gated full attention) in the embedded engine, against plain
 transformers forwards: Qwen3.5 in its released vision-language form and its text-only form, Qwen3.5-MoE, Qwen3-Next.
 
-Tolerance (fp32 logits and log-probs): ``TOL = 4e-5``. The reference is one unpadded forward of each whole sequence
-(transformers' chunked delta rule); the engine prefills left-padded batches (other GEMM shapes, the chunks shifted
-by the padding) and decodes with the recurrent form, one token at a time: the same sums in other orders, so the two
-differ by rounding at every GEMM and delta-rule step. How far one rounding travels was measured on these models: a
-random relative perturbation of about one unit in the last place (1.2e-7) at the output of one linear-attention
-mixer, MLP or gated norm moves the logits (|z| <= 3) by 1e-6 to 3e-6, at the embeddings by 7e-6 (a tiny Qwen3's
-embeddings: 1.3e-6). Several such independent roundings make the bound: 4e-5. Measured engine vs reference:
-<= 1.5e-5 (median 5e-6) over these schedules and model seeds; a float64 forward puts the fp32 reference itself up
-to 7e-6 from exact. The MoE kinds add the router's softmax weights and the per-expert GEMMs of a batch grouped
-differently (median 1e-5, max 4.7e-5 over 6 model/schedule seeds): ``TOL_MOE = 1e-4``. Every fault below (a state not moved with its row, the conv window shifted
-by one, padding not masked, the recurrent state not carried) moves the logits by > 1.
+Tolerance (fp32 logits and log-probs): ``TOL = 1e-4`` dense, ``TOL_MOE = 3e-4`` MoE. The reference is one unpadded
+forward of each whole sequence (transformers' chunked delta rule); the engine prefills left-padded batches (other
+GEMM shapes, the chunks shifted by the padding) and decodes with the recurrent form, one token at a time: the same
+sums in other orders, so the two differ by rounding at every GEMM and delta-rule step. How far one rounding travels
+was measured on these models: a random relative perturbation of about one unit in the last place (1.2e-7) at the
+output of one linear-attention mixer, MLP or gated norm moves the logits (|z| <= 3) by 1e-6 to 3e-6, at the
+embeddings by 7e-6 (a tiny Qwen3's embeddings: 1.3e-6), and the engine-vs-reference differences have heavy tails:
+over 25 model/schedule runs (10 dense, 15 MoE) the dense kinds' median was 5e-6 and their worst 3.7e-5; the MoE kinds (the router's
+softmax over logits up to ~20 passes a rounding on into the expert weights) median 1e-5, worst 1.06e-4. The bounds
+sit 2.7x above those worst cases. Every fault below (a state not moved with its row, the conv window shifted by
+one, padding not masked, the recurrent state not carried) moves the logits by > 1, four orders of magnitude more.
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ from tests.helpers.tiny_hybrid import (
     reference_topk,
 )
 
-TOL = 4e-5
-TOL_MOE = 1e-4
+TOL = 1e-4
+TOL_MOE = 3e-4
 
 
 def _tol(kind: str) -> float:

@@ -1,4 +1,4 @@
-"""Hybrid (Gated DeltaNet) checkpoints through SGLang 0.5.23's own code: it recognises all five architectures as
+"""Hybrid (Gated DeltaNet) checkpoints through SGLang 0.5.23's own code: it recognises all five architectures (and the text-only MoE form) as
 hybrid-state models (no flag needed for its state pool), and our command pins the SSM-state dtype, as its
 argument parser reads it."""
 from __future__ import annotations
@@ -15,7 +15,8 @@ from tests.helpers.sglang_real import require
 from tests.helpers.tiny_hybrid import KINDS, hybrid_config
 
 ARCHS = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_text": "Qwen3_5ForCausalLM",
-         "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3_next": "Qwen3NextForCausalLM"}
+         "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+         "qwen3_next": "Qwen3NextForCausalLM"}
 
 
 def _parser():
@@ -30,7 +31,7 @@ def test_sglang_detects_the_hybrid_architectures_itself():
     require()
     from sglang.srt.arg_groups.overrides import _MAMBA_RADIX_CACHE_ARCHS
 
-    assert set(ARCHS.values()) | {"Qwen3_5MoeForCausalLM"} <= _MAMBA_RADIX_CACHE_ARCHS
+    assert set(ARCHS.values()) <= _MAMBA_RADIX_CACHE_ARCHS
 
 
 def test_hybrid_checkpoints_get_an_fp32_ssm_state(tmp_path):
