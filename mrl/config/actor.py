@@ -84,7 +84,7 @@ class ActorConfig(Section):
         None, ge=1, description="SAMPLES per forward/backward on one DP rank; required unless use_dynamic_bsz."
     )
     use_dynamic_bsz: bool = Field(False, description="Pack micro-batches by token count (ppo_max_token_len_per_gpu) instead of sample count.")
-    ppo_max_token_len_per_gpu: int = Field(16384, ge=1, description="TOKENS per micro-batch on one DP rank when use_dynamic_bsz.")
+    ppo_max_token_len_per_gpu: int = Field(16384, ge=1, description="TOKENS per micro-batch on one device when use_dynamic_bsz; with context parallelism a micro-batch holds up to this × CP tokens, 1/CP of them on each CP rank (verl's rule).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each step's batch.")
     shuffle: bool = Field(False, description="Shuffle samples before splitting into mini-batches.")
     clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip epsilon below 1: ratio >= 1 - clip_ratio_low.")

@@ -27,6 +27,7 @@ choice with its reason. A value other than ``auto`` is taken as given (``check_c
     no MoE routing replay             the engine's expert ids are per sample and per token
     no linear-attention layers        a Gated DeltaNet recurrence (Qwen3.5) cannot branch several samples off one
                                        prompt inside a row (``true`` is refused for such a model)
+    actor CP = 1                      context parallelism cuts packed rows
 
     The shapes it was measured at, on and off: docs/performance.md, 'auto: transport and shared prefix'.
 
@@ -121,6 +122,9 @@ def resolve_shared_prefix(cfg: MRLConfig, device: str) -> AutoChoice:
         return AutoChoice(key, bool(want), "set in the config")
     if cfg.actor.use_remove_padding is True:
         return AutoChoice(key, False, "auto: off, actor.use_remove_padding=true packs the rows instead")
+    if cfg.actor.megatron.context_parallel_size > 1:
+        return AutoChoice(key, False, "auto: off, context parallelism (actor.megatron.context_parallel_size > 1) cuts "
+                          "packed rows")
     n, P, R = cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_response_length
     row = P + n * (R - 1)
     shape = f"n={n}, P=data.max_prompt_length={P}, R=rollout.max_response_length={R}"

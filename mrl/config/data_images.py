@@ -44,8 +44,8 @@ def _has_column(path: Path, key: str) -> bool:
 
 def scan_images(cfg: MRLConfig) -> ImageScan:
     """Check the pictures of every configured prompt file that exists (module docstring)."""
-    from mrl.data.rows import DataError, get_dotted, read_rows
     from mrl.data.images import ImageError, VisionSpec, check_row_images, image_list
+    from mrl.data.rows import DataError, get_dotted, read_rows
 
     out = ImageScan()
     d = cfg.data

@@ -66,7 +66,7 @@ KEYS: dict[str, str] = {
     A + "megatron.param_offload": "actor.offload_param",
     A + "megatron.grad_offload": "actor.offload_grad",
     A + "megatron.optimizer_offload": "actor.offload_optimizer",
-    # (*.megatron.context_parallel_size: CONVERTERS, 1 carried over, > 1 reported and left out)
+    # (*.megatron.context_parallel_size: CONVERTERS, carried over with a note when > 1)
     # reference
     REF + "log_prob_micro_batch_size_per_gpu": "ref.log_prob_micro_batch_size_per_gpu",
     REF + "megatron.param_offload": "ref.offload",
@@ -130,13 +130,15 @@ _OTHER_OVERRIDES = ("Megatron TransformerConfig overrides other than num_layers_
 
 
 def _long_sequences(role: str) -> str:
-    """What mrl offers for long sequences instead of splitting them over ranks (Ulysses SP, context parallelism)."""
-    return ("for long sequences use actor.use_remove_padding (padding-free packed micro-batches, on by default with "
-            "sdpa attention) with actor.megatron.attention_backend=sdpa and activation recompute "
-            f"(actor.recompute_granularity), and TP with {role}.megatron.sequence_parallel=true to split activations")
+    """What mrl offers for long sequences: context parallelism, packing, recompute, sequence parallelism."""
+    return (f"to split each sequence over ranks set {role}.megatron.context_parallel_size (context parallelism on the "
+            "sdpa attention backend with packed rows, docs/long_context.md); also actor.use_remove_padding, activation "
+            f"recompute (actor.recompute_granularity) and TP with {role}.megatron.sequence_parallel=true")
 
 
-_ULYSSES = "Ulysses SP is FSDP's, and mrl splits no sequence over ranks (context parallelism is refused); "
+def _ulysses(role: str) -> str:
+    return "Ulysses SP is FSDP's; " + _long_sequences(role)
+
 
 # Known verl keys with no mrl equivalent: key (or key prefix ending in '.') -> why.
 _FSDP = "FSDP settings: mrl trains with Megatron-Core (set actor.megatron.* / actor.offload_* instead)"
@@ -174,9 +176,9 @@ UNMAPPED: dict[str, str] = {
     R + "log_prob_max_token_len_per_gpu": "mrl's log-prob passes use actor.ppo_max_token_len_per_gpu",
     REF + "log_prob_use_dynamic_bsz": "the reference uses the actor's micro-batching (actor.use_dynamic_bsz)",
     REF + "log_prob_max_token_len_per_gpu": "the reference uses actor.ppo_max_token_len_per_gpu",
-    A + "ulysses_sequence_parallel_size": _ULYSSES + _long_sequences("actor"),
-    REF + "ulysses_sequence_parallel_size": _ULYSSES + _long_sequences("ref"),
-    "critic.ulysses_sequence_parallel_size": _ULYSSES + _long_sequences("critic"),
+    A + "ulysses_sequence_parallel_size": _ulysses("actor"),
+    REF + "ulysses_sequence_parallel_size": _ulysses("ref"),
+    "critic.ulysses_sequence_parallel_size": _ulysses("critic"),
     A + "megatron.seed": "the seed is trainer.seed", A + "megatron.use_mbridge": "mrl maps HF <-> Megatron weights itself",
     REF + "megatron.seed": "the seed is trainer.seed", REF + "megatron.use_mbridge": "mrl maps HF <-> Megatron weights itself",
     A + "megatron.override_transformer_config.": _OTHER_OVERRIDES,
@@ -345,11 +347,11 @@ def _device(t: Translation, v: Any) -> None:
 
 
 def _context_parallel(t: Translation, v: Any, role: str) -> None:
-    # mrl plan refuses context_parallel_size > 1 (not implemented in mrl's workers): the YAML keeps the default 1
+    # carried over as is: mrl plan judges it (sdpa backend, packed rows; refuses the rest naming why)
     if isinstance(v, int) and not isinstance(v, bool) and v > 1:
-        raise Unmappable(f"context parallelism is not implemented in mrl's workers on any backend yet (mrl plan refuses "
-                         f"{role}.megatron.context_parallel_size > 1), so the YAML keeps the default 1; "
-                         + _long_sequences(role))
+        t.notes.append(f"{role}.megatron.context_parallel_size={v}: mrl's context parallelism runs on the sdpa attention "
+                       "backend with packed rows (actor.use_remove_padding); mrl plan says what it refuses "
+                       "(docs/long_context.md)")
     t.set(f"{role}.megatron.context_parallel_size", v)
 
 

@@ -31,7 +31,7 @@ class ParallelConfig(Section):
     num_layers_in_last_pipeline_stage: int | None = Field(
         None, ge=1, description="Uneven pipeline stages: the last stage's layer count (it also holds the output "
         "layer and the loss); null = an even split.")
-    context_parallel_size: int = Field(1, ge=1, description="Context-parallel size (CP); must be 1 for now: context parallelism is not implemented in mrl's workers on any backend yet, so mrl plan refuses > 1. For long sequences: actor.use_remove_padding with attention_backend=sdpa, activation recompute, and TP with sequence_parallel.")
+    context_parallel_size: int = Field(1, ge=1, description="Context-parallel size (CP): each sequence of a packed row is cut into 2·CP chunks and rank r holds chunks r and 2·CP−1−r (zigzag), K/V all-gathered per layer. Runs for the actor, reference and critic on the sdpa attention backend with actor.use_remove_padding; mrl plan refuses the rest naming why (docs/long_context.md).")
     expert_model_parallel_size: int = Field(
         1, ge=1, description="Expert-parallel size (EP) for MoE layers (experts split over EP ranks; EP folds over TP and "
         "DP ranks: ETP * EP * PP must divide the role's devices); 1 for dense models.")

@@ -298,6 +298,9 @@ def format_report(cfg: MRLConfig, plan: PlanReport) -> str:
                     f"CP={p.context_parallel_size} DP={lay.dp}")
             if p.uneven_stages and plan.num_layers:
                 desc += f" | layers per stage: {_stage_summary(_stage_layers(plan.num_layers, p))}"
+            if p.context_parallel_size > 1:  # mrl.megatron.context_parallel: zigzag shares of every packed row
+                desc += (f" | CP={p.context_parallel_size}: each device holds 1/{p.context_parallel_size} of every "
+                         "sequence's tokens and activations (K/V gathered per layer)")
             if p.expert_model_parallel_size > 1 or plan.num_experts:
                 edp = lay.count // (p.etp * p.expert_model_parallel_size * p.pipeline_model_parallel_size) if lay.count else 0
                 desc += f" | experts: EP={p.expert_model_parallel_size} ETP={p.etp} EDP={edp}"

@@ -77,10 +77,13 @@ def _check_role_batches(role: str, mini: int, micro: int | None, dynamic: bool, 
     per_rank = samples // lay.dp if lay.dp else 0
     if dynamic:
         seq = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-        if max_tok < seq:
+        cp = lay.parallel.context_parallel_size if lay.parallel is not None else 1  # a row spreads over CP devices
+        if max_tok * cp < seq:
+            need = -(-seq // cp)
             errors.append(
                 f"{role}.ppo_max_token_len_per_gpu={max_tok} is below one full sequence (data.max_prompt_length + "
-                f"rollout.max_response_length = {seq}); fix: set {role}.ppo_max_token_len_per_gpu >= {seq}"
+                f"rollout.max_response_length = {seq}" + (f", over CP={cp} devices" if cp > 1 else "")
+                + f"); fix: set {role}.ppo_max_token_len_per_gpu >= {need}"
             )
     elif micro is None:
         errors.append(
@@ -571,7 +574,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     for role in ("actor", "ref", "critic"):
         if role in roles and roles[role].count > 0:
             check_parallel(role, roles[role].parallel, roles[role], cfg, shape, errors)
-    check_context_parallel(cfg, errors)
+    check_context_parallel(cfg, shape, "cuda" if _on_cuda(cfg) else "cpu", errors)
     _check_reward_model_layout(cfg, roles, shape, errors)
     check_moe(cfg, roles, shape, errors, notes)
     family_plan_notes(cfg.model.path, notes)

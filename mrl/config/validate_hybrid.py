@@ -3,7 +3,8 @@ attention layers; :mod:`mrl.megatron.gated_delta_net`). No torch: reads config.j
 LoRA is refused for such a model too: the adapters' fused layouts do not know the gated ``q_proj`` yet.
 
 A Gated DeltaNet layer runs a recurrence over each whole sequence on one rank, so what splits or branches a sequence
-is refused for such a model: context parallelism (the sequence split over ranks), sequence parallelism (the
+is refused for such a model: context parallelism (the sequence split over ranks; refused with the other CP cases by
+:func:`mrl.config.validate_parallel.context_parallel_problem`), sequence parallelism (the
 activations split over TP along the sequence), the shared-prefix rows (several samples branching off one prompt
 inside a row) and the te / local attention backends (mrl builds these layers on Megatron's local spec only). The plan
 says which kernel runs the delta rule.
@@ -22,9 +23,6 @@ def check_hybrid(cfg: MRLConfig, cuda: bool, errors: list[str], notes: list[str]
         if role not in POLICY_ROLES:
             continue
         key = f"{role}.megatron"
-        if par.context_parallel_size != 1:
-            errors.append(f"{key}.context_parallel_size={par.context_parallel_size}: {why} (no context-parallel "
-                          f"delta rule yet); fix: {key}.context_parallel_size=1")
         if par.sequence_parallel:
             errors.append(f"{key}.sequence_parallel=true: {why}; fix: {key}.sequence_parallel=false")
         if par.attention_backend in ("te", "local"):

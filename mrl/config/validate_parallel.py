@@ -2,9 +2,9 @@
 against the model's own config.json (heads, KV heads, layers, experts). Used by validate.py for the actor,
 reference, critic and reward model and by validate_teacher.py for the teacher.
 
-Context parallelism (CP > 1) is refused for every role's ``megatron`` section: mrl's workers build no
-CP-sharded inputs on any attention backend (mrl/workers/megatron_model.py keeps a runtime guard as the last
-defence); :func:`check_context_parallel` says so before anything starts."""
+Context parallelism (CP > 1) runs for the actor, reference and critic on the sdpa backend with packed rows
+(:mod:`mrl.megatron.context_parallel`); :func:`check_context_parallel` refuses every other combination, naming
+why, before anything starts (mrl/workers/megatron_model.py keeps runtime guards as the last defence)."""
 from __future__ import annotations
 
 from mrl.config.hf import ModelShape
@@ -21,25 +21,70 @@ GROUP_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "vir
 MEGATRON_ROLES = ("actor", "ref", "critic", "teacher", "reward_model")
 
 
-def context_parallel_refused(role: str, cp: int) -> str:
-    """The one message refusing ``<role>.megatron.context_parallel_size=cp`` (cp > 1), with the fix and what
-    to use for long sequences instead."""
-    key = f"{role}.megatron.context_parallel_size"
-    return (f"{key}={cp}: context parallelism is not implemented in mrl's workers on any backend yet (Transformer "
-            f"Engine included); fix: {key}=1; for long sequences use actor.use_remove_padding (padding-free packed "
-            "micro-batches, on by default with sdpa attention) with actor.megatron.attention_backend=sdpa "
-            f"and activation recompute (actor.recompute_granularity), and TP with {role}.megatron.sequence_parallel="
-            "true to split activations")
+#: Roles that run context parallelism (packed rows cut in zigzag shares; :mod:`mrl.megatron.context_parallel`).
+CP_ROLES = ("actor", "ref", "critic")
 
 
-def check_context_parallel(cfg: MRLConfig, errors: list[str]) -> None:
-    """One error per ``<role>.megatron`` section the config holds with context_parallel_size > 1, enabled or
-    not and whatever its placement (a null teacher/reward_model section takes the actor's sizes, which the
-    actor's own error covers)."""
+def context_parallel_problem(role: str, cfg: MRLConfig, shape: ModelShape | None, choices: dict[str, object]
+                             ) -> str | None:
+    """Why ``<role>`` cannot run its context_parallel_size > 1 here (None: it can). ``choices``: the resolved
+    ``auto`` settings by key (:func:`mrl.config.auto.resolve_all`)."""
+    par = getattr(cfg, role).megatron or cfg.actor.megatron
+    if role not in CP_ROLES:
+        return (f"the {role} reads compact rows (reward-model scores, teacher log-probs are not wired to the CP "
+                "layout)")
+    if role == "ref" and cfg.ref.placement == "separate":
+        return "a separate reference runs compact rows (the colocated one, on the actor's model, runs CP)"
+    backend = choices.get(f"{role}.megatron.attention_backend", "sdpa")
+    if backend != "sdpa":
+        return (f"context parallelism runs on the sdpa attention backend only ({role}.megatron.attention_backend "
+                f"resolves to {backend}; Transformer Engine's own CP is not wired)")
+    if not choices.get("actor.use_remove_padding"):
+        return "context parallelism cuts packed rows: it needs actor.use_remove_padding (and no actor.shared_prefix)"
+    if shape is not None and shape.num_experts:
+        return "Mixture-of-Experts models under CP (routing replay, router statistics per CP share) are not tested"
+    if shape is not None and shape.mla is not None:
+        return "multi-latent attention applies RoPE itself per sequence; its CP positions are not wired"
+    if shape is not None and shape.linear_layers:
+        return ("the model's Gated DeltaNet layers run a recurrence over each whole sequence on one rank (no "
+                "context-parallel delta rule yet)")
+    if role == "actor" and cfg.actor.lora.rank > 0:
+        return "LoRA under CP is not tested"
+    if par.virtual_pipeline_model_parallel_size is not None:
+        return "interleaved pipeline stages (virtual_pipeline_model_parallel_size) under CP are not tested"
+    if cfg.algorithm.repr_align.enable:
+        return "algorithm.repr_align reads hidden states, which CP splits over ranks"
+    return None
+
+
+def check_context_parallel(cfg: MRLConfig, shape: ModelShape | None, device: str, errors: list[str]) -> None:
+    """One error per role that would run context_parallel_size > 1 where mrl cannot (:func:`context_parallel_problem`):
+    its own ``megatron`` section, or a null teacher/reward_model section taking the actor's sizes (said once, on
+    the actor's key, only when that role is enabled)."""
+    from mrl.config.auto import resolve_all
+
+    choices = {c.key: c.value for c in resolve_all(cfg, device)}
+    said = False
     for role in MEGATRON_ROLES:
-        par = getattr(cfg, role).megatron
-        if par is not None and par.context_parallel_size > 1:
-            errors.append(context_parallel_refused(role, par.context_parallel_size))
+        own = getattr(cfg, role).megatron
+        par = own if own is not None else cfg.actor.megatron
+        if par.context_parallel_size <= 1 or (own is None and role not in ("teacher", "reward_model")):
+            continue
+        if role in ("ref", "critic") and not _builds(cfg, role) or role in ("teacher", "reward_model") and not \
+                getattr(cfg, role).enable:
+            continue
+        why = context_parallel_problem(role, cfg, shape, choices)
+        if why is None or own is None and said:
+            continue
+        key = f"{role if own is not None else 'actor'}.megatron.context_parallel_size"
+        said = said or own is None
+        errors.append(f"{key}={par.context_parallel_size}: {why}; fix: {key}=1" + (
+            "" if own is not None else f" (or a {role}.megatron section of its own with context_parallel_size=1)"))
+
+
+def _builds(cfg: MRLConfig, role: str) -> bool:
+    """Whether the run builds the reference / critic (their sections may be set and unused)."""
+    return cfg.critic_enabled if role == "critic" else cfg.ref_enabled
 
 
 def check_separate_layout(role: str, what: str, megatron: ParallelConfig | None, lay: RoleLayout, cfg: MRLConfig,

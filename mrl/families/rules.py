@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 SPLITS = ("replicated", "column", "row", "vocab", "qkv", "qkv_gated", "gate_up", "gate_up_interleaved", "row_t",
-          "sections")
+          "sections", "gdn_grouped")
 LAYER_KINDS = ("all", "moe", "dense")
 MIXERS = ("all", "attention", "linear")
 

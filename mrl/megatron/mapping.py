@@ -19,6 +19,10 @@ is split over TP:
 ``sections``    HF tensors made of row blocks (``Rule.sections``: Gated DeltaNet's ``in_proj_qkv = [q | k | v]``,
                 ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, the conv1d channels): each block is split over TP on its
                 own and rank r holds ``cat(block_0[r], block_1[r], ...)`` in the tensors' order.
+``gdn_grouped`` Qwen3-Next's Gated DeltaNet input projection, stored per key-head group: ``in_proj_qkvz`` rows
+                ``[q_g (d_k) | k_g (d_k) | v_g (r·d_v) | z_g (r·d_v)]`` and ``in_proj_ba`` rows ``[b_g (r) | a_g (r)]``
+                for each key head g (``r`` value heads per key head) → the flat ``[q | k | v | z | b | a]`` of
+                mrl's ``in_proj``, then as ``sections``.
 ``gate_up``     HF ``gate [F, H]``, ``up [F, H]`` → ``linear_fc1``; TP rank r holds
                 ``cat(gate_r, up_r)`` with ``gate_r = gate.chunk(TP)[r]`` (SwiGLU's fused fc1).
 ``gate_up_interleaved``  one HF tensor in ``x @ W`` layout with gate and up columns alternating,
@@ -233,6 +237,33 @@ def _sections_to_hf(rule: Rule, full: torch.Tensor, hf_config: Any, tp: int) -> 
     return tensors
 
 
+def _gdn_dims(hf_config: Any) -> tuple[int, int, int, int]:
+    nk, nv = int(hf_config.linear_num_key_heads), int(hf_config.linear_num_value_heads)
+    return nk, nv // nk, int(hf_config.linear_key_head_dim), int(hf_config.linear_value_head_dim)
+
+
+def _gdn_flat_sizes(hf_config: Any) -> list[int]:
+    nk, r, dk, dv = _gdn_dims(hf_config)
+    return [nk * dk, nk * dk, nk * r * dv, nk * r * dv, nk * r, nk * r]
+
+
+def _gdn_ungroup(qkvz: torch.Tensor, ba: torch.Tensor, hf_config: Any) -> torch.Tensor:
+    """Qwen3-Next's grouped ``in_proj_qkvz`` / ``in_proj_ba`` → the flat ``[q | k | v | z | b | a]`` rows."""
+    nk, r, dk, dv = _gdn_dims(hf_config)
+    rest = qkvz.shape[1:]
+    q, k, v, z = qkvz.reshape(nk, 2 * dk + 2 * r * dv, *rest).split([dk, dk, r * dv, r * dv], dim=1)
+    b, a = ba.reshape(nk, 2 * r, *rest).split([r, r], dim=1)
+    return torch.cat([t.reshape(-1, *rest) for t in (q, k, v, z, b, a)])
+
+
+def _gdn_group(flat: torch.Tensor, hf_config: Any) -> list[torch.Tensor]:
+    nk = _gdn_dims(hf_config)[0]
+    rest = flat.shape[1:]
+    q, k, v, z, b, a = flat.split(_gdn_flat_sizes(hf_config))
+    group = lambda *ts: torch.cat([t.reshape(nk, -1, *rest) for t in ts], dim=1).reshape(-1, *rest)
+    return [group(q, k, v, z).contiguous(), group(b, a).contiguous()]
+
+
 def _to_local(rule: Rule, full: list[torch.Tensor], hf_config: Any, local_shape: torch.Size) -> torch.Tensor:
     """The TP-local shard of ``rule`` given the full HF tensors (inverse of ``_to_hf``)."""
     tp, rank, _ = _tp(rule.expert)
@@ -255,6 +286,9 @@ def _to_local(rule: Rule, full: list[torch.Tensor], hf_config: Any, local_shape:
         return _merge_qkv_gated(*full, hf_config).chunk(tp, dim=0)[rank]
     if rule.split == "sections":
         return _sections_to_local(rule, full, hf_config, tp, rank)
+    if rule.split == "gdn_grouped":
+        flat = _gdn_ungroup(*full, hf_config)
+        return torch.cat([b.chunk(tp, dim=0)[rank] for b in flat.split(_gdn_flat_sizes(hf_config))])
     if rule.split == "gate_up":
         return torch.cat([full[0].chunk(tp, dim=0)[rank], full[1].chunk(tp, dim=0)[rank]])
     if rule.split == "gate_up_interleaved":
@@ -296,6 +330,11 @@ def _to_hf(rule: Rule, local: torch.Tensor, hf_config: Any) -> list[torch.Tensor
         return [t.contiguous() for t in _split_qkv_gated(full, hf_config)]
     if rule.split == "sections":
         return _sections_to_hf(rule, full, hf_config, _tp(rule.expert)[0])
+    if rule.split == "gdn_grouped":
+        tp, sizes = _tp(rule.expert)[0], _gdn_flat_sizes(hf_config)
+        per_rank = [part.split([w // tp for w in sizes]) for part in full.chunk(tp, dim=0)]
+        flat = torch.cat([torch.cat([per_rank[r][i] for r in range(tp)]) for i in range(len(sizes))])
+        return _gdn_group(flat, hf_config)
     if rule.split in ("gate_up", "gate_up_interleaved"):
         halves = [p.chunk(2, dim=0) for p in full.chunk(_tp(rule.expert)[0], dim=0)]
         gate, up = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])

@@ -4,7 +4,8 @@
 right for compact left-aligned rows. The shared-prefix layout (:func:`mrl.workers.minibatch.build_shared_prefix_inputs`)
 puts several samples' continuations in one row, each at the positions it has in its own sequence, and a
 packed row (:func:`mrl.workers.minibatch.build_packed_inputs`) several whole sequences, each from position 0,
-so the rotation must follow ``position_ids``. :func:`enable_rope_positions` wraps the model's
+so the rotation must follow ``position_ids``; with context parallelism (:mod:`mrl.megatron.context_parallel`) a
+rank's row holds two chunks of every sequence, rotated by their global positions. :func:`enable_rope_positions` wraps the model's
 ``rotary_pos_emb`` once; :func:`set_rope_positions` sets the positions of the next forward (``None``:
 Megatron's own behaviour). Megatron's unfused RoPE broadcasts a per-sample ``[L, b, 1, d]`` table
 exactly as its ``[L, 1, 1, d]`` one (``apply_rope_fusion`` is off in mrl's configs).
@@ -34,7 +35,9 @@ def enable_rope_positions(model: torch.nn.Module) -> None:
         if offset or packed_seq:
             raise ValueError(f"RoPE at positions: {tuple(pos.shape)} position ids (offset {offset}, THD packing "
                              f"{packed_seq}) — only BSHD rows are supported")
-        table = inner(int(pos.max()) + 1)  # [S, 1, 1, d]: angle of position s
+        # [S, 1, 1, d]: angle of position s. packed_seq=True keeps Megatron from cutting the table into its CP
+        # zigzag share: with context parallelism pos already holds this rank's global positions.
+        table = inner(int(pos.max()) + 1, 0, True)
         if isinstance(table, tuple):  # YaRN's embedding returns (table, attention factor)
             return table[0][:, 0][pos.t()], *table[1:]
         return table[:, 0][pos.t()]  # [L, b, 1, d]

@@ -33,7 +33,11 @@ zero; its score is exactly ``s_h``, so SDPA's softmax is the one above, with gra
 autograd. The sink key needs an explicit boolean mask (``[sq, sk + 1]``: the causal/window mask plus an
 always-attended column), and packed rows on CUDA run per sequence (``varlen_attn`` has no sink). The
 sink is ``core_attention.softmax_offset`` as in Megatron's ``DotProductAttention``: one logit per local head,
-split over TP along the heads.
+split over TP along the heads. On CPU (no dropout, no right window) causal attention with sinks or left windows
+needs no mask at all: :mod:`mrl.megatron.blockwise_attention` (maskless flash calls merged by log-sum-exp).
+
+Context parallelism (:mod:`mrl.megatron.context_parallel`): a packed row's zigzag share; K/V all-gathered over the
+CP group, each local query chunk attending its sequence's key prefix (:meth:`SDPAAttention._packed_cp`).
 
 Interface: megatron-core 0.16's core attention ``forward(query, key, value, attention_mask, attn_mask_type,
 attention_bias, packed_seq_params)`` on ``[s, b, heads, dim]`` tensors, returning ``[s, b, heads · d_v]``.
@@ -74,9 +78,13 @@ class SDPAAttention(MegatronModule):
                  k_channels: int | None = None, v_channels: int | None = None, cp_comm_type: str | None = None,
                  pg_collection: Any = None, **_unused: Any) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("attention_backend=sdpa does not implement context parallelism; set "
-                             "megatron.context_parallel_size=1")
+        self._cp_group: Any = None
+        if config.context_parallel_size > 1:  # K/V all-gathered over CP (mrl.megatron.context_parallel)
+            self._cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") else None
+            if self._cp_group is None:
+                from megatron.core import parallel_state as ps
+
+                self._cp_group = ps.get_context_parallel_group()
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.k_channels = k_channels or config.kv_channels
@@ -139,9 +147,10 @@ class SDPAAttention(MegatronModule):
                                                    tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"])
 
     # ---- masks -------------------------------------------------------------------------------
-    def _window_mask(self, sq: int, sk: int, device: torch.device) -> Tensor:
-        """[sq, sk] bool, True = attended: ``q - left <= k <= q + right`` (keys aligned to the queries' end)."""
-        left, right = self.window  # type: ignore[misc]
+    def _window_mask(self, sq: int, sk: int, device: torch.device, window: tuple[int, int] | None = None) -> Tensor:
+        """[sq, sk] bool, True = attended: ``q - left <= k <= q + right`` (keys aligned to the queries' end);
+        ``window``: this layer's (default) or e.g. ``(-1, 0)``, the causal mask of queries at the keys' end."""
+        left, right = window or self.window  # type: ignore[misc]
         q = torch.arange(sq, device=device)[:, None] + (sk - sq)
         k = torch.arange(sk, device=device)[None, :]
         keep = k <= q + right
@@ -149,8 +158,31 @@ class SDPAAttention(MegatronModule):
             keep &= k >= q - left
         return keep
 
+    def _maskless(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Whether causal attention of these queries (the keys' last) runs blockwise without a mask
+        (:mod:`mrl.megatron.blockwise_attention`): CPU, one head size, no dropout, no right window."""
+        from mrl.megatron import blockwise_attention as bw
+
+        return (bw.usable(q, k.shape[-1], v.shape[-1]) and not (self.training and self.dropout_p)
+                and (self.window is None or self.window[1] == 0))
+
+    def _blockwise(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Causal attention (with this layer's left window and sinks) of queries at the keys' end, no mask."""
+        from mrl.megatron.blockwise_attention import blockwise_attention
+
+        rep = q.shape[1] // k.shape[1]  # GQA: each KV head for its query heads (the kernel takes one count)
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        left = self.window[0] if self.window is not None and self.window[0] >= 0 else None
+        sink = None if self.softmax_offset is None else self.softmax_offset.to(q.dtype)
+        return blockwise_attention(q, k, v, self.softmax_scale, window=left, sink=sink)
+
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-        """[b, h, s, d] SDPA with GQA and this layer's scale/dropout (mask: True = attended)."""
+        """[b, h, s, d] SDPA with GQA and this layer's scale/dropout (mask: True = attended). Causal attention with
+        windows or sinks runs blockwise without a mask where it can (:meth:`_maskless`)."""
+        if (mask is None and causal and q.shape[-2] == k.shape[-2]
+                and (self.window is not None or self.softmax_offset is not None) and self._maskless(q, k, v)):
+            return self._blockwise(q, k, v)
         if mask is None and self.window is not None:
             mask = self._window_mask(q.shape[-2], k.shape[-2], q.device)
             causal = False
@@ -199,6 +231,9 @@ class SDPAAttention(MegatronModule):
         if packed_seq_params is not None:
             out = self._packed(query, key, value, packed_seq_params, causal)
         else:
+            if self._cp_group is not None:
+                raise ValueError("attention_backend=sdpa: context parallelism runs on packed rows only "
+                                 "(actor.use_remove_padding); this micro-batch is not packed")
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
             mask = None if attention_mask is None else ~attention_mask.to(torch.bool)
             if causal and mask is None and sq != key.shape[0]:
@@ -216,6 +251,8 @@ class SDPAAttention(MegatronModule):
             raise ValueError("attention_backend=sdpa: packed rows are causal language-model rows")
         cu = params.cu_seqlens_q
         q, k, v = query[:, 0], key[:, 0], value[:, 0]  # [T, h, d]
+        if self._cp_group is not None:
+            return self._packed_cp(q, k, v, cu.cpu())[:, None]
         fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not (self.training and self.dropout_p)
         varlen = _varlen_attn() if fused and self.softmax_offset is None else None
         if varlen is not None:
@@ -246,3 +283,37 @@ class SDPAAttention(MegatronModule):
             seg = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))  # [1, h, len, d]
             outs.append(self._sdpa(*seg, None, e - s > 1)[0].transpose(0, 1))
         return torch.cat(outs, 0)[:, None]
+
+    def _packed_cp(self, q: Tensor, k: Tensor, v: Tensor, cu: Tensor) -> Tensor:
+        """This CP rank's zigzag row (:mod:`mrl.megatron.context_parallel`) ``[T/CP, h, d]`` -> ``[T/CP, h, dv]``.
+
+        ``cu`` bounds the whole row's (padded) sequences. K and V of every rank are gathered (one collective for
+        both), put back in global order, and each local query chunk ``j`` of a sequence (``c`` columns at global
+        offset ``j·c``) attends that sequence's keys ``[0, (j + 1)·c)`` under the causal (or window) mask aligned
+        to the keys' end; sinks join every query's softmax as without CP."""
+        from mrl.megatron.context_parallel import gather_kv, global_order, zigzag_chunks
+
+        group = self._cp_group
+        cp, rank = group.size(), group.rank()
+        dk = k.shape[-1]
+        kv = gather_kv(torch.cat([k, v], -1), group)  # [cp, T/cp, g, dk + dv]
+        full = kv.flatten(0, 1)[global_order(cu, cp).to(kv.device)]  # [T, g, dk + dv], global column order
+        outs, lo = [], 0
+        window = self.window if self.window is not None else (-1, 0)
+        for start, n in zip(cu[:-1].tolist(), (cu[1:] - cu[:-1]).tolist()):
+            c = n // (2 * cp)
+            for a, j in enumerate(zigzag_chunks(cp, rank)):
+                qs = q[lo + a * c: lo + (a + 1) * c].transpose(0, 1)[None]  # [1, h, c, d]
+                keys = full[start: start + (j + 1) * c].transpose(0, 1)[None]  # [1, g, (j + 1)c, dk + dv]
+                outs.append(self._chunk(qs, keys[..., :dk], keys[..., dk:], window)[0].transpose(0, 1))
+            lo += 2 * c
+        return torch.cat(outs, 0)
+
+    def _chunk(self, q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int]) -> Tensor:
+        """``[1, h, c, d]`` queries at the last ``c`` of ``[1, g, (j + 1)c, d]`` keys, causal (or ``window``) aligned
+        to the keys' end, sinks included. On CPU without dropout: blockwise, no mask
+        (:mod:`mrl.megatron.blockwise_attention`: memory linear in the keys); elsewhere through an explicit
+        ``[c, (j + 1)c]`` mask."""
+        if self._maskless(q, k, v):
+            return self._blockwise(q, k, v)
+        return self._sdpa(q, k, v, self._window_mask(q.shape[-2], k.shape[-2], q.device, window), False)

@@ -185,7 +185,7 @@ class ActorWorker(TrainableState):
         e = self.model
         parts = micro_batch_parts(
             mini_batch, micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu,
-            use_dynamic_bsz=self.cfg.use_dynamic_bsz, max_tokens=self.cfg.ppo_max_token_len_per_gpu,
+            use_dynamic_bsz=self.cfg.use_dynamic_bsz, max_tokens=self.cfg.ppo_max_token_len_per_gpu * e.cp_size,
             dp_group=e.dp_group, shared_prefix=self.shared_prefix,
         )
         mbs = e.make_micro_batches(mini_batch, parts, shared_prefix=self.shared_prefix)
@@ -368,7 +368,7 @@ def forward_log_probs(
     the experts each router chose for every token (an MoE model), full batch in the caller's order on every rank."""
     local = model.dp_shard(batch)
     parts = micro_batch_parts(local, micro_batch_size=micro_batch_size or local.batch_size,
-                              use_dynamic_bsz=use_dynamic_bsz, max_tokens=max_tokens,
+                              use_dynamic_bsz=use_dynamic_bsz, max_tokens=max_tokens * model.cp_size,
                               dp_group=model.dp_group, shared_prefix=shared_prefix)
     mbs = model.make_micro_batches(local, parts, shared_prefix=shared_prefix)
     fn = partial(log_prob_func, temperature=temperature, tp_group=model.tp_group,

@@ -123,17 +123,16 @@ class MegatronModel:
             resolve_attention_backend,
         )
 
-        if parallel.context_parallel_size != 1:
-            raise NotImplementedError(  # mrl plan refuses it first (mrl/config/validate_parallel.py); a last defence
-                "megatron.context_parallel_size > 1: context parallelism is not implemented in mrl's workers; "
-                "set it to 1 (long sequences: actor.use_remove_padding with the sdpa backend, recompute)"
-            )
+        cp = parallel.context_parallel_size
+        if cp > 1 and not remove_padding:  # mrl plan refuses it first (mrl/config/validate_parallel.py)
+            raise ValueError("megatron.context_parallel_size > 1 runs on packed rows: set actor.use_remove_padding "
+                             "(with attention_backend=sdpa)")
         if init_parallel:
             mpar.init_parallel(
                 device=device, tp=parallel.tensor_model_parallel_size,
                 pp=parallel.pipeline_model_parallel_size,
                 vpp=parallel.virtual_pipeline_model_parallel_size,
-                cp=1, ep=parallel.expert_model_parallel_size, etp=parallel.etp, seed=seed, timeout_s=timeout_s,
+                cp=cp, ep=parallel.expert_model_parallel_size, etp=parallel.etp, seed=seed, timeout_s=timeout_s,
             )
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         self.dtype = dtype
@@ -151,6 +150,9 @@ class MegatronModel:
         from mrl.megatron.provider import model_family
 
         self.is_moe = is_moe_family(model_family(self.hf_config))
+        if cp > 1 and (self.is_moe or family_of(self.hf_config).is_mla):  # mrl plan refuses it first
+            raise ValueError(f"megatron.context_parallel_size={cp}: context parallelism runs for dense GQA models only "
+                             "(MoE and multi-latent attention are not wired); set it to 1")
         self.routing_replay = bool(self.is_moe and moe is not None and moe.routing_replay != "none")
         if self.is_moe and moe is not None:
             overrides["moe_token_dispatcher_type"] = moe.token_dispatcher
@@ -165,6 +167,9 @@ class MegatronModel:
         if remove_padding and self.attention_backend != "sdpa":
             raise ValueError(f"packed micro-batches (actor.use_remove_padding) need the sdpa attention backend, this "
                              f"model runs {self.attention_backend}; fix: megatron.attention_backend=sdpa")
+        if cp > 1 and self.attention_backend != "sdpa":
+            raise ValueError(f"megatron.context_parallel_size={cp} runs on the sdpa attention backend only, this model "
+                             f"runs {self.attention_backend}; fix: megatron.attention_backend=sdpa")
         self.remove_padding = remove_padding
         chunks = build_model_chunks(
             self.hf_config, dtype=dtype, wrap_ddp=False, config_overrides=overrides,
@@ -237,6 +242,10 @@ class MegatronModel:
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.pad_to_multiple = ps.get_tensor_model_parallel_world_size() if parallel.sequence_parallel else 1
+        # context parallelism: each sequence of a packed row padded to 2·CP (·TP with SP) and cut in zigzag chunks
+        self.cp_size = ps.get_context_parallel_world_size()
+        self.cp_group = ps.get_context_parallel_group() if self.cp_size > 1 else None
+        self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.router_probes: list = []
         self.routing_record: Any = None  # a RoutingRecord while recording_routing() is active
         self.positions = torch.zeros(2, dtype=torch.long)  # [computed, padding] positions since pad_fraction()
@@ -295,10 +304,19 @@ class MegatronModel:
 
         from mrl.megatron.rope_positions import set_rope_positions
 
-        seq_len = max(int(mb.inputs.tokens.shape[1]) for mb in micro_batches)
+        # the whole rows' length (with CP Megatron's schedule divides it by CP for the stages' activation shapes)
+        seq_len = max(mb.inputs.full_length() for mb in micro_batches)
         if dist.get_world_size(self.pp_group) > 1:  # one length per call: pipeline stages exchange [L, b, H]
             for mb in micro_batches:
                 _pad_inputs(mb.inputs, seq_len)
+        if self.cp_group is not None:  # this rank's zigzag share of every packed row
+            from mrl.workers.minibatch import shard_for_cp
+
+            if hidden_hook is not None:
+                raise ValueError("context parallelism: hidden-state readers (response embeddings, repr_align) are "
+                                 "not supported; set megatron.context_parallel_size=1")
+            for mb in micro_batches:
+                mb.inputs = shard_for_cp(mb.inputs, self.cp_group)
         handles = []
         current: list[MicroBatch] = []
         if hidden_hook is not None:
@@ -388,8 +406,12 @@ class MegatronModel:
 
     def pad_fraction(self, *, reset: bool = True) -> float:
         """``perf/pad_fraction``: padded positions / positions computed by this DP group's forwards since the last
-        reset (summed over DP ranks; 0.0 when nothing ran)."""
-        t = self.all_reduce_dp(self.positions.to(self.device).clone()).cpu()
+        reset (summed over DP and CP ranks: with CP each rank counts its share of the rows; 0.0 when nothing
+        ran)."""
+        t = self.positions.to(self.device).clone()
+        if dist.get_world_size(self.dp_cp_group) > 1:
+            dist.all_reduce(t, group=self.dp_cp_group)
+        t = t.cpu()
         if reset:
             self.positions.zero_()
         return float(t[1]) / float(t[0]) if int(t[0]) else 0.0
@@ -444,10 +466,17 @@ class MegatronModel:
             build = build_packed_inputs
         else:
             build = build_model_inputs
+        kw: dict[str, Any] = {"pad_to_multiple": self.pad_to_multiple}
+        if self.cp_size > 1:
+            if build is not build_packed_inputs:
+                raise ValueError("megatron.context_parallel_size > 1 needs packed rows (actor.use_remove_padding, no "
+                                 "shared_prefix); this role reads compact rows (reward model scores, embeddings): "
+                                 "set its megatron.context_parallel_size=1")
+            kw = {"seq_multiple": 2 * self.cp_size * self.pad_to_multiple}  # zigzag chunks (· TP shards with SP)
         out = []
         for p in parts:
             sub = data.index(p)
-            out.append(MicroBatch(build(sub, pad_to_multiple=self.pad_to_multiple), sub))
+            out.append(MicroBatch(build(sub, **kw), sub))
         return out
 
     def check_shared_prefix(self) -> None:
@@ -501,6 +530,8 @@ def _packed_seq_params(inp: ModelInputs, device: torch.device, config: Any):
 
 def _pad_inputs(inp: ModelInputs, length: int) -> None:
     extra = length - int(inp.tokens.shape[1])
+    if extra > 0 and inp.cp_cols is not None:
+        raise ValueError("a micro-batch already cut into its CP share cannot be padded for the pipeline; build it anew")
     if extra > 0:
         if inp.cu_seqlens is not None:  # new columns: one more (padding) sequence of the packed row
             inp.cu_seqlens = torch.cat([inp.cu_seqlens, inp.cu_seqlens[-1:] + extra])

@@ -22,9 +22,11 @@ sequence boundaries applied by mrl's SDPA attention), and with ``actor.shared_pr
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -171,9 +173,32 @@ class ModelInputs:
     # Packed layout only (:func:`build_packed_inputs`): [k + 1] int64 sequence boundaries of the one row (the last
     # sequence may be padding); attention and RoPE restart at each.
     cu_seqlens: Tensor | None = None
+    # Context parallelism only (:func:`shard_for_cp`): the global column of each local column of this CP rank's
+    # zigzag share of the packed row, the permutation that puts the CP ranks' gathered rows back in global order,
+    # the CP process group and the whole row's length. ``cu_seqlens`` stays the whole row's.
+    cp_cols: Tensor | None = None
+    cp_order: Tensor | None = None
+    cp_group: Any = None
+    cp_full_len: int | None = None
+
+    def full_length(self) -> int:
+        """Columns of the whole row (this CP rank's share is ``tokens.shape[1]``)."""
+        return self.cp_full_len if self.cp_full_len is not None else int(self.tokens.shape[1])
+
+    def _packed_valid(self) -> Tensor:
+        """[L] bool over the whole packed row: column holds a sample's token (sequence i's first n_i columns)."""
+        cu = self.cu_seqlens
+        starts = cu[:-1][: len(self.num_tokens)]  # type: ignore[index]
+        cols = torch.arange(int(cu[-1]))  # type: ignore[index]
+        seq = torch.searchsorted(cu, cols, right=True) - 1  # type: ignore[arg-type]
+        n = torch.cat([self.num_tokens, torch.zeros(len(cu) - 1 - len(starts), dtype=self.num_tokens.dtype)])  # type: ignore[arg-type]
+        return cols - cu[seq] < n[seq]  # type: ignore[index]
 
     def padding(self) -> int:
-        """Positions of ``tokens`` that hold no token of any sample (right padding, alignment padding)."""
+        """Positions of ``tokens`` that hold no token of any sample (right padding, alignment padding; with CP the
+        padding columns of this rank's share)."""
+        if self.cu_seqlens is not None:
+            return int(self.padding_mask().sum())
         return int(self.tokens.numel() - self.num_tokens.sum())
 
     def padding_mask(self) -> Tensor:
@@ -182,9 +207,10 @@ class ModelInputs:
         Every layout holds its tokens from column 0: compact rows past each sample's ``num_tokens``, shared-prefix
         rows past each row's (``num_tokens`` is per row there: the prompt, then the samples' segments), the
         packed row past all samples' tokens (alignment padding)."""
+        if self.cu_seqlens is not None:  # sequences padded at their ends (CP), the row at its end (alignment)
+            valid = self._packed_valid()
+            return ~(valid if self.cp_cols is None else valid[self.cp_cols]).unsqueeze(0)
         cols = torch.arange(self.tokens.shape[1]).unsqueeze(0)
-        if self.cu_seqlens is not None:
-            return cols >= self.num_tokens.sum()
         return cols >= self.num_tokens.unsqueeze(1)
 
     def first_token_logits(self, logits: Tensor) -> Tensor:
@@ -198,6 +224,11 @@ class ModelInputs:
         computed from :meth:`first_token_logits` (its column predicts n tokens, one per sample)."""
         # The inputs are built on the host; the model's outputs live on its device (CUDA: found by the first
         # run on a GPU — the CPU suite cannot see a device mismatch).
+        if self.cp_cols is not None:  # this CP rank's share -> the whole row, the same on every CP rank
+            from mrl.megatron.context_parallel import gather_same_loss
+
+            every = gather_same_loss(per_pos, self.cp_group)  # [cp, 1, L/cp]
+            per_pos = every[:, 0].reshape(-1)[self.cp_order.to(per_pos.device)][None]  # type: ignore[union-attr]
         if self.resp_row is not None:
             per_pos = per_pos.index_select(0, self.resp_row.to(per_pos.device))
         out = per_pos.gather(1, self.resp_index.to(per_pos.device))
@@ -248,7 +279,7 @@ def build_model_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1) -> ModelInpu
     return ModelInputs(tokens, pos, labels, resp_index, resp_valid, n_tok, routed_experts=routed)
 
 
-def build_packed_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1) -> ModelInputs:
+def build_packed_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1, seq_multiple: int = 1) -> ModelInputs:
     """One row of whole sequences, no padding between them (verl's ``use_remove_padding``)::
 
         [s^1_0 … s^1_{n1-1} | s^2_0 … s^2_{n2-1} | … | pad to a multiple of pad_to_multiple]
@@ -260,30 +291,57 @@ def build_packed_inputs(mb: TrainBatch, *, pad_to_multiple: int = 1) -> ModelInp
     the float order of the kernels. Labels are the next token within the sample (a sample's last column
     predicts nothing: label 0, never read); ``resp_row`` is 0 for every sample and ``resp_index`` the packed
     column. Positions computed: Σ n_i (+ alignment) instead of b · max n_i.
+
+    ``seq_multiple`` (context parallelism: ``2·CP``, ``·TP`` with sequence parallelism) pads each sequence at its
+    end to a multiple of it (token 0, label 0, positions continuing): ``n_i`` becomes ``N_i = ⌈n_i / m⌉·m`` in the
+    offsets and ``cu_seqlens``; causal attention keeps every real token blind to its sequence's padding.
     """
     c = build_model_inputs(mb)  # compact rows: [b, Lc], valid tokens from column 0
     b, Lc = c.tokens.shape
     n = c.num_tokens
     keep = torch.arange(Lc)[None, :] < n[:, None]
-    offset = torch.cumsum(n, 0) - n  # [b] first column of each sample
-    T = int(n.sum())
+    padded = (n + seq_multiple - 1) // seq_multiple * seq_multiple  # [b] columns of each sequence
+    offset = torch.cumsum(padded, 0) - padded  # [b] first column of each sample
+    T = int(padded.sum())
     L = ((T + pad_to_multiple - 1) // pad_to_multiple) * pad_to_multiple
     tokens = torch.zeros(1, L, dtype=torch.long)
-    pos = torch.zeros(1, L, dtype=torch.long)
     labels = torch.zeros(1, L, dtype=torch.long)
-    tokens[0, :T] = c.tokens[keep]
-    pos[0, :T] = torch.arange(Lc).expand(b, Lc)[keep]
+    where = (offset[:, None] + torch.arange(Lc)[None, :])[keep]  # packed column of each valid token
+    seq = torch.repeat_interleave(torch.arange(b), padded)
+    pos = torch.zeros(1, L, dtype=torch.long)
+    pos[0, :T] = torch.arange(T) - offset[seq]  # 0 .. N_i - 1 within each sequence (padding: continuing)
+    tokens[0, where] = c.tokens[keep]
     # the compact label of column t is token t + 1 of the same row: the sample's last column gets 0 there
-    labels[0, :T] = torch.where(torch.arange(Lc)[None, :] < (n - 1)[:, None], c.labels, 0)[keep]
+    labels[0, where] = torch.where(torch.arange(Lc)[None, :] < (n - 1)[:, None], c.labels, 0)[keep]
     resp_index = torch.where(c.resp_valid, c.resp_index + offset[:, None], 0)
-    bounds = [0, *torch.cumsum(n, 0).tolist()] + ([L] if L > T else [])
+    bounds = [0, *torch.cumsum(padded, 0).tolist()] + ([L] if L > T else [])
     routed = None
     if c.routed_experts is not None:
         re = c.routed_experts
         routed = torch.full((1, L, *re.shape[2:]), -1, dtype=re.dtype)
-        routed[0, :T] = re[keep]
+        routed[0, where] = re[keep]
     return ModelInputs(tokens, pos, labels, resp_index, c.resp_valid, n, routed_experts=routed,
                        resp_row=torch.zeros(b, dtype=torch.long), cu_seqlens=torch.tensor(bounds, dtype=torch.long))
+
+
+def shard_for_cp(inp: ModelInputs, group: Any) -> ModelInputs:
+    """This CP rank's zigzag share of a packed row (:mod:`mrl.megatron.context_parallel`): chunks ``r`` and
+    ``2·CP − 1 − r`` of every sequence of ``cu_seqlens`` (each a multiple of ``2·CP`` long, see
+    :func:`build_packed_inputs`'s ``seq_multiple``), with their global positions and labels. Response indices
+    and ``cu_seqlens`` keep referring to the whole row (:meth:`ModelInputs.gather_response` gathers it back)."""
+    from mrl.megatron.context_parallel import global_order, local_columns
+
+    if inp.cu_seqlens is None or inp.attention_mask is not None:
+        raise ValueError("context parallelism shards packed rows only (actor.use_remove_padding, no shared_prefix)")
+    if inp.cp_cols is not None:
+        return inp
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    cols = local_columns(inp.cu_seqlens, cp, rank)
+    take = lambda t: None if t is None else t[:, cols]
+    return dataclasses.replace(
+        inp, tokens=take(inp.tokens), position_ids=take(inp.position_ids), labels=take(inp.labels),
+        routed_experts=take(inp.routed_experts), cp_cols=cols, cp_order=global_order(inp.cu_seqlens, cp),
+        cp_group=group, cp_full_len=int(inp.tokens.shape[1]))
 
 
 def prompt_group_ids(mb: TrainBatch) -> Tensor:

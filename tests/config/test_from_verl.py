@@ -168,9 +168,10 @@ def test_explicit_clip_bounds_win_over_clip_ratio_in_either_order() -> None:
         assert (t.get("actor.clip_ratio_low"), t.get("actor.clip_ratio_high")) == (0.2, 0.28)
 
 
-def test_context_parallel_is_reported_and_left_out(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """verl's megatron.context_parallel_size > 1: mrl refuses CP (not implemented in its workers), so the YAML keeps
-    the default 1 and the key is reported with what to use instead; `mrl plan` accepts the YAML."""
+def test_context_parallel_is_carried_over_and_ulysses_points_to_it(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    """verl's megatron.context_parallel_size maps to mrl's (with a note on what mrl's CP runs on) and `mrl plan`
+    accepts the YAML; Ulysses SP (FSDP's) is not mapped and its line tells the user to set context_parallel_size."""
     script = (SCRIPTS / "grpo_megatron.sh").read_text().replace(
         "    actor_rollout_ref.actor.use_kl_loss=True \\\n",
         "    actor_rollout_ref.actor.use_kl_loss=True \\\n"
@@ -183,19 +184,13 @@ def test_context_parallel_is_reported_and_left_out(capsys: pytest.CaptureFixture
     assert main(["from-verl", str(tmp_path / "cp.sh"), "-o", str(out)]) == 0
     err = capsys.readouterr().err
     cfg = yaml.safe_load(out.read_text())
-    assert "context_parallel_size" not in cfg["actor"]["megatron"] and "context_parallel_size" not in cfg["ref"]["megatron"]
-    for role, key in (("actor", "actor_rollout_ref.actor.megatron.context_parallel_size=2"),
-                      ("ref", "actor_rollout_ref.ref.megatron.context_parallel_size=2")):
-        line = [ln for ln in err.splitlines() if ln.startswith(f"not mapped: {key}: ")]
-        assert len(line) == 1, err
-        assert "context parallelism is not implemented" in line[0] and "keeps the default 1" in line[0]
-        assert "actor.use_remove_padding" in line[0] and f"{role}.megatron.sequence_parallel=true" in line[0]
-        assert f"#   {key}: " in out.read_text()  # and in the YAML's header
+    assert cfg["actor"]["megatron"]["context_parallel_size"] == 2 and cfg["ref"]["megatron"]["context_parallel_size"] == 2
+    notes = translate_overrides(["actor_rollout_ref.actor.megatron.context_parallel_size=2"]).notes
+    assert any("actor.megatron.context_parallel_size=2" in n and "sdpa" in n for n in notes), notes
     ulysses = [ln for ln in err.splitlines() if "ulysses_sequence_parallel_size=2" in ln]
-    assert len(ulysses) == 1 and "context_parallel_size" not in ulysses[0] and "actor.use_remove_padding" in ulysses[0]
+    assert len(ulysses) == 1 and "set actor.megatron.context_parallel_size" in ulysses[0], ulysses
     rc, perr = _plan(capsys, out)
     assert rc == 0, perr
-    # CP=1 is verl's default and carried over as written
     assert translate_overrides(["actor_rollout_ref.actor.megatron.context_parallel_size=1"]).get(
         "actor.megatron.context_parallel_size") == 1
 

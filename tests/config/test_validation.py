@@ -430,38 +430,77 @@ def test_inprocess_engines_fit_a_cpu_colocated_run(base_overrides: list[str]) ->
     assert cfg.rollout.weight_sync.transport == "inprocess" and not check_config(cfg)[0]
 
 
-# issue 43: context parallelism is not implemented in mrl's workers; every role's section is refused at plan time
-_CP_ROLES = [
-    ("actor", []),
-    ("ref", []),  # actor.use_kl_loss builds the (colocated) reference: its own section is refused too
-    ("critic", ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size_per_gpu=2"]),
-    ("teacher", ["algorithm.distill.mode=kl_loss", "teacher.enable=true", "teacher.placement=separate",
-                 "teacher.num_devices=2"]),  # + teacher.path (the tiny model), below
-    ("reward_model", [*_RM_SEP, "reward_model.num_devices=2"]),
+# issue 52: context parallelism runs for the actor, reference and critic on sdpa with packed rows; the rest is
+# refused at plan time in one line naming why
+def test_context_parallel_plans_for_actor_ref_and_critic(base_overrides: list[str]) -> None:
+    cfg = load_config(None, base_overrides + ["actor.megatron.context_parallel_size=2", "algorithm.adv_estimator=gae",
+                                              "critic.ppo_micro_batch_size_per_gpu=2",
+                                              "critic.megatron.context_parallel_size=2"])
+    assert check_config(cfg)[0] == []
+    from mrl.config.plan_report import build_report, format_report
+
+    text = format_report(cfg, build_report(cfg))
+    assert "TP=1 PP=1 CP=2 DP=2" in text and "CP=2: each device holds 1/2 of every sequence's tokens" in text
+
+
+_CP_REFUSED = [  # (case, overrides, why the one line must name)
+    ("not_packed", ["actor.use_remove_padding=false"], "it needs actor.use_remove_padding"),
+    ("local_attention", ["actor.megatron.attention_backend=local", "actor.use_remove_padding=false"],
+     "sdpa attention backend only"),
+    ("lora", ["actor.lora.rank=8"], "LoRA under CP is not tested"),
+    ("vpp", ["actor.megatron.pipeline_model_parallel_size=2", "actor.megatron.virtual_pipeline_model_parallel_size=2"],
+     "interleaved pipeline stages"),
 ]
 
 
-@pytest.mark.parametrize("role, extra", _CP_ROLES, ids=[r for r, _ in _CP_ROLES])
-def test_context_parallel_is_refused_for_every_role(role: str, extra: list[str], base_overrides: list[str],
-                                                    tiny_model: Path) -> None:
+def test_context_parallel_token_budget_is_per_device(base_overrides: list[str]) -> None:
+    """With CP a micro-batch row spreads over the CP devices: the per-device budget times CP must hold a sequence."""
+    seq = ["data.max_prompt_length=64", "rollout.max_response_length=64", "actor.use_dynamic_bsz=true"]
+    cfg = load_config(None, base_overrides + seq + ["actor.megatron.context_parallel_size=2",
+                                                    "actor.ppo_max_token_len_per_gpu=64"])
+    assert check_config(cfg)[0] == []  # 64 per device x CP 2 = one 128-token sequence
+    errors = _errors(base_overrides + seq + ["actor.megatron.context_parallel_size=2", "actor.ppo_max_token_len_per_gpu=63"])
+    assert any("over CP=2 devices" in e and "fix: set actor.ppo_max_token_len_per_gpu >= 64" in e for e in errors), errors
+
+
+def test_context_parallel_is_refused_for_a_separate_reference(base_overrides: list[str]) -> None:
+    errors = _errors(base_overrides + ["ref.placement=separate", "ref.num_devices=2",
+                                       "ref.megatron.context_parallel_size=2"])
+    cp = [e for e in errors if "context_parallel_size" in e]
+    assert len(cp) == 1 and cp[0].startswith("ref.megatron.context_parallel_size=2: a separate reference"), errors
+
+
+@pytest.mark.parametrize("case, extra, why", _CP_REFUSED, ids=[c for c, _, _ in _CP_REFUSED])
+def test_context_parallel_refusals_name_why(case: str, extra: list[str], why: str, base_overrides: list[str]) -> None:
+    key = "actor.megatron.context_parallel_size"
+    errors = _errors(base_overrides + extra + [f"{key}=2"])
+    cp = [e for e in errors if "context_parallel_size" in e]
+    assert len(cp) == 1 and cp[0].startswith(f"{key}=2: ") and why in cp[0] and f"fix: {key}=1" in cp[0], errors
+    assert "\n" not in cp[0]
+
+
+@pytest.mark.parametrize("role, extra", [
+    ("teacher", ["algorithm.distill.mode=kl_loss", "teacher.enable=true", "teacher.placement=separate",
+                 "teacher.num_devices=2"]),
+    ("reward_model", [*_RM_SEP, "reward_model.num_devices=2"]),
+], ids=["teacher", "reward_model"])
+def test_context_parallel_is_refused_for_the_teacher_and_reward_model(role: str, extra: list[str],
+                                                                      base_overrides: list[str], tiny_model: Path) -> None:
     key = f"{role}.megatron.context_parallel_size"
     extra = [*extra, f"teacher.path={tiny_model}"] if role == "teacher" else extra
     errors = _errors(base_overrides + extra + [f"{key}=2"])
-    cp = [e for e in errors if "context parallelism is not implemented" in e]
-    assert len(cp) == 1 and cp[0].startswith(f"{key}=2: "), errors  # one line, for the key that was set
-    for s in ("on any backend yet", f"fix: {key}=1", "actor.use_remove_padding", "actor.megatron.attention_backend=sdpa",
-              "actor.recompute_granularity", f"{role}.megatron.sequence_parallel=true"):
-        assert s in cp[0], (s, cp[0])
-    assert "\n" not in cp[0]
+    cp = [e for e in errors if "context_parallel_size" in e]
+    assert len(cp) == 1 and cp[0].startswith(f"{key}=2: ") and "reads compact rows" in cp[0], errors
     assert check_config(load_config(None, base_overrides + extra))[0] == []  # the same config at CP=1 plans
 
 
 def test_context_parallel_taken_from_the_actor_is_said_once(base_overrides: list[str]) -> None:
-    """A colocated reference and a separate reward model with reward_model.megatron null run at the actor's
-    sizes: the actor's key is the one to change, and it is the only CP line."""
+    """A separate reward model with reward_model.megatron null runs at the actor's sizes: the actor's key is the one
+    to change (or a section of its own), and it is the only CP line."""
     errors = _errors(base_overrides + [*_RM_SEP, "reward_model.num_devices=2", "actor.megatron.context_parallel_size=2"])
     cp = [e for e in errors if "context_parallel_size=2" in e]
     assert len(cp) == 1 and cp[0].startswith("actor.megatron.context_parallel_size=2: "), errors
+    assert "reward_model.megatron section of its own" in cp[0]
 
 
 @pytest.mark.parametrize("cmd", ["plan", "train"])
@@ -469,7 +508,8 @@ def test_cli_refuses_context_parallel_before_anything_starts(cmd: str, capsys: p
     from mrl.cli import EXIT_CONFIG, main
 
     quickstart = Path(__file__).resolve().parents[2] / "mrl_configs" / "quickstart.yaml"  # 2 ranks: CP=2 divides them
-    assert main([cmd, str(quickstart), "actor.megatron.context_parallel_size=2"]) == EXIT_CONFIG
+    assert main([cmd, str(quickstart), "actor.megatron.context_parallel_size=2", "actor.use_remove_padding=false"]
+                ) == EXIT_CONFIG
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err and "nothing was started" in err
     lines = [ln for ln in err.splitlines() if "actor.megatron.context_parallel_size" in ln]

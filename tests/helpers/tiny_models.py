@@ -87,6 +87,15 @@ def hf_config(family: str, **overrides):
                   use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                   n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1, norm_topk_prob=True,
                   routed_scaling_factor=2.5)
+    elif family == "qwen3_next":
+        cls = tf.Qwen3NextConfig
+        kw.update(tie_word_embeddings=False, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                  layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"][
+                      : _COMMON["num_hidden_layers"]],
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                  decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+        kw.pop("rope_theta", None)
     elif family in ("qwen3_5", "qwen3_5_moe"):
         # the decoder's config (text-only form); tests/helpers/tiny_qwen3_5.py builds the vision-language checkpoints
         moe = family == "qwen3_5_moe"

@@ -27,6 +27,19 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
+def make_tiny_qwen3_next_hf(path: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:
+    """A tiny ``Qwen3NextForCausalLM`` (all layers MoE with a gated shared expert; grouped Gated DeltaNet projections)."""
+    import transformers as tf
+
+    cfg = tf.Qwen3NextConfig(**{**TEXT, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                                "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96, **overrides})
+    torch.manual_seed(seed)
+    model = tf.Qwen3NextForCausalLM(cfg).eval()
+    _redraw(model, seed)
+    model.save_pretrained(str(path))
+    return Path(path)
+
+
 def make_tiny_qwen3_5_hf(path: str | os.PathLike, *, moe: bool = False, wrapped: bool = True, seed: int = 0,
                          **text_overrides) -> Path:
     import transformers as tf

@@ -7,9 +7,11 @@ import torch
 
 # (tp, pp, ep) layouts of 4 ranks and the cases each runs
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (1, 2, 2)]
-RUNS = {"dense": [(1, 1, 1), (2, 1, 1), (1, 2, 1)], "text_only": [(1, 1, 1), (2, 1, 1)],
-        "moe": [(1, 1, 1), (1, 1, 2), (1, 2, 2)]}
-ROUNDTRIP = {"dense": (2, 1, 1), "moe": (1, 2, 2)}
+# (kept to what each case adds: the text-only form's names, the MoE's experts over EP and stages, Qwen3-Next's
+# grouped projection split over TP)
+RUNS = {"dense": [(1, 1, 1), (2, 1, 1), (1, 2, 1)], "text_only": [(1, 1, 1)],
+        "moe": [(1, 1, 1), (1, 2, 2)], "next": [(2, 1, 1), (1, 1, 2)]}
+ROUNDTRIP = {"dense": (2, 1, 1), "moe": (1, 2, 2), "next": (2, 1, 1)}
 PACKED_LENGTHS = (70, 1, 33, 2)  # ragged, across the 64-token chunk of the delta rule, one of length 1
 
 

@@ -1,0 +1,171 @@
+"""Context parallelism on the sdpa backend: CP=2 and CP=4 give the CP=1 log-probs, entropies, loss and gradients.
+
+One fixed ragged batch (8 samples of 3..13 tokens: with CP=4 every sequence is padded to a multiple of 2·CP = 8,
+several are shorter than that and some chunks hold only padding), a dense GQA model (tiny Qwen2: 4 query heads,
+2 KV heads), packed rows. One 4-rank launch re-initialises Megatron for CP1 (DP4), CP2 (DP2), CP4 (DP1, dynamic
+token-budget micro-batches) and
+CP2×TP2 (DP1; sequence parallelism needs Apex/TE norms, absent on CPU) and CP2×PP2 (DP1, 4 micro-batches per
+rank through 1F1B, every row padded to one length: a padding sequence). Each layout computes the full batch's
+log-probs and entropies (forward only), then the loss and the DP×CP-reduced gradient of a token-mean loss with
+entropy and KL terms and of a seq-mean-token-mean loss (per-sequence means: a sequence's tokens lie on several CP
+ranks), then one optimizer step; the critic's values, value loss and weights after one step at CP2 against CP1.
+
+Truth: the HF model in one process (``reference_impl``: transformers attention, no Megatron), and CP1 directly.
+Tolerance 1e-5 (fp32, a 4-layer 64-wide model: sums of at most a few hundred terms per value, each rounding
+~6e-8 relative; the same bound the layout test holds TP/PP/DP to).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_ranks
+from tests.helpers.tiny_models import make_tiny_hf
+
+pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.timeout(600)]
+
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2)]  # (cp, tp, pp)
+TEMPERATURE = 0.7
+
+
+def _specs():
+    from mrl.config.actor import ActorConfig
+    from mrl.workers.loss import ActorLossSpec
+
+    base = ActorLossSpec.from_config(ActorConfig(loss_agg_mode="token-mean"), TEMPERATURE, max_response_length=16)
+    return {
+        "token-mean": dataclasses.replace(base, entropy_coeff=0.05, use_kl_loss=True, kl_loss_coef=0.1,
+                                          kl_loss_type="low_var_kl"),
+        "seq-mean-token-mean": dataclasses.replace(base, loss_agg_mode="seq-mean-token-mean"),
+    }
+
+
+def _grads_by_hf_name(worker) -> dict[str, torch.Tensor]:
+    """TP-gathered ``main_grad`` under HF names (swap data <-> main_grad)."""
+    params = [p for c in worker.model.chunks for p in c.parameters()]
+    saved = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.main_grad
+        return {n: t.clone() for n, t in worker.model.named_parameters_hf()}
+    finally:
+        for p, d in zip(params, saved):
+            p.data = d
+
+
+def _rank(rank, world, path):
+    from megatron.core import parallel_state as ps
+
+    from mrl.config.actor import ActorConfig
+    from mrl.config.critic import CriticConfig
+    from mrl.workers.actor import ActorWorker
+    from mrl.workers.critic import CriticWorker
+    from mrl.workers.loss import ActorLossSpec
+    from tests.workers.batches import portable, ragged_batch
+
+    batch = ragged_batch()
+    results = []
+    for cp, tp, pp in LAYOUTS:
+        cfg = ActorConfig(
+            megatron={"context_parallel_size": cp, "tensor_model_parallel_size": tp, "sequence_parallel": False,
+                      "pipeline_model_parallel_size": pp, "attention_backend": "sdpa"},
+            use_remove_padding=True, ppo_micro_batch_size_per_gpu=2, use_distributed_optimizer=False,
+            # CP4: token-budget micro-batches, 10 tokens per device = rows of up to 40 tokens (2 micro-batches)
+            use_dynamic_bsz=cp == 4, ppo_max_token_len_per_gpu=10,
+            optim={"lr": 1e-3, "eps": 1e-2, "weight_decay": 0.0, "clip_grad": 0.0},
+            use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.05, loss_agg_mode="token-mean",
+        )
+        actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8, temperature=TEMPERATURE,
+                            max_response_length=16, seed=1234)
+        e = actor.model
+        keep = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0 and \
+            ps.get_context_parallel_rank() == 0  # and every pipeline stage: its own layers' names
+        lp, ent = actor.compute_log_prob(batch)
+        per_spec = {}
+        for key, spec in _specs().items():
+            actor.loss_spec = spec
+            m = actor.forward_backward(e.dp_shard(batch))
+            grads = _grads_by_hf_name(actor)  # collective over TP: every rank takes part
+            per_spec[key] = (m["loss"], grads if keep else None)
+        actor.loss_spec = ActorLossSpec.from_config(cfg, TEMPERATURE, max_response_length=16)
+        metrics = actor.update_policy(batch)
+        weights = {n: t.clone() for n, t in actor.export_hf_weights()}
+        from mrl.workers.actor import micro_batch_parts
+
+        n_micro = len(micro_batch_parts(e.dp_shard(batch), micro_batch_size=2, use_dynamic_bsz=cfg.use_dynamic_bsz,
+                                        max_tokens=10 * cp, dp_group=e.dp_group))
+        results.append({"cp": e.cp_size, "dp": e.dp_size, "n_micro": n_micro, "lp": lp, "ent": ent, "per_spec": per_spec,
+                        "pad": metrics["perf/pad_fraction"], "weights": weights if keep else None})
+        del actor
+        if tp == pp == 1 and cp <= 2:  # the critic: values and one value-loss step at CP2 against CP1
+            ccfg = CriticConfig(megatron={"context_parallel_size": cp, "attention_backend": "sdpa"},
+                                ppo_micro_batch_size_per_gpu=2, cliprange_value=0.05, use_distributed_optimizer=False,
+                                optim={"lr": 1e-3, "eps": 1e-2, "weight_decay": 0.0, "clip_grad": 0.0})
+            critic = CriticWorker(ccfg, model_path=path, mini_batch_size_samples=8, seed=1234, remove_padding=True)
+            v = critic.compute_values(batch)
+            target = torch.linspace(-1, 1, batch.response_length).expand_as(v) * batch.response_mask
+            m = critic.update_critic(batch.replace(values=v + 0.02, returns=target))
+            w = {n: t.detach().clone() for n, t in critic.model.chunks[0].module.named_parameters()}  # TP1: whole
+            results[-1]["critic"] = (v, m["critic/vf_loss"], w)
+            del critic
+    return portable(results)
+
+
+def test_context_parallel_equals_cp1_and_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.workers.batches import ragged_batch, tensors
+    from tests.workers.reference_impl import hf_log_probs, hf_loss_and_grads
+
+    path = make_tiny_hf(tmp_path / "qwen2", "qwen2")
+    res = tensors(run_ranks(_rank, 4, args=(str(path),), timeout_s=540))
+    batch = ragged_batch()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        ref_lp, ref_ent = hf_log_probs(model, batch, TEMPERATURE)
+    truth = {k: hf_loss_and_grads(model, batch, s) for k, s in _specs().items()}
+
+    def merged(li, getter):
+        out = {}
+        for r in res:
+            part = getter(r[li])
+            if part:
+                out.update(part)
+        return out
+
+    for li, (cp, tp, pp) in enumerate(LAYOUTS):
+        tag = f"CP{cp}TP{tp}PP{pp}"
+        assert (res[0][li]["cp"], res[0][li]["dp"]) == (cp, 4 // (cp * tp * pp))
+        if cp == 4 or pp == 2:  # token-budget split / 1F1B: several micro-batches per rank
+            assert res[0][li]["n_micro"] >= 2
+        for r in res:  # every rank holds the full batch's values
+            torch.testing.assert_close(r[li]["lp"], ref_lp, rtol=0, atol=1e-5, msg=lambda m, t=tag: f"{t} lp {m}")
+            torch.testing.assert_close(r[li]["ent"], ref_ent, rtol=0, atol=1e-5, msg=lambda m, t=tag: f"{t} ent {m}")
+            torch.testing.assert_close(r[li]["lp"], res[0][0]["lp"], rtol=0, atol=1e-5)
+        for key, (t_loss, t_grads) in truth.items():
+            loss = res[0][li]["per_spec"][key][0]
+            assert loss == pytest.approx(t_loss, rel=1e-5, abs=1e-7), (tag, key)
+            assert loss == pytest.approx(res[0][0]["per_spec"][key][0], rel=1e-5, abs=1e-7), (tag, key)
+            grads = merged(li, lambda x, k=key: x["per_spec"][k][1])
+            cp1 = merged(0, lambda x, k=key: x["per_spec"][k][1])
+            assert set(grads) == set(t_grads) == set(cp1)
+            for name, g in t_grads.items():
+                tol = 1e-5 * float(g.abs().max())
+                torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=tol,
+                                           msg=lambda m, n=name, t=f"{tag} {key}": f"{t} grad {n}: {m}")
+                torch.testing.assert_close(grads[name], cp1[name], rtol=1e-5, atol=tol)
+        w, w1 = merged(li, lambda x: x["weights"]), merged(0, lambda x: x["weights"])
+        for name, t in w1.items():  # one Adam step (eps=1e-2: smooth in the gradient)
+            torch.testing.assert_close(w[name], t, rtol=1e-5, atol=1e-6, msg=lambda m, n=name, t=tag: f"{t} {n}: {m}")
+    v1, loss1, w1 = res[0][0]["critic"]
+    v2, loss2, w2 = res[0][1]["critic"]
+    assert (v1 != 0).any()
+    torch.testing.assert_close(v2, v1, rtol=0, atol=1e-5)
+    assert loss2 == pytest.approx(loss1, rel=1e-5)
+    assert set(w1) == set(w2) and "output_layer.weight" in w1  # the value head
+    for name, t in w1.items():
+        torch.testing.assert_close(w2[name], t, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"critic CP2 {n}: {m}")
+    # the CP padding (sequences to multiples of 2·CP) is counted: more at CP4 than at CP2, none at CP1
+    assert res[0][0]["pad"] == 0.0 < res[0][1]["pad"] < res[0][2]["pad"]
