@@ -9,6 +9,7 @@ exits first, ``EngineLaunchError`` carries its exit code and the last lines of i
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -102,9 +103,30 @@ class SGLangLaunchSpec:
             )
 
 
+#: SSM-state dtype of hybrid (linear-attention) models: the trainer's and transformers' recurrent state is fp32
+HYBRID_SSM_DTYPE = "float32"
+
+
+def is_hybrid_checkpoint(model_path: str) -> bool:
+    """``model_path/config.json`` (or its ``text_config``) lists ``linear_attention`` layers (Qwen3.5 / Qwen3.6,
+    Qwen3-Next). False when there is no readable config.json there (a hub id: SGLang resolves it itself)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = cfg.get("text_config") or cfg
+    return "linear_attention" in (text.get("layer_types") or cfg.get("layer_types") or [])
+
+
 def build_sglang_command(spec: SGLangLaunchSpec, python: str = sys.executable) -> list[str]:
     """The argv of ``python -m sglang.launch_server`` for one engine (flags checked against SGLang's
-    own ServerArgs parser in tests/rollout/conformance/test_launch_and_pins.py)."""
+    own ServerArgs parser in tests/rollout/conformance/test_launch_and_pins.py).
+
+    Hybrid checkpoints (:func:`is_hybrid_checkpoint`): SGLang 0.5.23 recognises their architectures and sets up
+    its hybrid (mamba) state pool and radix-cache strategy itself; we pin ``--mamba-ssm-dtype float32`` so the
+    rollout's recurrent state does not fall to a ``mamba_ssm_dtype`` a config.json may name (bf16), which would
+    move its log-probs away from the trainer's fp32 state. A ``--mamba-ssm-dtype`` in ``extra_args`` comes
+    later on the command line and wins."""
     cmd = [
         python, "-m", "sglang.launch_server",
         "--model-path", str(spec.model_path),
@@ -128,6 +150,8 @@ def build_sglang_command(spec: SGLangLaunchSpec, python: str = sys.executable) -
         cmd += ["--admin-api-key", spec.admin_api_key]
     if spec.enable_return_routed_experts:
         cmd.append("--enable-return-routed-experts")
+    if is_hybrid_checkpoint(spec.model_path):
+        cmd += ["--mamba-ssm-dtype", HYBRID_SSM_DTYPE]
     if spec.nnodes > 1:
         cmd += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank), "--dist-init-addr", str(spec.dist_init_addr)]
     return cmd + list(spec.extra_args)

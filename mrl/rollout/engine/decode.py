@@ -14,7 +14,8 @@ Two implementations behind one call, chosen once per model:
   (on CPU a ``[B, H] @ [H, V]`` GEMM whose weight does not fit in cache runs slower than the same
   work in 1024-row slices; docs/performance.md, 'LM head in vocabulary slices').
 * :func:`hf_decode` for any other model: the model's forward with a ``DynamicCache`` built on
-  views of the live columns; the new column is copied back into the buffers.
+  views of the live columns; the new column is copied back into the buffers. Hybrid models (linear-attention
+  layers) take :func:`mrl.rollout.engine.hybrid.hybrid_decode`, the same with their recurrent states.
 
 Both give the logits of the transformers forward of the same tokens (fp32: ~1e-6; tested in
 ``tests/rollout/test_engine_decode.py``).
@@ -35,11 +36,16 @@ LM_HEAD_CHUNK = 1024  # vocabulary rows per LM-head GEMM
 def fast_path_refusal(config) -> str | None:
     """Why :class:`LlamaFamilyDecoder` cannot run this config (None = it can)."""
     mt = getattr(config, "model_type", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None) or []
+    if "linear_attention" in types:  # checked first: whatever family declares these, the step has no recurrence
+        return "hybrid: linear-attention layers keep a conv window and a recurrent state per sequence"
+    if getattr(config, "vision_config", None) is not None:
+        return f"{mt} is a vision-language model (its decoder sits under model.language_model)"
     if mt not in SUPPORTED_TYPES:
         return f"model_type {mt!r} is not one of {SUPPORTED_TYPES}"
     if FAMILIES[mt].is_mla:
         return f"{mt} multi-latent attention"
-    types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in types):
         return "sliding-window attention layers"
     if FAMILIES[mt].engine_refuses_sliding_window and getattr(config, "sliding_window", None) is not None:

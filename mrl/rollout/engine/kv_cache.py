@@ -22,9 +22,16 @@ The buffers are inference tensors: every method that writes them runs under
 
 Row order changes on removal; :meth:`RunningBatch.remove` returns the new order so the owner
 can permute its per-request state the same way.
+
+Row states (hybrid models, :mod:`mrl.rollout.engine.hybrid`): fixed-size tensors per row that are no cache
+columns, e.g. a Gated DeltaNet layer's conv window ``[conv_dim, kernel - 1]`` and recurrent state
+``[heads_v, d_k, d_v]``. Each is one buffer ``s[j]`` of ``[rows_cap, *shape]`` that moves with its row: written by
+:meth:`RunningBatch.add`, copied by the swap-remove, carried over by a reallocation. What they mean is the
+owner's business; here they are rows.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -34,24 +41,35 @@ COL_HEADROOM = 64  # free columns added on reallocation (steps between two reall
 
 class PrefilledRows(NamedTuple):
     """Cache of ``n`` prompts prefilled together, right-aligned: ``keys[i]``/``values[i]``
-    ``[n, kv_heads, Lp, D]`` per layer, ``valid`` ``[n, Lp]`` (1 = real token), ``next_pos`` ``[n]``."""
+    ``[n, kv_heads, Lp, D]`` per layer, ``valid`` ``[n, Lp]`` (1 = real token), ``next_pos`` ``[n]``;
+    ``states[j]`` ``[n, *shape_j]`` per row state (none for a model without them)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     valid: torch.Tensor
     next_pos: torch.Tensor
+    states: Sequence[torch.Tensor] = ()
+
+    def select(self, idx: torch.Tensor) -> PrefilledRows:
+        """Rows ``idx`` (repeats allowed: identical prompts computed once, one row each)."""
+        return PrefilledRows([k.index_select(0, idx) for k in self.keys], [v.index_select(0, idx) for v in self.values],
+                             self.valid.index_select(0, idx), self.next_pos.index_select(0, idx.to(self.next_pos.device)),
+                             [s.index_select(0, idx) for s in self.states])
 
 
 class RunningBatch:
     """Cache and per-row state of the running set (``B`` rows in the owner's request order)."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, value_dim: int | None = None) -> None:
+                 device: torch.device, value_dim: int | None = None,
+                 row_states: Sequence[tuple[tuple[int, ...], torch.dtype]] = ()) -> None:
         self.shape = (num_layers, kv_heads, head_dim)
         self.value_dim = head_dim if value_dim is None else value_dim
         self.dtype, self.device = dtype, device
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        # one [rows_cap, *shape] buffer per row state (see the module docstring)
+        self.s = [torch.zeros(0, *shape, dtype=dt, device=device) for shape, dt in row_states]
         self.bias = torch.zeros(0, 0, dtype=dtype, device=device)
         self.size = 0
         self.start = self.end = 0
@@ -70,7 +88,7 @@ class RunningBatch:
     @property
     def nbytes(self) -> int:
         """Bytes held by the buffers."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, self.bias))
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.s, self.bias))
 
     def keys(self, layer: int, end: int | None = None) -> torch.Tensor:
         """``[B, kv_heads, L, head_dim]`` view of the live columns (``end`` overrides ``self.end``)."""
@@ -78,6 +96,10 @@ class RunningBatch:
 
     def values(self, layer: int, end: int | None = None) -> torch.Tensor:
         return self.v[layer][: self.size, :, self.start: self.end if end is None else end]
+
+    def state(self, j: int) -> torch.Tensor:
+        """``[B, *shape]`` view of row state ``j`` of the live rows (written in place by the decode step)."""
+        return self.s[j][: self.size]
 
     def attn_bias(self, end: int | None = None) -> torch.Tensor:
         """``[B, L]`` additive mask of the live columns: 0 = real token, -inf = padding."""
@@ -109,6 +131,11 @@ class RunningBatch:
             bias[:b, new_start:new_end] = self.bias[:b, self.start: self.end]
         self.k, self.v, self.bias = k, v, bias
         self.start, self.end = new_start, new_end
+        if any(t.shape[0] != rows for t in self.s):  # column growth alone leaves the row states where they are
+            states = [torch.zeros(rows, *t.shape[1:], dtype=t.dtype, device=self.device) for t in self.s]
+            for new, old in zip(states, self.s):
+                new[:b] = old[:b]
+            self.s = states
 
     @torch.inference_mode()
     def reserve_column(self) -> int:
@@ -128,7 +155,9 @@ class RunningBatch:
         """Append the ``n`` prefilled rows, whose next token is ``last_tokens`` ``[n]``. Their last
         column lands on ``end - 1`` (the running rows' last written column); the live region widens
         on the left when the prompts are longer than it."""
-        keys, values, valid, next_pos = rows
+        keys, values, valid, next_pos = rows.keys, rows.values, rows.valid, rows.next_pos
+        if len(rows.states) != len(self.s):
+            raise ValueError(f"{len(rows.states)} row states prefilled, the running set holds {len(self.s)}")
         n, lp = valid.shape
         need_rows = self.size + n
         if self.size == 0 and need_rows <= self.rows_cap and lp < self.cols_cap:
@@ -144,6 +173,8 @@ class RunningBatch:
         for i in range(len(self.k)):
             self.k[i][b0:b1, :, c0: self.end] = keys[i]
             self.v[i][b0:b1, :, c0: self.end] = values[i]
+        for buf, new in zip(self.s, rows.states):
+            buf[b0:b1] = new
         self.start = min(self.start if self.size else c0, c0)
         self.size = b1
         self.next_pos = torch.cat([self.next_pos, next_pos.to(self.device)])
@@ -175,6 +206,8 @@ class RunningBatch:
         for i in range(len(self.k)):
             self.k[i][dst, :, s:e] = self.k[i][src, :, s:e]
             self.v[i][dst, :, s:e] = self.v[i][src, :, s:e]
+        for buf in self.s:
+            buf[dst] = buf[src]
         self.bias[dst] = self.bias[src]
 
     def _trim(self) -> None:

@@ -6,7 +6,10 @@ right-aligned rows: every decode step is one batched ``[B, 1]`` forward whose li
 padding; padding exists only in the attention over the cache and is bounded by the spread of
 lengths of the sequences *currently* running). New requests are prefilled together (one
 left-padded forward of the model) and added to the running set between decode steps. The decode
-step is :mod:`mrl.rollout.engine.decode`.
+step is :mod:`mrl.rollout.engine.decode`; for a hybrid model (Gated DeltaNet linear-attention layers, whose
+per-row conv window and recurrent state ride along as row states) :mod:`mrl.rollout.engine.hybrid`. A
+vision-language checkpoint is loaded whole (:func:`mrl.rollout.engine.vlm.load_model`), so its weights keep the
+checkpoint's names (``model.language_model.layers.{i}...``).
 
 Positions are counted per row (``next_pos``), so a row's logits do not depend on its padding:
 log-probs agree with an unpadded transformers forward of the same tokens to ~1e-6 in fp32.
@@ -21,6 +24,7 @@ from transformers import AutoConfig, AutoTokenizer, DynamicCache
 
 from mrl.dtypes import DTYPES, torch_dtype
 from mrl.rollout.engine.decode import LlamaFamilyDecoder, fast_path_refusal, hf_decode
+from mrl.rollout.engine.hybrid import HybridLayout, hybrid_decode
 from mrl.rollout.engine.kv_cache import PrefilledRows, RunningBatch
 from mrl.rollout.engine.moe import RoutingCapture, checkpoint_views, is_moe
 from mrl.rollout.engine.vlm import (
@@ -96,18 +100,24 @@ class ModelRunner:
                              f"(model_type {getattr(self.config, 'model_type', None)!r}); drop the flag")
         self.routing = RoutingCapture(self.model) if capture_routing else None
         self.last_routing: list[torch.Tensor] | torch.Tensor | None = None
-        cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        self._kv_shape = kv_cache_shape(cfg)
+        self._kv_shape = kv_cache_shape(text_cfg)
+        self.hybrid = HybridLayout.of(self.config)  # linear-attention layers: conv window + recurrent state per row
+        if self.hybrid is not None:
+            self._kv_shape = (len(self.hybrid.full), *self._kv_shape[1:])  # K/V for the full-attention layers only
         # The written-out decode step for the families it knows; the model's own forward otherwise.
         # a vision-language model: its decoder sits under model.language_model and its forward owns the mRoPE
-        self.decode_path = fast_path_refusal(self.config) if self.vision is None else "vision-language model"
+        # (a hybrid, vision-language or not, names its recurrent state: fast_path_refusal checks that first)
+        self.decode_path = (fast_path_refusal(self.config) if self.vision is None or self.hybrid is not None
+                            else "vision-language model")
         self._decoder = LlamaFamilyDecoder(self.model) if self.decode_path is None else None
         self.decode_path = "fast" if self.decode_path is None else f"transformers forward ({self.decode_path})"
 
     def new_batch(self) -> RunningBatch:
         """An empty running set whose cache fits this model."""
         layers, heads, key_dim, value_dim = self._kv_shape
-        return RunningBatch(layers, heads, key_dim, dtype=self.dtype, device=self.device, value_dim=value_dim)
+        states = self.hybrid.row_states(self.dtype) if self.hybrid is not None else ()
+        return RunningBatch(layers, heads, key_dim, dtype=self.dtype, device=self.device, value_dim=value_dim,
+                            row_states=states)
 
     # ---- weights by HF name -------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -147,9 +157,7 @@ class ModelRunner:
         rows, logits = self._prefill(uniq, None if vision is None else [vision[at[k]] for k in first])
         self._take_prefill_routing(uniq, index)
         idx = torch.tensor(index, device=self.device)
-        rows = PrefilledRows([k.index_select(0, idx) for k in rows.keys], [v.index_select(0, idx) for v in rows.values],
-                             rows.valid.index_select(0, idx), rows.next_pos.index_select(0, idx.cpu()))
-        return rows, logits.index_select(0, idx)
+        return rows.select(idx), logits.index_select(0, idx)  # K/V and any row states (hybrid) alike
 
     def _prefill(self, prompts: list[list[int]], vision: list[VisionInputs | None] | None = None
                  ) -> tuple[PrefilledRows, torch.Tensor]:
@@ -166,7 +174,9 @@ class ModelRunner:
                                                   vision or [None] * n, self.vision.image_token_id)
         elif vision is not None:
             raise ValueError("image_data needs a vision-language model; this engine serves a text-only one")
-        cache = DynamicCache()
+        # A hybrid's cache has a linear-attention layer per linear layer (built from the config); a plain
+        # DynamicCache() replicates K/V layers (given a config it would also window sliding-window layers' K/V).
+        cache = DynamicCache(config=self.model.config) if self.hybrid is not None else DynamicCache()
         out = self.model(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
             position_ids=pos.to(self.device), past_key_values=cache, use_cache=True,
@@ -174,12 +184,17 @@ class ModelRunner:
             **extra,
         )
         pad = (mask == 0).to(self.device)
-        keys, values = [], []
-        for layer in cache.layers:
-            # Padding rows attend to nothing; zero their K/V so no NaN can leak through 0*NaN.
-            keys.append(layer.keys.masked_fill(pad[:, None, :, None], 0.0))
-            values.append(layer.values.masked_fill(pad[:, None, :, None], 0.0))
-        rows = PrefilledRows(keys, values, mask.to(self.device), next_pos=next_pos)
+        states: list[torch.Tensor] = []
+        if self.hybrid is not None:
+            keys, values, states = self.hybrid.take_prefill(cache, pad)
+        else:
+            keys, values = [], []
+            for layer in cache.layers:
+                # Padding rows attend to nothing; zero their K/V so no NaN can leak through 0*NaN.
+                keys.append(layer.keys.masked_fill(pad[:, None, :, None], 0.0))
+                values.append(layer.values.masked_fill(pad[:, None, :, None], 0.0))
+        rows = PrefilledRows(keys, values, mask.to(self.device),
+                             next_pos=next_pos, states=states)
         return rows, out.logits[:, -1, :]
 
     def decode(self, rb: RunningBatch, routing: bool = False) -> torch.Tensor:
@@ -189,6 +204,8 @@ class ModelRunner:
         self._arm(routing)
         if self._decoder is not None:
             logits = self._decoder(rb)
+        elif self.hybrid is not None:
+            logits = hybrid_decode(self.model, rb, self.hybrid)
         else:
             logits = hf_decode(self.model, rb)
         if routing:

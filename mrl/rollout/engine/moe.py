@@ -21,6 +21,12 @@ gpt-oss checkpoints hold the experts fused as transformers does (``mlp.experts.g
 gate/up interleaved, ``down_proj``, their biases; router ``mlp.router``): its names are the parameters' own
 (``MoE.fused_experts``).
 
+Hybrid MoE checkpoints (Qwen3.5 / Qwen3.6 MoE, whose vision-language form nests the decoder under
+``model.language_model.``, and Qwen3-Next) name their experts as Qwen3-MoE does, beside a gated shared expert
+(``mlp.shared_expert.{gate,up,down}_proj``, ``mlp.shared_expert_gate``: parameters under their own names).
+:data:`HYBRID_MOE` declares them for the engine while no training family does (a family of the same
+``model_type`` in :mod:`mrl.families` takes precedence).
+
 Persistent buffers a checkpoint holds (DeepSeek-V3's and GLM-4.5's ``mlp.gate.e_score_correction_bias``) are named
 too.
 
@@ -45,6 +51,12 @@ EXPERT_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
 }
 #: ``model_type`` -> the router's module name under ``mlp`` (``MoE.router``)
 ROUTER_NAMES: dict[str, str] = {name: fam.moe.router for name, fam in FAMILIES.items() if fam.moe is not None}
+#: hybrid (Gated DeltaNet) MoE ``model_type``s the engine serves: the vision-language form, its text-only form
+#: (``Qwen3_5MoeForCausalLM``), Qwen3-Next; experts per expert as Qwen3-MoE, router ``mlp.gate``
+HYBRID_MOE = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+for _mt in HYBRID_MOE:
+    EXPERT_NAMES.setdefault(_mt, ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    ROUTER_NAMES.setdefault(_mt, "gate")
 #: the families whose checkpoints hold fused experts under the parameters' own names (nothing to map)
 FUSED_CHECKPOINTS = frozenset(name for name, fam in FAMILIES.items() if fam.moe is not None and fam.moe.fused_experts)
 _FUSED = re.compile(r"^(?P<pre>.*\.layers\.\d+\.)mlp\.experts\.(?P<kind>gate_up_proj|down_proj)$")
@@ -87,6 +99,13 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers: ``model.model.language_model.layers`` of a vision-language model (its decoder nested
+    beside the vision tower), ``model.model.layers`` otherwise."""
+    inner = model.model
+    return inner.language_model.layers if hasattr(inner, "language_model") else inner.layers
+
+
 class RoutingCapture:
     """Top-k expert ids of every layer for the tokens of one forward, from the routers' own outputs.
 
@@ -95,14 +114,14 @@ class RoutingCapture:
     ``take``, as around every forward, so two forwards never mix."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        text = model.config.get_text_config()
         self.num_layers = int(text.num_hidden_layers)
         self.top_k = int(text.num_experts_per_tok)
         self.armed = False
         self._ids: dict[int, torch.Tensor] = {}
         self.layers: list[int] = []
         router_name = ROUTER_NAMES.get(text.model_type, "gate")
-        for i, layer in enumerate(model.model.layers):
+        for i, layer in enumerate(decoder_layers(model)):
             router = getattr(getattr(layer, "mlp", None), router_name, None)
             # *TopKRouter (Qwen, Mixtral, gpt-oss), DeepseekV3TopkRouter, Glm4MoeTopkRouter: forward -> (logits,
             # weights, indices)
