@@ -73,8 +73,10 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         self.config = AutoConfig.from_pretrained(path)
-        # a vision-language checkpoint: its pictures' processor and *ForConditionalGeneration (engine/vlm.py)
-        self.vision = VisionProcessor(path, self.config) if is_vision_language(self.config) else None
+        # a vision-language checkpoint: its pictures' processor and *ForConditionalGeneration (engine/vlm.py); without
+        # its preprocessor_config.json it serves text only (Qwen3.5 trained on text: the tower is carried, unused)
+        self.vision = (VisionProcessor(path, self.config)
+                       if is_vision_language(self.config) and (path / "preprocessor_config.json").is_file() else None)
         self.model = load_model(path, self.config, self.dtype).to(self.device).eval()
         self.tokenizer = None
         if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
@@ -173,7 +175,8 @@ class ModelRunner:
             pos, next_pos, extra = prefill_inputs(self.model, ids.to(self.device), mask.to(self.device),
                                                   vision or [None] * n, self.vision.image_token_id)
         elif vision is not None:
-            raise ValueError("image_data needs a vision-language model; this engine serves a text-only one")
+            raise ValueError("image_data needs a vision-language model with its image processor "
+                             "(preprocessor_config.json); this engine serves text only")
         # A hybrid's cache has a linear-attention layer per linear layer (built from the config); a plain
         # DynamicCache() replicates K/V layers (given a config it would also window sliding-window layers' K/V).
         cache = DynamicCache(config=self.model.config) if self.hybrid is not None else DynamicCache()
