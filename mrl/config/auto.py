@@ -161,27 +161,29 @@ def choose_attention_backend(want: str, *, device: str, te_importable: bool, lor
 POLICY_ROLES = ("actor", "ref", "critic")
 
 
-def model_is_mla(cfg: MRLConfig) -> bool:
-    """model.path (or mrl's bundled copy of its config.json) is a multi-latent-attention model (DeepSeek-V3)."""
+def _model_shape(cfg: MRLConfig):
+    """model.path's shape (or that of mrl's bundled copy of its config.json); None when unknown or unreadable
+    (load_shape reports an unreadable one)."""
     from mrl.config.hf import bundled_hub_shape, read_model_shape
 
+    if not cfg.model.path:
+        return None
     try:
-        shape = read_model_shape(cfg.model.path) if cfg.model.path else None
+        shape = read_model_shape(cfg.model.path)
     except ValueError:
-        return False  # load_shape reports it
-    shape = shape or (bundled_hub_shape(cfg.model.path) if cfg.model.path else None)
+        return None
+    return shape or bundled_hub_shape(cfg.model.path)
+
+
+def model_is_mla(cfg: MRLConfig) -> bool:
+    """model.path is a multi-latent-attention model (DeepSeek-V3)."""
+    shape = _model_shape(cfg)
     return shape is not None and shape.mla is not None
 
 
 def model_is_hybrid(cfg: MRLConfig) -> bool:
-    """model.path (or mrl's bundled copy of its config.json) has Gated DeltaNet linear-attention layers (Qwen3.5)."""
-    from mrl.config.hf import bundled_hub_shape, read_model_shape
-
-    try:
-        shape = read_model_shape(cfg.model.path) if cfg.model.path else None
-    except ValueError:
-        return False  # load_shape reports it
-    shape = shape or (bundled_hub_shape(cfg.model.path) if cfg.model.path else None)
+    """model.path has Gated DeltaNet linear-attention layers (Qwen3.5, Qwen3-Next)."""
+    shape = _model_shape(cfg)
     return shape is not None and shape.linear_layers > 0
 
 
