@@ -6,7 +6,9 @@ rope scaling), Qwen2/2.5 (qkv bias, tied embeddings), Qwen3 (per-head q/k RMSNor
 Mixture-of-Experts families Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 and gpt-oss (attention sinks, per-layer
 windows, biased clamped-SwiGLU experts, YaRN RoPE: :mod:`mrl.families.gpt_oss`) (:mod:`mrl.megatron.moe`, where the
 MLP below becomes a routed sum of SwiGLU experts; layers a Qwen MoE config makes dense keep the MLP:
-Megatron's ``moe_layer_freq`` list and one layer spec per layer, :func:`decoder_spec`). What differs per
+Megatron's ``moe_layer_freq`` list and one layer spec per layer, :func:`decoder_spec`); and the hybrid-attention
+families Qwen3.5 / Qwen3.6 (dense and MoE) and Qwen3-Next, whose Gated DeltaNet layers replace attention in most
+layers (:mod:`mrl.megatron.gated_delta_net`, one spec per layer, zero-centred norms). What differs per
 family (qkv bias, q/k norm, window, MoE settings, refusals) is declared in its module under :mod:`mrl.families`; this module adds the
 settings common to all of them. All are pre-norm RMSNorm decoders with RoPE, GQA
 and SwiGLU::
