@@ -33,6 +33,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {arch: f.name for f in FAMILIES.values
 """HF architecture -> family key (what ``mrl plan`` checks a checkpoint's config.json against)."""
 
 
+def family_key(model_type: Any) -> str:
+    """The family key of a ``model_type``: a vision-language family's decoder config names itself ``<key>_text``
+    (Qwen3.5's ``qwen3_5_text``, ``qwen3_5_moe_text``)."""
+    return str(model_type).removesuffix("_text")
+
+
 def family_of(hf_config: Any) -> Family:
     """The family of an HF config (by ``architectures``; a config built in code, without them, by
     ``model_type``), or a ValueError naming the supported architectures or why one is refused."""
@@ -42,8 +48,7 @@ def family_of(hf_config: Any) -> Family:
             return FAMILIES[SUPPORTED_ARCHITECTURES[arch]]
         if arch in REFUSED_ARCHITECTURES:
             raise ValueError(f"config.json architectures {archs}: not supported yet: {REFUSED_ARCHITECTURES[arch]}")
-    # a decoder's config built in code (Qwen3.5's text config is model_type "qwen3_5_text")
-    model_type = str(getattr(hf_config, "model_type", None)).removesuffix("_text")
+    model_type = family_key(getattr(hf_config, "model_type", None))
     if not archs and model_type in FAMILIES:
         return FAMILIES[model_type]
     raise ValueError(
@@ -53,4 +58,4 @@ def family_of(hf_config: Any) -> Family:
     )
 
 
-__all__ = ["FAMILIES", "REFUSED_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "Family", "MoE", "family_of"]
+__all__ = ["FAMILIES", "REFUSED_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "Family", "MoE", "family_key", "family_of"]

@@ -23,9 +23,9 @@ gate/up interleaved, ``down_proj``, their biases; router ``mlp.router``): its na
 
 Hybrid MoE checkpoints (Qwen3.5 / Qwen3.6 MoE, whose vision-language form nests the decoder under
 ``model.language_model.``, and Qwen3-Next) name their experts as Qwen3-MoE does, beside a gated shared expert
-(``mlp.shared_expert.{gate,up,down}_proj``, ``mlp.shared_expert_gate``: parameters under their own names).
-:data:`HYBRID_MOE` declares them for the engine while no training family does (a family of the same
-``model_type`` in :mod:`mrl.families` takes precedence).
+(``mlp.shared_expert.{gate,up,down}_proj``, ``mlp.shared_expert_gate``: parameters under their own names); their
+text-only configs' ``model_type`` (``qwen3_5_moe_text``) is looked up by its family key
+(:func:`mrl.families.family_key`).
 
 Persistent buffers a checkpoint holds (DeepSeek-V3's and GLM-4.5's ``mlp.gate.e_score_correction_bias``) are named
 too.
@@ -42,7 +42,7 @@ import re
 
 import torch
 
-from mrl.families import FAMILIES
+from mrl.families import FAMILIES, family_key
 
 #: ``model_type`` -> (checkpoint module of the MoE block, names of (gate, up, down) per expert), as each MoE
 #: family declares them (``MoE.block``/``MoE.expert_names`` in mrl/families/<name>.py)
@@ -51,12 +51,6 @@ EXPERT_NAMES: dict[str, tuple[str, tuple[str, str, str]]] = {
 }
 #: ``model_type`` -> the router's module name under ``mlp`` (``MoE.router``)
 ROUTER_NAMES: dict[str, str] = {name: fam.moe.router for name, fam in FAMILIES.items() if fam.moe is not None}
-#: hybrid (Gated DeltaNet) MoE ``model_type``s the engine serves: the vision-language form, its text-only form
-#: (``Qwen3_5MoeForCausalLM``), Qwen3-Next; experts per expert as Qwen3-MoE, router ``mlp.gate``
-HYBRID_MOE = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
-for _mt in HYBRID_MOE:
-    EXPERT_NAMES.setdefault(_mt, ("mlp", ("gate_proj", "up_proj", "down_proj")))
-    ROUTER_NAMES.setdefault(_mt, "gate")
 #: the families whose checkpoints hold fused experts under the parameters' own names (nothing to map)
 FUSED_CHECKPOINTS = frozenset(name for name, fam in FAMILIES.items() if fam.moe is not None and fam.moe.fused_experts)
 _FUSED = re.compile(r"^(?P<pre>.*\.layers\.\d+\.)mlp\.experts\.(?P<kind>gate_up_proj|down_proj)$")
@@ -65,14 +59,14 @@ _ROUTER = re.compile(r"^(?P<pre>.*\.layers\.\d+\.)mlp\.gate\.weight$")
 
 def is_moe(config) -> bool:
     """A config of a family whose experts the engine maps (:data:`EXPERT_NAMES`)."""
-    return getattr(config, "model_type", None) in EXPERT_NAMES
+    return family_key(getattr(config, "model_type", None)) in EXPERT_NAMES
 
 
 def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter under its checkpoint name(s) (tied ones under each name); a fused expert parameter as
     one view per expert and projection (see the module docstring). Built on each call: after
     ``ModelRunner.release``/``resume`` the parameters hold new storage, and old views would write nowhere."""
-    mt = getattr(model.config, "model_type", None)
+    mt = family_key(getattr(model.config, "model_type", None))
     named = dict(model.named_parameters(remove_duplicate=False))
     persistent = model.state_dict(keep_vars=True)
     # checkpoint buffers (DeepSeek-V3's router e_score_correction_bias): the trainer sends them with the weights
@@ -120,7 +114,7 @@ class RoutingCapture:
         self.armed = False
         self._ids: dict[int, torch.Tensor] = {}
         self.layers: list[int] = []
-        router_name = ROUTER_NAMES.get(text.model_type, "gate")
+        router_name = ROUTER_NAMES.get(family_key(text.model_type), "gate")
         for i, layer in enumerate(decoder_layers(model)):
             router = getattr(getattr(layer, "mlp", None), router_name, None)
             # *TopKRouter (Qwen, Mixtral, gpt-oss), DeepseekV3TopkRouter, Glm4MoeTopkRouter: forward -> (logits,
