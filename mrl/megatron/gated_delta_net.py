@@ -183,38 +183,38 @@ class GatedDeltaNet(MegatronModule):
 
     def _rows(self, qkv: Tensor, beta_in: Tensor, a: Tensor) -> Tensor:
         """[B, L, .] rows, each one whole sequence from its first token -> [B, L, nv_local, dv]."""
-        B, L, _ = qkv.shape
-        loc, s = self.local, self.sizes
+        q, k, v = self._heads(self._conv(qkv))
+        return gated_delta_rule(l2_normalize(q.float()), l2_normalize(k.float()), v, self._decay(a),
+                                beta_in.float().sigmoid())
+
+    def _conv(self, qkv: Tensor) -> Tensor:
+        """silu(causal depthwise conv1d) of [B, L, channels] rows, zero history before each row's first token."""
         w = self.conv1d_weight
-        h = F.conv1d(F.pad(qkv.transpose(1, 2), (w.shape[-1] - 1, 0)), w, groups=w.shape[0])  # causal, per channel
-        h = F.silu(h).transpose(1, 2)
+        h = F.conv1d(F.pad(qkv.transpose(1, 2), (w.shape[-1] - 1, 0)), w, groups=w.shape[0])
+        return F.silu(h).transpose(1, 2)
+
+    def _heads(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """[B, L, q | k | v] -> q, k [B, L, nv_local, d_k] (each key head repeated for its value heads), v."""
+        B, L, _ = h.shape
+        loc, s = self.local, self.sizes
         q, k, v = torch.split(h, [loc["key_dim"], loc["key_dim"], loc["value_dim"]], dim=-1)
-        q = l2_normalize(q.reshape(B, L, loc["nk"], s["dk"]).float())
-        k = l2_normalize(k.reshape(B, L, loc["nk"], s["dk"]).float())
+        q, k = q.reshape(B, L, loc["nk"], s["dk"]), k.reshape(B, L, loc["nk"], s["dk"])
         rep = s["nv"] // s["nk"]
         if rep > 1:
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        v = v.reshape(B, L, loc["nv"], s["dv"])
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        return gated_delta_rule(q, k, v, g, beta_in.float().sigmoid())
+        return q, k, v.reshape(B, L, loc["nv"], s["dv"])
+
+    def _decay(self, a: Tensor) -> Tensor:
+        """g = −exp(A_log) · softplus(a + dt_bias), in fp32."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
 
     def _fla_packed(self, qkv: Tensor, beta_in: Tensor, a: Tensor, cu: Tensor) -> Tensor:
-        """CUDA with ``fla``: the conv per sequence (masked at the boundaries), the delta rule as one varlen call.
-        Not run on this project's CPU hosts (docs/megatron.md says so)."""
+        """CUDA with ``fla``: the conv per sequence (zero history at each boundary), the delta rule as one varlen
+        call over the packed row. Not run on this project's CPU hosts (docs/megatron.md says so)."""
         index, valid = sequence_index(cu.to(qkv.device))
-        w = self.conv1d_weight
-        rows = qkv[index] * valid[..., None].to(qkv.dtype)
-        h = F.silu(F.conv1d(F.pad(rows.transpose(1, 2), (w.shape[-1] - 1, 0)), w, groups=w.shape[0])).transpose(1, 2)
-        h = h[valid]  # [T, conv]
-        loc, s = self.local, self.sizes
-        q, k, v = torch.split(h, [loc["key_dim"], loc["key_dim"], loc["value_dim"]], dim=-1)
-        T = h.shape[0]
-        q, k = q.reshape(1, T, loc["nk"], s["dk"]), k.reshape(1, T, loc["nk"], s["dk"])
-        rep = s["nv"] // s["nk"]
-        if rep > 1:
-            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        o, _ = _fla_kernel()(q, k, v.reshape(1, T, loc["nv"], s["dv"]), g=g[None], beta=beta_in.float().sigmoid()[None],
+        h = self._conv(qkv[index] * valid[..., None].to(qkv.dtype))[valid]  # [T, channels]
+        q, k, v = self._heads(h[None])
+        o, _ = _fla_kernel()(q, k, v, g=self._decay(a)[None], beta=beta_in.float().sigmoid()[None],
                              cu_seqlens=cu.long(), use_qk_l2norm_in_kernel=True, output_final_state=False)
         return o[0]
 
