@@ -79,15 +79,15 @@ def refuse(hf_config: Any) -> None:
         raise ValueError("config.json attention_bias=true: Qwen3.5's attention has no biases in mrl's tables")
 
 
+# what the hybrid families (this one, qwen3_5_moe, qwen3_next) declare alike
+HYBRID = {"qk_norm": True, "linear_attention": LinearAttention(), "attention_output_gate": True,
+          "zero_centered_norm": True, "plan_notes": plan_notes}
+
 FAMILY = Family(
     name="qwen3_5",
     architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
     weight_rules=MODEL_RULES + HYBRID_LAYER + DENSE_MLP,
-    qk_norm=True,
-    linear_attention=LinearAttention(),
-    attention_output_gate=True,
-    zero_centered_norm=True,
     wrapped=WRAPPED,
     refuse=refuse,
-    plan_notes=plan_notes,
+    **HYBRID,
 )

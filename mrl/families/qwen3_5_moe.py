@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mrl.families.base import Family, LinearAttention, MoE
-from mrl.families.qwen3_5 import HYBRID_LAYER, WRAPPED, plan_notes, refuse
+from mrl.families.base import Family, MoE
+from mrl.families.qwen3_5 import HYBRID, HYBRID_LAYER, WRAPPED, refuse
 from mrl.families.rules import MODEL_RULES, L, Rule, moe_rules
 
 _EXPERTS = ("gate_proj", "up_proj", "down_proj")
@@ -39,13 +39,9 @@ FAMILY = Family(
     name="qwen3_5_moe",
     architectures=("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"),
     weight_rules=MODEL_RULES + HYBRID_LAYER + moe_rules("mlp", *_EXPERTS) + _SHARED_EXPERT,
-    qk_norm=True,
     moe=MoE(block="mlp", expert_names=_EXPERTS, expert_ffn_size=_expert_ffn, norm_topk=_norm_topk,
             shared_expert_size=_shared),
-    linear_attention=LinearAttention(),
-    attention_output_gate=True,
-    zero_centered_norm=True,
     wrapped=WRAPPED,
     refuse=refuse,
-    plan_notes=plan_notes,
+    **HYBRID,
 )

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from mrl.families.base import Family, LinearAttention, MoE, qwen_moe_layers
+from mrl.families.base import Family, MoE, qwen_moe_layers
 from mrl.families.qwen3_5 import (
     GATED_ATTENTION,
     GATED_DELTA_NET,
+    HYBRID,
     NORMS,
     G,
-    plan_notes,
     refuse,
 )
 from mrl.families.qwen3_5_moe import _EXPERTS, _SHARED_EXPERT, _expert_ffn, _shared
@@ -46,12 +46,8 @@ FAMILY = Family(
     architectures=("Qwen3NextForCausalLM",),
     weight_rules=MODEL_RULES + NORMS + GATED_ATTENTION + GATED_DELTA_NET_GROUPED + moe_rules("mlp", *_EXPERTS)
     + _SHARED_EXPERT + DENSE_MLP_OF_MIXED,
-    qk_norm=True,
     moe=MoE(block="mlp", expert_names=_EXPERTS, expert_ffn_size=_expert_ffn, norm_topk=_norm_topk,
             shared_expert_size=_shared, layers=qwen_moe_layers),
-    linear_attention=LinearAttention(),
-    attention_output_gate=True,
-    zero_centered_norm=True,
     refuse=_refuse,
-    plan_notes=plan_notes,
+    **HYBRID,
 )
