@@ -220,16 +220,24 @@ def _section_sizes(rule: Rule, hf_config: Any) -> list[int]:
     return [w for blocks in rule.sections(hf_config) for w in blocks]  # type: ignore[misc]
 
 
+def _shard_blocks(flat: torch.Tensor, sizes: list[int], tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of row blocks of ``sizes``: ``cat(block_0[rank], block_1[rank], ...)``."""
+    return torch.cat([b.chunk(tp, dim=0)[rank] for b in flat.split(sizes)])
+
+
+def _unshard_blocks(full: torch.Tensor, sizes: list[int], tp: int) -> list[torch.Tensor]:
+    """Inverse of :func:`_shard_blocks` over all ranks: ``full`` = the TP ranks' shards concatenated
+    (``[rank 0: b_0[0] | b_1[0] | ... | rank 1: b_0[1] | ...]``) -> the whole blocks ``b_0, b_1, ...``."""
+    per_rank = [part.split([w // tp for w in sizes]) for part in full.chunk(tp, dim=0)]
+    return [torch.cat([per_rank[r][b] for r in range(tp)]) for b in range(len(sizes))]
+
+
 def _sections_to_local(rule: Rule, full: list[torch.Tensor], hf_config: Any, tp: int, rank: int) -> torch.Tensor:
-    blocks = torch.cat(full).split(_section_sizes(rule, hf_config))
-    return torch.cat([b.chunk(tp, dim=0)[rank] for b in blocks])
+    return _shard_blocks(torch.cat(full), _section_sizes(rule, hf_config), tp, rank)
 
 
 def _sections_to_hf(rule: Rule, full: torch.Tensor, hf_config: Any, tp: int) -> list[torch.Tensor]:
-    """``full`` = the TP ranks' shards concatenated: ``[rank 0: b_0[0] | b_1[0] | ... | rank 1: b_0[1] | ...]``."""
-    sizes = _section_sizes(rule, hf_config)
-    per_rank = [part.split([w // tp for w in sizes]) for part in full.chunk(tp, dim=0)]
-    blocks = [torch.cat([per_rank[r][b] for r in range(tp)]) for b in range(len(sizes))]
+    blocks = _unshard_blocks(full, _section_sizes(rule, hf_config), tp)
     tensors, at = [], 0
     for spec in rule.sections(hf_config):  # type: ignore[misc]
         tensors.append(torch.cat(blocks[at: at + len(spec)]).contiguous())
@@ -287,8 +295,7 @@ def _to_local(rule: Rule, full: list[torch.Tensor], hf_config: Any, local_shape:
     if rule.split == "sections":
         return _sections_to_local(rule, full, hf_config, tp, rank)
     if rule.split == "gdn_grouped":
-        flat = _gdn_ungroup(*full, hf_config)
-        return torch.cat([b.chunk(tp, dim=0)[rank] for b in flat.split(_gdn_flat_sizes(hf_config))])
+        return _shard_blocks(_gdn_ungroup(*full, hf_config), _gdn_flat_sizes(hf_config), tp, rank)
     if rule.split == "gate_up":
         return torch.cat([full[0].chunk(tp, dim=0)[rank], full[1].chunk(tp, dim=0)[rank]])
     if rule.split == "gate_up_interleaved":
@@ -331,10 +338,7 @@ def _to_hf(rule: Rule, local: torch.Tensor, hf_config: Any) -> list[torch.Tensor
     if rule.split == "sections":
         return _sections_to_hf(rule, full, hf_config, _tp(rule.expert)[0])
     if rule.split == "gdn_grouped":
-        tp, sizes = _tp(rule.expert)[0], _gdn_flat_sizes(hf_config)
-        per_rank = [part.split([w // tp for w in sizes]) for part in full.chunk(tp, dim=0)]
-        flat = torch.cat([torch.cat([per_rank[r][i] for r in range(tp)]) for i in range(len(sizes))])
-        return _gdn_group(flat, hf_config)
+        return _gdn_group(torch.cat(_unshard_blocks(full, _gdn_flat_sizes(hf_config), _tp(rule.expert)[0])), hf_config)
     if rule.split in ("gate_up", "gate_up_interleaved"):
         halves = [p.chunk(2, dim=0) for p in full.chunk(_tp(rule.expert)[0], dim=0)]
         gate, up = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
