@@ -44,6 +44,17 @@ def untrainable_vision_language(cfg: dict[str, Any]) -> bool:
     return "vision_config" in cfg and not (isinstance(archs, list) and any(a in supported for a in archs))
 
 
+def trains_pictures(cfg: dict[str, Any]) -> bool:
+    """A vision-language checkpoint whose family runs its vision tower in the actor (pictures in the prompts
+    train); a release whose tower mrl carries without running it (Qwen3.5's) trains on text only."""
+    from mrl.families import FAMILIES
+
+    archs = cfg.get("architectures") or []
+    supported = supported_architectures()
+    fams = [FAMILIES[supported[a]] for a in archs if isinstance(a, str) and a in supported]
+    return "vision_config" in cfg and any(getattr(f, "vision", None) is not None for f in fams)
+
+
 VISION_REFUSAL = ("is a vision-language model: the Megatron actor for vision-language models is not implemented yet "
                   "(their prompt files and the rollout engine are: docs/vision.md); fix: a text-only checkpoint")
 

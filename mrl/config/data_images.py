@@ -48,6 +48,7 @@ def scan_images(cfg: MRLConfig) -> ImageScan:
     from mrl.data.rows import DataError, get_dotted, read_rows
 
     out = ImageScan()
+    total = 0  # pictures over every split
     d = cfg.data
     spec, model_dir = None, Path(cfg.model.path or "")
     if not (model_dir / "config.json").is_file():  # a hub id or a download to come: nothing to check against
@@ -104,10 +105,37 @@ def scan_images(cfg: MRLConfig) -> ImageScan:
                     t = spec.tokens(h, w)
                     if largest is None or t > largest[0]:
                         largest = (t, where, w, h)
+        total += pictures
         if dropped:
             out.notes.append(f"{key}: {dropped} row(s) with unusable pictures will be dropped (data.filter_bad_images=true)")
         if spec is not None:
             big = (f"; largest picture {largest[2]}x{largest[3]} = {largest[0]} image tokens ({largest[1]}) of "
                    f"data.max_prompt_length={d.max_prompt_length}" if largest else "")
             out.lines.append(f"{key}: {pictures} pictures in {rows_with} rows (at most {most} per row){big}")
+    if total and spec is not None:
+        out.errors.extend(_refusals(cfg, json.loads((model_dir / "config.json").read_text())))
+    return out
+
+
+def _refusals(cfg: MRLConfig, model: dict) -> list[str]:
+    """What a run with pictures cannot do yet, one line each naming the key and the fix."""
+    from mrl.config.checkpoint_files import trains_pictures, untrainable_vision_language
+
+    if untrainable_vision_language(model):  # no family at all: checkpoint_files' VISION_REFUSAL is the one line
+        return []
+    if not trains_pictures(model):  # Qwen3.5's releases: the tower is carried, not run (docs/vision.md)
+        archs = ", ".join(map(str, model.get("architectures") or [model.get("model_type")]))
+        return [(f"data.image_key={cfg.data.image_key!r}: the prompt files hold pictures, but mrl trains "
+                 f"model.path={cfg.model.path!r} ({archs}) on text only (its vision tower is carried through "
+                 "checkpoints, not run); fix: text prompts, or a vision-language model mrl runs (docs/vision.md)")]
+    out = []
+    for on, key, why in (
+            (cfg.agent.enable, "agent.enable", "the agent loop's turns carry no pictures yet"),
+            (cfg.rollout.partial_rollout, "rollout.partial_rollout", "a continued request does not re-send its pictures yet"),
+            (cfg.actor.moe.engine_routed_experts, "actor.moe.routing_replay",
+             "the engine's expert ids cover its ids, one image token per picture, not the trainer's expanded ones"),
+            (cfg.reward_model.enable, "reward_model.enable", "the reward model reads text; its prompt would hold image tokens"),
+            (cfg.reward.judge.enable, "reward.judge.enable", "the judge reads text; its prompt would hold image tokens")):
+        if on:
+            out.append(f"{key}: not supported with pictures in the prompts ({why}); fix: turn it off, or text prompts")
     return out

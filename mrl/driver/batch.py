@@ -15,7 +15,8 @@ from mrl.workers.batch import TrainBatch
 
 
 def assemble_train_batch(prompts: PromptBatch, result: RolloutResult, *, pad_token_id: int,
-                         uids: Sequence[int], routed_experts: bool = False) -> TrainBatch:
+                         uids: Sequence[int], routed_experts: bool = False,
+                         multi_modal: Sequence[dict[str, torch.Tensor]] | None = None) -> TrainBatch:
     """One TrainBatch of the B = P·n samples of ``result`` (sample k = prompt k // n, verl's interleave).
 
     ``prompts``: P prompts, left-padded ``input_ids``/``attention_mask``/``position_ids`` [P, Lp].
@@ -26,7 +27,9 @@ def assemble_train_batch(prompts: PromptBatch, result: RolloutResult, *, pad_tok
     tokens, which the model reads but the loss skips; a failed sample is all 0),
     ``rollout_log_probs`` [B, R] (0 on padding), ``uid`` [B] (``uids`` per prompt, repeated n times);
     with ``routed_experts`` (MoE routing replay) the engine's expert ids of every token, [B, Lp+R, layers, k]
-    aligned with ``input_ids`` (-1 where the engine ran none: padding, each response's last token).
+    aligned with ``input_ids`` (-1 where the engine ran none: padding, each response's last token);
+    ``multi_modal`` (vision-language prompts, mrl/driver/vision.py): per prompt its pictures' processor output,
+    shared by its n samples (``TrainBatch.multi_modal``).
     """
     n = result.n
     P = prompts.input_ids.shape[0]
@@ -34,6 +37,8 @@ def assemble_train_batch(prompts: PromptBatch, result: RolloutResult, *, pad_tok
         raise ValueError(f"rollout returned {len(result.samples)} samples for {P} prompts x n={n}")
     if len(uids) != P:
         raise ValueError(f"{len(uids)} uids for {P} prompts")
+    if multi_modal is not None and len(multi_modal) != P:
+        raise ValueError(f"{len(multi_modal)} multi_modal entries for {P} prompts")
     order = [s.prompt_index * n + s.sample_index for s in result.samples]
     if order != list(range(P * n)):
         raise ValueError("rollout samples are not in (prompt, sample) order")
@@ -53,6 +58,7 @@ def assemble_train_batch(prompts: PromptBatch, result: RolloutResult, *, pad_tok
         rollout_log_probs=padded["rollout_log_probs"],
         uid=torch.as_tensor(list(uids), dtype=torch.long).repeat_interleave(n),
         routed_experts=result.routed_experts_padded(prompts.input_ids.shape[1]).long() if routed_experts else None,
+        multi_modal=None if multi_modal is None else [multi_modal[k] for k in idx.tolist()],
     )
 
 

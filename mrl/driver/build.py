@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the driver imports these lazily inside build(); the annotat
     from mrl.driver.engines import EngineSet
     from mrl.driver.judge import Judge
     from mrl.driver.rm_reward import RewardModelInputs
+    from mrl.driver.vision import Pictures
     from mrl.observability.tracking import Tracking
     from mrl.rewards import RewardManager
     from mrl.rollout import EnginePool, RolloutClient
@@ -96,6 +97,7 @@ class RunInputs:
     val_ds: PromptDataset | None  # data.val_files unset: no validation
     reward: RewardManager
     rm_inputs: RewardModelInputs | None  # reward_model.enable: the batch the RM scores (driver/rm_reward.py)
+    pictures: Pictures | None  # a vision-language actor: the image processor of the trainer's inputs (driver/vision.py)
     agent_tools: dict | None  # agent.enable: the configured tools by name
     sampler: Any  # data.sampler.class_path over train_ds (mrl.data.sampler): its batches per epoch fix the run length
     resumed_from: Path | None  # the checkpoint a resume loads, verified
@@ -114,6 +116,7 @@ class Services:
     val_ds: PromptDataset | None  # data.val_files unset
     reward: RewardManager
     rm_inputs: RewardModelInputs | None  # reward_model.enable
+    pictures: Pictures | None  # a vision-language actor (driver/vision.py)
     sampler: Any  # the training prompts' order, resumable (mrl.data.sampler)
     log_dir: Path
     plan: RunPlan  # the derived values, with the device Ray shows and the run length
@@ -151,7 +154,7 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
             tracking = _start_tracking(cfg, inputs, stack)
             stack.callback(_stop_mode, stop)  # runs first on the way out
             yield Services(inputs.tokenizer, inputs.pad_token_id, inputs.train_ds, inputs.val_ds, inputs.reward,
-                           inputs.rm_inputs, inputs.sampler, inputs.log_dir, plan, workers, rm_workers, teacher_workers,
+                           inputs.rm_inputs, inputs.pictures, inputs.sampler, inputs.log_dir, plan, workers, rm_workers, teacher_workers,
                            engines, pool, client, judge, tracking, stop)
     except KeyboardInterrupt:  # RunInterrupted, or what Ray's blocking calls made of it
         if stop.signum is None:
@@ -198,6 +201,7 @@ def read_inputs(cfg: MRLConfig, gen_batch: int) -> RunInputs:
     from mrl.data.tokenize import pad_token_id_of
     from mrl.driver.disk_full import check_room
     from mrl.driver.rm_reward import RewardModelInputs
+    from mrl.driver.vision import Pictures, vision_spec
     from mrl.rewards import RewardManager
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -205,14 +209,17 @@ def read_inputs(cfg: MRLConfig, gen_batch: int) -> RunInputs:
     scalar_gt = ":" not in cfg.reward.function
     agent_tools, schemas = _agent_tools(cfg, tok)
     d = cfg.data
-    train_ds = PromptDataset.from_config(d, tok, "train", scalar_ground_truth=scalar_gt, tools=schemas)
+    vision = vision_spec(cfg.model.path)  # a vision-language actor: rows may carry pictures
+    train_ds = PromptDataset.from_config(d, tok, "train", scalar_ground_truth=scalar_gt, tools=schemas, vision=vision)
     check_batch_fits(len(train_ds), gen_batch, d.train_files, train_ds.num_filtered)
-    val_ds = PromptDataset.from_config(d, tok, "val", scalar_ground_truth=scalar_gt, tools=schemas) if d.val_files else None
+    val_ds = (PromptDataset.from_config(d, tok, "val", scalar_ground_truth=scalar_gt, tools=schemas, vision=vision)
+              if d.val_files else None)
     sampler = sampler_for(d, gen_batch, train_ds)
     resumed_from = _check_resume_dir(cfg)
     check_room(cfg.trainer.checkpoint_dir, cfg.trainer.save_freq, resumed_from)  # a full disk: before Ray, not at a save
     return RunInputs(tok, pad_token_id_of(tok), train_ds, val_ds, RewardManager.from_config(cfg.reward),
-                     RewardModelInputs.from_config(cfg, tok) if cfg.reward_model.enable else None, agent_tools,
+                     RewardModelInputs.from_config(cfg, tok) if cfg.reward_model.enable else None,
+                     Pictures(cfg.model.path) if vision else None, agent_tools,
                      sampler, resumed_from, Path(cfg.trainer.checkpoint_dir or "outputs") / "logs")
 
 

@@ -58,6 +58,7 @@ from mrl.driver.state import (
     write_trainer_state,
 )
 from mrl.driver.validation import run_validation
+from mrl.driver.vision import request_inputs
 from mrl.observability.data_metrics import (
     compute_data_metrics,
     compute_rollout_mismatch_metrics,
@@ -231,7 +232,8 @@ class RLTrainer:
             # engine_weight_version: what the engines themselves reported for these samples
             res, self.engine_weight_version = self.rollout.generate(req, self.weight_version)
         batch = assemble_train_batch(pb, res, pad_token_id=self.s.pad_token_id, uids=idx,
-                                     routed_experts=self.cfg.actor.moe.engine_routed_experts)
+                                     routed_experts=self.cfg.actor.moe.engine_routed_experts,
+                                     multi_modal=self.s.pictures.model_inputs(pb.prompts) if self.s.pictures else None)
         # agent rollouts: each sample's prompt carries its turns and tool calls as extra_info["agent"]
         return StepData(batch, with_agent_info(repeat_prompts(pb.prompts, self.plan.samples_per_prompt), res),
                         decode_responses(self.s.tokenizer, res),
@@ -241,7 +243,8 @@ class RLTrainer:
         """The collated prompts of dataset rows ``idx`` and their request for step ``step``."""
         pb = self.s.train_ds.collate(idx)
         r, n = self.cfg.rollout, self.plan.samples_per_prompt
-        return pb, RolloutRequest([p.prompt_ids for p in pb.prompts], n=n, sampling_params={
+        ids, image_data = request_inputs(pb.prompts)  # pictures: the engine ids and SGLang's image_data
+        return pb, RolloutRequest(ids, n=n, image_data=image_data, sampling_params={
             "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_response_length,
         }, timeout_s=r.request_timeout_s,  # per-sample seeds: reproducible and resume-exact draws (mrl/driver/seeds.py)
             sampling_seeds=group_seeds(self.cfg.trainer.seed, "train", step, epoch, idx, n),
@@ -334,7 +337,8 @@ class RLTrainer:
         the baseline ``b`` of the prompt's n samples (verl's ``reward_baselines``)."""
         n = self.plan.samples_per_prompt
         prompts = d.prompts[::n]  # d.prompts is each prompt n times in a row
-        res, _ = self.rollout.generate(RolloutRequest([p.prompt_ids for p in prompts], n=1, sampling_params={
+        ids, image_data = request_inputs(prompts)
+        res, _ = self.rollout.generate(RolloutRequest(ids, n=1, image_data=image_data, sampling_params={
             "temperature": 0.0, "max_new_tokens": self.cfg.rollout.max_response_length}, return_logprob=False,
             timeout_s=self.cfg.rollout.request_timeout_s, tools_kwargs=tools_kwargs_of(prompts)),
             self.weight_version, what="ReMax baseline")

@@ -40,6 +40,7 @@ from mrl.driver.batch import (
 from mrl.driver.dumps import GenerationRows
 from mrl.driver.scoring import RuleScorer, Samples, SampleScorer
 from mrl.driver.seeds import group_seeds
+from mrl.driver.vision import request_inputs
 from mrl.observability.val_metrics import (
     process_validation_metrics,
     validation_metric_dict,
@@ -116,7 +117,8 @@ def run_validation(*, generate: Callable[[RolloutRequest], RolloutResult], token
     for rows in prompt_chunks(len(dataset), val_batch_size):
         prompts = [dataset[i] for i in rows]
         seeds = group_seeds(seed[0], "val", seed[1], 0, list(rows), vk.n) if seed and vk.do_sample else None
-        res = generate(RolloutRequest([p.prompt_ids for p in prompts], n=vk.n, sampling_params=params,
+        ids, image_data = request_inputs(prompts)  # pictures: the engine ids and SGLang's image_data
+        res = generate(RolloutRequest(ids, n=vk.n, sampling_params=params, image_data=image_data,
                                       return_logprob=False, timeout_s=rollout.request_timeout_s,
                                       sampling_seeds=seeds, tools_kwargs=tools_kwargs_of(prompts)))
         if res.failed:

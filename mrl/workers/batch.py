@@ -81,6 +81,7 @@ class TrainBatch:
     teacher_log_prob: Tensor | None = None
     uid: Tensor | None = None
     routed_experts: Tensor | None = None
+    multi_modal: list[dict[str, Tensor]] | None = None
 
     def __post_init__(self) -> None:
         B, S = self.input_ids.shape
