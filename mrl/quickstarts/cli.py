@@ -17,7 +17,7 @@ from dataclasses import dataclass
 # demo name -> module; imported only when chosen (each pulls in torch/transformers)
 DEMOS = {"base": "mrl.quickstarts.base", "rm": "mrl.quickstarts.rm", "agent": "mrl.quickstarts.agent",
          "moe": "mrl.quickstarts.moe", "distill": "mrl.quickstarts.distill", "judge": "mrl.quickstarts.judge",
-         "qwen3_5": "mrl.quickstarts.hybrid"}
+         "qwen3_5": "mrl.quickstarts.hybrid", "vlm": "mrl.quickstarts.vlm"}
 
 
 class UsageError(ValueError):
