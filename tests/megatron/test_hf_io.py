@@ -25,8 +25,9 @@ def test_sharded_write_then_transformers_loads(tmp_path):
     assert INDEX_NAME in files and len(files) > 2
     index = json.loads((out / INDEX_NAME).read_text())
     assert set(index["weight_map"]) == set(reader.names())
+    (src / "preprocessor_config.json").write_text("{}")  # a vision-language checkpoint's image processor
     copied = copy_hf_side_files(src, out)
-    assert "config.json" in copied and "tokenizer.json" in copied
+    assert "config.json" in copied and "tokenizer.json" in copied and "preprocessor_config.json" in copied
     back = HFCheckpointReader(out)
     for n in reader.names():
         assert torch.equal(back.get(n), reader.get(n)), n
