@@ -22,7 +22,8 @@ from mrl.families.base import Family, MoE
 from mrl.families.refused import REFUSED_ARCHITECTURES
 
 _MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
-            "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+            "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next",
+            "qwen2_5_vl")
 
 FAMILIES: dict[str, Family] = {}
 for _mod in _MODULES:

@@ -117,3 +117,35 @@ def png(width: int, height: int, seed: int = 0, mode: str = "RGB") -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr, mode=mode).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def picture_inputs(path: str | Path, sizes: list[tuple[int, int]], seed: int = 0) -> dict:
+    """``{"pixel_values", "image_grid_thw"}`` of random pictures of ``sizes`` (w, h) through the checkpoint's own image
+    processor (transformers' PIL backend), ``{}`` for no pictures."""
+    import io as _io
+
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    if not sizes:
+        return {}
+    proc = AutoImageProcessor.from_pretrained(str(path), backend="pil")
+    images = [Image.open(_io.BytesIO(png(w, h, seed=seed + k))) for k, (w, h) in enumerate(sizes)]
+    out = proc(images=images, return_tensors="pt")
+    return {"pixel_values": out["pixel_values"].to(torch.float32), "image_grid_thw": out["image_grid_thw"].long()}
+
+
+def vlm_prompt(cfg, pictures: dict, text: list[int], merge: int = 2) -> list[int]:
+    """Token ids ``text[0] <vision_start> <image_pad>·n_1 <vision_end> text[1] ...`` with one text run per picture plus
+    a last one (``text`` holds runs of ids, len(text) = pictures + 1), each picture expanded to its merged tokens."""
+    grids = pictures.get("image_grid_thw") if pictures else None
+    n = 0 if grids is None else len(grids)
+    if len(text) != n + 1:
+        raise ValueError(f"{n} pictures need {n + 1} text runs, got {len(text)}")
+    ids: list[int] = list(text[0])
+    for k in range(n):
+        t, h, w = (int(x) for x in grids[k])
+        ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * (t * h * w // merge ** 2) + [cfg.vision_end_token_id]
+        ids += list(text[k + 1])
+    return ids
