@@ -89,7 +89,7 @@ def test_rotary_table_equals_transformers(kind):
         Qwen3VLTextRotaryEmbedding,
     )
 
-    section = [4, 7, 5]  # head_dim 32: 16 frequencies, the three axes' shares all different
+    section = [8, 3, 5]  # head_dim 32: 16 frequencies, the three axes' shares all different
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
     if kind == "qwen2_5_vl":
         cfg = Qwen2_5_VLConfig(text_config={"hidden_size": 128, "num_attention_heads": 4, "rope_parameters": rope})
