@@ -23,15 +23,15 @@ VISION = "mrl_vision_config"
 mrl builds read it: :mod:`mrl.megatron.vision`)."""
 
 
-def _prefix_of(architectures: Any) -> str:
-    """Where a vision-language checkpoint of these architectures keeps its decoder's ``model.*`` tensors: its family's
-    ``VisionTower.decoder_prefix`` (Qwen2.5-VL: ``model.``), else ``model.language_model.``."""
-    from mrl.families import FAMILIES, SUPPORTED_ARCHITECTURES
+DECODER_PREFIXES: dict[str, str] = {}
+"""Architecture -> where its checkpoint keeps the decoder's ``model.*`` tensors, for the families with a vision tower
+(``VisionTower.decoder_prefix``; filled by :mod:`mrl.families` as it registers them). Others: ``model.language_model.``."""
 
+
+def _prefix_of(architectures: Any) -> str:
     for arch in architectures or ():
-        fam = FAMILIES.get(SUPPORTED_ARCHITECTURES.get(arch, ""))
-        if fam is not None and fam.vision is not None:
-            return fam.vision.decoder_prefix
+        if arch in DECODER_PREFIXES:
+            return DECODER_PREFIXES[arch]
     return "model.language_model."
 
 
