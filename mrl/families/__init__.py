@@ -24,7 +24,7 @@ from mrl.families.views import DECODER_PREFIXES
 
 _MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
             "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next",
-            "qwen2_5_vl")
+            "qwen2_5_vl", "qwen3_vl")
 
 FAMILIES: dict[str, Family] = {}
 for _mod in _MODULES:

@@ -1,5 +1,5 @@
 """The vision tower and multimodal RoPE of a vision-language ``GPTModel`` (families with a
-:class:`~mrl.families.base.VisionTower`: Qwen2.5-VL).
+:class:`~mrl.families.base.VisionTower`: Qwen2.5-VL, Qwen3-VL).
 
 * **Tower**: transformers' own vision module of the family, built from config.json's ``vision_config`` on the first
   pipeline stage only and replicated over TP (every TP rank runs it on the same pixels, as Megatron-Bridge, slime and
@@ -11,6 +11,8 @@
   image of ``t × h × w`` patches (``m`` the spatial merge) is ``t · h/m · w/m`` tokens at ``(s + i, s + r, s + c)``
   for its ``(i, r, c)`` grid cell, ``s`` the next position, after which ``p = s + max(h, w)/m`` (transformers'
   ``get_rope_index`` for images). Each sequence of a packed row starts again at 0 (:func:`mrope_positions`).
+* **Deepstack** (Qwen3-VL): the tower's deepstack features ``f_k`` are added at the image tokens to the output of
+  decoder layer ``k`` (hooks on the first layers; they must be on the first pipeline stage, else refused).
 * **Table** (:func:`mrope_table`): ``θ_{a, j} = pos_a · inv_freq_j`` for the 3 axes; frequency ``j`` takes the angle
   of its axis (:class:`~mrl.families.base.VisionTower` ``mrope``), doubled to the head width as Megatron's
   non-interleaved RoPE expects: ``[L, b, 1, d]``. Installed on ``rotary_pos_emb`` so every stage rotates q and k
@@ -34,6 +36,7 @@ from mrl.families.views import VISION
 
 _INPUTS = "_mrl_vision_inputs"  # (pixel_values, image_grid_thw) of the next forward, on the first stage
 _MROPE = "_mrl_mrope_positions"  # [3, b, L] positions of the next forward, every stage
+_DEEPSTACK = "_mrl_deepstack"  # (image-token mask [b, s], deepstack features) of the running forward, first stage
 
 
 def vision_tower_of(hf_config: Any):
@@ -97,6 +100,8 @@ def attach(model: torch.nn.Module, hf_config: Any) -> None:
         return mrope_table(rope.inv_freq, pos, sections, interleaved)
 
     rope.forward = rope_forward
+    if spec.deepstack:
+        _check_deepstack_stage(model, hf_config)
     if not model.pre_process:
         return
     dtype = model.config.params_dtype
@@ -109,26 +114,68 @@ def attach(model: torch.nn.Module, hf_config: Any) -> None:
         mask = ids == image_token
         given = getattr(model, _INPUTS)
         n_tok = int(mask.sum())
+        setattr(model, _DEEPSTACK, None)
         if given is None:
             if n_tok:
                 raise ValueError(f"{n_tok} image tokens in the batch but no pictures (TrainBatch.multi_modal)")
             return out
         pixels, grid = given
-        feats = tower_features(model.vision_model, pixels, grid)
+        feats, deep = tower_features(model.vision_model, pixels, grid)
+        if deep:
+            setattr(model, _DEEPSTACK, (mask, deep))
         if feats.shape[0] != n_tok:
             raise ValueError(f"the pictures give {feats.shape[0]} image features but the batch holds {n_tok} image "
                              "tokens: TrainBatch.multi_modal does not match input_ids")
         return out.masked_scatter(mask.unsqueeze(-1), feats.to(out.dtype))
 
     model.embedding.word_embeddings.register_forward_hook(merge)
+    if spec.deepstack:
+        _attach_deepstack(model, hf_config)
 
 
-def tower_features(tower: torch.nn.Module, pixels: Tensor, grid: Tensor) -> Tensor:
-    """[Σ tokens, h]: the tower's merged patch features of the pictures in order (no graph when it is frozen)."""
+def _deepstack_layers(hf_config: Any) -> int:
+    """How many decoder layers (the first ones) get deepstack features: one per ``deepstack_visual_indexes``."""
+    return len((getattr(hf_config, VISION, None) or {}).get("deepstack_visual_indexes") or [])
+
+
+def _check_deepstack_stage(model: torch.nn.Module, hf_config: Any) -> None:
+    """Deepstack layers read the tower's features, which exist on the first pipeline stage only."""
+    n = _deepstack_layers(hf_config)
+    if not model.pre_process and any(layer.layer_number - 1 < n for layer in model.decoder.layers):
+        raise ValueError(f"Qwen3-VL adds deepstack image features after decoder layers 0..{n - 1}, which must all be "
+                         "on the first pipeline stage (the vision tower's); fix: more layers on stage 0 "
+                         "(megatron.num_layers_in_first_pipeline_stage) or a smaller pipeline_model_parallel_size")
+
+
+def _attach_deepstack(model: torch.nn.Module, hf_config: Any) -> None:
+    """Hooks adding deepstack feature ``k`` at the image tokens to decoder layer ``k``'s output (transformers'
+    ``_deepstack_process``: ``h[image] += f_k``; features in row-major [b, s] token order, the layer's output [s, b, h])."""
+    n = _deepstack_layers(hf_config)
+
+    def add(layer, _args, output):
+        state = getattr(model, _DEEPSTACK, None)
+        k = layer.layer_number - 1
+        if state is None or k >= len(state[1]):
+            return output
+        mask, feats = state
+        hidden, *rest = output if isinstance(output, tuple) else (output,)
+        s, b, h = hidden.shape
+        delta = hidden.new_zeros(b, s, h).masked_scatter(mask.unsqueeze(-1), feats[k].to(hidden.dtype))
+        hidden = hidden + delta.transpose(0, 1)
+        return (hidden, *rest) if isinstance(output, tuple) else hidden
+
+    for layer in model.decoder.layers:
+        if layer.layer_number - 1 < n:
+            layer.register_forward_hook(add)
+
+
+def tower_features(tower: torch.nn.Module, pixels: Tensor, grid: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """([Σ tokens, h] the tower's merged patch features of the pictures in order, the deepstack features alike (none
+    without deepstack)); no graph when the tower is frozen."""
     trains = any(p.requires_grad for p in tower.parameters())
     with torch.set_grad_enabled(trains and torch.is_grad_enabled()):
         out = tower(pixels.to(next(tower.parameters()).dtype), grid_thw=grid)
-    return out.pooler_output
+    return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
 
 
 def set_vision_inputs(model: torch.nn.Module, positions: Tensor | None, pixels: Tensor | None = None,

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+KINDS = ("qwen2_5_vl", "qwen3_vl")
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) over 2 ranks (TP1: two data-parallel replicas)
 PARTS = [[0, 1], [2, 3]]  # two micro-batches: pictures of several samples in one forward
 ROUNDTRIP = {(2, 1), (1, 2)}
@@ -40,20 +41,22 @@ def vlm_parity_rank(rank: int, world: int, root: str) -> dict:
     from mrl.megatron.hf_io import write_hf_checkpoint
     from mrl.workers.megatron_model import MegatronModel
 
-    path = Path(root) / "ckpt"
-    ref = torch.load(Path(root) / "ref.pt", weights_only=False)
     out: dict = {}
-    for tp, pp in LAYOUTS:
-        par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        for packed in (False, True):
-            model = MegatronModel(path, par, train=False, attention_backend="sdpa", remove_padding=packed)
-            logits = _logits(model, ref["batch"], packed, ref["vocab"])
-            if logits is not None:
-                out[(tp, pp, packed)] = [(lg.double() - r).abs().max().item() for lg, r in zip(logits, ref["logits"])]
-                out[("lg", tp, pp, packed)] = logits
-            if not packed and (tp, pp) in ROUNDTRIP:
-                tensors = list(model.named_parameters_hf())  # collective: every rank iterates
-                if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
-                    stage = Path(root) / f"rt_tp{tp}pp{pp}" / f"stage{ps.get_pipeline_model_parallel_rank()}"
-                    write_hf_checkpoint(stage, tensors)
+    for kind in KINDS:
+        path = Path(root) / kind
+        ref = torch.load(path / "ref.pt", weights_only=False)
+        for tp, pp in LAYOUTS:
+            par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            for packed in (False, True):
+                model = MegatronModel(path, par, train=False, attention_backend="sdpa", remove_padding=packed)
+                logits = _logits(model, ref["batch"], packed, ref["vocab"])
+                if logits is not None:
+                    out[(kind, tp, pp, packed)] = [(lg.double() - r).abs().max().item()
+                                                   for lg, r in zip(logits, ref["logits"])]
+                    out[("lg", kind, tp, pp, packed)] = logits
+                if not packed and (tp, pp) in ROUNDTRIP:
+                    tensors = list(model.named_parameters_hf())  # collective: every rank iterates
+                    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+                        stage = Path(root) / f"rt_{kind}_tp{tp}pp{pp}" / f"stage{ps.get_pipeline_model_parallel_rank()}"
+                        write_hf_checkpoint(stage, tensors)
     return out
