@@ -12,7 +12,8 @@ schedule call are padded to the same length (stages exchange one activation shap
 keeps its own (the fixed split groups samples of similar length). Their sample counts may differ
 (dynamic micro-batching), so ``variable_seq_lengths`` is on whenever pipeline stages exchange activations. Megatron's RoPE
 uses positions ``0..L-1`` of the compact row (it ignores ``position_ids``), which is what left-
-aligned samples need; batches with custom position ids (e.g. multimodal RoPE) are not supported.
+aligned samples need. A vision-language model (:mod:`mrl.megatron.vision`) gets its 3-D multimodal RoPE positions from
+each micro-batch's tokens and pictures (``TrainBatch.multi_modal``), and its first stage the pictures.
 """
 from __future__ import annotations
 

@@ -126,3 +126,33 @@ def test_from_verl_carries_data_image_key(tmp_path, capsys):
 
     assert yaml.safe_load((tmp_path / "out.yaml").read_text())["data"]["image_key"] == "pics"
     assert "image_key" not in capsys.readouterr().err  # mapped, not listed among the keys mrl cannot carry
+
+
+@pytest.fixture(scope="module")
+def vlm3(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vlm3")
+    save_vlm_files(d, "qwen3_vl")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["vision_config"]["deepstack_visual_indexes"] = [0, 1]  # deepstack into decoder layers 0 and 1 (of 2)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("override,want", [
+    ("actor.shared_prefix=true", ("actor.shared_prefix=true with the vision-language model.path "
+     "(Qwen3VLForConditionalGeneration): its 3-D positions are computed per whole sequence; fix: "
+     "actor.shared_prefix=false (or auto)")),
+    ("actor.megatron.pipeline_model_parallel_size=2", ("actor.megatron.pipeline_model_parallel_size=2: "
+     "Qwen3VLForConditionalGeneration adds deepstack image features after decoder layers 0..1, which must all be on "
+     "the first pipeline stage (it holds 1); fix: actor.megatron.num_layers_in_first_pipeline_stage>=2 or a smaller "
+     "pipeline_model_parallel_size")),
+    ("actor.megatron.context_parallel_size=2", ("actor.megatron.context_parallel_size=2 with the vision-language "
+     "model.path (Qwen3VLForConditionalGeneration) is not supported; fix: actor.megatron.context_parallel_size=1")),
+    ("actor.megatron.tensor_model_parallel_size=2 actor.megatron.sequence_parallel=true",
+     ("actor.megatron.sequence_parallel=true with the vision-language model.path (Qwen3VLForConditionalGeneration) is "
+     "not supported yet (the image features join the whole embedding); fix: actor.megatron.sequence_parallel=false")),
+])
+def test_vision_language_layouts_mrl_cannot_run_are_refused_before_start(capsys, vlm3, override, want):
+    rc, _, err = _run(capsys, f"model.path={vlm3}", *override.split(), "cluster.n_gpus_per_node=2")
+    assert rc == EXIT_CONFIG
+    assert want in err, err
