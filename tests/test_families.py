@@ -40,8 +40,16 @@ def test_family_module_declares_every_piece(module):
     fam = mod.FAMILY
     assert isinstance(fam, Family) and FAMILIES[fam.name] is fam
     # a family whose released checkpoints wrap the decoder (a vision tower beside it) owns that architecture too
-    assert fam.architectures and all(a.endswith("ForCausalLM") or (fam.wrapped and a.endswith("ForConditionalGeneration"))
+    # (carried: ``wrapped``; built and trained: ``vision``, which names transformers' tower class and its mRoPE kind)
+    wraps = bool(fam.wrapped or fam.vision)
+    assert fam.architectures and all(a.endswith("ForCausalLM") or (wraps and a.endswith("ForConditionalGeneration"))
                                      for a in fam.architectures)
+    if fam.vision is not None:
+        v = fam.vision
+        assert v.mrope in ("sections", "interleaved") and not fam.wrapped
+        tower = importlib.import_module(f"transformers.models.{v.module}.modeling_{v.module}")
+        assert hasattr(tower, v.model_class) and hasattr(
+            importlib.import_module(f"transformers.models.{v.module}.configuration_{v.module}"), v.config_class)
     assert not set(fam.architectures) & set(REFUSED_ARCHITECTURES)
     for flag in (fam.qkv_bias, fam.qk_norm, fam.sliding_window, fam.engine_refuses_sliding_window):
         assert isinstance(flag, bool)

@@ -132,6 +132,10 @@ class ActorConfig(Section):
         "backward, one layer at a time: the long-sequence setting) | selective (the core attention only) | null "
         "(keep every activation)."
     )
+    freeze_vision_tower: bool = Field(
+        True, description="Vision-language models (docs/vision.md): keep the vision tower fixed (no gradient, not in "
+        "the optimizer), as most recipes do; false trains it with the decoder. Ignored by text-only models.",
+    )
     offload_param: bool = Field(False, description="Move actor weights to CPU while the engines generate.")
     offload_grad: bool = Field(False, description="Move actor gradients to CPU outside the update.")
     offload_optimizer: bool = Field(False, description="Move Adam state to CPU outside the update.")

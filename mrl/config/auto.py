@@ -138,6 +138,11 @@ def resolve_shared_prefix(cfg: MRLConfig, device: str) -> AutoChoice:
     if model_is_hybrid(cfg):
         return AutoChoice(key, False, "auto: off, the model's Gated DeltaNet layers run a recurrence over each whole "
                           "sequence, which the shared-prefix rows' masked segments would break")
+    from mrl.config.validate_vision import vision_config_of
+
+    if vision_config_of(cfg.model.path) is not None:
+        return AutoChoice(key, False, "auto: off, a vision-language model's 3-D positions are computed per whole "
+                          "sequence, which the shared-prefix rows' segments do not keep")
     if R > P:
         return AutoChoice(key, False, f"auto: off, answers longer than prompts ({shape}): little to share")
     if row > SHARED_ROW_MAX:

@@ -37,8 +37,8 @@ def supported_architectures() -> dict[str, str]:
 
 
 def untrainable_vision_language(cfg: dict[str, Any]) -> bool:
-    """A vision-language checkpoint (``vision_config`` in config.json) none of whose architectures mrl trains:
-    its prompt files and the rollout engine work (docs/vision.md), the Megatron actor does not exist yet."""
+    """A vision-language checkpoint (``vision_config`` in config.json) none of whose architectures mrl trains (the
+    families with a vision tower, :mod:`mrl.families`; docs/vision.md)."""
     archs = cfg.get("architectures") or []
     supported = supported_architectures()
     return "vision_config" in cfg and not (isinstance(archs, list) and any(a in supported for a in archs))
@@ -52,11 +52,18 @@ def trains_pictures(cfg: dict[str, Any]) -> bool:
     archs = cfg.get("architectures") or []
     supported = supported_architectures()
     fams = [FAMILIES[supported[a]] for a in archs if isinstance(a, str) and a in supported]
-    return "vision_config" in cfg and any(getattr(f, "vision", None) is not None for f in fams)
+    return "vision_config" in cfg and any(f.vision is not None for f in fams)
 
 
-VISION_REFUSAL = ("is a vision-language model: the Megatron actor for vision-language models is not implemented yet "
-                  "(their prompt files and the rollout engine are: docs/vision.md); fix: a text-only checkpoint")
+def _vision_refusal() -> str:
+    from mrl.families import FAMILIES
+
+    built = sorted(a for f in FAMILIES.values() if f.vision is not None for a in f.architectures)
+    return (f"is a vision-language model whose architecture the Megatron actor does not build (it builds "
+            f"{', '.join(built)}: docs/vision.md); fix: one of those, or a text-only checkpoint")
+
+
+VISION_REFUSAL = _vision_refusal()
 
 
 def vision_language_refusal(key: str, path: str | None) -> str | None:

@@ -41,6 +41,7 @@ from mrl.config.validate_parallel import (
 )
 from mrl.config.validate_reward_model import check_reward_model
 from mrl.config.validate_teacher import check_teacher
+from mrl.config.validate_vision import check_vision_layout
 from mrl.net import is_loopback
 
 _GROUP_ESTIMATORS = {"grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk"}
@@ -575,6 +576,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
         if role in roles and roles[role].count > 0:
             check_parallel(role, roles[role].parallel, roles[role], cfg, shape, errors)
     check_context_parallel(cfg, shape, "cuda" if _on_cuda(cfg) else "cpu", errors)
+    check_vision_layout(cfg, errors)  # a vision-language model: SP, CP, shared prefix, Qwen3-VL's deepstack stage
     _check_reward_model_layout(cfg, roles, shape, errors)
     check_moe(cfg, roles, shape, errors, notes)
     family_plan_notes(cfg.model.path, notes)

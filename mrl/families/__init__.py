@@ -20,9 +20,11 @@ from typing import Any
 
 from mrl.families.base import Family, MoE
 from mrl.families.refused import REFUSED_ARCHITECTURES
+from mrl.families.views import DECODER_PREFIXES
 
 _MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
-            "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+            "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next",
+            "qwen2_5_vl", "qwen3_vl")
 
 FAMILIES: dict[str, Family] = {}
 for _mod in _MODULES:
@@ -30,6 +32,9 @@ for _mod in _MODULES:
     FAMILIES[_fam.name] = _fam
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {arch: f.name for f in FAMILIES.values() for arch in f.architectures}
+for _fam in FAMILIES.values():  # where a vision-language family's checkpoint keeps its decoder (families.views)
+    if _fam.vision is not None:
+        DECODER_PREFIXES.update(dict.fromkeys(_fam.architectures, _fam.vision.decoder_prefix))
 """HF architecture -> family key (what ``mrl plan`` checks a checkpoint's config.json against)."""
 
 

@@ -32,7 +32,10 @@ A family module (``mrl/families/<name>.py``) defines one ``FAMILY = Family(...)`
 * ``wrapped``: the HF prefixes a vision-language checkpoint of the family keeps beside the decoder and mrl carries
   untouched (the vision tower ``model.visual.``; multi-token-prediction ``mtp.``); its decoder is read through
   :func:`mrl.families.views.decoder_config`. An architecture in ``architectures`` whose config has no
-  ``text_config`` (``Qwen3_5ForCausalLM``) is the plain decoder.
+  ``text_config`` (``Qwen3_5ForCausalLM``) is the plain decoder;
+* ``vision``: a vision-language family whose vision tower mrl builds and trains (a :class:`VisionTower`: the
+  transformers class that builds it, its HF prefix, the multimodal-RoPE kind, deepstack), run on the first pipeline
+  stage by :mod:`mrl.megatron.vision`.
 """
 from __future__ import annotations
 
@@ -304,6 +307,32 @@ class LinearAttention:
 
 
 @dataclass(frozen=True)
+class VisionTower:
+    """A vision-language family's vision tower and multimodal RoPE (Qwen2.5-VL, Qwen3-VL).
+
+    The tower is transformers' own module ``transformers.models.<module>.<model_class>`` built from config.json's
+    ``vision_config`` (``<config_class>``), replicated over TP on the first pipeline stage; its output rows replace
+    the embeddings of the ``image_token_id`` tokens in order. Its tensors are the checkpoint's ``<prefix>*``.
+
+    Multimodal RoPE (``mrope``): each token has a position per axis (t, h, w) and the rotary half-dimension's
+    frequency ``j`` rotates by the position of axis ``a(j)``: ``"sections"`` (Qwen2-VL / Qwen2.5-VL):
+    ``a(j) = 0`` for the first ``mrope_section[0]`` frequencies, 1 for the next ``mrope_section[1]``, 2 for the
+    rest; ``"interleaved"`` (Qwen3-VL): ``a(j) = j mod 3`` for ``j < 3·mrope_section[k]`` of axis k, else 0.
+    ``deepstack``: the tower also returns features of some of its blocks, added to the image tokens' hidden
+    states after the first decoder layers (Qwen3-VL)."""
+
+    module: str                 # transformers.models.<module>
+    model_class: str            # the tower's class in modeling_<module>
+    config_class: str           # its config class in configuration_<module>
+    prefix: str = "model.visual."
+    # where the checkpoint keeps the decoder's ``model.*`` tensors: transformers saves Qwen2.5-VL in its released
+    # layout (``model.layers.*``, ``visual.*``), Qwen3-VL under ``model.language_model.*`` / ``model.visual.*``
+    decoder_prefix: str = "model.language_model."
+    mrope: str = "sections"     # "sections" | "interleaved"
+    deepstack: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family (see the module docstring for what each field declares)."""
 
@@ -331,6 +360,8 @@ class Family:
     zero_centered_norm: bool = False
     # HF prefixes of a vision-language checkpoint that are not the decoder, carried untouched on export
     wrapped: tuple[str, ...] = ()
+    # a vision-language family whose vision tower mrl builds (run on the first pipeline stage); None = text only
+    vision: VisionTower | None = None
 
     @property
     def is_moe(self) -> bool:

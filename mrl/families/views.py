@@ -16,7 +16,23 @@ from typing import Any
 WRAPPED = "mrl_decoder_prefix"
 """Attribute / key of a view whose decoder tensors live under a prefix (the value) instead of ``model.``."""
 
-_OUTER_KEYS = ("architectures", "tie_word_embeddings")
+_OUTER_KEYS = ("architectures", "tie_word_embeddings", "image_token_id", "video_token_id", "vision_start_token_id",
+               "vision_end_token_id")
+VISION = "mrl_vision_config"
+"""Attribute / key of a view holding the outer config's ``vision_config`` as a dict (the families whose vision tower
+mrl builds read it: :mod:`mrl.megatron.vision`)."""
+
+
+DECODER_PREFIXES: dict[str, str] = {}
+"""Architecture -> where its checkpoint keeps the decoder's ``model.*`` tensors, for the families with a vision tower
+(``VisionTower.decoder_prefix``; filled by :mod:`mrl.families` as it registers them). Others: ``model.language_model.``."""
+
+
+def _prefix_of(architectures: Any) -> str:
+    for arch in architectures or ():
+        if arch in DECODER_PREFIXES:
+            return DECODER_PREFIXES[arch]
+    return "model.language_model."
 
 
 def decoder_prefix(hf_config: Any) -> str | None:
@@ -26,21 +42,23 @@ def decoder_prefix(hf_config: Any) -> str | None:
     return getattr(hf_config, WRAPPED, None)
 
 
-def decoder_config(hf_config: Any, prefix: str = "model.language_model.") -> Any:
+def decoder_config(hf_config: Any, prefix: str | None = None) -> Any:
     """The decoder view of a transformers config (module docstring); ``hf_config`` itself when it has no
-    ``text_config``."""
+    ``text_config``. ``prefix`` None: the family's (:func:`_prefix_of`)."""
     text = getattr(hf_config, "text_config", None)
     if text is None or getattr(hf_config, "vision_config", None) is None:
         return hf_config
     view = copy.deepcopy(text)
+    outer = hf_config.to_dict()
     for key in _OUTER_KEYS:
-        if key in hf_config.to_dict():
+        if key in outer:
             setattr(view, key, getattr(hf_config, key))
-    setattr(view, WRAPPED, prefix)
+    setattr(view, WRAPPED, prefix or _prefix_of(getattr(hf_config, "architectures", None)))
+    setattr(view, VISION, hf_config.vision_config.to_dict())
     return view
 
 
-def decoder_dict(cfg: dict[str, Any], prefix: str = "model.language_model.") -> dict[str, Any]:
+def decoder_dict(cfg: dict[str, Any], prefix: str | None = None) -> dict[str, Any]:
     """:func:`decoder_config` for a parsed config.json (plain json, no transformers)."""
     text = cfg.get("text_config")
     if not isinstance(text, dict) or "vision_config" not in cfg:
@@ -49,5 +67,6 @@ def decoder_dict(cfg: dict[str, Any], prefix: str = "model.language_model.") -> 
     for key in _OUTER_KEYS:
         if key in cfg:
             view[key] = cfg[key]
-    view[WRAPPED] = prefix
+    view[WRAPPED] = prefix or _prefix_of(cfg.get("architectures"))
+    view[VISION] = cfg["vision_config"]
     return view

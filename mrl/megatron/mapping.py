@@ -62,6 +62,7 @@ from mrl.families import FAMILIES, family_of
 from mrl.families.rules import EMBED, LM_HEAD, SPLITS, Rule
 from mrl.megatron.provider import head_dim
 from mrl.megatron.unwrap import unwrap
+from mrl.megatron.vision import vision_rules
 
 _EMBED, _LM_HEAD = EMBED, LM_HEAD
 _EXPERT_BIAS = "mlp.router.expert_bias"
@@ -117,6 +118,8 @@ def _stage_params(chunks: list[torch.nn.Module], hf_config: Any) -> Iterator[tup
                 continue  # exported as embed_tokens by the first stage; filled from it on load
             if p is not None:
                 yield rule, {}, p
+        for rule in vision_rules(chunk, hf_config):  # a vision-language model's tower (first stage, replicated)
+            yield rule, {}, chunk_params[rule.mcore]
         for layer in chunk.decoder.layers:
             i = str(layer.layer_number - 1)
             # buffers too: the router's expert_bias (a score-correction bias, not trained) is a checkpoint tensor

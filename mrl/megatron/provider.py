@@ -403,6 +403,10 @@ def build_model_chunks(
     if tcfg.window_size and attention_backend == "local" and not torch.cuda.is_available():
         raise ValueError("config.json sliding_window: Megatron's local attention builds its window mask on CUDA only; "
                          "fix: megatron.attention_backend=sdpa (or auto)")
+    if family_of(hf_config).vision is not None:
+        from mrl.megatron.vision import check_vision
+
+        check_vision(hf_config, sequence_parallel=tcfg.sequence_parallel, context_parallel=tcfg.context_parallel_size)
     vocab = padded_vocab_size(hf_config.vocab_size, tcfg.tensor_model_parallel_size, make_vocab_size_divisible_by)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     chunks = []
@@ -426,6 +430,10 @@ def build_model_chunks(
             rotary_percent=rotary_percent(hf_config),
             vp_stage=vp_stage if vpp > 1 else None,
         )
+        if family_of(hf_config).vision is not None:  # the tower (first stage) and multimodal RoPE
+            from mrl.megatron.vision import attach
+
+            attach(model, hf_config)
         if dtype in (torch.bfloat16, torch.float16):
             from megatron.core.transformer.module import Float16Module
 

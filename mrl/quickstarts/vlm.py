@@ -183,7 +183,12 @@ def _preprocessor(path: Path) -> None:
 def write_model(path: Path, seed: int, steps: int) -> float:
     """Tokenizer, image-processor settings and the warm-started model in ``path``; returns its greedy val accuracy."""
     import torch
-    from transformers import AutoImageProcessor, AutoTokenizer, PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration
+    from transformers import (
+        AutoImageProcessor,
+        AutoTokenizer,
+        PreTrainedTokenizerFast,
+        Qwen2_5_VLForConditionalGeneration,
+    )
 
     path.mkdir(parents=True, exist_ok=True)
     PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), pad_token="<pad>", bos_token="<s>", eos_token="</s>",

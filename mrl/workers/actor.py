@@ -110,6 +110,7 @@ class ActorWorker(TrainableState):
             init_parallel=init_parallel, lora=cfg.lora, moe=cfg.moe,
             remove_padding=cfg.use_remove_padding is True if remove_padding is None else remove_padding,
             attention_backend=attention_backend, recompute=cfg.recompute_granularity,
+            freeze_vision_tower=cfg.freeze_vision_tower,
         )
         e = self.model
         if mini_batch_size_samples % e.dp_size != 0:

@@ -28,6 +28,8 @@ Tensor = torch.Tensor
 REQUIRED_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 #: Kept by :meth:`TrainBatch.select` whenever present: the engine's expert choice replayed in every forward.
 ROUTING_KEYS = ("routed_experts",)
+#: Kept by :meth:`TrainBatch.select` whenever present: the pictures every forward of a vision-language model reads.
+MULTI_MODAL_KEYS = ("multi_modal",)
 #: Optional per-token response fields, each [B, R].
 RESPONSE_KEYS = (
     "old_log_probs", "advantages", "ref_log_prob", "rollout_log_probs", "values", "returns", "rollout_is_weights",
@@ -64,6 +66,10 @@ class TrainBatch:
             token of ``input_ids`` in each MoE layer (``actor.moe.routing_replay=rollout``); positions the
             engine never ran (padding, the last response token) hold any valid id: no kept output depends
             on them.
+        multi_modal: one dict per sample (vision-language models): ``{"pixel_values": [n_patches, D] float,
+            "image_grid_thw": [n_images, 3] int64}`` as the checkpoint's image processor returns them for the sample's
+            pictures in order, ``{}`` for a sample without pictures; ``input_ids`` hold every image token already
+            (one per merged patch), ``position_ids`` stay the text positions (the model derives its 3-D ones).
     """
 
     input_ids: Tensor
@@ -106,6 +112,8 @@ class TrainBatch:
         if re is not None and (re.dim() != 4 or tuple(re.shape[:2]) != (B, S)):
             raise ValueError(f"TrainBatch.routed_experts has shape {tuple(re.shape)}, expected [B, S, layers, top_k] "
                              f"with [B, S] = {(B, S)} like input_ids")
+        if self.multi_modal is not None and len(self.multi_modal) != B:
+            raise ValueError(f"TrainBatch.multi_modal has {len(self.multi_modal)} entries, expected one per sample ({B})")
         if self.uid is not None and tuple(self.uid.shape) != (B,):
             raise ValueError(f"TrainBatch.uid has shape {tuple(self.uid.shape)}, expected [{B}]")
 
@@ -134,23 +142,26 @@ class TrainBatch:
         return [f.name for f in fields(self) if getattr(self, f.name) is not None]
 
     # ---- structural ops ----------------------------------------------------------------
-    def _map(self, fn) -> TrainBatch:
-        return TrainBatch(**{
-            f.name: (None if getattr(self, f.name) is None else fn(getattr(self, f.name)))
-            for f in fields(self)
-        })
+    def _map(self, fn, rows) -> TrainBatch:
+        """``fn`` on every tensor field, ``rows`` on the per-sample list (``multi_modal``)."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = None if v is None else rows(v) if isinstance(v, list) else fn(v)
+        return TrainBatch(**out)
 
     def index(self, idx: Tensor | list[int]) -> TrainBatch:
         """Rows ``idx`` (any order, e.g. a permutation) of every field."""
         idx_t = torch.as_tensor(idx, dtype=torch.long, device=self.input_ids.device)
-        return self._map(lambda t: t.index_select(0, idx_t.to(t.device)))
+        pick = idx_t.tolist()
+        return self._map(lambda t: t.index_select(0, idx_t.to(t.device)), lambda rows: [rows[i] for i in pick])
 
     def slice(self, start: int, end: int) -> TrainBatch:
         """Rows ``start:end``."""
-        return self._map(lambda t: t[start:end])
+        return self._map(lambda t: t[start:end], lambda rows: rows[start:end])
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        return self._map(lambda t: t.to(device))
+        return self._map(lambda t: t.to(device), lambda rows: [{k: v.to(device) for k, v in d.items()} for d in rows])
 
     def select(self, keys: Iterable[str]) -> TrainBatch:
         """Keep :data:`REQUIRED_KEYS` plus ``keys``; every requested key must be present.
@@ -168,7 +179,7 @@ class TrainBatch:
                 "advantages: the advantage estimator, rollout_log_probs: the rollout engine, "
                 "values/returns: critic.compute_values + GAE)"
             )
-        keep = set(REQUIRED_KEYS) | set(ROUTING_KEYS) | set(keys)
+        keep = set(REQUIRED_KEYS) | set(ROUTING_KEYS) | set(MULTI_MODAL_KEYS) | set(keys)
         return TrainBatch(**{
             f.name: getattr(self, f.name) if f.name in keep else None for f in fields(self)
         })
@@ -187,6 +198,8 @@ class TrainBatch:
                 out[f.name] = None
             elif any(v is None for v in vals):
                 raise ValueError(f"TrainBatch.concat: field {f.name} present in only some batches")
+            elif isinstance(vals[0], list):
+                out[f.name] = [row for v in vals for row in v]
             else:
                 out[f.name] = torch.cat(vals, 0)
         return TrainBatch(**out)

@@ -12,7 +12,8 @@ schedule call are padded to the same length (stages exchange one activation shap
 keeps its own (the fixed split groups samples of similar length). Their sample counts may differ
 (dynamic micro-batching), so ``variable_seq_lengths`` is on whenever pipeline stages exchange activations. Megatron's RoPE
 uses positions ``0..L-1`` of the compact row (it ignores ``position_ids``), which is what left-
-aligned samples need; batches with custom position ids (e.g. multimodal RoPE) are not supported.
+aligned samples need. A vision-language model (:mod:`mrl.megatron.vision`) gets its 3-D multimodal RoPE positions from
+each micro-batch's tokens and pictures (``TrainBatch.multi_modal``), and its first stage the pictures.
 """
 from __future__ import annotations
 
@@ -91,6 +92,8 @@ class MegatronModel:
         recompute: ``<role>.recompute_granularity``: ``full`` recomputes every layer's activations in the backward
             (Megatron's uniform method, one layer per checkpoint: activation memory of one layer plus the layer
             inputs), ``selective`` only the core attention; None keeps every activation.
+        freeze_vision_tower: ``actor.freeze_vision_tower`` (vision-language models): the tower's parameters get no
+            gradient and stay out of DDP's buffers, hence out of the optimizer (ignored by text-only models).
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class MegatronModel:
         remove_padding: bool = False,
         attention_backend: str | None = None,
         recompute: str | None = None,
+        freeze_vision_tower: bool = True,
     ) -> None:
         from megatron.core import parallel_state as ps
 
@@ -193,6 +197,12 @@ class MegatronModel:
         if value_head and not score_head:
             for c in chunks:
                 self._add_value_head(c, seed)
+        self.vision = family_of(self.hf_config).vision  # a vision-language model's tower (first stage)
+        if self.vision is not None and freeze_vision_tower:
+            for c in chunks:  # before DDP: its buffers, hence the optimizer, hold trainable parameters only
+                tower = getattr(unwrap(c), "vision_model", None)
+                if tower is not None:
+                    tower.requires_grad_(False)
         if train:
             from megatron.core.distributed import (
                 DistributedDataParallel,
@@ -338,7 +348,11 @@ class MegatronModel:
             pos = inp.position_ids.to(self.device)
             shared = inp.attention_mask is not None  # shared-prefix rows: RoPE at position_ids, block mask
             packed = inp.cu_seqlens is not None  # packed rows: RoPE at position_ids, attention within sequences
-            set_rope_positions(unwrap(model), pos if shared or packed else None)
+            if self.vision is not None:  # 3-D positions on every stage, the pictures for the first one's tower
+                self._set_vision(unwrap(model), mb)
+                set_rope_positions(unwrap(model), None)
+            else:
+                set_rope_positions(unwrap(model), pos if shared or packed else None)
             if self.router_probes:
                 self._route(inp)
             # MoE: padding positions route too, but stay out of the router's aux losses (every layout then
@@ -372,6 +386,25 @@ class MegatronModel:
 
                 set_targets(self.router_probes, None)  # no stale ids for a later forward
         return list(out) if out else []
+
+    def _set_vision(self, model: torch.nn.Module, mb: MicroBatch) -> None:
+        """A vision-language model's next forward: the 3-D RoPE positions of ``mb``'s rows (each sequence from 0) and,
+        on the first stage, its samples' pictures in row order (:mod:`mrl.megatron.vision`)."""
+        from mrl.megatron.vision import (
+            batch_pictures,
+            mrope_positions,
+            set_vision_inputs,
+        )
+
+        inp = mb.inputs
+        if inp.attention_mask is not None:
+            raise ValueError("actor.shared_prefix with a vision-language model is not supported; fix: "
+                             "actor.shared_prefix=false")
+        pixels, grid, grids = batch_pictures(mb.data.multi_modal, self.device)
+        merge = int(getattr(self.hf_config, "mrl_vision_config", {}).get("spatial_merge_size", 2))
+        pos = mrope_positions(inp.tokens, inp.num_tokens, inp.cu_seqlens, grids,
+                              image_token=int(self.hf_config.image_token_id), merge=merge)
+        set_vision_inputs(model, pos.to(self.device), pixels, grid)
 
     @contextlib.contextmanager
     def recording_routing(self) -> Iterator[Any]:

@@ -1,7 +1,8 @@
 """`mrl plan` / `mrl train` with vision-language prompt files (docs/vision.md): the pictures are counted and
 checked before anything starts (bad ones named by file:row, or counted with data.filter_bad_images), the
-largest picture's image tokens are reported (reference: transformers' image processor), and training a
-vision-language checkpoint is refused in one line after the plan (its Megatron actor does not exist yet)."""
+largest picture's image tokens are reported (reference: transformers' image processor); a Qwen2.5-VL checkpoint is
+accepted (its Megatron actor exists) and a vision-language architecture mrl does not build is refused in one line after
+the plan."""
 from __future__ import annotations
 
 import base64
@@ -62,19 +63,32 @@ def _hf_largest(vlm: Path) -> int:
 
 
 @pytest.mark.parametrize("cmd", ["plan", "train"])
-def test_plan_reports_pictures_then_refuses_the_vlm_in_one_line(capsys, vlm, tmp_path, cmd):
+def test_plan_reports_pictures_and_accepts_a_qwen2_5_vl_checkpoint(capsys, vlm, tmp_path, cmd):
     f = _files(tmp_path)
     rc, out, err = _run(capsys, f"model.path={vlm}", f"data.train_files={f}", cmd=cmd)
-    assert rc == EXIT_UNSUPPORTED, err
+    assert rc == 0, err
     line = [ln for ln in out.splitlines() if "pictures:" in ln]
     want = (f"  pictures: data.train_files: 4 pictures in 3 rows (at most 2 per row); largest picture 400x300 "
             f"= {_hf_largest(vlm)} image tokens ({f}:3) of data.max_prompt_length=64")
     assert line == [want]
-    refusal = err.strip().splitlines()
-    want = (f"mrl {cmd}: model.path={str(vlm)!r} (Qwen2_5_VLForConditionalGeneration) is a vision-language "
-            "model: the Megatron actor for vision-language models is not implemented yet (their prompt files "
-            "and the rollout engine are: docs/vision.md); fix: a text-only checkpoint")
-    assert refusal == [want]
+
+
+@pytest.mark.parametrize("cmd", ["plan", "train"])
+def test_an_unbuilt_vision_language_architecture_is_refused_in_one_line(capsys, vlm, tmp_path, cmd):
+    import shutil
+
+    other = tmp_path / "moe_vlm"
+    shutil.copytree(vlm, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["architectures"] = ["Qwen3VLMoeForConditionalGeneration"]
+    (other / "config.json").write_text(json.dumps(cfg))
+    f = _files(tmp_path)
+    rc, _, err = _run(capsys, f"model.path={other}", f"data.train_files={f}", cmd=cmd)
+    assert rc == EXIT_UNSUPPORTED, err
+    want = (f"mrl {cmd}: model.path={str(other)!r} (Qwen3VLMoeForConditionalGeneration) is a vision-language "
+            "model whose architecture the Megatron actor does not build (it builds Qwen2_5_VLForConditionalGeneration, "
+            "Qwen3VLForConditionalGeneration: docs/vision.md); fix: one of those, or a text-only checkpoint")
+    assert err.strip().splitlines() == [want]
 
 
 def test_bad_pictures_refused_before_start_or_counted(capsys, vlm, tmp_path):
@@ -84,7 +98,7 @@ def test_bad_pictures_refused_before_start_or_counted(capsys, vlm, tmp_path):
     assert f"{f}:5: column 'images' (data.image_key): image 1 of 1: image file {str(tmp_path / 'gone.png')!r} does not exist" in err
     assert f"{f}:6: column 'images' (data.image_key): image 1 of 1: the image is 1200x1000 = 1200000 pixels" in err
     rc, out, _ = _run(capsys, f"model.path={vlm}", f"data.train_files={f}", "data.filter_bad_images=true")
-    assert rc == EXIT_UNSUPPORTED
+    assert rc == 0
     assert "pictures: data.train_files: 2 row(s) with unusable pictures will be dropped (data.filter_bad_images=true)" in out
 
 
@@ -126,3 +140,33 @@ def test_pictures_for_a_release_whose_tower_is_carried_are_refused(capsys, tmp_p
     assert rc == EXIT_CONFIG, err
     assert ("data.image_key='images': the prompt files hold pictures, but mrl trains model.path=" in err
             and "(Qwen3_5ForConditionalGeneration) on text only" in err), err
+
+
+@pytest.fixture(scope="module")
+def vlm3(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vlm3")
+    save_vlm_files(d, "qwen3_vl")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["vision_config"]["deepstack_visual_indexes"] = [0, 1]  # deepstack into decoder layers 0 and 1 (of 2)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("override,want", [
+    ("actor.shared_prefix=true", ("actor.shared_prefix=true with the vision-language model.path "
+     "(Qwen3VLForConditionalGeneration): its 3-D positions are computed per whole sequence; fix: "
+     "actor.shared_prefix=false (or auto)")),
+    ("actor.megatron.pipeline_model_parallel_size=2", ("actor.megatron.pipeline_model_parallel_size=2: "
+     "Qwen3VLForConditionalGeneration adds deepstack image features after decoder layers 0..1, which must all be on "
+     "the first pipeline stage (it holds 1); fix: actor.megatron.num_layers_in_first_pipeline_stage>=2 or a smaller "
+     "pipeline_model_parallel_size")),
+    ("actor.megatron.context_parallel_size=2", ("actor.megatron.context_parallel_size=2 with the vision-language "
+     "model.path (Qwen3VLForConditionalGeneration) is not supported; fix: actor.megatron.context_parallel_size=1")),
+    ("actor.megatron.tensor_model_parallel_size=2 actor.megatron.sequence_parallel=true",
+     ("actor.megatron.sequence_parallel=true with the vision-language model.path (Qwen3VLForConditionalGeneration) is "
+     "not supported yet (the image features join the whole embedding); fix: actor.megatron.sequence_parallel=false")),
+])
+def test_vision_language_layouts_mrl_cannot_run_are_refused_before_start(capsys, vlm3, override, want):
+    rc, _, err = _run(capsys, f"model.path={vlm3}", *override.split(), "cluster.n_gpus_per_node=2")
+    assert rc == EXIT_CONFIG
+    assert want in err, err

@@ -109,6 +109,28 @@ def hf_config(family: str, **overrides):
         if moe:
             kw.pop("intermediate_size", None)
             kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96)
+    elif family == "qwen2_5_vl":  # the decoder's view of a vision-language config (mrl.families.views)
+        from mrl.families.views import decoder_config
+
+        kw.pop("rope_theta", None)
+        text = {**kw, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+                **overrides}
+        cfg = tf.Qwen2_5_VLConfig(text_config=text, vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64,
+                                                                   "num_heads": 2, "intermediate_size": 64})
+        cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+        return decoder_config(cfg)
+    elif family == "qwen3_vl":
+        from mrl.families.views import decoder_config
+
+        kw.pop("rope_theta", None)
+        text = {**kw, "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                          "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+                **overrides}
+        cfg = tf.Qwen3VLConfig(text_config=text, vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64,
+                                                                "num_heads": 2, "intermediate_size": 64,
+                                                                "deepstack_visual_indexes": [0]})
+        cfg.architectures = ["Qwen3VLForConditionalGeneration"]
+        return decoder_config(cfg)
     else:
         raise ValueError(f"unknown tiny family {family!r}")
     kw.update(overrides)

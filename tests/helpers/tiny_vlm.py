@@ -117,3 +117,90 @@ def png(width: int, height: int, seed: int = 0, mode: str = "RGB") -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr, mode=mode).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def picture_inputs(path: str | Path, sizes: list[tuple[int, int]], seed: int = 0) -> dict:
+    """``{"pixel_values", "image_grid_thw"}`` of random pictures of ``sizes`` (w, h) through the checkpoint's own image
+    processor (transformers' PIL backend), ``{}`` for no pictures."""
+    import io as _io
+
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    if not sizes:
+        return {}
+    proc = AutoImageProcessor.from_pretrained(str(path), backend="pil")
+    images = [Image.open(_io.BytesIO(png(w, h, seed=seed + k))) for k, (w, h) in enumerate(sizes)]
+    out = proc(images=images, return_tensors="pt")
+    return {"pixel_values": out["pixel_values"].to(torch.float32), "image_grid_thw": out["image_grid_thw"].long()}
+
+
+def vlm_prompt(cfg, pictures: dict, text: list[int], merge: int = 2) -> list[int]:
+    """Token ids ``text[0] <vision_start> <image_pad>·n_1 <vision_end> text[1] ...`` with one text run per picture plus
+    a last one (``text`` holds runs of ids, len(text) = pictures + 1), each picture expanded to its merged tokens."""
+    grids = pictures.get("image_grid_thw") if pictures else None
+    n = 0 if grids is None else len(grids)
+    if len(text) != n + 1:
+        raise ValueError(f"{n} pictures need {n + 1} text runs, got {len(text)}")
+    ids: list[int] = list(text[0])
+    for k in range(n):
+        t, h, w = (int(x) for x in grids[k])
+        ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * (t * h * w // merge ** 2) + [cfg.vision_end_token_id]
+        ids += list(text[k + 1])
+    return ids
+
+
+# (picture sizes (w, h), prompt text runs, response length) of vlm_batch's samples: one picture with h' != w' (the
+# h and w axes of the 3-D positions differ), two pictures, none, one more after a longer text
+VLM_SAMPLES = (
+    ([(56, 84)], [[10, 11, 12], [20, 21]], 3),
+    ([(56, 84), (40, 30)], [[13], [22, 23], [30, 31, 32]], 2),
+    ([], [[40, 41, 42, 43, 44]], 4),
+    ([(84, 56)], [[50, 51, 52, 53], [60]], 1),
+)
+
+
+def vlm_batch(path: str | Path, seed: int = 0):
+    """A ragged TrainBatch of :data:`VLM_SAMPLES` (prompts left-padded, responses right-padded, ``multi_modal`` as
+    the image processor returns it) for the checkpoint at ``path``."""
+    import torch
+    from transformers import AutoConfig
+
+    from mrl.workers.batch import TrainBatch
+
+    cfg = AutoConfig.from_pretrained(str(path))
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses, mm = [], [], []
+    for k, (sizes, text, r) in enumerate(VLM_SAMPLES):
+        pics = picture_inputs(path, sizes, seed=seed + 10 * k)
+        prompts.append(vlm_prompt(cfg, pics, text))
+        responses.append(torch.randint(70, 200, (r,), generator=g).tolist())
+        mm.append(pics)
+    B, P, R = len(prompts), max(map(len, prompts)), max(map(len, responses))
+    ids = torch.zeros(B, P + R, dtype=torch.long)
+    am = torch.zeros(B, P + R, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, P - len(p):P], ids[i, P:P + len(r)] = torch.tensor(p), torch.tensor(r)
+        am[i, P - len(p):P + len(r)] = 1
+    pos = (am.cumsum(-1) - 1).clamp(min=0) * am
+    return TrainBatch(input_ids=ids, attention_mask=am, position_ids=pos, responses=ids[:, P:].clone(),
+                      response_mask=am[:, P:].clone(), advantages=torch.randn(B, R, generator=g) * am[:, P:],
+                      multi_modal=mm)
+
+
+def hf_vlm_logits(model, batch) -> list:
+    """Each sample's logits [n_i, V] by transformers' own forward on its valid tokens with its pictures (the model in
+    whatever dtype it holds)."""
+
+    out = []
+    cfg = model.config
+    for i in range(batch.batch_size):
+        ids = batch.input_ids[i][batch.attention_mask[i].bool()][None]
+        pics = batch.multi_modal[i]
+        kw = {}
+        if pics:
+            kw = {"pixel_values": pics["pixel_values"].to(model.dtype), "image_grid_thw": pics["image_grid_thw"],
+                  "mm_token_type_ids": (ids == cfg.image_token_id).int()}
+        out.append(model(input_ids=ids, **kw).logits[0])
+    return out
