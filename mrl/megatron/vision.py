@@ -110,16 +110,13 @@ def attach(model: torch.nn.Module, hf_config: Any) -> None:
     setattr(model, _INPUTS, None)
 
     def merge(_module, args, out: Tensor) -> Tensor:
-        ids = args[0]
-        mask = ids == image_token
         given = getattr(model, _INPUTS)
-        n_tok = int(mask.sum())
         setattr(model, _DEEPSTACK, None)
-        if given is None:
-            if n_tok:
-                raise ValueError(f"{n_tok} image tokens in the batch but no pictures (TrainBatch.multi_modal)")
+        if given is None:  # no pictures: every image token is text (a sampled one in a response)
             return out
-        pixels, grid = given
+        pixels, grid, mask = given
+        mask = args[0] == image_token if mask is None else mask.to(args[0].device)
+        n_tok = int(mask.sum())
         feats, deep = tower_features(model.vision_model, pixels, grid)
         if deep:
             setattr(model, _DEEPSTACK, (mask, deep))
@@ -179,13 +176,14 @@ def tower_features(tower: torch.nn.Module, pixels: Tensor, grid: Tensor) -> tupl
 
 
 def set_vision_inputs(model: torch.nn.Module, positions: Tensor | None, pixels: Tensor | None = None,
-                      grid: Tensor | None = None) -> None:
-    """The next forward's 3-D positions ``[3, b, L]`` (every stage) and pictures (first stage; None: none)."""
+                      grid: Tensor | None = None, mask: Tensor | None = None) -> None:
+    """The next forward's 3-D positions ``[3, b, L]`` (every stage) and pictures (first stage; None: none) with the
+    [b, L] tokens their features replace (:func:`picture_tokens`; default: every ``image_token_id`` token)."""
     rope = getattr(model, "rotary_pos_emb", None)
     if rope is not None and hasattr(rope, _MROPE):
         setattr(rope, _MROPE, positions)
     if hasattr(model, _INPUTS):
-        setattr(model, _INPUTS, None if pixels is None else (pixels, grid))
+        setattr(model, _INPUTS, None if pixels is None else (pixels, grid, mask))
 
 
 def mrope_table(inv_freq: Tensor, pos: Tensor, sections: list[int], interleaved: bool) -> Tensor:
@@ -205,7 +203,8 @@ def mrope_table(inv_freq: Tensor, pos: Tensor, sections: list[int], interleaved:
 
 def rope_index(ids: Tensor, grids: Tensor, *, image_token: int, merge: int) -> Tensor:
     """[3, n] positions of one sequence ``ids`` [n] whose pictures have patch grids ``grids`` [k, 3] (t, h, w), in
-    order (module docstring). Every picture's tokens must be ``image_token`` and contiguous."""
+    order (module docstring). Every picture's tokens must be ``image_token`` and contiguous; image tokens after the
+    last picture's are text (see :func:`picture_tokens`)."""
     n = int(ids.numel())
     out = torch.empty(3, n, dtype=torch.long)
     is_img = (ids == image_token).cpu()
@@ -217,10 +216,10 @@ def rope_index(ids: Tensor, grids: Tensor, *, image_token: int, merge: int) -> T
         out[:, col:s] = torch.arange(p, p + text)
         p += text
         col = s
-        # a run of image tokens may hold several adjacent pictures: take grids until the run ends
-        while col < n and bool(is_img[col]):
-            if k >= len(grids):
-                raise ValueError(f"a sequence holds more image tokens than its {len(grids)} pictures' grids cover")
+        # a run of image tokens may hold several adjacent pictures: take grids until the run ends. Image tokens past
+        # the pictures are text: a response may sample the image token's id, which the engine embeds and positions
+        # as any text token (no picture is merged at decode), so the trainer must too
+        while col < n and bool(is_img[col]) and k < len(grids):
             t, h, w = (int(x) for x in grids[k])
             hh, ww = h // merge, w // merge
             cnt = t * hh * ww
@@ -259,6 +258,26 @@ def mrope_positions(tokens: Tensor, num_tokens: Tensor, cu_seqlens: Tensor | Non
         nxt = int(pos.max()) + 1 if n else 0
         out[:, r, a:a + n] = pos
         out[:, r, a + n:b] = torch.arange(nxt, nxt + b - a - n)
+    return out
+
+
+def picture_tokens(tokens: Tensor, num_tokens: Tensor, cu_seqlens: Tensor | None, grids: list[Tensor], *,
+                   image_token: int, merge: int) -> Tensor:
+    """[rows, L] bool: the tokens the pictures' features replace — in each sequence its first ``Σ t·h·w / merge²``
+    image tokens (spans as :func:`mrope_positions`). An image token past them is text: a sampled one in a response,
+    which the engine embeds as an ordinary token."""
+    rows, L = tokens.shape
+    out = torch.zeros(rows, L, dtype=torch.bool)
+    if cu_seqlens is None:
+        spans = [(r, 0, int(num_tokens[r])) for r in range(rows)]
+    else:
+        spans = [(0, a, min(b - a, int(num_tokens[i])) if i < len(num_tokens) else 0)
+                 for i, (a, b) in enumerate(itertools.pairwise(cu_seqlens.tolist()))]
+    for i, (r, a, n) in enumerate(spans):
+        g = grids[i] if i < len(grids) else None
+        want = int((g[:, 0] * g[:, 1] * g[:, 2]).sum()) // merge ** 2 if g is not None and len(g) else 0
+        where = torch.nonzero(tokens[r, a:a + n].cpu() == image_token).flatten()[:want]
+        out[r, a + where] = True
     return out
 
 

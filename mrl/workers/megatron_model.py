@@ -393,6 +393,7 @@ class MegatronModel:
         from mrl.megatron.vision import (
             batch_pictures,
             mrope_positions,
+            picture_tokens,
             set_vision_inputs,
         )
 
@@ -402,9 +403,10 @@ class MegatronModel:
                              "actor.shared_prefix=false")
         pixels, grid, grids = batch_pictures(mb.data.multi_modal, self.device)
         merge = int(getattr(self.hf_config, "mrl_vision_config", {}).get("spatial_merge_size", 2))
-        pos = mrope_positions(inp.tokens, inp.num_tokens, inp.cu_seqlens, grids,
-                              image_token=int(self.hf_config.image_token_id), merge=merge)
-        set_vision_inputs(model, pos.to(self.device), pixels, grid)
+        where = {"image_token": int(self.hf_config.image_token_id), "merge": merge}
+        pos = mrope_positions(inp.tokens, inp.num_tokens, inp.cu_seqlens, grids, **where)
+        mask = picture_tokens(inp.tokens, inp.num_tokens, inp.cu_seqlens, grids, **where)
+        set_vision_inputs(model, pos.to(self.device), pixels, grid, mask.to(self.device))
 
     @contextlib.contextmanager
     def recording_routing(self) -> Iterator[Any]:

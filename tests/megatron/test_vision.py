@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mrl.megatron.vision import mrope_positions, mrope_table, rope_index
+from mrl.megatron.vision import mrope_positions, mrope_table, picture_tokens, rope_index
 from mrl.workers.batch import TrainBatch
 from mrl.workers.minibatch import (
     build_model_inputs,
@@ -75,8 +75,24 @@ def test_image_tokens_and_pictures_must_agree():
     ids = torch.tensor([1, 5, 5, 5, 2])
     with pytest.raises(ValueError, match="fewer image tokens"):
         rope_index(ids, torch.tensor([[1, 4, 4]]), image_token=5, merge=2)  # 4 tokens needed, 3 given
-    with pytest.raises(ValueError, match="more image tokens"):
-        rope_index(ids, torch.zeros(0, 3, dtype=torch.long), image_token=5, merge=2)
+    with pytest.raises(ValueError, match="has 1 pictures but image tokens for 0"):
+        rope_index(torch.tensor([1, 2]), torch.tensor([[1, 4, 4]]), image_token=5, merge=2)
+
+
+def test_an_image_token_past_the_pictures_is_text():
+    """A response may sample the image token's id; the engine embeds and positions it as text (no picture is merged
+    at decode), so positions go on by one and no feature replaces it."""
+    ids = torch.tensor([[1, 5, 5, 5, 5, 2, 5, 3]])  # prompt: text, one 4-token picture, text; response: 5 sampled, 3
+    grid = torch.tensor([[1, 4, 4]])  # 2x2 merged tokens at (t, row, col) + 1, then text from 1 + max(2, 2) = 3
+    want = torch.tensor([[0, 1, 1, 1, 1, 3, 4, 5], [0, 1, 1, 2, 2, 3, 4, 5], [0, 1, 2, 1, 2, 3, 4, 5]])
+    assert torch.equal(rope_index(ids[0], grid, image_token=5, merge=2), want)
+    mask = picture_tokens(ids, torch.tensor([8]), None, [grid], image_token=5, merge=2)
+    assert mask.tolist() == [[False, True, True, True, True, False, False, False]]
+    no_pictures = picture_tokens(ids, torch.tensor([8]), None, [torch.zeros(0, 3, dtype=torch.long)], image_token=5,
+                                 merge=2)
+    assert not no_pictures.any()
+    assert torch.equal(rope_index(ids[0], torch.zeros(0, 3, dtype=torch.long), image_token=5, merge=2),
+                       torch.arange(8).expand(3, 8))
 
 
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])

@@ -39,10 +39,11 @@ then consumed, in prefill and decode alike. A layer without a router (Qwen2-MoE'
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 
-from mrl.families import FAMILIES, family_key
+from mrl.families import FAMILIES, SUPPORTED_ARCHITECTURES, family_key
 
 #: ``model_type`` -> (checkpoint module of the MoE block, names of (gate, up, down) per expert), as each MoE
 #: family declares them (``MoE.block``/``MoE.expert_names`` in mrl/families/<name>.py)
@@ -62,6 +63,26 @@ def is_moe(config) -> bool:
     return family_key(getattr(config, "model_type", None)) in EXPERT_NAMES
 
 
+def released_names(config: Any, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``named`` under the checkpoint's names where a vision-language release keeps another layout than
+    transformers' modules (``model.language_model.*`` / ``model.visual.*``): Qwen2.5-VL's released ``model.*`` and
+    ``visual.*``, as its family declares them (:class:`mrl.families.base.VisionTower`); the trainer and SGLang
+    name the weights so."""
+    archs = [a for a in getattr(config, "architectures", None) or [] if a in SUPPORTED_ARCHITECTURES]
+    vision = FAMILIES[SUPPORTED_ARCHITECTURES[archs[0]]].vision if archs else None
+    if vision is None:
+        return named
+    pairs = (("model.visual.", vision.prefix), ("model.language_model.", vision.decoder_prefix))
+    out = {}
+    for n, t in named.items():
+        for module, ckpt in pairs:
+            if n.startswith(module):
+                n = ckpt + n[len(module):]
+                break
+        out[n] = t
+    return out
+
+
 def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter under its checkpoint name(s) (tied ones under each name); a fused expert parameter as
     one view per expert and projection (see the module docstring). Built on each call: after
@@ -71,6 +92,7 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     persistent = model.state_dict(keep_vars=True)
     # checkpoint buffers (DeepSeek-V3's router e_score_correction_bias): the trainer sends them with the weights
     named.update({n: b for n, b in model.named_buffers() if n in persistent})
+    named = released_names(model.config, named)
     if mt not in EXPERT_NAMES or mt in FUSED_CHECKPOINTS:
         return named
     block, (gate, up, down) = EXPERT_NAMES[mt]
