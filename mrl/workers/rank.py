@@ -215,7 +215,13 @@ class TrainRank:
         # transport has the engines reload a whole checkpoint directory, so it always sends all.
         only_lora = (self.cfg.actor.lora.enabled and getattr(self, "_synced_once", False)
                      and self.transport != "disk")
-        metrics = self.syncer.sync(self.actor.export_hf_weights(only_lora=only_lora), version, pause=pause).metrics()
+        weights = self.actor.export_hf_weights(only_lora=only_lora)
+        # a frozen vision tower never changes: once the engines hold it, it leaves the per-step payload
+        tower = self.actor.model.vision
+        if (tower is not None and self.cfg.actor.freeze_vision_tower and getattr(self, "_synced_once", False)
+                and self.transport != "disk"):
+            weights = ((n, t) for n, t in weights if not n.startswith(tower.prefix))
+        metrics = self.syncer.sync(weights, version, pause=pause).metrics()
         self._synced_once = True
         return metrics
 
