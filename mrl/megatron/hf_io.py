@@ -28,6 +28,11 @@ SIDE_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
     "added_tokens.json",
+    # a vision-language checkpoint's processors (docs/vision.md): the engine and the data layer read them
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
 )
 
 
