@@ -33,10 +33,10 @@ for _mod in _MODULES:
     FAMILIES[_fam.name] = _fam
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {arch: f.name for f in FAMILIES.values() for arch in f.architectures}
+"""HF architecture -> family key (what ``mrl plan`` checks a checkpoint's config.json against)."""
 for _fam in FAMILIES.values():  # where a vision-language family's checkpoint keeps its decoder (families.views)
     if _fam.vision is not None:
         DECODER_PREFIXES.update(dict.fromkeys(_fam.architectures, _fam.vision.decoder_prefix))
-"""HF architecture -> family key (what ``mrl plan`` checks a checkpoint's config.json against)."""
 
 
 def family_key(model_type: Any) -> str:
