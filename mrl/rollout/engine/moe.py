@@ -62,6 +62,15 @@ def is_moe(config) -> bool:
     return family_key(getattr(config, "model_type", None)) in EXPERT_NAMES
 
 
+def _vision_checkpoint_name(name: str, vision) -> str:
+    """transformers' module name of a vision-language model's tensor -> its checkpoint name: the decoder's
+    ``model.language_model.`` and the tower's ``model.visual.`` under the family's ``VisionTower`` prefixes."""
+    for module, saved in (("model.language_model.", vision.decoder_prefix), ("model.visual.", vision.prefix)):
+        if name.startswith(module):
+            return saved + name[len(module):]
+    return name
+
+
 def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter under its checkpoint name(s) (tied ones under each name); a fused expert parameter as
     one view per expert and projection (see the module docstring). Built on each call: after
@@ -71,6 +80,9 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     persistent = model.state_dict(keep_vars=True)
     # checkpoint buffers (DeepSeek-V3's router e_score_correction_bias): the trainer sends them with the weights
     named.update({n: b for n, b in model.named_buffers() if n in persistent})
+    vision = FAMILIES[mt].vision if mt in FAMILIES else None
+    if vision is not None:  # the checkpoint's (and the trainer's) names: Qwen2.5-VL's released model.* / visual.*
+        named = {_vision_checkpoint_name(n, vision): p for n, p in named.items()}
     if mt not in EXPERT_NAMES or mt in FUSED_CHECKPOINTS:
         return named
     block, (gate, up, down) = EXPERT_NAMES[mt]
