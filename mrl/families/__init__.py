@@ -1,7 +1,8 @@
 """Model families: one module per family declares everything mrl needs to train and serve it.
 
 Each module (``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``qwen3_moe``, ``qwen2_moe``, ``mixtral``,
-``deepseek_v3``, ``glm4_moe``, ``gpt_oss``, the hybrid-attention ``qwen3_5``, ``qwen3_5_moe`` and ``qwen3_next``)
+``deepseek_v3``, ``glm4_moe``, ``gpt_oss``, the hybrid-attention ``qwen3_5``, ``qwen3_5_moe`` and ``qwen3_next``, the
+vision-language ``qwen2_5_vl`` and ``qwen3_vl``)
 defines ``FAMILY``, a :class:`~mrl.families.base.Family`: the HF architectures it owns, its
 config.json → Megatron facts (qkv bias, q/k norm, sliding window, MoE router and experts), its layer-spec
 needs, its HF ↔ Megatron weight rules and what it refuses. This registry builds the lookups the rest of
@@ -32,10 +33,10 @@ for _mod in _MODULES:
     FAMILIES[_fam.name] = _fam
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {arch: f.name for f in FAMILIES.values() for arch in f.architectures}
+"""HF architecture -> family key (what ``mrl plan`` checks a checkpoint's config.json against)."""
 for _fam in FAMILIES.values():  # where a vision-language family's checkpoint keeps its decoder (families.views)
     if _fam.vision is not None:
         DECODER_PREFIXES.update(dict.fromkeys(_fam.architectures, _fam.vision.decoder_prefix))
-"""HF architecture -> family key (what ``mrl plan`` checks a checkpoint's config.json against)."""
 
 
 def family_key(model_type: Any) -> str:

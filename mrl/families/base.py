@@ -332,6 +332,19 @@ class VisionTower:
     deepstack: bool = False
 
 
+def vision_plan_notes(hf_config: Any) -> list[str]:
+    """What ``mrl plan`` says about a vision-language checkpoint whose tower mrl builds (``Family.plan_notes`` of the
+    Qwen2.5-VL / Qwen3-VL families): where the tower runs and the freeze switch."""
+    vcfg = getattr(hf_config, "mrl_vision_config", None) or {}
+    deep = len(vcfg.get("deepstack_visual_indexes") or [])
+    notes = [(f"vision tower ({vcfg.get('depth', '?')} blocks, transformers' own module) on the first pipeline stage, "
+             "replicated over TP, its features at the image tokens; frozen (out of the optimizer) unless "
+             "actor.freeze_vision_tower=false")]
+    if deep:
+        notes.append(f"deepstack: image features added after decoder layers 0..{deep - 1} (on the first stage)")
+    return notes
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family (see the module docstring for what each field declares)."""

@@ -13,7 +13,7 @@ frequencies split in ``mrope_section = [t, h, w]`` consecutive groups, each rota
 """
 from __future__ import annotations
 
-from mrl.families.base import Family, VisionTower
+from mrl.families.base import Family, VisionTower, vision_plan_notes
 from mrl.families.rules import DENSE_LAYER, MODEL_RULES, QKV_BIAS
 
 FAMILY = Family(
@@ -21,6 +21,7 @@ FAMILY = Family(
     architectures=("Qwen2_5_VLForConditionalGeneration",),
     weight_rules=MODEL_RULES + DENSE_LAYER + QKV_BIAS,
     qkv_bias=True,
+    plan_notes=vision_plan_notes,
     vision=VisionTower(module="qwen2_5_vl", model_class="Qwen2_5_VisionTransformerPretrainedModel",
                        config_class="Qwen2_5_VLVisionConfig", prefix="visual.", decoder_prefix="model.",
                        mrope="sections"),

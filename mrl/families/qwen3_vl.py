@@ -14,7 +14,7 @@ must all lie on the first pipeline stage).
 """
 from __future__ import annotations
 
-from mrl.families.base import Family, VisionTower
+from mrl.families.base import Family, VisionTower, vision_plan_notes
 from mrl.families.rules import DENSE_LAYER, MODEL_RULES, QK_NORM
 
 FAMILY = Family(
@@ -22,6 +22,7 @@ FAMILY = Family(
     architectures=("Qwen3VLForConditionalGeneration",),
     weight_rules=MODEL_RULES + DENSE_LAYER + QK_NORM,
     qk_norm=True,
+    plan_notes=vision_plan_notes,
     vision=VisionTower(module="qwen3_vl", model_class="Qwen3VLVisionModel", config_class="Qwen3VLVisionConfig",
                        prefix="model.visual.", decoder_prefix="model.language_model.", mrope="interleaved",
                        deepstack=True),

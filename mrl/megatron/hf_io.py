@@ -28,7 +28,7 @@ SIDE_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
     "added_tokens.json",
-    # a vision-language checkpoint's processor (SGLang and transformers load the exported directory with it)
+    # a vision-language checkpoint's processors (docs/vision.md): the engine and the data layer read them
     "preprocessor_config.json",
     "processor_config.json",
     "video_preprocessor_config.json",

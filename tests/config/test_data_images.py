@@ -67,6 +67,8 @@ def test_plan_reports_pictures_and_accepts_a_qwen2_5_vl_checkpoint(capsys, vlm, 
     f = _files(tmp_path)
     rc, out, err = _run(capsys, f"model.path={vlm}", f"data.train_files={f}", cmd=cmd)
     assert rc == 0, err
+    assert ("model (qwen2_5_vl): vision tower (2 blocks, transformers' own module) on the first pipeline stage, "
+            "replicated over TP") in out, out[-3000:]
     line = [ln for ln in out.splitlines() if "pictures:" in ln]
     want = (f"  pictures: data.train_files: 4 pictures in 3 rows (at most 2 per row); largest picture 400x300 "
             f"= {_hf_largest(vlm)} image tokens ({f}:3) of data.max_prompt_length=64")

@@ -1,9 +1,10 @@
-"""Qwen2.5-VL through the actor (vision tower on the first stage, pictures in ``TrainBatch.multi_modal``): log-probs
+"""Qwen2.5-VL and Qwen3-VL (interleaved mRoPE, deepstack) through the actor (vision tower on the first stage, pictures in ``TrainBatch.multi_modal``): log-probs
 equal transformers', and one update's loss and gradients equal an independent autograd computation through
 transformers in every layout — DP2 on padded rows (one sample per micro-batch), TP2 on packed rows, PP2 on packed
 rows (the tower on stage 0, its gradient through the pipeline) — with the tower frozen (``actor.freeze_vision_tower``,
-the default: its weights unchanged, outside DDP's buffers and the optimizer) and trained (DP2 padded, TP2 packed: its
-gradient equals transformers' too).
+the default: its weights unchanged, outside DDP's buffers and the optimizer) and trained (TP2 packed: its gradient
+equals transformers' too); Qwen3-VL in three of those layouts (DP2 padded frozen, TP2 packed trained, PP2 packed
+frozen).
 
 Objective (as tests/workers/test_qwen3_5_actor.py): ``old_log_probs`` are transformers' fp32 log-probs, so the PPO
 ratio is 1, and with no entropy/KL term ``L = −Σ_t A_t r_t / N`` (token-mean over the batch's N response tokens);
@@ -23,8 +24,9 @@ pytestmark = [pytest.mark.multirank, pytest.mark.timeout(600)]
 LR, EPS = 1e4, 1.0
 LP_TOL, GRAD_TOL = 1e-5, 1e-5
 # (tp, pp, micro-batch size), packed rows, tower frozen
-LAYOUTS = [((1, 1, 1), False, True), ((2, 1, 2), True, True), ((1, 2, 2), True, True),
-           ((1, 1, 1), False, False), ((2, 1, 2), True, False)]
+LAYOUTS = {"qwen2_5_vl": [((1, 1, 1), False, True), ((2, 1, 2), True, True), ((1, 2, 2), True, True),
+                          ((2, 1, 2), True, False)],
+           "qwen3_vl": [((1, 1, 1), False, True), ((2, 1, 2), True, False), ((1, 2, 2), True, True)]}
 
 
 def _one_update(path, layout, packed, frozen, batch):
@@ -52,10 +54,11 @@ def _one_update(path, layout, packed, frozen, batch):
             "tower_in_ddp": in_ddp, "has_tower": bool(towers)}
 
 
-def _rank(rank, world, path, batch):
-    from tests.workers.batches import portable
+def _rank(rank, world, paths, batches):
+    from tests.workers.batches import portable, tensors
 
-    return portable([_one_update(path, *lay, batch) for lay in LAYOUTS])
+    batches = tensors(batches)
+    return portable({k: [_one_update(paths[k], *lay, batches[k]) for lay in LAYOUTS[k]] for k in paths})
 
 
 def _hf_log_probs(model, batch):
@@ -75,39 +78,58 @@ def _hf_log_probs(model, batch):
 
 
 def _reference(path, batch):
-    """(log-probs, loss, {checkpoint name: ∂L/∂θ}) by float64 autograd through transformers (module docstring)."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    """(log-probs, loss, {checkpoint name: ∂L/∂θ}) by float64 autograd through transformers (module docstring);
+    Qwen2.5-VL's checkpoint keeps the released names (``model.layers.*``, ``visual.*``), transformers' modules are
+    ``model.language_model.*`` / ``model.visual.*``."""
+    from transformers import AutoModelForImageTextToText
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float64).eval()
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float64).eval()
+    released = model.config.model_type == "qwen2_5_vl"
     lp = _hf_log_probs(model, batch)
     mask = batch.response_mask.bool()
     loss = -(batch.advantages.double() * torch.exp(lp - lp.detach()))[mask].sum() / mask.sum()
     loss.backward()
-    rename = lambda n: n.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+    def rename(n: str) -> str:
+        return n.replace("model.language_model.", "model.").replace("model.visual.", "visual.") if released else n
+
     grads = {rename(n): p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
     return lp.detach(), float(loss.detach()), grads
 
 
-def test_vlm_actor_matches_transformers_autograd_in_every_layout(tmp_path):
-    from safetensors.torch import load_file
-    from transformers import Qwen2_5_VLForConditionalGeneration
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    from transformers import AutoModelForImageTextToText
 
     from tests.helpers.tiny_vlm import save_tiny_vlm, vlm_batch
     from tests.workers.batches import portable, tensors
 
-    path = str(save_tiny_vlm(tmp_path / "ckpt", "qwen2_5_vl", seed=5))
-    batch = vlm_batch(path, seed=1)
-    with torch.no_grad():
-        batch.old_log_probs = _hf_log_probs(Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            path, dtype=torch.float32).eval(), batch).float()
-    res = tensors(run_ranks(_rank, 2, args=(path, portable(batch)), timeout_s=560))
-    ref_lp, ref_loss, ref_g = _reference(path, batch)
-    ckpt = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
-    assert any(n.startswith("visual.") for n in ref_g) and any(".self_attn.q_proj" in n for n in ref_g)
+    root = tmp_path_factory.mktemp("vlm_actor")
+    paths, batches = {}, {}
+    for i, kind in enumerate(LAYOUTS):
+        paths[kind] = str(save_tiny_vlm(root / kind, kind, seed=5 + i))
+        batch = vlm_batch(paths[kind], seed=1)
+        with torch.no_grad():
+            batch.old_log_probs = _hf_log_probs(AutoModelForImageTextToText.from_pretrained(
+                paths[kind], dtype=torch.float32).eval(), batch).float()
+        batches[kind] = batch
+    res = tensors(run_ranks(_rank, 2, args=(paths, portable(batches)), timeout_s=560))
+    return root, paths, batches, res
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_vlm_actor_matches_transformers_autograd_in_every_layout(launched, kind):
+    from safetensors.torch import load_file
+
+    root, paths, batches, res = launched
+    batch = batches[kind]
+    ref_lp, ref_loss, ref_g = _reference(paths[kind], batch)
+    ckpt = load_file(str(root / kind / "model.safetensors"))
+    prefix = "visual." if kind == "qwen2_5_vl" else "model.visual."
+    assert any(n.startswith(prefix) for n in ref_g) and any(".self_attn.q_proj" in n for n in ref_g)
     report, failures = [], []
-    for li, (lay, packed, frozen) in enumerate(LAYOUTS):
-        tag = f"tp{lay[0]}pp{lay[1]} packed={packed} frozen={frozen}"
-        runs = [r[li] for r in res]
+    for li, (lay, packed, frozen) in enumerate(LAYOUTS[kind]):
+        tag = f"{kind} tp{lay[0]}pp{lay[1]} packed={packed} frozen={frozen}"
+        runs = [r[kind][li] for r in res]
         d_lp = max(float((r["lp"] - ref_lp).abs().max()) for r in runs)
         d_loss = max(abs(float(r["loss"]) - ref_loss) for r in runs)
         assert any(r["has_tower"] for r in runs) and all(not r["has_tower"] for r in runs[1:] if lay[1] == 2)
@@ -120,7 +142,7 @@ def test_vlm_actor_matches_transformers_autograd_in_every_layout(tmp_path):
             grads[n] = EPS * y / (1 - y.abs())
         rel = {}
         for n, g in ref_g.items():
-            if frozen and n.startswith("visual."):
+            if frozen and n.startswith(prefix):
                 assert torch.equal(weights[n], ckpt[n]), f"{tag}: frozen tower tensor {n} moved"
                 continue
             rel[n] = float((grads[n] - g).abs().max()) / max(float(g.abs().max()), 1e-12)

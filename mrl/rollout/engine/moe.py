@@ -39,11 +39,10 @@ then consumed, in prefill and decode alike. A layer without a router (Qwen2-MoE'
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import torch
 
-from mrl.families import FAMILIES, SUPPORTED_ARCHITECTURES, family_key
+from mrl.families import FAMILIES, family_key
 
 #: ``model_type`` -> (checkpoint module of the MoE block, names of (gate, up, down) per expert), as each MoE
 #: family declares them (``MoE.block``/``MoE.expert_names`` in mrl/families/<name>.py)
@@ -63,24 +62,13 @@ def is_moe(config) -> bool:
     return family_key(getattr(config, "model_type", None)) in EXPERT_NAMES
 
 
-def released_names(config: Any, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``named`` under the checkpoint's names where a vision-language release keeps another layout than
-    transformers' modules (``model.language_model.*`` / ``model.visual.*``): Qwen2.5-VL's released ``model.*`` and
-    ``visual.*``, as its family declares them (:class:`mrl.families.base.VisionTower`); the trainer and SGLang
-    name the weights so."""
-    archs = [a for a in getattr(config, "architectures", None) or [] if a in SUPPORTED_ARCHITECTURES]
-    vision = FAMILIES[SUPPORTED_ARCHITECTURES[archs[0]]].vision if archs else None
-    if vision is None:
-        return named
-    pairs = (("model.visual.", vision.prefix), ("model.language_model.", vision.decoder_prefix))
-    out = {}
-    for n, t in named.items():
-        for module, ckpt in pairs:
-            if n.startswith(module):
-                n = ckpt + n[len(module):]
-                break
-        out[n] = t
-    return out
+def _vision_checkpoint_name(name: str, vision) -> str:
+    """transformers' module name of a vision-language model's tensor -> its checkpoint name: the decoder's
+    ``model.language_model.`` and the tower's ``model.visual.`` under the family's ``VisionTower`` prefixes."""
+    for module, saved in (("model.language_model.", vision.decoder_prefix), ("model.visual.", vision.prefix)):
+        if name.startswith(module):
+            return saved + name[len(module):]
+    return name
 
 
 def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -92,7 +80,9 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     persistent = model.state_dict(keep_vars=True)
     # checkpoint buffers (DeepSeek-V3's router e_score_correction_bias): the trainer sends them with the weights
     named.update({n: b for n, b in model.named_buffers() if n in persistent})
-    named = released_names(model.config, named)
+    vision = FAMILIES[mt].vision if mt in FAMILIES else None
+    if vision is not None:  # the checkpoint's (and the trainer's) names: Qwen2.5-VL's released model.* / visual.*
+        named = {_vision_checkpoint_name(n, vision): p for n, p in named.items()}
     if mt not in EXPERT_NAMES or mt in FUSED_CHECKPOINTS:
         return named
     block, (gate, up, down) = EXPERT_NAMES[mt]
