@@ -95,10 +95,16 @@ $(QWEN3_5_ASSETS): $(VENV)/.installed mrl/quickstarts/base.py mrl/quickstarts/hy
 	$(PY) -m mrl.quickstarts qwen3_5 --out outputs/quickstart_qwen3_5 --force
 	@touch $@
 
+# The vision-language quickstart (mrl_configs/quickstart_vlm.yaml): a tiny Qwen2.5-VL and a colour task only the picture answers
+VLM_ASSETS := outputs/quickstart_vlm/.assets-written
+$(VLM_ASSETS): $(VENV)/.installed mrl/quickstarts/vlm.py
+	$(PY) -m mrl.quickstarts vlm --out outputs/quickstart_vlm --force
+	@touch $@
+
 # the MoE quickstart's assets of CONFIG's family
 MOE_CONFIG_ASSETS = $(if $(findstring quickstart_moe_deepseek,$(CONFIG)),$(MOE_DEEPSEEK_ASSETS),$(if $(findstring quickstart_moe_glm,$(CONFIG)),$(MOE_GLM_ASSETS),$(MOE_ASSETS)))
 
-train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(if $(findstring quickstart_moe,$(CONFIG)),$(MOE_CONFIG_ASSETS),$(if $(findstring quickstart_qwen3_5,$(CONFIG)),$(QWEN3_5_ASSETS),$(QUICKSTART_ASSETS)))) \
+train: $(VENV)/.installed $(if $(findstring quickstart,$(CONFIG)),$(if $(findstring quickstart_moe,$(CONFIG)),$(MOE_CONFIG_ASSETS),$(if $(findstring quickstart_qwen3_5,$(CONFIG)),$(QWEN3_5_ASSETS),$(if $(findstring quickstart_vlm,$(CONFIG)),$(VLM_ASSETS),$(QUICKSTART_ASSETS))))) \
 		$(if $(findstring quickstart_rm,$(CONFIG)),$(QUICKSTART_RM)) \
 		$(if $(findstring quickstart_distill,$(CONFIG)),$(QUICKSTART_DISTILL)) \
 		$(if $(findstring quickstart_judge,$(CONFIG)),$(QUICKSTART_JUDGE)) \

@@ -8,23 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.asset_cache import copy_of
-from tests.helpers.e2e import free_port_pair, metrics, run_train
+from tests.helpers.e2e import free_port_pair, metrics, run_train, write_vlm_assets
 
 pytestmark = pytest.mark.slow
 
 
-def _write_vlm(out: Path) -> None:
-    from mrl.quickstarts import vlm
-
-    # the demo's format-only warm start (~10 CPU-s): a random model never names a colour, so every reward and
-    # every GRPO advantage would be 0 and no gradient would show the update ran
-    vlm.write_model(out / vlm.MODEL_DIR, seed=0, steps=vlm.WARM_START_STEPS)
-    vlm.write_data(out / "data", seed=0, blank=False)
-
-
 def test_vlm_quickstart_trains_and_engines_follow_the_actor(tmp_path: Path) -> None:
-    assets = copy_of("vlm-warm", _write_vlm, tmp_path / "assets")
+    assets = write_vlm_assets(tmp_path / "assets")
     p = run_train("mrl_configs/quickstart_vlm.yaml", tmp_path, assets, free_port_pair(),
                   f"model.path={assets}/tiny-qwen2_5_vl", f"data.val_files=[{assets}/data/val.jsonl]",
                   "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=0",

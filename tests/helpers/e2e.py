@@ -118,3 +118,18 @@ def metrics(db: Path, key: str) -> dict[int, float]:
     with sqlite3.connect(db) as c:
         rows = c.execute("SELECT step, value FROM metrics WHERE key = ?", (key,)).fetchall()
     return dict(rows)
+
+
+def _write_vlm(out: Path) -> None:
+    from mrl.quickstarts import vlm
+
+    # the demo's format-only warm start (~10 CPU-s): a random model never names a colour, so every reward and
+    # every GRPO advantage would be 0 and no gradient would show an update ran
+    vlm.write_model(out / vlm.MODEL_DIR, seed=0, steps=vlm.WARM_START_STEPS)
+    vlm.write_data(out / "data", seed=0, blank=False)
+
+
+def write_vlm_assets(dest: Path) -> Path:
+    """The vision-language quickstart's model (format-only warm start) and data at ``dest``, as `python -m
+    mrl.quickstarts vlm` writes them: written once per test session and copied."""
+    return copy_of("vlm-warm", _write_vlm, dest)
