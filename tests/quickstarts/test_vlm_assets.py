@@ -52,7 +52,11 @@ def test_the_warm_start_teaches_the_answer_format_not_the_task(tmp_path: Path) -
     import random
 
     import torch
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from transformers import (
+        AutoImageProcessor,
+        AutoTokenizer,
+        Qwen2_5_VLForConditionalGeneration,
+    )
 
     model_dir = write_vlm_assets(tmp_path / "assets") / vlm.MODEL_DIR
     tok = AutoTokenizer.from_pretrained(model_dir)
