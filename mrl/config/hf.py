@@ -69,6 +69,9 @@ class ModelShape:
     linear_layers: int = 0
     gdn: tuple[int, int, int, int, int] | None = None
     attention_output_gate: bool = False
+    # a vision-language family's tower (Qwen2.5-VL, Qwen3-VL): its parameters, on the first pipeline stage, replicated
+    # over TP (0: none, or a tower mrl carries without building it)
+    vision_params: int = 0
 
     @property
     def expert_ffn_size(self) -> int:
@@ -114,8 +117,8 @@ class ModelShape:
         return attn + norms + 3 * h * self.intermediate_size, 0
 
     def param_count(self, vocab: int | None = None, *, active: bool = False) -> int:
-        """Total parameters; ``vocab`` overrides V (Megatron pads it). ``active``: those one token uses
-        (an MoE layer runs experts_per_token of its num_experts routed experts)."""
+        """Total parameters (a vision tower's included); ``vocab`` overrides V (Megatron pads it). ``active``: those
+        one token uses (an MoE layer runs experts_per_token of its num_experts routed experts)."""
         v = self.vocab_size if vocab is None else vocab
         dense, experts = self.layer_params()
         if active and self.num_experts:
@@ -130,7 +133,7 @@ class ModelShape:
             layers -= self.num_layers * self._mixer_params()
             layers += (self.num_layers - self.linear_layers) * self._attention_params()
             layers += self.linear_layers * (self._gdn_params() - (2 * self.head_dim if self.qk_norm else 0))
-        return v * self.hidden_size + layers + self.hidden_size + head
+        return v * self.hidden_size + layers + self.hidden_size + head + self.vision_params
 
 
 def _get(cfg: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -171,8 +174,19 @@ def shape_from_dict(cfg: dict[str, Any]) -> ModelShape:
         moe_layers=_moe_layers(cfg),
         shared_expert_gate=fam.moe.shared_expert_gate if fam is not None and fam.moe is not None else True,
         mla=_mla(cfg) if fam is not None and fam.is_mla else None,
+        vision_params=_vision_params(cfg, fam),
         **_hybrid(cfg, fam),
     )
+
+
+def _vision_params(cfg: dict[str, Any], fam: Any) -> int:
+    """The vision tower's parameters (its family's count from the view's ``vision_config``), 0 without one."""
+    from mrl.families.views import VISION
+
+    tower = fam.vision if fam is not None else None
+    if tower is None or tower.param_count is None or not isinstance(cfg.get(VISION), dict):
+        return 0
+    return int(tower.param_count(cfg[VISION]))
 
 
 def _hybrid(cfg: dict[str, Any], fam: Any) -> dict[str, Any]:

@@ -47,8 +47,10 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     return math.ceil(vocab / m) * m
 
 
-def params_per_device(shape: ModelShape, par: ParallelConfig, divisible_by: int, value_head: bool = False) -> int:
-    """Parameters on the most loaded device of a Megatron model (largest stage / TP)."""
+def params_per_device(shape: ModelShape, par: ParallelConfig, divisible_by: int, value_head: bool = False,
+                      vision: bool = True) -> int:
+    """Parameters on the most loaded device of a Megatron model (largest stage / TP); ``vision``: with a vision
+    tower's (whole on every first-stage device: replicated over TP)."""
     tp, pp, ep, etp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size,
                        par.etp)
     v = padded_vocab(shape.vocab_size, divisible_by, tp)
@@ -56,8 +58,8 @@ def params_per_device(shape: ModelShape, par: ParallelConfig, divisible_by: int,
     dense, experts = shape.layer_params()
     per_layer = dense / tp + experts / (ep * etp)
     counts = _stage_layers(shape.num_layers, par)
-    embed = v * h / tp
-    head = h if value_head else (embed if (not shape.tie_word_embeddings or pp > 1) else 0)
+    embed = v * h / tp + (shape.vision_params if vision else 0)  # the tower runs on the first stage
+    head = h if value_head else (v * h / tp if (not shape.tie_word_embeddings or pp > 1) else 0)
     if pp == 1:
         return int(embed + counts[0] * per_layer + h + head)
     first = embed + counts[0] * per_layer
@@ -114,14 +116,17 @@ def lora_params_per_device(shape: ModelShape, par: ParallelConfig, rank: int, ta
 
 
 def trained_memory(shape: ModelShape, par: ParallelConfig, dp: int, dtype: str, distributed_optimizer: bool,
-                   divisible_by: int, value_head: bool = False, trainable: int | None = None) -> RoleMemory:
+                   divisible_by: int, value_head: bool = False, trainable: int | None = None,
+                   frozen_vision: bool = False) -> RoleMemory:
     """Weights + fp32 grads + optimizer state of a trained Megatron role per device (see module doc).
-    ``trainable``: LoRA adapter params per device (the rest is frozen: no grads, no optimizer state)."""
+    ``trainable``: LoRA adapter params per device (the rest is frozen: no grads, no optimizer state);
+    ``frozen_vision``: a vision tower held but not trained (``actor.freeze_vision_tower``)."""
     p = params_per_device(shape, par, divisible_by, value_head)
     w = itemsize(dtype)
     opt = 12 if w < 4 else 8
     shard = dp * par.context_parallel_size if distributed_optimizer else 1
-    t = p if trainable is None else trainable
+    t = (p if not frozen_vision else params_per_device(shape, par, divisible_by, value_head, vision=False)) \
+        if trainable is None else trainable
     if trainable is None and shape.num_experts and distributed_optimizer:
         # Megatron shards expert parameters' optimizer state over the expert-data-parallel group, EDP =
         # TP*CP*DP / (ETP*EP) (devices / (ETP*EP*PP)), the rest over DP*CP: with EP covering every device of
@@ -204,7 +209,8 @@ def build_report(cfg: MRLConfig) -> PlanReport:
     plan.active_param_count = shape.param_count(active=True)
     plan.num_experts, plan.experts_per_token = shape.num_experts, shape.experts_per_token
     div, dt = cfg.model.make_vocab_size_divisible_by, plan_dtype(cfg)
-    plan.memory["actor"] = trained_memory(shape, a.megatron, dp, dt, a.use_distributed_optimizer, div)
+    plan.memory["actor"] = trained_memory(shape, a.megatron, dp, dt, a.use_distributed_optimizer, div,
+                                          frozen_vision=a.freeze_vision_tower)
     if a.lora.enabled:
         plan.full_finetune_actor = plan.memory["actor"]
         plan.memory["actor"] = trained_memory(shape, a.megatron, dp, dt, a.use_distributed_optimizer, div,

@@ -330,6 +330,8 @@ class VisionTower:
     decoder_prefix: str = "model.language_model."
     mrope: str = "sections"     # "sections" | "interleaved"
     deepstack: bool = False
+    # the tower's parameter count from config.json's ``vision_config`` (``mrl plan``'s memory estimate, torch-free)
+    param_count: Callable[[dict], int] | None = None
 
 
 def vision_plan_notes(hf_config: Any) -> list[str]:

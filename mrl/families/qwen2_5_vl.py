@@ -16,6 +16,18 @@ from __future__ import annotations
 from mrl.families.base import Family, VisionTower, vision_plan_notes
 from mrl.families.rules import DENSE_LAYER, MODEL_RULES, QKV_BIAS
 
+
+def tower_params(v: dict) -> int:
+    """Parameters of transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` for ``vision_config`` ``v``: the patch
+    embedding (a bias-free Conv3d), ``depth`` blocks (two RMSNorms, qkv and proj with biases, a gated MLP with
+    biases) and the merger (an RMSNorm, then two linears with biases over the ``merge^2`` concatenated patches)."""
+    h, i, out, m = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"], v.get("spatial_merge_size", 2) ** 2
+    patch = v.get("in_chans", v.get("in_channels", 3)) * v.get("temporal_patch_size", 2) * v["patch_size"] ** 2 * h
+    block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (3 * h * i + 2 * i + h)
+    merger = h + (h * m) ** 2 + h * m + h * m * out + out
+    return patch + v["depth"] * block + merger
+
+
 FAMILY = Family(
     name="qwen2_5_vl",
     architectures=("Qwen2_5_VLForConditionalGeneration",),
@@ -24,5 +36,5 @@ FAMILY = Family(
     plan_notes=vision_plan_notes,
     vision=VisionTower(module="qwen2_5_vl", model_class="Qwen2_5_VisionTransformerPretrainedModel",
                        config_class="Qwen2_5_VLVisionConfig", prefix="visual.", decoder_prefix="model.",
-                       mrope="sections"),
+                       mrope="sections", param_count=tower_params),
 )

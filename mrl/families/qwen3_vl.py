@@ -17,6 +17,21 @@ from __future__ import annotations
 from mrl.families.base import Family, VisionTower, vision_plan_notes
 from mrl.families.rules import DENSE_LAYER, MODEL_RULES, QK_NORM
 
+
+def tower_params(v: dict) -> int:
+    """Parameters of transformers' ``Qwen3VLVisionModel`` for ``vision_config`` ``v``: the patch embedding (a Conv3d
+    with bias), the learnt position table, ``depth`` blocks (two LayerNorms, qkv and proj with biases, a two-layer MLP
+    with biases), the merger (a LayerNorm, two linears) and one deepstack merger per ``deepstack_visual_indexes``
+    entry (its LayerNorm over the ``merge^2`` concatenated patches)."""
+    h, i, out, m = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"], v.get("spatial_merge_size", 2) ** 2
+    patch = v.get("in_channels", 3) * v.get("temporal_patch_size", 2) * v["patch_size"] ** 2 * h + h
+    block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (2 * h * i + i + h)
+    linears = (h * m) ** 2 + h * m + h * m * out + out
+    deep = len(v.get("deepstack_visual_indexes") or [])
+    return (patch + v["num_position_embeddings"] * h + v["depth"] * block + 2 * h + linears
+            + deep * (2 * h * m + linears))
+
+
 FAMILY = Family(
     name="qwen3_vl",
     architectures=("Qwen3VLForConditionalGeneration",),
@@ -25,5 +40,5 @@ FAMILY = Family(
     plan_notes=vision_plan_notes,
     vision=VisionTower(module="qwen3_vl", model_class="Qwen3VLVisionModel", config_class="Qwen3VLVisionConfig",
                        prefix="model.visual.", decoder_prefix="model.language_model.", mrope="interleaved",
-                       deepstack=True),
+                       deepstack=True, param_count=tower_params),
 )

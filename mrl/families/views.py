@@ -61,8 +61,10 @@ def decoder_config(hf_config: Any, prefix: str | None = None) -> Any:
 def decoder_dict(cfg: dict[str, Any], prefix: str | None = None) -> dict[str, Any]:
     """:func:`decoder_config` for a parsed config.json (plain json, no transformers)."""
     text = cfg.get("text_config")
-    if not isinstance(text, dict) or "vision_config" not in cfg:
+    if "vision_config" not in cfg:
         return cfg
+    if not isinstance(text, dict):  # a release with the decoder's fields at the top level (Qwen2.5-VL's config.json)
+        text = {k: v for k, v in cfg.items() if k != "vision_config"}
     view = dict(text)
     for key in _OUTER_KEYS:
         if key in cfg:
