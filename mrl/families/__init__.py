@@ -1,7 +1,8 @@
 """Model families: one module per family declares everything mrl needs to train and serve it.
 
 Each module (``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``qwen3_moe``, ``qwen2_moe``, ``mixtral``,
-``deepseek_v3``, ``glm4_moe``, ``gpt_oss``, the hybrid-attention ``qwen3_5``, ``qwen3_5_moe`` and ``qwen3_next``)
+``deepseek_v3``, ``glm4_moe``, ``gpt_oss``, the hybrid-attention ``qwen3_5``, ``qwen3_5_moe`` and ``qwen3_next``, the
+sparse-attention ``deepseek_v32`` and ``glm_moe_dsa``)
 defines ``FAMILY``, a :class:`~mrl.families.base.Family`: the HF architectures it owns, its
 config.json → Megatron facts (qkv bias, q/k norm, sliding window, MoE router and experts), its layer-spec
 needs, its HF ↔ Megatron weight rules and what it refuses. This registry builds the lookups the rest of
@@ -23,6 +24,7 @@ from mrl.families.refused import REFUSED_ARCHITECTURES
 
 _MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
             "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+_MODULES += ("deepseek_v32", "glm_moe_dsa")  # DeepSeek sparse attention on MLA
 
 FAMILIES: dict[str, Family] = {}
 for _mod in _MODULES:
