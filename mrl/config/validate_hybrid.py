@@ -11,7 +11,7 @@ says which kernel runs the delta rule.
 """
 from __future__ import annotations
 
-from mrl.config.auto import POLICY_ROLES, megatron_roles, model_is_hybrid
+from mrl.config.auto import POLICY_ROLES, megatron_roles, model_is_dsa, model_is_hybrid
 from mrl.config.root import MRLConfig
 
 
@@ -39,3 +39,13 @@ def check_hybrid(cfg: MRLConfig, cuda: bool, errors: list[str], notes: list[str]
     kernel = ("fla's chunk_gated_delta_rule (varlen over packed rows) on ranks where the fla package imports, else "
               "mrl's torch chunked kernel per sequence" if cuda else "mrl's torch chunked kernel, per sequence")
     notes.append(f"Gated DeltaNet kernel: {kernel} (mrl/megatron/delta_rule.py)")
+
+
+def check_dsa(cfg: MRLConfig, errors: list[str]) -> None:
+    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5; :mod:`mrl.megatron.dsa`): its indexer selects over whole causal
+    rows, so the shared-prefix layout (several samples' segments under one mask) is refused; CP is refused with the
+    other CP cases (:func:`mrl.config.validate_parallel.context_parallel_problem`)."""
+    if model_is_dsa(cfg) and cfg.actor.shared_prefix is True:
+        errors.append(f"actor.shared_prefix=true: {cfg.model.path} has DeepSeek sparse attention, whose indexer picks "
+                      "its top-k over whole causal rows, not a shared-prefix row's masked segments; fix: "
+                      "actor.shared_prefix=false (or auto)")
