@@ -111,13 +111,18 @@ class DSAAttention(SDPAAttention):
             raise ValueError("DeepSeek sparse attention needs q_lora_rank (the indexer reads MLA's query latent)")
         self.indexer = LightningIndexer(config, rope_interleaved)
         self.rotary_pos_emb = _rotary(config)
+        pg = kwargs.get("pg_collection")
+        self._indexer_tp_group = pg.tp if pg is not None and hasattr(pg, "tp") else None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """The indexer's tensors, replicated over TP (the parent's covers sinks, which MLA models have none of)."""
+        from megatron.core import parallel_state as ps
         from megatron.core.transformer.utils import sharded_state_dict_default
 
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        out.update(sharded_state_dict_default(self.indexer, f"{prefix}indexer.", sharded_offsets, metadata))
+        # the TP group named: without it the default gives every TP rank replica id 0 (two "main" copies)
+        tp = self._indexer_tp_group or ps.get_tensor_model_parallel_group()
+        out.update(sharded_state_dict_default(self.indexer, f"{prefix}indexer.", sharded_offsets, metadata, tp))
         return out
 
     def _freqs(self, n: int) -> tuple[Tensor, float]:
