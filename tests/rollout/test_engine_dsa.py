@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from mrl.rollout.engine.model_runner import ModelRunner
 from tests.helpers.tiny_dsa import make_tiny_dsa_hf
@@ -25,6 +26,8 @@ def test_engine_generates_like_transformers(tmp_path, kind):
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     runner = ModelRunner(str(path))
     assert runner.sparse and runner.decode_path.startswith("transformers forward")
+    src = load_file(str(path / "model.safetensors"))  # weight updates by HF name reach the indexer too
+    assert set(runner.named_weights()) == set(src) and any(".indexer." in n for n in src)
     rb = runner.new_batch()
     with torch.inference_mode():  # as the engine's scheduler runs the model
         rows, logits = runner.prefill(PROMPTS)
