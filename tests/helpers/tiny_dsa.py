@@ -104,6 +104,9 @@ def reference(path: str | os.PathLike, ids: torch.Tensor) -> dict:
             k = min(mod.index_topk, index.shape[-1])
             assert torch.equal(index.topk(k, -1).indices.sort(-1).values, out.long().sort(-1).values)
             valid = torch.isfinite(index).sum(-1) > k  # queries that have keys to leave out
+            if not valid.any():  # the top-k keeps every key of every query: no selection to be unstable
+                gaps.append(float("inf"))
+                return
             top = index.topk(k + 1, -1).values
             rel = (top[..., k - 1] - top[..., k]) / top[..., 0].abs().clamp_min(1e-30)
             gaps.append(rel[valid].min().item())
