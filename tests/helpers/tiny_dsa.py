@@ -1,5 +1,5 @@
 """Tiny DeepSeek-V3.2 (``DeepseekV32ForCausalLM``) and GLM-5 (``GlmMoeDsaForCausalLM``) checkpoints built from
-transformers' config classes (no downloads): 3 layers (layer 0 dense), hidden 32, 4 MLA heads (q_lora_rank 16,
+transformers' config classes (no downloads): 4 layers (layer 0 dense), hidden 32, 4 MLA heads (q_lora_rank 16,
 kv_lora_rank 16, nope 8 + rope 4 dims, values 8), 8 routed experts (top-2) and a shared expert, and a lightning
 indexer of 8 heads × 8 dims keeping ``index_topk`` = 4 tokens, so rows of 12–24 tokens are sparse. DeepSeek-V3.2
 runs YaRN (the indexer's rotation carries its attention factor), GLM-5 plain RoPE. Every weight is redrawn.
@@ -19,7 +19,7 @@ import torch
 
 TOPK = 4
 COMMON = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
-          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
           "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
           "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4, "v_head_dim": 8, "qk_nope_head_dim": 8,
           "first_k_dense_replace": 1, "norm_topk_prob": True, "max_position_embeddings": 128,
