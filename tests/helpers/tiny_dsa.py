@@ -87,16 +87,24 @@ def _index_scores(ix, args: tuple, kwargs: dict) -> torch.Tensor:
     return index.masked_fill(~keep, float("-inf"))
 
 
-def reference(path: str | os.PathLike, ids: torch.Tensor) -> dict:
+def reference(path: str | os.PathLike, ids: torch.Tensor | list[torch.Tensor]) -> dict | list[dict]:
     """{"logits": float64 [B, S, V], "err32": transformers' own float32 max deviation, "gap": the smallest relative
-    k-th/(k+1)-th index-score gap of the float64 forward}."""
+    k-th/(k+1)-th index-score gap of the float64 forward}; a list of such for a list of ``ids`` (one model load)."""
+    import copy
+
     import transformers as tf
 
     model = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
                                                     experts_implementation="eager").eval()
+    wide = copy.deepcopy(model).double()
+    return [_reference(model, wide, x) for x in ids] if isinstance(ids, list) else _reference(model, wide, ids)
+
+
+def _reference(model, wide, ids: torch.Tensor) -> dict:
+    """``model`` in float32, ``wide`` the same weights in float64."""
     with torch.no_grad():
         fp32 = model(input_ids=ids).logits.double()
-        model.double()
+        model = wide
         gaps: list[float] = []
 
         def hook(mod, args, kwargs, out):
