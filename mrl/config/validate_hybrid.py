@@ -43,9 +43,18 @@ def check_hybrid(cfg: MRLConfig, cuda: bool, errors: list[str], notes: list[str]
 
 def check_dsa(cfg: MRLConfig, errors: list[str]) -> None:
     """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5; :mod:`mrl.megatron.dsa`): its indexer selects over whole causal
-    rows, so the shared-prefix layout (several samples' segments under one mask) is refused; CP is refused with the
-    other CP cases (:func:`mrl.config.validate_parallel.context_parallel_problem`)."""
-    if model_is_dsa(cfg) and cfg.actor.shared_prefix is True:
+    rows, so the shared-prefix layout (several samples' segments under one mask) is refused, and selective recompute
+    (Megatron's MLA recomputes the core attention without the indexer's inputs); CP is refused with the other CP
+    cases (:func:`mrl.config.validate_parallel.context_parallel_problem`)."""
+    if not model_is_dsa(cfg):
+        return
+    for role in ("actor", "critic"):
+        if getattr(cfg, role).recompute_granularity == "selective":
+            # Megatron's MLA recomputes its core attention without the indexer's inputs (x, the query latent)
+            errors.append(f"{role}.recompute_granularity=selective: {cfg.model.path} has DeepSeek sparse attention, "
+                          "whose core attention Megatron's MLA cannot recompute alone (it drops the indexer's "
+                          f"inputs); fix: {role}.recompute_granularity=full (or null)")
+    if cfg.actor.shared_prefix is True:
         errors.append(f"actor.shared_prefix=true: {cfg.model.path} has DeepSeek sparse attention, whose indexer picks "
                       "its top-k over whole causal rows, not a shared-prefix row's masked segments; fix: "
                       "actor.shared_prefix=false (or auto)")

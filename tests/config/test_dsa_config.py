@@ -59,7 +59,8 @@ def test_parameter_count_is_transformers(kind):
     (["actor.megatron.context_parallel_size=2", "actor.use_remove_padding=true"],
      ["context_parallel_size", "DeepSeek sparse attention"]),
     (["actor.shared_prefix=true"], ["actor.shared_prefix=true", "DeepSeek sparse attention", "fix"]),
-], ids=["context_parallel", "shared_prefix"])
+    (["actor.recompute_granularity=selective"], ["actor.recompute_granularity=selective", "fix"]),
+], ids=["context_parallel", "shared_prefix", "selective_recompute"])
 def test_layouts_the_indexer_cannot_run_are_refused(dsa_overrides, extra, must):
     errors = _errors(dsa_overrides + extra)
     assert any(all(s in e for s in must) for e in errors), errors
