@@ -55,6 +55,15 @@ def _frozen(chunks, hf_config, ids) -> dict:
             "others_trainable": all(p.requires_grad for n, p in named if ".indexer." not in n)}
 
 
+def _grads(chunks, hf_config, ids) -> dict:
+    """d(sum of the real-vocabulary logits)/d(weight) by Megatron's backward (TP1, train mode), under HF names."""
+    from tests.megatron._deepseek_ranks import _hf_named_grads
+
+    model = chunks[0].train()
+    model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)[..., : hf_config.vocab_size].sum().backward()
+    return _hf_named_grads(chunks, hf_config)
+
+
 def dsa_parity_rank(rank: int, world: int, root: str) -> dict:
     from megatron.core import parallel_state as ps
 
@@ -87,6 +96,7 @@ def dsa_parity_rank(rank: int, world: int, root: str) -> dict:
                 dense = build_model_chunks(cfg, config_overrides={**over, "dsa_indexer_topk": DENSE_TOPK})
                 load_hf_weights(dense, cfg, HFCheckpointReader(path))
                 out[("dense", case)] = (_logits(dense, cfg, ref["ids"]).double() - ref["logits"]).abs().max().item()
+                out[("grads", case)] = _grads(chunks, cfg, ref["ids"])
                 ddp = build_model_chunks(cfg, wrap_ddp=True, config_overrides=over)
                 out[("frozen", case)] = _frozen(ddp, cfg, ref["ids"])
     return out
