@@ -28,6 +28,10 @@ RL: the indexer is frozen (``requires_grad=False``: absent from DDP buckets and 
 autograd on detached inputs, as transformers (``@torch.no_grad``) — the top-k is not differentiable anyway. Its
 own training signal upstream (DeepSeek-V3.2's KL "indexer warm-up" against the dense attention) is not built.
 
+Cost: the scores are computed per block of query rows (``SCORE_BUDGET``), the top-k per row inside its block; what
+stays is the ``[b, s, s]`` boolean mask (one byte per query-key pair) that SDPA then applies (its masked kernel,
+not the flash one): memory and time quadratic in the row, unlike DeepSeek's sparse kernels (not built here).
+
 Packed rows (``PackedSeqParams``): each sequence selects among its own keys only (one indexer + SDPA call per
 sequence). Tensor parallelism: the indexer is replicated on every TP rank (its inputs are full there: ``c_q`` is
 gathered by MLA), so every rank picks the same keys for its heads. Context parallelism and sequence parallelism
@@ -86,15 +90,15 @@ class LightningIndexer(torch.nn.Module):
         w = self.linear_weights_proj(x).to(f32) * self.heads ** -0.5  # [s, b, H]
         causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
         k_bt = k.permute(1, 2, 0)  # [b, D, s]
+        keep = torch.zeros(b, s, s, dtype=torch.bool, device=x.device)
         rows = max(1, SCORE_BUDGET // max(1, b * self.heads * s))
-        index = []
-        for lo in range(0, s, rows):  # query blocks: the per-head scores of all rows at once are s^2 H floats
+        for lo in range(0, s, rows):  # query blocks: all rows' per-head scores at once would be s^2 H floats
             qb = q[lo: lo + rows].permute(1, 0, 2, 3)  # [b, n, H, D]
             scores = torch.relu(torch.matmul(qb, k_bt[:, None]) * self.dim ** -0.5)  # [b, n, H, s]
-            index.append(torch.matmul(w[lo: lo + rows].permute(1, 0, 2)[:, :, None], scores)[:, :, 0])  # [b, n, s]
-        index = torch.cat(index, 1).masked_fill(~causal, float("-inf"))
-        top = index.topk(min(self.topk, s), dim=-1).indices
-        return torch.zeros(b, s, s, dtype=torch.bool, device=x.device).scatter_(-1, top, True) & causal
+            index = torch.matmul(w[lo: lo + rows].permute(1, 0, 2)[:, :, None], scores)[:, :, 0]  # [b, n, s]
+            index = index.masked_fill(~causal[lo: lo + rows], float("-inf"))
+            keep[:, lo: lo + rows].scatter_(-1, index.topk(min(self.topk, s), dim=-1).indices, True)
+        return keep & causal
 
 
 class DSAAttention(SDPAAttention):
