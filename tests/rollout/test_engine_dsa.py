@@ -4,7 +4,7 @@ lengths run as one batch (a left-padded prefill, then decode steps over the shar
 ``index_topk`` = 4 so every step's top-k leaves tokens out); the engine's logits at every generated position equal
 transformers' float64 forward of the final sequence alone (no cache) within twice transformers' own float32 error
 (the parity test's bound), where every top-k choice of that sequence is far from a tie; weight updates by HF name
-reach the indexer."""
+reach the indexer; the routed experts it returns are transformers' choice."""
 from __future__ import annotations
 
 import pytest
@@ -44,3 +44,21 @@ def test_engine_logits_match_transformers(tmp_path, kind):
         got = torch.stack([s[i] for s in steps]).double()
         diff = (got - ref["logits"][0, len(prompt) - 1: -1]).abs().max().item()
         assert diff <= tol(ref["err32"]), (i, diff, ref["err32"])
+
+
+def test_engine_returns_the_routed_experts(tmp_path):
+    """Routing replay's input: the engine's captured expert ids of a prefill (``routing=True``) are the ones an
+    independent formula picks from transformers' router logits (tests/helpers/tiny_deepseek.py), layer 0 dense."""
+    import transformers as tf
+
+    from tests.helpers.tiny_deepseek import reference_routing
+
+    path = make_tiny_dsa_hf(tmp_path / "m", "deepseek_v32", seed=2)
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runner = ModelRunner(str(path), capture_routing=True)
+    prompt = PROMPTS[0] + PROMPTS[1]
+    with torch.inference_mode():
+        runner.prefill([prompt], routing=True)
+    oracle = reference_routing(model, torch.tensor([prompt]))[0]
+    assert torch.equal(runner.last_routing[0].sort(-1).values.to(oracle.dtype), oracle)
+    assert (oracle[:, 0] == 0).all() and oracle[:, 1:].max() > 0
