@@ -7,7 +7,7 @@ is refused for such a model: context parallelism (the sequence split over ranks;
 :func:`mrl.config.validate_parallel.context_parallel_problem`), sequence parallelism (the
 activations split over TP along the sequence), the shared-prefix rows (several samples branching off one prompt
 inside a row) and the te / local attention backends (mrl builds these layers on Megatron's local spec only). The plan
-says which kernel runs the delta rule.
+says which kernel runs the delta rule. :func:`check_dsa`: the same kind of checks for DeepSeek sparse attention.
 """
 from __future__ import annotations
 
