@@ -27,6 +27,8 @@ choice with its reason. A value other than ``auto`` is taken as given (``check_c
     no MoE routing replay             the engine's expert ids are per sample and per token
     no linear-attention layers        a Gated DeltaNet recurrence (Qwen3.5) cannot branch several samples off one
                                        prompt inside a row (``true`` is refused for such a model)
+    no sparse attention               DeepSeek-V3.2 / GLM-5's indexer picks its top-k over whole causal rows
+                                       (``true`` is refused for such a model)
     actor CP = 1                      context parallelism cuts packed rows
 
     The shapes it was measured at, on and off: docs/performance.md, 'auto: transport and shared prefix'.
@@ -143,6 +145,9 @@ def resolve_shared_prefix(cfg: MRLConfig, device: str) -> AutoChoice:
     if vision_config_of(cfg.model.path) is not None:
         return AutoChoice(key, False, "auto: off, a vision-language model's 3-D positions are computed per whole "
                           "sequence, which the shared-prefix rows' segments do not keep")
+    if model_is_dsa(cfg):
+        return AutoChoice(key, False, "auto: off, the model's sparse-attention indexer selects its top-k over each "
+                          "whole causal sequence, not over the shared-prefix rows' masked segments")
     if R > P:
         return AutoChoice(key, False, f"auto: off, answers longer than prompts ({shape}): little to share")
     if row > SHARED_ROW_MAX:
@@ -190,6 +195,12 @@ def model_is_hybrid(cfg: MRLConfig) -> bool:
     """model.path has Gated DeltaNet linear-attention layers (Qwen3.5, Qwen3-Next)."""
     shape = _model_shape(cfg)
     return shape is not None and shape.linear_layers > 0
+
+
+def model_is_dsa(cfg: MRLConfig) -> bool:
+    """model.path has DeepSeek sparse attention (DeepSeek-V3.2, GLM-5: a top-k indexer over each whole sequence)."""
+    shape = _model_shape(cfg)
+    return shape is not None and shape.dsa is not None
 
 
 def te_importable_here() -> bool:

@@ -65,6 +65,9 @@ class ModelShape:
     # multi-latent attention (DeepSeek-V3): (q_lora_rank or 0, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
     # v_head_dim); None: GQA attention of num_heads/num_kv_heads x head_dim
     mla: tuple[int, int, int, int, int] | None = None
+    # DeepSeek sparse attention on top of MLA (DeepSeek-V3.2, GLM-5): the indexer's (index_n_heads, index_head_dim,
+    # index_topk); None: dense attention
+    dsa: tuple[int, int, int] | None = None
     # hybrid attention (Qwen3.5): how many layers are Gated DeltaNet layers, and their (n_k, n_v, d_k, d_v, K)
     linear_layers: int = 0
     gdn: tuple[int, int, int, int, int] | None = None
@@ -84,7 +87,11 @@ class ModelShape:
             # q_a_proj + q_a_layernorm + q_b_proj (or q_proj), kv_a_proj_with_mqa + kv_a_layernorm, kv_b_proj, o_proj
             q_lora, kv_lora, nope, rope, v = self.mla
             q = h * q_lora + q_lora + q_lora * nh * (nope + rope) if q_lora else h * nh * (nope + rope)
-            return q + h * (kv_lora + rope) + kv_lora + kv_lora * nh * (nope + v) + nh * v * h
+            mla = q + h * (kv_lora + rope) + kv_lora + kv_lora * nh * (nope + v) + nh * v * h
+            if self.dsa is not None:  # the indexer: wq_b, wk, k_norm (weight, bias), weights_proj
+                ih, idim, _ = self.dsa
+                mla += q_lora * ih * idim + h * idim + 2 * idim + h * ih
+            return mla
         attn = h * nh * d * (2 if self.attention_output_gate else 1) + 2 * h * self.num_kv_heads * d + nh * d * h
         if self.qkv_bias:
             attn += nh * d + 2 * self.num_kv_heads * d
@@ -175,6 +182,7 @@ def shape_from_dict(cfg: dict[str, Any]) -> ModelShape:
         shared_expert_gate=fam.moe.shared_expert_gate if fam is not None and fam.moe is not None else True,
         mla=_mla(cfg) if fam is not None and fam.is_mla else None,
         vision_params=_vision_params(cfg, fam),
+        dsa=_dsa(cfg, fam),
         **_hybrid(cfg, fam),
     )
 
@@ -222,6 +230,13 @@ def _shared_expert_size(cfg: dict[str, Any]) -> int:
 def _mla(cfg: dict[str, Any]) -> tuple[int, int, int, int, int]:
     return (int(cfg.get("q_lora_rank") or 0), int(cfg["kv_lora_rank"]), int(cfg["qk_nope_head_dim"]),
             int(cfg["qk_rope_head_dim"]), int(cfg["v_head_dim"]))
+
+
+def _dsa(cfg: dict[str, Any], fam: Any) -> tuple[int, int, int] | None:
+    if fam is None or fam.dsa is None:
+        return None
+    d = fam.dsa(SimpleNamespace(**cfg))
+    return int(d["n_heads"]), int(d["head_dim"]), int(d["topk"])
 
 
 def _moe_layers(cfg: dict[str, Any]) -> int | None:

@@ -29,7 +29,7 @@ from mrl.config.validate_engines import (
     separate_breakdown,
 )
 from mrl.config.validate_extensions import check_extension_points
-from mrl.config.validate_hybrid import check_hybrid
+from mrl.config.validate_hybrid import check_dsa, check_hybrid
 from mrl.config.validate_judge import check_judge
 from mrl.config.validate_moe import check_moe, family_plan_notes, family_refusals
 from mrl.config.validate_parallel import (
@@ -593,6 +593,7 @@ def check_config(cfg: MRLConfig) -> tuple[list[str], list[str]]:
     _check_lora(cfg, shape, errors)
     check_attention(cfg, _on_cuda(cfg), errors)
     check_hybrid(cfg, _on_cuda(cfg), errors, notes)
+    check_dsa(cfg, errors)
     _check_algorithm(cfg, errors, notes)
     _check_rollout(cfg, shape, errors)
     _check_inprocess_engines(cfg, errors)

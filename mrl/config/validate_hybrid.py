@@ -7,11 +7,11 @@ is refused for such a model: context parallelism (the sequence split over ranks;
 :func:`mrl.config.validate_parallel.context_parallel_problem`), sequence parallelism (the
 activations split over TP along the sequence), the shared-prefix rows (several samples branching off one prompt
 inside a row) and the te / local attention backends (mrl builds these layers on Megatron's local spec only). The plan
-says which kernel runs the delta rule.
+says which kernel runs the delta rule. :func:`check_dsa`: the same kind of checks for DeepSeek sparse attention.
 """
 from __future__ import annotations
 
-from mrl.config.auto import POLICY_ROLES, megatron_roles, model_is_hybrid
+from mrl.config.auto import POLICY_ROLES, megatron_roles, model_is_dsa, model_is_hybrid
 from mrl.config.root import MRLConfig
 
 
@@ -39,3 +39,22 @@ def check_hybrid(cfg: MRLConfig, cuda: bool, errors: list[str], notes: list[str]
     kernel = ("fla's chunk_gated_delta_rule (varlen over packed rows) on ranks where the fla package imports, else "
               "mrl's torch chunked kernel per sequence" if cuda else "mrl's torch chunked kernel, per sequence")
     notes.append(f"Gated DeltaNet kernel: {kernel} (mrl/megatron/delta_rule.py)")
+
+
+def check_dsa(cfg: MRLConfig, errors: list[str]) -> None:
+    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5; :mod:`mrl.megatron.dsa`): its indexer selects over whole causal
+    rows, so the shared-prefix layout (several samples' segments under one mask) is refused, and selective recompute
+    (Megatron's MLA recomputes the core attention without the indexer's inputs); CP is refused with the other CP
+    cases (:func:`mrl.config.validate_parallel.context_parallel_problem`)."""
+    if not model_is_dsa(cfg):
+        return
+    for role in ("actor", "critic"):
+        if getattr(cfg, role).recompute_granularity == "selective":
+            # Megatron's MLA recomputes its core attention without the indexer's inputs (x, the query latent)
+            errors.append(f"{role}.recompute_granularity=selective: {cfg.model.path} has DeepSeek sparse attention, "
+                          "whose core attention Megatron's MLA cannot recompute alone (it drops the indexer's "
+                          f"inputs); fix: {role}.recompute_granularity=full (or null)")
+    if cfg.actor.shared_prefix is True:
+        errors.append(f"actor.shared_prefix=true: {cfg.model.path} has DeepSeek sparse attention, whose indexer picks "
+                      "its top-k over whole causal rows, not a shared-prefix row's masked segments; fix: "
+                      "actor.shared_prefix=false (or auto)")

@@ -41,6 +41,8 @@ def context_parallel_problem(role: str, cfg: MRLConfig, shape: ModelShape | None
                 f"resolves to {backend}; Transformer Engine's own CP is not wired)")
     if not choices.get("actor.use_remove_padding"):
         return "context parallelism cuts packed rows: it needs actor.use_remove_padding (and no actor.shared_prefix)"
+    if shape is not None and shape.dsa is not None:
+        return "DeepSeek sparse attention's indexer selects its top-k over each whole sequence on one rank (not under CP)"
     if shape is not None and shape.num_experts:
         return "Mixture-of-Experts models under CP (routing replay, router statistics per CP share) are not tested"
     if shape is not None and shape.mla is not None:

@@ -131,6 +131,8 @@ def _shape(rule: Any, k: int, name: str, dims: _Dims, fam: Any) -> tuple[tuple[i
         f, key = _ffn(rule, dims)
         return (h, f), f"hidden_size, {key}"
     if rule.split == "replicated" and not bias:
+        if ".indexer." in name:  # DeepSeek sparse attention's indexer: index_head_dim / index_n_heads, not derived
+            return None
         if tail in ("q_norm.weight", "k_norm.weight"):
             return (d,), "head_dim"
         if tail in ("input_layernorm.weight", "post_attention_layernorm.weight") or (

@@ -29,6 +29,8 @@ A family module (``mrl/families/<name>.py``) defines one ``FAMILY = Family(...)`
   a second half of ``q_proj`` (Megatron ``attention_output_gate``);
 * ``zero_centered_norm``: every RMSNorm of the decoder stores ``γ − 1`` (``x̂ · (1 + w)``; Megatron's
   ``layernorm_zero_centered_gamma``, built by mrl as :class:`mrl.megatron.gated_delta_net.ZeroCenteredRMSNorm`);
+* ``dsa``: DeepSeek sparse attention on top of ``mla`` (DeepSeek-V3.2, GLM-5): the lightning indexer's sizes, its
+  top-k and RoPE layout (:mod:`mrl.megatron.dsa`);
 * ``wrapped``: the HF prefixes a vision-language checkpoint of the family keeps beside the decoder and mrl carries
   untouched (the vision tower ``model.visual.``; multi-token-prediction ``mtp.``); its decoder is read through
   :func:`mrl.families.views.decoder_config`. An architecture in ``architectures`` whose config has no
@@ -377,6 +379,9 @@ class Family:
     wrapped: tuple[str, ...] = ()
     # a vision-language family whose vision tower mrl builds (run on the first pipeline stage); None = text only
     vision: VisionTower | None = None
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5; needs ``mla``): config.json -> the lightning indexer's
+    # ``n_heads``, ``head_dim``, ``topk`` and ``rope_interleaved`` (:mod:`mrl.megatron.dsa`); None = dense attention
+    dsa: Callable[[Any], dict[str, Any]] | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -435,6 +440,10 @@ class Family:
             kw.update(self.mla(hf_config))
         if self.moe is not None:
             kw.update(self.moe.transformer_kwargs(hf_config, ep=ep, etp=etp))
+        if self.dsa is not None:  # Megatron's MLA then hands x and its query latent to the core attention
+            d = self.dsa(hf_config)
+            kw.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=d["n_heads"],
+                      dsa_indexer_head_dim=d["head_dim"], dsa_indexer_topk=d["topk"], dsa_indexer_loss_coeff=0.0)
         if self.attention_output_gate:
             kw["attention_output_gate"] = True
         if self.linear_attention is not None:

@@ -4,6 +4,4 @@ from __future__ import annotations
 
 REFUSED_ARCHITECTURES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "DeepSeek-V2 needs multi-latent attention, which mrl does not map yet",
-    "DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (the lightning indexer's top-k) is not built yet",
-    "GlmMoeDsaForCausalLM": "GLM-5's DeepSeek sparse attention (the lightning indexer's top-k) is not built yet",
 }

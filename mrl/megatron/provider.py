@@ -305,7 +305,19 @@ def layer_spec(hf_config: Any, *, backend: str = "sdpa", moe: bool | None = None
         from mrl.megatron.sdpa_attention import SDPAAttention
 
         spec.submodules.self_attention.submodules.core_attention = SDPAAttention
+        if family.dsa is not None:
+            spec.submodules.self_attention.submodules.core_attention = _dsa_core_attention(hf_config)
     return spec
+
+
+def _dsa_core_attention(hf_config: Any):
+    """DeepSeek sparse attention's core attention (:mod:`mrl.megatron.dsa`), with the family's indexer RoPE layout."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from mrl.megatron.dsa import DSAAttention
+
+    interleaved = bool(family_of(hf_config).dsa(hf_config)["rope_interleaved"])
+    return ModuleSpec(module=DSAAttention, params={"rope_interleaved": interleaved})
 
 
 def _hybrid_specs(hf_config: Any, base: Any) -> dict[int, Any]:

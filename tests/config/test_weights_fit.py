@@ -20,7 +20,7 @@ from mrl.config.weights_fit import weights_fit_problems
 from tests.helpers.tiny_models import make_tiny_hf
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3",
-            "glm4_moe")
+            "glm4_moe", "deepseek_v32", "glm_moe_dsa")
 
 
 @pytest.fixture(scope="module")

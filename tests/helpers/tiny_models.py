@@ -131,6 +131,12 @@ def hf_config(family: str, **overrides):
                                                                 "deepstack_visual_indexes": [0]})
         cfg.architectures = ["Qwen3VLForConditionalGeneration"]
         return decoder_config(cfg)
+    elif family in ("deepseek_v32", "glm_moe_dsa"):  # every layer MoE here; tests/helpers/tiny_dsa.py: the parity model
+        cls = tf.DeepseekV32Config if family == "deepseek_v32" else tf.GlmMoeDsaConfig
+        kw.update(tie_word_embeddings=False, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=48, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=0,
+                  kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
+                  index_topk=4, index_head_dim=16, index_n_heads=4)
     else:
         raise ValueError(f"unknown tiny family {family!r}")
     kw.update(overrides)

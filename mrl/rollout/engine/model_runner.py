@@ -7,7 +7,8 @@ padding; padding exists only in the attention over the cache and is bounded by t
 lengths of the sequences *currently* running). New requests are prefilled together (one
 left-padded forward of the model) and added to the running set between decode steps. The decode
 step is :mod:`mrl.rollout.engine.decode`; for a hybrid model (Gated DeltaNet linear-attention layers, whose
-per-row conv window and recurrent state ride along as row states) :mod:`mrl.rollout.engine.hybrid`. A
+per-row conv window and recurrent state ride along as row states) :mod:`mrl.rollout.engine.hybrid`; for DeepSeek sparse
+attention (the indexer's keys ride in the values) :mod:`mrl.rollout.engine.sparse_attention`. A
 vision-language checkpoint is loaded whole (:func:`mrl.rollout.engine.vlm.load_model`), so its weights keep the
 checkpoint's names (``model.language_model.layers.{i}...``).
 
@@ -27,6 +28,12 @@ from mrl.rollout.engine.decode import LlamaFamilyDecoder, fast_path_refusal, hf_
 from mrl.rollout.engine.hybrid import HybridLayout, hybrid_decode
 from mrl.rollout.engine.kv_cache import PrefilledRows, RunningBatch
 from mrl.rollout.engine.moe import RoutingCapture, checkpoint_views, is_moe
+from mrl.rollout.engine.sparse_attention import (
+    is_sparse_attention,
+    sparse_attention_decode,
+    value_dim,
+)
+from mrl.rollout.engine.sparse_attention import take_prefill as take_sparse_prefill
 from mrl.rollout.engine.vlm import (
     VisionInputs,
     VisionProcessor,
@@ -104,6 +111,10 @@ class ModelRunner:
         self.last_routing: list[torch.Tensor] | torch.Tensor | None = None
         self._kv_shape = kv_cache_shape(text_cfg)
         self.hybrid = HybridLayout.of(self.config)  # linear-attention layers: conv window + recurrent state per row
+        # DeepSeek sparse attention: the indexer's keys ride in the values (engine/sparse_attention.py)
+        self.sparse = is_sparse_attention(text_cfg)
+        if self.sparse:
+            self._kv_shape = (*self._kv_shape[:3], value_dim(text_cfg))
         if self.hybrid is not None:
             self._kv_shape = (len(self.hybrid.full), *self._kv_shape[1:])  # K/V for the full-attention layers only
         # The written-out decode step for the families it knows; the model's own forward otherwise.
@@ -179,7 +190,7 @@ class ModelRunner:
                              "(preprocessor_config.json); this engine serves text only")
         # A hybrid's cache has a linear-attention layer per linear layer (built from the config); a plain
         # DynamicCache() replicates K/V layers (given a config it would also window sliding-window layers' K/V).
-        cache = DynamicCache(config=self.model.config) if self.hybrid is not None else DynamicCache()
+        cache = DynamicCache(config=self.model.config) if self.hybrid is not None or self.sparse else DynamicCache()
         out = self.model(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
             position_ids=pos.to(self.device), past_key_values=cache, use_cache=True,
@@ -190,6 +201,8 @@ class ModelRunner:
         states: list[torch.Tensor] = []
         if self.hybrid is not None:
             keys, values, states = self.hybrid.take_prefill(cache, pad)
+        elif self.sparse:
+            keys, values = take_sparse_prefill(cache, pad)
         else:
             keys, values = [], []
             for layer in cache.layers:
@@ -209,6 +222,8 @@ class ModelRunner:
             logits = self._decoder(rb)
         elif self.hybrid is not None:
             logits = hybrid_decode(self.model, rb, self.hybrid)
+        elif self.sparse:
+            logits = sparse_attention_decode(self.model, rb)
         else:
             logits = hf_decode(self.model, rb)
         if routing:
