@@ -57,8 +57,19 @@ def test_bad_moe_layouts_are_refused_with_the_key(moe_overrides, extra, must):
 def test_good_moe_layouts_pass(moe_overrides):
     for extra in ([], ["actor.megatron.expert_model_parallel_size=4", "actor.moe.routing_replay=rollout"],
                   ["actor.megatron.expert_model_parallel_size=2", "actor.megatron.pipeline_model_parallel_size=2",
-                   "actor.ppo_micro_batch_size_per_gpu=4"]):
+                   "actor.ppo_micro_batch_size_per_gpu=4"],
+                  # CP x EP (issue 52; tests/workers/test_context_parallel.py): the EP pairs are the CP pairs
+                  ["actor.megatron.expert_model_parallel_size=2", "actor.megatron.context_parallel_size=2",
+                   "actor.moe.routing_replay=rollout", "actor.moe.aux_loss_coef=0.01"]):
         assert _errors(moe_overrides + extra) == [], extra
+
+
+def test_plan_prints_cp_and_the_expert_grid_folding_cp(moe_overrides):
+    """Megatron's expert grid has no CP axis: EDP = devices / (ETP·EP·PP) takes the CP ranks (4 / 2 = 2)."""
+    cfg = load_config(None, moe_overrides + ["actor.megatron.expert_model_parallel_size=2",
+                                             "actor.megatron.context_parallel_size=2"])
+    text = format_report(cfg, build_report(cfg))
+    assert "CP=2 DP=2" in text and "EP=2 ETP=1 EDP=2" in text, text
 
 
 def test_moe_settings_on_a_dense_model_are_refused(base_overrides):

@@ -9,6 +9,8 @@ rank through 1F1B, every row padded to one length: a padding sequence). Each lay
 log-probs and entropies (forward only), then the loss and the DP×CP-reduced gradient of a token-mean loss with
 entropy and KL terms and of a seq-mean-token-mean loss (per-sequence means: a sequence's tokens lie on several CP
 ranks), then one optimizer step; the critic's values, value loss and weights after one step at CP2 against CP1.
+MoE (:func:`_moe`, :func:`_check_moe`): a tiny Qwen3-MoE at CP2 x EP2 against CP1 x EP2 with routing replay and the
+load-balancing loss.
 
 Truth: the HF model in one process (``reference_impl``: transformers attention, no Megatron), and CP1 directly.
 Tolerance 1e-5 (fp32, a 4-layer 64-wide model: sums of at most a few hundred terms per value, each rounding
@@ -55,7 +57,7 @@ def _grads_by_hf_name(worker) -> dict[str, torch.Tensor]:
             p.data = d
 
 
-def _rank(rank, world, path):
+def _rank(rank, world, path, moe_path, routed):
     from megatron.core import parallel_state as ps
 
     from mrl.config.actor import ActorConfig
@@ -110,7 +112,45 @@ def _rank(rank, world, path):
             w = {n: t.detach().clone() for n, t in critic.model.chunks[0].module.named_parameters()}  # TP1: whole
             results[-1]["critic"] = (v, m["critic/vf_loss"], w)
             del critic
-    return portable(results)
+    return portable({"dense": results, "moe": _moe(moe_path, routed)})
+
+
+def _moe(path, routed):
+    """The Qwen3-MoE at CP1 x EP2 (DP4) and CP2 x EP2 (DP2; the EP pairs are the CP pairs): routing replay of
+    engine ids (R3), the load-balancing loss at 0.05, micro-batches of one sample (both layouts run the same
+    token sets through the routers, which the aux loss, a product of two sums over a micro-batch, needs), then R2:
+    the routing compute_log_prob records."""
+    from megatron.core import parallel_state as ps
+
+    from mrl.config.actor import ActorConfig
+    from mrl.workers.actor import ActorWorker
+    from tests.workers.batches import ragged_batch
+
+    batch = ragged_batch().replace(routed_experts=torch.as_tensor(routed))
+    out = []
+    for cp in (1, 2):
+        cfg = ActorConfig(megatron={"context_parallel_size": cp, "expert_model_parallel_size": 2,
+                                    "attention_backend": "sdpa"},
+                          moe={"routing_replay": "rollout", "aux_loss_coef": 0.05}, use_remove_padding=True,
+                          ppo_micro_batch_size_per_gpu=1, use_distributed_optimizer=False, loss_agg_mode="token-mean",
+                          optim={"lr": 1e-3, "eps": 1e-2, "weight_decay": 0.0, "clip_grad": 0.0})
+        actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8, temperature=TEMPERATURE,
+                            max_response_length=16, seed=1234)
+        keep = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        lp, ent = actor.compute_log_prob(batch)
+        m = actor.forward_backward(actor.model.dp_shard(batch))
+        grads = _grads_by_hf_name(actor)  # experts gathered over EP: every rank takes part
+        metrics = actor.update_policy(batch)
+        res = {"lp": lp, "ent": ent, "loss": m["loss"], "grads": grads if keep else None, "metrics": metrics}
+        del actor
+        actor = ActorWorker(cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"routing_replay": "old"})}),
+                            model_path=path, mini_batch_size_samples=8, temperature=TEMPERATURE,
+                            max_response_length=16, seed=1234)
+        actor.compute_log_prob(batch.replace(routed_experts=None))
+        res["recorded"] = actor.old_routing.routing.clone()
+        out.append(res)
+        del actor
+    return out
 
 
 def test_context_parallel_equals_cp1_and_transformers(tmp_path):
@@ -120,7 +160,11 @@ def test_context_parallel_equals_cp1_and_transformers(tmp_path):
     from tests.workers.reference_impl import hf_log_probs, hf_loss_and_grads
 
     path = make_tiny_hf(tmp_path / "qwen2", "qwen2")
-    res = tensors(run_ranks(_rank, 4, args=(str(path),), timeout_s=540))
+    moe_path = make_tiny_hf(tmp_path / "qwen3_moe", "qwen3_moe")
+    routed = _engine_ids(moe_path, ragged_batch())
+    both = tensors(run_ranks(_rank, 4, args=(str(path), str(moe_path), routed), timeout_s=540))
+    res = [r["dense"] for r in both]
+    _check_moe([r["moe"] for r in both], routed)
     batch = ragged_batch()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     with torch.no_grad():
@@ -169,3 +213,45 @@ def test_context_parallel_equals_cp1_and_transformers(tmp_path):
         torch.testing.assert_close(w2[name], t, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"critic CP2 {n}: {m}")
     # the CP padding (sequences to multiples of 2·CP) is counted: more at CP4 than at CP2, none at CP1
     assert res[0][0]["pad"] == 0.0 < res[0][1]["pad"] < res[0][2]["pad"]
+
+
+def _engine_ids(path, batch) -> torch.Tensor:
+    """[B, S, layers, K] int32 "engine" expert ids for routing replay: K distinct random experts per valid token
+    (-1 elsewhere), unrelated to the trainer's own routing, so a token replayed at another token's ids changes
+    the log-probs."""
+    import json
+
+    c = json.loads((path / "config.json").read_text())
+    E, K, L = c.get("num_experts") or c["num_local_experts"], c["num_experts_per_tok"], c["num_hidden_layers"]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.rand(*batch.input_ids.shape, L, E, generator=g).argsort(-1)[..., :K].int()
+    return torch.where(batch.attention_mask.bool()[:, :, None, None], ids, -1)
+
+
+def _check_moe(res, routed):
+    """CP2 x EP2 against CP1 x EP2: log-probs, entropies, loss, every gradient (experts and router included: the
+    aux loss reaches the router), the moe/* metrics (aux loss included: Megatron sums the CP shares' terms over
+    the micro-batch's token count, which mrl's padding mask keeps the valid tokens'), and the R2 record."""
+    def merged(li):
+        out = {}
+        for r in res:
+            out.update(r[li]["grads"] or {})
+        return out
+
+    one, two = res[0]
+    for r in res:
+        torch.testing.assert_close(r[1]["lp"], one["lp"], rtol=0, atol=1e-5, msg=lambda m: f"MoE CP2 lp {m}")
+        torch.testing.assert_close(r[1]["ent"], one["ent"], rtol=0, atol=1e-5, msg=lambda m: f"MoE CP2 ent {m}")
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
+    g1, g2 = merged(0), merged(1)
+    assert set(g1) == set(g2) and any(".mlp.gate." in n for n in g1) and any(".experts." in n for n in g1)
+    for name, g in g1.items():
+        torch.testing.assert_close(g2[name], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()),
+                                   msg=lambda m, n=name: f"MoE CP2 grad {n}: {m}")
+    m1, m2 = one["metrics"], two["metrics"]
+    assert m1["moe/aux_loss"] > 0 and "moe/replay_mismatch" in m1
+    for key in [k for k in m1 if k.startswith("moe/")]:
+        assert m2[key] == pytest.approx(m1[key], rel=1e-6), key
+    rec1, rec2 = one["recorded"], two["recorded"]
+    assert rec1.shape == routed.shape and bool((rec1 >= 0).any())
+    assert torch.equal(rec1, rec2)
