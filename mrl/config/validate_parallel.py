@@ -41,8 +41,6 @@ def context_parallel_problem(role: str, cfg: MRLConfig, shape: ModelShape | None
                 f"resolves to {backend}; Transformer Engine's own CP is not wired)")
     if not choices.get("actor.use_remove_padding"):
         return "context parallelism cuts packed rows: it needs actor.use_remove_padding (and no actor.shared_prefix)"
-    if shape is not None and shape.mla is not None:
-        return "multi-latent attention applies RoPE itself per sequence; its CP positions are not wired"
     if shape is not None and shape.linear_layers:
         return ("the model's Gated DeltaNet layers run a recurrence over each whole sequence on one rank (no "
                 "context-parallel delta rule yet)")

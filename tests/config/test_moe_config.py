@@ -195,6 +195,9 @@ def test_plan_notes_of_a_deepseek_v3_checkpoint(base_overrides, tmp_path):
     raw["num_nextn_predict_layers"] = 0
     (d / "config.json").write_text(json.dumps(raw))
     assert "multi-token-prediction" not in format_report(cfg, build_report(cfg))
+    # CP (issue 52): MLA under CP plans (tests/workers/test_context_parallel.py runs it) and prints CP
+    cp = load_config(None, overrides + ["actor.megatron.context_parallel_size=2"])
+    assert check_config(cp)[0] == [] and "CP=2 DP=2" in format_report(cp, build_report(cp))
 
 
 def test_bundled_deepseek_v3_and_kimi_k2_shapes_count_their_published_sizes():

@@ -10,7 +10,8 @@ log-probs and entropies (forward only), then the loss and the DP×CP-reduced gra
 entropy and KL terms and of a seq-mean-token-mean loss (per-sequence means: a sequence's tokens lie on several CP
 ranks), then one optimizer step; the critic's values, value loss and weights after one step at CP2 against CP1.
 MoE (:func:`_moe`, :func:`_check_moe`): a tiny Qwen3-MoE at CP2 x EP2 against CP1 x EP2 with routing replay and the
-load-balancing loss.
+load-balancing loss; MLA: the tiny DeepSeek-V3 (tests/helpers/tiny_deepseek.py, d_qk != d_v, RoPE on part of the head,
+which Megatron's MLA applies itself) at CP2 against CP1 (:func:`_cp1_cp2`, :func:`_check_pair`).
 
 Truth: the HF model in one process (``reference_impl``: transformers attention, no Megatron), and CP1 directly.
 Tolerance 1e-5 (fp32, a 4-layer 64-wide model: sums of at most a few hundred terms per value, each rounding
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_ranks
+from tests.helpers.tiny_deepseek import make_tiny_deepseek_hf
 from tests.helpers.tiny_models import make_tiny_hf
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.timeout(600)]
@@ -57,7 +59,7 @@ def _grads_by_hf_name(worker) -> dict[str, torch.Tensor]:
             p.data = d
 
 
-def _rank(rank, world, path, moe_path, routed):
+def _rank(rank, world, path, moe_path, routed, mla_path):
     from megatron.core import parallel_state as ps
 
     from mrl.config.actor import ActorConfig
@@ -112,27 +114,27 @@ def _rank(rank, world, path, moe_path, routed):
             w = {n: t.detach().clone() for n, t in critic.model.chunks[0].module.named_parameters()}  # TP1: whole
             results[-1]["critic"] = (v, m["critic/vf_loss"], w)
             del critic
-    return portable({"dense": results, "moe": _moe(moe_path, routed)})
+    from tests.workers.batches import ragged_batch as rb
+
+    return portable({"dense": results, "moe": _moe(moe_path, routed),
+                     "mla": _cp1_cp2(mla_path, rb(vocab=96))})
 
 
-def _moe(path, routed):
-    """The Qwen3-MoE at CP1 x EP2 (DP4) and CP2 x EP2 (DP2; the EP pairs are the CP pairs): routing replay of
-    engine ids (R3), the load-balancing loss at 0.05, micro-batches of one sample (both layouts run the same
-    token sets through the routers, which the aux loss, a product of two sums over a micro-batch, needs), then R2:
-    the routing compute_log_prob records."""
+def _cp1_cp2(path, batch, megatron=None, moe=None, record=False):
+    """One model at CP1 (DP4) and CP2 (DP2), micro-batches of one sample (both layouts then run the same token sets
+    through every router: the aux loss, a product of two sums over a micro-batch, needs it): log-probs, entropies,
+    forward_backward's loss and gradients, one update's metrics and weights; with ``record`` R2's record (the
+    routing compute_log_prob keeps with ``routing_replay: old``)."""
     from megatron.core import parallel_state as ps
 
     from mrl.config.actor import ActorConfig
     from mrl.workers.actor import ActorWorker
-    from tests.workers.batches import ragged_batch
 
-    batch = ragged_batch().replace(routed_experts=torch.as_tensor(routed))
     out = []
     for cp in (1, 2):
-        cfg = ActorConfig(megatron={"context_parallel_size": cp, "expert_model_parallel_size": 2,
-                                    "attention_backend": "sdpa"},
-                          moe={"routing_replay": "rollout", "aux_loss_coef": 0.05}, use_remove_padding=True,
-                          ppo_micro_batch_size_per_gpu=1, use_distributed_optimizer=False, loss_agg_mode="token-mean",
+        cfg = ActorConfig(megatron={"context_parallel_size": cp, "attention_backend": "sdpa", **(megatron or {})},
+                          moe=moe or {}, use_remove_padding=True, ppo_micro_batch_size_per_gpu=1,
+                          use_distributed_optimizer=False, loss_agg_mode="token-mean",
                           optim={"lr": 1e-3, "eps": 1e-2, "weight_decay": 0.0, "clip_grad": 0.0})
         actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8, temperature=TEMPERATURE,
                             max_response_length=16, seed=1234)
@@ -141,16 +143,28 @@ def _moe(path, routed):
         m = actor.forward_backward(actor.model.dp_shard(batch))
         grads = _grads_by_hf_name(actor)  # experts gathered over EP: every rank takes part
         metrics = actor.update_policy(batch)
-        res = {"lp": lp, "ent": ent, "loss": m["loss"], "grads": grads if keep else None, "metrics": metrics}
+        weights = {n: t.clone() for n, t in actor.export_hf_weights()}
+        out.append({"lp": lp, "ent": ent, "loss": m["loss"], "grads": grads if keep else None, "metrics": metrics,
+                    "weights": weights if keep else None})
         del actor
-        actor = ActorWorker(cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"routing_replay": "old"})}),
-                            model_path=path, mini_batch_size_samples=8, temperature=TEMPERATURE,
-                            max_response_length=16, seed=1234)
-        actor.compute_log_prob(batch.replace(routed_experts=None))
-        res["recorded"] = actor.old_routing.routing.clone()
-        out.append(res)
-        del actor
+        if record:
+            actor = ActorWorker(cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"routing_replay": "old"})}),
+                                model_path=path, mini_batch_size_samples=8, temperature=TEMPERATURE,
+                                max_response_length=16, seed=1234)
+            actor.compute_log_prob(batch.replace(routed_experts=None))
+            out[-1]["recorded"] = actor.old_routing.routing.clone()
+            del actor
     return out
+
+
+def _moe(path, routed):
+    """The Qwen3-MoE at CP1 x EP2 (DP4) and CP2 x EP2 (DP2; the EP pairs are the CP pairs): routing replay of
+    engine ids (R3), the load-balancing loss at 0.05, then R2's record."""
+    from tests.workers.batches import ragged_batch
+
+    return _cp1_cp2(path, ragged_batch().replace(routed_experts=torch.as_tensor(routed)),
+                    {"expert_model_parallel_size": 2}, {"routing_replay": "rollout", "aux_loss_coef": 0.05},
+                    record=True)
 
 
 def test_context_parallel_equals_cp1_and_transformers(tmp_path):
@@ -162,9 +176,11 @@ def test_context_parallel_equals_cp1_and_transformers(tmp_path):
     path = make_tiny_hf(tmp_path / "qwen2", "qwen2")
     moe_path = make_tiny_hf(tmp_path / "qwen3_moe", "qwen3_moe")
     routed = _engine_ids(moe_path, ragged_batch())
-    both = tensors(run_ranks(_rank, 4, args=(str(path), str(moe_path), routed), timeout_s=540))
+    mla_path = make_tiny_deepseek_hf(tmp_path / "deepseek_v3")
+    both = tensors(run_ranks(_rank, 4, args=(str(path), str(moe_path), routed, str(mla_path)), timeout_s=540))
     res = [r["dense"] for r in both]
     _check_moe([r["moe"] for r in both], routed)
+    _check_pair([r["mla"] for r in both], "MLA")
     batch = ragged_batch()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     with torch.no_grad():
@@ -228,30 +244,42 @@ def _engine_ids(path, batch) -> torch.Tensor:
     return torch.where(batch.attention_mask.bool()[:, :, None, None], ids, -1)
 
 
-def _check_moe(res, routed):
-    """CP2 x EP2 against CP1 x EP2: log-probs, entropies, loss, every gradient (experts and router included: the
-    aux loss reaches the router), the moe/* metrics (aux loss included: Megatron sums the CP shares' terms over
-    the micro-batch's token count, which mrl's padding mask keeps the valid tokens'), and the R2 record."""
-    def merged(li):
+def _check_pair(res, tag):
+    """CP2 against CP1 (:func:`_cp1_cp2`): log-probs, entropies, loss, every gradient and the weights after one
+    Adam step (bounds as for the dense model), the moe/* metrics within 1e-6."""
+    def merged(li, key):
         out = {}
         for r in res:
-            out.update(r[li]["grads"] or {})
+            out.update(r[li][key] or {})
         return out
 
     one, two = res[0]
     for r in res:
-        torch.testing.assert_close(r[1]["lp"], one["lp"], rtol=0, atol=1e-5, msg=lambda m: f"MoE CP2 lp {m}")
-        torch.testing.assert_close(r[1]["ent"], one["ent"], rtol=0, atol=1e-5, msg=lambda m: f"MoE CP2 ent {m}")
-    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
-    g1, g2 = merged(0), merged(1)
+        torch.testing.assert_close(r[1]["lp"], one["lp"], rtol=0, atol=1e-5, msg=lambda m: f"{tag} CP2 lp {m}")
+        torch.testing.assert_close(r[1]["ent"], one["ent"], rtol=0, atol=1e-5, msg=lambda m: f"{tag} CP2 ent {m}")
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7), tag
+    g1, g2 = merged(0, "grads"), merged(1, "grads")
     assert set(g1) == set(g2) and any(".mlp.gate." in n for n in g1) and any(".experts." in n for n in g1)
     for name, g in g1.items():
         torch.testing.assert_close(g2[name], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()),
-                                   msg=lambda m, n=name: f"MoE CP2 grad {n}: {m}")
+                                   msg=lambda m, n=name: f"{tag} CP2 grad {n}: {m}")
+    w1, w2 = merged(0, "weights"), merged(1, "weights")
+    assert set(w1) == set(w2)
+    for name, t in w1.items():
+        torch.testing.assert_close(w2[name], t, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{tag} CP2 {n}: {m}")
     m1, m2 = one["metrics"], two["metrics"]
-    assert m1["moe/aux_loss"] > 0 and "moe/replay_mismatch" in m1
+    assert any(k.startswith("moe/") for k in m1)
     for key in [k for k in m1 if k.startswith("moe/")]:
-        assert m2[key] == pytest.approx(m1[key], rel=1e-6), key
+        assert m2[key] == pytest.approx(m1[key], rel=1e-6), (tag, key)
+
+
+def _check_moe(res, routed):
+    """The MoE pair (:func:`_check_pair`; the gradients include the aux loss's on the router: Megatron sums each
+    router's expert counts over TP x CP and divides every CP share's probability sum by the micro-batch's
+    valid-token count, read from mrl's padding mask) with the aux loss and replay reported, and R2's record."""
+    _check_pair(res, "MoE")
+    one, two = res[0]
+    assert one["metrics"]["moe/aux_loss"] > 0 and "moe/replay_mismatch" in one["metrics"]
     rec1, rec2 = one["recorded"], two["recorded"]
     assert rec1.shape == routed.shape and bool((rec1 >= 0).any())
     assert torch.equal(rec1, rec2)
