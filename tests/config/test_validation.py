@@ -441,13 +441,15 @@ def test_context_parallel_plans_for_actor_ref_and_critic(base_overrides: list[st
 
     text = format_report(cfg, build_report(cfg))
     assert "TP=1 PP=1 CP=2 DP=2" in text and "CP=2: each device holds 1/2 of every sequence's tokens" in text
+    # LoRA under CP (tests/workers/test_context_parallel.py: adapters, gradients, reference at CP2 = CP1)
+    assert check_config(load_config(None, base_overrides + ["actor.megatron.context_parallel_size=2",
+                                                            "actor.lora.rank=8"]))[0] == []
 
 
 _CP_REFUSED = [  # (case, overrides, why the one line must name)
     ("not_packed", ["actor.use_remove_padding=false"], "it needs actor.use_remove_padding"),
     ("local_attention", ["actor.megatron.attention_backend=local", "actor.use_remove_padding=false"],
      "sdpa attention backend only"),
-    ("lora", ["actor.lora.rank=8"], "LoRA under CP is not tested"),
     ("vpp", ["actor.megatron.pipeline_model_parallel_size=2", "actor.megatron.virtual_pipeline_model_parallel_size=2"],
      "interleaved pipeline stages"),
 ]

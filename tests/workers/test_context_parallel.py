@@ -11,7 +11,8 @@ entropy and KL terms and of a seq-mean-token-mean loss (per-sequence means: a se
 ranks), then one optimizer step; the critic's values, value loss and weights after one step at CP2 against CP1.
 MoE (:func:`_moe`, :func:`_check_moe`): a tiny Qwen3-MoE at CP2 x EP2 against CP1 x EP2 with routing replay and the
 load-balancing loss; MLA: the tiny DeepSeek-V3 (tests/helpers/tiny_deepseek.py, d_qk != d_v, RoPE on part of the head,
-which Megatron's MLA applies itself) at CP2 against CP1 (:func:`_cp1_cp2`, :func:`_check_pair`).
+which Megatron's MLA applies itself) at CP2 against CP1 (:func:`_cp1_cp2`, :func:`_check_pair`); LoRA on the dense
+model (:func:`_lora`).
 
 Truth: the HF model in one process (``reference_impl``: transformers attention, no Megatron), and CP1 directly.
 Tolerance 1e-5 (fp32, a 4-layer 64-wide model: sums of at most a few hundred terms per value, each rounding
@@ -117,7 +118,7 @@ def _rank(rank, world, path, moe_path, routed, mla_path):
     from tests.workers.batches import ragged_batch as rb
 
     return portable({"dense": results, "moe": _moe(moe_path, routed),
-                     "mla": _cp1_cp2(mla_path, rb(vocab=96))})
+                     "mla": _cp1_cp2(mla_path, rb(vocab=96)), "lora": _lora(path)})
 
 
 def _cp1_cp2(path, batch, megatron=None, moe=None, record=False):
@@ -157,6 +158,38 @@ def _cp1_cp2(path, batch, megatron=None, moe=None, record=False):
     return out
 
 
+def _lora(path):
+    """LoRA (rank 4, every linear) on the dense model at CP1 (DP4) and CP2 (DP2): log-probs, forward_backward's
+    loss and the adapters' gradients, one update, then the adapters (peft tensors), the log-probs and the colocated
+    reference's (the base model: adapters off)."""
+    from mrl.config.actor import ActorConfig
+    from mrl.megatron.lora import export_peft_tensors
+    from mrl.workers.actor import ActorWorker
+    from mrl.workers.reference import ColocatedReference
+    from tests.workers.batches import ragged_batch
+
+    batch = ragged_batch()
+    out = []
+    for cp in (1, 2):
+        cfg = ActorConfig(megatron={"context_parallel_size": cp, "attention_backend": "sdpa"}, use_remove_padding=True,
+                          lora={"rank": 4, "alpha": 8.0, "target_modules": ["all-linear"]},
+                          ppo_micro_batch_size_per_gpu=2, use_distributed_optimizer=False, loss_agg_mode="token-mean",
+                          optim={"lr": 1e-2, "eps": 1e-2, "weight_decay": 0.0, "clip_grad": 0.0})
+        actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=8, temperature=TEMPERATURE,
+                            max_response_length=16, seed=1234)
+        ref = ColocatedReference(actor)
+        r = {"lp0": actor.compute_log_prob(batch)[0]}
+        r["loss"] = actor.forward_backward(actor.model.dp_shard(batch))["loss"]
+        r["grads"] = {n: p.main_grad.clone() for c in actor.model.chunks for n, p in c.named_parameters()
+                      if p.requires_grad}
+        actor.update_policy(batch)
+        r["peft"] = dict(export_peft_tensors(actor.model.chunks))
+        r["lp1"], r["ref1"] = actor.compute_log_prob(batch)[0], ref.compute_ref_log_prob(batch)
+        out.append(r)
+        del actor, ref
+    return out
+
+
 def _moe(path, routed):
     """The Qwen3-MoE at CP1 x EP2 (DP4) and CP2 x EP2 (DP2; the EP pairs are the CP pairs): routing replay of
     engine ids (R3), the load-balancing loss at 0.05, then R2's record."""
@@ -181,6 +214,7 @@ def test_context_parallel_equals_cp1_and_transformers(tmp_path):
     res = [r["dense"] for r in both]
     _check_moe([r["moe"] for r in both], routed)
     _check_pair([r["mla"] for r in both], "MLA")
+    _check_lora([r["lora"] for r in both])
     batch = ragged_batch()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     with torch.no_grad():
@@ -283,3 +317,21 @@ def _check_moe(res, routed):
     rec1, rec2 = one["recorded"], two["recorded"]
     assert rec1.shape == routed.shape and bool((rec1 >= 0).any())
     assert torch.equal(rec1, rec2)
+
+
+def _check_lora(res):
+    """LoRA at CP2 against CP1: every rank's log-probs before and after one update and the reference's; the loss;
+    each adapter's gradient (rank 0: DDP-reduced over DP x CP, the same on every rank) and adapter after the update."""
+    one, two = res[0]
+    assert one["grads"] and all(".adapter" in n or "lora" in n for n in one["grads"]), sorted(one["grads"])[:4]
+    for r in res:
+        for key in ("lp0", "lp1", "ref1"):
+            torch.testing.assert_close(r[1][key], one[key], rtol=0, atol=1e-5, msg=lambda m, k=key: f"LoRA CP2 {k} {m}")
+    assert not torch.allclose(one["lp1"], one["ref1"], atol=1e-4)  # the update moved the adapters off the base
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
+    assert set(one["grads"]) == set(two["grads"]) and set(one["peft"]) == set(two["peft"])
+    for name, g in one["grads"].items():
+        torch.testing.assert_close(two["grads"][name], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()),
+                                   msg=lambda m, n=name: f"LoRA CP2 grad {n}: {m}")
+    for name, t in one["peft"].items():
+        torch.testing.assert_close(two["peft"][name], t, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"LoRA CP2 {n}: {m}")
