@@ -28,6 +28,7 @@ import torch
 from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_deepseek import make_tiny_deepseek_hf
 from tests.helpers.tiny_models import make_tiny_hf
+from tests.workers.test_reward_model import make_tiny_rm
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.timeout(600)]
 
@@ -60,7 +61,7 @@ def _grads_by_hf_name(worker) -> dict[str, torch.Tensor]:
             p.data = d
 
 
-def _rank(rank, world, path, moe_path, routed, mla_path):
+def _rank(rank, world, path, moe_path, routed, mla_path, rm_path):
     from megatron.core import parallel_state as ps
 
     from mrl.config.actor import ActorConfig
@@ -118,7 +119,8 @@ def _rank(rank, world, path, moe_path, routed, mla_path):
     from tests.workers.batches import ragged_batch as rb
 
     return portable({"dense": results, "moe": _moe(moe_path, routed),
-                     "mla": _cp1_cp2(mla_path, rb(vocab=96)), "lora": _lora(path)})
+                     "mla": _cp1_cp2(mla_path, rb(vocab=96)), "lora": _lora(path),
+                     "side": _side(path, rm_path)})
 
 
 def _cp1_cp2(path, batch, megatron=None, moe=None, record=False):
@@ -190,6 +192,31 @@ def _lora(path):
     return out
 
 
+def _side(path, rm_path):
+    """The frozen roles at CP1 (DP4) and CP2 (DP2), each in a Megatron state of its own (as a separate placement
+    builds them): the teacher's and a separate reference's [B, R] log-probs of the dense model at the rollout
+    temperature, and the reward model's [B] scores of 7 samples (DP-padded to 8)."""
+    from mrl.config.parallel import ParallelConfig
+    from mrl.config.ref import RefConfig
+    from mrl.workers.reference import ReferenceWorker
+    from mrl.workers.reward_model import RewardModelWorker
+    from mrl.workers.teacher import TeacherWorker
+    from tests.workers.batches import ragged_batch
+
+    batch = ragged_batch()
+    out = []
+    for cp in (1, 2):
+        par = ParallelConfig(context_parallel_size=cp, attention_backend="sdpa")
+        r = {"teacher": TeacherWorker(path, par, micro_batch_size=2, temperature=TEMPERATURE, seed=1234,
+                                      remove_padding=True).compute(batch)}
+        ref = ReferenceWorker(RefConfig(placement="separate", megatron=par), model_path=path, micro_batch_size=2,
+                              temperature=TEMPERATURE, seed=1234, remove_padding=True)
+        r["ref"] = ref.compute_ref_log_prob(batch)
+        r["rm"] = RewardModelWorker(rm_path, par, micro_batch_size=3, seed=1234).compute(batch.slice(0, 7))
+        out.append(r)
+    return out
+
+
 def _moe(path, routed):
     """The Qwen3-MoE at CP1 x EP2 (DP4) and CP2 x EP2 (DP2; the EP pairs are the CP pairs): routing replay of
     engine ids (R3), the load-balancing loss at 0.05, then R2's record."""
@@ -210,11 +237,14 @@ def test_context_parallel_equals_cp1_and_transformers(tmp_path):
     moe_path = make_tiny_hf(tmp_path / "qwen3_moe", "qwen3_moe")
     routed = _engine_ids(moe_path, ragged_batch())
     mla_path = make_tiny_deepseek_hf(tmp_path / "deepseek_v3")
-    both = tensors(run_ranks(_rank, 4, args=(str(path), str(moe_path), routed, str(mla_path)), timeout_s=540))
+    rm_path = make_tiny_rm(tmp_path / "rm", "qwen2")
+    both = tensors(run_ranks(_rank, 4, args=(str(path), str(moe_path), routed, str(mla_path), str(rm_path)),
+                             timeout_s=540))
     res = [r["dense"] for r in both]
     _check_moe([r["moe"] for r in both], routed)
     _check_pair([r["mla"] for r in both], "MLA")
     _check_lora([r["lora"] for r in both])
+    _check_side([r["side"] for r in both], path, rm_path)
     batch = ragged_batch()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     with torch.no_grad():
@@ -335,3 +365,27 @@ def _check_lora(res):
                                    msg=lambda m, n=name: f"LoRA CP2 grad {n}: {m}")
     for name, t in one["peft"].items():
         torch.testing.assert_close(two["peft"][name], t, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"LoRA CP2 {n}: {m}")
+
+
+def _check_side(res, path, rm_path):
+    """Teacher, separate reference and reward model at CP2 against CP1 and against transformers (the teacher and
+    the reference are the dense model: its log-probs at the rollout temperature; the RM: its sequence
+    classifier on each sample alone), on every rank."""
+    import transformers as tf
+
+    from tests.workers.batches import ragged_batch
+    from tests.workers.reference_impl import hf_log_probs
+
+    batch = ragged_batch()
+    rm = tf.AutoModelForSequenceClassification.from_pretrained(rm_path, dtype=torch.float32).eval()
+    am = batch.attention_mask.bool()
+    with torch.no_grad():
+        lm = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        lp = hf_log_probs(lm, batch, TEMPERATURE)[0]
+        scores = torch.stack([rm(input_ids=batch.input_ids[i][am[i]][None]).logits[0, 0] for i in range(7)])
+    assert float(scores.std()) > 0.05
+    for r in res:
+        for cp in (0, 1):
+            for key, truth in (("teacher", lp), ("ref", lp), ("rm", scores)):
+                torch.testing.assert_close(r[cp][key], truth, rtol=0, atol=1e-5, msg=lambda m, k=key, c=cp: f"CP{c + 1} {k} {m}")
+                torch.testing.assert_close(r[cp][key], res[0][0][key], rtol=0, atol=1e-5)
