@@ -228,3 +228,15 @@ def test_deepseek_v3_and_kimi_k2_recipes_plan_with_uneven_stages_and_engines_ove
     # checked against independent counts in tests/config/test_pipeline_split.py)
     assert round(report.memory["actor"].total / 2**30, 2) == actor_gib
     assert max(report.device_total().values()) < 131 * 2**30  # 141 GB = 131 GiB per H200
+
+
+def test_gpt_oss_plans_under_context_parallelism(base_overrides, tmp_path):
+    """Issue 52: gpt-oss (sinks, sliding windows, MoE) at CP2 x EP2 plans (tests/workers/test_context_parallel.py
+    runs it at CP2 against CP1)."""
+    d = tmp_path / "gpt_oss"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(GPT_OSS))
+    overrides = [o for o in base_overrides if not o.startswith("model.path=")] + [f"model.path={d}"]
+    cfg = load_config(None, overrides + ["actor.megatron.context_parallel_size=2",
+                                         "actor.megatron.expert_model_parallel_size=2"], check=False)
+    assert check_config(cfg)[0] == []
