@@ -223,7 +223,8 @@ def aux_loss_metrics(coef: float, num_micro_batches: int, moe_layers: torch.Tens
         dist.all_reduce(values)
         # each CP rank's router holds its share's term (probabilities summed over its tokens / the whole
         # micro-batch's count, Megatron's switch_load_balancing_loss_func): the CP shares add up to the
-        # micro-batch's loss, so only TP (ranks routing the same tokens here) and DP average
+        # micro-batch's loss (tests/workers/test_context_parallel.py), so CP is summed, DP averaged. TP keeps
+        # its division as before (MoE training at TP > 1 needs sequence parallelism: not run on CPU)
         values /= ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size()
     clear_aux_losses_tracker()
     per_mb = values / max(num_micro_batches, 1)
