@@ -124,9 +124,10 @@ def resolve_shared_prefix(cfg: MRLConfig, device: str) -> AutoChoice:
         return AutoChoice(key, bool(want), "set in the config")
     if cfg.actor.use_remove_padding is True:
         return AutoChoice(key, False, "auto: off, actor.use_remove_padding=true packs the rows instead")
-    if cfg.actor.megatron.context_parallel_size > 1:
-        return AutoChoice(key, False, "auto: off, context parallelism (actor.megatron.context_parallel_size > 1) cuts "
-                          "packed rows")
+    cp = [role for role, par, _ in megatron_roles(cfg) if par.context_parallel_size > 1 and role != "reward_model"]
+    if cp:  # the reward model packs its own rows under CP; the other roles take the actor's row layout
+        return AutoChoice(key, False, f"auto: off, context parallelism ({cp[0]}.megatron.context_parallel_size > 1) "
+                          "cuts packed rows")
     n, P, R = cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_response_length
     row = P + n * (R - 1)
     shape = f"n={n}, P=data.max_prompt_length={P}, R=rollout.max_response_length={R}"

@@ -31,7 +31,7 @@ class ParallelConfig(Section):
     num_layers_in_last_pipeline_stage: int | None = Field(
         None, ge=1, description="Uneven pipeline stages: the last stage's layer count (it also holds the output "
         "layer and the loss); null = an even split.")
-    context_parallel_size: int = Field(1, ge=1, description="Context-parallel size (CP): each sequence of a packed row is cut into 2·CP chunks and rank r holds chunks r and 2·CP−1−r (zigzag), K/V all-gathered per layer. Runs for the actor, reference and critic on the sdpa attention backend with actor.use_remove_padding; mrl plan refuses the rest naming why (docs/long_context.md).")
+    context_parallel_size: int = Field(1, ge=1, description="Context-parallel size (CP): each sequence of a packed row is cut into 2·CP chunks and rank r holds chunks r and 2·CP−1−r (zigzag), K/V all-gathered per layer. Runs for the actor, reference, critic, teacher and reward model on the sdpa attention backend with packed rows (actor.use_remove_padding; the reward model packs its own under CP); mrl plan refuses the rest naming why (docs/long_context.md).")
     expert_model_parallel_size: int = Field(
         1, ge=1, description="Expert-parallel size (EP) for MoE layers (experts split over EP ranks; EP folds over TP and "
         "DP ranks: ETP * EP * PP must divide the role's devices); 1 for dense models.")

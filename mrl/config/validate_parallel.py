@@ -2,9 +2,11 @@
 against the model's own config.json (heads, KV heads, layers, experts). Used by validate.py for the actor,
 reference, critic and reward model and by validate_teacher.py for the teacher.
 
-Context parallelism (CP > 1) runs for the actor, reference and critic on the sdpa backend with packed rows
-(:mod:`mrl.megatron.context_parallel`); :func:`check_context_parallel` refuses every other combination, naming
-why, before anything starts (mrl/workers/megatron_model.py keeps runtime guards as the last defence)."""
+Context parallelism (CP > 1) runs for every Megatron role (actor, reference colocated or separate, critic,
+teacher, reward model) on the sdpa backend with packed rows (:mod:`mrl.megatron.context_parallel`; the reward
+model packs its rows under CP whatever actor.use_remove_padding says); :func:`check_context_parallel` refuses
+every other combination, naming why, before anything starts (mrl/workers/megatron_model.py keeps runtime guards as
+the last defence)."""
 from __future__ import annotations
 
 from mrl.config.hf import ModelShape
@@ -21,37 +23,22 @@ GROUP_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "vir
 MEGATRON_ROLES = ("actor", "ref", "critic", "teacher", "reward_model")
 
 
-#: Roles that run context parallelism (packed rows cut in zigzag shares; :mod:`mrl.megatron.context_parallel`).
-CP_ROLES = ("actor", "ref", "critic")
-
-
 def context_parallel_problem(role: str, cfg: MRLConfig, shape: ModelShape | None, choices: dict[str, object]
                              ) -> str | None:
     """Why ``<role>`` cannot run its context_parallel_size > 1 here (None: it can). ``choices``: the resolved
     ``auto`` settings by key (:func:`mrl.config.auto.resolve_all`)."""
     par = getattr(cfg, role).megatron or cfg.actor.megatron
-    if role not in CP_ROLES:
-        return (f"the {role} reads compact rows (reward-model scores, teacher log-probs are not wired to the CP "
-                "layout)")
-    if role == "ref" and cfg.ref.placement == "separate":
-        return "a separate reference runs compact rows (the colocated one, on the actor's model, runs CP)"
     backend = choices.get(f"{role}.megatron.attention_backend", "sdpa")
     if backend != "sdpa":
         return (f"context parallelism runs on the sdpa attention backend only ({role}.megatron.attention_backend "
                 f"resolves to {backend}; Transformer Engine's own CP is not wired)")
-    if not choices.get("actor.use_remove_padding"):
+    if role != "reward_model" and not choices.get("actor.use_remove_padding"):  # the RM packs under CP itself
         return "context parallelism cuts packed rows: it needs actor.use_remove_padding (and no actor.shared_prefix)"
     if shape is not None and shape.dsa is not None:
         return "DeepSeek sparse attention's indexer selects its top-k over each whole sequence on one rank (not under CP)"
-    if shape is not None and shape.num_experts:
-        return "Mixture-of-Experts models under CP (routing replay, router statistics per CP share) are not tested"
-    if shape is not None and shape.mla is not None:
-        return "multi-latent attention applies RoPE itself per sequence; its CP positions are not wired"
     if shape is not None and shape.linear_layers:
         return ("the model's Gated DeltaNet layers run a recurrence over each whole sequence on one rank (no "
                 "context-parallel delta rule yet)")
-    if role == "actor" and cfg.actor.lora.rank > 0:
-        return "LoRA under CP is not tested"
     if par.virtual_pipeline_model_parallel_size is not None:
         return "interleaved pipeline stages (virtual_pipeline_model_parallel_size) under CP are not tested"
     if cfg.algorithm.repr_align.enable:

@@ -74,8 +74,8 @@ def _check_rm_placement(cfg: MRLConfig, errors: list[str], notes: list[str]) -> 
                       "its devices, nothing else uses them between phases); fix: reward_model.offload=false, or "
                       "reward_model.placement=colocated to share the actor's devices and offload between phases")
     par = rm.parallel(cfg.actor.megatron)
-    # context_parallel_size > 1 (its own or, when reward_model.megatron is null, the actor's) is refused for
-    # every role by validate_parallel.check_context_parallel, in one wording
+    # context_parallel_size > 1 (its own or, when reward_model.megatron is null, the actor's): what it cannot run
+    # with is said for every role by validate_parallel.check_context_parallel, in one wording
     notes.append(f"reward_model: separate, {rm.num_devices} device(s) of its own after the actor's, "
                  f"TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size}"
                  + ("" if rm.megatron is not None else " (actor.megatron's sizes: reward_model.megatron is null)")

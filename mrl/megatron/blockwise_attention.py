@@ -23,7 +23,8 @@ kernel's ``P_b = exp(scale·Q K_b^T − L)`` are the merged softmax's probabilit
 gradient is ``−Σ_q e^{s_h − L_q} D_q``.
 
 Uses torch's CPU flash kernel (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward): one head size
-for Q, K and V, no dropout, heads expanded for GQA by the caller.
+for Q, K and V, no dropout, as many KV heads as query heads (GQA: the caller runs one call per query head of a
+KV group).
 """
 from __future__ import annotations
 

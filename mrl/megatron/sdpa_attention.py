@@ -170,12 +170,20 @@ class SDPAAttention(MegatronModule):
         """Causal attention (with this layer's left window and sinks) of queries at the keys' end, no mask."""
         from mrl.megatron.blockwise_attention import blockwise_attention
 
-        rep = q.shape[1] // k.shape[1]  # GQA: each KV head for its query heads (the kernel takes one count)
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         left = self.window[0] if self.window is not None and self.window[0] >= 0 else None
         sink = None if self.softmax_offset is None else self.softmax_offset.to(q.dtype)
-        return blockwise_attention(q, k, v, self.softmax_scale, window=left, sink=sink)
+        (b, h, s, _), g = q.shape, k.shape[1]
+        rep = h // g  # GQA: query head i reads KV head i // rep
+        if rep == 1:
+            return blockwise_attention(q, k, v, self.softmax_scale, window=left, sink=sink)
+        # The kernel takes one head count: one call per r < rep on query heads {j·rep + r} against the g KV heads
+        # as they are. Expanding K/V to h heads instead would keep rep copies of every key prefix for the
+        # backward (under CP each rank's prefixes add up to (2·CP + 1)/(2·CP) of the whole row).
+        qg = q.view(b, g, rep, s, q.shape[-1])
+        sg = None if sink is None else sink.view(g, rep)
+        outs = [blockwise_attention(qg[:, :, r], k, v, self.softmax_scale, window=left,
+                                    sink=None if sg is None else sg[:, r]) for r in range(rep)]
+        return torch.stack(outs, 2).view(b, h, s, v.shape[-1])
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         """[b, h, s, d] SDPA with GQA and this layer's scale/dropout (mask: True = attended). Causal attention with

@@ -154,9 +154,6 @@ class MegatronModel:
         from mrl.megatron.provider import model_family
 
         self.is_moe = is_moe_family(model_family(self.hf_config))
-        if cp > 1 and (self.is_moe or family_of(self.hf_config).is_mla):  # mrl plan refuses it first
-            raise ValueError(f"megatron.context_parallel_size={cp}: context parallelism runs for dense GQA models only "
-                             "(MoE and multi-latent attention are not wired); set it to 1")
         self.routing_replay = bool(self.is_moe and moe is not None and moe.routing_replay != "none")
         if self.is_moe and moe is not None:
             overrides["moe_token_dispatcher_type"] = moe.token_dispatcher
@@ -356,8 +353,10 @@ class MegatronModel:
             if self.router_probes:
                 self._route(inp)
             # MoE: padding positions route too, but stay out of the router's aux losses (every layout then
-            # balances over the same tokens); dense models and rows without padding take no padding mask
-            pad = inp.padding_mask() if self.is_moe and inp.padding() else None
+            # balances over the same tokens); dense models and rows without padding take no padding mask. Under
+            # CP every rank passes one (Megatron reduces the routers' token counts over TP x CP and reads the total
+            # from the mask only when it has one: a share without padding must not count its columns instead)
+            pad = inp.padding_mask() if self.is_moe and (inp.padding() or inp.cp_cols is not None) else None
             out = model(
                 input_ids=inp.tokens.to(self.device), position_ids=pos,
                 attention_mask=inp.attention_mask.to(self.device) if shared else None,

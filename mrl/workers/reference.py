@@ -37,16 +37,19 @@ class ReferenceWorker:
         self, cfg: RefConfig, *, model_path: str | os.PathLike, device: str = "cpu",
         temperature: float = 1.0, micro_batch_size: int | None = None, seed: int,
         dtype: torch.dtype | None = None, init_parallel: bool = True,
-        logits_chunk_size: int | None = None, moe: Any = None,
+        logits_chunk_size: int | None = None, moe: Any = None, remove_padding: bool = False,
     ) -> None:
-        """``moe``: the actor's ``actor.moe`` (same dispatcher and routing replay as the policy)."""
+        """``moe``: the actor's ``actor.moe`` (same dispatcher and routing replay as the policy);
+        ``remove_padding``: the run plan's ``actor.use_remove_padding`` (packed rows, which context parallelism
+        needs)."""
         dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
         self.cfg = cfg
         self.temperature = float(temperature)
         self.micro_batch_size = cfg.log_prob_micro_batch_size_per_gpu or micro_batch_size
         self.chunk_size = logits_chunk_size
         self.model = MegatronModel(model_path, cfg.megatron, device=device, dtype=dtype, seed=seed,
-                                     train=False, init_parallel=init_parallel, moe=moe)
+                                     train=False, init_parallel=init_parallel, moe=moe,
+                                     remove_padding=remove_padding)
 
     def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
         """[B, R] reference log-probs of the full batch, identical on every rank."""

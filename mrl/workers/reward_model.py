@@ -10,8 +10,9 @@ the frozen side model's common part (offload, DP padding) is :class:`mrl.workers
     rm_score_i = score.weight · h_i[last]     h = final-norm hidden states, [B]
 
 where ``last`` is the sample's last attended token (prompt + response, whatever the padding:
-the micro-batch inputs are compacted, so it is column ``num_tokens - 1``) — the token
-``transformers``' sequence classifier reads (the last non-pad token).
+the micro-batch inputs are compacted, so it is column ``num_tokens - 1``; with context parallelism the rows are
+packed and cut over the CP ranks, :func:`last_token_values`) — the token ``transformers``' sequence classifier
+reads (the last non-pad token).
 """
 from __future__ import annotations
 
@@ -50,9 +51,11 @@ class RewardModelWorker(SideModelWorker):
                  device: str = "cpu", dtype: torch.dtype | None = None, seed: int,
                  init_parallel: bool = True) -> None:
         super().__init__(micro_batch_size)
+        # context parallelism cuts packed rows (mrl/megatron/context_parallel.py): the RM packs only then
         self.model = MegatronModel(model_path, parallel, device=device,
                                    dtype=dtype or (torch.float32 if device == "cpu" else torch.bfloat16),
-                                   seed=seed, train=False, score_head=True, init_parallel=init_parallel)
+                                   seed=seed, train=False, score_head=True, init_parallel=init_parallel,
+                                   remove_padding=parallel.context_parallel_size > 1)
 
     @classmethod
     def from_config(cls, cfg: MRLConfig, plan: RunPlan, parallel: ParallelConfig, *, device: str,
@@ -71,11 +74,10 @@ class RewardModelWorker(SideModelWorker):
         batch, _ = self.dp_padded(batch)
         local = e.dp_shard(batch)
         parts = split_by_length(local.seq_lengths().tolist(), self.micro_batch_size)  # similar lengths together
-        mbs = e.make_micro_batches(local, parts, packed=False)  # fn reads compact columns
+        mbs = e.make_micro_batches(local, parts, packed=e.cp_size > 1)  # compact rows unless CP packs them
 
         def fn(mb, out):  # out [b, L, 1] on the last stage
-            last = (mb.inputs.num_tokens - 1).to(out.device).long()
-            return torch.zeros((), device=out.device), {"s": out.squeeze(-1).float().gather(1, last[:, None])[:, 0]}
+            return torch.zeros((), device=out.device), {"s": last_token_values(mb.inputs, out.squeeze(-1).float())}
 
         e.set_train(False)
         with torch.no_grad():
@@ -85,3 +87,19 @@ class RewardModelWorker(SideModelWorker):
         else:
             s = torch.zeros(local.batch_size, device=e.device)
         return e.all_gather_dp(e.broadcast_from_last_stage(s)).cpu()[:B]
+
+
+def last_token_values(inp, per_pos: torch.Tensor) -> torch.Tensor:
+    """[b] the value at each sample's last token from ``per_pos`` [rows, L] per-position outputs: compact rows at
+    column ``num_tokens − 1``; a packed row (context parallelism) at sequence i's start ``cu_seqlens[i]`` +
+    ``num_tokens[i] − 1``, after this CP rank's zigzag share is all-gathered back into the whole row (forward
+    only: the RM is frozen)."""
+    last = (inp.num_tokens - 1).long()
+    if inp.cu_seqlens is None:
+        return per_pos.gather(1, last[:, None].to(per_pos.device))[:, 0]
+    if inp.cp_cols is not None:
+        from mrl.megatron.context_parallel import gather_same_loss
+
+        every = gather_same_loss(per_pos, inp.cp_group)  # [cp, 1, L / cp]
+        per_pos = every[:, 0].reshape(-1)[inp.cp_order.to(per_pos.device)][None]
+    return per_pos[0, (inp.cu_seqlens[: len(last)] + last).to(per_pos.device)]

@@ -221,8 +221,11 @@ def aux_loss_metrics(coef: float, num_micro_batches: int, moe_layers: torch.Tens
               else torch.zeros(moe_layers.numel(), dtype=torch.float64))
     if dist.is_initialized():
         dist.all_reduce(values)
-        values /= ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size() * \
-            ps.get_context_parallel_world_size()
+        # each CP rank's router holds its share's term (probabilities summed over its tokens / the whole
+        # micro-batch's count, Megatron's switch_load_balancing_loss_func): the CP shares add up to the
+        # micro-batch's loss (tests/workers/test_context_parallel.py), so CP is summed, DP averaged. TP keeps
+        # its division as before (MoE training at TP > 1 needs sequence parallelism: not run on CPU)
+        values /= ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size()
     clear_aux_losses_tracker()
     per_mb = values / max(num_micro_batches, 1)
     if moe_layers is not None and moe_layers.numel() == per_mb.numel():  # a slot per layer; dense ones stay 0
@@ -284,9 +287,11 @@ class RoutingRecord:
         # it, so feed it the code i·S + s in the routed-experts slot (-1 where a position holds no token).
         codes = (torch.arange(b)[:, None] * S + torch.arange(S)[None, :])[:, :, None, None]
         build = build_packed_inputs if inp.cu_seqlens is not None else build_model_inputs
-        where = build(mb.data.replace(routed_experts=codes), pad_to_multiple=m.pad_to_multiple).routed_experts
+        cp = inp.cp_cols is not None  # context parallelism: each CP rank routed its zigzag share of the row
+        kw = {"seq_multiple": 2 * m.cp_size * m.pad_to_multiple} if cp else {"pad_to_multiple": m.pad_to_multiple}
+        where = build(mb.data.replace(routed_experts=codes), **kw).routed_experts
         where = where[..., 0, 0]  # [rows, L]
-        rows, width = inp.tokens.shape  # as run (a pipeline pads every micro-batch to one length)
+        rows, width = inp.tokens.shape[0], inp.full_length()  # as run (a pipeline pads every micro-batch to one length)
         sp = m.parallel.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
         out = torch.full((b * S, layers, k), -1, dtype=torch.long)
         valid = where >= 0
@@ -300,6 +305,10 @@ class RoutingRecord:
                 parts = [torch.empty_like(ids) for _ in range(ps.get_tensor_model_parallel_world_size())]
                 dist.all_gather(parts, ids.contiguous(), group=m.tp_group)
                 ids = torch.cat(parts, 0)
+            if cp:  # every CP rank's share, put back in the row's column order (packed rows: one row)
+                parts = [torch.empty_like(ids) for _ in range(m.cp_size)]
+                dist.all_gather(parts, ids.contiguous(), group=m.cp_group)
+                ids = torch.cat(parts, 0)[inp.cp_order.to(ids.device)]
             ids = ids.cpu().long().reshape(width, rows, k).transpose(0, 1)[:, : where.shape[1]]
             out[where[valid], layer] = ids[valid]
         if dist.get_world_size(m.pp_group) > 1:  # each stage filled its own layers; -1 + 1 = 0 elsewhere

@@ -57,8 +57,19 @@ def test_bad_moe_layouts_are_refused_with_the_key(moe_overrides, extra, must):
 def test_good_moe_layouts_pass(moe_overrides):
     for extra in ([], ["actor.megatron.expert_model_parallel_size=4", "actor.moe.routing_replay=rollout"],
                   ["actor.megatron.expert_model_parallel_size=2", "actor.megatron.pipeline_model_parallel_size=2",
-                   "actor.ppo_micro_batch_size_per_gpu=4"]):
+                   "actor.ppo_micro_batch_size_per_gpu=4"],
+                  # CP x EP (issue 52; tests/workers/test_context_parallel.py): the EP pairs are the CP pairs
+                  ["actor.megatron.expert_model_parallel_size=2", "actor.megatron.context_parallel_size=2",
+                   "actor.moe.routing_replay=rollout", "actor.moe.aux_loss_coef=0.01"]):
         assert _errors(moe_overrides + extra) == [], extra
+
+
+def test_plan_prints_cp_and_the_expert_grid_folding_cp(moe_overrides):
+    """Megatron's expert grid has no CP axis: EDP = devices / (ETP·EP·PP) takes the CP ranks (4 / 2 = 2)."""
+    cfg = load_config(None, moe_overrides + ["actor.megatron.expert_model_parallel_size=2",
+                                             "actor.megatron.context_parallel_size=2"])
+    text = format_report(cfg, build_report(cfg))
+    assert "CP=2 DP=2" in text and "EP=2 ETP=1 EDP=2" in text, text
 
 
 def test_moe_settings_on_a_dense_model_are_refused(base_overrides):
@@ -184,6 +195,9 @@ def test_plan_notes_of_a_deepseek_v3_checkpoint(base_overrides, tmp_path):
     raw["num_nextn_predict_layers"] = 0
     (d / "config.json").write_text(json.dumps(raw))
     assert "multi-token-prediction" not in format_report(cfg, build_report(cfg))
+    # CP (issue 52): MLA under CP plans (tests/workers/test_context_parallel.py runs it) and prints CP
+    cp = load_config(None, overrides + ["actor.megatron.context_parallel_size=2"])
+    assert check_config(cp)[0] == [] and "CP=2 DP=2" in format_report(cp, build_report(cp))
 
 
 def test_bundled_deepseek_v3_and_kimi_k2_shapes_count_their_published_sizes():
@@ -214,3 +228,15 @@ def test_deepseek_v3_and_kimi_k2_recipes_plan_with_uneven_stages_and_engines_ove
     # checked against independent counts in tests/config/test_pipeline_split.py)
     assert round(report.memory["actor"].total / 2**30, 2) == actor_gib
     assert max(report.device_total().values()) < 131 * 2**30  # 141 GB = 131 GiB per H200
+
+
+def test_gpt_oss_plans_under_context_parallelism(base_overrides, tmp_path):
+    """Issue 52: gpt-oss (sinks, sliding windows, MoE) at CP2 x EP2 plans (tests/workers/test_context_parallel.py
+    runs it at CP2 against CP1)."""
+    d = tmp_path / "gpt_oss"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(GPT_OSS))
+    overrides = [o for o in base_overrides if not o.startswith("model.path=")] + [f"model.path={d}"]
+    cfg = load_config(None, overrides + ["actor.megatron.context_parallel_size=2",
+                                         "actor.megatron.expert_model_parallel_size=2"], check=False)
+    assert check_config(cfg)[0] == []

@@ -169,8 +169,10 @@ BAD = [
       "fix: set reward_model.megatron.tensor_model_parallel_size"]),
     ("rm_separate_sequence_parallel_tp1", [*_RM_SEP, "reward_model.num_devices=2", "reward_model.megatron.sequence_parallel=true"],
      ["reward_model.megatron.sequence_parallel=true", "fix"]),
-    ("rm_separate_context_parallel", [*_RM_SEP, "reward_model.num_devices=2", "reward_model.megatron.context_parallel_size=2"],
-     ["reward_model.megatron.context_parallel_size=2", "fix: reward_model.megatron.context_parallel_size=1"]),
+    ("rm_separate_context_parallel_local", [*_RM_SEP, "reward_model.num_devices=2", "reward_model.megatron.context_parallel_size=2",
+                                            "reward_model.megatron.attention_backend=local"],
+     ["reward_model.megatron.context_parallel_size=2", "sdpa attention backend only",
+      "fix: reward_model.megatron.context_parallel_size=1"]),
     ("rm_verl_resource_pool_keys", ["reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=2"],
      ["unknown key 'reward_model.enable_resource_pool'", "fix: verl's reward_pool is reward_model.placement=separate",
       "reward_model.num_devices"]),
@@ -441,13 +443,15 @@ def test_context_parallel_plans_for_actor_ref_and_critic(base_overrides: list[st
 
     text = format_report(cfg, build_report(cfg))
     assert "TP=1 PP=1 CP=2 DP=2" in text and "CP=2: each device holds 1/2 of every sequence's tokens" in text
+    # LoRA under CP (tests/workers/test_context_parallel.py: adapters, gradients, reference at CP2 = CP1)
+    assert check_config(load_config(None, base_overrides + ["actor.megatron.context_parallel_size=2",
+                                                            "actor.lora.rank=8"]))[0] == []
 
 
 _CP_REFUSED = [  # (case, overrides, why the one line must name)
     ("not_packed", ["actor.use_remove_padding=false"], "it needs actor.use_remove_padding"),
     ("local_attention", ["actor.megatron.attention_backend=local", "actor.use_remove_padding=false"],
      "sdpa attention backend only"),
-    ("lora", ["actor.lora.rank=8"], "LoRA under CP is not tested"),
     ("vpp", ["actor.megatron.pipeline_model_parallel_size=2", "actor.megatron.virtual_pipeline_model_parallel_size=2"],
      "interleaved pipeline stages"),
 ]
@@ -463,11 +467,14 @@ def test_context_parallel_token_budget_is_per_device(base_overrides: list[str]) 
     assert any("over CP=2 devices" in e and "fix: set actor.ppo_max_token_len_per_gpu >= 64" in e for e in errors), errors
 
 
-def test_context_parallel_is_refused_for_a_separate_reference(base_overrides: list[str]) -> None:
-    errors = _errors(base_overrides + ["ref.placement=separate", "ref.num_devices=2",
-                                       "ref.megatron.context_parallel_size=2"])
-    cp = [e for e in errors if "context_parallel_size" in e]
-    assert len(cp) == 1 and cp[0].startswith("ref.megatron.context_parallel_size=2: a separate reference"), errors
+def test_context_parallel_plans_for_a_separate_reference(base_overrides: list[str]) -> None:
+    """Issue 52: a separate reference runs CP too (tests/workers/test_context_parallel.py, ReferenceWorker), on the
+    packed rows the actor's forwards use (an actor at CP1 may pick the shared-prefix rows instead: then it says so)."""
+    sep = ["ref.placement=separate", "ref.num_devices=2", "ref.megatron.context_parallel_size=2"]
+    cfg = load_config(None, base_overrides + sep, check=False)  # auto: packed rows, no shared prefix
+    assert not [e for e in check_config(cfg)[0] if "context_parallel_size" in e]
+    cp = [e for e in _errors(base_overrides + sep + ["actor.use_remove_padding=false"]) if "context_parallel_size" in e]
+    assert len(cp) == 1 and cp[0].startswith("ref.megatron.context_parallel_size=2: ") and "use_remove_padding" in cp[0]
 
 
 @pytest.mark.parametrize("case, extra, why", _CP_REFUSED, ids=[c for c, _, _ in _CP_REFUSED])
@@ -479,28 +486,40 @@ def test_context_parallel_refusals_name_why(case: str, extra: list[str], why: st
     assert "\n" not in cp[0]
 
 
-@pytest.mark.parametrize("role, extra", [
-    ("teacher", ["algorithm.distill.mode=kl_loss", "teacher.enable=true", "teacher.placement=separate",
-                 "teacher.num_devices=2"]),
-    ("reward_model", [*_RM_SEP, "reward_model.num_devices=2"]),
-], ids=["teacher", "reward_model"])
-def test_context_parallel_is_refused_for_the_teacher_and_reward_model(role: str, extra: list[str],
-                                                                      base_overrides: list[str], tiny_model: Path) -> None:
+_TEACHER_SEP = ["algorithm.distill.mode=kl_loss", "teacher.enable=true", "teacher.placement=separate",
+                "teacher.num_devices=2"]
+
+
+@pytest.mark.parametrize("role, extra", [("teacher", _TEACHER_SEP), ("reward_model", [*_RM_SEP, "reward_model.num_devices=2"])],
+                         ids=["teacher", "reward_model"])
+def test_context_parallel_plans_for_the_teacher_and_reward_model(role: str, extra: list[str],
+                                                                 base_overrides: list[str], tiny_model: Path) -> None:
+    """Issue 52: the teacher and the reward model run CP (tests/workers/test_context_parallel.py); `mrl plan` prints
+    it on their line; the reward model packs its rows under CP even with actor.use_remove_padding=false."""
+    from mrl.config.plan_report import build_report, format_report
+
     key = f"{role}.megatron.context_parallel_size"
     extra = [*extra, f"teacher.path={tiny_model}"] if role == "teacher" else extra
-    errors = _errors(base_overrides + extra + [f"{key}=2"])
-    cp = [e for e in errors if "context_parallel_size" in e]
-    assert len(cp) == 1 and cp[0].startswith(f"{key}=2: ") and "reads compact rows" in cp[0], errors
-    assert check_config(load_config(None, base_overrides + extra))[0] == []  # the same config at CP=1 plans
+    cfg = load_config(None, base_overrides + extra + [f"{key}=2"])
+    assert check_config(cfg)[0] == []
+    line = [ln for ln in format_report(cfg, build_report(cfg)).splitlines() if ln.strip().startswith(role)]
+    assert line and "CP=2 DP=1" in line[0], line
+    if role == "reward_model":
+        assert check_config(load_config(None, base_overrides + extra + [f"{key}=2", "actor.use_remove_padding=false"],
+                                        check=False))[0] == []
+    else:  # the teacher's log-probs come from packed rows like the actor's
+        errors = _errors(base_overrides + extra + [f"{key}=2", "actor.use_remove_padding=false"])
+        assert any(e.startswith(f"{key}=2: ") and "actor.use_remove_padding" in e for e in errors), errors
 
 
-def test_context_parallel_taken_from_the_actor_is_said_once(base_overrides: list[str]) -> None:
-    """A separate reward model with reward_model.megatron null runs at the actor's sizes: the actor's key is the one
-    to change (or a section of its own), and it is the only CP line."""
-    errors = _errors(base_overrides + [*_RM_SEP, "reward_model.num_devices=2", "actor.megatron.context_parallel_size=2"])
-    cp = [e for e in errors if "context_parallel_size=2" in e]
-    assert len(cp) == 1 and cp[0].startswith("actor.megatron.context_parallel_size=2: "), errors
-    assert "reward_model.megatron section of its own" in cp[0]
+def test_context_parallel_taken_from_the_actor_is_said_once(base_overrides: list[str], tiny_model: Path) -> None:
+    """Separate side models with null megatron sections run at the actor's sizes: a CP refusal that holds for them
+    names the actor's key (or a section of their own) once for both, next to the actor's own line."""
+    errors = _errors(base_overrides + [*_RM_SEP, "reward_model.num_devices=2", *_TEACHER_SEP, f"teacher.path={tiny_model}",
+                                       "cluster.n_gpus_per_node=8", "actor.megatron.context_parallel_size=2",
+                                       "actor.megatron.attention_backend=local", "actor.use_remove_padding=false"])
+    cp = [e for e in errors if e.startswith("actor.megatron.context_parallel_size=2: ")]
+    assert len(cp) == 2 and sum("megatron section of its own" in e for e in cp) == 1, errors
 
 
 @pytest.mark.parametrize("cmd", ["plan", "train"])

@@ -7,11 +7,11 @@ reads ``ru_maxrss`` as its baseline, runs one ``update_policy`` on the long batc
 growth is that update's peak (method of tests/workers/test_long_sequences.py). CP=1 runs on one rank, CP=2 on two;
 the CP=2 figure is the larger of its two ranks'.
 
-What CP=2 keeps per rank: half of every layer's activations and of the logits, plus what each rank holds whole or
-copied (the row's gathered K/V, the prefix keys expanded to the query heads for the CPU flash kernel, the gathered
-per-position log-probs). Measured (2-core box, OMP_NUM_THREADS 1 and 2): CP=1 148-156 MiB, CP=2 96-103 MiB per
-rank, ratio 0.62-0.68 (0.67 at 16384 + 256 tokens); the tensors autograd saves for the backward alone: 111 vs 65
-MiB, 0.58. Ideal 0.5; no split would be 1.0. Bound ``MAX_RATIO`` = 0.75. The test fails where it should: the CP
+What CP=2 keeps per rank: half of every layer's activations and of the logits, plus what each rank holds whole
+(the row's gathered K/V, the gathered per-position log-probs). Measured (2-core box, OMP_NUM_THREADS 1 and 2): CP=1
+138-156 MiB, CP=2 85-95 MiB per rank, ratio 0.59-0.63 since the CPU flash calls read each KV head once per query
+head of its group instead of keys expanded to the query heads (which kept rep copies of every prefix for the
+backward: 0.64-0.68 then, CP=2 95-103 MiB). Ideal 0.5; no split would be 1.0. Bound ``MAX_RATIO`` = 0.75. The test fails where it should: the CP
 attention through explicit ``[c, (j+1)·c]`` chunk masks (the maskless path of mrl/megatron/blockwise_attention.py
 switched off) gave 148 -> 250 MiB per rank, ratio 1.69.
 """
