@@ -23,6 +23,16 @@ ATTENTION_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 # in_proj_b, in_proj_a; Qwen3-Next's grouped in_proj_qkvz, in_proj_ba; both out_proj. A model without them adapts none.
 GATED_DELTA_NET = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
 ALL_LINEAR = ATTENTION_MLP + GATED_DELTA_NET
+QWEN3_5_GDN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+QWEN3_NEXT_GDN = ("in_proj_qkvz", "in_proj_ba", "out_proj")
+
+
+def model_projections(linear_layers: int, model_type: str) -> tuple[str, ...]:
+    """The HF projection names a decoder has (config.json's numbers: Gated DeltaNet layers, Qwen3-Next's grouped
+    in_proj_qkvz / in_proj_ba by its model_type)."""
+    if not linear_layers:
+        return ATTENTION_MLP
+    return ATTENTION_MLP + (QWEN3_NEXT_GDN if model_type == "qwen3_next" else QWEN3_5_GDN)
 
 
 class LoraConfig(Section):
