@@ -65,7 +65,18 @@ def lora_parity_rank(rank: int, world: int, root: str, cases: dict[str, list[tup
                        dropout=0.0, seed=0)
             # Initial adapters (peft's init: A Kaiming-uniform, B = 0) do not depend on the layout.
             out[(case, tp, pp, vpp, "init")] = {n: t.double().sum().item() for n, t in export_peft_tensors(chunks)}
+            save_at, load_at = ref.get("ckpt", (None, None))
+            if (tp, pp, vpp) == load_at:  # the adapters saved at another TP come back whole (layout-free checkpoint)
+                from mrl.megatron.checkpoint import load_checkpoint
+
+                load_checkpoint(path / "ckpt", chunks, load_optimizer=False)
+                out[(case, tp, pp, vpp, "ckpt")] = max(
+                    (t - ref["adapters"][n]).abs().max().item() for n, t in export_peft_tensors(chunks))
             load_peft_tensors(chunks, ref["adapters"].__getitem__)
+            if (tp, pp, vpp) == save_at:
+                from mrl.megatron.checkpoint import save_checkpoint
+
+                save_checkpoint(path / "ckpt", chunks, hf_config=cfg)
             logits = _logits_and_grads(chunks, cfg, ref["ids"], ref["weight"])
             key = (case, tp, pp, vpp)
             if logits is not None:

@@ -35,6 +35,8 @@ HYBRID_DEF = {  # case -> (tiny_hybrid kind, targets, r, alpha, layout of the ex
 }
 CASES = {"llama_all": LAYOUTS + [(1, 2, 2)], "qwen2_all": LAYOUTS, "qwen2_qv": [(2, 1, None), (2, 2, None)],
          "qwen3_5_vl": [(1, 1, None), (2, 1, None)], "qwen3_5_text": [(1, 1, None)], "qwen3_next": [(2, 1, None)]}
+# the Megatron checkpoint of the adapters: saved at the first layout, loaded at the second (another TP)
+CKPT = {"qwen3_5_vl": ((1, 1, None), (2, 1, None))}
 TOL = 1e-5  # fp32; same maths in another order (TP reductions, fused layouts). Grads: relative to max |grad|.
 
 
@@ -125,7 +127,8 @@ def _make_hybrid_case(root, name, kind, targets, r, alpha, merged_at, merge, see
     merged = {n: t.detach().clone() for n, t in pm.merge_and_unload().state_dict().items()} if merge else None
     torch.save({"ids": ids, "weight": weight, "logits": logits, "grads": grads, "adapters": adapters, "merged": merged,
                 "targets": targets, "r": r, "alpha": alpha, "merged_at": merged_at, "err32": err32,
-                "err32_grads": err32_grads, "logits32": logits32}, root / name / "ref.pt")
+                "err32_grads": err32_grads, "logits32": logits32, "ckpt": CKPT.get(name, (None, None))},
+               root / name / "ref.pt")
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +186,15 @@ def test_hybrid_peft_export_round_trips_and_loads_in_peft(launched, case):
     with torch.no_grad():
         logits = pm(input_ids=ref["ids"]).logits
     assert torch.equal(logits, ref["logits32"]), (logits - ref["logits32"]).abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", list(CKPT))
+def test_hybrid_adapter_checkpoint_loads_at_another_tp(launched, case):
+    """Megatron's distributed checkpoint of the adapters (in_proj_qkv's B stored as its q/k/v row blocks) saved at TP1
+    loads at TP2 into exactly the adapters that were saved."""
+    assert launched[1][(case, *CKPT[case][1], "ckpt")] == 0.0
 
 
 MERGE_CASES = list(CASES_DEF) + [c for c, spec in HYBRID_DEF.items() if spec[5]]
