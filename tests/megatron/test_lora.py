@@ -32,10 +32,13 @@ HYBRID_DEF = {  # case -> (tiny_hybrid kind, targets, r, alpha, layout of the ex
     # state dict, so there is no per-tensor merge oracle here
     "qwen3_next": ("qwen3_next", ["q_proj", "v_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"], 2, 8.0,
                    (2, 1, None), False),
+    # the MoE release (vision-language, gated shared expert), attention and GDN targets as for Qwen3-Next
+    "qwen3_5_moe": ("qwen3_5_moe", ["q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"], 2, 8.0, (1, 1, None),
+                    False),
 }
 CASES = {"llama_all": LAYOUTS + [(1, 2, 2)], "qwen2_all": LAYOUTS, "qwen2_qv": [(2, 1, None), (2, 2, None)],
          "qwen3_5_vl": [(1, 1, None), (2, 1, None)], "qwen3_5_text": [(1, 1, None)],
-         "qwen3_next": [(1, 1, None), (2, 1, None)]}  # TP1: two key-head groups on a rank (TP2 holds one)
+         "qwen3_next": [(1, 1, None), (2, 1, None)], "qwen3_5_moe": [(1, 1, None)]}  # TP1: two key-head groups on a rank (TP2 holds one)
 # the Megatron checkpoint of the adapters: saved at the first layout, loaded at the second (another TP)
 CKPT = {"qwen3_5_vl": ((1, 1, None), (2, 1, None))}
 TOL = 1e-5  # fp32; same maths in another order (TP reductions, fused layouts). Grads: relative to max |grad|.
@@ -143,8 +146,14 @@ def launched(tmp_path_factory):
     merged: dict = {}
     for r in results:
         merged.update(r)
-    print("LoRA parity (max over tensors):",
-          {k: max(v.values()) if isinstance(v, dict) else v for k, v in sorted(merged.items(), key=str)})
+    def short(v):  # a dict per tensor: its max; a peft round trip (names, max |Δ|): how many names
+        if isinstance(v, dict):
+            return max(v.values())
+        return (len(v[0]), v[1]) if isinstance(v, tuple) and isinstance(v[0], list) else v
+
+    print("LoRA parity (max over tensors):", {k: short(v) for k, v in sorted(merged.items(), key=str)})
+    print("peft's own float32 error (logits, grads):", {c: tuple(torch.load(root / c / "ref.pt", weights_only=True)[k]
+                                                         for k in ("err32", "err32_grads")) for c in HYBRID_DEF})
     return root, merged
 
 
