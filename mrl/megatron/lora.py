@@ -121,6 +121,18 @@ def linear_projs(linear: str, hf_config: Any) -> tuple[str, ...]:
     return LINEARS[linear][1]
 
 
+def adapted_targets(targets: tuple[str, ...], hf_config: Any) -> tuple[str, ...]:
+    """The names of ``targets`` (``actor.lora.targets``, all-linear expanded to every name mrl adapts) that this model
+    has: what its adapters are, what ``lora_config.json`` records and ``adapter_config.json`` lists (a Llama's
+    all-linear stays its seven projections; a Qwen3.5 adds its Gated DeltaNet ones)."""
+    from mrl.families import family_of
+
+    has = set(HF_MODULE)
+    if family_of(hf_config).linear_attention is not None:
+        has |= {*linear_projs("self_attention.in_proj", hf_config), "out_proj"}
+    return tuple(t for t in targets if t in has)
+
+
 def _gdn_widths(hf_config: Any) -> dict[str, int]:
     """``nk`` key heads, ``r`` value heads per key head, ``dk``, ``dv`` of a Gated DeltaNet layer (whole model)."""
     nk, nv = int(hf_config.linear_num_key_heads), int(hf_config.linear_num_value_heads)
