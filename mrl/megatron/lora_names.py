@@ -1,7 +1,7 @@
 """Names and shapes of the LoRA adapters (:mod:`mrl.megatron.lora`): which Megatron linear fuses which Hugging Face
 projections, the HF module of each projection and its peft tensor name (with the decoder prefix of a vision-language
 release), the projections a model has, and the HF ``(out, in)`` shape of each (the gated ``q_proj`` of Qwen3.5 twice
-as wide; the Gated DeltaNet projections' widths). No Megatron: config reading only."""
+as wide; the Gated DeltaNet projections' widths), read off the config alone."""
 from __future__ import annotations
 
 from typing import Any

@@ -37,7 +37,7 @@ HYBRID_DEF = {  # case -> (tiny_hybrid kind, targets, r, alpha, layout of the ex
                     False),
 }
 CASES = {"llama_all": LAYOUTS + [(1, 2, 2)], "qwen2_all": LAYOUTS, "qwen2_qv": [(2, 1, None), (2, 2, None)],
-         "qwen3_5_vl": [(1, 1, None), (2, 1, None)], "qwen3_5_text": [(1, 1, None)],
+         "qwen3_5_vl": [(1, 1, None), (2, 1, None), (1, 2, None)], "qwen3_5_text": [(1, 1, None)],
          "qwen3_next": [(1, 1, None), (2, 1, None)], "qwen3_5_moe": [(1, 1, None)]}  # TP1: two key-head groups on a rank (TP2 holds one)
 # the Megatron checkpoint of the adapters: saved at the first layout, loaded at the second (another TP)
 CKPT = {"qwen3_5_vl": ((1, 1, None), (2, 1, None))}
