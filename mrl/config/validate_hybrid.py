@@ -49,6 +49,15 @@ def check_hybrid(cfg: MRLConfig, cuda: bool, errors: list[str], notes: list[str]
         if par.attention_backend in ("te", "local"):
             errors.append(f"{key}.attention_backend={par.attention_backend}: mrl builds the Gated DeltaNet layers on "
                           f"Megatron's local spec with SDPA attention only; fix: {key}.attention_backend=sdpa (or auto)")
+    if cfg.actor.lora.enabled:
+        from mrl.config.auto import _model_shape
+
+        shape = _model_shape(cfg)
+        has = model_projections(shape.linear_layers, shape.model_type) if shape is not None else ()
+        adapted = [t for t in cfg.actor.lora.targets if t in has]
+        notes.append(f"actor.lora on a hybrid decoder: adapters on {','.join(adapted)} (a gated q_proj's query and "
+                     "gate halves alike); the Gated DeltaNet conv1d, A_log, dt_bias and gated norm stay frozen "
+                     "(not linears; peft leaves them too)")
     if cfg.actor.shared_prefix is True:
         errors.append(f"actor.shared_prefix=true: {why}, and a shared-prefix row branches several samples off one "
                       "prompt inside the row; fix: actor.shared_prefix=false (or auto)")

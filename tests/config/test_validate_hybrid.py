@@ -74,6 +74,8 @@ def test_lora_plans_with_peft_adapter_count(model: list[str]) -> None:
     assert plan.lora_targets == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                                  "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
     assert "LoRA rank 4 (12 target projections)" in format_report(cfg, plan)
+    assert any(n.startswith("actor.lora on a hybrid decoder: adapters on q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+                            "down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj") for n in plan.notes), plan.notes
 
 
 def test_a_target_the_model_lacks_is_refused(model: list[str]) -> None:
