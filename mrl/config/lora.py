@@ -15,9 +15,24 @@ from pydantic import Field, field_validator
 
 from mrl.config.base import Section
 
-LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "all-linear"]
-# Hugging Face projection names of the supported decoder families (Llama/Qwen2/Qwen3/Mistral).
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+                     "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj", "all-linear"]
+# Hugging Face projection names of the attention and MLP of every supported decoder family.
+ATTENTION_MLP = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A hybrid decoder's Gated DeltaNet projections (HF ``linear_attn.*``): Qwen3.5 / Qwen3.6's in_proj_qkv, in_proj_z,
+# in_proj_b, in_proj_a; Qwen3-Next's grouped in_proj_qkvz, in_proj_ba; both out_proj. A model without them adapts none.
+GATED_DELTA_NET = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
+ALL_LINEAR = ATTENTION_MLP + GATED_DELTA_NET
+QWEN3_5_GDN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+QWEN3_NEXT_GDN = ("in_proj_qkvz", "in_proj_ba", "out_proj")
+
+
+def model_projections(linear_layers: int, model_type: str) -> tuple[str, ...]:
+    """The HF projection names a decoder has (config.json's numbers: Gated DeltaNet layers, Qwen3-Next's grouped
+    in_proj_qkvz / in_proj_ba by its model_type)."""
+    if not linear_layers:
+        return ATTENTION_MLP
+    return ATTENTION_MLP + (QWEN3_NEXT_GDN if model_type == "qwen3_next" else QWEN3_5_GDN)
 
 
 class LoraConfig(Section):
@@ -29,7 +44,8 @@ class LoraConfig(Section):
     target_modules: list[LoraTarget] = Field(
         default_factory=lambda: ["all-linear"],
         description="Hugging Face projection names that get adapters (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
-        "down_proj) or all-linear for all seven.",
+        "down_proj; on a hybrid Qwen3.5 / Qwen3-Next also its Gated DeltaNet in_proj_qkv,in_proj_z,in_proj_b,"
+        "in_proj_a / in_proj_qkvz,in_proj_ba and out_proj) or all-linear for every one the model has.",
     )
     separate_reference: bool = Field(
         False, description="With LoRA the reference is the base model (adapters off, no second copy); true allows "
@@ -48,6 +64,7 @@ class LoraConfig(Section):
 
     @property
     def targets(self) -> tuple[str, ...]:
-        """Expanded target names in canonical order (all-linear → all seven)."""
+        """Expanded target names in canonical order (all-linear → every name of ALL_LINEAR: the model adapts those it
+        has)."""
         chosen = set(ALL_LINEAR) if "all-linear" in self.target_modules else set(self.target_modules)
         return tuple(t for t in ALL_LINEAR if t in chosen)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from mrl.config.auto import planned_device
 from mrl.config.hf import ModelShape, read_model_shape
 from mrl.config.layout import RoleLayout, engine_nodes
+from mrl.config.lora import model_projections
 from mrl.config.parallel import ParallelConfig
 from mrl.config.pipeline_split import SplitError, stage_layer_counts
 from mrl.config.root import MRLConfig
@@ -104,15 +105,32 @@ class RoleMemory:
 
 
 def lora_params_per_device(shape: ModelShape, par: ParallelConfig, rank: int, targets: tuple[str, ...]) -> int:
-    """Adapter parameters on the most loaded device (a full stage of layers; see the module doc)."""
+    """Adapter parameters on the most loaded device (a full stage of layers; see the module doc). A hybrid decoder's
+    layers are counted as the model's mix: Gated DeltaNet projections on its linear-attention layers, the (gated)
+    attention's on the others."""
     tp = par.tensor_model_parallel_size
     h, q, kv, f = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, \
         shape.intermediate_size
-    column = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "gate_proj": (h, f), "up_proj": (h, f)}
+    gq = q * (2 if shape.attention_output_gate else 1)
+    column = {"q_proj": (h, gq), "k_proj": (h, kv), "v_proj": (h, kv), "gate_proj": (h, f), "up_proj": (h, f)}
     row = {"o_proj": (q, h), "down_proj": (f, h)}
-    per_layer = sum(rank * i + rank * o / tp for t, (i, o) in column.items() if t in targets)
-    per_layer += sum(rank * i / tp + rank * o for t, (i, o) in row.items() if t in targets)
-    return int(per_layer * max(_stage_layers(shape.num_layers, par)))
+
+    def count(col: dict, rows: dict) -> float:
+        return (sum(rank * i + rank * o / tp for t, (i, o) in col.items() if t in targets)
+                + sum(rank * i / tp + rank * o for t, (i, o) in rows.items() if t in targets))
+
+    L = shape.num_layers
+    all_layers = count(column, row) * L
+    if shape.linear_layers and shape.gdn:
+        nk, nv, dk, dv, _ = shape.gdn
+        kd, vd = nk * dk, nv * dv
+        has = model_projections(shape.linear_layers, shape.model_type)
+        gdn = count({t: c for t, c in {"in_proj_qkv": (h, 2 * kd + vd), "in_proj_z": (h, vd), "in_proj_b": (h, nv),
+                                       "in_proj_a": (h, nv), "in_proj_qkvz": (h, 2 * kd + 2 * vd),
+                                       "in_proj_ba": (h, 2 * nv)}.items() if t in has}, {"out_proj": (vd, h)})
+        attn = count({k: column[k] for k in ("q_proj", "k_proj", "v_proj")}, {"o_proj": row["o_proj"]})
+        all_layers += shape.linear_layers * (gdn - attn)
+    return int(all_layers * max(_stage_layers(L, par)) / L)
 
 
 def trained_memory(shape: ModelShape, par: ParallelConfig, dp: int, dtype: str, distributed_optimizer: bool,
@@ -162,6 +180,7 @@ class PlanReport:
     experts_per_token: int = 0
     notes: list[str] = field(default_factory=list)
     full_finetune_actor: RoleMemory | None = None  # the actor without LoRA, to show what LoRA saves
+    lora_targets: tuple[str, ...] = ()  # actor.lora's target projections that the model has
 
     def device_total(self) -> dict[str, int]:
         """Bytes on one device of each group of roles sharing devices (colocated roles add up)."""
@@ -213,6 +232,8 @@ def build_report(cfg: MRLConfig) -> PlanReport:
                                           frozen_vision=a.freeze_vision_tower)
     if a.lora.enabled:
         plan.full_finetune_actor = plan.memory["actor"]
+        has = model_projections(shape.linear_layers, shape.model_type)
+        plan.lora_targets = tuple(t for t in a.lora.targets if t in has)
         plan.memory["actor"] = trained_memory(shape, a.megatron, dp, dt, a.use_distributed_optimizer, div,
                                               trainable=lora_params_per_device(shape, a.megatron, a.lora.rank,
                                                                                a.lora.targets))
@@ -330,7 +351,7 @@ def format_report(cfg: MRLConfig, plan: PlanReport) -> str:
         full, lo = plan.full_finetune_actor, plan.memory["actor"]
         if full is not None:
             lines.append(
-                f"    LoRA rank {a.lora.rank} ({len(a.lora.targets)} target projections): actor grads + optimizer "
+                f"    LoRA rank {a.lora.rank} ({len(plan.lora_targets)} target projections): actor grads + optimizer "
                 f"{_gib(lo.grads + lo.optimizer)} instead of {_gib(full.grads + full.optimizer)} (full fine-tuning), "
                 f"saves {_gib(full.total - lo.total)} per actor device; reference = base model with adapters off "
                 + ("(0 bytes)" if cfg.ref.placement == "colocated" else "(separate copy)"))

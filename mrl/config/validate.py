@@ -29,7 +29,7 @@ from mrl.config.validate_engines import (
     separate_breakdown,
 )
 from mrl.config.validate_extensions import check_extension_points
-from mrl.config.validate_hybrid import check_dsa, check_hybrid
+from mrl.config.validate_hybrid import check_dsa, check_hybrid, lora_target_problem
 from mrl.config.validate_judge import check_judge
 from mrl.config.validate_moe import check_moe, family_plan_notes, family_refusals
 from mrl.config.validate_parallel import (
@@ -195,6 +195,9 @@ def _check_lora(cfg: MRLConfig, shape: ModelShape | None, errors: list[str]) -> 
                       "actor.lora.separate_reference=true to keep a separate reference anyway")
     if lo.separate_reference and cfg.ref.placement != "separate":
         errors.append("actor.lora.separate_reference=true is only used with ref.placement=separate; fix: remove it")
+    target_problem = lora_target_problem(cfg, shape)
+    if target_problem:
+        errors.append(target_problem)
     if cfg.actor.megatron.sequence_parallel:
         errors.append("actor.megatron.sequence_parallel=true is not supported with actor.lora (LoRA builds Megatron's "
                       "local layer spec, whose torch norms refuse sequence parallelism); fix: "

@@ -1,6 +1,8 @@
 """Plan-time checks of a hybrid-attention model (Qwen3.5: Gated DeltaNet linear-attention layers beside gated
 attention layers; :mod:`mrl.megatron.gated_delta_net`). No torch: reads config.json through :mod:`mrl.config.auto`.
-LoRA is refused for such a model too: the adapters' fused layouts do not know the gated ``q_proj`` yet.
+LoRA (:mod:`mrl.megatron.lora`) adapts the gated attention and the Gated DeltaNet projections; a target name the model
+does not have (Qwen3-Next's grouped ``in_proj_qkvz`` on a Qwen3.5, a Gated DeltaNet name on a model without those
+layers) is refused by :func:`lora_target_problem` for every model.
 
 A Gated DeltaNet layer runs a recurrence over each whole sequence on one rank, so what splits or branches a sequence
 is refused for such a model: context parallelism (the sequence split over ranks; refused with the other CP cases by
@@ -12,7 +14,26 @@ says which kernel runs the delta rule. :func:`check_dsa`: the same kind of check
 from __future__ import annotations
 
 from mrl.config.auto import POLICY_ROLES, megatron_roles, model_is_dsa, model_is_hybrid
+from mrl.config.hf import ModelShape
+from mrl.config.lora import GATED_DELTA_NET, model_projections
 from mrl.config.root import MRLConfig
+
+
+def lora_target_problem(cfg: MRLConfig, shape: ModelShape | None) -> str | None:
+    """actor.lora.target_modules naming a projection that model.path's layers do not have (peft would find no such
+    module on the HF model; the adapters would silently not exist), or None."""
+    lo = cfg.actor.lora
+    if shape is None or not lo.enabled or "all-linear" in lo.target_modules:
+        return None
+    has = model_projections(shape.linear_layers, shape.model_type)
+    lacks = [t for t in lo.target_modules if t not in has]
+    if not lacks:
+        return None
+    gdn = [t for t in has if t in GATED_DELTA_NET]
+    what = (f"its Gated DeltaNet layers name theirs {','.join(gdn)}" if gdn else "it has no Gated DeltaNet layers")
+    return (f"actor.lora.target_modules={list(lo.target_modules)} names {','.join(lacks)}, which "
+            f"{cfg.model.path} ({shape.model_type}) does not have ({what}); fix: target_modules from "
+            f"{','.join(has)} or [all-linear]")
 
 
 def check_hybrid(cfg: MRLConfig, cuda: bool, errors: list[str], notes: list[str]) -> None:
@@ -29,10 +50,14 @@ def check_hybrid(cfg: MRLConfig, cuda: bool, errors: list[str], notes: list[str]
             errors.append(f"{key}.attention_backend={par.attention_backend}: mrl builds the Gated DeltaNet layers on "
                           f"Megatron's local spec with SDPA attention only; fix: {key}.attention_backend=sdpa (or auto)")
     if cfg.actor.lora.enabled:
-        # the adapters' fused layouts (mrl/megatron/lora.py) know neither the gated q_proj nor the decoder prefix
-        errors.append(f"actor.lora with {cfg.model.path}'s hybrid attention: LoRA on Qwen3.5's gated attention "
-                      "and Gated DeltaNet projections is not built yet; fix: train without actor.lora (full "
-                      "fine-tuning) for this model")
+        from mrl.config.auto import _model_shape
+
+        shape = _model_shape(cfg)
+        has = model_projections(shape.linear_layers, shape.model_type) if shape is not None else ()
+        adapted = [t for t in cfg.actor.lora.targets if t in has]
+        notes.append(f"actor.lora on a hybrid decoder: adapters on {','.join(adapted)} (a gated q_proj's query and "
+                     "gate halves alike); the Gated DeltaNet conv1d, A_log, dt_bias and gated norm stay frozen "
+                     "(not linears; peft leaves them too)")
     if cfg.actor.shared_prefix is True:
         errors.append(f"actor.shared_prefix=true: {why}, and a shared-prefix row branches several samples off one "
                       "prompt inside the row; fix: actor.shared_prefix=false (or auto)")

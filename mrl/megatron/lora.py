@@ -27,6 +27,19 @@ dense layer, ``mlp.shared_experts.linear_fc*`` (HF ``mlp.shared_expert.*``, widt
 the family's rule and width) on an MoE layer with a shared expert; the routed experts and the router stay
 frozen (docs/lora.md).
 
+Hybrid decoders (Qwen3.5 / Qwen3.6, Qwen3-Next; :mod:`mrl.megatron.gated_delta_net`): a gated full-attention
+layer's ``q_proj`` is ``[2·nh·d, H]``, ``[q_h | g_h]`` per head (the output gate); its ``B`` splits over TP by whole
+heads like the weight, and the adapter's per-rank output is de-interleaved into Megatron's per-group
+``[q_g, gate_g, k_g, v_g]`` (the ``qkv_gated`` split of :mod:`mrl.megatron.mapping`). A Gated DeltaNet layer's
+column-parallel ``in_proj`` fuses HF ``linear_attn.in_proj_qkv`` (rows ``[q | k | v]``), ``in_proj_z``,
+``in_proj_b``, ``in_proj_a`` as ``[q_t | k_t | v_t | z_t | b_t | a_t]`` on rank t (key and value heads split over
+TP): ``in_proj_qkv``'s ``B`` is split block by block (rank t holds ``B_q[t] | B_k[t] | B_v[t]``), the others by
+contiguous chunks. Qwen3-Next stores the same rows grouped per key head (``in_proj_qkvz``: ``[q_g k_g v_g z_g]``,
+``in_proj_ba``: ``[b_g a_g]``): a rank's key heads are a contiguous chunk of those groups, and its output is
+regrouped into the flat layout. ``linear_attn.out_proj`` is row-parallel over the value heads. The conv1d, ``A_log``,
+``dt_bias`` and the gated norm get no adapters (not linears; peft leaves them too). A vision-language release keeps
+the decoder under ``model.language_model.``: peft's names carry that prefix (:func:`peft_name`).
+
 The adapters are sibling modules of the linear (``self_attention.linear_qkv_lora``), applied by a
 forward hook on the linear, so the base parameter names, the HF mapping and Megatron's checkpoint
 keys of the base model are unchanged; their ``sharded_state_dict`` stores global ``A``/``B``
@@ -43,73 +56,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mrl.megatron.lora_names import (  # noqa: F401  (adapted_targets: re-exported)
+    GDN_GROUPED,
+    GDN_MODULE,
+    HF_MODULE,
+    LINEARS,
+    adapted_targets,
+    decoder_hf_prefix,
+    gdn_widths,
+    linear_projs,
+    peft_name,
+    proj_shapes,
+    shared_expert_hf,
+    shared_expert_width,
+)
 from mrl.megatron.provider import head_dim
 from mrl.megatron.unwrap import unwrap
-
-# Megatron linear (relative to a TransformerLayer) -> (parallel kind, HF projections it fuses).
-# Mixture-of-Experts layers: the shared expert (Qwen2-MoE) is a dense MLP under ``mlp.shared_experts``; the routed
-# experts and the router get no adapters (as peft on transformers' fused expert tensors), and a model's dense
-# layers (``moe_layer_freq``) have the plain ``mlp.linear_fc*``. A layer holds only the linears it has.
-LINEARS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "self_attention.linear_qkv": ("column", ("q_proj", "k_proj", "v_proj")),
-    "self_attention.linear_proj": ("row", ("o_proj",)),
-    "mlp.linear_fc1": ("column", ("gate_proj", "up_proj")),
-    "mlp.linear_fc2": ("row", ("down_proj",)),
-    "mlp.shared_experts.linear_fc1": ("column", ("gate_proj", "up_proj")),
-    "mlp.shared_experts.linear_fc2": ("row", ("down_proj",)),
-}
-# HF module (under ``model.layers.{i}.``) of a projection adapted through a Megatron linear of LINEARS.
-SHARED_EXPERT_HF = "mlp.shared_expert."
-HF_MODULE = {
-    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-}
-PEFT_PREFIX = "base_model.model."
-
-
-def hf_module(linear: str, proj: str, shared: str = SHARED_EXPERT_HF) -> str:
-    """HF module of projection ``proj`` adapted through Megatron linear ``linear`` (under ``model.layers.{i}.``);
-    ``shared``: the family's shared-expert module (:func:`shared_expert_hf`)."""
-    if linear.startswith("mlp.shared_experts."):
-        return shared + proj
-    return HF_MODULE[proj]
-
-
-def peft_name(layer: int, proj: str, which: str, linear: str = "", shared: str = SHARED_EXPERT_HF) -> str:
-    """peft's saved tensor name: ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` (a shared
-    expert's: ``….mlp.shared_expert.gate_proj.lora_A.weight``, GLM-4.5's ``….mlp.shared_experts.…``)."""
-    return f"{PEFT_PREFIX}model.layers.{layer}.{hf_module(linear, proj, shared)}.lora_{which}.weight"
-
-
-def shared_expert_hf(hf_config: Any) -> str:
-    """The family's HF shared-expert module under ``model.layers.{i}.``, read off its weight rule (Qwen2-MoE
-    ``mlp.shared_expert.``, GLM-4.5 and DeepSeek-V3 ``mlp.shared_experts.``)."""
-    from mrl.families import family_of
-
-    for rule in family_of(hf_config).weight_rules:
-        if rule.mcore == "mlp.shared_experts.linear_fc1.weight":
-            return rule.hf[0].removeprefix("model.layers.{i}.").removesuffix("gate_proj.weight")
-    return SHARED_EXPERT_HF
-
-
-def shared_expert_width(hf_config: Any) -> int:
-    """The shared expert's MLP width (the family's ``MoE.shared_expert_size``: Qwen2-MoE's
-    ``shared_expert_intermediate_size``, GLM-4.5's ``n_shared_experts · moe_intermediate_size``)."""
-    from mrl.families import family_of
-
-    moe = family_of(hf_config).moe
-    return int(moe.shared_expert_size(hf_config)) if moe is not None else 0
-
-
-def proj_shapes(hf_config: Any, ffn: int | None = None) -> dict[str, tuple[int, int]]:
-    """HF ``(out, in)`` of every projection; ``ffn``: the MLP's width (None: the dense ``intermediate_size``)."""
-    nh = hf_config.num_attention_heads
-    ng = getattr(hf_config, "num_key_value_heads", None) or nh
-    d, h = head_dim(hf_config), hf_config.hidden_size
-    f = ffn or hf_config.intermediate_size
-    return {"q_proj": (nh * d, h), "k_proj": (ng * d, h), "v_proj": (ng * d, h), "o_proj": (h, nh * d),
-            "gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
 
 
 def _tp() -> tuple[int, int, Any]:
@@ -131,20 +93,27 @@ class LoraAdapter(torch.nn.Module):
             set_tensor_model_parallel_attributes,
         )
 
+        from mrl.families import family_of
+
         super().__init__()
-        self.kind, self.projs = LINEARS[linear]
+        self.kind = LINEARS[linear][0]
+        self.projs = linear_projs(linear, hf_config)
         self.linear = linear
         self.layer = layer
         self.rank, self.scaling = rank, alpha / rank
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
         self.enabled = True
         tp, tp_rank, _ = _tp()
+        self.tp, self.tp_rank = tp, tp_rank
         nh = hf_config.num_attention_heads
         self.ng_local = (getattr(hf_config, "num_key_value_heads", None) or nh) // tp
         self.heads_per_group = nh // (self.ng_local * tp)
         self.d = head_dim(hf_config)
+        self.gated_q = bool(family_of(hf_config).attention_output_gate)  # q_proj = [q_h | g_h] per head
+        self.gdn = gdn_widths(hf_config) if linear == "self_attention.in_proj" else {}
         shared = linear.startswith("mlp.shared_experts.")
         self.shared_hf = shared_expert_hf(hf_config)  # the family's HF module of the shared expert (peft names)
+        self.decoder = decoder_hf_prefix(hf_config)  # peft names: model.layers. or model.language_model.layers.
         shapes = proj_shapes(hf_config, shared_expert_width(hf_config) if shared else None)
         self.out_local = {p: shapes[p][0] // tp if self.kind == "column" else shapes[p][0] for p in self.projs}
         self.A = torch.nn.ParameterDict()
@@ -153,7 +122,11 @@ class LoraAdapter(torch.nn.Module):
             out, inp = shapes[proj]
             # Full A drawn from a generator keyed by (seed, layer, projection), then sliced: every TP
             # layout starts from the same adapters. peft's init: A Kaiming-uniform(a=√5), B = 0.
-            g = torch.Generator().manual_seed((seed * 1009 + layer) * len(HF_MODULE) + list(HF_MODULE).index(proj))
+            if proj in HF_MODULE:
+                key = (seed * 1009 + layer) * len(HF_MODULE) + list(HF_MODULE).index(proj)
+            else:  # the Gated DeltaNet projections: keys of their own (never another layer's q_proj key)
+                key = 2**40 + (seed * 1009 + layer) * len(GDN_MODULE) + list(GDN_MODULE).index(proj)
+            g = torch.Generator().manual_seed(key)
             a_full = torch.empty(rank, inp)
             torch.nn.init.kaiming_uniform_(a_full, a=math.sqrt(5), generator=g)
             if self.kind == "column":
@@ -165,16 +138,57 @@ class LoraAdapter(torch.nn.Module):
             split = self.B[proj] if self.kind == "column" else self.A[proj]
             set_tensor_model_parallel_attributes(split, True, 0 if self.kind == "column" else 1, 1)
 
+    # ---- TP split of a column linear's B rows --------------------------------------------------
+    def _row_blocks(self, proj: str) -> list[int] | None:
+        """Row blocks of HF ``proj`` that TP splits one by one (Qwen3.5's ``in_proj_qkv = [q | k | v]``: rank t holds
+        ``q_t | k_t | v_t``, as the weight's ``sections`` split); None: one contiguous chunk per rank (every other
+        projection: heads, groups or features in rank order — the gated ``q_proj``'s heads and Qwen3-Next's key-head
+        groups included)."""
+        if proj != "in_proj_qkv":
+            return None
+        w = self.gdn
+        return [w["nk"] * w["dk"], w["nk"] * w["dk"], w["nk"] * w["r"] * w["dv"]]
+
+    def local_rows(self, proj: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full ``[out, .]`` tensor of column projection ``proj``."""
+        from mrl.megatron.mapping import _shard_blocks
+
+        blocks = self._row_blocks(proj)
+        if blocks is None:
+            return full.chunk(self.tp, dim=0)[self.tp_rank]
+        return _shard_blocks(full, blocks, self.tp, self.tp_rank)
+
+    def full_rows(self, proj: str, gathered: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`local_rows` over the TP ranks (``gathered``: their shards concatenated in rank order)."""
+        from mrl.megatron.mapping import _unshard_blocks
+
+        blocks = self._row_blocks(proj)
+        return gathered if blocks is None else torch.cat(_unshard_blocks(gathered, blocks, self.tp))
+
     # ---- layout of the fused outputs ---------------------------------------------------------
     def _fuse(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """Per-projection local outputs ``[..., out_p/T]`` → the linear's local layout (last dim)."""
+        """Per-projection local outputs ``[..., out_p/T]`` → the linear's local layout (last dim).
+
+        ``linear_qkv``: per local query group ``[q_g, k_g, v_g]``, with an output gate ``[q_g, gate_g, k_g, v_g]``
+        (the gated ``q_proj``'s ``[q_h | g_h]`` per head de-interleaved). Qwen3-Next's ``in_proj``: its grouped
+        ``[q_g k_g v_g z_g]`` / ``[b_g a_g]`` rows (this rank's key heads) → ``[q | k | v | z | b | a]``."""
         if self.linear == "self_attention.linear_qkv":
             q, k, v = parts
             lead = q.shape[:-1]
-            g = self.ng_local
-            q = q.reshape(*lead, g, self.heads_per_group * self.d)
-            k, v = k.reshape(*lead, g, self.d), v.reshape(*lead, g, self.d)
+            g, hpg, d = self.ng_local, self.heads_per_group, self.d
+            if self.gated_q:
+                qg = q.reshape(*lead, g, hpg, 2, d)
+                q = torch.cat([qg[..., 0, :].reshape(*lead, g, hpg * d), qg[..., 1, :].reshape(*lead, g, hpg * d)], -1)
+            else:
+                q = q.reshape(*lead, g, hpg * d)
+            k, v = k.reshape(*lead, g, d), v.reshape(*lead, g, d)
             return torch.cat([q, k, v], dim=-1).reshape(*lead, -1)
+        if self.projs == GDN_GROUPED:
+            w, qkvz, ba = self.gdn, *parts
+            lead, nk = qkvz.shape[:-1], w["nk"] // self.tp
+            flat = [*qkvz.reshape(*lead, nk, -1).split([w["dk"], w["dk"], w["r"] * w["dv"], w["r"] * w["dv"]], -1),
+                    *ba.reshape(*lead, nk, -1).split([w["r"], w["r"]], -1)]
+            return torch.cat([t.reshape(*lead, -1) for t in flat], dim=-1)
         return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -235,7 +249,17 @@ class LoraAdapter(torch.nn.Module):
         sd = self.state_dict(prefix="", keep_vars=True)
         split = "B" if self.kind == "column" else "A"
         axis = {k: (0 if self.kind == "column" else 1) for k in sd if k.startswith(split + ".")}
-        return make_sharded_tensors_for_checkpoint(sd, prefix, axis, sharded_offsets)
+        out = make_sharded_tensors_for_checkpoint(sd, prefix, axis, sharded_offsets)
+        for proj in self.B:
+            blocks = self._row_blocks(proj) if self.kind == "column" else None
+            if blocks is not None:
+                # a rank's B rows interleave row blocks (q_t | k_t | v_t): stored as the named blocks, each split over
+                # TP on its own, so a checkpoint saved at one TP loads at another (as GatedDeltaNet's in_proj)
+                from megatron.core.ssm.gated_delta_net import _split_tensor_factory
+
+                key = f"{prefix}B.{proj}"
+                out[key] = _split_tensor_factory(out[key], [w // self.tp for w in blocks], ["query", "key", "value"], 0)
+        return out
 
 
 def _has(layer: torch.nn.Module, path: str) -> bool:
@@ -273,8 +297,8 @@ def apply_lora(chunks: list[torch.nn.Module], hf_config: Any, *, targets: tuple[
     for chunk in map(unwrap, chunks):
         chunk.requires_grad_(False)
         for layer in chunk.decoder.layers:
-            for path, (kind, projs) in LINEARS.items():
-                chosen = tuple(p for p in projs if p in targets)
+            for path, (kind, _) in LINEARS.items():
+                chosen = tuple(p for p in linear_projs(path, hf_config) if p in targets)
                 if not chosen or not _has(layer, path):
                     continue
                 parent, name = _resolve(layer, path)
@@ -330,9 +354,9 @@ def export_peft_tensors(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, to
         for proj in ad.A:
             a, b = ad.A[proj], ad.B[proj]
             a = gather(a, 1) if ad.kind == "row" else a.detach().clone()
-            b = gather(b, 0) if ad.kind == "column" else b.detach().clone()
-            yield peft_name(ad.layer, proj, "A", ad.linear, ad.shared_hf), a
-            yield peft_name(ad.layer, proj, "B", ad.linear, ad.shared_hf), b
+            b = ad.full_rows(proj, gather(b, 0)) if ad.kind == "column" else b.detach().clone()
+            yield peft_name(ad.layer, proj, "A", ad.linear, ad.shared_hf, ad.decoder), a
+            yield peft_name(ad.layer, proj, "B", ad.linear, ad.shared_hf, ad.decoder), b
 
 
 @torch.no_grad()
@@ -342,10 +366,12 @@ def load_peft_tensors(chunks: list[torch.nn.Module], get: Callable[[str], torch.
     for ad in adapters_of(chunks):
         for proj in ad.A:
             for which, param in (("A", ad.A[proj]), ("B", ad.B[proj])):
-                name = peft_name(ad.layer, proj, which, ad.linear, ad.shared_hf)
+                name = peft_name(ad.layer, proj, which, ad.linear, ad.shared_hf, ad.decoder)
                 full = get(name)
-                split_dim = (0 if which == "B" else None) if ad.kind == "column" else (1 if which == "A" else None)
-                local = full if split_dim is None else full.chunk(tp, dim=split_dim)[tp_rank]
+                if ad.kind == "column":
+                    local = ad.local_rows(proj, full) if which == "B" else full
+                else:
+                    local = full.chunk(tp, dim=1)[tp_rank] if which == "A" else full
                 if local.shape != param.shape:
                     raise ValueError(f"adapter tensor {name} of shape {tuple(full.shape)} does not fit "
                                      f"{tuple(param.shape)} on TP rank {tp_rank}/{tp}: another rank or model?")

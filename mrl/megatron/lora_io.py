@@ -18,13 +18,16 @@ PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 
 
-def write_lora_meta(ckpt_dir: str | os.PathLike, lora: Any, base_model: str) -> None:
-    """Rank 0 writes ``lora_config.json`` (plain JSON; no pickles) before the checkpoint's weights."""
+def write_lora_meta(ckpt_dir: str | os.PathLike, lora: Any, base_model: str,
+                    targets: tuple[str, ...] | None = None) -> None:
+    """Rank 0 writes ``lora_config.json`` (plain JSON; no pickles) before the checkpoint's weights; ``targets``: the
+    projections the model has of ``lora.targets`` (:func:`mrl.megatron.lora.adapted_targets`; None: all of them)."""
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    meta = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": list(lora.targets),
+    targets = lora.targets if targets is None else targets
+    meta = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": list(targets),
             "base_model": str(base_model)}
     Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
     tmp = Path(ckpt_dir) / (LORA_META + ".tmp")
@@ -60,9 +63,12 @@ def write_peft(out_dir: str | os.PathLike, tensors: dict, meta: dict, base_model
     return [PEFT_WEIGHTS, PEFT_CONFIG]
 
 
-def check_lora_matches(ckpt_dir: str | os.PathLike, lora: Any) -> None:
-    """Refuse a resume whose adapters do not match ``actor.lora`` (before Megatron reports missing keys)."""
+def check_lora_matches(ckpt_dir: str | os.PathLike, lora: Any, targets: tuple[str, ...] | None = None) -> None:
+    """Refuse a resume whose adapters do not match ``actor.lora`` (before Megatron reports missing keys); ``targets``
+    as for :func:`write_lora_meta`."""
     from mrl.megatron.checkpoint import CheckpointError
+
+    targets = lora.targets if targets is None else targets
 
     meta = read_lora_meta(ckpt_dir)
     if meta is None and lora.enabled:
@@ -70,11 +76,11 @@ def check_lora_matches(ckpt_dir: str | os.PathLike, lora: Any) -> None:
             f"{ckpt_dir} was saved without LoRA but actor.lora.rank={lora.rank}; fix: actor.lora.rank=0 to resume "
             "it, or start the LoRA run from the HF model (model.path) instead of this checkpoint")
     if meta is not None:
-        want = {"rank": lora.rank, "targets": list(lora.targets)}
+        want = {"rank": lora.rank, "targets": list(targets)}
         have = {"rank": meta["rank"], "targets": list(meta["targets"])}
         if want != have or (lora.enabled and float(meta["alpha"]) != float(lora.alpha)):
             raise CheckpointError(
                 f"{ckpt_dir} holds LoRA adapters rank={meta['rank']} alpha={meta['alpha']} targets={meta['targets']} "
-                f"({LORA_META}) but actor.lora is rank={lora.rank} alpha={lora.alpha} targets={list(lora.targets)}; "
+                f"({LORA_META}) but actor.lora is rank={lora.rank} alpha={lora.alpha} targets={list(targets)}; "
                 f"fix: set actor.lora.rank={meta['rank']} actor.lora.alpha={meta['alpha']} "
                 f"actor.lora.target_modules=[{','.join(meta['targets'])}]")

@@ -314,9 +314,11 @@ class ActorWorker(TrainableState):
         from mrl.workers.checkpointing import HF_SUBDIR, save_hf_side_files
 
         if self.model.lora:  # before the weights: their completion marker then vouches for it too
+            from mrl.megatron.lora import adapted_targets
             from mrl.megatron.lora_io import write_lora_meta
 
-            write_lora_meta(ckpt_dir, self.cfg.lora, self.model.hf_path)
+            write_lora_meta(ckpt_dir, self.cfg.lora, self.model.hf_path,
+                            adapted_targets(self.cfg.lora.targets, self.model.hf_config))
         self.save(ckpt_dir, optimizer="optimizer" in contents, extra="extra" in contents)
         if "hf_model" in contents:
             self.export_hf(os.path.join(ckpt_dir, HF_SUBDIR))
@@ -326,9 +328,10 @@ class ActorWorker(TrainableState):
     def load_checkpoint(self, ckpt_dir: str | os.PathLike, contents: list[str]) -> None:
         """verl's ``actor.checkpoint.load_contents`` (model always; ``hf_model`` needs nothing here)."""
         from mrl.megatron.checkpoint import CheckpointError, read_checkpoint_metadata
+        from mrl.megatron.lora import adapted_targets
         from mrl.megatron.lora_io import check_lora_matches
 
-        check_lora_matches(ckpt_dir, self.cfg.lora)
+        check_lora_matches(ckpt_dir, self.cfg.lora, adapted_targets(self.cfg.lora.targets, self.model.hf_config))
         want_optim = "optimizer" in contents
         if want_optim and not read_checkpoint_metadata(ckpt_dir).get("has_optimizer"):
             raise CheckpointError(

@@ -114,7 +114,10 @@ def test_overrides_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_target_modules_string_form_is_accepted_by_the_config(tmp_path: Path) -> None:
     t = load_config("mrl_configs/quickstart.yaml", ["actor.lora.rank=4", "actor.lora.target_modules=all-linear"])
-    assert t.actor.lora.targets == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # every projection name mrl adapts; a model adapts those it has (the Gated DeltaNet ones only on a hybrid decoder)
+    assert t.actor.lora.targets == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba",
+                                    "out_proj")
     assert load_config("mrl_configs/quickstart.yaml", ["actor.lora.rank=4", "actor.lora.target_modules=q_proj"]
                        ).actor.lora.targets == ("q_proj",)
 

@@ -1,6 +1,8 @@
 """A hybrid-attention model (Qwen3.5's vision-language release, tiny) in ``mrl plan``: the quickstart recipe plans
 (shared-prefix rows resolved off, packed rows on, the Gated DeltaNet kernel named), and what would split or branch a
-sequence, LoRA and the te/local backends are refused in one line naming the key and the fix, before anything starts."""
+sequence and the te/local backends are refused in one line naming the key and the fix, before anything starts; LoRA
+plans with peft's own adapter count for the gated attention and Gated DeltaNet projections, and a target name the
+model lacks is refused."""
 from __future__ import annotations
 
 import json
@@ -45,9 +47,38 @@ def test_the_hybrid_recipe_plans_without_shared_prefix(model: list[str]) -> None
 @pytest.mark.parametrize("override,key", [
     ("actor.shared_prefix=true", "actor.shared_prefix=true"),
     ("actor.megatron.attention_backend=local", "actor.megatron.attention_backend=local"),
-    ("actor.lora.rank=8", "actor.lora"),
     ("actor.megatron.context_parallel_size=2", "actor.megatron.context_parallel_size=2"),
 ])
 def test_what_breaks_the_recurrence_is_refused_by_key(model: list[str], override: str, key: str) -> None:
     errors = _errors(model, override)
     assert any(e.startswith(key) and "fix:" in e for e in errors), errors
+
+
+def test_lora_plans_with_peft_adapter_count(model: list[str]) -> None:
+    """all-linear on the hybrid decoder: the plan's adapter parameters (TP1, one stage) = peft's trainable count on the
+    transformers model with the names mrl writes to adapter_config.json (the vision tower has none of them)."""
+    import peft
+    import torch
+    import transformers as tf
+
+    from mrl.config.plan_report import build_report, format_report
+
+    cfg = load_config(RECIPE, [*model, "actor.lora.rank=4"])
+    plan = build_report(cfg)
+    path = model[0].split("=", 1)[1]
+    with torch.device("meta"):
+        hf = tf.Qwen3_5ForConditionalGeneration(tf.AutoConfig.from_pretrained(path))
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=list(plan.lora_targets)))
+    adapters = sum(p.numel() for p in pm.parameters() if p.requires_grad)
+    assert plan.memory["actor"].grads == 4 * adapters  # fp32 grads of the adapters only
+    assert plan.lora_targets == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                 "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+    assert "LoRA rank 4 (12 target projections)" in format_report(cfg, plan)
+    assert any(n.startswith("actor.lora on a hybrid decoder: adapters on q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+                            "down_proj,in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj") for n in plan.notes), plan.notes
+
+
+def test_a_target_the_model_lacks_is_refused(model: list[str]) -> None:
+    errors = _errors(model, "actor.lora.rank=8", "actor.lora.target_modules=[q_proj,in_proj_qkvz]")
+    assert any(e.startswith("actor.lora.target_modules=['q_proj', 'in_proj_qkvz'] names in_proj_qkvz") and
+               "in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj" in e and "fix:" in e for e in errors), errors

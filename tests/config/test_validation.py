@@ -190,6 +190,8 @@ BAD = [
     ("lora_all_linear_mixed", ["actor.lora.rank=8", "actor.lora.target_modules=[all-linear,q_proj]"],
      ["actor.lora.target_modules", "[all-linear] alone"]),
     ("lora_unknown_target", ["actor.lora.rank=8", "actor.lora.target_modules=[qkv_proj]"], ["actor.lora.target_modules"]),
+    ("lora_gdn_target_on_plain_model", ["actor.lora.rank=8", "actor.lora.target_modules=[q_proj,in_proj_qkv]"],
+     ["actor.lora.target_modules", "names in_proj_qkv", "no Gated DeltaNet layers"]),
     ("lora_separate_reference", ["actor.lora.rank=8", "ref.placement=separate", "ref.num_devices=1"],
      ["ref.placement=separate", "actor.lora.separate_reference=true"]),
     ("lora_separate_reference_unused", ["actor.lora.rank=8", "actor.lora.separate_reference=true"],

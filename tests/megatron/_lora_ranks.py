@@ -40,8 +40,9 @@ def _logits_and_grads(chunks: list, hf_config, ids: torch.Tensor, weight: torch.
 
 
 def lora_parity_rank(rank: int, world: int, root: str, cases: dict[str, list[tuple[int, int, int | None]]]) -> dict:
-    """Per case/layout: max |Δlogits| vs peft, max |Δgrad| of A/B vs peft, and (TP2×PP2) max |Δ| of the
-    merged HF export vs peft's merge_and_unload."""
+    """Per case/layout: max |Δlogits| vs peft, max |Δgrad| of A/B vs peft, and at the case's ``merged_at`` layout
+    (TP2×PP2 unless ref.pt names another) the peft export round trip (names, max |Δ|; written as peft files on a
+    single-stage layout) and max |Δ| of the merged HF export vs peft's merge_and_unload."""
     from megatron.core import parallel_state as ps
 
     from mrl.megatron.hf_io import HFCheckpointReader
@@ -64,7 +65,18 @@ def lora_parity_rank(rank: int, world: int, root: str, cases: dict[str, list[tup
                        dropout=0.0, seed=0)
             # Initial adapters (peft's init: A Kaiming-uniform, B = 0) do not depend on the layout.
             out[(case, tp, pp, vpp, "init")] = {n: t.double().sum().item() for n, t in export_peft_tensors(chunks)}
+            save_at, load_at = ref.get("ckpt", (None, None))
+            if (tp, pp, vpp) == load_at:  # the adapters saved at another TP come back whole (layout-free checkpoint)
+                from mrl.megatron.checkpoint import load_checkpoint
+
+                load_checkpoint(path / "ckpt", chunks, load_optimizer=False)
+                out[(case, tp, pp, vpp, "ckpt")] = max(
+                    (t - ref["adapters"][n]).abs().max().item() for n, t in export_peft_tensors(chunks))
             load_peft_tensors(chunks, ref["adapters"].__getitem__)
+            if (tp, pp, vpp) == save_at:
+                from mrl.megatron.checkpoint import save_checkpoint
+
+                save_checkpoint(path / "ckpt", chunks, hf_config=cfg)
             logits = _logits_and_grads(chunks, cfg, ref["ids"], ref["weight"])
             key = (case, tp, pp, vpp)
             if logits is not None:
@@ -82,8 +94,19 @@ def lora_parity_rank(rank: int, world: int, root: str, cases: dict[str, list[tup
                 # Relative to the tensor's largest entry: these grads are O(100) (Σ over B·T·V terms).
                 grads[name] = ((g - ref["grads"][name]).abs().max() / ref["grads"][name].abs().max()).item()
             out[key + ("grads",)] = grads
-            if (tp, pp, vpp) == (2, 2, None):
+            if (tp, pp, vpp) == tuple(ref.get("merged_at", (2, 2, None))):
                 load_peft_tensors(chunks, ref["adapters"].__getitem__)
+                # the peft export round trip: the tensors loaded come back under the same names, unchanged
+                exported = dict(export_peft_tensors(chunks))
+                out[key + ("peft_roundtrip", ps.get_pipeline_model_parallel_rank())] = (
+                    sorted(exported), max((t - ref["adapters"][n]).abs().max().item() for n, t in exported.items()))
+                if pp == 1 and ps.get_tensor_model_parallel_rank() == 0:
+                    from mrl.megatron.lora_io import write_peft
+
+                    meta = {"rank": ref["r"], "alpha": ref["alpha"], "dropout": 0.0, "targets": ref["targets"]}
+                    write_peft(path / "peft", exported, meta, base_model=str(path / "base"))
+                if ref.get("merged", True) is None:  # no merge oracle (transformers' fused experts)
+                    continue
                 merged = dict(export_hf_weights(chunks, cfg))
                 n_lora = len(list(export_hf_weights(chunks, cfg, only_lora=True)))
                 out[key + ("merged",)] = max((t - ref["merged"][n]).abs().max().item() for n, t in merged.items())

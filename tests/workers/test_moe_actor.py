@@ -142,7 +142,7 @@ LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["all-linear"]}
 def _lora_moe(path):
     """LoRA on a Qwen2-MoE (layer 0 dense, layer 1 MoE with a shared expert) at EP2 (DP4): one update."""
     from mrl.config.actor import ActorConfig
-    from mrl.megatron.lora import export_peft_tensors
+    from mrl.megatron.lora import adapted_targets, export_peft_tensors
     from mrl.workers.actor import ActorWorker
     from mrl.workers.reference import ColocatedReference
     from tests.workers.batches import ragged_batch
@@ -162,7 +162,7 @@ def _lora_moe(path):
     r["merged"] = {n: t.clone() for n, t in actor.export_hf_weights()}  # EP-gathered experts on every rank
     r["peft"] = dict(export_peft_tensors(actor.model.chunks))
     r["meta"] = {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "dropout": cfg.lora.dropout,
-                 "targets": list(cfg.lora.targets)}
+                 "targets": list(adapted_targets(cfg.lora.targets, actor.model.hf_config))}
     del actor, ref
     return r
 
