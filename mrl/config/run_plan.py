@@ -80,6 +80,7 @@ class RunPlan:
     trainer_ranks: int  # Ray rank actors of the actor (and its colocated ref/critic/RM)
     reward_model_ranks: int  # Ray rank actors of a separate reward model (its own group); 0 = none or colocated
     teacher_ranks: int  # Ray rank actors of a separate teacher (its own group); 0 = none or colocated
+    ref_ranks: int  # Ray rank actors of a separate reference (ref.placement=separate, its own group); 0 = none or colocated
     gen_batch_size: int  # prompts per generation round (DAPO's data.gen_batch_size when filtering)
     samples_per_prompt: int  # rollout.n: one group of samples per prompt
     samples_per_step: int  # data.train_batch_size * rollout.n
@@ -160,11 +161,14 @@ def gen_batch_size(cfg: MRLConfig) -> int:
     return (d.gen_batch_size or d.train_batch_size) if cfg.algorithm.filter_groups.enable else d.train_batch_size
 
 
-def _group_ranks(layout: dict[str, RoleLayout]) -> tuple[int, int, int]:
-    """Ray rank actors of the trainer group, a separate reward model's and a separate teacher's (0: none)."""
-    rm, teacher = layout.get("reward_model"), layout.get("teacher")
-    return (layout["actor"].count, rm.count if rm is not None and not rm.colocated else 0,
-            teacher.count if teacher is not None and not teacher.colocated else 0)
+def _group_ranks(layout: dict[str, RoleLayout]) -> tuple[int, int, int, int]:
+    """Ray rank actors of the trainer group, a separate reward model's, a separate teacher's and a separate
+    reference's (0: none)."""
+    def own(role: str) -> int:
+        r = layout.get(role)
+        return r.count if r is not None and not r.colocated else 0
+
+    return layout["actor"].count, own("reward_model"), own("teacher"), own("ref")
 
 
 def _num_engines(cfg: MRLConfig, layout: dict[str, RoleLayout]) -> int:
@@ -208,7 +212,7 @@ def plan_run(cfg: MRLConfig, device: str, batches_per_epoch: int | None = None) 
     choices = resolve_all(cfg, device)
     transport, shared_prefix, remove_padding = choices[0], choices[1], choices[-1]
     attention = choices[2:-1]
-    trainer_ranks, reward_model_ranks, teacher_ranks = _group_ranks(layout)
+    trainer_ranks, reward_model_ranks, teacher_ranks, ref_ranks = _group_ranks(layout)
     steps = run_length(cfg, batches_per_epoch)
     critic = None
     if cfg.critic_enabled:
@@ -221,6 +225,7 @@ def plan_run(cfg: MRLConfig, device: str, batches_per_epoch: int | None = None) 
         trainer_ranks=trainer_ranks,
         reward_model_ranks=reward_model_ranks,
         teacher_ranks=teacher_ranks,
+        ref_ranks=ref_ranks,
         gen_batch_size=gen_batch_size(cfg),
         samples_per_prompt=cfg.rollout.n,
         samples_per_step=cfg.data.train_batch_size * cfg.rollout.n,

@@ -120,6 +120,11 @@ def _check_placement(cfg: MRLConfig, roles: dict[str, RoleLayout], shape: ModelS
         # has no offload path yet, and a flag that silently does nothing is worse than an error.
         errors.append("ref.offload=true is not supported with ref.placement=separate; fix: ref.offload=false, "
                       "or ref.placement=colocated (which keeps reference weights in host memory between passes)")
+    if cfg.repr_align_enabled and cfg.ref.placement == "separate":
+        # repr_align embeds responses under the reference weights swapped into the actor's chunks
+        # (ColocatedReference.compute_repr_similarity); the separate reference computes log-probs only.
+        errors.append("algorithm.repr_align.enable=true reads the reference's hidden states, which only a colocated "
+                      "reference provides; fix: ref.placement=colocated (or algorithm.repr_align.enable=false)")
     r = cfg.rollout
     if r.placement == "separate" and r.num_engines is None:
         errors.append("rollout.placement=separate needs rollout.num_engines; fix: set rollout.num_engines=<servers>")
@@ -401,10 +406,6 @@ def _check_reliability(cfg: MRLConfig, errors: list[str], notes: list[str]) -> N
                           "fix: one of those, 'pkg.module:fn' or 'path/to/file.py:fn'")
     # An LR schedule (or warmup ratio) with total_epochs needs no total_training_steps: the run plan takes
     # the length from the loaded training set (RunPlan.total_steps), as verl takes it from its dataloader.
-    if cfg.ref_enabled and cfg.ref.placement == "separate":
-        # The driver builds the reference on the actor's ranks; silently doing that is worse than refusing.
-        errors.append("ref.placement=separate is not wired into the driver yet (the reference would silently be "
-                      "colocated with the actor); fix: ref.placement=colocated")
     _check_host_capacity(cfg, errors)
 
 

@@ -123,6 +123,7 @@ class Services:
     workers: WorkerGroup  # the trainer ranks
     rm_workers: WorkerGroup | None  # reward_model.placement=separate: the RM's own ranks (driver/side_ranks.py)
     teacher_workers: WorkerGroup | None  # teacher.placement=separate: its own ranks (driver/side_ranks.py)
+    ref_workers: WorkerGroup | None  # ref.placement=separate: its own ranks (driver/side_ranks.py)
     engines: EngineSet
     pool: EnginePool  # the engines: health, restarts, control calls, weight sync
     client: RolloutClient | AgentClient  # what generates (through the router, the agent loop when agent.enable)
@@ -147,14 +148,14 @@ def build(cfg: MRLConfig) -> Iterator[Services]:
             device = _start_ray(cfg, stack, stop)
             # the run's one plan: the device Ray shows, the run length from the sampler's batches per epoch
             plan = plan_run(cfg, device, inputs.sampler.batches_per_epoch)
-            workers, rm_workers, teacher_workers, engines = _start_ranks_and_engines(cfg, plan, stack, stop)
+            workers, (rm_workers, teacher_workers, ref_workers), engines = _start_ranks_and_engines(cfg, plan, stack, stop)
             judge = _start(stack, "judge", start_judge(cfg, plan, workers, engines, inputs.tokenizer), stop)  # reward.judge
             pool, client = _start_rollout(cfg, plan, engines, inputs, stack)
             TrainRanks(workers).init_weight_sync(engines.urls, token=engines.token, routable=engines.remote_nodes)
             tracking = _start_tracking(cfg, inputs, stack)
             stack.callback(_stop_mode, stop)  # runs first on the way out
             yield Services(inputs.tokenizer, inputs.pad_token_id, inputs.train_ds, inputs.val_ds, inputs.reward,
-                           inputs.rm_inputs, inputs.pictures, inputs.sampler, inputs.log_dir, plan, workers, rm_workers, teacher_workers,
+                           inputs.rm_inputs, inputs.pictures, inputs.sampler, inputs.log_dir, plan, workers, rm_workers, teacher_workers, ref_workers,
                            engines, pool, client, judge, tracking, stop)
     except KeyboardInterrupt:  # RunInterrupted, or what Ray's blocking calls made of it
         if stop.signum is None:
@@ -250,7 +251,7 @@ def _start_ray(cfg: MRLConfig, stack: contextlib.ExitStack, stop: RunStop) -> st
 
 
 def _start_ranks_and_engines(cfg: MRLConfig, plan: RunPlan, stack: contextlib.ExitStack, stop: RunStop):
-    """Stage 3: the trainer ranks, a separate RM's and teacher's ranks, and the engines, which start on the
+    """Stage 3: the trainer ranks, a separate RM's, teacher's and reference's ranks, and the engines, which start on the
     ranks' nodes (colocated: in their ranks' placement bundles) and load while the ranks build their models."""
     from mrl.cluster import WorkerGroup
     from mrl.driver.engines import EngineSet
@@ -264,7 +265,7 @@ def _start_ranks_and_engines(cfg: MRLConfig, plan: RunPlan, stack: contextlib.Ex
     stack.callback(_quietly, "weight-sync segments", _remove_segments, stop.senders)
     stack.callback(_ray_step, stop, "trainer ranks", workers.close, "close", timeout_s=30.0)
     groups = []
-    for role, what in (("reward_model", "reward model ranks"), ("teacher", "teacher ranks")):
+    for role, what in (("reward_model", "reward model ranks"), ("teacher", "teacher ranks"), ("ref", "reference ranks")):
         group = start_side_group(cfg, plan, role)  # None unless that role is separate: its own ranks, world, layout
         if group is not None:
             stack.callback(_ray_step, stop, what, group.close, "close", timeout_s=30.0)
@@ -278,7 +279,7 @@ def _start_ranks_and_engines(cfg: MRLConfig, plan: RunPlan, stack: contextlib.Ex
         if group is not None:
             group.wait_constructed()
     engines.wait_healthy()
-    return workers, groups[0], groups[1], engines
+    return workers, tuple(groups), engines
 
 
 def _start_rollout(cfg: MRLConfig, plan: RunPlan, engines: EngineSet, inputs: RunInputs,

@@ -49,7 +49,7 @@ from mrl.driver.shaping import (
     ref_blend,
     repr_align,
 )
-from mrl.driver.side_ranks import SideModel, side_model
+from mrl.driver.side_ranks import SideModel, SideModelRanks, side_model
 from mrl.driver.state import (
     find_resume_dir,
     prune_checkpoints,
@@ -119,6 +119,8 @@ class RLTrainer:
         # the side models' phases (rm_score, teacher_log_prob): answered by the trainer ranks or their own groups
         self.rm = side_model("reward_model", services.rm_workers, self.ranks)
         self.teacher = side_model("teacher", services.teacher_workers, self.ranks)
+        # ref.placement=separate: the reference's own group answers ref_log_prob; colocated, the trainer ranks
+        self.ref = SideModel("ref", SideModelRanks(services.ref_workers)) if services.ref_workers is not None else None
         self.scorer = sample_scorer(cfg, services, self.rm)  # phase reward, in training and validation
         self.rollout = RolloutController(services.pool, services.client, self.ranks,
                                          startup_timeout_s=cfg.rollout.engine_startup_timeout_s,
@@ -376,7 +378,10 @@ class RLTrainer:
             m |= compute_rollout_mismatch_metrics(d.batch.rollout_log_probs, lp, d.batch.response_mask)
 
     def ref_log_prob(self, d: StepData) -> None:
-        d.batch = d.batch.replace(ref_log_prob=self.ranks.compute_ref_log_prob(d.batch))
+        """log π_ref [B, R] of the sampled tokens, once per step: the separate reference's ranks, or the colocated
+        one's weights swapped into the actor's chunks on the trainer ranks (mrl/workers/reference.py)."""
+        lp = self.ref(d.batch) if self.ref is not None else self.ranks.compute_ref_log_prob(d.batch)
+        d.batch = d.batch.replace(ref_log_prob=lp)
 
     def teacher_log_prob(self, d: StepData) -> None:
         """log π_teacher [B, R] of the sampled tokens (on-policy distillation, docs/distillation.md); distill/* are
@@ -550,7 +555,8 @@ class RLTrainer:
         self.maybe_resume()
         total = self.total_steps()
         # verl: val_before_train validates whatever test_freq says; val_only then stops (nothing trained)
-        fallbacks = summary_line(self.ranks.fallbacks() + self.rm.fallbacks() + self.teacher.fallbacks())
+        fallbacks = summary_line(self.ranks.fallbacks() + self.rm.fallbacks() + self.teacher.fallbacks()
+                                 + (self.ref.fallbacks() if self.ref is not None else []))
         if fallbacks:
             log.info("%s", fallbacks)
         progress, curves = Progress(total, start_step=self.global_step), Curves()

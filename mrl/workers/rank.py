@@ -1,4 +1,5 @@
-"""What one trainer rank holds (in its Ray rank process): the actor, its colocated reference and critic, the weight sender.
+"""What one trainer rank holds (in its Ray rank process): the actor, its colocated reference (ref.placement=colocated)
+and critic, the weight sender.
 
 Constructed inside a Ray rank actor (``mrl.cluster.WorkerGroup``) after RANK/WORLD_SIZE/... are
 set; every method is called on all ranks with the same full batch and returns identical results.
@@ -63,8 +64,10 @@ class TrainRank:
             distill=cfg.algorithm.distill, remove_padding=plan.remove_padding,
             attention_backend=plan.attention_backend("actor"),
         )
-        # Snapshot of the start weights, before any update (verl's ref = initial policy).
-        self.ref = ColocatedReference(self.actor) if cfg.ref_enabled else None
+        # Snapshot of the start weights, before any update (verl's ref = initial policy). A separate reference
+        # (ref.placement=separate) has ranks of its own (mrl/workers/side_rank.py): none here.
+        colocated_ref = cfg.ref_enabled and cfg.ref.placement == "colocated"
+        self.ref = ColocatedReference(self.actor) if colocated_ref else None
         self.critic = _build_critic(cfg, plan, self.actor.model.device.type) if plan.critic else None
         # Colocated side models (reward model, teacher: mrl/workers/side_model.py) on the actor's ranks and
         # Megatron groups; a separate one has ranks of its own (mrl/workers/side_rank.py)
@@ -137,13 +140,15 @@ class TrainRank:
 
     def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
         if self.ref is None:
-            raise RuntimeError("compute_ref_log_prob called but no reference model was built (ref_enabled is false)")
+            raise RuntimeError("compute_ref_log_prob called but no reference was built on the trainer ranks "
+                               "(ref_enabled is false, or ref.placement=separate: its own group answers)")
         return self.ref.compute_ref_log_prob(batch)
 
     def compute_repr_similarity(self, batch: TrainBatch, gold: TrainBatch) -> torch.Tensor:
         """[B] cosine of reference response embeddings, generated vs gold (algorithm.repr_align)."""
         if self.ref is None:
-            raise RuntimeError("compute_repr_similarity called but no reference model was built (ref_enabled is false)")
+            raise RuntimeError("compute_repr_similarity called but no reference was built on the trainer ranks "
+                               "(ref_enabled is false, or ref.placement=separate, which config validation refuses)")
         return self.ref.compute_repr_similarity(batch, gold)
 
     def compute_side(self, role: str, batch: TrainBatch) -> torch.Tensor:

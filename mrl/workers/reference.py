@@ -2,8 +2,9 @@
 
 Two placements (``ref.placement``):
 
-* ``separate`` — :class:`ReferenceWorker`: its own ranks and TP/PP layout, a frozen Megatron
-  model with no DDP and no optimizer.
+* ``separate`` — :class:`ReferenceWorker`: its own ranks, world and TP/PP/CP layout (``ref.num_devices``,
+  ``ref.megatron``), a frozen Megatron model with no DDP and no optimizer, run as the separate teacher is
+  (mrl/workers/side_rank.py; the driver reaches it through mrl/driver/side_ranks.py).
 * ``colocated`` — :class:`ColocatedReference`: lives inside the actor's processes and reuses
   the actor's model chunks. The reference weights are kept in host memory (pinned on CUDA) and
   copied into the actor's parameters for the forward, then the actor's weights are copied back
@@ -21,46 +22,83 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mrl.config.ref import RefConfig
+from mrl.dtypes import torch_dtype
 from mrl.workers.batch import TrainBatch
 from mrl.workers.megatron_model import MegatronModel
+from mrl.workers.side_model import SideModelWorker
+
+if TYPE_CHECKING:
+    from mrl.config import MRLConfig
+    from mrl.config.parallel import ParallelConfig
+    from mrl.config.run_plan import RunPlan
 
 
-class ReferenceWorker:
-    """Separate reference on this rank (``placement: separate``)."""
+class ReferenceWorker(SideModelWorker):
+    """Separate reference on this rank (``placement: separate``): ranks, world and Megatron layout of its own
+    (``ref.megatron``), built by :class:`mrl.workers.side_rank.SideModelRank` as the teacher is; frozen
+    (``MegatronModel(train=False)``), loaded from ``model.path`` (with LoRA: the base the adapters sit on)."""
+
+    what = "reference"
 
     def __init__(
         self, cfg: RefConfig, *, model_path: str | os.PathLike, device: str = "cpu",
         temperature: float = 1.0, micro_batch_size: int | None = None, seed: int,
         dtype: torch.dtype | None = None, init_parallel: bool = True,
         logits_chunk_size: int | None = None, moe: Any = None, remove_padding: bool = False,
+        shared_prefix: bool = False, use_dynamic_bsz: bool = False, max_tokens: int = 0,
     ) -> None:
         """``moe``: the actor's ``actor.moe`` (same dispatcher and routing replay as the policy);
-        ``remove_padding``: the run plan's ``actor.use_remove_padding`` (packed rows, which context parallelism
-        needs)."""
+        ``remove_padding``/``shared_prefix``: the run plan's (packed rows, which context parallelism needs; each
+        prompt once for its n samples), as the actor's forwards; ``micro_batch_size``: SAMPLES per forward when
+        ``ref.log_prob_micro_batch_size_per_gpu`` is null; ``use_dynamic_bsz``/``max_tokens``: the actor's
+        ``use_dynamic_bsz``/``ppo_max_token_len_per_gpu`` (the colocated reference's micro-batches too)."""
         dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+        mbs = cfg.log_prob_micro_batch_size_per_gpu or micro_batch_size
+        super().__init__(mbs or 1)
         self.cfg = cfg
+        self.micro_batch_size = mbs  # None: the whole DP shard in one forward
         self.temperature = float(temperature)
-        self.micro_batch_size = cfg.log_prob_micro_batch_size_per_gpu or micro_batch_size
         self.chunk_size = logits_chunk_size
+        self.shared_prefix = shared_prefix
+        self.use_dynamic_bsz, self.max_tokens = use_dynamic_bsz, max_tokens
         self.model = MegatronModel(model_path, cfg.megatron, device=device, dtype=dtype, seed=seed,
                                      train=False, init_parallel=init_parallel, moe=moe,
                                      remove_padding=remove_padding)
 
-    def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
-        """[B, R] reference log-probs of the full batch, identical on every rank."""
+    @classmethod
+    def from_config(cls, cfg: MRLConfig, plan: RunPlan, parallel: ParallelConfig, *, device: str,
+                    init_parallel: bool) -> ReferenceWorker:
+        """The separate reference of ``cfg`` at ``parallel`` (the layout's: ``ref.megatron``)."""
+        a = cfg.actor
+        return cls(cfg.ref.model_copy(update={"megatron": parallel}), model_path=cfg.model.path, device=device,
+                   temperature=cfg.rollout.temperature,
+                   micro_batch_size=a.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu,
+                   seed=cfg.trainer.seed, dtype=torch_dtype(plan.dtype), init_parallel=init_parallel,
+                   logits_chunk_size=a.logits_chunk_size, moe=a.moe, remove_padding=plan.remove_padding,
+                   shared_prefix=plan.shared_prefix, use_dynamic_bsz=a.use_dynamic_bsz,
+                   max_tokens=a.ppo_max_token_len_per_gpu)
+
+    def compute(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, R] reference log-probs of the full batch, identical on every rank. A batch that does not divide by
+        this group's DP size is padded with copies of its last sample, whose rows are dropped."""
         from mrl.workers.actor import forward_log_probs
 
+        B = batch.batch_size
+        batch, extra = self.dp_padded(batch)
         lp = forward_log_probs(
             self.model, batch, temperature=self.temperature, micro_batch_size=self.micro_batch_size,
-            use_dynamic_bsz=False, max_tokens=0, vocab_size=int(self.model.hf_config.vocab_size),
-            chunk_size=self.chunk_size,
+            use_dynamic_bsz=self.use_dynamic_bsz, max_tokens=self.max_tokens,
+            vocab_size=int(self.model.hf_config.vocab_size), chunk_size=self.chunk_size,
+            shared_prefix=self.shared_prefix and not extra,
         ).log_probs
-        return lp
+        return lp[:B]
+
+    compute_ref_log_prob = compute
 
 
 class ColocatedReference:

@@ -1,5 +1,6 @@
 """The side models' workers by role, and one rank of a separate side model (``<role>.placement=separate``;
-docs/reward_model.md and docs/distillation.md, "Placement").
+docs/reward_model.md and docs/distillation.md, "Placement"), or of a separate reference (``ref.placement=separate``:
+the same frozen log-prob forward as the teacher's, of ``model.path``).
 
 :func:`build_side_worker` is the one place that maps a role (its config section's key, as
 ``MRLConfig.rank_side_models`` lists them) to the worker that computes it; the trainer ranks build their
@@ -39,8 +40,10 @@ def build_side_worker(role: str, cfg: MRLConfig, plan: RunPlan, parallel: Parall
         from mrl.workers.reward_model import RewardModelWorker as worker
     elif role == "teacher":
         from mrl.workers.teacher import TeacherWorker as worker
+    elif role == "ref":  # only separate: the colocated reference swaps into the actor's chunks (reference.py)
+        from mrl.workers.reference import ReferenceWorker as worker
     else:
-        raise ValueError(f"no side-model worker for role {role!r} (known: reward_model, teacher)")
+        raise ValueError(f"no side-model worker for role {role!r} (known: reward_model, teacher, ref)")
     return worker.from_config(cfg, plan, parallel, device=device, init_parallel=init_parallel)
 
 
@@ -63,7 +66,7 @@ class SideModelRank:
 
     def compute_side(self, role: str, batch: TrainBatch) -> torch.Tensor:
         """What side model ``role`` computes about the full batch (the worker splits it over this group's DP
-        ranks): the reward model's [B] scores, the teacher's [B, R] log-probs."""
+        ranks): the reward model's [B] scores, the teacher's or the reference's [B, R] log-probs."""
         if role != self.role:
             raise RuntimeError(f"compute_side({role!r}) reached the ranks of side model {self.role!r}")
         return self.worker.compute(batch)

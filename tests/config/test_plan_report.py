@@ -108,7 +108,7 @@ def test_separate_roles_are_laid_out_after_the_actor(tmp_path: Path, train_file:
                       [f"model.path={model}", f"data.train_files=[{train_file}]", f"data.val_files=[{train_file}]",
                        "ref.placement=separate", "ref.num_devices=2", "ref.offload=false", "rollout.placement=separate", "rollout.num_engines=3",
                        "data.train_batch_size=160", "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size_per_gpu=2"],
-                      check=False)  # the layout only: check_config refuses ref.placement=separate (not wired yet)
+                      check=False)  # the layout only
     plan = build_report(cfg)
     lay = plan.roles
     assert (lay["actor"].first, lay["actor"].count, lay["actor"].dp) == (0, 8, 4)
@@ -128,7 +128,7 @@ def test_a_separate_reward_model_is_laid_out_after_the_other_roles(tmp_path: Pat
                        "rollout.num_engines=3", "reward_model.enable=true", f"reward_model.model.path={rm}",
                        "reward_model.placement=separate", "reward_model.num_devices=2",
                        "reward_model.megatron.pipeline_model_parallel_size=2"],
-                      check=False)  # the layout only (ref.placement=separate is refused: not wired yet)
+                      check=False)  # the layout only
     plan = build_report(cfg)
     lay = plan.roles
     assert (lay["actor"].first, lay["actor"].count, lay["actor"].dp) == (0, 6, 3)

@@ -84,6 +84,21 @@ def test_samples_and_engine_counts_come_from_the_plan(tmp_path) -> None:
     assert (plan_run(colo, "cpu").num_engines, ray_actors(colo)) == (2, (4, 0))  # colocated: one per engine_tp_size devices
 
 
+def test_a_separate_reference_has_ranks_of_its_own(tmp_path) -> None:
+    """ref.placement=separate: what build starts (the trainer group on the actor's devices, the reference's own
+    group on its ref.num_devices) is what the layout (mrl plan) shows and what Ray is sized for."""
+    from mrl.config.run_plan import ray_actors
+
+    sep = _cfg(tmp_path, "cluster.n_gpus_per_node=4", "ref.placement=separate", "ref.num_devices=2",
+               "ref.megatron.tensor_model_parallel_size=2")
+    p = plan_run(sep, "cpu")
+    assert (p.trainer_ranks, p.ref_ranks, ray_actors(sep)) == (2, 2, (4, 0))
+    ref = p.layout["ref"]
+    assert (ref.first, ref.count, ref.colocated, ref.parallel.tensor_model_parallel_size) == (2, 2, False, 2)
+    colo = plan_run(_cfg(tmp_path, "cluster.n_gpus_per_node=4"), "cpu")
+    assert (colo.trainer_ranks, colo.ref_ranks, colo.layout["ref"].colocated) == (4, 0, True)
+
+
 def test_the_plan_is_frozen_and_needs_a_resolved_device(tmp_path) -> None:
     p = plan_run(_cfg(tmp_path), "cpu")
     with pytest.raises(dataclasses.FrozenInstanceError):

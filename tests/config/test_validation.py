@@ -216,7 +216,9 @@ BAD = [
     ("ppo_epochs_bool", ["actor.ppo_epochs=true"], ["actor.ppo_epochs", "boolean", "expected a number"]),
     ("host_not_an_address", ["rollout.host=not an address"], ["rollout.host", "neither an IP address nor a host name"]),
     ("reward_function_unknown_name", ["reward.function=gsm8kk"], ["reward.function='gsm8kk'", "not a registered scorer", "gsm8k"]),
-    ("ref_separate_not_wired", ["ref.placement=separate", "ref.num_devices=1"], ["ref.placement=separate", "ref.placement=colocated"]),
+    # repr_align embeds under the colocated reference's swapped-in weights; a separate one computes log-probs only
+    ("repr_align_separate_ref", ["algorithm.repr_align.enable=true", "ref.placement=separate", "ref.num_devices=1"],
+     ["algorithm.repr_align.enable=true", "fix: ref.placement=colocated"]),
     ("cpus_fewer_than_ranks", ["cluster.cpus_per_node=2"], ["cluster.cpus_per_node=2", "4 ranks"]),
     # off-policy schedule (mrl/config/async_training.py, docs/async.md)
     ("partial_rollout_without_async", ["rollout.partial_rollout=true"],
