@@ -265,7 +265,8 @@ def _start_ranks_and_engines(cfg: MRLConfig, plan: RunPlan, stack: contextlib.Ex
     stack.callback(_quietly, "weight-sync segments", _remove_segments, stop.senders)
     stack.callback(_ray_step, stop, "trainer ranks", workers.close, "close", timeout_s=30.0)
     groups = []
-    for role, what in (("reward_model", "reward model ranks"), ("teacher", "teacher ranks"), ("ref", "reference ranks")):
+    sides = (("reward_model", "reward model ranks"), ("teacher", "teacher ranks"), ("ref", "reference ranks"))
+    for role, what in sides:
         group = start_side_group(cfg, plan, role)  # None unless that role is separate: its own ranks, world, layout
         if group is not None:
             stack.callback(_ray_step, stop, what, group.close, "close", timeout_s=30.0)
@@ -275,9 +276,12 @@ def _start_ranks_and_engines(cfg: MRLConfig, plan: RunPlan, stack: contextlib.Ex
     # placement group, which the ranks' teardown removes, and the servers run in sessions of their own
     stack.callback(_ray_step, stop, "engines", lambda: [log.warning("could not stop %s", err) for err in engines.stop()])
     workers.wait_constructed()
-    for group in groups:
+    for (role, what), group in zip(sides, groups):
         if group is not None:
             group.wait_constructed()
+            par = plan.layout[role].parallel
+            log.info("%s: %d of their own, built (TP=%d PP=%d CP=%d)", what, group.world_size,
+                     par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size)
     engines.wait_healthy()
     return workers, tuple(groups), engines
 
