@@ -21,10 +21,11 @@ class RefConfig(Section):
         None, description="Build the reference; null = when use_kl_loss, use_kl_in_reward, ref_reward_blend or repr_align needs it."
     )
     placement: Literal["colocated", "separate"] = Field(
-        "colocated", description="colocated: shares the actor's devices; separate: own devices (num_devices)."
+        "colocated", description="colocated: shares the actor's devices and model chunks (its weights swapped in from host memory); "
+        "separate: Ray ranks of its own on ref.num_devices devices, at ref.megatron's layout, loading model.path."
     )
     num_devices: int | None = Field(None, ge=1, description="Devices of a separate reference; required when placement=separate.")
-    megatron: ParallelConfig = Field(default_factory=ParallelConfig, description="Megatron parallel layout of the reference.")
+    megatron: ParallelConfig = Field(default_factory=ParallelConfig, description="Megatron parallel layout of a separate reference (a colocated one runs at actor.megatron's).")
     offload: bool = Field(False, description="Keep reference weights on CPU between passes; colocated always does, separate refuses it (not built).")
     log_prob_micro_batch_size_per_gpu: int | None = Field(
         None, ge=1, description="SAMPLES per forward on one DP rank; null = actor.log_prob_micro_batch_size_per_gpu."
