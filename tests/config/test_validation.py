@@ -217,7 +217,7 @@ BAD = [
     ("host_not_an_address", ["rollout.host=not an address"], ["rollout.host", "neither an IP address nor a host name"]),
     ("reward_function_unknown_name", ["reward.function=gsm8kk"], ["reward.function='gsm8kk'", "not a registered scorer", "gsm8k"]),
     # repr_align embeds under the colocated reference's swapped-in weights; a separate one computes log-probs only
-    ("repr_align_separate_ref", ["algorithm.repr_align.enable=true", "ref.placement=separate", "ref.num_devices=1"],
+    ("repr_align_separate_ref", ["algorithm.repr_align.enable=true", "ref.placement=separate", "ref.num_devices=2"],
      ["algorithm.repr_align.enable=true", "fix: ref.placement=colocated"]),
     ("cpus_fewer_than_ranks", ["cluster.cpus_per_node=2"], ["cluster.cpus_per_node=2", "4 ranks"]),
     # off-policy schedule (mrl/config/async_training.py, docs/async.md)

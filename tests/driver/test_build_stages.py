@@ -26,7 +26,7 @@ def staged(monkeypatch, tmp_path):
         return SimpleNamespace(close=lambda *a, **k: events.append(f"close {name}"))
 
     inputs = SimpleNamespace(reward=part("reward"), tokenizer=None, pad_token_id=0, train_ds=[], val_ds=None,
-                             rm_inputs=None, agent_tools=None, sampler=SimpleNamespace(batches_per_epoch=3),
+                             rm_inputs=None, pictures=None, agent_tools=None, sampler=SimpleNamespace(batches_per_epoch=3),
                              resumed_from=None, log_dir=tmp_path)
 
     def read_inputs(cfg, gen_batch: int):
@@ -49,7 +49,7 @@ def staged(monkeypatch, tmp_path):
         stack.callback(events.append, "close ranks")
         events.append("start engines")
         stack.callback(events.append, "stop engines")
-        return "workers", None, None, SimpleNamespace(urls=[], token="t", remote_nodes=False)
+        return "workers", (None, None, None), SimpleNamespace(urls=[], token="t", remote_nodes=False)
 
     monkeypatch.setattr(build_mod, "check_inputs", lambda cfg: None)
     monkeypatch.setattr(build_mod, "read_inputs", read_inputs)

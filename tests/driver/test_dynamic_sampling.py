@@ -89,7 +89,7 @@ def _trainer(ds, tmp_path, rounds: list[tuple[list[int], list[str]]], *overrides
     plan = plan_run(cfg, "cpu", batches_per_epoch=len(ds) // 3)
     services = SimpleNamespace(train_ds=ds, pad_token_id=ds.pad_token_id, reward=RewardManager(scored_with_acc),
                                sampler=sampler_for(cfg.data, plan.gen_batch_size, ds),
-                               workers=None, rm_workers=None, teacher_workers=None, pool=SimpleNamespace(asleep=False), client=None, log_dir=tmp_path,
+                               workers=None, rm_workers=None, teacher_workers=None, ref_workers=None, pool=SimpleNamespace(asleep=False), client=None, log_dir=tmp_path,
                                plan=plan, judge=None)
     tr = RLTrainer(cfg, services)
     queue = list(rounds)

@@ -20,7 +20,7 @@ def _sampler(tmp_path, *overrides: str):
     plan = plan_run(cfg, "cpu", batches_per_epoch=10)
     services = SimpleNamespace(train_ds=list(range(40)), pad_token_id=0, reward=RewardManager(lambda *a, **k: 0.0),
                                sampler=sampler_for(cfg.data, plan.gen_batch_size, list(range(40))),  # as build makes it
-                               workers=None, rm_workers=None, teacher_workers=None, pool=SimpleNamespace(asleep=False), client=None, log_dir=tmp_path,
+                               workers=None, rm_workers=None, teacher_workers=None, ref_workers=None, pool=SimpleNamespace(asleep=False), client=None, log_dir=tmp_path,
                                plan=plan, judge=None)
     s = RLTrainer(cfg, services).sampler
     return [s.next_batch() for _ in range(3)]

@@ -110,7 +110,7 @@ def _trainer(tmp_path, *overrides: str, rm_workers=None) -> tuple[RLTrainer, Rec
     values = torch.linspace(-0.5, 0.5, batch.response_length).expand(batch.batch_size, -1) * batch.response_mask
     workers = RecordingWorkers(values)
     plan = plan_run(cfg, "cpu", batches_per_epoch=64 // cfg.data.train_batch_size)
-    services = SimpleNamespace(train_ds=list(range(64)), sampler=ResumableSampler(64, plan.gen_batch_size), workers=workers, rm_workers=rm_workers, teacher_workers=None, pool=RecordingPool(workers.calls),
+    services = SimpleNamespace(train_ds=list(range(64)), sampler=ResumableSampler(64, plan.gen_batch_size), workers=workers, rm_workers=rm_workers, teacher_workers=None, ref_workers=None, pool=RecordingPool(workers.calls),
                                client=None, log_dir=tmp_path, plan=plan, tracking=None, judge=None, stop=None,  # no metric sinks
                                rm_inputs=RewardModelInputs(None))  # (Services.tracking may be None); an RM reads the batch as it is
     tr = RLTrainer(cfg, services)
