@@ -98,7 +98,8 @@ def _scores(batch) -> torch.Tensor:
     return scores
 
 
-def _trainer(tmp_path, *overrides: str, rm_workers=None) -> tuple[RLTrainer, RecordingWorkers, torch.Tensor]:
+def _trainer(tmp_path, *overrides: str, rm_workers=None, ref_workers=None
+             ) -> tuple[RLTrainer, RecordingWorkers, torch.Tensor]:
     """The quickstart's trainer on recording ranks; with the old-log-prob phase (actor.on_policy_shortcut=false)
     unless ``overrides`` say otherwise (test_on_policy_shortcut_* below)."""
     (tmp_path / "m").mkdir(exist_ok=True)
@@ -110,7 +111,7 @@ def _trainer(tmp_path, *overrides: str, rm_workers=None) -> tuple[RLTrainer, Rec
     values = torch.linspace(-0.5, 0.5, batch.response_length).expand(batch.batch_size, -1) * batch.response_mask
     workers = RecordingWorkers(values)
     plan = plan_run(cfg, "cpu", batches_per_epoch=64 // cfg.data.train_batch_size)
-    services = SimpleNamespace(train_ds=list(range(64)), sampler=ResumableSampler(64, plan.gen_batch_size), workers=workers, rm_workers=rm_workers, teacher_workers=None, ref_workers=None, pool=RecordingPool(workers.calls),
+    services = SimpleNamespace(train_ds=list(range(64)), sampler=ResumableSampler(64, plan.gen_batch_size), workers=workers, rm_workers=rm_workers, teacher_workers=None, ref_workers=ref_workers, pool=RecordingPool(workers.calls),
                                client=None, log_dir=tmp_path, plan=plan, tracking=None, judge=None, stop=None,  # no metric sinks
                                rm_inputs=RewardModelInputs(None))  # (Services.tracking may be None); an RM reads the batch as it is
     tr = RLTrainer(cfg, services)
@@ -447,6 +448,20 @@ def test_on_policy_shortcut_keeps_the_old_log_prob_phase_while_the_critic_warms_
     tr.step()
     assert w.names() == ["compute_ref_log_prob", "compute_values", "update_critic", "update_policy_on_policy",
                          "sync_weights"]
+
+
+def test_a_separate_reference_answers_ref_log_prob_on_its_own_group(tmp_path) -> None:
+    """ref.placement=separate: phase ref_log_prob calls the reference's group (compute_side("ref", batch)), never
+    the trainer ranks, and the update trains on that group's answer."""
+    ref_group = RecordingWorkers(torch.zeros(()))  # its compute_side answers old_log_probs - 0.3 on the mask
+    tr, w, _ = _trainer(tmp_path, "cluster.n_gpus_per_node=3", "ref.placement=separate", "ref.num_devices=1",
+                        ref_workers=ref_group)
+    tr.step()
+    assert w.names() == ["compute_log_prob", "update_policy", "sync_weights"]  # no compute_ref_log_prob
+    assert ref_group.names() == ["compute_side:ref"]
+    sent = ref_group.calls[0][1][1]
+    update = next(args[0] for name, args in w.calls if name == "update_policy")
+    torch.testing.assert_close(update.ref_log_prob, sent.old_log_probs - 0.3 * sent.response_mask)
 
 
 def test_a_separate_reward_model_scores_on_its_own_group(tmp_path) -> None:
