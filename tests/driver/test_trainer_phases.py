@@ -235,7 +235,7 @@ def test_remax_scores_one_greedy_answer_per_prompt_as_the_baseline(tmp_path) -> 
     n = 2
     tr, w, _ = _trainer(tmp_path, "algorithm.adv_estimator=remax", f"rollout.n={n}", "actor.ppo_micro_batch_size_per_gpu=16")
     B = 8
-    prompts = [SimpleNamespace(prompt_ids=[5, i], ground_truth=str(i), data_source="toy", extra_info={})
+    prompts = [SimpleNamespace(prompt_ids=[5, i], images=(), ground_truth=str(i), data_source="toy", extra_info={})
                for i in range(B // n)]
     requests = []
 
@@ -312,7 +312,7 @@ def test_rollout_dump_writes_the_steps_samples_after_scoring(tmp_path) -> None:
 
     def generate() -> StepData:
         d = gen()
-        d.prompts = [SimpleNamespace(prompt_ids=[5, i // 2], ground_truth=str(i // 2)) for i in range(B)]
+        d.prompts = [SimpleNamespace(prompt_ids=[5, i // 2], images=(), ground_truth=str(i // 2)) for i in range(B)]
         d.texts = [f"answer {i}" for i in range(B)]
         return d
 
@@ -334,7 +334,7 @@ def _with_validation(tr, logged: list) -> None:
     """A val set of 3 prompts answered by a fake engine and scored by a dict-returning fake scorer."""
     from mrl.rewards.manager import RewardResult
 
-    prompts = [SimpleNamespace(prompt_ids=[9, i], ground_truth=str(i), data_source="toy", extra_info={})
+    prompts = [SimpleNamespace(prompt_ids=[9, i], images=(), ground_truth=str(i), data_source="toy", extra_info={})
                for i in range(3)]
 
     def generate(req):  # the engines hold the last pushed version (RolloutController.generate checks it)
