@@ -95,8 +95,9 @@ def _kill(procs: Sequence[Any]) -> None:
                 os.killpg(p.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 p.kill()
-    for p in procs:
-        p.join(timeout=5)
+    for p in procs:  # SIGKILLed: this returns as soon as each is reaped; the bound only covers a host under heavy load,
+        p.join(timeout=30)  # where a rank in the middle of a disk write can take seconds to go (and the caller's
+        # clean-up of its output directory must not race a rank still writing into it)
 
 
 def run_local_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), *, timeout_s: float,
