@@ -4,8 +4,8 @@ transformers in every layout — DP2 on padded rows (one sample per micro-batch)
 rows (the tower on stage 0, its gradient through the pipeline) — with the tower frozen (``actor.freeze_vision_tower``,
 the default: its weights unchanged, outside DDP's buffers and the optimizer) and trained (TP2 packed: its gradient
 equals transformers' too); Qwen3-VL in three of those layouts (DP2 padded frozen, TP2 packed trained, PP2 packed
-frozen); Qwen3-VL-MoE at EP2 on packed rows, tower frozen (its experts' gradients compared in the checkpoint's
-``x @ W`` layout).
+frozen); Qwen3-VL-MoE at EP2 on packed rows, tower frozen, routing replay R2 (``old``: recorded in the old-log-prob
+forward, replayed in the update; its experts' gradients compared in the checkpoint's ``x @ W`` layout).
 
 Objective (as tests/workers/test_qwen3_5_actor.py): ``old_log_probs`` are transformers' fp32 log-probs, so the PPO
 ratio is 1, and with no entropy/KL term ``L = −Σ_t A_t r_t / N`` (token-mean over the batch's N response tokens);
@@ -30,9 +30,12 @@ LAYOUTS = {"qwen2_5_vl": [((1, 1, 1), False, True), ((2, 1, 2), True, True), ((1
            "qwen3_vl": [((1, 1, 1), False, True), ((2, 1, 2), True, False), ((1, 2, 2), True, True)],
            "qwen3_vl_moe": [((1, 1, 2), True, True)]}
 EP = {"qwen3_vl_moe": 2}  # expert-parallel size per kind (Qwen3-VL-MoE: its 4 experts over both ranks)
+# routing replay per kind: R2, the recipe's (the update replays the old-log-prob forward's routing of the same
+# weights, so the gradient is still transformers')
+REPLAY = {"qwen3_vl_moe": "old"}
 
 
-def _one_update(path, layout, packed, frozen, batch, ep=1):
+def _one_update(path, layout, packed, frozen, batch, ep=1, replay="none"):
     from megatron.core import parallel_state as ps
 
     from mrl.config.actor import ActorConfig
@@ -41,7 +44,7 @@ def _one_update(path, layout, packed, frozen, batch, ep=1):
 
     (tp, pp, mbs) = layout
     cfg = ActorConfig(megatron={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                                "expert_model_parallel_size": ep},
+                                "expert_model_parallel_size": ep}, moe={"routing_replay": replay},
                       ppo_micro_batch_size_per_gpu=mbs, freeze_vision_tower=frozen, loss_agg_mode="token-mean",
                       optim={"lr": LR, "eps": EPS, "weight_decay": 0.0, "clip_grad": 0.0})
     actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=batch.batch_size, seed=1234,
@@ -50,19 +53,22 @@ def _one_update(path, layout, packed, frozen, batch, ep=1):
     # frozen: no gradient, no DDP buffer (Megatron's optimizer is built from those buffers)
     in_ddp = [hasattr(p, "main_grad") for t in towers for p in t.parameters()]
     lp, _ = actor.compute_log_prob(batch)
+    recorded = actor.records_routing and actor.old_routing is not None
     metrics = actor.update_policy(batch)
+    replayed = recorded and actor.old_routing is None  # the update took the record (one update per recording)
     keep = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
     weights = {n: t.clone() for n, t in actor.export_hf_weights()}
     del actor
     return {"lp": lp, "loss": metrics["actor/pg_loss"], "weights": weights if keep else None,
-            "tower_in_ddp": in_ddp, "has_tower": bool(towers)}
+            "tower_in_ddp": in_ddp, "has_tower": bool(towers), "replayed": replayed}
 
 
 def _rank(rank, world, paths, batches):
     from tests.workers.batches import portable, tensors
 
     batches = tensors(batches)
-    return portable({k: [_one_update(paths[k], *lay, batches[k], ep=EP.get(k, 1)) for lay in LAYOUTS[k]]
+    return portable({k: [_one_update(paths[k], *lay, batches[k], ep=EP.get(k, 1), replay=REPLAY.get(k, "none"))
+                         for lay in LAYOUTS[k]]
                      for k in paths})
 
 
@@ -142,6 +148,7 @@ def test_vlm_actor_matches_transformers_autograd_in_every_layout(launched, kind)
         runs = [r[kind][li] for r in res]
         d_lp = max(float((r["lp"] - ref_lp).abs().max()) for r in runs)
         d_loss = max(abs(float(r["loss"]) - ref_loss) for r in runs)
+        assert all(r["replayed"] is (REPLAY.get(kind, "none") == "old") for r in runs), tag
         assert any(r["has_tower"] for r in runs) and all(not r["has_tower"] for r in runs[1:] if lay[1] == 2)
         assert all(all(not x for x in r["tower_in_ddp"]) if frozen else all(r["tower_in_ddp"]) for r in runs), tag
         weights = {n: w for r in runs for n, w in (r["weights"] or {}).items()}
