@@ -7,8 +7,8 @@ import torch
 
 KINDS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 DENSE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1)]  # (tp, pp, ep) over 2 ranks (TP1: two data-parallel replicas)
-# Qwen3-VL-MoE at TP1 with its 4 experts over 2 expert-parallel ranks (each rank's tokens dispatched to both)
-LAYOUTS = {"qwen2_5_vl": DENSE_LAYOUTS, "qwen3_vl": DENSE_LAYOUTS, "qwen3_vl_moe": [(1, 1, 2)]}
+# Qwen3-VL-MoE at TP1: its 4 experts over 2 expert-parallel ranks (each rank's tokens dispatched to both), and PP2
+LAYOUTS = {"qwen2_5_vl": DENSE_LAYOUTS, "qwen3_vl": DENSE_LAYOUTS, "qwen3_vl_moe": [(1, 1, 2), (1, 2, 1)]}
 PARTS = [[0, 1], [2, 3]]  # two micro-batches: pictures of several samples in one forward
 ROUNDTRIP = {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
 
