@@ -2,7 +2,7 @@
 
 Each module (``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``qwen3_moe``, ``qwen2_moe``, ``mixtral``,
 ``deepseek_v3``, ``glm4_moe``, ``gpt_oss``, the hybrid-attention ``qwen3_5``, ``qwen3_5_moe`` and ``qwen3_next``, the
-vision-language ``qwen2_5_vl`` and ``qwen3_vl``, the sparse-attention ``deepseek_v32`` and ``glm_moe_dsa``)
+vision-language ``qwen2_5_vl``, ``qwen3_vl`` and ``qwen3_vl_moe``, the sparse-attention ``deepseek_v32`` and ``glm_moe_dsa``)
 defines ``FAMILY``, a :class:`~mrl.families.base.Family`: the HF architectures it owns, its
 config.json → Megatron facts (qkv bias, q/k norm, sliding window, MoE router and experts), its layer-spec
 needs, its HF ↔ Megatron weight rules and what it refuses. This registry builds the lookups the rest of
@@ -25,7 +25,7 @@ from mrl.families.views import DECODER_PREFIXES
 
 _MODULES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
             "glm4_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next",
-            "qwen2_5_vl", "qwen3_vl", "deepseek_v32", "glm_moe_dsa")
+            "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "deepseek_v32", "glm_moe_dsa")
 
 FAMILIES: dict[str, Family] = {}
 for _mod in _MODULES:

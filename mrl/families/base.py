@@ -132,6 +132,9 @@ class MoE:
     # The checkpoint holds a layer's experts as fused tensors under transformers' own parameter names (gpt-oss):
     # the engine splits nothing (expert_names then only name the fused tensors).
     fused_experts: bool = False
+    # ... and those fused tensors are in ``x @ W`` layout, the transposes of transformers' modules (Qwen3-VL-MoE's
+    # ``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``): the engine names its modules' tensors by transposed views
+    fused_experts_xw: bool = False
     # Experts with biases (gpt-oss): Megatron supports them only with expert_tensor_parallel_size=1.
     expert_linear_bias: bool = False
     # "softmax" | "sigmoid" (Megatron moe_router_score_function)

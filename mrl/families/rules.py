@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-SPLITS = ("replicated", "column", "row", "vocab", "qkv", "qkv_gated", "gate_up", "gate_up_interleaved", "row_t",
+SPLITS = ("replicated", "column", "row", "vocab", "qkv", "qkv_gated", "gate_up", "gate_up_interleaved", "gate_up_t", "row_t",
           "sections", "gdn_grouped")
 LAYER_KINDS = ("all", "moe", "dense")
 MIXERS = ("all", "attention", "linear")

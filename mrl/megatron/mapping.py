@@ -28,7 +28,12 @@ is split over TP:
 ``gate_up_interleaved``  one HF tensor in ``x @ W`` layout with gate and up columns alternating,
                 ``W [H, 2F] = [g0, u0, g1, u1, ...]`` (a bias ``[2F]`` alike; gpt-oss) → ``gate = W[:, 0::2]ᵀ``,
                 ``up = W[:, 1::2]ᵀ``, then as ``gate_up``.
+``gate_up_t``   one HF tensor in ``x @ W`` layout, ``W [H, 2F] = [gate | up]`` (Qwen3-VL-MoE's released fused experts)
+                → ``gate = W[:, :F]ᵀ``, ``up = W[:, F:]ᵀ``, then as ``gate_up``.
 ``row_t``       HF ``[F, H]`` in ``x @ W`` layout → Megatron ``[H, F]`` (transposed), split along dim 1.
+                On load, ``gate_up_t`` and ``row_t`` also take the transposed tensor (``[2F, H]``, ``[H, F]``: what
+                transformers 5's ``save_pretrained`` writes for Qwen3-VL-MoE), told apart by shape (``H != 2F``,
+                ``H != F``; a square tensor is read as ``x @ W``); export writes ``x @ W``.
 
 Spec namings: the local spec keeps ``input_layernorm``/``pre_mlp_layernorm``; the Transformer
 Engine spec fuses them into ``linear_qkv.layer_norm_weight``/``linear_fc1.layer_norm_weight``
@@ -307,8 +312,17 @@ def _to_local(rule: Rule, full: list[torch.Tensor], hf_config: Any, local_shape:
         if w.dim() == 2:  # x @ W layout -> Megatron's [out, in]
             gate, up = gate.t(), up.t()
         return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
+    if rule.split == "gate_up_t":
+        w = full[0]
+        if w.shape[0] != local_shape[1] and w.shape[-1] == local_shape[1]:  # transformers' [2F, H]
+            w = w.t()
+        gate, up = (t.t() for t in w.chunk(2, dim=1))
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
     if rule.split == "row_t":
-        return full[0].t().chunk(tp, dim=1)[rank]
+        w = full[0]
+        if w.shape[-1] != local_shape[0] and w.shape[0] == local_shape[0]:  # already [H, F]
+            return w.chunk(tp, dim=1)[rank]
+        return w.t().chunk(tp, dim=1)[rank]
     raise ValueError(f"unknown split {rule.split!r}; expected one of {SPLITS}")
 
 
@@ -342,11 +356,13 @@ def _to_hf(rule: Rule, local: torch.Tensor, hf_config: Any) -> list[torch.Tensor
         return _sections_to_hf(rule, full, hf_config, _tp(rule.expert)[0])
     if rule.split == "gdn_grouped":
         return _gdn_group(torch.cat(_unshard_blocks(full, _gdn_flat_sizes(hf_config), _tp(rule.expert)[0])), hf_config)
-    if rule.split in ("gate_up", "gate_up_interleaved"):
+    if rule.split in ("gate_up", "gate_up_interleaved", "gate_up_t"):
         halves = [p.chunk(2, dim=0) for p in full.chunk(_tp(rule.expert)[0], dim=0)]
         gate, up = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
         if rule.split == "gate_up":
             return [gate, up]
+        if rule.split == "gate_up_t":
+            return [torch.cat([gate, up]).t().contiguous()]  # [H, 2F] = [gate | up]
         if gate.dim() == 2:
             gate, up = gate.t(), up.t()
         return [torch.stack([gate, up], dim=-1).reshape(*gate.shape[:-1], -1)]  # [g0, u0, g1, u1, ...]

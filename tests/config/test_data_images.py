@@ -79,17 +79,18 @@ def test_plan_reports_pictures_and_accepts_a_qwen2_5_vl_checkpoint(capsys, vlm, 
 def test_an_unbuilt_vision_language_architecture_is_refused_in_one_line(capsys, vlm, tmp_path, cmd):
     import shutil
 
-    other = tmp_path / "moe_vlm"
+    other = tmp_path / "glm4v"
     shutil.copytree(vlm, other)
     cfg = json.loads((other / "config.json").read_text())
-    cfg["architectures"] = ["Qwen3VLMoeForConditionalGeneration"]
+    cfg["architectures"] = ["Glm4vForConditionalGeneration"]
     (other / "config.json").write_text(json.dumps(cfg))
     f = _files(tmp_path)
     rc, _, err = _run(capsys, f"model.path={other}", f"data.train_files={f}", cmd=cmd)
     assert rc == EXIT_UNSUPPORTED, err
-    want = (f"mrl {cmd}: model.path={str(other)!r} (Qwen3VLMoeForConditionalGeneration) is a vision-language "
+    want = (f"mrl {cmd}: model.path={str(other)!r} (Glm4vForConditionalGeneration) is a vision-language "
             "model whose architecture the Megatron actor does not build (it builds Qwen2_5_VLForConditionalGeneration, "
-            "Qwen3VLForConditionalGeneration: docs/vision.md); fix: one of those, or a text-only checkpoint")
+            "Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration: docs/vision.md); fix: one of those, "
+            "or a text-only checkpoint")
     assert err.strip().splitlines() == [want]
 
 

@@ -1,5 +1,5 @@
 """The vision-language GPU recipes plan from mrl's copies of the released config.json (Qwen2.5-VL-7B's decoder fields at
-the top level, Qwen3-VL-8B's under text_config), and the plan counts transformers' own parameters, the vision tower
+the top level, Qwen3-VL-8B's and Qwen3-VL-30B-A3B's (MoE, EP8) under text_config), and the plan counts transformers' own parameters, the vision tower
 included: the whole ``*ForConditionalGeneration`` built on the meta device (the family's tower count is torch-free)."""
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from mrl.config.plan_report import build_report
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {"Qwen/Qwen2.5-VL-7B-Instruct": ("qwen2.5-vl-7b_grpo_geo3k_1x8.yaml", "Qwen2_5_VL"),
-           "Qwen/Qwen3-VL-8B-Instruct": ("qwen3-vl-8b_grpo_geo3k_1x8.yaml", "Qwen3VL")}
+           "Qwen/Qwen3-VL-8B-Instruct": ("qwen3-vl-8b_grpo_geo3k_1x8.yaml", "Qwen3VL"),
+           "Qwen/Qwen3-VL-30B-A3B-Instruct": ("qwen3-vl-30b-a3b_grpo_geo3k_1x8_ep8.yaml", "Qwen3VLMoe")}
 
 
 @pytest.mark.parametrize("hub", sorted(RECIPES))

@@ -137,6 +137,20 @@ def hf_config(family: str, **overrides):
                   moe_intermediate_size=48, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=0,
                   kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
                   index_topk=4, index_head_dim=16, index_n_heads=4)
+    elif family == "qwen3_vl_moe":  # Qwen3-VL's tower before a Qwen3-MoE decoder (4 experts, top-2)
+        from mrl.families.views import decoder_config
+
+        kw.pop("rope_theta", None)
+        kw.pop("intermediate_size", None)
+        text = {**kw, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                "norm_topk_prob": True, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                            "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+                **overrides}
+        cfg = tf.Qwen3VLMoeConfig(text_config=text, vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64,
+                                                                   "num_heads": 2, "intermediate_size": 64,
+                                                                   "deepstack_visual_indexes": [0]})
+        cfg.architectures = ["Qwen3VLMoeForConditionalGeneration"]
+        return decoder_config(cfg)
     else:
         raise ValueError(f"unknown tiny family {family!r}")
     kw.update(overrides)

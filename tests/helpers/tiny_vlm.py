@@ -1,7 +1,7 @@
 """Tiny vision-language checkpoints and images, built locally (no downloads).
 
 ``save_tiny_vlm(path, kind)`` writes a random Qwen2.5-VL (``kind="qwen2_5_vl"``) or Qwen3-VL
-(``"qwen3_vl"``) checkpoint with a byte-level BPE tokenizer carrying Qwen's vision special tokens, a
+(``"qwen3_vl"``) or Qwen3-VL-MoE (``"qwen3_vl_moe"``) checkpoint with a byte-level BPE tokenizer carrying Qwen's vision special tokens, a
 ChatML chat template and a ``preprocessor_config.json`` for Qwen's image processor (small ``max_pixels``
 so a test image becomes a handful of tokens). ``png(w, h, seed)`` is an in-memory PNG.
 """
@@ -18,7 +18,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 VOCAB = 256 + len(SPECIALS)  # byte symbols (no merges) + specials: ids 0..6 are the specials
-PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}
 MIN_PIXELS_TOKENS, MAX_PIXELS_TOKENS = 1, 16  # merged tokens per image at least / at most
 
 
@@ -52,6 +52,8 @@ def save_vlm_files(path: str | Path, kind: str = "qwen2_5_vl"):
         Qwen2_5_VLForConditionalGeneration,
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeForConditionalGeneration,
     )
 
     path = Path(path)
@@ -82,8 +84,20 @@ def save_vlm_files(path: str | Path, kind: str = "qwen2_5_vl"):
                                "deepstack_visual_indexes": [0], "in_channels": 3},
             **tokens)
         model_cls = Qwen3VLForConditionalGeneration
+    elif kind == "qwen3_vl_moe":  # Qwen3-VL's tower before a Qwen3-MoE decoder: 4 experts, top-2
+        cfg = Qwen3VLMoeConfig(
+            text_config={**text, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                         "mlp_only_layers": [], "router_aux_loss_coef": 0.0,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                             "mrope_interleaved": True}},
+            vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 32,
+                               "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
+                               "deepstack_visual_indexes": [0], "in_channels": 3},
+            **tokens)
+        model_cls = Qwen3VLMoeForConditionalGeneration
     else:
-        raise ValueError(f"kind must be qwen2_5_vl or qwen3_vl, got {kind!r}")
+        raise ValueError(f"kind must be qwen2_5_vl, qwen3_vl or qwen3_vl_moe, got {kind!r}")
     cfg.architectures = [model_cls.__name__]
     cfg.save_pretrained(str(path))
     px = (PATCH[kind] * 2) ** 2  # pixels of one merged token
@@ -103,6 +117,13 @@ def save_tiny_vlm(path: str | Path, kind: str = "qwen2_5_vl", seed: int = 0) -> 
     torch.manual_seed(seed)
     model = model_cls(cfg).to(torch.float32).eval()
     model.save_pretrained(str(path))
+    if kind == "qwen3_vl_moe":  # the released files' x @ W experts (transformers 5 saves its modules' transposes)
+        from safetensors.torch import load_file, save_file
+
+        f = Path(path) / "model.safetensors"
+        sd = load_file(str(f))
+        save_file({n: t.transpose(1, 2).contiguous() if ".mlp.experts." in n else t for n, t in sd.items()}, str(f),
+                  metadata={"format": "pt"})
     return Path(path)
 
 

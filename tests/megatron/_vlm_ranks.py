@@ -5,10 +5,12 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("qwen2_5_vl", "qwen3_vl")
-LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) over 2 ranks (TP1: two data-parallel replicas)
+KINDS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+DENSE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1)]  # (tp, pp, ep) over 2 ranks (TP1: two data-parallel replicas)
+# Qwen3-VL-MoE at TP1: its 4 experts over 2 expert-parallel ranks (each rank's tokens dispatched to both), and PP2
+LAYOUTS = {"qwen2_5_vl": DENSE_LAYOUTS, "qwen3_vl": DENSE_LAYOUTS, "qwen3_vl_moe": [(1, 1, 2), (1, 2, 1)]}
 PARTS = [[0, 1], [2, 3]]  # two micro-batches: pictures of several samples in one forward
-ROUNDTRIP = {(2, 1), (1, 2)}
+ROUNDTRIP = {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
 
 
 def _logits(model, batch, packed: bool, vocab: int) -> list[torch.Tensor] | None:
@@ -45,18 +47,19 @@ def vlm_parity_rank(rank: int, world: int, root: str) -> dict:
     for kind in KINDS:
         path = Path(root) / kind
         ref = torch.load(path / "ref.pt", weights_only=False)
-        for tp, pp in LAYOUTS:
-            par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        for tp, pp, ep in LAYOUTS[kind]:
+            par = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
             for packed in (False, True):
                 model = MegatronModel(path, par, train=False, attention_backend="sdpa", remove_padding=packed)
                 logits = _logits(model, ref["batch"], packed, ref["vocab"])
                 if logits is not None:
-                    out[(kind, tp, pp, packed)] = [(lg.double() - r).abs().max().item()
+                    out[(kind, tp, pp, ep, packed)] = [(lg.double() - r).abs().max().item()
                                                    for lg, r in zip(logits, ref["logits"])]
-                    out[("lg", kind, tp, pp, packed)] = logits
-                if not packed and (tp, pp) in ROUNDTRIP:
+                    out[("lg", kind, tp, pp, ep, packed)] = logits
+                if not packed and (tp, pp, ep) in ROUNDTRIP:
                     tensors = list(model.named_parameters_hf())  # collective: every rank iterates
                     if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
-                        stage = Path(root) / f"rt_{kind}_tp{tp}pp{pp}" / f"stage{ps.get_pipeline_model_parallel_rank()}"
+                        stage = Path(root) / f"rt_{kind}_tp{tp}pp{pp}ep{ep}" / f"stage{ps.get_pipeline_model_parallel_rank()}"
                         write_hf_checkpoint(stage, tensors)
     return out

@@ -63,3 +63,25 @@ def test_resolver_finds_te_fused_layernorm_names():
     assert _param(dict(m.named_parameters()), "input_layernorm.weight") is m.self_attention.linear_qkv.layer_norm_weight
     assert _param(dict(m.named_parameters()), "pre_mlp_layernorm.weight") is m.mlp.linear_fc1.layer_norm_weight
     assert _param(dict(m.named_parameters()), "mlp.linear_fc2.weight") is None
+
+
+def test_fused_x_at_w_experts_read_either_layout(monkeypatch):
+    """Qwen3-VL-MoE's expert e: released ``gate_up_proj[e] [H, 2F] = [gate | up]`` (x @ W) and transformers 5's
+    saved transpose ``[2F, H]`` give the same Megatron fc1 ``[gate; up]`` (``[2F, H]``, gate rows first); ``down_proj``
+    ``[F, H]`` or ``[H, F]`` the same fc2 ``[H, F]``; export writes the released layout."""
+    from mrl.families import FAMILIES
+    from mrl.megatron import mapping
+
+    monkeypatch.setattr(mapping, "_tp", lambda expert=False: (1, 0, None))  # ETP1: no collective
+    rules = {r.mcore.rsplit(".", 2)[-2]: r for r in FAMILIES["qwen3_vl_moe"].weight_rules if r.fused}
+    h, f = 6, 4
+    w = torch.randn(h, 2 * f, dtype=torch.float64)
+    d = torch.randn(f, h, dtype=torch.float64)
+    for fc1 in (w, w.t()):
+        local = mapping._to_local(rules["linear_fc1"], [fc1], None, torch.Size([2 * f, h]))
+        assert torch.equal(local, torch.cat([w[:, :f].t(), w[:, f:].t()]))
+    assert torch.equal(mapping._to_hf(rules["linear_fc1"], local, None)[0], w)
+    for fc2 in (d, d.t()):
+        local = mapping._to_local(rules["linear_fc2"], [fc2], None, torch.Size([h, f]))
+        assert torch.equal(local, d.t())
+    assert torch.equal(mapping._to_hf(rules["linear_fc2"], local, None)[0], d)

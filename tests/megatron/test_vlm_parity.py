@@ -1,8 +1,9 @@
-"""Qwen2.5-VL and Qwen3-VL (interleaved mRoPE, deepstack) through :class:`~mrl.workers.megatron_model.MegatronModel` (the vision tower on the first stage, its
+"""Qwen2.5-VL, Qwen3-VL (interleaved mRoPE, deepstack) and Qwen3-VL-MoE (the same with Qwen3-MoE's experts, stored
+fused in ``x @ W`` layout) through :class:`~mrl.workers.megatron_model.MegatronModel` (the vision tower on the first stage, its
 features at the image tokens, multimodal RoPE at mrl's 3-D positions): each sample's fp32 logits == transformers'
-float64 logits within 1e-5 at TP1 (DP2), TP2 and PP2, on padded rows and on packed rows (positions restarting per
+float64 logits within 1e-5 at TP1 (DP2), TP2 and PP2 (Qwen3-VL-MoE: EP2 at TP1, and PP2), on padded rows and on packed rows (positions restarting per
 sequence), for samples with one picture, two pictures and none, two micro-batches of two samples; packed == padded;
-HF → Megatron → HF bit-exact per tensor at TP2 and PP2, the tower (``visual.*`` / ``model.visual.*``) included. One
+HF → Megatron → HF bit-exact per tensor at TP2 and PP2 (Qwen3-VL-MoE: EP2 and PP2), the tower (``visual.*`` / ``model.visual.*``) included. One
 2-rank gloo launch for both models.
 
 Bound: fp32 logits of a 2-layer model whose float64 values are ~1: transformers' own fp32 forward deviates from
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_ranks
-from tests.megatron._vlm_ranks import KINDS, LAYOUTS, vlm_parity_rank
+from tests.megatron._vlm_ranks import KINDS, LAYOUTS, ROUNDTRIP, vlm_parity_rank
 
 pytestmark = pytest.mark.multirank
 TOL = 1e-5
@@ -29,7 +30,9 @@ def launched(tmp_path_factory):
     for i, kind in enumerate(KINDS):
         save_tiny_vlm(root / kind, kind, seed=3 + i)
         batch = vlm_batch(root / kind)
-        model = AutoModelForImageTextToText.from_pretrained(root / kind, dtype=torch.float64).eval()
+        # eager experts: transformers' grouped-GEMM path has no float64 kernel
+        model = AutoModelForImageTextToText.from_pretrained(root / kind, dtype=torch.float64,
+                                                            experts_implementation="eager").eval()
         with torch.no_grad():
             logits = hf_vlm_logits(model, batch)
             own32 = hf_vlm_logits(model.float(), batch)
@@ -44,8 +47,8 @@ def launched(tmp_path_factory):
     return root, merged
 
 
-CASES = [(k, lay) for k in KINDS for lay in LAYOUTS]
-IDS = [f"{k}-tp{t}pp{p}" for k, (t, p) in CASES]
+CASES = [(k, lay) for k in KINDS for lay in LAYOUTS[k]]
+IDS = [f"{k}-tp{t}pp{p}" + (f"ep{e}" if e > 1 else "") for k, (t, p, e) in CASES]
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -62,15 +65,17 @@ def test_packed_rows_equal_padded_rows(launched, kind, layout):
         assert (a - b).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+RT_CASES = [(k, lay) for k, lay in CASES if lay in ROUNDTRIP]
+
+
+@pytest.mark.parametrize("kind,layout", RT_CASES, ids=[f"{k}-tp{t}pp{p}ep{e}" for k, (t, p, e) in RT_CASES])
 def test_roundtrip_is_bit_exact_with_the_vision_tower(launched, kind, layout):
     from mrl.families import FAMILIES
     from mrl.megatron.hf_io import HFCheckpointReader
 
     root, _ = launched
     src = HFCheckpointReader(root / kind)
-    stages = [HFCheckpointReader(d) for d in sorted((root / f"rt_{kind}_tp{layout[0]}pp{layout[1]}").iterdir())]
+    stages = [HFCheckpointReader(d) for d in sorted((root / "rt_{}_tp{}pp{}ep{}".format(kind, *layout)).iterdir())]
     exported = {n: st for st in stages for n in st.names()}
     assert sum(len(st.names()) for st in stages) == len(exported), "a tensor was exported twice"
     assert set(exported) == set(src.names())

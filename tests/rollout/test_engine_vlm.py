@@ -1,4 +1,4 @@
-"""The embedded engine serving tiny Qwen2.5-VL and Qwen3-VL checkpoints over SGLang's /generate with
+"""The embedded engine serving tiny Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE checkpoints over SGLang's /generate with
 ``image_data``: prompts with two, one and no pictures batched together (and the same text with another
 picture), n samples each. Every sampled token's log-prob must equal a plain transformers forward over
 prompt + response with the pictures (fp32, <= 1e-5: the same float32 ops in another batch layout; the
@@ -22,7 +22,7 @@ TOL = 1e-5
 PICS = {"a": png(40, 60, 1), "b": png(90, 30, 2), "c": png(28, 28, 3), "d": png(40, 60, 4)}  # d: a's size, other pixels
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def vlm(request, tmp_path_factory):
     d = save_tiny_vlm(tmp_path_factory.mktemp(request.param), request.param)
     engine = Engine(str(d))

@@ -1,10 +1,11 @@
-"""Qwen2.5-VL and Qwen3-VL (interleaved mRoPE, deepstack) through the actor (vision tower on the first stage, pictures in ``TrainBatch.multi_modal``): log-probs
+"""Qwen2.5-VL, Qwen3-VL (interleaved mRoPE, deepstack) and Qwen3-VL-MoE through the actor (vision tower on the first stage, pictures in ``TrainBatch.multi_modal``): log-probs
 equal transformers', and one update's loss and gradients equal an independent autograd computation through
 transformers in every layout — DP2 on padded rows (one sample per micro-batch), TP2 on packed rows, PP2 on packed
 rows (the tower on stage 0, its gradient through the pipeline) — with the tower frozen (``actor.freeze_vision_tower``,
 the default: its weights unchanged, outside DDP's buffers and the optimizer) and trained (TP2 packed: its gradient
 equals transformers' too); Qwen3-VL in three of those layouts (DP2 padded frozen, TP2 packed trained, PP2 packed
-frozen).
+frozen); Qwen3-VL-MoE at EP2 on packed rows, tower frozen, routing replay R2 (``old``: recorded in the old-log-prob
+forward, replayed in the update; its experts' gradients compared in the checkpoint's ``x @ W`` layout).
 
 Objective (as tests/workers/test_qwen3_5_actor.py): ``old_log_probs`` are transformers' fp32 log-probs, so the PPO
 ratio is 1, and with no entropy/KL term ``L = −Σ_t A_t r_t / N`` (token-mean over the batch's N response tokens);
@@ -26,10 +27,15 @@ LP_TOL, GRAD_TOL = 1e-5, 1e-5
 # (tp, pp, micro-batch size), packed rows, tower frozen
 LAYOUTS = {"qwen2_5_vl": [((1, 1, 1), False, True), ((2, 1, 2), True, True), ((1, 2, 2), True, True),
                           ((2, 1, 2), True, False)],
-           "qwen3_vl": [((1, 1, 1), False, True), ((2, 1, 2), True, False), ((1, 2, 2), True, True)]}
+           "qwen3_vl": [((1, 1, 1), False, True), ((2, 1, 2), True, False), ((1, 2, 2), True, True)],
+           "qwen3_vl_moe": [((1, 1, 2), True, True)]}
+EP = {"qwen3_vl_moe": 2}  # expert-parallel size per kind (Qwen3-VL-MoE: its 4 experts over both ranks)
+# routing replay per kind: R2, the recipe's (the update replays the old-log-prob forward's routing of the same
+# weights, so the gradient is still transformers')
+REPLAY = {"qwen3_vl_moe": "old"}
 
 
-def _one_update(path, layout, packed, frozen, batch):
+def _one_update(path, layout, packed, frozen, batch, ep=1, replay="none"):
     from megatron.core import parallel_state as ps
 
     from mrl.config.actor import ActorConfig
@@ -37,7 +43,8 @@ def _one_update(path, layout, packed, frozen, batch):
     from mrl.workers.actor import ActorWorker
 
     (tp, pp, mbs) = layout
-    cfg = ActorConfig(megatron={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+    cfg = ActorConfig(megatron={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                                "expert_model_parallel_size": ep}, moe={"routing_replay": replay},
                       ppo_micro_batch_size_per_gpu=mbs, freeze_vision_tower=frozen, loss_agg_mode="token-mean",
                       optim={"lr": LR, "eps": EPS, "weight_decay": 0.0, "clip_grad": 0.0})
     actor = ActorWorker(cfg, model_path=path, mini_batch_size_samples=batch.batch_size, seed=1234,
@@ -46,19 +53,23 @@ def _one_update(path, layout, packed, frozen, batch):
     # frozen: no gradient, no DDP buffer (Megatron's optimizer is built from those buffers)
     in_ddp = [hasattr(p, "main_grad") for t in towers for p in t.parameters()]
     lp, _ = actor.compute_log_prob(batch)
+    recorded = actor.records_routing and actor.old_routing is not None
     metrics = actor.update_policy(batch)
+    replayed = recorded and actor.old_routing is None  # the update took the record (one update per recording)
     keep = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
     weights = {n: t.clone() for n, t in actor.export_hf_weights()}
     del actor
     return {"lp": lp, "loss": metrics["actor/pg_loss"], "weights": weights if keep else None,
-            "tower_in_ddp": in_ddp, "has_tower": bool(towers)}
+            "tower_in_ddp": in_ddp, "has_tower": bool(towers), "replayed": replayed}
 
 
 def _rank(rank, world, paths, batches):
     from tests.workers.batches import portable, tensors
 
     batches = tensors(batches)
-    return portable({k: [_one_update(paths[k], *lay, batches[k]) for lay in LAYOUTS[k]] for k in paths})
+    return portable({k: [_one_update(paths[k], *lay, batches[k], ep=EP.get(k, 1), replay=REPLAY.get(k, "none"))
+                         for lay in LAYOUTS[k]]
+                     for k in paths})
 
 
 def _hf_log_probs(model, batch):
@@ -83,8 +94,10 @@ def _reference(path, batch):
     ``model.language_model.*`` / ``model.visual.*``."""
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float64).eval()
+    # eager experts: transformers' grouped-GEMM path has no float64 kernel
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float64, experts_implementation="eager").eval()
     released = model.config.model_type == "qwen2_5_vl"
+    xw = model.config.model_type == "qwen3_vl_moe"  # its checkpoint's fused experts: the modules' transposes
     lp = _hf_log_probs(model, batch)
     mask = batch.response_mask.bool()
     loss = -(batch.advantages.double() * torch.exp(lp - lp.detach()))[mask].sum() / mask.sum()
@@ -92,7 +105,10 @@ def _reference(path, batch):
     def rename(n: str) -> str:
         return n.replace("model.language_model.", "model.").replace("model.visual.", "visual.") if released else n
 
-    grads = {rename(n): p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
+    def as_saved(n: str, g: torch.Tensor) -> torch.Tensor:
+        return g.transpose(1, 2) if xw and ".mlp.experts." in n else g
+
+    grads = {rename(n): as_saved(n, p.grad.detach()) for n, p in model.named_parameters() if p.grad is not None}
     return lp.detach(), float(loss.detach()), grads
 
 
@@ -128,10 +144,11 @@ def test_vlm_actor_matches_transformers_autograd_in_every_layout(launched, kind)
     assert any(n.startswith(prefix) for n in ref_g) and any(".self_attn.q_proj" in n for n in ref_g)
     report, failures = [], []
     for li, (lay, packed, frozen) in enumerate(LAYOUTS[kind]):
-        tag = f"{kind} tp{lay[0]}pp{lay[1]} packed={packed} frozen={frozen}"
+        tag = f"{kind} tp{lay[0]}pp{lay[1]}ep{EP.get(kind, 1)} packed={packed} frozen={frozen}"
         runs = [r[kind][li] for r in res]
         d_lp = max(float((r["lp"] - ref_lp).abs().max()) for r in runs)
         d_loss = max(abs(float(r["loss"]) - ref_loss) for r in runs)
+        assert all(r["replayed"] is (REPLAY.get(kind, "none") == "old") for r in runs), tag
         assert any(r["has_tower"] for r in runs) and all(not r["has_tower"] for r in runs[1:] if lay[1] == 2)
         assert all(all(not x for x in r["tower_in_ddp"]) if frozen else all(r["tower_in_ddp"]) for r in runs), tag
         weights = {n: w for r in runs for n, w in (r["weights"] or {}).items()}

@@ -19,7 +19,9 @@ checkpoint name(s) as a *view* of the fused parameter, so a weight update copies
 slice and ``/weights_checksum`` / ``/get_weights_by_name`` answer per checkpoint name (the inverse map).
 gpt-oss checkpoints hold the experts fused as transformers does (``mlp.experts.gate_up_proj`` ``[E, H, 2I]`` with
 gate/up interleaved, ``down_proj``, their biases; router ``mlp.router``): its names are the parameters' own
-(``MoE.fused_experts``).
+(``MoE.fused_experts``). Qwen3-VL-MoE checkpoints hold them fused in ``x @ W`` layout (``gate_up_proj [E, H, 2I]``
+= ``[gate | up]``, ``down_proj [E, I, H]``), the transposes of transformers' modules: named by transposed views
+(``MoE.fused_experts_xw``).
 
 Hybrid MoE checkpoints (Qwen3.5 / Qwen3.6 MoE, whose vision-language form nests the decoder under
 ``model.language_model.``, and Qwen3-Next) name their experts as Qwen3-MoE does, beside a gated shared expert
@@ -83,6 +85,8 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     vision = FAMILIES[mt].vision if mt in FAMILIES else None
     if vision is not None:  # the checkpoint's (and the trainer's) names: Qwen2.5-VL's released model.* / visual.*
         named = {_vision_checkpoint_name(n, vision): p for n, p in named.items()}
+    if mt in FUSED_CHECKPOINTS and FAMILIES[mt].moe.fused_experts_xw:
+        return {n: p.transpose(1, 2) if _FUSED.match(n) else p for n, p in named.items()}
     if mt not in EXPERT_NAMES or mt in FUSED_CHECKPOINTS:
         return named
     block, (gate, up, down) = EXPERT_NAMES[mt]
