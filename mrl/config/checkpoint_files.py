@@ -46,7 +46,7 @@ def untrainable_vision_language(cfg: dict[str, Any]) -> bool:
 
 def trains_pictures(cfg: dict[str, Any]) -> bool:
     """A vision-language checkpoint whose family runs its vision tower in the actor (pictures in the prompts
-    train); a release whose tower mrl carries without running it (Qwen3.5's) trains on text only."""
+    train); a release whose tower mrl carries without running it (Qwen3.5-MoE's) trains on text only."""
     from mrl.families import FAMILIES
 
     archs = cfg.get("architectures") or []

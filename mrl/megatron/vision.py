@@ -40,14 +40,19 @@ _DEEPSTACK = "_mrl_deepstack"  # (image-token mask [b, s], deepstack features) o
 
 
 def vision_tower_of(hf_config: Any):
-    """The family's :class:`~mrl.families.base.VisionTower`, or None for a text-only family."""
-    return family_of(hf_config).vision
+    """The family's :class:`~mrl.families.base.VisionTower`, or None for a text-only family or a text-only config of
+    a vision-language family (``Qwen3_5ForCausalLM``: no ``vision_config``, so no tower and plain RoPE)."""
+    tower = family_of(hf_config).vision
+    if tower is None:
+        return None
+    has_vision = hf_config.get(VISION) if isinstance(hf_config, dict) else getattr(hf_config, VISION, None)
+    return tower if has_vision is not None else None
 
 
-def mrope_section(hf_config: Any) -> list[int]:
-    """``rope_parameters.mrope_section`` (t, h, w frequencies; they sum to half the rotary width)."""
+def mrope_section(hf_config: Any, default: tuple[int, int, int] | None = None) -> list[int]:
+    """``rope_parameters.mrope_section`` (t, h, w frequencies), else the family's ``default``."""
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    sec = params.get("mrope_section")
+    sec = params.get("mrope_section") or default
     if not sec or len(sec) != 3:
         raise ValueError(f"config.json text_config.rope_parameters.mrope_section={sec}: expected 3 sizes (t, h, w)")
     return [int(x) for x in sec]
@@ -87,9 +92,11 @@ def attach(model: torch.nn.Module, hf_config: Any) -> None:
     if spec is None:
         return
     rope = model.rotary_pos_emb
-    sections, interleaved = mrope_section(hf_config), spec.mrope == "interleaved"
-    half = int(rope.inv_freq.numel())
-    if sum(sections) != half:
+    sections, interleaved = mrope_section(hf_config, spec.mrope_default), spec.mrope == "interleaved"
+    half = int(rope.inv_freq.numel())  # of the rotated part only: Qwen3.5 rotates rotary_percent=0.25 of each head
+    # sections split the half-width exactly; the interleaved rule (axis j mod 3 while j < 3·section) is transformers'
+    # for any sizes (it slices past the end harmlessly), so a tiny model's narrower rotary part keeps it
+    if not interleaved and sum(sections) != half:
         raise ValueError(f"config.json mrope_section={sections} sums to {sum(sections)}, the rotary half-width is {half}")
     setattr(rope, _MROPE, None)
 

@@ -1,4 +1,5 @@
-"""Qwen2.5-VL and Qwen3-VL (interleaved mRoPE, deepstack) through :class:`~mrl.workers.megatron_model.MegatronModel` (the vision tower on the first stage, its
+"""Qwen2.5-VL, Qwen3-VL (interleaved mRoPE, deepstack) and Qwen3.5 (hybrid Gated DeltaNet decoder, interleaved mRoPE
+on the rotated quarter of each head; TP1 and TP2) through :class:`~mrl.workers.megatron_model.MegatronModel` (the vision tower on the first stage, its
 features at the image tokens, multimodal RoPE at mrl's 3-D positions): each sample's fp32 logits == transformers'
 float64 logits within 1e-5 at TP1 (DP2), TP2 and PP2, on padded rows and on packed rows (positions restarting per
 sequence), for samples with one picture, two pictures and none, two micro-batches of two samples; packed == padded;
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_ranks
-from tests.megatron._vlm_ranks import KINDS, LAYOUTS, vlm_parity_rank
+from tests.megatron._vlm_ranks import KIND_LAYOUTS, KINDS, LAYOUTS, vlm_parity_rank
 
 pytestmark = pytest.mark.multirank
 TOL = 1e-5
@@ -44,7 +45,7 @@ def launched(tmp_path_factory):
     return root, merged
 
 
-CASES = [(k, lay) for k in KINDS for lay in LAYOUTS]
+CASES = [(k, lay) for k in KINDS for lay in KIND_LAYOUTS.get(k, LAYOUTS)]
 IDS = [f"{k}-tp{t}pp{p}" for k, (t, p) in CASES]
 
 
@@ -62,8 +63,9 @@ def test_packed_rows_equal_padded_rows(launched, kind, layout):
         assert (a - b).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("kind,layout", [(k, lay) for k in KINDS for lay in [(2, 1), (1, 2)]
+                                         if lay in KIND_LAYOUTS.get(k, LAYOUTS)],
+                         ids=lambda v: v if isinstance(v, str) else f"tp{v[0]}pp{v[1]}")
 def test_roundtrip_is_bit_exact_with_the_vision_tower(launched, kind, layout):
     from mrl.families import FAMILIES
     from mrl.megatron.hf_io import HFCheckpointReader

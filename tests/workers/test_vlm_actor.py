@@ -4,7 +4,7 @@ transformers in every layout — DP2 on padded rows (one sample per micro-batch)
 rows (the tower on stage 0, its gradient through the pipeline) — with the tower frozen (``actor.freeze_vision_tower``,
 the default: its weights unchanged, outside DDP's buffers and the optimizer) and trained (TP2 packed: its gradient
 equals transformers' too); Qwen3-VL in three of those layouts (DP2 padded frozen, TP2 packed trained, PP2 packed
-frozen).
+frozen); Qwen3.5 (Gated DeltaNet + gated attention, interleaved mRoPE on a quarter of each head) at TP2 packed frozen.
 
 Objective (as tests/workers/test_qwen3_5_actor.py): ``old_log_probs`` are transformers' fp32 log-probs, so the PPO
 ratio is 1, and with no entropy/KL term ``L = −Σ_t A_t r_t / N`` (token-mean over the batch's N response tokens);
@@ -26,7 +26,8 @@ LP_TOL, GRAD_TOL = 1e-5, 1e-5
 # (tp, pp, micro-batch size), packed rows, tower frozen
 LAYOUTS = {"qwen2_5_vl": [((1, 1, 1), False, True), ((2, 1, 2), True, True), ((1, 2, 2), True, True),
                           ((2, 1, 2), True, False)],
-           "qwen3_vl": [((1, 1, 1), False, True), ((2, 1, 2), True, False), ((1, 2, 2), True, True)]}
+           "qwen3_vl": [((1, 1, 1), False, True), ((2, 1, 2), True, False), ((1, 2, 2), True, True)],
+           "qwen3_5": [((2, 1, 2), True, True)]}
 
 
 def _one_update(path, layout, packed, frozen, batch):
