@@ -89,7 +89,7 @@ def test_an_unbuilt_vision_language_architecture_is_refused_in_one_line(capsys, 
     assert rc == EXIT_UNSUPPORTED, err
     want = (f"mrl {cmd}: model.path={str(other)!r} (Qwen3VLMoeForConditionalGeneration) is a vision-language "
             "model whose architecture the Megatron actor does not build (it builds Qwen2_5_VLForConditionalGeneration, "
-            "Qwen3VLForConditionalGeneration: docs/vision.md); fix: one of those, or a text-only checkpoint")
+            "Qwen3VLForConditionalGeneration, Qwen3_5ForConditionalGeneration: docs/vision.md); fix: one of those, or a text-only checkpoint")
     assert err.strip().splitlines() == [want]
 
 

@@ -11,7 +11,8 @@ ratio is 1, and with no entropy/KL term ``L = −Σ_t A_t r_t / N`` (token-mean 
 transformers' autograd of it (float64) is the reference. The update's gradient is read back from its one Adam step
 (lr 1e4, eps 1: ``g = eps·y / (1 − |y|)``, ``y = (w_before − w_after) / lr``; tests/workers/test_moe_families_actor.py).
 Bounds: log-probs 1e-5 (fp32 logits within 3e-7 of float64: tests/megatron/test_vlm_parity.py); gradients per tensor
-1e-5 of its largest entry (fp32 sums of a 2-layer model, ~1e3 terms: ~u·√K·depth ≈ 1e-6, measured below that)."""
+1e-5 of its largest entry (fp32 sums of a 2-layer model, ~1e3 terms: ~u·√K·depth ≈ 1e-6, measured below that); Qwen3.5's
+5e-5 (its Gated DeltaNet gradient, tests/workers/test_qwen3_5_actor.py; measured 6e-6)."""
 from __future__ import annotations
 
 import pytest
@@ -23,6 +24,8 @@ pytestmark = [pytest.mark.multirank, pytest.mark.timeout(600)]
 
 LR, EPS = 1e4, 1.0
 LP_TOL, GRAD_TOL = 1e-5, 1e-5
+# Qwen3.5's gradients pass through the delta rule's triangular solves: tests/workers/test_qwen3_5_actor.py's bound
+KIND_GRAD_TOL = {"qwen3_5": 5e-5}
 # (tp, pp, micro-batch size), packed rows, tower frozen
 LAYOUTS = {"qwen2_5_vl": [((1, 1, 1), False, True), ((2, 1, 2), True, True), ((1, 2, 2), True, True),
                           ((2, 1, 2), True, False)],
@@ -153,7 +156,7 @@ def test_vlm_actor_matches_transformers_autograd_in_every_layout(launched, kind)
             failures.append(f"{tag}: log-probs {d_lp:.3g} from transformers'")
         if d_loss > 1e-6 * max(1.0, abs(ref_loss)):
             failures.append(f"{tag}: loss {d_loss:.3g} from transformers' {ref_loss:.6f}")
-        if rel[worst] > GRAD_TOL:
+        if rel[worst] > KIND_GRAD_TOL.get(kind, GRAD_TOL):
             failures.append(f"{tag}: gradient {worst} {rel[worst]:.3g} from transformers' autograd")
     print("\n".join(report), f"(lr {LR}, eps {EPS})")
     assert not failures, "\n".join(failures)
