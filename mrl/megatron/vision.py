@@ -46,8 +46,9 @@ def vision_tower_of(hf_config: Any):
     tower = family_of(hf_config).vision
     if tower is None:
         return None
-    has_vision = hf_config.get(VISION) if isinstance(hf_config, dict) else getattr(hf_config, VISION, None)
-    return tower if has_vision is not None else None
+    get = hf_config.get if isinstance(hf_config, dict) else lambda k: getattr(hf_config, k, None)
+    # the decoder view keeps the outer config's vision_config under VISION; an outer config has it as it is
+    return tower if get(VISION) is not None or get("vision_config") is not None else None
 
 
 def mrope_section(hf_config: Any, default: tuple[int, int, int] | None = None) -> list[int]:
