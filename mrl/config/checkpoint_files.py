@@ -46,7 +46,7 @@ def untrainable_vision_language(cfg: dict[str, Any]) -> bool:
 
 def trains_pictures(cfg: dict[str, Any]) -> bool:
     """A vision-language checkpoint whose family runs its vision tower in the actor (pictures in the prompts
-    train); a release whose tower mrl carries without running it (Qwen3.5's) trains on text only."""
+    train); a release whose tower mrl carries without running it (Qwen3.5-MoE's) trains on text only."""
     from mrl.families import FAMILIES
 
     archs = cfg.get("architectures") or []
@@ -58,7 +58,9 @@ def trains_pictures(cfg: dict[str, Any]) -> bool:
 def _vision_refusal() -> str:
     from mrl.families import FAMILIES
 
-    built = sorted(a for f in FAMILIES.values() if f.vision is not None for a in f.architectures)
+    # a vision family's text-only architecture (Qwen3_5ForCausalLM) builds no tower: not named here
+    built = sorted(a for f in FAMILIES.values() if f.vision is not None for a in f.architectures
+                   if not a.endswith("ForCausalLM"))
     return (f"is a vision-language model whose architecture the Megatron actor does not build (it builds "
             f"{', '.join(built)}: docs/vision.md); fix: one of those, or a text-only checkpoint")
 

@@ -59,7 +59,7 @@ def scan_images(cfg: MRLConfig) -> ImageScan:
         return out
     files = [Path(f) for f in (*d.train_files, *d.val_files) if Path(f).is_file()]
     if not any(_has_column(p, d.image_key) for p in files):
-        return out  # text-only prompts (a vision-language checkpoint trained on text: Qwen3.5) need no processor
+        return out  # text-only prompts (a vision-language checkpoint trained on text) need no processor
     try:
         spec = VisionSpec.from_checkpoint(model_dir)
     except (ValueError, OSError) as e:
@@ -123,7 +123,7 @@ def _refusals(cfg: MRLConfig, model: dict) -> list[str]:
 
     if untrainable_vision_language(model):  # no family at all: checkpoint_files' VISION_REFUSAL is the one line
         return []
-    if not trains_pictures(model):  # Qwen3.5's releases: the tower is carried, not run (docs/vision.md)
+    if not trains_pictures(model):  # Qwen3.5-MoE's releases: the tower is carried, not run (docs/vision.md)
         archs = ", ".join(map(str, model.get("architectures") or [model.get("model_type")]))
         return [(f"data.image_key={cfg.data.image_key!r}: the prompt files hold pictures, but mrl trains "
                  f"model.path={cfg.model.path!r} ({archs}) on text only (its vision tower is carried through "

@@ -335,6 +335,9 @@ class VisionTower:
     decoder_prefix: str = "model.language_model."
     mrope: str = "sections"     # "sections" | "interleaved"
     deepstack: bool = False
+    # ``mrope_section`` when config.json's rope_parameters has none (transformers' default for the family: Qwen3.5's
+    # text config omits it and its rotary embedding falls back to [11, 11, 10]); None: config.json must give it
+    mrope_default: tuple[int, int, int] | None = None
     # the tower's parameter count from config.json's ``vision_config`` (``mrl plan``'s memory estimate, torch-free)
     param_count: Callable[[dict], int] | None = None
 

@@ -11,16 +11,23 @@ Every layer: ``h = x + mixer(rmsnorm(x)); y = h + SwiGLU(rmsnorm(h))`` with zero
   (Megatron ``attention_output_gate``; the ``qkv_gated`` split of :mod:`mrl.megatron.mapping`).
 
 The released checkpoints are vision-language: the decoder under ``model.language_model.``, the vision tower
-under ``model.visual.`` (carried untouched, :mod:`mrl.families.views`), ``mtp.*`` multi-token-prediction layers
-(not part of the causal LM: never read for training, carried on export). Text positions are mRoPE with equal
-t/h/w positions, i.e. plain RoPE. Qwen3.5-MoE (:mod:`mrl.families.qwen3_5_moe`) shares these tables.
+(transformers' ``Qwen3_5VisionModel``: Qwen3-VL's tower without deepstack) under ``model.visual.``, built and run on
+the first pipeline stage (:mod:`mrl.megatron.vision`; frozen unless ``actor.freeze_vision_tower=false``), ``mtp.*``
+multi-token-prediction layers (not part of the causal LM: never read for training, carried on export). Positions
+are Qwen3-VL's interleaved mRoPE (``mrope_section``, default [11, 11, 10]) over the rotated quarter of each
+full-attention head only (Megatron ``rotary_percent``); the Gated DeltaNet layers take no positions. Text tokens
+sit at equal t/h/w positions, i.e. plain RoPE, so a text-only row trains as before. The text-only
+``Qwen3_5ForCausalLM`` (no ``vision_config``) builds no tower. Qwen3.5-MoE (:mod:`mrl.families.qwen3_5_moe`) shares
+the decoder tables and still carries its tower.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from mrl.families.base import Family, LinearAttention
+from mrl.families.base import Family, LinearAttention, VisionTower, vision_plan_notes
+from mrl.families.qwen3_vl import tower_params
 from mrl.families.rules import DENSE_MLP, MODEL_RULES, L, Rule
+from mrl.families.views import VISION
 
 A = L + "self_attn."
 G = L + "linear_attn."
@@ -59,7 +66,7 @@ GATED_DELTA_NET = (
     Rule("self_attention.out_proj.weight", (G + "out_proj.weight",), "row", mixer="linear"),
 )
 HYBRID_LAYER = NORMS + GATED_ATTENTION + GATED_DELTA_NET
-WRAPPED = ("model.visual.", "mtp.")
+WRAPPED = ("model.visual.", "mtp.")  # carried untouched where the tower is not run (Qwen3.5-MoE)
 
 
 def plan_notes(hf_config: Any) -> list[str]:
@@ -72,6 +79,12 @@ def plan_notes(hf_config: Any) -> list[str]:
         notes.append(f"{mtp} multi-token-prediction layer(s) (mtp.*) are not trained (not part of the causal LM); "
                      "exports carry them unchanged")
     return notes
+
+
+def plan_notes_with_tower(hf_config: Any) -> list[str]:
+    """The hybrid notes, plus the tower's for a vision-language checkpoint."""
+    has_tower = getattr(hf_config, VISION, None) is not None
+    return plan_notes(hf_config) + (vision_plan_notes(hf_config) if has_tower else [])
 
 
 def refuse(hf_config: Any) -> None:
@@ -87,7 +100,10 @@ FAMILY = Family(
     name="qwen3_5",
     architectures=("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"),
     weight_rules=MODEL_RULES + HYBRID_LAYER + DENSE_MLP,
-    wrapped=WRAPPED,
+    wrapped=("mtp.",),
     refuse=refuse,
-    **HYBRID,
+    **{**HYBRID, "plan_notes": plan_notes_with_tower},
+    # Qwen3-VL's tower without deepstack: qwen3_vl.tower_params counts it (no deepstack_visual_indexes)
+    vision=VisionTower(module="qwen3_5", model_class="Qwen3_5VisionModel", config_class="Qwen3_5VisionConfig",
+                       mrope="interleaved", mrope_default=(11, 11, 10), param_count=tower_params),
 )

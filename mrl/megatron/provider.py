@@ -415,7 +415,9 @@ def build_model_chunks(
     if tcfg.window_size and attention_backend == "local" and not torch.cuda.is_available():
         raise ValueError("config.json sliding_window: Megatron's local attention builds its window mask on CUDA only; "
                          "fix: megatron.attention_backend=sdpa (or auto)")
-    if family_of(hf_config).vision is not None:
+    from mrl.megatron.vision import vision_tower_of
+
+    if vision_tower_of(hf_config) is not None:
         from mrl.megatron.vision import check_vision
 
         check_vision(hf_config, sequence_parallel=tcfg.sequence_parallel, context_parallel=tcfg.context_parallel_size)
@@ -442,7 +444,7 @@ def build_model_chunks(
             rotary_percent=rotary_percent(hf_config),
             vp_stage=vp_stage if vpp > 1 else None,
         )
-        if family_of(hf_config).vision is not None:  # the tower (first stage) and multimodal RoPE
+        if vision_tower_of(hf_config) is not None:  # the tower (first stage) and multimodal RoPE
             from mrl.megatron.vision import attach
 
             attach(model, hf_config)

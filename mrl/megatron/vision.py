@@ -1,5 +1,5 @@
 """The vision tower and multimodal RoPE of a vision-language ``GPTModel`` (families with a
-:class:`~mrl.families.base.VisionTower`: Qwen2.5-VL, Qwen3-VL).
+:class:`~mrl.families.base.VisionTower`: Qwen2.5-VL, Qwen3-VL, Qwen3.5).
 
 * **Tower**: transformers' own vision module of the family, built from config.json's ``vision_config`` on the first
   pipeline stage only and replicated over TP (every TP rank runs it on the same pixels, as Megatron-Bridge, slime and
@@ -15,8 +15,9 @@
   decoder layer ``k`` (hooks on the first layers; they must be on the first pipeline stage, else refused).
 * **Table** (:func:`mrope_table`): ``θ_{a, j} = pos_a · inv_freq_j`` for the 3 axes; frequency ``j`` takes the angle
   of its axis (:class:`~mrl.families.base.VisionTower` ``mrope``), doubled to the head width as Megatron's
-  non-interleaved RoPE expects: ``[L, b, 1, d]``. Installed on ``rotary_pos_emb`` so every stage rotates q and k
-  by it.
+  non-interleaved RoPE expects: ``[L, b, 1, d]``, ``d`` the rotated width (Qwen3.5: ``rotary_percent`` 0.25 of the
+  head; Megatron passes the rest through). Installed on ``rotary_pos_emb`` so every stage rotates q and k by it; a
+  forward given no 3-D positions (text only) keeps Megatron's own table, which equals it at ``t = h = w``.
 
 Not supported (refused in one line): sequence parallelism and context parallelism with a vision tower, the
 shared-prefix layout with pictures, videos.
@@ -40,14 +41,20 @@ _DEEPSTACK = "_mrl_deepstack"  # (image-token mask [b, s], deepstack features) o
 
 
 def vision_tower_of(hf_config: Any):
-    """The family's :class:`~mrl.families.base.VisionTower`, or None for a text-only family."""
-    return family_of(hf_config).vision
+    """The family's :class:`~mrl.families.base.VisionTower`, or None for a text-only family or a text-only config of
+    a vision-language family (``Qwen3_5ForCausalLM``: no ``vision_config``, so no tower and plain RoPE)."""
+    tower = family_of(hf_config).vision
+    if tower is None:
+        return None
+    get = hf_config.get if isinstance(hf_config, dict) else lambda k: getattr(hf_config, k, None)
+    # the decoder view keeps the outer config's vision_config under VISION; an outer config has it as it is
+    return tower if get(VISION) is not None or get("vision_config") is not None else None
 
 
-def mrope_section(hf_config: Any) -> list[int]:
-    """``rope_parameters.mrope_section`` (t, h, w frequencies; they sum to half the rotary width)."""
+def mrope_section(hf_config: Any, default: tuple[int, int, int] | None = None) -> list[int]:
+    """``rope_parameters.mrope_section`` (t, h, w frequencies), else the family's ``default``."""
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    sec = params.get("mrope_section")
+    sec = params.get("mrope_section") or default
     if not sec or len(sec) != 3:
         raise ValueError(f"config.json text_config.rope_parameters.mrope_section={sec}: expected 3 sizes (t, h, w)")
     return [int(x) for x in sec]
@@ -87,16 +94,19 @@ def attach(model: torch.nn.Module, hf_config: Any) -> None:
     if spec is None:
         return
     rope = model.rotary_pos_emb
-    sections, interleaved = mrope_section(hf_config), spec.mrope == "interleaved"
-    half = int(rope.inv_freq.numel())
-    if sum(sections) != half:
+    sections, interleaved = mrope_section(hf_config, spec.mrope_default), spec.mrope == "interleaved"
+    half = int(rope.inv_freq.numel())  # of the rotated part only: Qwen3.5 rotates rotary_percent=0.25 of each head
+    # sections split the half-width exactly; the interleaved rule (axis j mod 3 while j < 3·section) is transformers'
+    # for any sizes (it slices past the end harmlessly), so a tiny model's narrower rotary part keeps it
+    if not interleaved and sum(sections) != half:
         raise ValueError(f"config.json mrope_section={sections} sums to {sum(sections)}, the rotary half-width is {half}")
     setattr(rope, _MROPE, None)
+    plain = rope.forward
 
     def rope_forward(max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> Tensor:
         pos = getattr(rope, _MROPE)
-        if pos is None:
-            raise RuntimeError("a vision-language model's forward needs its 3-D positions (set_vision_inputs)")
+        if pos is None:  # text only, no 3-D positions given: t = h = w, so mRoPE is Megatron's own RoPE
+            return plain(max_seq_len, offset, packed_seq, cp_group)
         return mrope_table(rope.inv_freq, pos, sections, interleaved)
 
     rope.forward = rope_forward

@@ -2,7 +2,7 @@
 
 The quickstart's task, tokenizer, data and warm start (:mod:`mrl.quickstarts.base`) with a tiny **Qwen3.5** in its
 released vision-language checkpoint form (``Qwen3_5ForConditionalGeneration``: the decoder under
-``model.language_model.``, a one-block vision tower under ``model.visual.`` that RL carries untouched): hidden 64,
+``model.language_model.``, a one-block vision tower under ``model.visual.``, built frozen and fed no pictures by this text task): hidden 64,
 4 layers — 3 Gated DeltaNet linear-attention layers and 1 gated full-attention layer (``layer_types``
 linear, linear, linear, full: the released 3 : 1 pattern), 4 heads / 2 KV heads of 16 with partial RoPE (0.25),
 q/k norms and the output gate; the linear layers with 2 key heads and 4 value heads of 16, conv kernel 4;

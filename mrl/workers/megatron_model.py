@@ -194,7 +194,9 @@ class MegatronModel:
         if value_head and not score_head:
             for c in chunks:
                 self._add_value_head(c, seed)
-        self.vision = family_of(self.hf_config).vision  # a vision-language model's tower (first stage)
+        from mrl.megatron.vision import vision_tower_of
+
+        self.vision = vision_tower_of(self.hf_config)  # a vision-language model's tower (first stage), else None
         if self.vision is not None and freeze_vision_tower:
             for c in chunks:  # before DDP: its buffers, hence the optimizer, hold trainable parameters only
                 tower = getattr(unwrap(c), "vision_model", None)

@@ -89,8 +89,8 @@ def test_an_unbuilt_vision_language_architecture_is_refused_in_one_line(capsys, 
     assert rc == EXIT_UNSUPPORTED, err
     want = (f"mrl {cmd}: model.path={str(other)!r} (Glm4vForConditionalGeneration) is a vision-language "
             "model whose architecture the Megatron actor does not build (it builds Qwen2_5_VLForConditionalGeneration, "
-            "Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration: docs/vision.md); fix: one of those, "
-            "or a text-only checkpoint")
+            "Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration, Qwen3_5ForConditionalGeneration: "
+            "docs/vision.md); fix: one of those, or a text-only checkpoint")
     assert err.strip().splitlines() == [want]
 
 
@@ -132,17 +132,17 @@ def test_from_verl_carries_data_image_key(tmp_path, capsys):
 
 
 def test_pictures_for_a_release_whose_tower_is_carried_are_refused(capsys, tmp_path):
-    """Qwen3.5's releases train on text: the vision tower travels through checkpoints but is not run, so prompt
+    """Qwen3.5-MoE's tower travels through checkpoints but is not run (dense Qwen3.5 runs its own), so prompt
     files with pictures are refused in one line naming data.image_key (not silently trained without them)."""
     from tests.helpers.tiny_hybrid import make_tiny_hybrid_hf
     from tests.helpers.tiny_vlm import save_tokenizer
 
-    ckpt = make_tiny_hybrid_hf(tmp_path / "q35", "qwen3_5")
+    ckpt = make_tiny_hybrid_hf(tmp_path / "q35", "qwen3_5_moe")
     save_tokenizer(ckpt)
     rc, _, err = _run(capsys, f"model.path={ckpt}", f"data.train_files={_files(tmp_path)}")
     assert rc == EXIT_CONFIG, err
     assert ("data.image_key='images': the prompt files hold pictures, but mrl trains model.path=" in err
-            and "(Qwen3_5ForConditionalGeneration) on text only" in err), err
+            and "(Qwen3_5MoeForConditionalGeneration) on text only" in err), err
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Tiny vision-language checkpoints and images, built locally (no downloads).
 
-``save_tiny_vlm(path, kind)`` writes a random Qwen2.5-VL (``kind="qwen2_5_vl"``) or Qwen3-VL
-(``"qwen3_vl"``) or Qwen3-VL-MoE (``"qwen3_vl_moe"``) checkpoint with a byte-level BPE tokenizer carrying Qwen's vision special tokens, a
+``save_tiny_vlm(path, kind)`` writes a random Qwen2.5-VL (``kind="qwen2_5_vl"``), Qwen3-VL (``"qwen3_vl"``),
+Qwen3-VL-MoE (``"qwen3_vl_moe"``) or Qwen3.5 (``"qwen3_5"``: Gated DeltaNet + gated attention layers, interleaved
+mRoPE on a quarter of each head) checkpoint with a byte-level BPE tokenizer carrying Qwen's vision special tokens, a
 ChatML chat template and a ``preprocessor_config.json`` for Qwen's image processor (small ``max_pixels``
 so a test image becomes a handful of tokens). ``png(w, h, seed)`` is an in-memory PNG.
 """
@@ -18,7 +19,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 VOCAB = 256 + len(SPECIALS)  # byte symbols (no merges) + specials: ids 0..6 are the specials
-PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16, "qwen3_5": 16}
 MIN_PIXELS_TOKENS, MAX_PIXELS_TOKENS = 1, 16  # merged tokens per image at least / at most
 
 
@@ -50,6 +51,8 @@ def save_vlm_files(path: str | Path, kind: str = "qwen2_5_vl"):
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
         Qwen3VLMoeConfig,
@@ -96,8 +99,21 @@ def save_vlm_files(path: str | Path, kind: str = "qwen2_5_vl"):
                                "deepstack_visual_indexes": [0], "in_channels": 3},
             **tokens)
         model_cls = Qwen3VLMoeForConditionalGeneration
+    elif kind == "qwen3_5":
+        # head_dim 32 with partial_rotary_factor 0.25: 8 rotated channels, 4 frequencies = mrope_section's 2 + 1 + 1
+        cfg = Qwen3_5Config(
+            text_config={**text, "head_dim": 32, "layer_types": ["linear_attention", "full_attention"],
+                         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                         "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+                         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                             "mrope_section": [2, 1, 1], "mrope_interleaved": True}},
+            vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 32,
+                           "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                           "num_position_embeddings": 64, "in_channels": 3},
+            tie_word_embeddings=False, **tokens)
+        model_cls = Qwen3_5ForConditionalGeneration
     else:
-        raise ValueError(f"kind must be qwen2_5_vl, qwen3_vl or qwen3_vl_moe, got {kind!r}")
+        raise ValueError(f"kind must be qwen2_5_vl, qwen3_vl, qwen3_vl_moe or qwen3_5, got {kind!r}")
     cfg.architectures = [model_cls.__name__]
     cfg.save_pretrained(str(path))
     px = (PATCH[kind] * 2) ** 2  # pixels of one merged token

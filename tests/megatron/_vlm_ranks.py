@@ -5,10 +5,12 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+KINDS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
 DENSE_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1)]  # (tp, pp, ep) over 2 ranks (TP1: two data-parallel replicas)
 # Qwen3-VL-MoE at TP1: its 4 experts over 2 expert-parallel ranks (each rank's tokens dispatched to both), and PP2
-LAYOUTS = {"qwen2_5_vl": DENSE_LAYOUTS, "qwen3_vl": DENSE_LAYOUTS, "qwen3_vl_moe": [(1, 1, 2), (1, 2, 1)]}
+# Qwen3.5 (its Gated DeltaNet layers run on no positions) at TP1 and TP2 only: the suite's time budget
+LAYOUTS = {"qwen2_5_vl": DENSE_LAYOUTS, "qwen3_vl": DENSE_LAYOUTS, "qwen3_vl_moe": [(1, 1, 2), (1, 2, 1)],
+           "qwen3_5": [(1, 1, 1), (2, 1, 1)]}
 PARTS = [[0, 1], [2, 3]]  # two micro-batches: pictures of several samples in one forward
 ROUNDTRIP = {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
 

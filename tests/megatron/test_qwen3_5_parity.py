@@ -3,8 +3,8 @@ logits == transformers' float64 logits within twice transformers' own fp32 error
 between a linear and a full layer; MoE at TP1 and EP2×PP2), the text-only ``Qwen3_5ForCausalLM`` (TP1) and
 ``Qwen3NextForCausalLM`` (TP2, EP2);
 packed rows (sequences of 70, 1, 33 and 2 tokens, over the delta rule's 64-token chunk) == each sequence alone
-(within the same bound) at TP1 and TP2; HF → Megatron → HF bit-exact per tensor with every ``model.visual.*`` tensor left to the
-carry (the stages export exactly the decoder). One 4-rank gloo launch."""
+(within the same bound) at TP1 and TP2; HF → Megatron → HF bit-exact per tensor: dense Qwen3.5's stages export its vision tower with
+the decoder (mrl runs it), Qwen3.5-MoE's ``model.visual.*`` is left to the carry (the stages export exactly the decoder). One 4-rank gloo launch."""
 from __future__ import annotations
 
 import pytest
@@ -70,9 +70,11 @@ def test_roundtrip_is_bit_exact_and_leaves_the_vision_tower_to_the_carry(launche
     stages = [HFCheckpointReader(d) for d in sorted((root / f"rt_{case}").iterdir())]
     exported = {n: st for st in stages for n in st.names()}
     assert sum(len(st.names()) for st in stages) == len(exported), "a tensor was exported twice"
-    wrapped = FAMILIES["qwen3_5"].wrapped
+    # dense Qwen3.5 runs its tower (exported with the decoder); Qwen3.5-MoE carries it; Qwen3-Next has none
+    wrapped = FAMILIES["qwen3_5_moe" if case == "moe" else "qwen3_5"].wrapped
     carried = {n for n in src.names() if n.startswith(wrapped)}
-    assert (case == "next") is not carried and all(n.startswith("model.visual.") for n in carried)  # Next: no tower
+    assert bool(carried) == (case == "moe") and all(n.startswith("model.visual.") for n in carried)
+    assert (case == "dense") == any(n.startswith("model.visual.") for n in exported)
     assert set(exported) == set(src.names()) - carried
     for name, st in exported.items():
         assert torch.equal(st.get(name), src.get(name)), name

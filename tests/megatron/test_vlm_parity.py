@@ -1,5 +1,6 @@
-"""Qwen2.5-VL, Qwen3-VL (interleaved mRoPE, deepstack) and Qwen3-VL-MoE (the same with Qwen3-MoE's experts, stored
-fused in ``x @ W`` layout) through :class:`~mrl.workers.megatron_model.MegatronModel` (the vision tower on the first stage, its
+"""Qwen2.5-VL, Qwen3-VL (interleaved mRoPE, deepstack), Qwen3-VL-MoE (the same with Qwen3-MoE's experts, stored
+fused in ``x @ W`` layout) and Qwen3.5 (hybrid Gated DeltaNet decoder, interleaved mRoPE on the rotated quarter of each
+head; TP1 and TP2) through :class:`~mrl.workers.megatron_model.MegatronModel` (the vision tower on the first stage, its
 features at the image tokens, multimodal RoPE at mrl's 3-D positions): each sample's fp32 logits == transformers'
 float64 logits within 1e-5 at TP1 (DP2), TP2 and PP2 (Qwen3-VL-MoE: EP2 at TP1, and PP2), on padded rows and on packed rows (positions restarting per
 sequence), for samples with one picture, two pictures and none, two micro-batches of two samples; packed == padded;

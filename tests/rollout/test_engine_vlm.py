@@ -1,4 +1,4 @@
-"""The embedded engine serving tiny Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE checkpoints over SGLang's /generate with
+"""The embedded engine serving tiny Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE checkpoints (and Qwen3.5's hybrid decoder in one test) over SGLang's /generate with
 ``image_data``: prompts with two, one and no pictures batched together (and the same text with another
 picture), n samples each. Every sampled token's log-prob must equal a plain transformers forward over
 prompt + response with the pictures (fp32, <= 1e-5: the same float32 ops in another batch layout; the
@@ -76,9 +76,23 @@ ROWS = [(["a", "b"], "Which is wider?"), (["c"], "What colour?"), ([], "No pictu
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_match_transformers_with_pictures(vlm, temperature, tmp_path):
+    d, _, client = vlm
+    _check_logprobs(d, client, temperature, tmp_path)
+
+
+def test_hybrid_qwen3_5_logprobs_match_transformers_with_pictures(tmp_path):
+    """Qwen3.5 (Gated DeltaNet layers with their recurrent state, gated attention with interleaved mRoPE on a quarter
+    of each head): the same batch through the hybrid engine's decode, at temperature 1."""
+    d = save_tiny_vlm(tmp_path / "qwen3_5", "qwen3_5")
+    engine = Engine(str(d))
+    assert engine.runner.hybrid is not None and engine.runner.vision is not None
+    with TestClient(build_app(engine)) as client:
+        _check_logprobs(d, client, 1.0, tmp_path)
+
+
+def _check_logprobs(d, client, temperature: float, tmp_path) -> None:
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    d, _, client = vlm
     tok = AutoTokenizer.from_pretrained(d)
     (tmp_path / "c.png").write_bytes(PICS["c"])
     as_sent = {"a": base64.b64encode(PICS["a"]).decode(), "b": "data:image/png;base64," + base64.b64encode(PICS["b"]).decode(),

@@ -5,14 +5,16 @@ rows (the tower on stage 0, its gradient through the pipeline) — with the towe
 the default: its weights unchanged, outside DDP's buffers and the optimizer) and trained (TP2 packed: its gradient
 equals transformers' too); Qwen3-VL in three of those layouts (DP2 padded frozen, TP2 packed trained, PP2 packed
 frozen); Qwen3-VL-MoE at EP2 on packed rows, tower frozen, routing replay R2 (``old``: recorded in the old-log-prob
-forward, replayed in the update; its experts' gradients compared in the checkpoint's ``x @ W`` layout).
+forward, replayed in the update; its experts' gradients compared in the checkpoint's ``x @ W`` layout); Qwen3.5 (Gated
+DeltaNet + gated attention, interleaved mRoPE on a quarter of each head) at TP2 packed frozen.
 
 Objective (as tests/workers/test_qwen3_5_actor.py): ``old_log_probs`` are transformers' fp32 log-probs, so the PPO
 ratio is 1, and with no entropy/KL term ``L = −Σ_t A_t r_t / N`` (token-mean over the batch's N response tokens);
 transformers' autograd of it (float64) is the reference. The update's gradient is read back from its one Adam step
 (lr 1e4, eps 1: ``g = eps·y / (1 − |y|)``, ``y = (w_before − w_after) / lr``; tests/workers/test_moe_families_actor.py).
 Bounds: log-probs 1e-5 (fp32 logits within 3e-7 of float64: tests/megatron/test_vlm_parity.py); gradients per tensor
-1e-5 of its largest entry (fp32 sums of a 2-layer model, ~1e3 terms: ~u·√K·depth ≈ 1e-6, measured below that)."""
+1e-5 of its largest entry (fp32 sums of a 2-layer model, ~1e3 terms: ~u·√K·depth ≈ 1e-6, measured below that); Qwen3.5's
+5e-5 (its Gated DeltaNet gradient, tests/workers/test_qwen3_5_actor.py; measured 6e-6)."""
 from __future__ import annotations
 
 import pytest
@@ -24,11 +26,13 @@ pytestmark = [pytest.mark.multirank, pytest.mark.timeout(600)]
 
 LR, EPS = 1e4, 1.0
 LP_TOL, GRAD_TOL = 1e-5, 1e-5
+# Qwen3.5's gradients pass through the delta rule's triangular solves: tests/workers/test_qwen3_5_actor.py's bound
+KIND_GRAD_TOL = {"qwen3_5": 5e-5}
 # (tp, pp, micro-batch size), packed rows, tower frozen
 LAYOUTS = {"qwen2_5_vl": [((1, 1, 1), False, True), ((2, 1, 2), True, True), ((1, 2, 2), True, True),
                           ((2, 1, 2), True, False)],
            "qwen3_vl": [((1, 1, 1), False, True), ((2, 1, 2), True, False), ((1, 2, 2), True, True)],
-           "qwen3_vl_moe": [((1, 1, 2), True, True)]}
+           "qwen3_vl_moe": [((1, 1, 2), True, True)], "qwen3_5": [((2, 1, 2), True, True)]}
 EP = {"qwen3_vl_moe": 2}  # expert-parallel size per kind (Qwen3-VL-MoE: its 4 experts over both ranks)
 # routing replay per kind: R2, the recipe's (the update replays the old-log-prob forward's routing of the same
 # weights, so the gradient is still transformers')
@@ -169,7 +173,7 @@ def test_vlm_actor_matches_transformers_autograd_in_every_layout(launched, kind)
             failures.append(f"{tag}: log-probs {d_lp:.3g} from transformers'")
         if d_loss > 1e-6 * max(1.0, abs(ref_loss)):
             failures.append(f"{tag}: loss {d_loss:.3g} from transformers' {ref_loss:.6f}")
-        if rel[worst] > GRAD_TOL:
+        if rel[worst] > KIND_GRAD_TOL.get(kind, GRAD_TOL):
             failures.append(f"{tag}: gradient {worst} {rel[worst]:.3g} from transformers' autograd")
     print("\n".join(report), f"(lr {LR}, eps {EPS})")
     assert not failures, "\n".join(failures)
