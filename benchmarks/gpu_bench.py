@@ -41,6 +41,13 @@ built from a config with random weights, bf16:
                   experts on the local spec, all-to-all dispatcher, EP = 1) at a Qwen3-30B-A3B layer shape
                   (hidden 2048, 128 experts of width 768, top-8) in bf16: forward+backward tokens/s and
                   TFLOP/s of the active weights (6·N_active·T, attention's s-term left out)
+  qwen35_hybrid   (benchmarks/gpu_bench_hybrid.py) a Qwen3.5-4B-shaped hybrid (Gated DeltaNet : gated full
+                  attention 3 : 1, partial RoPE 0.25, zero-centred norms; text-only Qwen3_5ForCausalLM, random
+                  weights): the actor's update step (8 x 1024 tokens, micro-batch 2, sdpa, packed rows) with MFU by
+                  the hybrid's FLOP count (6·N·T + 12·L_full·n_h·d_h·s·T + the chunked delta rule's term: no s² in
+                  the linear layers), and the longest single sequence that trains with full recompute (the search
+                  above, packed rows); which gated-delta-rule kernel ran (fla or mrl's torch path).
+                  Own budget: --hybrid-budget-s
 
 ``levers`` (in the JSON and the table), each one's gain where it is a switch in mrl: attention sdpa vs local,
 packed rows vs padded rows, full recompute (longest sequence without -> with, and its step-time cost).

@@ -109,8 +109,10 @@ def write_hybrid(shape: dict, dtype: str, device: str, path: pathlib.Path) -> st
     torch.manual_seed(0)
     cfg = tf.Qwen3_5TextConfig(**shape)
     cfg.architectures = ["Qwen3_5ForCausalLM"]
-    with torch.device(device):
-        model = tf.Qwen3_5ForCausalLM(cfg).to(getattr(torch, dtype))
+    with torch.device(device):  # built in the target dtype: no fp32 copy of 4 B weights on the way
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    if type(model).__name__ != "Qwen3_5ForCausalLM":
+        raise RuntimeError(f"transformers built {type(model).__name__} from a Qwen3_5TextConfig, not Qwen3_5ForCausalLM")
     model.save_pretrained(path)
     del model
     return str(path)
