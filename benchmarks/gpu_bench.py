@@ -41,6 +41,13 @@ built from a config with random weights, bf16:
                   experts on the local spec, all-to-all dispatcher, EP = 1) at a Qwen3-30B-A3B layer shape
                   (hidden 2048, 128 experts of width 768, top-8) in bf16: forward+backward tokens/s and
                   TFLOP/s of the active weights (6·N_active·T, attention's s-term left out)
+  qwen35_hybrid   (benchmarks/gpu_bench_hybrid.py) a Qwen3.5-4B-shaped hybrid (Gated DeltaNet : gated full
+                  attention 3 : 1, partial RoPE 0.25, zero-centred norms; text-only Qwen3_5ForCausalLM, random
+                  weights): the actor's update step (8 x 1024 tokens, micro-batch 2, sdpa, packed rows) with MFU by
+                  the hybrid's FLOP count (6·N·T + 12·L_full·n_h·d_h·s·T + the chunked delta rule's term: no s² in
+                  the linear layers), and the longest single sequence that trains with full recompute (the search
+                  above, packed rows); which gated-delta-rule kernel ran (fla or mrl's torch path).
+                  Own budget: --hybrid-budget-s
 
 ``levers`` (in the JSON and the table), each one's gain where it is a switch in mrl: attention sdpa vs local,
 packed rows vs padded rows, full recompute (longest sequence without -> with, and its step-time cost).
@@ -117,7 +124,12 @@ def matmul_params(c: dict) -> int:
 
 
 def model_flops(c: dict, tokens: int, seq: int) -> int:
-    """Model FLOPs of one forward+backward over ``tokens`` tokens in sequences of ``seq`` (the docstring's count)."""
+    """Model FLOPs of one forward+backward over ``tokens`` tokens in sequences of ``seq`` (the docstring's count;
+    a hybrid Qwen3.5 shape: gpu_bench_hybrid's count, whose linear-attention layers have no s² term)."""
+    import gpu_bench_hybrid
+
+    if gpu_bench_hybrid.is_hybrid(c):
+        return gpu_bench_hybrid.hybrid_flops(c, tokens, seq)
     return 6 * matmul_params(c) * tokens + 12 * c["num_hidden_layers"] * c["hidden_size"] * seq * tokens
 
 
@@ -373,9 +385,10 @@ def bench_actor(out: dict, a, size: dict, model: str, device: str, variants):
 
 
 def search_longest(out: dict, size: dict, model: str, device: str, backend: str, recompute: bool,
-                   deadline: float) -> dict:
+                   deadline: float, *, packed: bool = False, key: str = "long_context") -> dict:
     """The longest single sequence one training step (forward + backward + optimizer step) fits, doubling
-    from the first length until CUDA runs out of memory (or the time budget would be overrun)."""
+    from the first length until CUDA runs out of memory (or the time budget would be overrun); padded rows, or
+    with ``packed`` one packed row per step (errors recorded under ``key``)."""
     import torch
 
     L, c = size["long"], size["shape"]
@@ -386,14 +399,15 @@ def search_longest(out: dict, size: dict, model: str, device: str, backend: str,
         lengths.append(n)
         n *= 2
     peak = peak_tflops(out["device"]) if device == "cuda" else None
-    res: dict = {"recompute": recompute, "attention_backend": backend, "rows": "padded, one sequence per step",
+    res: dict = {"recompute": recompute, "attention_backend": backend,
+                 "rows": f"{'packed' if packed else 'padded'}, one sequence per step",
                  "by_length": {}, "longest": None}
     actor = None
     if time.perf_counter() > deadline:
         res["skipped"] = "long-context time budget spent"
         return res
     try:
-        actor = build_actor(model, device, size, samples=1, micro=1, backend=backend, packed=False,
+        actor = build_actor(model, device, size, samples=1, micro=1, backend=backend, packed=packed,
                             overrides=RECOMPUTE if recompute else None)
         res["built"] = built(actor)
         res["config"] = {k: getattr(actor.model.config, k) for k in RECOMPUTE}  # what the built model runs
@@ -431,7 +445,7 @@ def search_longest(out: dict, size: dict, model: str, device: str, backend: str,
             prev = s
     except Exception as e:  # noqa: BLE001 -- not an OOM: recorded, the other search still runs
         res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        out["errors"][f"long_context:{'with' if recompute else 'no'}_recompute"] = (
+        out["errors"][f"{key}:{'with' if recompute else 'no'}_recompute"] = (
             f"{type(e).__name__}: {e}\n" + traceback.format_exc(limit=6))
     finally:
         actor = None
@@ -582,6 +596,14 @@ def table(out: dict) -> str:
     if moe:
         lines.append(f"moe_layer: {moe['tokens']} tokens, {moe['seconds_per_fwd_bwd']} s fwd+bwd, "
                      f"{moe['tokens_per_s']} tokens/s, {moe['tflops_active']} TFLOP/s active")
+    hy = out.get("qwen35_hybrid")
+    if hy:
+        u = ((hy.get("update") or {}).get("by_variant") or {}).get("sdpa+packed") or {}
+        lo = hy.get("longest") or {}
+        lines.append(f"qwen35_hybrid ({hy['layer_types'].count('full_attention')} of {len(hy['layer_types'])} layers "
+                     f"full attention, delta rule: {hy['delta_rule_kernel']}): update "
+                     f"{_num(u.get('seconds_per_minibatch'), '.4f')} s, {_num(u.get('tflops'), '.4g')} TFLOP/s, MFU "
+                     f"{_pct(u.get('mfu'))}; longest sequence with recompute {lo.get('longest')} tokens")
     if out.get("errors"):
         lines.append("\nerrors: " + "; ".join(f"{k}: {v.splitlines()[0][:160]}" for k, v in out["errors"].items()))
     if out.get("skipped"):
@@ -724,12 +746,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=420, help="skip the sections not started after this many seconds")
     p.add_argument("--long-budget-s", type=float, default=270,
                    help="long_context's own budget: no variant or search step starts that would overrun it")
+    p.add_argument("--hybrid-budget-s", type=float, default=200,
+                   help="qwen35_hybrid's own budget (checkpoint, update step, longest-sequence search)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or None,
                    help="write gpu_bench.json here (default: $OUT when set)")
     p.add_argument("--json", help="also write the JSON to this file")
     p.add_argument("--profile", action="store_true", help="also profile one actor step and one decode request")
     p.add_argument("--only", help="comma-separated sections to run (actor_fwd_bwd, weight_sync, long_context, "
-                                  "engine_decode, moe_layer); default all")
+                                  "engine_decode, moe_layer, qwen35_hybrid); default all")
     a = p.parse_args(argv)
     t_start = time.perf_counter()
     import torch
@@ -789,7 +813,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu_bench: {name} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
             save()
 
-    model = section("model", lambda o, a_, s: write_model(s["shape"], s["dtype"], device, tmp / "model"))
+    dense = ("actor_fwd_bwd", "weight_sync", "long_context", "engine_decode")
+    model = None
+    if not a.only or set(dense) & set(a.only.split(",")):  # the Qwen2.5 checkpoint only for the sections using it
+        model = section("model", lambda o, a_, s: write_model(s["shape"], s["dtype"], device, tmp / "model"))
     if model:
         actor = section("actor_fwd_bwd", bench_actor, model, device, variants)
         if actor is not None:
@@ -799,6 +826,9 @@ def main(argv: list[str] | None = None) -> int:
         section("long_context", bench_long_context, long_model(model, tmp / "model_long"), device, variants)
         section("engine_decode", bench_decode, model, device)
     section("moe_layer", bench_moe_layer, device)
+    import gpu_bench_hybrid
+
+    section("qwen35_hybrid", gpu_bench_hybrid.run, device, sys.modules[__name__], tmp)
     out["levers"] = levers(out)
     out["wall_s"] = round(time.perf_counter() - t_start, 1)
     save()

@@ -1,7 +1,7 @@
 """benchmarks/gpu_bench.py cannot rot between the rare GPU hosts: its ``--cpu-smoke`` mode runs every
 section (actor forward+backward per attention variant, weight sync into the engine, the long-context variants and
-the longest-sequence search with its out-of-memory path simulated, engine vs transformers decode, one MoE layer) at a
-tiny size on CPU in a subprocess, and without ``--cpu-smoke`` on a host with no GPU it says so and exits 0."""
+the longest-sequence search with its out-of-memory path simulated, engine vs transformers decode, one MoE layer, the
+Qwen3.5 hybrid's update and longest sequence) at a tiny size on CPU in a subprocess, and without ``--cpu-smoke`` on a host with no GPU it says so and exits 0."""
 from __future__ import annotations
 
 import importlib.util
@@ -59,9 +59,48 @@ def test_cpu_smoke_runs_every_section(tmp_path) -> None:
     assert s["bytes"] > 0 and s["gb_s"] > 0 and s["ratio_to_d2d"] > 0
     m = out["moe_layer"]
     assert m["tokens"] == 32 and m["experts"] == 8 and m["tokens_per_s"] > 0
+    _check_hybrid(out["qwen35_hybrid"])
     assert json.loads((tmp_path / "o" / "gpu_bench.json").read_text()) == out
-    for text in ("gpu_bench summary", "sdpa+packed", "goal >= 32768: not met", "levers", "simulated"):
+    for text in ("gpu_bench summary", "sdpa+packed", "goal >= 32768: not met", "levers", "simulated", "qwen35_hybrid"):
         assert text in table
+
+
+def _reference_flops(shape: dict, layer_types: list[str], tokens: int, seq: int) -> int:
+    """The hybrid's count with N taken from the real transformers model (every nn.Linear weight, LM head included,
+    and the depthwise conv1d's K weights per channel), not from the script's own sum; the s-terms as the script's
+    docstring states them: 12·L_full·n_h·d_h·s per token for the full-attention layers only, and the chunked delta
+    rule's 3·n_v·(4·C·d_k + 3·C·d_v + 6·d_k·d_v) per token for each linear-attention layer (C = 64)."""
+    import torch
+    import transformers as tf
+
+    with torch.device("meta"):
+        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**shape))
+    assert model.config.layer_types == layer_types
+    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d)))
+    n_full = layer_types.count("full_attention")
+    dk, dv, C = shape["linear_key_head_dim"], shape["linear_value_head_dim"], 64
+    per_token = (6 * n + 12 * n_full * shape["num_attention_heads"] * shape["head_dim"] * seq
+                 + 3 * (len(layer_types) - n_full) * shape["linear_num_value_heads"] * (4 * C * dk + 3 * C * dv + 6 * dk * dv))
+    return per_token * tokens
+
+
+def _check_hybrid(h: dict) -> None:
+    """The Qwen3.5 section: a text-only Qwen3_5ForCausalLM of 3 linear + 1 full layer, its packed sdpa update timed
+    with the hybrid's FLOP count, mrl's torch delta rule (no fla here), the longest-sequence search with recompute."""
+    assert h["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert h["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert h["shape"]["rope_parameters"]["partial_rotary_factor"] == 0.25
+    assert h["delta_rule_kernel"].startswith("mrl torch chunked")
+    u = h["update"]
+    assert u["tokens"] == 48 and u["seq_len"] == 12 and list(u["by_variant"]) == ["sdpa+packed"]
+    assert u["flops_per_minibatch"] == _reference_flops(h["shape"], h["layer_types"], 48, 12)
+    r = u["by_variant"]["sdpa+packed"]
+    assert r["built"]["core_attention"] == ["SDPAAttention"] and r["built"]["remove_padding"] is True
+    assert r["seconds_per_minibatch"] > 0 and r["tflops"] > 0 and r["mfu"] is None
+    lo = h["longest"]
+    assert lo["built"]["recompute_granularity"] == "full" and lo["rows"].startswith("packed") and lo["longest"] == 64
+    assert [n for n, x in lo["by_length"].items() if x["fits"]] == ["16", "32", "64"]
+    assert lo["by_length"]["128"]["oom"] and "simulated" in lo["by_length"]["128"]["error"]
 
 
 def test_without_a_gpu_it_says_so() -> None:
@@ -72,7 +111,7 @@ def test_without_a_gpu_it_says_so() -> None:
 def test_one_backend_profile_and_only(tmp_path) -> None:
     out, _ = _run("--cpu-smoke", "--profile", "--only", "actor_fwd_bwd", "--attention-backend", "local")
     assert out["errors"] == {} and set(out) >= {"actor_fwd_bwd", "actor_profile"}
-    assert not {"engine_decode", "weight_sync", "moe_layer", "long_context"} & set(out)
+    assert not {"engine_decode", "weight_sync", "moe_layer", "long_context", "qwen35_hybrid"} & set(out)
     assert list(out["actor_fwd_bwd"]["by_variant"]) == list(out["actor_profile"]) == ["local"]
     for p in out["actor_profile"].values():
         assert p["wall_s"] > 0 and 0 < p["kernel_s"] and p["top"] and all(len(r) == 3 for r in p["top"])
