@@ -101,3 +101,21 @@ def reference_topk(model, tokens: list[int]) -> torch.Tensor:
             scores = torch.softmax(logits.float(), dim=-1)
         ref[:, i] = torch.topk(scores, ref.shape[-1], dim=-1).indices.to(torch.int32)
     return ref
+
+
+def checkpoint_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """Each parameter's ``.grad`` under its checkpoint name: transformers' fused experts split per expert
+    (``gate_up_proj[e] = [gate_proj_e; up_proj_e]``, ``down_proj[e] = down_proj_e``); None where no gradient."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            half = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = p.grad[e, :half]
+                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = p.grad[e, half:]
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(p.shape[0]):
+                out[name.replace("down_proj", f"{e}.down_proj.weight")] = p.grad[e]
+        else:
+            out[name] = p.grad
+    return out

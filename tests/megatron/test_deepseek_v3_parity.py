@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_deepseek import make_tiny_deepseek_hf, reference_routing
+from tests.helpers.tiny_moe_checkpoints import checkpoint_grads
 from tests.megatron._deepseek_ranks import BIAS_SHIFT, DS_RUNS, deepseek_parity_rank
 from tests.megatron._ranks import (
     assert_stages_export_the_checkpoint,
@@ -129,19 +130,7 @@ def _transformers_grads(path: Path, ids: torch.Tensor) -> dict[str, torch.Tensor
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
     model(ids).logits.sum().backward()
-    out = {}
-    for name, p in model.named_parameters():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            half = p.shape[1] // 2
-            for e in range(p.shape[0]):
-                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = p.grad[e, :half]
-                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = p.grad[e, half:]
-        elif name.endswith("mlp.experts.down_proj"):
-            for e in range(p.shape[0]):
-                out[name.replace("down_proj", f"{e}.down_proj.weight")] = p.grad[e]
-        else:
-            out[name] = p.grad
-    return out
+    return checkpoint_grads(model)
 
 
 def test_gradients_match_transformers(launched):

@@ -13,6 +13,7 @@ import torch
 from mrl.megatron.hf_io import HFCheckpointReader
 from tests.helpers.dist import run_ranks
 from tests.helpers.tiny_dsa import TOPK, make_tiny_dsa_hf, reference
+from tests.helpers.tiny_moe_checkpoints import checkpoint_grads
 from tests.megatron._dsa_ranks import CASES, LAYOUTS, dsa_parity_rank
 
 pytestmark = pytest.mark.multirank
@@ -101,19 +102,7 @@ def _transformers_grads(path, ids) -> dict[str, torch.Tensor | None]:
 
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager").train()
     model(ids).logits.sum().backward()
-    out: dict[str, torch.Tensor | None] = {}
-    for name, p in model.named_parameters():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            half = p.shape[1] // 2
-            for e in range(p.shape[0]):
-                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = p.grad[e, :half]
-                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = p.grad[e, half:]
-        elif name.endswith("mlp.experts.down_proj"):
-            for e in range(p.shape[0]):
-                out[name.replace("down_proj", f"{e}.down_proj.weight")] = p.grad[e]
-        else:
-            out[name] = p.grad
-    return out
+    return checkpoint_grads(model)
 
 
 @pytest.mark.parametrize("case", CASES)
