@@ -44,15 +44,25 @@ def untrainable_vision_language(cfg: dict[str, Any]) -> bool:
     return "vision_config" in cfg and not (isinstance(archs, list) and any(a in supported for a in archs))
 
 
-def trains_pictures(cfg: dict[str, Any]) -> bool:
-    """A vision-language checkpoint whose family runs its vision tower in the actor (pictures in the prompts
-    train); a release whose tower mrl carries without running it (Qwen3.5-MoE's) trains on text only."""
+def vision_family(cfg: dict[str, Any]) -> Any | None:
+    """The family of a vision-language config.json whose family builds and runs its vision tower in the actor (pictures
+    in the prompts train); None for a text model and for a release whose tower mrl carries without running it
+    (Qwen3.5-MoE's: it trains on text only)."""
     from mrl.families import FAMILIES
 
-    archs = cfg.get("architectures") or []
+    if not isinstance(cfg, dict) or "vision_config" not in cfg:
+        return None
     supported = supported_architectures()
-    fams = [FAMILIES[supported[a]] for a in archs if isinstance(a, str) and a in supported]
-    return "vision_config" in cfg and any(f.vision is not None for f in fams)
+    for arch in cfg.get("architectures") or []:
+        fam = FAMILIES[supported[arch]] if isinstance(arch, str) and arch in supported else None
+        if fam is not None and fam.vision is not None:
+            return fam
+    return None
+
+
+def trains_pictures(cfg: dict[str, Any]) -> bool:
+    """:func:`vision_family` is not None."""
+    return vision_family(cfg) is not None
 
 
 def _vision_refusal() -> str:

@@ -17,19 +17,14 @@ from mrl.config.root import MRLConfig
 
 def vision_config_of(path: str | None) -> tuple[Any, dict[str, Any]] | None:
     """(family, config.json) of a checkpoint whose family builds a vision tower; None otherwise or unreadable."""
-    from mrl.families import FAMILIES, SUPPORTED_ARCHITECTURES
+    from mrl.config.checkpoint_files import vision_family
 
     try:
         cfg = json.loads((Path(path or "") / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(cfg, dict) or "vision_config" not in cfg:
-        return None
-    for arch in cfg.get("architectures") or []:
-        fam = FAMILIES.get(SUPPORTED_ARCHITECTURES.get(arch, ""))
-        if fam is not None and fam.vision is not None:
-            return fam, cfg
-    return None
+    fam = vision_family(cfg)
+    return None if fam is None else (fam, cfg)
 
 
 def check_vision_layout(cfg: MRLConfig, errors: list[str]) -> None:
