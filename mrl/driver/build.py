@@ -220,7 +220,7 @@ def read_inputs(cfg: MRLConfig, gen_batch: int) -> RunInputs:
     check_room(cfg.trainer.checkpoint_dir, cfg.trainer.save_freq, resumed_from)  # a full disk: before Ray, not at a save
     return RunInputs(tok, pad_token_id_of(tok), train_ds, val_ds, RewardManager.from_config(cfg.reward),
                      RewardModelInputs.from_config(cfg, tok) if cfg.reward_model.enable else None,
-                     Pictures(cfg.model.path) if vision else None, agent_tools,
+                     Pictures(cfg.model.path, vision) if vision else None, agent_tools,
                      sampler, resumed_from, Path(cfg.trainer.checkpoint_dir or "outputs") / "logs")
 
 

@@ -53,13 +53,10 @@ class Pictures:
     """The checkpoint's image processor (transformers' PIL backend, as the engine runs it) and its merge
     size: a picture of grid (t, h, w) patches becomes ``t*h*w / merge^2`` image tokens."""
 
-    def __init__(self, model_path: str | Path) -> None:
-        import json
-
+    def __init__(self, model_path: str | Path, spec: VisionSpec) -> None:
         from transformers import AutoImageProcessor
 
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-        self.merge = int(cfg["vision_config"]["spatial_merge_size"])
+        self.merge = spec.merge_size
         self.processor = AutoImageProcessor.from_pretrained(model_path, backend="pil")
 
     def model_inputs(self, prompts: Sequence[Any]) -> list[dict[str, torch.Tensor]]:

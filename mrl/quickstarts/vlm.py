@@ -156,7 +156,7 @@ def warm_start(model, tok, processor, data: list[tuple[bytes, str]], seed: int, 
             for i, (p, s) in enumerate(seqs):
                 ids[i, :len(s)] = torch.tensor(s)
                 target[i, len(p):len(s)] = True
-            logits = model(input_ids=ids, attention_mask=(ids != 0).long() | target.long(),
+            logits = model(input_ids=ids, attention_mask=(ids != 0).long(),  # right padding (<pad> = 0) masked
                            pixel_values=torch.cat([b[1] for b in batch]),
                            image_grid_thw=torch.cat([b[2] for b in batch])).logits[:, :-1]
             nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")

@@ -61,7 +61,7 @@ def test_the_engine_request_expands_to_the_trainer_ids_and_pixels(ckpt, prompts)
         assert np.array_equal(_pixels(base64.b64decode(b64)), _pixels(orig))
     # what the engine does with the request (SGLang's expansion) is exactly what the trainer reads
     engine = VisionProcessor(ckpt, AutoConfig.from_pretrained(ckpt))
-    inputs = Pictures(ckpt).model_inputs(ds.prompts)
+    inputs = Pictures(ckpt, VisionSpec.from_checkpoint(ckpt)).model_inputs(ds.prompts)
     assert inputs[1] == {}
     for k in (0, 2):
         expanded, vis = engine.prepare(ids[k], image_data[k])
@@ -79,7 +79,7 @@ def test_a_token_count_the_processor_disagrees_with_names_the_row(ckpt, prompts)
     ds, _ = prompts
     bad = dataclasses.replace(ds.prompts[2], image_tokens=[ds.prompts[2].image_tokens[0] + 1, ds.prompts[2].image_tokens[1]])
     with pytest.raises(ValueError, match=r"p\.jsonl:3: the image processor makes \[\d+, \d+\] image tokens"):
-        Pictures(ckpt).model_inputs([ds.prompts[0], bad])
+        Pictures(ckpt, VisionSpec.from_checkpoint(ckpt)).model_inputs([ds.prompts[0], bad])
 
 
 def test_each_sample_carries_its_prompts_pictures(prompts) -> None:
