@@ -27,6 +27,7 @@ from pathlib import Path
 
 HARD_STOP_AFTER_S = 20.0  # the whole stop, well inside the 30 s before a scheduler's SIGKILL
 STOP_CLOSE_GRACE_S = 2.0  # a joined cluster's group close after a signal: an idle rank answers in milliseconds
+KILLED_GONE_S = 5.0  # a SIGKILLed process with gigabytes mapped takes a moment to exit; the driver waits that long
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -89,12 +90,16 @@ def tree(roots: list[int]) -> set[int]:
     return out
 
 
-def kill_tree(roots: list[int], senders: list[int] = ()) -> set[int]:
+def kill_tree(roots: list[int], senders: list[int] = (), gone_within_s: float = KILLED_GONE_S) -> set[int]:
     """SIGKILL ``roots`` and everything below them; returns the pids killed. Each process is first stopped
     (SIGSTOP), and the tree walked again until no new process appears: a process that forked between the walk
     and the kill would otherwise outlive its killed parent, re-parented away from the tree. The /dev/shm segments
     of the weight senders among them, and of ``senders`` (ranks that may have exited already: a SIGTERM to the
-    process group reaches them too), are unlinked."""
+    process group reaches them too), are unlinked.
+
+    Returns once every killed process has exited (or ``gone_within_s`` passed): SIGKILL only queues the death, and
+    a rank tearing down gigabytes of memory on a loaded host still runs for a moment after it — the driver must not
+    exit before its processes have, or a scheduler's next job (and a test's check) finds them alive."""
     seen: set[int] = set()
     for _ in range(20):
         new = tree(roots) - seen
@@ -111,7 +116,18 @@ def kill_tree(roots: list[int], senders: list[int] = ()) -> set[int]:
         TensorTransport.remove_segments([*seen, *senders])
     except Exception:  # noqa: BLE001, S110 - best effort, the stop goes on
         pass
+    deadline = time.monotonic() + gone_within_s
+    while any(not _exited(pid) for pid in seen) and time.monotonic() < deadline:
+        time.sleep(0.02)
     return seen
+
+
+def _exited(pid: int) -> bool:
+    """``pid`` has exited: no such process, or a zombie (dead, waiting for its parent to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -116,23 +116,35 @@ def test_stop_line_names_the_newest_complete_checkpoint(tmp_path: Path) -> None:
                                                           f"{tmp_path / 'global_step_4'}")
 
 
-def test_kill_tree_takes_children_that_left_the_process_group() -> None:
-    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
-            "start_new_session=True); time.sleep(600)")
+def test_kill_tree_takes_children_that_left_the_process_group_and_returns_once_they_exited() -> None:
+    # each holds 512 MiB it has written: its exit (unmapping that) outlasts the SIGKILL's return by ~50 ms, so a
+    # kill_tree that did not wait for the exits leaves them running when it returns (in about half the runs on a 2-core host)
+    hold = 'b = b"x" * (1 << 29); time.sleep(600)'
+    code = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; {hold}'], "
+            f"start_new_session=True); {hold}")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while len(tree([p.pid])) < 2:
+        while len(tree([p.pid])) < 2 or min(_rss_mib(pid) for pid in tree([p.pid])) < 512:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        from tests.helpers.faults import cmdline
+        from mrl.rollout.weight_sync.transports import TensorTransport  # noqa: F401 - imported: kill_tree's own
+        from tests.helpers.faults import cmdline  # import of it (~1 s) would otherwise hide a missing wait
 
         procs = {pid: cmdline(pid) for pid in tree([p.pid])}
         assert kill_tree([p.pid]) == set(procs)
+        # gone on return (a zombie counts): the child, and the grandchild re-parented once its parent died
+        assert left_running(procs, timeout_s=0.0) == []
         p.wait(timeout=60)
-        assert left_running(procs, timeout_s=10.0) == []  # the grandchild, re-parented once its parent died
     finally:
         p.kill()
+
+
+def _rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+    return 0
 
 
 def test_a_rank_gone_before_the_stop_leaves_no_weight_segment() -> None:
