@@ -128,8 +128,9 @@ def test_kill_tree_takes_children_that_left_the_process_group_and_returns_once_t
         while len(tree([p.pid])) < 2 or min(_rss_mib(pid) for pid in tree([p.pid])) < 512:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        from mrl.rollout.weight_sync.transports import TensorTransport  # noqa: F401 - imported: kill_tree's own
-        from tests.helpers.faults import cmdline  # import of it (~1 s) would otherwise hide a missing wait
+        # imported here: kill_tree's own first import of it (~1 s) would otherwise hide a missing wait
+        from mrl.rollout.weight_sync.transports import TensorTransport  # noqa: F401
+        from tests.helpers.faults import cmdline
 
         procs = {pid: cmdline(pid) for pid in tree([p.pid])}
         assert kill_tree([p.pid]) == set(procs)
