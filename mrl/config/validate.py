@@ -76,6 +76,15 @@ def _check_role_batches(role: str, mini: int, micro: int | None, dynamic: bool, 
             f"fix: make {role}.ppo_mini_batch_size*rollout.n a multiple of {lay.dp} or change {role}.megatron"
         )
     per_rank = samples // lay.dp if lay.dp else 0
+    pp, vpp = ((lay.parallel.pipeline_model_parallel_size, lay.parallel.virtual_pipeline_model_parallel_size)
+               if lay.parallel is not None else (1, None))
+    if vpp and per_rank and per_rank < pp:  # Megatron's interleaved schedule: at least PP micro-batches per call
+        errors.append(
+            f"{role}.megatron.virtual_pipeline_model_parallel_size={vpp} runs at least pipeline_model_parallel_size={pp} "
+            f"micro-batches, of one sample or more, per mini-batch and DP rank, which gets {per_rank} sample(s) "
+            f"({role}.ppo_mini_batch_size={mini} * rollout.n={n} / DP {lay.dp}); fix: raise {role}.ppo_mini_batch_size "
+            f"to {-(-pp * lay.dp // n)} or more, or set {role}.megatron.virtual_pipeline_model_parallel_size=null"
+        )
     if dynamic:
         seq = cfg.data.max_prompt_length + cfg.rollout.max_response_length
         cp = lay.parallel.context_parallel_size if lay.parallel is not None else 1  # a row spreads over CP devices

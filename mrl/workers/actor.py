@@ -29,6 +29,7 @@ from mrl.workers.loss import (
 )
 from mrl.workers.megatron_model import MegatronModel
 from mrl.workers.minibatch import (
+    at_least,
     loss_keys,
     make_minibatch_iterator,
     restore_order,
@@ -43,18 +44,19 @@ _METRIC_KEYS = ["loss", "pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl",
 
 
 def micro_batch_parts(data: TrainBatch, *, micro_batch_size: int | None, use_dynamic_bsz: bool,
-                      max_tokens: int, dp_group, shared_prefix: bool = False) -> list[list[int]]:
+                      max_tokens: int, dp_group, shared_prefix: bool = False, min_parts: int = 1) -> list[list[int]]:
     """Fixed split by samples (sorted by length; with ``shared_prefix`` a prompt's samples kept
-    together), or balanced token-budget split (same count on all DP ranks)."""
+    together), or balanced token-budget split (same count on all DP ranks); at least ``min_parts`` micro-batches
+    where the samples allow (``MegatronModel.min_micro_batches``)."""
     if use_dynamic_bsz:
-        return split_dynamic(data.seq_lengths().tolist(), max_tokens, dp_group=dp_group)
+        return split_dynamic(data.seq_lengths().tolist(), max_tokens, dp_group=dp_group, min_parts=min_parts)
     if micro_batch_size is None:
         raise ValueError(
             "actor.ppo_micro_batch_size_per_gpu is null and use_dynamic_bsz is false: set one of them"
         )
     if shared_prefix:
-        return split_by_prompt(data, micro_batch_size)
-    return split_by_length(data.seq_lengths().tolist(), micro_batch_size)
+        return at_least(split_by_prompt(data, micro_batch_size), min_parts)
+    return at_least(split_by_length(data.seq_lengths().tolist(), micro_batch_size), min_parts)
 
 
 class ActorWorker(TrainableState):
@@ -187,7 +189,7 @@ class ActorWorker(TrainableState):
         parts = micro_batch_parts(
             mini_batch, micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu,
             use_dynamic_bsz=self.cfg.use_dynamic_bsz, max_tokens=self.cfg.ppo_max_token_len_per_gpu * e.cp_size,
-            dp_group=e.dp_group, shared_prefix=self.shared_prefix,
+            dp_group=e.dp_group, shared_prefix=self.shared_prefix, min_parts=e.min_micro_batches,
         )
         mbs = e.make_micro_batches(mini_batch, parts, shared_prefix=self.shared_prefix)
         n_tok, n_seq = global_denominators(mbs, e)
@@ -373,7 +375,8 @@ def forward_log_probs(
     local = model.dp_shard(batch)
     parts = micro_batch_parts(local, micro_batch_size=micro_batch_size or local.batch_size,
                               use_dynamic_bsz=use_dynamic_bsz, max_tokens=max_tokens * model.cp_size,
-                              dp_group=model.dp_group, shared_prefix=shared_prefix)
+                              dp_group=model.dp_group, shared_prefix=shared_prefix,
+                              min_parts=model.min_micro_batches)
     mbs = model.make_micro_batches(local, parts, shared_prefix=shared_prefix)
     fn = partial(log_prob_func, temperature=temperature, tp_group=model.tp_group,
                  vocab_size=vocab_size, chunk_size=chunk_size)

@@ -76,7 +76,8 @@ class CriticWorker(TrainableState):
         return micro_batch_parts(data, micro_batch_size=self.cfg.ppo_micro_batch_size_per_gpu or data.batch_size,
                                  use_dynamic_bsz=self.cfg.use_dynamic_bsz,
                                  max_tokens=self.cfg.ppo_max_token_len_per_gpu * self.model.cp_size,
-                                 dp_group=self.model.dp_group)  # per device: a CP rank holds 1/CP of each row
+                                 dp_group=self.model.dp_group,
+                                 min_parts=self.model.min_micro_batches)  # per device: a CP rank holds 1/CP of each row
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         """[B, R] V(s_t) × response_mask of the full batch, identical on every rank."""

@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch
 
 from mrl.workers.batch import TrainBatch
-from mrl.workers.minibatch import restore_order, split_by_length
+from mrl.workers.minibatch import at_least, restore_order, split_by_length
 
 
 def response_embedding(model, batch: TrainBatch, *, micro_batch_size: int) -> torch.Tensor:
     local = model.dp_shard(batch)
-    parts = split_by_length(local.seq_lengths().tolist(), micro_batch_size)  # similar lengths together
+    # similar lengths together
+    parts = at_least(split_by_length(local.seq_lengths().tolist(), micro_batch_size), model.min_micro_batches)
     mbs = model.make_micro_batches(local, parts, packed=False)  # loss_func reads compact columns
     H = model.hf_config.hidden_size
     captured: dict[int, torch.Tensor] = {}

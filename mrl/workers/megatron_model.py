@@ -236,6 +236,17 @@ class MegatronModel:
         # Set after construction: the config validator refuses it with the (unused, dense) MoE
         # allgather dispatcher, but the p2p shape exchange it enables is all we need.
         self.config.variable_seq_lengths = True
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        if len(chunks) > 1:
+            # Interleaved stages (VPP) send activations and gradients the same way at once. Megatron's batched p2p
+            # (core's default) posts [send prev, send next] against the peer's [recv prev, recv next]: at PP=2, where
+            # prev and next are the same rank, activations and gradients of equal shape were swapped (silently
+            # wrong losses from the third micro-batch on) or the ranks hung. Megatron-LM's own VPP settings post
+            # them in matching order, each direction on its own communicator.
+            self.config.batch_p2p_comm = False
+            self.config.overlap_p2p_comm = True
+        # the interleaved schedule runs at least PP micro-batches per call (the splitters take this many)
+        self.min_micro_batches = self.pp_size if len(chunks) > 1 else 1
         if train:
             from megatron.core.distributed import finalize_model_grads
 
@@ -368,6 +379,8 @@ class MegatronModel:
             return out, partial(loss_func, mb)
 
         n = len(micro_batches)
+        if len(self.chunks) > 1:
+            self.config.microbatch_group_size_per_vp_stage = vpp_group_size(n, self.pp_size)
         iters = [iter(micro_batches) for _ in self.chunks]
         try:
             out = get_forward_backward_func()(
@@ -562,6 +575,20 @@ def _packed_seq_params(inp: ModelInputs, device: torch.device, config: Any):
     fmt = "thd" if getattr(config, "multi_latent_attention", False) else "sbhd"
     return PackedSeqParams(qkv_format=fmt, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
                            max_seqlen_kv=longest)
+
+
+def vpp_group_size(n: int, pp: int) -> int:
+    """Micro-batches per virtual-stage group of Megatron's interleaved schedule for ``n`` micro-batches at PP ``pp``:
+    the schedule needs pp <= N <= n and the last group empty or of at least pp (``n % N == 0 or n % N >= pp``).
+    PP itself when it fits (Megatron-LM's default, the shortest pipeline bubble), else the smallest N that does;
+    ``n`` itself always does. A token-budget split's count is data-dependent, so this is chosen per call."""
+    if n < pp:
+        raise ValueError(f"the interleaved pipeline (virtual_pipeline_model_parallel_size) runs at least "
+                         f"pipeline_model_parallel_size={pp} micro-batches per call, this rank's batch makes {n} "
+                         f"(at most one per sample); fix: "
+                         f"more samples per mini-batch and DP rank (ppo_mini_batch_size x rollout.n / DP >= {pp}), or "
+                         "virtual_pipeline_model_parallel_size=null")
+    return next(g for g in range(pp, n + 1) if n % g == 0 or n % g >= pp)
 
 
 def _pad_inputs(inp: ModelInputs, length: int) -> None:

@@ -107,15 +107,30 @@ def split_by_length(seq_lengths: list[int], micro_batch_size: int) -> list[list[
     return [[order[i] for i in p] for p in split_fixed(len(order), micro_batch_size)]
 
 
+def at_least(parts: list[list[int]], k: int) -> list[list[int]]:
+    """``parts`` with the largest one halved until there are ``k`` (or every part holds one sample): Megatron's
+    interleaved pipeline schedule (virtual pipeline stages) runs at least PP micro-batches per call. Smaller
+    micro-batches change no value (global denominators); the memory bound of the split only gets looser."""
+    out = [list(p) for p in parts]
+    while len(out) < k:
+        i = max(range(len(out)), key=lambda j: len(out[j]))
+        if len(out[i]) < 2:
+            break
+        half = len(out[i]) // 2
+        out[i:i + 1] = [out[i][:half], out[i][half:]]
+    return out
+
+
 def split_dynamic(
-    seq_lengths: list[int], max_tokens: int, *, dp_group=None
+    seq_lengths: list[int], max_tokens: int, *, dp_group=None, min_parts: int = 1
 ) -> list[list[int]]:
     """Token-budget micro-batches, the same number on every rank of ``dp_group``.
 
     k = max over DP ranks of ceil(Σ tokens / max_tokens) (verl ``rearrange_micro_batches``): the
     pipeline schedule runs the same number of micro-batches everywhere. Samples are then split
     into k balanced partitions (:func:`get_seqlen_balanced_partitions`); a partition may exceed
-    the budget slightly when balance forces it, never by more than one sample.
+    the budget slightly when balance forces it, never by more than one sample. ``min_parts``: at least that
+    many (the same on every rank: the DP ranks hold equal sample counts).
     """
     longest = max(seq_lengths)
     if longest > max_tokens:
@@ -128,7 +143,7 @@ def split_dynamic(
         t = torch.tensor([k], dtype=torch.long)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
         k = int(t.item())
-    k = min(k, len(seq_lengths))
+    k = min(max(k, min_parts), len(seq_lengths))
     return get_seqlen_balanced_partitions(seq_lengths, k, equal_size=False)
 
 

@@ -25,7 +25,7 @@ from mrl.config.parallel import ParallelConfig
 from mrl.dtypes import torch_dtype
 from mrl.workers.batch import TrainBatch
 from mrl.workers.megatron_model import MegatronModel, as_causal_lm_config  # noqa: F401 (re-exported, see below)
-from mrl.workers.minibatch import restore_order, split_by_length
+from mrl.workers.minibatch import at_least, restore_order, split_by_length
 from mrl.workers.side_model import SideModelWorker
 
 if TYPE_CHECKING:
@@ -73,7 +73,8 @@ class RewardModelWorker(SideModelWorker):
         B = batch.batch_size
         batch, _ = self.dp_padded(batch)
         local = e.dp_shard(batch)
-        parts = split_by_length(local.seq_lengths().tolist(), self.micro_batch_size)  # similar lengths together
+        # similar lengths together
+        parts = at_least(split_by_length(local.seq_lengths().tolist(), self.micro_batch_size), e.min_micro_batches)
         mbs = e.make_micro_batches(local, parts, packed=e.cp_size > 1)  # compact rows unless CP packs them
 
         def fn(mb, out):  # out [b, L, 1] on the last stage

@@ -109,3 +109,25 @@ def test_padding_mask_marks_exactly_the_columns_without_a_token():
         read = mi.resp_index[mi.resp_valid]
         owners = rows[:, None].expand_as(mi.resp_index)[mi.resp_valid]
         assert not bool(pad[owners, read].any()), name  # no column a response token is predicted from is masked
+
+
+def test_at_least_halves_the_largest_part_until_there_are_enough() -> None:
+    from mrl.workers.minibatch import at_least
+
+    assert at_least([[0, 1, 2, 3, 4]], 2) == [[0, 1], [2, 3, 4]]
+    assert at_least([[5], [0, 1, 2], [3, 4]], 4) == [[5], [0], [1, 2], [3, 4]]
+    assert at_least([[0], [1]], 4) == [[0], [1]]  # one sample each: cannot be split further
+    assert at_least([[0, 1], [2]], 1) == [[0, 1], [2]]
+
+
+def test_vpp_group_size_meets_megatrons_interleaved_schedule() -> None:
+    from mrl.workers.megatron_model import vpp_group_size
+
+    for pp in (2, 3, 4):
+        for n in range(pp, 25):
+            g = vpp_group_size(n, pp)
+            assert pp <= g <= n and (n % g == 0 or n % g >= pp), (n, pp, g)
+            if n % pp == 0:
+                assert g == pp  # Megatron-LM's default where it fits
+    with pytest.raises(ValueError, match="at least pipeline_model_parallel_size=4 micro-batches"):
+        vpp_group_size(3, 4)
