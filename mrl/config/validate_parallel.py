@@ -39,8 +39,6 @@ def context_parallel_problem(role: str, cfg: MRLConfig, shape: ModelShape | None
     if shape is not None and shape.linear_layers:
         return ("the model's Gated DeltaNet layers run a recurrence over each whole sequence on one rank (no "
                 "context-parallel delta rule yet)")
-    if par.virtual_pipeline_model_parallel_size is not None:
-        return "interleaved pipeline stages (virtual_pipeline_model_parallel_size) under CP are not tested"
     if cfg.algorithm.repr_align.enable:
         return "algorithm.repr_align reads hidden states, which CP splits over ranks"
     return None

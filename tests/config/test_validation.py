@@ -454,14 +454,16 @@ def test_context_parallel_plans_for_actor_ref_and_critic(base_overrides: list[st
     # LoRA under CP (tests/workers/test_context_parallel.py: adapters, gradients, reference at CP2 = CP1)
     assert check_config(load_config(None, base_overrides + ["actor.megatron.context_parallel_size=2",
                                                             "actor.lora.rank=8"]))[0] == []
+    # interleaved stages under CP (tests/workers/test_interleaved_pipeline.py: CP2 x PP2 x VPP2 = transformers)
+    assert check_config(load_config(None, base_overrides + [
+        "actor.megatron.context_parallel_size=2", "actor.megatron.pipeline_model_parallel_size=2",
+        "actor.megatron.virtual_pipeline_model_parallel_size=2"]))[0] == []
 
 
 _CP_REFUSED = [  # (case, overrides, why the one line must name)
     ("not_packed", ["actor.use_remove_padding=false"], "it needs actor.use_remove_padding"),
     ("local_attention", ["actor.megatron.attention_backend=local", "actor.use_remove_padding=false"],
      "sdpa attention backend only"),
-    ("vpp", ["actor.megatron.pipeline_model_parallel_size=2", "actor.megatron.virtual_pipeline_model_parallel_size=2"],
-     "interleaved pipeline stages"),
 ]
 
 
