@@ -27,7 +27,6 @@ def context_parallel_problem(role: str, cfg: MRLConfig, shape: ModelShape | None
                              ) -> str | None:
     """Why ``<role>`` cannot run its context_parallel_size > 1 here (None: it can). ``choices``: the resolved
     ``auto`` settings by key (:func:`mrl.config.auto.resolve_all`)."""
-    par = getattr(cfg, role).megatron or cfg.actor.megatron
     backend = choices.get(f"{role}.megatron.attention_backend", "sdpa")
     if backend != "sdpa":
         return (f"context parallelism runs on the sdpa attention backend only ({role}.megatron.attention_backend "
