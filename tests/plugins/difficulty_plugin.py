@@ -4,12 +4,14 @@
     actor.policy_loss: tests/plugins/difficulty_plugin.py:clipped_adv
     data.sampler.class_path: tests/plugins/difficulty_plugin.py:easy_first
 
-It imports only mrl's public decorators and helpers, never edits mrl. When ``MRL_PLUGIN_LOG`` is set
-each call appends one JSON line there, so that a test can see the plugin ran (in the driver and in
-the Ray workers).
+It imports only mrl's public decorators and helpers, never edits mrl. When a file ``plugin_calls.jsonl`` sits
+next to this one (a test copies the plugin into its own directory and makes it) each call appends one JSON line
+there, so that the test can see the plugin ran, in the driver and in the Ray workers (which, on a shared Ray
+instance, do not inherit the driver's environment).
 """
 import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -23,8 +25,8 @@ from mrl.data.sampler import ResumableSampler, register_sampler
 
 
 def _log(**record) -> None:
-    path = os.environ.get("MRL_PLUGIN_LOG")
-    if path:
+    path = Path(__file__).parent / "plugin_calls.jsonl"
+    if path.is_file():
         with open(path, "a") as f:
             f.write(json.dumps({**record, "pid": os.getpid()}) + "\n")
 

@@ -4,6 +4,7 @@ it reuses, and used from YAML in a 1-step end-to-end run."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -73,7 +74,7 @@ def test_policy_loss_registered_name_from_a_file() -> None:
 
 
 @pytest.mark.slow
-def test_plugins_from_yaml_train_one_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plugins_from_yaml_train_one_step(tmp_path: Path) -> None:
     assets = write_assets(tmp_path)
     data = tmp_path / "train.jsonl"
     rows = [json.loads(x) for x in (assets / "data" / "train.jsonl").read_text().splitlines()]
@@ -81,19 +82,21 @@ def test_plugins_from_yaml_train_one_step(tmp_path: Path, monkeypatch: pytest.Mo
         a, b = (int(t) for t in row["prompt"].split("is ")[1].split(" ?")[0].split(" + "))
         row["extra_info"]["difficulty"] = "hard" if a % 10 + b % 10 >= 10 else "easy"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    plugin = tmp_path / "plugin" / PLUGIN.name  # this test's copy: it logs its calls next to itself
+    plugin.parent.mkdir()
+    shutil.copyfile(PLUGIN, plugin)
+    log = plugin.parent / "plugin_calls.jsonl"
+    log.touch()
     cfg = yaml.safe_load((ROOT / "mrl_configs" / "quickstart.yaml").read_text())
-    cfg["algorithm"] = {**cfg.get("algorithm", {}), "adv_estimator": f"{PLUGIN}:grpo_difficulty"}
-    cfg["actor"]["policy_loss"] = f"{PLUGIN}:clipped_adv"
-    cfg["data"] = {**cfg.get("data", {}), "sampler": {"class_path": f"{PLUGIN}:easy_first"}}
+    cfg["algorithm"] = {**cfg.get("algorithm", {}), "adv_estimator": f"{plugin}:grpo_difficulty"}
+    cfg["actor"]["policy_loss"] = f"{plugin}:clipped_adv"
+    cfg["data"] = {**cfg.get("data", {}), "sampler": {"class_path": f"{plugin}:easy_first"}}
     config = tmp_path / "plugins.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    log = tmp_path / "plugin_calls.jsonl"
-    monkeypatch.setenv("MRL_PLUGIN_LOG", str(log))
     p = run_train(str(config), tmp_path, assets, free_port_pair(), f"data.train_files=[{data}]",
                   f"data.val_files=[{assets}/data/val.jsonl]", "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
                   "trainer.save_freq=-1", "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
-                  "actor.ppo_micro_batch_size_per_gpu=4",
-                  own_ray=True)  # its ranks read MRL_PLUGIN_LOG: they inherit this environment only from a Ray of their own
+                  "actor.ppo_micro_batch_size_per_gpu=4")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     calls = [json.loads(x) for x in log.read_text().splitlines()]
     est = [c for c in calls if c["fn"] == "grpo_difficulty"]
