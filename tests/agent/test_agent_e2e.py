@@ -4,7 +4,6 @@ agent metrics logged, and the Megatron actor's probabilities of the sampled toke
 engines' across turns (tool tokens masked out)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from tests.helpers.e2e import (
     free_port_pair,
     metrics,
     mlflow_db,
+    train_env,
     write_agent_assets,
 )
 
@@ -33,7 +33,7 @@ def test_agent_quickstart_trains_two_steps(tmp_path: Path) -> None:
            "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.val_before_train=false",
            "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4",
            f"trainer.rollout_data_dir={tmp_path}/rollouts", f"trainer.default_local_dir={tmp_path}/checkpoints"]
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env = train_env(cmd)  # on the session's Ray instance
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     db = tmp_path / "mlflow.db"

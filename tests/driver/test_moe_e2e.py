@@ -16,7 +16,6 @@ replayed ids at every position, where the trainer's own routing differs on 17-31
 the check in which replay must matter, at a worker's cost instead of another end-to-end run of this length."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ import pytest
 from mrl.config import load_config
 from mrl.driver.engines import engine_command, plan_engines
 from tests.driver.test_engines import _gpu_infos, _node
-from tests.helpers.e2e import ROOT, free_port_pair, metrics, mlflow_db
+from tests.helpers.e2e import ROOT, free_port_pair, metrics, mlflow_db, train_env
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +42,7 @@ def test_moe_quickstart_trains_with_expert_parallel_and_routing_replay(tmp_path:
            # one mini-batch per step: every forward runs the weights the engines sampled with, so the trainer's
            # own routing must be the engine's (a second mini-batch would run after an optimizer step)
            "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=4"]
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env = train_env(cmd)  # on the session's Ray instance
     p = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     db = tmp_path / "mlflow.db"

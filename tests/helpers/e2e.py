@@ -104,13 +104,17 @@ def run_train(config: str, tmp: Path, assets: Path, port: int, *overrides: str,
            f"trainer.mlflow_tracking_uri=sqlite:///{mlflow_db(tmp / 'mlflow.db')}",
            f"trainer.default_local_dir={tmp}/checkpoints",  # the last of repeated keys wins: overrides may move it
            f"rollout.port_base={port}", *overrides]
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
-    if not own_ray:
-        address, auth = shared_ray()
-        cmd.append(f"cluster.address={address}")
-        env.update(auth)
+    env = train_env(cmd) if not own_ray else {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
     # ~60-140 s idle; headroom for a loaded CI host
     return subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+
+
+def train_env(cmd: list[str]) -> dict[str, str]:
+    """Join an ``mrl train`` command line to the test session's Ray instance (appends ``cluster.address``); returns
+    the environment to run it in (the instance's token). Starting a Ray of its own costs a run ~10 s of CPU."""
+    address, auth = shared_ray()
+    cmd.append(f"cluster.address={address}")
+    return {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **auth}
 
 
 def metrics(db: Path, key: str) -> dict[int, float]:
