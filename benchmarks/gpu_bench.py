@@ -10,7 +10,8 @@ Device command (the lent H100/H200; wheels carried in .whl/, see docs/gpu.md 'Pr
 stdout: the JSON object, then the summary table (the table last: a truncated log keeps it); --out-dir also gets
 gpu_bench.json, rewritten after every section (a host taken back mid-run keeps what was measured).
 
-What it measures, in one process (torch.distributed world size 1, Megatron TP = PP = 1), at a Qwen2.5-1.5B shape
+What it measures, in one process (torch.distributed world size 1, Megatron TP = PP = 1; context_parallel launches
+its own rank processes), at a Qwen2.5-1.5B shape
 built from a config with random weights, bf16:
 
   actor_fwd_bwd   mrl's Megatron actor (``ActorWorker.forward_backward``: the update's forward and backward,
@@ -41,6 +42,10 @@ built from a config with random weights, bf16:
                   experts on the local spec, all-to-all dispatcher, EP = 1) at a Qwen3-30B-A3B layer shape
                   (hidden 2048, 128 experts of width 768, top-8) in bf16: forward+backward tokens/s and
                   TFLOP/s of the active weights (6·N_active·T, attention's s-term left out)
+  context_parallel (benchmarks/gpu_bench_cp.py) one 32768-token sequence's update (sdpa, packed, full recompute)
+                  at CP=1 on one GPU against CP=2, 4, 8 over as many GPUs as are visible (rank processes, NCCL):
+                  seconds, tokens/s, per-GPU peak memory and their ratios to CP=1. With one GPU visible: not
+                  measured, and said so
   qwen35_hybrid   (benchmarks/gpu_bench_hybrid.py) a Qwen3.5-4B-shaped hybrid (Gated DeltaNet : gated full
                   attention 3 : 1, partial RoPE 0.25, zero-centred norms; text-only Qwen3_5ForCausalLM, random
                   weights): the actor's update step (8 x 1024 tokens, micro-batch 2, sdpa, packed rows) with MFU by
@@ -604,6 +609,11 @@ def table(out: dict) -> str:
                      f"full attention, delta rule: {hy['delta_rule_kernel']}): update "
                      f"{_num(u.get('seconds_per_minibatch'), '.4f')} s, {_num(u.get('tflops'), '.4g')} TFLOP/s, MFU "
                      f"{_pct(u.get('mfu'))}; longest sequence with recompute {lo.get('longest')} tokens")
+    import gpu_bench_cp
+
+    cp = gpu_bench_cp.summary(out.get("context_parallel"))
+    if cp:
+        lines += ["", *cp]
     if out.get("errors"):
         lines.append("\nerrors: " + "; ".join(f"{k}: {v.splitlines()[0][:160]}" for k, v in out["errors"].items()))
     if out.get("skipped"):
@@ -753,7 +763,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the JSON to this file")
     p.add_argument("--profile", action="store_true", help="also profile one actor step and one decode request")
     p.add_argument("--only", help="comma-separated sections to run (actor_fwd_bwd, weight_sync, long_context, "
-                                  "engine_decode, moe_layer, qwen35_hybrid); default all")
+                                  "engine_decode, context_parallel, moe_layer, qwen35_hybrid); default all")
     a = p.parse_args(argv)
     t_start = time.perf_counter()
     import torch
@@ -813,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu_bench: {name} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
             save()
 
-    dense = ("actor_fwd_bwd", "weight_sync", "long_context", "engine_decode")
+    dense = ("actor_fwd_bwd", "weight_sync", "long_context", "engine_decode", "context_parallel")
     model = None
     if not a.only or set(dense) & set(a.only.split(",")):  # the Qwen2.5 checkpoint only for the sections using it
         model = section("model", lambda o, a_, s: write_model(s["shape"], s["dtype"], device, tmp / "model"))
@@ -823,8 +833,13 @@ def main(argv: list[str] | None = None) -> int:
             section("weight_sync", bench_sync, model, device, actor)
         actor = None
         release(device)  # the long-context steps get the whole device
-        section("long_context", bench_long_context, long_model(model, tmp / "model_long"), device, variants)
+        long = long_model(model, tmp / "model_long")
+        section("long_context", bench_long_context, long, device, variants)
         section("engine_decode", bench_decode, model, device)
+        release(device)  # the CP ranks are other processes: this one keeps as little as it can on device 0
+        import gpu_bench_cp
+
+        section("context_parallel", gpu_bench_cp.run, device, long)
     section("moe_layer", bench_moe_layer, device)
     import gpu_bench_hybrid
 

@@ -60,8 +60,15 @@ def test_cpu_smoke_runs_every_section(tmp_path) -> None:
     m = out["moe_layer"]
     assert m["tokens"] == 32 and m["experts"] == 8 and m["tokens_per_s"] > 0
     _check_hybrid(out["qwen35_hybrid"])
+    cp = out["context_parallel"]  # 2 gloo ranks on CPU: the code runs, nothing is measured
+    assert cp["tokens"] == 64 and list(cp["by_cp"]) == ["1", "2"] and "not_measured" not in cp
+    for r in cp["by_cp"].values():
+        assert r["seconds"] > 0 and r["peak_gib_per_device"] is None and r["peak_ratio_vs_cp1"] is None
+    # the same update at both sizes (fp32, one 64-token sequence: the CP tests' 1e-5)
+    assert cp["by_cp"]["2"]["loss"] == pytest.approx(cp["by_cp"]["1"]["loss"], rel=1e-5)
     assert json.loads((tmp_path / "o" / "gpu_bench.json").read_text()) == out
-    for text in ("gpu_bench summary", "sdpa+packed", "goal >= 32768: not met", "levers", "simulated", "qwen35_hybrid"):
+    for text in ("gpu_bench summary", "sdpa+packed", "goal >= 32768: not met", "levers", "simulated", "qwen35_hybrid",
+                 "context_parallel: one sequence of 64 tokens"):
         assert text in table
 
 
