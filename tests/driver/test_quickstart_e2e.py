@@ -1,4 +1,6 @@
-"""`mrl train mrl_configs/quickstart.yaml` end to end on CPU: 2 steps, checkpoint (with its HF copy), resume for 1 more.
+"""`mrl train mrl_configs/quickstart.yaml` end to end on CPU: 2 steps, checkpoint (with its HF copy). Resuming is
+tests/driver/test_reproducible_resume_e2e.py's (a resumed run equals the uninterrupted one, the engines' weight
+version included).
 
 Real components throughout: Ray rank actors with Megatron GPTModel (gloo, DP=2), two embedded
 engine processes, tensor-transport weight sync, the arith scorer and an MLflow sqlite store.
@@ -41,7 +43,7 @@ def _dumps_and_hf(tmp: Path) -> tuple[str, ...]:
             "actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]")
 
 
-def test_quickstart_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
+def test_quickstart_trains_and_checkpoints(tmp_path: Path) -> None:
     assets = write_assets(tmp_path)
     port = free_port_pair()
     p = _train(tmp_path, assets, 2, port)
@@ -71,14 +73,6 @@ def test_quickstart_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     assert (ckpt / "global_step_2" / "actor" / "metadata.json").is_file()
     _check_dumps_and_hf_export(tmp_path, assets, ckpt / "global_step_2" / "actor" / "huggingface")
 
-    p = _train(tmp_path, assets, 3, port)  # resume_mode=auto picks up global_step_2
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
-    # resumed weights were pushed as version 2 before step 3 generated
-    assert metrics(db, "rollout/engine_weight_version")[3] == 2.0
-    assert sorted(metrics(db, "critic/score/mean")) == [1, 2, 3]
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
-    assert (ckpt / "global_step_3" / "actor" / "huggingface" / "model.safetensors").is_file()
-    assert sorted(int(f.stem) for f in (tmp_path / "rollouts").glob("*.jsonl")) == [1, 2, 3]
 
 
 def _check_dumps_and_hf_export(tmp: Path, assets: Path, hf_dir: Path) -> None:

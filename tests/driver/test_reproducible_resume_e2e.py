@@ -49,6 +49,8 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path: Path) -> None:
     lr = ma["actor/lr"]
     assert len(set(lr.values())) == 3, lr  # the schedule really moves
     assert sorted(mb["actor/pg_loss"]) == [2, 3]
+    # the resumed run pushed step 1's weights (version 1) to the engines before step 2 generated
+    assert mb["rollout/engine_weight_version"] == {2: 1.0, 3: 2.0}
     diffs = {k: (ma.get(k, {}).get(s), v) for k in mb for s, v in mb[k].items() if ma.get(k, {}).get(s) != v}
     # The engine-vs-trainer agreement diagnostics read the engine's own log-probs, whose last bits
     # depend on how the CPU engine batched concurrent requests (measured: |Δ| <= 3e-12); the draws
