@@ -28,7 +28,9 @@ A right row's loss also covers its answer tokens: the judge's copy of the body k
 to add. This is what takes asset seeds 1 and 2 to the target: with uniform wrong answers only, their judges
 still said " yes" to 16 % / 42 % of the wrong sums after 1500 steps and were gamed; hard negatives alone did
 not fix it; the sum alone did (1200-1300 steps), and all three together take seeds 0-2 there in 1100
-(docs/judge.md, *Judge asset steps*).
+(docs/judge.md, *Judge asset steps*). Since the loss computes logits only where it reads them and the checks
+score against each prompt's cached keys and values (2026-12-05; the same recipe in another float order):
+1000 / 1100 / 800 steps, 7-40 % fewer CPU-seconds (docs/judge.md, *Judge asset CPU time*).
 
 A judge still below the target after ``--max-steps`` is not written (a policy trained on it games it:
 docs/judge.md): the script exits 1 with one line naming the seed, the accuracies and the fix, unless
@@ -253,8 +255,8 @@ def train_judge(model, tok, seed: int, max_steps: int = JUDGE_MAX_STEPS, progres
                 target = torch.zeros_like(ids, dtype=torch.bool)
                 for i, (s, k) in enumerate(zip(seqs, starts, strict=True)):
                     target[i, k:len(s)] = True
-                # logits only where the loss reads them (a sixth of the positions): the LM head and its
-                # softmax over the vocabulary skip the prompt tokens, the loss is the same
+                # logits only where the loss reads them (a third of the positions): the LM head and its
+                # softmax over the vocabulary skip the rest, the loss is the same
                 hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
                 loss = F.cross_entropy(model.lm_head(hidden[target[:, 1:]]), ids[:, 1:][target[:, 1:]])
                 for group in opt.param_groups:
