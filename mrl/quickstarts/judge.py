@@ -28,7 +28,9 @@ A right row's loss also covers its answer tokens: the judge's copy of the body k
 to add. This is what takes asset seeds 1 and 2 to the target: with uniform wrong answers only, their judges
 still said " yes" to 16 % / 42 % of the wrong sums after 1500 steps and were gamed; hard negatives alone did
 not fix it; the sum alone did (1200-1300 steps), and all three together take seeds 0-2 there in 1100
-(docs/judge.md, *Judge asset steps*).
+(docs/judge.md, *Judge asset steps*). Since the loss computes logits only where it reads them and the checks
+score against each prompt's cached keys and values (2026-12-05; the same recipe in another float order):
+1000 / 1100 / 800 steps, 7-40 % fewer CPU-seconds (docs/judge.md, *Judge asset CPU time*).
 
 A judge still below the target after ``--max-steps`` is not written (a policy trained on it games it:
 docs/judge.md): the script exits 1 with one line naming the seed, the accuracies and the fix, unless
@@ -111,19 +113,53 @@ def _encoder(tok):
 def _verdicts(model, tok, cases: list[tuple[str, str, bool]], encode=None) -> list[bool]:
     """Whether the judge says " yes" to each (prompt, response, right) case, read at the token where
     " yes" and " no" first differ (greedy decoding picks the same). ``encode``: :func:`_encoder`'s, to reuse."""
+    return (_margins(model, tok, cases, encode) > 0).tolist()
+
+
+def _margins(model, tok, cases: list[tuple[str, str, bool]], encode=None):
+    """logit(" yes") - logit(" no") of each case at the token where they first differ, [len(cases)].
+
+    A case whose ids start with its prompt's ids (every one of this task's: the responses start with a space)
+    is scored against its prompt's keys and values, computed once per chunk for the chunk's prompts, as an
+    engine's prefix cache does: the accuracy set's 28 cases a problem share a 12-token prompt of their ~26
+    tokens. Any other case (a prompt of another length, a response merged into the prompt's last token) is
+    scored whole. Either way the same logits, to fp32 rounding."""
+    import inspect
+
     import torch
 
     encode = encode or _encoder(tok)
     y, n, k = _verdict_ids(tok)
-    says = []
-    with torch.no_grad():
-        for i in range(0, len(cases), 256):
-            chunk = cases[i:i + 256]
-            seqs = [encode(TEMPLATE.format(prompt=p, response=c)) + y[:k] for p, c, _ in chunk]
-            logits = model(input_ids=_batch(seqs)).logits
-            rows, last = torch.arange(len(seqs)), torch.tensor([len(s) - 1 for s in seqs])
-            says += (logits[rows, last, y[k]] > logits[rows, last, n[k]]).tolist()
-    return says
+    seqs = [encode(TEMPLATE.format(prompt=p, response=c)) + y[:k] for p, c, _ in cases]
+    heads = [encode(p) for p, _, _ in cases]
+    P = len(heads[0]) if heads else 0
+    shared = [i for i, (s, h) in enumerate(zip(seqs, heads, strict=True)) if len(h) == P and len(s) > P and s[:P] == h]
+    alone = sorted(set(range(len(cases))) - set(shared))
+    name = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
+    out = torch.empty(len(cases))
+    with torch.inference_mode():
+        for i in range(0, len(shared), 512):
+            chunk = shared[i:i + 512]
+            prompts = sorted({tuple(heads[j]) for j in chunk})
+            at = {h: t for t, h in enumerate(prompts)}
+            cache = getattr(model.model(input_ids=torch.tensor(prompts), use_cache=True), name)
+            cache.batch_select_indices(torch.tensor([at[tuple(heads[j])] for j in chunk]))  # each row's prompt
+            tails = [seqs[j][P:] for j in chunk]
+            hidden = model.model(input_ids=_batch(tails), **{name: cache}).last_hidden_state
+            out[chunk] = _margin(model, hidden, tails, y[k], n[k])
+        for i in range(0, len(alone), 256):
+            chunk = alone[i:i + 256]
+            whole = [seqs[j] for j in chunk]
+            out[chunk] = _margin(model, model.model(input_ids=_batch(whole)).last_hidden_state, whole, y[k], n[k])
+    return out
+
+
+def _margin(model, hidden, seqs: list[list[int]], yes: int, no: int):
+    """logit(yes) - logit(no) at each right-padded row's last token: the LM head at that position only."""
+    import torch
+
+    logits = model.lm_head(hidden[torch.arange(len(seqs)), torch.tensor([len(s) - 1 for s in seqs])])
+    return logits[:, yes] - logits[:, no]
 
 
 def accuracy_set(seed: int = 0) -> list[tuple[str, str, bool]]:
@@ -219,9 +255,10 @@ def train_judge(model, tok, seed: int, max_steps: int = JUDGE_MAX_STEPS, progres
                 target = torch.zeros_like(ids, dtype=torch.bool)
                 for i, (s, k) in enumerate(zip(seqs, starts, strict=True)):
                     target[i, k:len(s)] = True
-                logits = model(input_ids=ids).logits[:, :-1]
-                nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-                loss = nll[target[:, 1:]].mean()
+                # logits only where the loss reads them (a third of the positions): the LM head and its
+                # softmax over the vocabulary skip the rest, the loss is the same
+                hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
+                loss = F.cross_entropy(model.lm_head(hidden[target[:, 1:]]), ids[:, 1:][target[:, 1:]])
                 for group in opt.param_groups:
                     group["lr"] = JUDGE_LR * (1 - step / max_steps)
                 opt.zero_grad(set_to_none=True)

@@ -28,7 +28,9 @@ AMD host on 2026-11-28 from a fresh venv). Measured on the AMD host (seed 0, 202
 steps, then 300 verifier steps: **pairwise 1.000, top-1 1.00**, no wrong sum with σ > 0.5; on 2026-11-28:
 275 + 300 steps, pairwise 0.999, top-1 0.99, 145 s of one core idle (150 verifier steps left 15 of the 1,900, and the policy found them);
 with the verifier scoring each prompt once for its 48 candidates (``_scores_per_prompt``, 2026-11-28): the same
-steps and accuracies in 97 s.
+steps and accuracies in 97 s. Since 2026-12-05 the verifier step also splits the candidates into a short and a
+long forward (fewer pad tokens) and remembers the answers' token ids: 300 verifier steps in 39-41 CPU-s instead of
+51-54 on seeds 0-2, the same Bradley–Terry steps and accuracies (docs/reward_model.md).
 The val set is the train set, so memorising the 100 problems is legitimate here. The Bradley–Terry RM
 alone, or the verifier without the out-of-range or the noisy answers, did not teach the policy the task
 (it collapsed onto a few favourite sums, or found answers like " 1111", " esti esti esti esti" or
@@ -140,6 +142,30 @@ def _noisy_wrong(tokenizer, a: int, rng: random.Random) -> list[list[int]]:
     return out
 
 
+class _Remembering:
+    """The tokenizer calls of ``_extra_wrong`` / ``_noisy_wrong`` (``tok(text, add_special_tokens=False)``,
+    ``decode``, ``vocab_size``), each text's ids and each id list's text remembered: the same ids and texts,
+    a tenth of the verifier step's time saved (measured 2026-12-05)."""
+
+    def __init__(self, tokenizer):
+        self._tok, self.vocab_size = tokenizer, tokenizer.vocab_size
+        self._ids: dict[str, tuple[int, ...]] = {}
+        self._texts: dict[tuple[int, ...], str] = {}
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        if add_special_tokens:
+            raise ValueError("_Remembering encodes without special tokens only")
+        if text not in self._ids:
+            self._ids[text] = tuple(self._tok(text, add_special_tokens=False)["input_ids"])
+        return {"input_ids": list(self._ids[text])}  # a new list: _noisy_wrong inserts into it
+
+    def decode(self, ids: list[int]) -> str:
+        key = tuple(ids)
+        if key not in self._texts:
+            self._texts[key] = self._tok.decode(ids)
+        return self._texts[key]
+
+
 def _scores(model, seqs: list[list[int]], **kwargs):
     import torch
 
@@ -150,10 +176,11 @@ def _scores(model, seqs: list[list[int]], **kwargs):
 
 
 def _scores_per_prompt(model, prompts: list[list[int]], candidates: list[list[list[int]]]):
-    """[P, C] scores of ``prompts[i] + candidates[i][j]``: each prompt's keys and values are computed once and
-    repeated for its C candidates, as an engine's prefix cache does, instead of C times (the verifier's 16
-    prompts of 12 tokens with 48 candidates of 3-9: 2x fewer FLOPs and 2.0x faster a step than scoring the 768
-    whole sequences, on the project's 2-core host; the scores agree to fp32 rounding)."""
+    """[P, C] scores of ``prompts[i] + candidates[i][j]``: each prompt's keys and values are computed once per
+    forward and repeated for its candidates, as an engine's prefix cache does, instead of C times (the
+    verifier's 16 prompts of 12 tokens with 48 candidates of 2-9: 2x fewer FLOPs and 2.0x faster a step than
+    scoring the 768 whole sequences, on the project's 2-core host; the scores agree to fp32 rounding). The
+    candidates go in two forwards by length (below), each row's score put back at its (i, j)."""
     import inspect
 
     import torch
@@ -162,9 +189,30 @@ def _scores_per_prompt(model, prompts: list[list[int]], candidates: list[list[li
         raise ValueError("_scores_per_prompt needs prompts of one length and the same number of candidates each")
     # transformers 5.x names the cache argument and output `cache` (`past_key_values`, before, warns there)
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    cache = getattr(model.model(input_ids=torch.tensor(prompts), use_cache=True), name)
-    cache.batch_repeat_interleave(len(candidates[0]))  # prompt i's keys/values for each of its candidates
-    return _scores(model, [c for cands in candidates for c in cands], **{name: cache}).view(len(prompts), -1)
+    C = len(candidates[0])
+    flat = [c for cands in candidates for c in cands]
+    # Two forwards, the shorter candidates and the longer ones, split where the fewest pad tokens are scored:
+    # the verifier's candidates are 2-9 tokens (mean 4.8), so padding all of them to the longest would spend
+    # half the candidate tokens on pads. One forward per length saves more pads but costs more in per-call
+    # overhead at this size (verifier step, 2-core host, 2026-12-05: one forward 179 ms, one per length 168,
+    # two 136-143).
+    lengths = sorted({len(c) for c in flat})
+    def padded(split: int) -> int:
+        short = [len(c) for c in flat if len(c) <= split]
+        return len(short) * split + (len(flat) - len(short)) * lengths[-1]
+    split = min(lengths, key=padded)
+    groups = [[r for r, c in enumerate(flat) if len(c) <= split], [r for r, c in enumerate(flat) if len(c) > split]]
+    rows, scores = [], []
+    for idx in groups:
+        if not idx:
+            continue
+        cache = getattr(model.model(input_ids=torch.tensor(prompts), use_cache=True), name)
+        cache.batch_select_indices(torch.tensor([r // C for r in idx]))  # each row's prompt keys/values
+        scores.append(_scores(model, [flat[r] for r in idx], **{name: cache}))
+        rows += idx
+    order = torch.empty(len(flat), dtype=torch.long)
+    order[torch.tensor(rows)] = torch.arange(len(flat))  # row r's score is at order[r] of the concatenation
+    return torch.cat(scores)[order].view(len(prompts), C)
 
 
 def rm_accuracy(model, tokenizer) -> tuple[float, float]:
@@ -220,6 +268,7 @@ def train_rm_verifier(model, tokenizer, seed: int, steps: int = LIST_STEPS) -> N
     import torch.nn.functional as F
 
     rng, data = random.Random(seed + 1), _encoded(tokenizer)
+    tokenizer = _Remembering(tokenizer)  # the same few thousand answers are encoded and decoded every step
     opt = torch.optim.AdamW(model.parameters(), lr=LIST_LR, weight_decay=0.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

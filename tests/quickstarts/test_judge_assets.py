@@ -77,3 +77,31 @@ def test_the_hard_negatives_are_wrong_by_the_rule_and_seeded(tmp_path: Path) -> 
     acc = qj.accuracy_set()
     assert all(r == (c == f" {answers[p]}") for p, c, r in acc)  # right = exactly the sum (an extra may hit it)
     assert {p for p, _, r in acc if r} == set(answers)  # every problem's right sum is in the set
+
+
+def test_verdict_margins_with_a_shared_prompt_equal_whole_sequence_logits(tmp_path: Path) -> None:
+    """The checks score each case against its prompt's cached keys/values (``_margins``): the same
+    logit(" yes") - logit(" no") as HF's forward over the whole sequence, to fp32 rounding, for cases that
+    share the prompt's ids and for those scored whole (a response that merges into the prompt's last token)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "quickstart"
+    qs.write_assets(out, warm_start_steps=0)
+    tok = AutoTokenizer.from_pretrained(out / qs.MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(out / qs.MODEL_DIR, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for w in model.parameters():  # HF's init gives near-equal logits: spread them so the margins differ
+            w.add_(torch.randn_like(w) * 0.05)
+    longer = [(f"question: what is {a} + 13 ? answer:", f" {a + 13}", True) for a in range(5)]  # another prompt length
+    cases = qj.accuracy_set()[:280] + longer + [(p, r, False) for p, _ in qs.problems()[:5] for r in ("7", "", "  12")]
+    y, n, k = qj._verdict_ids(tok)
+    seqs = [tok.encode(qj.TEMPLATE.format(prompt=p, response=r), add_special_tokens=False) + y[:k] for p, r, _ in cases]
+    assert len({len(tok.encode(p, add_special_tokens=False)) for p, _, _ in cases}) == 2  # both paths are taken
+    with torch.no_grad():
+        ref = torch.stack([model(input_ids=torch.tensor([s])).logits[0, -1] for s in seqs])
+    ref = ref[:, y[k]] - ref[:, n[k]]
+    got = qj._margins(model, tok, cases)
+    assert ref.abs().max() > 0.1  # the margins are not trivially equal
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    assert qj._verdicts(model, tok, cases) == (ref > 0).tolist()
