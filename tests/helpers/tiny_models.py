@@ -11,6 +11,7 @@ and scaled so that logits are O(1) (useful for parity tests in fp32).
 """
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -34,6 +35,11 @@ _COMMON = {
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
+
+# Qwen3-VL's (and Qwen3-VL-MoE's) tiny tower and decoder RoPE: 3-D positions, interleaved sections
+QWEN3_VL_TOWER = {"depth": 1, "hidden_size": 32, "out_hidden_size": 64, "num_heads": 2, "intermediate_size": 64,
+                  "deepstack_visual_indexes": [0]}
+QWEN3_VL_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
 
 
 def hf_config(family: str, **overrides):
@@ -123,12 +129,8 @@ def hf_config(family: str, **overrides):
         from mrl.families.views import decoder_config
 
         kw.pop("rope_theta", None)
-        text = {**kw, "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                          "mrope_section": [4, 2, 2], "mrope_interleaved": True},
-                **overrides}
-        cfg = tf.Qwen3VLConfig(text_config=text, vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64,
-                                                                "num_heads": 2, "intermediate_size": 64,
-                                                                "deepstack_visual_indexes": [0]})
+        text = {**kw, "head_dim": 16, "rope_parameters": copy.deepcopy(QWEN3_VL_ROPE), **overrides}
+        cfg = tf.Qwen3VLConfig(text_config=text, vision_config=copy.deepcopy(QWEN3_VL_TOWER))
         cfg.architectures = ["Qwen3VLForConditionalGeneration"]
         return decoder_config(cfg)
     elif family in ("deepseek_v32", "glm_moe_dsa"):  # every layer MoE here; tests/helpers/tiny_dsa.py: the parity model
@@ -143,12 +145,8 @@ def hf_config(family: str, **overrides):
         kw.pop("rope_theta", None)
         kw.pop("intermediate_size", None)
         text = {**kw, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
-                "norm_topk_prob": True, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                            "mrope_section": [4, 2, 2], "mrope_interleaved": True},
-                **overrides}
-        cfg = tf.Qwen3VLMoeConfig(text_config=text, vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64,
-                                                                   "num_heads": 2, "intermediate_size": 64,
-                                                                   "deepstack_visual_indexes": [0]})
+                "norm_topk_prob": True, "rope_parameters": copy.deepcopy(QWEN3_VL_ROPE), **overrides}
+        cfg = tf.Qwen3VLMoeConfig(text_config=text, vision_config=copy.deepcopy(QWEN3_VL_TOWER))
         cfg.architectures = ["Qwen3VLMoeForConditionalGeneration"]
         return decoder_config(cfg)
     else:

@@ -10,21 +10,13 @@ top-k choice of each sample is checked to be far from a tie (tests/helpers/tiny_
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.helpers.dist import run_ranks
-from tests.workers.test_moe_families_actor import (
-    EPS,
-    LR,
-    _cfg,
-    _one_update,
-    _step_grads,
-)
-from tests.workers.test_qwen3_5_actor import _reference
+from tests.workers.test_moe_families_actor import EPS, LR, _step_grads
+from tests.workers.test_qwen3_5_actor import _batch, _rank, _reference
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(600)]
 
-VOCAB = 96
 # DeepSeek-V3.2 (YaRN, the half-split indexer RoPE); GLM-5 differs in the indexer's RoPE layout only, which the parity
 # test covers (tests/megatron/test_dsa_parity.py). (tp, pp, ep, etp, mbs), packed rows:
 KINDS = ("deepseek_v32",)
@@ -32,27 +24,7 @@ LAYOUTS = [((1, 1, 1, 1, 2), False), ((1, 2, 2, 1, 2), True)]
 LP_TOL = 1e-5  # fp32 log-probs of logits whose fp32 error is ~1e-6 (tests/megatron/test_dsa_parity.py)
 GRAD_TOL = 1e-5  # per tensor, relative to its max: fp32 gradients of sums of a few hundred terms (~1e-6)
 MIN_GAP = 1e-4  # tests/megatron/test_dsa_parity.py
-
-
-def _batch(path):
-    from transformers import AutoModelForCausalLM
-
-    from tests.workers.batches import ragged_batch
-    from tests.workers.reference_impl import hf_padded_log_probs
-
-    batch = ragged_batch(vocab=VOCAB, with_ref=False)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager")
-    with torch.no_grad():
-        batch.old_log_probs = hf_padded_log_probs(model.eval(), batch)[0]
-    return batch
-
-
-def _rank(rank, world, paths, batches):
-    from tests.workers.batches import portable, tensors
-
-    batches = tensors(batches)
-    return portable({k: [_one_update(paths[k], _cfg(*lay), packed, batches[k]) for lay, packed in LAYOUTS]
-                     for k in paths})
+CAUSAL_LM = "AutoModelForCausalLM"  # the DSA checkpoints' class (Qwen3.5's are vision-language ones)
 
 
 def test_dsa_actor_matches_transformers_autograd_in_every_layout(tmp_path):
@@ -62,15 +34,16 @@ def test_dsa_actor_matches_transformers_autograd_in_every_layout(tmp_path):
     from tests.workers.batches import portable, tensors
 
     paths = {k: str(make_tiny_dsa_hf(tmp_path / k, k, seed=5 + i)) for i, k in enumerate(KINDS)}
-    batches = {k: _batch(p) for k, p in paths.items()}
+    batches = {k: _batch(p, CAUSAL_LM) for k, p in paths.items()}
     for k, b in batches.items():  # the selection of every sample is stable under float32 rounding
         am = b.attention_mask.bool()
         gaps = [r["gap"] for r in reference(paths[k], [b.input_ids[i][am[i]][None] for i in range(len(am))])]
         assert min(gaps) >= MIN_GAP, (k, min(gaps))
-    res = tensors(run_ranks(_rank, 4, args=(paths, portable(batches)), timeout_s=560))
+    layouts = {k: LAYOUTS for k in paths}
+    res = tensors(run_ranks(_rank, 4, args=(paths, portable(batches), layouts), timeout_s=560))
     report, failures = [], []
     for k, path in paths.items():
-        ref_lp, ref_loss, ref_g = _reference_causal_lm(path, batches[k])
+        ref_lp, ref_loss, ref_g = _reference(path, batches[k], CAUSAL_LM)
         ckpt = load_file(str(tmp_path / k / "model.safetensors"))
         indexer = [n for n in ckpt if ".self_attn.indexer." in n]
         for li, (lay, packed) in enumerate(LAYOUTS):
@@ -96,14 +69,3 @@ def test_dsa_actor_matches_transformers_autograd_in_every_layout(tmp_path):
     print("\n".join(report), f"(lr {LR}, eps {EPS})")
     assert not failures, "\n".join(failures)
 
-
-def _reference_causal_lm(path, batch):
-    """:func:`tests.workers.test_qwen3_5_actor._reference` with these checkpoints' own class (a causal LM)."""
-    import transformers as tf
-
-    real = tf.AutoModelForImageTextToText
-    tf.AutoModelForImageTextToText = tf.AutoModelForCausalLM
-    try:
-        return _reference(path, batch)
-    finally:
-        tf.AutoModelForImageTextToText = real

@@ -37,35 +37,39 @@ LP_TOL = 1e-5  # fp32 log-probs (a softmax of logits whose fp32 error is ~1e-5: 
 GRAD_TOL = 5e-5
 
 
-def _batch(path):
-    """ragged_batch with old_log_probs = transformers' log-probs of its responses under the checkpoint (ratio 1)."""
-    from transformers import AutoModelForImageTextToText
+def _hf_model(path, auto: str):
+    """The checkpoint in transformers, fp32, eager experts; ``auto``: its Auto class (the released Qwen3.5 checkpoints
+    are vision-language ones, the DSA checkpoints of tests/workers/test_dsa_actor.py causal LMs)."""
+    import transformers as tf
 
+    return getattr(tf, auto).from_pretrained(path, dtype=torch.float32, experts_implementation="eager")
+
+
+def _batch(path, auto: str = "AutoModelForImageTextToText"):
+    """ragged_batch with old_log_probs = transformers' log-probs of its responses under the checkpoint (ratio 1)."""
     from tests.workers.batches import ragged_batch
     from tests.workers.reference_impl import hf_padded_log_probs
 
     batch = ragged_batch(vocab=VOCAB, with_ref=False)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, experts_implementation="eager")
+    model = _hf_model(path, auto)
     with torch.no_grad():
         batch.old_log_probs = hf_padded_log_probs(model.eval(), batch)[0]
     return batch
 
 
-def _rank(rank, world, paths, batches):
+def _rank(rank, world, paths, batches, layouts=LAYOUTS):
     from tests.workers.batches import portable, tensors
 
     batches = tensors(batches)
-    return portable({fam: [_one_update(paths[fam], _cfg(*lay), packed, batches[fam]) for lay, packed in LAYOUTS[fam]]
+    return portable({fam: [_one_update(paths[fam], _cfg(*lay), packed, batches[fam]) for lay, packed in layouts[fam]]
                      for fam in paths})
 
 
-def _reference(path, batch):
+def _reference(path, batch, auto: str = "AutoModelForImageTextToText"):
     """(log-probs [B, R], loss, {hf name: ∂L/∂θ}) by autograd through transformers (module docstring)."""
-    from transformers import AutoModelForImageTextToText
-
     from tests.workers.reference_impl import hf_padded_log_probs
 
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, experts_implementation="eager")
+    model = _hf_model(path, auto)
     model.eval()
     lp, _ = hf_padded_log_probs(model, batch)
     mask = batch.response_mask.bool()
